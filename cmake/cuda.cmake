@@ -1,0 +1,28 @@
+# CUDA part of EPX: the runtime (Buffer, transports) and the kernels, one library.
+enable_language(CUDA)
+set(CMAKE_CUDA_STANDARD 20)
+set(CMAKE_CUDA_STANDARD_REQUIRED ON)
+# sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.
+if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
+  set(CMAKE_CUDA_ARCHITECTURES 90a)
+endif()
+find_package(CUDAToolkit REQUIRED)
+
+# NCCL: only the benchmark's baseline uses it. /usr/local/cuda on dev/CI machines, a pip wheel on GPU images.
+include(cmake/find_python_wheel.cmake)
+epx_python_wheel_dir(_epx_nccl_wheel nvidia.nccl)
+find_path(EPX_NCCL_INCLUDE_DIR nccl.h HINTS ${_epx_nccl_wheel}/include ${CUDAToolkit_INCLUDE_DIRS})
+find_library(EPX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_epx_nccl_wheel}/lib ${CUDAToolkit_LIBRARY_DIR})
+
+file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS src/common/*.cpp src/runtime/*.cpp src/runtime/*.cu
+     src/kernels/*.cu src/transport/nvlink/*.cpp src/transport/nvlink/*.cu)
+add_library(epx_cuda STATIC ${EPX_CUDA_SOURCES})
+target_include_directories(epx_cuda PUBLIC ${PROJECT_SOURCE_DIR}/include PRIVATE ${PROJECT_SOURCE_DIR}/src)
+# No libcuda link: CI and dev machines have no driver; driver entry points come via cudaGetDriverEntryPoint.
+target_link_libraries(epx_cuda PUBLIC epx_core CUDA::cudart)
+target_compile_options(epx_cuda PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${EPX_WARNINGS}>
+                       $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo -Xcompiler=-Wall>)
+target_compile_definitions(epx_cuda PUBLIC EPX_WITH_CUDA=1)
+
+# NVSHMEM transport (optional): from NVSHMEM_HOME or the nvidia-nvshmem-cu13 wheel.
+include(cmake/nvshmem.cmake)

@@ -1,0 +1,13 @@
+#!/usr/bin/env bash
+# Fails when a C++/CUDA file is not formatted as .clang-format says. Fix with: scripts/check-format.sh --fix
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+cd "$root"
+mapfile -t files < <(git ls-files '*.hpp' '*.cpp' '*.cu' '*.cuh' '*.h')
+[ ${#files[@]} -gt 0 ] || exit 0
+if [ "${1:-}" = "--fix" ]; then
+  clang-format -i "${files[@]}"
+else
+  clang-format --dry-run -Werror "${files[@]}"
+  echo "format: ${#files[@]} files clean"
+fi

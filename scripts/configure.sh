@@ -1,0 +1,11 @@
+#!/usr/bin/env bash
+# Configures the build folder (default: build/) with Ninja. Extra arguments go to cmake.
+set -euo pipefail
+root=$(cd "$(dirname "$0")/.." && pwd)
+build=${EPX_BUILD_DIR:-$root/build}
+extra=()
+# The GPU image may lack an installed GoogleTest; a source tree can be carried instead.
+[ -n "${EPX_GTEST_SOURCE_DIR:-}" ] && extra+=(-DEPX_GTEST_SOURCE_DIR="$EPX_GTEST_SOURCE_DIR")
+python_exe=$(command -v "${PYTHON:-python3}")
+cmake -S "$root" -B "$build" -G Ninja -DPython3_EXECUTABLE="$python_exe" "${extra[@]}" "$@" >/dev/null
+echo "$build"

@@ -1,0 +1,18 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "epx/error.hpp"
+
+// Every CUDA runtime/driver call goes through these, so a failure becomes an epx::Error carrying the call,
+// the library's own error name and string, and the source location.
+#define EPX_CUDA_CHECK(call)                                                            \
+  do {                                                                                  \
+    const cudaError_t epx_status_ = (call);                                             \
+    if (epx_status_ != cudaSuccess)                                                     \
+      EPX_FAIL("CUDA call `", #call, "` failed: ", cudaGetErrorName(epx_status_), ": ", \
+               cudaGetErrorString(epx_status_));                                        \
+  } while (0)
+
+// Checks the launch configuration right after a <<<>>> launch (asynchronous faults surface at the next sync).
+#define EPX_CUDA_CHECK_LAUNCH() EPX_CUDA_CHECK(cudaGetLastError())
