@@ -1,5 +1,8 @@
 # CUDA part of EPX: the runtime (Buffer, transports) and the kernels, one library.
 enable_language(CUDA)
+# CMake 3.25 does not know nvcc 13's C++20 flag: tell it.
+set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
 set(CMAKE_CUDA_STANDARD 20)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
 # sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.

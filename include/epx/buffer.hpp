@@ -1,0 +1,82 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "epx/bootstrap.hpp"
+
+namespace epx {
+
+struct WaitTimeoutRecord;
+
+struct BufferOptions {
+  size_t num_nvl_bytes = 0;   // normal-mode NVLink buffer per rank (see normal_nvl_buffer_size_hint)
+  size_t num_rdma_bytes = 0;  // low-latency buffer per rank (see get_low_latency_rdma_size_hint)
+  bool low_latency_mode = false;
+  int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
+  double wait_timeout_s = 30.0;  // bound of every device-side wait (env EPX_WAIT_TIMEOUT_S overrides)
+};
+
+// One per rank, constructed collectively by all ranks of a node on the current CUDA device.
+// Owns the communication memory (mapped into every peer with CUDA IPC), a device table of the peers'
+// addresses, the communication stream, host-mapped memory the kernels report through, and the SM budget.
+class Buffer {
+ public:
+  Buffer(Bootstrap& bootstrap, const BufferOptions& options);
+  ~Buffer();
+  Buffer(const Buffer&) = delete;
+  Buffer& operator=(const Buffer&) = delete;
+
+  // Frees everything now (collective: every rank must call it). Calls after destroy() throw.
+  void destroy();
+  bool is_destroyed() const;
+
+  int rank() const;
+  int num_ranks() const;
+  int device() const;
+  int num_device_sms() const;  // SMs of the GPU
+  cudaStream_t comm_stream() const;
+  // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
+  // it.
+  std::shared_ptr<CUstream_st> comm_stream_shared() const;
+
+  int num_sms() const;
+  void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count
+  uint64_t wait_timeout_ns() const;
+
+  // Normal-mode NVLink memory: this rank's base and a device array [num_ranks] of every rank's base as seen
+  // from this GPU (own included).
+  void* nvl_buffer() const;
+  size_t num_nvl_bytes() const;
+  void* const* nvl_peer_bases_device() const;
+
+  // Low-latency memory, likewise (nullptr entries for peers not reachable over NVLink).
+  void* rdma_buffer() const;
+  size_t num_rdma_bytes() const;
+  void* const* rdma_peer_bases_device() const;
+
+  // Host-mapped record kernels write before trapping on a timeout; check_timeout() throws epx::Error with
+  // its description if one was written (call it when a sync reports a failed launch).
+  WaitTimeoutRecord* timeout_record_device() const;
+  void check_timeout() const;
+  // Synchronizes `stream`; on failure throws epx::Error with the timeout record if any, else the CUDA error.
+  void synchronize(cudaStream_t stream) const;
+
+  // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
+  // without a copy once the stream reached that point. kHostScratchInts ints.
+  static constexpr int kHostScratchInts = 4096;
+  int* host_scratch() const;         // host address
+  int* host_scratch_device() const;  // the same memory as seen by the device
+
+  Bootstrap& bootstrap() const;
+
+ private:
+  struct State;
+  std::unique_ptr<State> state_;
+  const State& live() const;
+};
+
+}  // namespace epx

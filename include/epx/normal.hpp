@@ -1,0 +1,113 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "epx/buffer.hpp"
+#include "epx/event.hpp"
+
+// Normal (high-throughput) mode within one NVLink domain: layout, dispatch and combine on raw device
+// pointers. Every call is collective over the Buffer's ranks and runs on the Buffer's communication stream.
+namespace epx {
+
+enum class TokenFormat { kBf16, kFp8 };
+
+// How an operation is ordered against the caller's stream (DeepEP's previous_event / async_finish).
+struct StreamOrder {
+  cudaStream_t compute_stream = nullptr;  // the caller's stream
+  cudaEvent_t previous_event = nullptr;   // if set, the comm stream waits for it instead of compute_stream
+  bool async_finish = false;              // true: return an event; false: compute_stream waits for the op
+};
+
+struct DispatchLayoutOutput {
+  int* num_tokens_per_rank;    // [R]
+  int* num_tokens_per_expert;  // [E]
+  bool* is_token_in_rank;      // [T, R]
+};
+
+// Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map.
+// Ids outside [-1, E) are ignored by the kernel and reported by the next dispatch_notify.
+Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
+                          int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order);
+
+struct DispatchInput {
+  const void* x = nullptr;  // [T, hidden] BF16, or FP8 e4m3 bytes
+  TokenFormat format = TokenFormat::kBf16;
+  const float* x_scales = nullptr;  // FP8 only: [T, hidden/128]
+  int num_tokens = 0;
+  int hidden = 0;
+  const int64_t* topk_idx = nullptr;  // [T, K] or nullptr (then recv top-k outputs are not produced)
+  const float* topk_weights = nullptr;
+  int num_topk = 0;
+  int num_experts = 0;
+  const bool* is_token_in_rank = nullptr;  // [T, R] from get_dispatch_layout (unused with a cached handle)
+  const int* num_tokens_per_expert = nullptr;  // [E] from get_dispatch_layout (unused with a cached handle)
+  int expert_alignment = 1;
+  int num_worst_tokens = 0;  // > 0: no CPU sync, outputs sized num_worst_tokens rows
+};
+
+// What combine and a cached re-dispatch need. Copyable (shared); device memory is freed with the last copy.
+class DispatchHandle {
+ public:
+  struct State;
+  DispatchHandle() = default;
+  explicit DispatchHandle(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool valid() const { return state_ != nullptr; }
+  State& state() const;
+
+  int num_tokens() const;     // tokens this rank dispatched
+  int num_recv_rows() const;  // rows of recv_x (N, or num_worst_tokens in worst-case mode)
+  int hidden() const;
+  // Source token index of each received row ([num_recv_rows], -1 for padding rows), on the device.
+  const int* recv_src_idx_device() const;
+  // Rows received from each source rank ([R], host); empty in worst-case mode.
+  const std::vector<int>& num_recv_per_rank() const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+// Result of the count exchange: how big the outputs must be.
+struct DispatchPlan {
+  int num_recv_rows = 0;  // rows to allocate for recv_x and friends
+  std::vector<int>
+      num_recv_tokens_per_expert;  // [L], rounded up to expert_alignment; empty in worst-case mode
+  DispatchHandle handle;
+};
+
+struct DispatchOutput {
+  void* recv_x = nullptr;              // [rows, hidden] same format as the input
+  float* recv_x_scales = nullptr;      // FP8 only: [rows, hidden/128]
+  int64_t* recv_topk_idx = nullptr;    // [rows, K] local expert ids, -1 elsewhere (only with top-k input)
+  float* recv_topk_weights = nullptr;  // [rows, K]
+};
+
+// Step 1: stage the tokens and exchange counts. Synchronizes with the host unless num_worst_tokens > 0 or
+// a cached handle is given (then the counts are already known).
+DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& input, const StreamOrder& order,
+                             const DispatchHandle* cached = nullptr);
+// Step 2: receive the rows into caller-allocated outputs (sized by the plan).
+Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& input,
+                       const DispatchOutput& out, const StreamOrder& order);
+
+struct CombineInput {
+  const void* x = nullptr;              // [rows, hidden] BF16, rows in the dispatch output order
+  const float* topk_weights = nullptr;  // [rows, K] or nullptr
+  int num_topk = 0;
+  const void* bias0 = nullptr;  // [T, hidden] BF16 or nullptr
+  const void* bias1 = nullptr;
+};
+
+struct CombineOutput {
+  void* combined_x = nullptr;              // [T, hidden] BF16
+  float* combined_topk_weights = nullptr;  // [T, K] (when topk_weights given)
+};
+
+// Sums, without weights, every copy of each token returned by the ranks it went to, then adds the biases.
+Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& input,
+              const CombineOutput& out, const StreamOrder& order);
+
+}  // namespace epx

@@ -1,0 +1,36 @@
+#pragma once
+
+#include <cstdint>
+#include <string>
+
+namespace epx {
+
+// Where a device-side wait gave up. Kernels write one WaitTimeoutRecord into host-mapped memory before they
+// trap, so the host can still read it after the CUDA context has failed.
+enum class WaitPhase : int32_t {
+  kNone = 0,
+  kBarrier = 1,          // ranks meeting at an NVLink barrier
+  kDispatchNotify = 2,   // normal dispatch: waiting for peers' published counts
+  kDispatchReceive = 3,  // normal dispatch: rows still arriving / capacity
+  kCombineReduce = 4,    // normal combine: waiting for peers' returned rows
+  kLowLatencyDispatchRecv = 5,
+  kLowLatencyCombineRecv = 6,
+  kCapacity = 7,  // a count exceeded what the caller sized for (e.g. num_worst_tokens)
+};
+
+const char* wait_phase_name(WaitPhase phase);
+
+struct WaitTimeoutRecord {
+  int32_t flag;  // 0 = nothing happened; set last, so the other fields are complete when it is seen
+  int32_t rank;
+  int32_t peer;
+  int32_t phase;  // a WaitPhase
+  int64_t expected;
+  int64_t seen;
+  int64_t waited_ns;
+};
+
+// "rank 1 timed out after 10.0 s waiting for peer 3 in barrier: expected >= 7, saw 6".
+std::string describe_wait_timeout(const WaitTimeoutRecord& record);
+
+}  // namespace epx

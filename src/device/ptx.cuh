@@ -1,0 +1,63 @@
+#pragma once
+
+#include <cstdint>
+
+// Memory-ordering primitives for talking to peer GPUs over NVLink. Peers' buffers are mapped with CUDA IPC,
+// so a flag written by another GPU must be read with system-scope acquire, and data published to peers must
+// be followed by a system-scope release (PTX ISA, "Memory Consistency Model": scope .sys covers peer GPUs).
+namespace epx::device {
+
+__device__ __forceinline__ int ld_acquire_sys(const int* address) {
+  int value;
+  asm volatile("ld.acquire.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_release_sys(int* address, int value) {
+  asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int ld_relaxed_sys(const int* address) {
+  int value;
+  asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ int atomic_add_release_sys(int* address, int value) {
+  int old;
+  asm volatile("atom.release.sys.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(address), "r"(value)
+               : "memory");
+  return old;
+}
+
+__device__ __forceinline__ uint64_t global_timer_ns() {
+  uint64_t ns;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
+  return ns;
+}
+
+// 16-byte loads that bypass L1: rows are read once, and peer memory must not be served from a stale line.
+__device__ __forceinline__ int4 ld_nc_v4(const int4* address) {
+  int4 v;
+  asm volatile("ld.global.nc.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
+__device__ __forceinline__ int4 ld_v4(const int4* address) {
+  int4 v;
+  asm volatile("ld.global.L1::no_allocate.v4.s32 {%0, %1, %2, %3}, [%4];"
+               : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w)
+               : "l"(address));
+  return v;
+}
+
+__device__ __forceinline__ void st_na_v4(int4* address, const int4& v) {
+  asm volatile("st.global.L1::no_allocate.v4.s32 [%0], {%1, %2, %3, %4};" ::"l"(address), "r"(v.x), "r"(v.y),
+               "r"(v.z), "r"(v.w));
+}
+
+}  // namespace epx::device

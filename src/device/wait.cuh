@@ -1,0 +1,50 @@
+#pragma once
+
+#include <cstdint>
+
+#include "core/wait_record.hpp"
+#include "device/ptx.cuh"
+
+namespace epx::device {
+
+// What every bounded wait needs to report a timeout: who is waiting, for how long at most, and where the
+// host-mapped record lives.
+struct WaitContext {
+  WaitTimeoutRecord* record;  // host-mapped; written once, by the first waiter that gives up
+  int rank;
+  uint64_t timeout_ns;
+};
+
+// Writes the record (first failure wins) and traps so the launch fails instead of hanging.
+__device__ __forceinline__ void report_and_trap(const WaitContext& ctx, int peer, WaitPhase phase,
+                                                int64_t expected, int64_t seen, uint64_t waited_ns) {
+  if (atomicCAS(&ctx.record->flag, 0, -1) == 0) {
+    ctx.record->rank = ctx.rank;
+    ctx.record->peer = peer;
+    ctx.record->phase = static_cast<int32_t>(phase);
+    ctx.record->expected = expected;
+    ctx.record->seen = seen;
+    ctx.record->waited_ns = static_cast<int64_t>(waited_ns);
+    __threadfence_system();
+    atomicExch(&ctx.record->flag, 1);
+    __threadfence_system();
+  }
+  __trap();
+}
+
+// The one spin-wait of EPX: spins with acquire loads until *address >= expected, bounded by ctx.timeout_ns.
+// Returns the value seen.
+__device__ __forceinline__ int wait_at_least(const int* address, int expected, const WaitContext& ctx,
+                                             int peer, WaitPhase phase) {
+  int value = ld_acquire_sys(address);
+  if (value >= expected) return value;
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    value = ld_acquire_sys(address);
+    if (value >= expected) return value;
+    const uint64_t waited = global_timer_ns() - start;
+    if (waited > ctx.timeout_ns) report_and_trap(ctx, peer, phase, expected, value, waited);
+  }
+}
+
+}  // namespace epx::device

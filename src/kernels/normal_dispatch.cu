@@ -1,0 +1,186 @@
+#include <cub/block/block_scan.cuh>
+
+#include "common/cuda_check.hpp"
+#include "kernels/normal_kernels.hpp"
+#include "kernels/nvl_barrier.cuh"
+
+namespace epx::kernels {
+
+namespace {
+
+constexpr int kCopyThreads = 512;
+constexpr int kCopyWarps = kCopyThreads / 32;
+constexpr int kNotifyThreads = 1024;
+
+__device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
+  const int local = global_expert - rank * experts_per_rank;
+  return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
+}
+
+// ---- Stage: this rank's tokens go into its own buffer, where the destinations will pull them from. ----
+__global__ void __launch_bounds__(kCopyThreads) stage_kernel(StageArgs args) {
+  const int parity = parity_before_barrier(args.peers);
+  const NormalLayout& layout = args.layout;
+  const int lane = threadIdx.x % 32;
+  const int num_warps = gridDim.x * kCopyWarps;
+  const int num_scales = layout.shape.num_scales;
+  const int num_topk = layout.shape.num_topk;
+  for (int t = blockIdx.x * kCopyWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
+    const size_t row_bytes = layout.shape.x_row_bytes;
+    warp_copy<false>(layout.stage_x_row(args.peers.local_base, parity, t),
+                     static_cast<const char*>(args.x) + t * row_bytes, row_bytes, lane);
+    float* scales = layout.stage_scales_row(args.peers.local_base, parity, t);
+    for (int g = lane; g < num_scales; g += 32)
+      scales[g] = args.x_scales[static_cast<size_t>(t) * num_scales + g];
+    if (lane < num_topk) {
+      const size_t k = static_cast<size_t>(t) * num_topk + lane;
+      layout.stage_topk_idx_row(args.peers.local_base, parity, t)[lane] = static_cast<int>(args.topk_idx[k]);
+      layout.stage_topk_weights_row(args.peers.local_base, parity, t)[lane] =
+          args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
+    }
+  }
+}
+
+// ---- Notify: publish send lists and counts, meet, then learn what arrives from whom. One block. ----
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs args) {
+  using BlockScan = cub::BlockScan<int, kNotifyThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int running_count;
+  __shared__ int recv_counts[kMaxNvlRanks];
+
+  const NormalLayout& layout = args.layout;
+  const int num_ranks = args.peers.num_ranks;
+  const int rank = args.peers.rank;
+  const int num_experts = layout.shape.num_experts;
+  const int parity = parity_before_barrier(args.peers);
+  void* local = args.peers.local_base;
+
+  // Send lists: for each destination, its tokens in ascending order (a block-wide scan per chunk).
+  for (int dst = 0; dst < num_ranks; ++dst) {
+    int* list = layout.send_list(local, parity, dst);
+    if (threadIdx.x == 0) running_count = 0;
+    __syncthreads();
+    for (int base = 0; base < args.num_tokens; base += kNotifyThreads) {
+      const int t = base + threadIdx.x;
+      const size_t cell = static_cast<size_t>(t) * num_ranks + dst;
+      const int flag = t < args.num_tokens ? (args.is_token_in_rank[cell] != 0) : 0;
+      int position = 0, chunk_total = 0;
+      BlockScan(scan_storage).ExclusiveSum(flag, position, chunk_total);
+      position += running_count;
+      if (t < args.num_tokens) {
+        if (flag) list[position] = t;
+        args.handle.send_pos[cell] = flag ? position : -1;
+        if (args.handle.is_token_in_rank != args.is_token_in_rank) args.handle.is_token_in_rank[cell] = flag;
+      }
+      __syncthreads();
+      if (threadIdx.x == 0) running_count += chunk_total;
+      __syncthreads();
+    }
+    if (threadIdx.x == 0) layout.send_counts(local, parity)[dst] = running_count;
+  }
+  int* expert_counts = layout.expert_counts(local, parity);
+  for (int e = threadIdx.x; e < num_experts; e += kNotifyThreads) {
+    expert_counts[e] = args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
+  }
+
+  nvl_barrier_block(args.peers);
+
+  if (threadIdx.x < num_ranks) {
+    const NormalLayout& l = layout;
+    recv_counts[threadIdx.x] =
+        device::ld_relaxed_sys(&l.send_counts(args.peers.peer_bases[threadIdx.x], parity)[rank]);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int offset = 0;
+    for (int src = 0; src < num_ranks; ++src) {
+      args.handle.recv_offsets[src] = offset;
+      offset += recv_counts[src];
+    }
+    args.handle.recv_offsets[num_ranks] = offset;
+    args.host_counts[0] = offset;
+    if (args.num_worst_tokens > 0 && offset > args.num_worst_tokens) {
+      const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
+      device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, offset, 0);
+    }
+  }
+  const int experts_per_rank = num_experts / num_ranks;
+  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
+    int count = 0;
+    for (int src = 0; src < num_ranks; ++src) {
+      count += device::ld_relaxed_sys(
+          &layout.expert_counts(args.peers.peer_bases[src], parity)[rank * experts_per_rank + le]);
+    }
+    const int aligned = (count + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
+    args.handle.num_recv_tokens_per_expert[le] = aligned;
+    args.host_counts[1 + le] = aligned;
+  }
+}
+
+// ---- Pull: each warp fetches whole rows from the source rank's staging area into the outputs. ----
+__global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
+  __shared__ int offsets[kMaxNvlRanks + 1];
+  const NormalLayout& layout = args.layout;
+  const int num_ranks = args.peers.num_ranks;
+  const int rank = args.peers.rank;
+  const int parity = parity_after_barrier(args.peers);
+  if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
+  __syncthreads();
+
+  const int lane = threadIdx.x % 32;
+  const int num_rows = offsets[num_ranks];
+  const int num_scales = layout.shape.num_scales;
+  const int num_topk = layout.shape.num_topk;
+  const int experts_per_rank = layout.shape.num_experts / num_ranks;
+  const size_t row_bytes = layout.shape.x_row_bytes;
+  const int num_warps = gridDim.x * kCopyWarps;
+  for (int row = blockIdx.x * kCopyWarps + threadIdx.x / 32; row < args.num_out_rows; row += num_warps) {
+    if (row >= num_rows) {  // padding of the worst-case layout
+      if (lane == 0) args.handle.recv_src_idx[row] = -1;
+      if (args.recv_topk_idx != nullptr && lane < num_topk) {
+        args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = -1;
+        args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = 0.0f;
+      }
+      continue;
+    }
+    int src = 0;
+    while (row >= offsets[src + 1]) ++src;
+    void* peer = args.peers.peer_bases[src];
+    const int token_idx = layout.send_list(peer, parity, rank)[row - offsets[src]];
+    warp_copy<true>(static_cast<char*>(args.recv_x) + row * row_bytes,
+                    layout.stage_x_row(peer, parity, token_idx), row_bytes, lane);
+    if (num_scales > 0) {
+      const float* scales = layout.stage_scales_row(peer, parity, token_idx);
+      for (int g = lane; g < num_scales; g += 32)
+        args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] = scales[g];
+    }
+    if (args.recv_topk_idx != nullptr && lane < num_topk) {
+      const int local_expert =
+          to_local_expert(layout.stage_topk_idx_row(peer, parity, token_idx)[lane], rank, experts_per_rank);
+      const float weight = layout.stage_topk_weights_row(peer, parity, token_idx)[lane];
+      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local_expert;
+      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local_expert >= 0 ? weight : 0.0f;
+    }
+    if (lane == 0) args.handle.recv_src_idx[row] = token_idx;
+  }
+}
+
+}  // namespace
+
+void launch_dispatch_stage(const StageArgs& args, cudaStream_t stream) {
+  if (args.num_tokens == 0) return;
+  stage_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream) {
+  notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream) {
+  pull_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels

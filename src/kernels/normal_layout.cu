@@ -1,0 +1,68 @@
+#include "common/cuda_check.hpp"
+#include "kernels/normal_kernels.hpp"
+
+namespace epx::kernels {
+
+namespace {
+
+constexpr int kLayoutThreads = 256;
+
+// One thread per token. Counts go through shared-memory histograms first so the global atomics are one per
+// (block, rank/expert) instead of one per token. Counts are order-independent, so results are deterministic.
+__global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args) {
+  extern __shared__ int shared_counts[];  // [num_ranks + num_experts]
+  int* rank_counts = shared_counts;
+  int* expert_counts = shared_counts + args.num_ranks;
+  for (int i = threadIdx.x; i < args.num_ranks + args.num_experts; i += blockDim.x) shared_counts[i] = 0;
+  __syncthreads();
+
+  const int token_idx = blockIdx.x * blockDim.x + threadIdx.x;
+  if (token_idx < args.num_tokens) {
+    const int experts_per_rank = args.num_experts / args.num_ranks;
+    const int64_t* ids = args.topk_idx + static_cast<size_t>(token_idx) * args.num_topk;
+    uint32_t rank_mask = 0;
+    for (int k = 0; k < args.num_topk; ++k) {
+      const int64_t expert = ids[k];
+      if (expert < 0) continue;
+      if (expert >= args.num_experts) {
+        atomicCAS(args.invalid_id_flag, 0, token_idx + 1);
+        continue;
+      }
+      bool repeated = false;  // a token counts once per expert even if its top-k repeats it
+      for (int j = 0; j < k; ++j) repeated |= ids[j] == expert;
+      if (repeated) continue;
+      atomicAdd(&expert_counts[expert], 1);
+      rank_mask |= 1u << (expert / experts_per_rank);
+    }
+    for (int r = 0; r < args.num_ranks; ++r) {
+      const bool in_rank = (rank_mask >> r) & 1u;
+      args.is_token_in_rank[static_cast<size_t>(token_idx) * args.num_ranks + r] = in_rank;
+      if (in_rank) atomicAdd(&rank_counts[r], 1);
+    }
+  }
+  __syncthreads();
+  for (int i = threadIdx.x; i < args.num_ranks + args.num_experts; i += blockDim.x) {
+    if (shared_counts[i] == 0) continue;
+    if (i < args.num_ranks) {
+      atomicAdd(&args.num_tokens_per_rank[i], shared_counts[i]);
+    } else {
+      atomicAdd(&args.num_tokens_per_expert[i - args.num_ranks], shared_counts[i]);
+    }
+  }
+}
+
+}  // namespace
+
+void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
+  EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rank, 0, sizeof(int) * args.num_ranks, stream));
+  if (args.num_experts > 0) {
+    EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0, sizeof(int) * args.num_experts, stream));
+  }
+  if (args.num_tokens == 0) return;
+  const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
+  const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts);
+  layout_kernel<<<blocks, kLayoutThreads, shared_bytes, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels

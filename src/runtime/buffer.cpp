@@ -1,0 +1,229 @@
+#include "epx/buffer.hpp"
+
+#include <cstdlib>
+#include <memory>
+#include <optional>
+#include <string>
+#include <vector>
+
+#include "common/cuda_check.hpp"
+#include "core/wait_record.hpp"
+#include "epx/layout/normal_layout.hpp"
+#include "runtime/ipc_memory.hpp"
+
+namespace epx {
+
+namespace {
+
+double wait_timeout_from_env(double fallback) {
+  const char* text = std::getenv("EPX_WAIT_TIMEOUT_S");
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  const double seconds = std::strtod(text, &end);
+  EPX_CHECK(end != text && *end == '\0', "EPX_WAIT_TIMEOUT_S", text, "must be a number of seconds");
+  EPX_CHECK(seconds > 0, "EPX_WAIT_TIMEOUT_S", text, "must be > 0");
+  return seconds;
+}
+
+void* const* upload_table(const std::vector<void*>& bases) {
+  void** table = nullptr;
+  EPX_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * kMaxNvlRanks * 8));
+  EPX_CUDA_CHECK(cudaMemset(table, 0, sizeof(void*) * kMaxNvlRanks * 8));
+  if (!bases.empty()) {
+    EPX_CUDA_CHECK(cudaMemcpy(table, bases.data(), sizeof(void*) * bases.size(), cudaMemcpyHostToDevice));
+  }
+  return table;
+}
+
+}  // namespace
+
+struct Buffer::State {
+  Bootstrap* bootstrap = nullptr;
+  int rank = 0;
+  int num_ranks = 0;
+  int device = 0;
+  int num_device_sms = 0;
+  int num_sms = 0;
+  uint64_t wait_timeout_ns = 0;
+  cudaStream_t comm_stream = nullptr;
+  std::shared_ptr<CUstream_st> comm_stream_owner;
+  std::optional<IpcMemory> nvl;
+  std::optional<IpcMemory> rdma;
+  void* const* nvl_table = nullptr;
+  void* const* rdma_table = nullptr;
+  WaitTimeoutRecord* timeout_record = nullptr;  // host-mapped
+  WaitTimeoutRecord* timeout_record_device = nullptr;
+  int* host_scratch = nullptr;  // host-mapped
+  int* host_scratch_device = nullptr;
+
+  void free_local() noexcept {
+    if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
+    if (nvl) nvl->release();
+    if (rdma) rdma->release();
+    if (nvl_table != nullptr) cudaFree(const_cast<void**>(nvl_table));
+    if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
+    if (timeout_record != nullptr) cudaFreeHost(timeout_record);
+    if (host_scratch != nullptr) cudaFreeHost(host_scratch);
+    comm_stream_owner.reset();  // destroyed once no handle holds it any more
+    nvl_table = rdma_table = nullptr;
+    timeout_record = nullptr;
+    host_scratch = nullptr;
+    comm_stream = nullptr;
+  }
+};
+
+Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std::make_unique<State>()) {
+  State& s = *state_;
+  s.bootstrap = &bootstrap;
+  s.rank = bootstrap.rank();
+  s.num_ranks = bootstrap.num_ranks();
+  EPX_CHECK(s.num_ranks >= 1, "num_ranks", s.num_ranks, "must be >= 1");
+  EPX_CHECK(s.num_ranks <= 64, "num_ranks", s.num_ranks, "must be <= 64");
+  if (options.num_nvl_bytes > 0) {
+    EPX_CHECK(s.num_ranks <= kMaxNvlRanks, "num_ranks", s.num_ranks,
+              "must be <= 8 for the normal-mode NVLink buffer (one node)");
+  }
+  EPX_CUDA_CHECK(cudaGetDevice(&s.device));
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
+  const double timeout_s = wait_timeout_from_env(options.wait_timeout_s);
+  EPX_CHECK(timeout_s > 0, "wait_timeout_s", timeout_s, "must be > 0");
+  s.wait_timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  try {
+    set_num_sms(options.num_sms);
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
+    s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [](cudaStream_t stream) {
+      cudaStreamSynchronize(stream);
+      cudaStreamDestroy(stream);
+    });
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.timeout_record), sizeof(WaitTimeoutRecord),
+                                 cudaHostAllocMapped));
+    *s.timeout_record = WaitTimeoutRecord{};
+    EPX_CUDA_CHECK(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.timeout_record_device), s.timeout_record, 0));
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_scratch), sizeof(int) * kHostScratchInts,
+                                 cudaHostAllocMapped));
+    EPX_CUDA_CHECK(
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
+    s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer");
+    s.rdma.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
+    s.nvl_table = upload_table(s.nvl->bases());
+    s.rdma_table = upload_table(s.rdma->bases());
+    bootstrap.barrier();
+  } catch (...) {
+    s.free_local();
+    throw;
+  }
+}
+
+Buffer::~Buffer() {
+  if (state_ == nullptr) return;
+  try {
+    destroy();
+  } catch (...) {
+    // A destructor must not throw; destroy() already freed the local resources before any barrier error.
+  }
+}
+
+void Buffer::destroy() {
+  if (state_ == nullptr) return;
+  std::unique_ptr<State> state = std::move(state_);
+  // Every rank must be done touching peers' memory before anyone unmaps or frees it.
+  cudaStreamSynchronize(state->comm_stream);
+  cudaDeviceSynchronize();
+  std::string barrier_error;
+  try {
+    state->bootstrap->barrier();
+  } catch (const std::exception& error) {
+    barrier_error = error.what();
+  }
+  state->free_local();
+  if (!barrier_error.empty())
+    EPX_FAIL("Buffer::destroy: peers did not reach the teardown barrier: ", barrier_error);
+}
+
+bool Buffer::is_destroyed() const {
+  return state_ == nullptr;
+}
+
+const Buffer::State& Buffer::live() const {
+  if (state_ == nullptr) EPX_FAIL("epx::Buffer used after destroy()");
+  return *state_;
+}
+
+int Buffer::rank() const {
+  return live().rank;
+}
+int Buffer::num_ranks() const {
+  return live().num_ranks;
+}
+int Buffer::device() const {
+  return live().device;
+}
+int Buffer::num_device_sms() const {
+  return live().num_device_sms;
+}
+cudaStream_t Buffer::comm_stream() const {
+  return live().comm_stream;
+}
+std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
+  return live().comm_stream_owner;
+}
+int Buffer::num_sms() const {
+  return live().num_sms;
+}
+uint64_t Buffer::wait_timeout_ns() const {
+  return live().wait_timeout_ns;
+}
+
+void Buffer::set_num_sms(int num_sms) {
+  State& s = const_cast<State&>(live());
+  EPX_CHECK(num_sms >= 1, "num_sms", num_sms, "must be >= 1");
+  EPX_CHECK(num_sms <= s.num_device_sms, "num_sms", num_sms, "must be <= the GPU's SM count");
+  s.num_sms = num_sms;
+}
+
+void* Buffer::nvl_buffer() const {
+  return live().nvl->local();
+}
+size_t Buffer::num_nvl_bytes() const {
+  return live().nvl->bytes();
+}
+void* const* Buffer::nvl_peer_bases_device() const {
+  return live().nvl_table;
+}
+void* Buffer::rdma_buffer() const {
+  return live().rdma->local();
+}
+size_t Buffer::num_rdma_bytes() const {
+  return live().rdma->bytes();
+}
+void* const* Buffer::rdma_peer_bases_device() const {
+  return live().rdma_table;
+}
+WaitTimeoutRecord* Buffer::timeout_record_device() const {
+  return live().timeout_record_device;
+}
+int* Buffer::host_scratch() const {
+  return live().host_scratch;
+}
+int* Buffer::host_scratch_device() const {
+  return live().host_scratch_device;
+}
+Bootstrap& Buffer::bootstrap() const {
+  return *live().bootstrap;
+}
+
+void Buffer::check_timeout() const {
+  const WaitTimeoutRecord& record = *live().timeout_record;
+  if (reinterpret_cast<const volatile int32_t&>(record.flag) == 1) EPX_FAIL(describe_wait_timeout(record));
+}
+
+void Buffer::synchronize(cudaStream_t stream) const {
+  const cudaError_t status = cudaStreamSynchronize(stream);
+  if (status == cudaSuccess) return;
+  check_timeout();
+  EPX_FAIL("rank ", rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
+           cudaGetErrorString(status));
+}
+
+}  // namespace epx

@@ -1,0 +1,33 @@
+#pragma once
+
+#include <cstddef>
+#include <vector>
+
+#include "epx/bootstrap.hpp"
+
+namespace epx {
+
+// A device allocation of the same size on every rank of a node, mapped into every peer with CUDA IPC.
+// Construction and release() are collective.
+class IpcMemory {
+ public:
+  IpcMemory(Bootstrap& bootstrap, size_t bytes, const char* what);
+  ~IpcMemory();
+  IpcMemory(const IpcMemory&) = delete;
+  IpcMemory& operator=(const IpcMemory&) = delete;
+
+  void* local() const { return bases_.empty() ? nullptr : bases_[rank_]; }
+  size_t bytes() const { return bytes_; }
+  // bases()[r] is rank r's allocation as seen from this GPU (own rank included).
+  const std::vector<void*>& bases() const { return bases_; }
+  // Unmaps the peers and frees the local allocation. Peers must have stopped using it (callers barrier
+  // first).
+  void release() noexcept;
+
+ private:
+  int rank_ = 0;
+  size_t bytes_ = 0;
+  std::vector<void*> bases_;
+};
+
+}  // namespace epx

@@ -1,0 +1,253 @@
+#include "epx/normal.hpp"
+
+#include <algorithm>
+
+#include "common/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "kernels/normal_kernels.hpp"
+#include "runtime/dispatch_handle_state.hpp"
+#include "runtime/stream_order.hpp"
+
+namespace epx {
+
+namespace {
+
+// Host scratch slots (ints of Buffer::host_scratch).
+constexpr int kCountsSlot = 0;                                // [0] rows, [1 + le] per local expert
+constexpr int kInvalidIdSlot = Buffer::kHostScratchInts - 1;  // 1 + token index of an out-of-range expert id
+
+kernels::PeerContext peer_context(const Buffer& buffer) {
+  return kernels::PeerContext{
+      buffer.nvl_peer_bases_device(), buffer.nvl_buffer(),     buffer.rank(), buffer.num_ranks(),
+      buffer.timeout_record_device(), buffer.wait_timeout_ns()};
+}
+
+void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool cached) {
+  EPX_CHECK(buffer.num_nvl_bytes() > 0, "num_nvl_bytes", buffer.num_nvl_bytes(),
+            "must be > 0 for normal-mode dispatch (construct the Buffer with an NVLink buffer)");
+  EPX_CHECK(in.num_tokens >= 0, "num_tokens", in.num_tokens, "must be >= 0");
+  EPX_CHECK(in.hidden > 0, "hidden", in.hidden, "must be > 0");
+  EPX_CHECK(in.hidden % 8 == 0, "hidden", in.hidden, "must be a multiple of 8");
+  if (in.format == TokenFormat::kFp8) {
+    EPX_CHECK(in.hidden % 128 == 0, "hidden", in.hidden, "must be a multiple of 128 for FP8 tokens");
+    EPX_CHECK(in.num_tokens == 0 || in.x_scales != nullptr, "x_scales", "null",
+              "are required for FP8 tokens");
+  } else {
+    EPX_CHECK(in.x_scales == nullptr, "x_scales", "non-null", "must be null for BF16 tokens");
+  }
+  EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null", "must point to [num_tokens, hidden] tokens");
+  EPX_CHECK(in.num_topk >= 0, "num_topk", in.num_topk, "must be >= 0");
+  EPX_CHECK(in.num_topk <= kMaxTopk, "num_topk", in.num_topk, "must be <= 16");
+  EPX_CHECK(in.topk_weights == nullptr || in.topk_idx != nullptr, "topk_weights", "non-null",
+            "need topk_idx as well");
+  EPX_CHECK(in.topk_idx == nullptr || in.num_topk > 0, "num_topk", in.num_topk,
+            "must be > 0 when topk_idx is given");
+  EPX_CHECK(in.num_experts >= 0, "num_experts", in.num_experts, "must be >= 0");
+  EPX_CHECK(in.num_experts % buffer.num_ranks() == 0, "num_experts", in.num_experts,
+            "must be a multiple of the number of ranks");
+  EPX_CHECK(in.topk_idx == nullptr || in.num_experts > 0, "num_experts", in.num_experts,
+            "must be > 0 when topk_idx is given");
+  EPX_CHECK(in.expert_alignment >= 1, "expert_alignment", in.expert_alignment, "must be >= 1");
+  EPX_CHECK(in.num_worst_tokens >= 0, "num_worst_tokens", in.num_worst_tokens, "must be >= 0");
+  if (!cached) {
+    EPX_CHECK(in.num_tokens == 0 || in.is_token_in_rank != nullptr, "is_token_in_rank", "null",
+              "is required without a cached handle");
+  }
+}
+
+}  // namespace
+
+DispatchHandle::State& DispatchHandle::state() const {
+  if (state_ == nullptr) EPX_FAIL("empty DispatchHandle");
+  return *state_;
+}
+int DispatchHandle::num_tokens() const {
+  return state().num_tokens;
+}
+int DispatchHandle::num_recv_rows() const {
+  return state().num_recv_rows;
+}
+int DispatchHandle::hidden() const {
+  return state().layout.shape.hidden;
+}
+const int* DispatchHandle::recv_src_idx_device() const {
+  return state().arrays.recv_src_idx;
+}
+const std::vector<int>& DispatchHandle::num_recv_per_rank() const {
+  return state().num_recv_per_rank;
+}
+
+void DispatchHandle::State::allocate(const std::shared_ptr<CUstream_st>& stream, int max_rows,
+                                     int num_local_experts) {
+  const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
+  const size_t ints =
+      cells /*send_pos*/ + (num_ranks + 1) + std::max(max_rows, 1) + std::max(num_local_experts, 1);
+  const size_t bytes = ints * sizeof(int) + cells /*is_token_in_rank*/ + 64;
+  void* raw = nullptr;
+  EPX_CUDA_CHECK(cudaMallocAsync(&raw, bytes, stream.get()));
+  device_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
+  int* ints_base = static_cast<int*>(raw);
+  arrays.send_pos = ints_base;
+  arrays.recv_offsets = arrays.send_pos + cells;
+  arrays.recv_src_idx = arrays.recv_offsets + num_ranks + 1;
+  arrays.num_recv_tokens_per_expert = arrays.recv_src_idx + std::max(max_rows, 1);
+  arrays.is_token_in_rank =
+      reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
+}
+
+Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
+                          int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order) {
+  EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
+  EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
+  EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16");
+  EPX_CHECK(num_experts > 0, "num_experts", num_experts, "must be > 0");
+  EPX_CHECK(num_experts <= kMaxExperts, "num_experts", num_experts, "must be <= 4096");
+  EPX_CHECK(num_experts % buffer.num_ranks() == 0, "num_experts", num_experts,
+            "must be a multiple of the number of ranks");
+  EPX_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null",
+            "must point to [num_tokens, num_topk] ids");
+  begin_on_comm_stream(buffer, order);
+  buffer.host_scratch()[kInvalidIdSlot] = 0;
+  kernels::LayoutArgs args{topk_idx,
+                           num_tokens,
+                           num_topk,
+                           num_experts,
+                           buffer.num_ranks(),
+                           out.num_tokens_per_rank,
+                           out.num_tokens_per_expert,
+                           out.is_token_in_rank,
+                           buffer.host_scratch_device() + kInvalidIdSlot};
+  kernels::launch_layout(args, buffer.comm_stream());
+  return end_on_comm_stream(buffer, order);
+}
+
+DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
+                             const DispatchHandle* cached) {
+  const bool is_cached = cached != nullptr && cached->valid();
+  validate_dispatch_input(buffer, in, is_cached);
+  const int num_ranks = buffer.num_ranks();
+  const bool fp8 = in.format == TokenFormat::kFp8;
+  const NormalShape shape{num_ranks,
+                          in.num_experts,
+                          in.hidden,
+                          fp8 ? in.hidden : in.hidden * 2,
+                          fp8 ? in.hidden / 128 : 0,
+                          in.topk_idx != nullptr ? in.num_topk : 0};
+  const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
+  EPX_CHECK(in.num_tokens <= layout.capacity, "num_tokens", in.num_tokens,
+            detail::concat("must be <= ", layout.capacity,
+                           ", what the NVLink buffer holds for this shape (raise num_nvl_bytes)")
+                .c_str());
+
+  DispatchPlan plan;
+  std::shared_ptr<DispatchHandle::State> state;
+  if (is_cached) {
+    const auto& old = cached->state();
+    EPX_CHECK(old.num_tokens == in.num_tokens, "num_tokens", in.num_tokens,
+              "must equal the cached handle's token count");
+    EPX_CHECK(old.num_ranks == num_ranks, "handle", "from another buffer", "must come from this buffer");
+    state = std::make_shared<DispatchHandle::State>(old);  // shares the device arrays
+    state->layout = layout;
+  } else {
+    state = std::make_shared<DispatchHandle::State>();
+    state->layout = layout;
+    state->num_ranks = num_ranks;
+    state->rank = buffer.rank();
+    state->num_tokens = in.num_tokens;
+    state->num_worst_tokens = in.num_worst_tokens;
+    state->expert_alignment = in.expert_alignment;
+    const int max_rows = std::max(in.num_worst_tokens, num_ranks * std::max(layout.capacity, 1));
+    state->allocate(buffer.comm_stream_shared(), max_rows, in.num_experts / num_ranks);
+  }
+  state->format = in.format;
+  state->num_topk = shape.num_topk;
+
+  begin_on_comm_stream(buffer, order);
+  const cudaStream_t stream = buffer.comm_stream();
+  const kernels::PeerContext peers = peer_context(buffer);
+  kernels::StageArgs stage{peers,       layout,          in.x,          in.x_scales,
+                           in.topk_idx, in.topk_weights, in.num_tokens, buffer.num_sms()};
+  kernels::launch_dispatch_stage(stage, stream);
+  kernels::NotifyArgs notify{
+      peers,
+      layout,
+      is_cached ? state->arrays.is_token_in_rank : reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+      is_cached ? nullptr : in.num_tokens_per_expert,
+      in.num_tokens,
+      state->expert_alignment,
+      state->num_worst_tokens,
+      state->arrays,
+      buffer.host_scratch_device() + kCountsSlot};
+  kernels::launch_dispatch_notify(notify, stream);
+
+  if (is_cached || state->num_worst_tokens > 0) {
+    if (state->num_worst_tokens > 0) state->num_recv_rows = state->num_worst_tokens;
+  } else {
+    // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
+    buffer.synchronize(stream);
+    const int* counts = buffer.host_scratch() + kCountsSlot;
+    state->num_recv_rows = counts[0];
+    state->num_recv_tokens_per_expert.assign(counts + 1, counts + 1 + in.num_experts / num_ranks);
+    const int invalid = buffer.host_scratch()[kInvalidIdSlot];
+    EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
+              "must be -1 or in [0, num_experts)");
+    state->num_recv_per_rank.resize(num_ranks);
+    std::vector<int> offsets(num_ranks + 1);
+    EPX_CUDA_CHECK(cudaMemcpy(offsets.data(), state->arrays.recv_offsets, sizeof(int) * (num_ranks + 1),
+                              cudaMemcpyDeviceToHost));
+    for (int r = 0; r < num_ranks; ++r) state->num_recv_per_rank[r] = offsets[r + 1] - offsets[r];
+  }
+  plan.num_recv_rows = state->num_recv_rows;
+  if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
+  plan.handle = DispatchHandle(std::move(state));
+  return plan;
+}
+
+Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
+                       const DispatchOutput& out, const StreamOrder& order) {
+  const auto& state = plan.handle.state();
+  const int rows = state.num_recv_rows;
+  EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
+            "must point to the plan's num_recv_rows rows");
+  EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
+            "null", "are required for FP8 tokens");
+  EPX_CHECK(out.recv_topk_idx == nullptr || state.num_topk > 0, "recv_topk_idx", "non-null",
+            "needs a dispatch with topk_idx");
+  EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
+            out.recv_topk_weights == nullptr ? "null" : "non-null",
+            "must be given together with recv_topk_idx");
+  kernels::PullArgs pull{peer_context(buffer), state.layout,      state.arrays,      rows,
+                         out.recv_x,           out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
+                         buffer.num_sms()};
+  kernels::launch_dispatch_pull(pull, buffer.comm_stream());
+  return end_on_comm_stream(buffer, order);
+}
+
+Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& in, const CombineOutput& out,
+              const StreamOrder& order) {
+  EPX_CHECK(handle.valid(), "handle", "empty", "must come from dispatch_notify");
+  const auto& state = handle.state();
+  EPX_CHECK(state.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
+            "must come from this buffer");
+  EPX_CHECK(state.num_recv_rows == 0 || in.x != nullptr, "x", "null",
+            "must point to [num_recv_rows, hidden] BF16");
+  EPX_CHECK(state.num_tokens == 0 || out.combined_x != nullptr, "combined_x", "null",
+            "must point to [num_tokens, hidden] BF16");
+  EPX_CHECK(in.topk_weights == nullptr || in.num_topk == state.num_topk, "num_topk", in.num_topk,
+            "must equal the dispatch's top-k");
+  EPX_CHECK(out.combined_topk_weights == nullptr || in.topk_weights != nullptr, "topk_weights", "null",
+            "are needed to produce combined_topk_weights");
+  begin_on_comm_stream(buffer, order);
+  const cudaStream_t stream = buffer.comm_stream();
+  const kernels::PeerContext peers = peer_context(buffer);
+  kernels::PushArgs push{peers, state.layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
+  kernels::launch_combine_push(push, stream);
+  kernels::launch_barrier(peers, stream);
+  kernels::ReduceArgs reduce{peers,           state.layout, state.arrays,   state.num_tokens,
+                             in.bias0,        in.bias1,     out.combined_x, out.combined_topk_weights,
+                             buffer.num_sms()};
+  kernels::launch_combine_reduce(reduce, stream);
+  return end_on_comm_stream(buffer, order);
+}
+
+}  // namespace epx
