@@ -1,0 +1,208 @@
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "epx/common/host_device.hpp"
+#include "epx/error.hpp"
+#include "epx/formats/logfmt.hpp"
+#include "epx/layout/normal_layout.hpp"
+
+namespace epx {
+
+constexpr int kMaxLowLatencyRanks = 64;               // the Buffer's limit
+constexpr int kMaxLowLatencyTokensPerRank = 1 << 16;  // keeps R*M rows and packed index entries in int
+constexpr size_t kLowLatencyAlign = 128;              // every region starts on a cache line
+constexpr size_t kLowLatencySizeHintAlign = size_t(2) << 20;  // size hints are whole 2 MiB pages
+
+// The two operations that talk through the low-latency buffer; each has its own signals in each half.
+enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
+constexpr int kNumLowLatencyOps = 2;
+
+// Layout of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
+// the local buffer and the peers' mappings with it (all ranks use the same shape, so offsets agree).
+//
+// NOTES: dispatch is deduplicated per destination RANK, not per expert: a token travels once to every rank
+// holding at least one of its experts, into the slot named by its source token index, and the sender also
+// writes, per (local expert, source), the ordered list of its tokens that chose the expert. The receiver
+// expands rows into the packed per-expert output. That moves ~3.6 instead of 8 copies of a token for top-8 of
+// 288 experts on 4 ranks, and the receive area is [R][M] messages instead of [E][M].
+//
+// NOTES: completion is signalled per (half, op, source rank) by one int written with release semantics after
+// all of that source's data. Signals are monotonic (the number of operations of that kind the source has
+// sent into this half), never cleaned: a receiver waits for "its own completed count + 1", so no cleaning
+// launch or cleaning race exists and a stale signal can never pass. clean_low_latency_buffer() resets them
+// collectively.
+//
+//   control                          clean-barrier signals (not double-buffered)
+//   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
+//   per half h in {0, 1}:
+//     signals                        recv_flag[op][R], send_finish[op][R], num_uses[op], recv_done[op]
+//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
+//     dispatch_recv_index[L][R][M]   their (token << 4 | top-k position), ascending token order
+//     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
+//     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
+//     combine_recv_slots[M][16]      expert outputs returned for (token, top-k position)
+struct LowLatencyLayout {
+  int num_max_tokens;  // M: tokens per rank per call at most
+  int hidden;          // H
+  int num_ranks;       // R
+  int num_experts;     // E
+
+  LowLatencyLayout() = default;
+  // Validates the shape (host only); throws epx::Error naming the bad argument.
+  LowLatencyLayout(int num_max_dispatch_tokens_per_rank, int hidden_size, int num_ranks_in_group,
+                   int num_experts_total)
+      : num_max_tokens(num_max_dispatch_tokens_per_rank),
+        hidden(hidden_size),
+        num_ranks(num_ranks_in_group),
+        num_experts(num_experts_total) {
+    EPX_CHECK(num_max_tokens > 0, "num_max_dispatch_tokens_per_rank", num_max_tokens, "must be > 0");
+    EPX_CHECK(num_max_tokens <= kMaxLowLatencyTokensPerRank, "num_max_dispatch_tokens_per_rank",
+              num_max_tokens, "must be <= 65536");
+    EPX_CHECK(hidden > 0, "hidden", hidden, "must be > 0");
+    EPX_CHECK(hidden % 128 == 0, "hidden", hidden, "must be a multiple of 128 (the FP8/LogFMT group size)");
+    EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+    EPX_CHECK(num_ranks <= kMaxLowLatencyRanks, "num_ranks", num_ranks, "must be <= 64");
+    EPX_CHECK(num_experts > 0, "num_experts", num_experts, "must be > 0");
+    EPX_CHECK(num_experts <= kMaxExperts, "num_experts", num_experts, "must be <= 4096");
+    EPX_CHECK(num_experts % num_ranks == 0, "num_experts", num_experts,
+              "must be a multiple of the number of ranks");
+  }
+
+  // ---- Shape ----
+  EPX_HD int num_local_experts() const { return num_experts / num_ranks; }
+  EPX_HD int num_groups() const { return hidden / 128; }  // FP8 scale / LogFMT groups per row
+  EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M
+
+  // One dispatched token: BF16 row, or FP8 row followed by its float scales (the largest of the two).
+  EPX_HD size_t dispatch_msg_bytes() const {
+    const size_t bf16_bytes = size_t(hidden) * 2;
+    const size_t fp8_bytes = size_t(hidden) + sizeof(float) * num_groups();
+    return align_up(bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes, 16);
+  }
+  EPX_HD size_t dispatch_msg_scales_offset() const { return size_t(hidden); }  // FP8 messages only
+  // One returned expert output: BF16 row, or LogFMT with the worst-case group slot (the largest).
+  EPX_HD size_t combine_slot_bytes() const {
+    const size_t bf16_bytes = size_t(hidden) * 2;
+    const size_t logfmt_bytes = size_t(num_groups()) * kLogfmtGroupSlotBytes;
+    return align_up(bf16_bytes > logfmt_bytes ? bf16_bytes : logfmt_bytes, 16);
+  }
+
+  // ---- Control (clean barrier) ----
+  EPX_HD size_t barrier_signal_offset(int src_rank) const { return sizeof(int) * size_t(src_rank); }
+  EPX_HD size_t barrier_count_offset() const { return sizeof(int) * size_t(num_ranks); }
+  EPX_HD size_t control_bytes() const {
+    return align_up(sizeof(int) * (size_t(num_ranks) + 1), kLowLatencyAlign);
+  }
+
+  // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
+  EPX_HD size_t combine_send_offset() const { return control_bytes(); }
+  EPX_HD size_t combine_send_bytes() const {
+    return align_up(size_t(num_local_experts()) * num_recv_rows() * hidden * 2, kLowLatencyAlign);
+  }
+  EPX_HD size_t combine_send_row_offset(int local_expert, int row) const {
+    return combine_send_offset() + (size_t(local_expert) * num_recv_rows() + row) * size_t(hidden) * 2;
+  }
+
+  // ---- Per-half regions, offsets relative to the half ----
+  EPX_HD size_t signals_bytes() const {
+    return align_up(sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
+                    kLowLatencyAlign);
+  }
+  EPX_HD size_t dispatch_recv_counts_bytes() const {
+    return align_up(sizeof(int) * size_t(num_experts), kLowLatencyAlign);  // L*R == E
+  }
+  EPX_HD size_t dispatch_recv_index_bytes() const {
+    return align_up(sizeof(int) * size_t(num_experts) * num_max_tokens, kLowLatencyAlign);
+  }
+  EPX_HD size_t dispatch_send_msgs_bytes() const {
+    return align_up(size_t(num_max_tokens) * dispatch_msg_bytes(), kLowLatencyAlign);
+  }
+  EPX_HD size_t dispatch_recv_msgs_bytes() const {
+    return align_up(size_t(num_ranks) * num_max_tokens * dispatch_msg_bytes(), kLowLatencyAlign);
+  }
+  EPX_HD size_t combine_recv_slots_bytes() const {
+    return align_up(size_t(num_max_tokens) * kMaxTopk * combine_slot_bytes(), kLowLatencyAlign);
+  }
+
+  EPX_HD size_t signals_rel() const { return 0; }
+  EPX_HD size_t dispatch_recv_counts_rel() const { return signals_rel() + signals_bytes(); }
+  EPX_HD size_t dispatch_recv_index_rel() const {
+    return dispatch_recv_counts_rel() + dispatch_recv_counts_bytes();
+  }
+  EPX_HD size_t dispatch_send_msgs_rel() const {
+    return dispatch_recv_index_rel() + dispatch_recv_index_bytes();
+  }
+  EPX_HD size_t dispatch_recv_msgs_rel() const {
+    return dispatch_send_msgs_rel() + dispatch_send_msgs_bytes();
+  }
+  EPX_HD size_t combine_recv_slots_rel() const {
+    return dispatch_recv_msgs_rel() + dispatch_recv_msgs_bytes();
+  }
+  EPX_HD size_t half_bytes() const { return combine_recv_slots_rel() + combine_recv_slots_bytes(); }
+
+  EPX_HD size_t half_offset(int half) const {
+    return combine_send_offset() + combine_send_bytes() + size_t(half) * half_bytes();
+  }
+  EPX_HD size_t total_bytes() const { return half_offset(2); }
+
+  // ---- Absolute byte offsets of single items ----
+  // Written by `src_rank`: how many operations of kind `op` it has sent into this half (monotonic).
+  EPX_HD size_t recv_flag_offset(int half, LowLatencyOp op, int src_rank) const {
+    return half_offset(half) + signals_rel() +
+           sizeof(int) * (size_t(static_cast<int>(op)) * num_ranks + src_rank);
+  }
+  // Local: blocks of the running send phase done with `dst_rank` (the last one publishes and resets it).
+  EPX_HD size_t send_finish_offset(int half, LowLatencyOp op, int dst_rank) const {
+    return half_offset(half) + signals_rel() +
+           sizeof(int) * (size_t(kNumLowLatencyOps + static_cast<int>(op)) * num_ranks + dst_rank);
+  }
+  // Local: operations of kind `op` this rank has completely received in this half.
+  EPX_HD size_t num_uses_offset(int half, LowLatencyOp op) const {
+    return half_offset(half) + signals_rel() +
+           sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + static_cast<int>(op));
+  }
+  // Local: blocks of the running receive phase that finished (the last one bumps num_uses and resets it).
+  EPX_HD size_t recv_done_offset(int half, LowLatencyOp op) const {
+    return half_offset(half) + signals_rel() +
+           sizeof(int) *
+               (size_t(2 * kNumLowLatencyOps) * num_ranks + kNumLowLatencyOps + static_cast<int>(op));
+  }
+  EPX_HD size_t dispatch_recv_count_offset(int half, int local_expert, int src_rank) const {
+    return half_offset(half) + dispatch_recv_counts_rel() +
+           sizeof(int) * (size_t(local_expert) * num_ranks + src_rank);
+  }
+  // Start of the int list [M] of (local_expert, src_rank); entry i = token << 4 | top-k position.
+  EPX_HD size_t dispatch_recv_index_offset(int half, int local_expert, int src_rank) const {
+    return half_offset(half) + dispatch_recv_index_rel() +
+           sizeof(int) * (size_t(local_expert) * num_ranks + src_rank) * num_max_tokens;
+  }
+  EPX_HD size_t dispatch_send_msg_offset(int half, int token) const {
+    return half_offset(half) + dispatch_send_msgs_rel() + size_t(token) * dispatch_msg_bytes();
+  }
+  EPX_HD size_t dispatch_recv_msg_offset(int half, int src_rank, int token) const {
+    return half_offset(half) + dispatch_recv_msgs_rel() +
+           (size_t(src_rank) * num_max_tokens + token) * dispatch_msg_bytes();
+  }
+  EPX_HD size_t combine_recv_slot_offset(int half, int token, int topk_pos) const {
+    return half_offset(half) + combine_recv_slots_rel() +
+           (size_t(token) * kMaxTopk + topk_pos) * combine_slot_bytes();
+  }
+
+  // ---- Typed addresses inside a buffer based at `base` (local, or a peer's mapping) ----
+  template <typename T>
+  EPX_HD static T* at(void* base, size_t offset) {
+    return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
+  }
+};
+
+// Low-latency buffer bytes per rank (what Buffer::get_low_latency_rdma_size_hint returns): the layout's
+// total, rounded up to a multiple of 2 MiB. Validates like LowLatencyLayout.
+inline size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
+                                             int num_experts) {
+  const LowLatencyLayout layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+  return align_up(layout.total_bytes(), kLowLatencySizeHintAlign);
+}
+
+}  // namespace epx

@@ -1,0 +1,217 @@
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cstddef>
+#include <set>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "epx/error.hpp"
+#include "epx/layout/low_latency_layout.hpp"
+
+namespace {
+
+using epx::LowLatencyLayout;
+using epx::LowLatencyOp;
+
+struct Region {
+  std::string name;
+  size_t begin;
+  size_t end;
+};
+
+std::vector<Region> regions_of(const LowLatencyLayout& layout) {
+  std::vector<Region> regions;
+  regions.push_back({"control", 0, layout.control_bytes()});
+  regions.push_back({"combine_send", layout.combine_send_offset(),
+                     layout.combine_send_offset() + layout.combine_send_bytes()});
+  for (int half = 0; half < 2; ++half) {
+    const size_t base = layout.half_offset(half);
+    const std::string h = "[" + std::to_string(half) + "]";
+    regions.push_back(
+        {"signals" + h, base + layout.signals_rel(), base + layout.signals_rel() + layout.signals_bytes()});
+    regions.push_back({"dispatch_recv_counts" + h, base + layout.dispatch_recv_counts_rel(),
+                       base + layout.dispatch_recv_counts_rel() + layout.dispatch_recv_counts_bytes()});
+    regions.push_back({"dispatch_recv_index" + h, base + layout.dispatch_recv_index_rel(),
+                       base + layout.dispatch_recv_index_rel() + layout.dispatch_recv_index_bytes()});
+    regions.push_back({"dispatch_send_msgs" + h, base + layout.dispatch_send_msgs_rel(),
+                       base + layout.dispatch_send_msgs_rel() + layout.dispatch_send_msgs_bytes()});
+    regions.push_back({"dispatch_recv_msgs" + h, base + layout.dispatch_recv_msgs_rel(),
+                       base + layout.dispatch_recv_msgs_rel() + layout.dispatch_recv_msgs_bytes()});
+    regions.push_back({"combine_recv_slots" + h, base + layout.combine_recv_slots_rel(),
+                       base + layout.combine_recv_slots_rel() + layout.combine_recv_slots_bytes()});
+  }
+  return regions;
+}
+
+const Region& find_region(const std::vector<Region>& regions, const std::string& name) {
+  for (const Region& region : regions)
+    if (region.name == name) return region;
+  throw std::runtime_error("no region " + name);
+}
+
+// [offset, offset + bytes) lies inside the named region.
+void expect_inside(const std::vector<Region>& regions, const std::string& name, size_t offset, size_t bytes) {
+  const Region& region = find_region(regions, name);
+  EXPECT_GE(offset, region.begin) << name;
+  EXPECT_LE(offset + bytes, region.end) << name;
+}
+
+void check_structure(const LowLatencyLayout& layout) {
+  SCOPED_TRACE("M=" + std::to_string(layout.num_max_tokens) + " H=" + std::to_string(layout.hidden) +
+               " R=" + std::to_string(layout.num_ranks) + " E=" + std::to_string(layout.num_experts));
+  std::vector<Region> regions = regions_of(layout);
+  for (const Region& region : regions) {
+    EXPECT_EQ(region.begin % epx::kLowLatencyAlign, 0u) << region.name;
+    EXPECT_LE(region.begin, region.end) << region.name;
+    EXPECT_LE(region.end, layout.total_bytes()) << region.name;
+  }
+  std::sort(regions.begin(), regions.end(),
+            [](const Region& a, const Region& b) { return a.begin < b.begin; });
+  for (size_t i = 1; i < regions.size(); ++i)
+    EXPECT_LE(regions[i - 1].end, regions[i].begin) << regions[i - 1].name << " overlaps " << regions[i].name;
+
+  const int num_local = layout.num_local_experts();
+  const int last_rank = layout.num_ranks - 1;
+  const int last_token = layout.num_max_tokens - 1;
+  EXPECT_EQ(layout.dispatch_msg_bytes() % 16, 0u);
+  EXPECT_EQ(layout.combine_slot_bytes() % 16, 0u);
+  EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.num_groups()) * epx::kLogfmtGroupSlotBytes);
+  EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.hidden) * 2);
+  EXPECT_GE(layout.dispatch_msg_bytes(), size_t(layout.hidden) * 2);
+  EXPECT_GE(layout.dispatch_msg_bytes(),
+            layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups()));
+
+  expect_inside(regions, "control", layout.barrier_signal_offset(last_rank), sizeof(int));
+  expect_inside(regions, "control", layout.barrier_count_offset(), sizeof(int));
+  EXPECT_NE(layout.barrier_signal_offset(last_rank), layout.barrier_count_offset());
+  expect_inside(regions, "combine_send", layout.combine_send_row_offset(0, 0), size_t(layout.hidden) * 2);
+  expect_inside(regions, "combine_send",
+                layout.combine_send_row_offset(num_local - 1, layout.num_recv_rows() - 1),
+                size_t(layout.hidden) * 2);
+  EXPECT_EQ(layout.combine_send_row_offset(0, 1) % 16, 0u);
+
+  std::set<size_t> signal_words;
+  for (int half = 0; half < 2; ++half) {
+    const std::string h = "[" + std::to_string(half) + "]";
+    for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
+      for (int r = 0; r < layout.num_ranks; ++r) {
+        signal_words.insert(layout.recv_flag_offset(half, op, r));
+        signal_words.insert(layout.send_finish_offset(half, op, r));
+        expect_inside(regions, "signals" + h, layout.recv_flag_offset(half, op, r), sizeof(int));
+        expect_inside(regions, "signals" + h, layout.send_finish_offset(half, op, r), sizeof(int));
+      }
+      signal_words.insert(layout.num_uses_offset(half, op));
+      signal_words.insert(layout.recv_done_offset(half, op));
+      expect_inside(regions, "signals" + h, layout.num_uses_offset(half, op), sizeof(int));
+      expect_inside(regions, "signals" + h, layout.recv_done_offset(half, op), sizeof(int));
+    }
+    expect_inside(regions, "dispatch_recv_counts" + h, layout.dispatch_recv_count_offset(half, 0, 0),
+                  sizeof(int));
+    expect_inside(regions, "dispatch_recv_counts" + h,
+                  layout.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(int));
+    expect_inside(regions, "dispatch_recv_index" + h,
+                  layout.dispatch_recv_index_offset(half, num_local - 1, last_rank),
+                  sizeof(int) * layout.num_max_tokens);
+    expect_inside(regions, "dispatch_send_msgs" + h, layout.dispatch_send_msg_offset(half, last_token),
+                  layout.dispatch_msg_bytes());
+    expect_inside(regions, "dispatch_recv_msgs" + h,
+                  layout.dispatch_recv_msg_offset(half, last_rank, last_token), layout.dispatch_msg_bytes());
+    expect_inside(regions, "combine_recv_slots" + h,
+                  layout.combine_recv_slot_offset(half, last_token, epx::kMaxTopk - 1),
+                  layout.combine_slot_bytes());
+    EXPECT_EQ(layout.dispatch_recv_msg_offset(half, last_rank, last_token) % 16, 0u);
+    EXPECT_EQ(layout.combine_recv_slot_offset(half, last_token, 3) % 16, 0u);
+    EXPECT_EQ(layout.dispatch_recv_index_offset(half, num_local - 1, last_rank) % 4, 0u);
+  }
+  // Every signal word is distinct across halves, ops and ranks.
+  EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (2 * layout.num_ranks + 2)));
+  // The two halves have the same shape, one half_bytes() apart.
+  EXPECT_EQ(layout.half_offset(1) - layout.half_offset(0), layout.half_bytes());
+  EXPECT_EQ(layout.total_bytes(), layout.half_offset(0) + 2 * layout.half_bytes());
+
+  const size_t hint = epx::get_low_latency_rdma_size_hint(layout.num_max_tokens, layout.hidden,
+                                                          layout.num_ranks, layout.num_experts);
+  EXPECT_EQ(hint % (size_t(2) << 20), 0u);
+  EXPECT_GE(hint, layout.total_bytes());
+  EXPECT_LT(hint - layout.total_bytes(), size_t(2) << 20);
+}
+
+TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
+  // The decode benchmark shape: 128 tokens per rank, hidden 7168, 4 ranks, 288 experts.
+  const LowLatencyLayout layout(128, 7168, 4, 288);
+  EXPECT_EQ(layout.num_local_experts(), 72);
+  EXPECT_EQ(layout.num_groups(), 56);
+  EXPECT_EQ(layout.num_recv_rows(), 512);
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
+  EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
+  EXPECT_EQ(layout.control_bytes(), 128u);
+  EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
+  EXPECT_EQ(layout.signals_bytes(), 128u);
+  EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
+  EXPECT_EQ(layout.dispatch_recv_index_bytes(), 147456u);
+  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
+  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
+  EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
+  EXPECT_EQ(layout.half_bytes(), 39142656u);
+  EXPECT_EQ(layout.total_bytes(), 606767744u);
+  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 608174080u);  // 290 x 2 MiB
+  check_structure(layout);
+}
+
+TEST(LowLatencyLayout, SmallestShape) {
+  const LowLatencyLayout layout(1, 128, 1, 1);
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
+  EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
+  EXPECT_EQ(layout.half_bytes(), 5248u);
+  EXPECT_EQ(layout.total_bytes(), 10880u);
+  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
+  check_structure(layout);
+}
+
+TEST(LowLatencyLayout, OddShapes) {
+  {
+    const LowLatencyLayout layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
+    EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
+    EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
+    EXPECT_EQ(layout.half_bytes(), 327552u);
+    EXPECT_EQ(layout.total_bytes(), 800384u);
+    check_structure(layout);
+  }
+  {
+    const LowLatencyLayout layout(256, 4096, 8, 256);
+    EXPECT_EQ(layout.total_bytes(), 643304064u);
+    EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 643825664u);
+    check_structure(layout);
+  }
+  for (int hidden : {128, 2048, 2688, 8192})
+    for (int ranks : {1, 2, 5, 64}) check_structure(LowLatencyLayout(7, hidden, ranks, ranks * 3));
+}
+
+void expect_rejected(int m, int hidden, int ranks, int experts, const std::string& argument) {
+  try {
+    const LowLatencyLayout layout(m, hidden, ranks, experts);
+    FAIL() << "expected epx::Error for " << argument;
+  } catch (const epx::Error& error) {
+    EXPECT_NE(error.message().find("invalid " + argument), std::string::npos) << error.message();
+  }
+  EXPECT_THROW(epx::get_low_latency_rdma_size_hint(m, hidden, ranks, experts), epx::Error);
+}
+
+TEST(LowLatencyLayout, RejectsBadShapes) {
+  expect_rejected(0, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
+  expect_rejected(-5, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
+  expect_rejected(epx::kMaxLowLatencyTokensPerRank + 1, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
+  expect_rejected(128, 7000, 4, 288, "hidden");
+  expect_rejected(128, 64, 4, 288, "hidden");
+  expect_rejected(128, 0, 4, 288, "hidden");
+  expect_rejected(128, 7168, 0, 288, "num_ranks");
+  expect_rejected(128, 7168, 65, 65 * 4, "num_ranks");
+  expect_rejected(128, 7168, 4, 0, "num_experts");
+  expect_rejected(128, 7168, 4, 290, "num_experts");
+  expect_rejected(128, 7168, 4, 4100, "num_experts");
+  EXPECT_NO_THROW(LowLatencyLayout(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
+}
+
+}  // namespace
