@@ -1,0 +1,84 @@
+#include <cstddef>
+
+#include "epx/error.hpp"
+#include "epx/formats/bf16.hpp"
+#include "epx/reference/normal.hpp"
+
+namespace epx::reference {
+
+namespace {
+
+void check_inputs(const NormalHandle& handle, const NormalCombineParams& params,
+                  const std::vector<NormalCombineRankInput>& inputs) {
+  EPX_CHECK(params.num_topk >= 0, "num_topk", params.num_topk, "must be >= 0");
+  EPX_CHECK(params.num_biases >= 0, "num_biases", params.num_biases, "must be 0, 1 or 2");
+  EPX_CHECK(params.num_biases <= 2, "num_biases", params.num_biases, "must be 0, 1 or 2");
+  EPX_CHECK(handle.num_ranks >= 1, "handle.num_ranks", handle.num_ranks, "must come from normal_dispatch");
+  EPX_CHECK(inputs.size() == static_cast<size_t>(handle.num_ranks), "inputs.size()", inputs.size(),
+            "must equal num_ranks");
+  const size_t hidden = static_cast<size_t>(handle.hidden);
+  for (int r = 0; r < handle.num_ranks; ++r) {
+    const NormalCombineRankInput& in = inputs[r];
+    const size_t rows = static_cast<size_t>(handle.num_rows[r]);
+    const size_t tokens = static_cast<size_t>(handle.num_tokens[r]);
+    EPX_CHECK(in.x.size() == rows * hidden, "x.size()", in.x.size(), "must be dispatch rows * hidden");
+    if (params.num_topk > 0) {
+      EPX_CHECK(in.topk_weights.size() == rows * params.num_topk, "topk_weights.size()",
+                in.topk_weights.size(), "must be dispatch rows * num_topk");
+    }
+    if (params.num_biases >= 1) {
+      EPX_CHECK(in.bias0.size() == tokens * hidden, "bias0.size()", in.bias0.size(),
+                "must be num_tokens * hidden");
+    }
+    if (params.num_biases == 2) {
+      EPX_CHECK(in.bias1.size() == tokens * hidden, "bias1.size()", in.bias1.size(),
+                "must be num_tokens * hidden");
+    }
+  }
+}
+
+void add_bf16_row(const uint16_t* row, int hidden, float* acc) {
+  for (int c = 0; c < hidden; ++c) acc[c] += bf16_to_float(row[c]);
+}
+
+}  // namespace
+
+std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
+                                                    const NormalCombineParams& params,
+                                                    const std::vector<NormalCombineRankInput>& inputs) {
+  check_inputs(handle, params, inputs);
+  const int num_ranks = handle.num_ranks;
+  const int hidden = handle.hidden;
+  const int num_topk = params.num_topk;
+
+  std::vector<NormalCombineRankOutput> outputs(num_ranks);
+  std::vector<float> acc(hidden);
+  std::vector<float> acc_weights(num_topk);
+  for (int s = 0; s < num_ranks; ++s) {
+    const int num_tokens = handle.num_tokens[s];
+    NormalCombineRankOutput& out = outputs[s];
+    out.combined_x.resize(static_cast<size_t>(num_tokens) * hidden);
+    out.combined_topk_weights.resize(static_cast<size_t>(num_tokens) * num_topk);
+    for (int t = 0; t < num_tokens; ++t) {
+      acc.assign(hidden, 0.0f);
+      acc_weights.assign(num_topk, 0.0f);
+      const size_t token_row = static_cast<size_t>(t) * hidden;
+      for (int d = 0; d < num_ranks; ++d) {
+        const int row = handle.recv_row[s][static_cast<size_t>(t) * num_ranks + d];
+        if (row < 0) continue;
+        add_bf16_row(&inputs[d].x[static_cast<size_t>(row) * hidden], hidden, acc.data());
+        for (int k = 0; k < num_topk; ++k) {
+          acc_weights[k] += inputs[d].topk_weights[static_cast<size_t>(row) * num_topk + k];
+        }
+      }
+      if (params.num_biases >= 1) add_bf16_row(&inputs[s].bias0[token_row], hidden, acc.data());
+      if (params.num_biases == 2) add_bf16_row(&inputs[s].bias1[token_row], hidden, acc.data());
+      for (int c = 0; c < hidden; ++c) out.combined_x[token_row + c] = float_to_bf16(acc[c]);
+      for (int k = 0; k < num_topk; ++k)
+        out.combined_topk_weights[static_cast<size_t>(t) * num_topk + k] = acc_weights[k];
+    }
+  }
+  return outputs;
+}
+
+}  // namespace epx::reference
