@@ -1,0 +1,43 @@
+// clean_low_latency_buffer: reset this rank's low-latency signals, then meet every rank, so the ranks agree
+// again on the operation counts however the previous operations ended.
+#include "common/cuda_check.hpp"
+#include "kernels/low_latency_common.cuh"
+
+namespace epx::kernels {
+
+namespace {
+
+using namespace low_latency;
+
+__global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
+  const LowLatencyLayout& layout = args.layout;
+  const PeerContext& peers = args.peers;
+  const int num_signal_ints = static_cast<int>(layout.signals_bytes() / sizeof(int));
+  for (int half = 0; half < 2; ++half) {
+    int* signals = local_at<int>(peers, layout.half_offset(half) + layout.signals_rel());
+    for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
+  }
+  // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
+  // rank's signal, and a peer sends again only after it saw every rank's signal.
+  __threadfence_system();
+  __syncthreads();
+  const int target = __ldcg(local_at<int>(peers, layout.barrier_count_offset())) + 1;
+  if (threadIdx.x < peers.num_ranks) {
+    device::st_release_sys(peer_at<int>(peers, threadIdx.x, layout.barrier_signal_offset(peers.rank)),
+                           target);
+    const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+    device::wait_at_least(local_at<int>(peers, layout.barrier_signal_offset(threadIdx.x)), target, ctx,
+                          threadIdx.x, WaitPhase::kBarrier);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) *local_at<int>(peers, layout.barrier_count_offset()) = target;
+}
+
+}  // namespace
+
+void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream) {
+  low_latency_clean_kernel<<<1, kNumThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels

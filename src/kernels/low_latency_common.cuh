@@ -1,0 +1,171 @@
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "kernels/low_latency_kernels.hpp"
+
+// Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
+// (local expert, source rank) bookkeeping that turns a flat row index into a row of one expert's block.
+namespace epx::kernels::low_latency {
+
+constexpr int kNumThreads = 512;
+constexpr int kNumWarps = kNumThreads / 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+
+template <typename T>
+__device__ __forceinline__ T* local_at(const PeerContext& peers, size_t offset) {
+  return LowLatencyLayout::at<T>(peers.local_base, offset);
+}
+
+template <typename T>
+__device__ __forceinline__ T* peer_at(const PeerContext& peers, int rank, size_t offset) {
+  return LowLatencyLayout::at<T>(peers.peer_bases[rank], offset);
+}
+
+// Operations of kind `op` this rank has completely received in `half`. Senders publish this + 1, receivers
+// wait for it: every rank runs the same sequence of operations, so the counts agree.
+// NOTES: it only changes at the very end of a receive phase (finish_receive), after every block of that
+// launch read it, and the next operation on this half starts after that launch (stream order and the host's
+// pending-receive check), so reading it anywhere in a launch gives the same value.
+__device__ __forceinline__ int read_num_uses(const PeerContext& peers, const LowLatencyLayout& layout,
+                                             int half, LowLatencyOp op) {
+  return __ldcg(local_at<int>(peers, layout.num_uses_offset(half, op)));
+}
+
+// Called by every thread of every block once its sends are issued. The last block to finish with a
+// destination publishes `value` into that destination's receive flag for this rank.
+// NOTES: each thread fences its own peer stores at system scope before the block's arrival is counted; the
+// last arriver fences again (acquiring the others' arrivals) and then releases the flag, so the receiver's
+// acquire of the flag orders every data store of every block before its reads.
+__device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
+                                              int half, LowLatencyOp op, int value) {
+  __threadfence_system();
+  __syncthreads();
+  for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
+    int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
+    if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
+      __threadfence_system();
+      device::st_release_sys(peer_at<int>(peers, dst, layout.recv_flag_offset(half, op, peers.rank)), value);
+    }
+  }
+}
+
+// Every block waits until all sources published `expected`; block 0 adds the waited time per source.
+__device__ __forceinline__ void wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
+                                                 int half, LowLatencyOp op, int expected, WaitPhase phase,
+                                                 int64_t* wait_cost_stats) {
+  const uint64_t start = device::global_timer_ns();
+  const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+  for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
+    device::wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)), expected, ctx, src,
+                          phase);
+    if (wait_cost_stats != nullptr && blockIdx.x == 0) {
+      atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
+                static_cast<unsigned long long>(device::global_timer_ns() - start));
+    }
+  }
+  // The waiting threads' acquires extend to the whole block through the barrier.
+  __syncthreads();
+}
+
+// Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which
+// moves the expected flag value of the next operation on this half.
+__device__ __forceinline__ void finish_receive(const PeerContext& peers, const LowLatencyLayout& layout,
+                                               int half, LowLatencyOp op, int num_uses) {
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    int* done = local_at<int>(peers, layout.recv_done_offset(half, op));
+    if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
+      atomicExch(done, 0);
+      atomicExch(local_at<int>(peers, layout.num_uses_offset(half, op)), num_uses + 1);
+    }
+  }
+}
+
+// In-place exclusive prefix sum of data[0, n) in shared memory by the whole block; data[n] = total.
+// warp_sums: kNumWarps ints of shared scratch.
+__device__ __forceinline__ void block_exclusive_scan(int* data, int n, int* warp_sums) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int per_thread = (n + kNumThreads - 1) / kNumThreads;
+  const int begin = min(n, static_cast<int>(threadIdx.x) * per_thread);
+  const int end = min(n, begin + per_thread);
+  int sum = 0;
+  for (int i = begin; i < end; ++i) sum += data[i];
+  int inclusive = sum;
+#pragma unroll
+  for (int offset = 1; offset < 32; offset <<= 1) {
+    const int other = __shfl_up_sync(kFullMask, inclusive, offset);
+    if (lane >= offset) inclusive += other;
+  }
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  if (warp == 0) {
+    int warp_total = lane < kNumWarps ? warp_sums[lane] : 0;
+#pragma unroll
+    for (int offset = 1; offset < 32; offset <<= 1) {
+      const int other = __shfl_up_sync(kFullMask, warp_total, offset);
+      if (lane >= offset) warp_total += other;
+    }
+    if (lane < kNumWarps) warp_sums[lane] = warp_total;
+  }
+  __syncthreads();
+  int running = inclusive - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  for (int i = begin; i < end; ++i) {
+    const int value = data[i];
+    data[i] = running;
+    running += value;
+  }
+  if (threadIdx.x == 0) data[n] = warp_sums[kNumWarps - 1];
+  __syncthreads();
+}
+
+// The (local expert, source rank) pair p, flattened as le * R + src, holding flat row j: the largest p with
+// prefix[p] <= j, for 0 <= j < prefix[n] (so the pair is never empty).
+__device__ __forceinline__ int find_pair(const int* prefix, int n, int row) {
+  int lo = 0;
+  int hi = n;
+  while (hi - lo > 1) {
+    const int mid = (lo + hi) / 2;
+    if (prefix[mid] <= row) {
+      lo = mid;
+    } else {
+      hi = mid;
+    }
+  }
+  return lo;
+}
+
+// An expert id of topk_idx, or -1 for "no expert" (ids outside [0, E) are treated as -1).
+__device__ __forceinline__ int expert_at(const int64_t* topk_idx, size_t i, int num_experts) {
+  const int64_t id = topk_idx[i];
+  return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+}
+
+// 8 BF16 values (16 bytes) widened to float.
+__device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
+  const uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),
+                             static_cast<uint32_t>(packed.z), static_cast<uint32_t>(packed.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
+  }
+}
+
+// The expert of top-k entry `entry` (flat t * K + k) if it is that token's first listing of it, else -1: a
+// token listing an expert twice is one row (the first listing's), and combine weights that row once per
+// listing.
+__device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
+                                                   int num_experts) {
+  const int expert = expert_at(topk_idx, entry, num_experts);
+  if (expert < 0) return -1;
+  for (int j = entry - entry % num_topk; j < entry; ++j)
+    if (expert_at(topk_idx, j, num_experts) == expert) return -1;
+  return expert;
+}
+
+}  // namespace epx::kernels::low_latency

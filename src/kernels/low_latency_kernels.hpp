@@ -1,0 +1,87 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "epx/layout/low_latency_layout.hpp"
+#include "kernels/normal_kernels.hpp"
+
+// Launchers of the low-latency (decode) kernels; each takes one Args struct of plain pointers.
+// Every launch is capturable in a CUDA graph: no allocation, no host synchronisation.
+namespace epx::kernels {
+
+// Which phases one launch runs. Send-only followed later by receive-only is the receive hook: between the
+// two, no SM is held while the data is in flight.
+enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLatencyBoth = 3 };
+
+// Rows delivered per (local expert, source rank): rows [begin, begin + count) of the expert's block.
+struct LowLatencyRange {
+  int begin;
+  int count;
+};
+
+struct LowLatencyDispatchArgs {
+  PeerContext peers;  // low-latency buffer bases of every rank (all NVLink peers in this version)
+  LowLatencyLayout layout;
+  int half;        // which half of the double buffer this call uses
+  int phases;      // LowLatencyPhase bits
+  int num_blocks;  // one block per SM: every block must be resident (receivers spin on senders)
+
+  // Send phase: this rank's tokens.
+  const void* x;            // [T, H] BF16
+  const int64_t* topk_idx;  // [T, K]; -1 (and anything outside [0, E)) means no expert
+  int num_tokens;           // T <= M
+  int num_topk;             // K in [1, 16]
+  bool use_fp8;             // cast per 128 channels in the kernel
+  bool round_scale;         // FP8 scales rounded up to powers of two
+  bool use_ue8m0;           // scales packed as 4 UE8M0 bytes per int32 (needs round_scale)
+
+  // Receive phase outputs (caller memory).
+  void* recv_x;        // [L, R*M, H] BF16 or FP8 e4m3
+  void* recv_scales;   // FP8: float [L, G, R*M] (column-major [L, R*M, G]); UE8M0: int32 [L, ceil(G/4), R*M]
+  int* recv_count;     // [L]
+  int* recv_src_info;  // [L, R*M] source token index of each row
+  int* recv_topk_pos;  // [L, R*M] top-k position of the token's first listing of the row's expert
+  LowLatencyRange* recv_range;              // [L, R]
+  int* cumulative_local_expert_recv_stats;  // [L] or nullptr: += received rows
+  int64_t* wait_recv_cost_stats;            // [R] or nullptr: += ns the receive waited for each source
+};
+void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
+// Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
+// against the device limit before launching.
+size_t low_latency_dispatch_smem_bytes(const LowLatencyLayout& layout);
+
+struct LowLatencyCombineArgs {
+  PeerContext peers;
+  LowLatencyLayout layout;
+  int half;
+  int phases;
+  int num_blocks;
+
+  // Send phase: expert outputs in the dispatch output order, and the dispatch handle that names their tokens.
+  const void* x;                      // [L, R*M, H] BF16 (the caller's, or the layout's combine_send rows)
+  const int* recv_src_info;           // [L, R*M]
+  const int* recv_topk_pos;           // [L, R*M]
+  const LowLatencyRange* recv_range;  // [L, R]
+  bool use_logfmt;                    // LogFMT-10 on the wire instead of BF16
+
+  // Receive phase: this rank's tokens.
+  const int64_t* topk_idx;    // [T, K], the same as dispatch's
+  const float* topk_weights;  // [T, K]
+  int num_tokens;
+  int num_topk;
+  void* out;                      // [T, H] BF16
+  int64_t* wait_recv_cost_stats;  // [R] or nullptr
+};
+void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
+
+// Resets this rank's signals in both halves, then meets every rank at a barrier, so no peer sends into the
+// buffer before every rank has reset (collective).
+struct LowLatencyCleanArgs {
+  PeerContext peers;
+  LowLatencyLayout layout;
+};
+void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream);
+
+}  // namespace epx::kernels
