@@ -12,11 +12,11 @@ using namespace low_latency;
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
   const LowLatencyLayout& layout = args.layout;
   const PeerContext& peers = args.peers;
-  const int num_signal_ints = static_cast<int>(layout.signals_bytes() / sizeof(int));
-  for (int half = 0; half < 2; ++half) {
-    int* signals = local_at<int>(peers, layout.half_offset(half) + layout.signals_rel());
-    for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
-  }
+  // Both halves' signals are contiguous: [signals_offset(0), control_bytes()).
+  const int num_signal_ints =
+      static_cast<int>((layout.control_bytes() - layout.signals_offset(0)) / sizeof(int));
+  int* signals = local_at<int>(peers, layout.signals_offset(0));
+  for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
   // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
   // rank's signal, and a peer sends again only after it saw every rank's signal.
   __threadfence_system();

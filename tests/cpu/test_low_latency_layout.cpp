@@ -23,14 +23,16 @@ struct Region {
 
 std::vector<Region> regions_of(const LowLatencyLayout& layout) {
   std::vector<Region> regions;
-  regions.push_back({"control", 0, layout.control_bytes()});
+  regions.push_back({"barrier", 0, layout.barrier_bytes()});
+  for (int half = 0; half < 2; ++half) {
+    regions.push_back({"signals[" + std::to_string(half) + "]", layout.signals_offset(half),
+                       layout.signals_offset(half) + layout.signals_bytes()});
+  }
   regions.push_back({"combine_send", layout.combine_send_offset(),
                      layout.combine_send_offset() + layout.combine_send_bytes()});
   for (int half = 0; half < 2; ++half) {
     const size_t base = layout.half_offset(half);
     const std::string h = "[" + std::to_string(half) + "]";
-    regions.push_back(
-        {"signals" + h, base + layout.signals_rel(), base + layout.signals_rel() + layout.signals_bytes()});
     regions.push_back({"dispatch_recv_counts" + h, base + layout.dispatch_recv_counts_rel(),
                        base + layout.dispatch_recv_counts_rel() + layout.dispatch_recv_counts_bytes()});
     regions.push_back({"dispatch_recv_index" + h, base + layout.dispatch_recv_index_rel(),
@@ -83,8 +85,8 @@ void check_structure(const LowLatencyLayout& layout) {
   EXPECT_GE(layout.dispatch_msg_bytes(),
             layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups()));
 
-  expect_inside(regions, "control", layout.barrier_signal_offset(last_rank), sizeof(int));
-  expect_inside(regions, "control", layout.barrier_count_offset(), sizeof(int));
+  expect_inside(regions, "barrier", layout.barrier_signal_offset(last_rank), sizeof(int));
+  expect_inside(regions, "barrier", layout.barrier_count_offset(), sizeof(int));
   EXPECT_NE(layout.barrier_signal_offset(last_rank), layout.barrier_count_offset());
   expect_inside(regions, "combine_send", layout.combine_send_row_offset(0, 0), size_t(layout.hidden) * 2);
   expect_inside(regions, "combine_send",
@@ -146,7 +148,8 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.num_recv_rows(), 512);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
-  EXPECT_EQ(layout.control_bytes(), 128u);
+  EXPECT_EQ(layout.barrier_bytes(), 128u);
+  EXPECT_EQ(layout.control_bytes(), 384u);
   EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
@@ -154,7 +157,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
   EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
   EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
-  EXPECT_EQ(layout.half_bytes(), 39142656u);
+  EXPECT_EQ(layout.half_bytes(), 39142528u);
   EXPECT_EQ(layout.total_bytes(), 606767744u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 608174080u);  // 290 x 2 MiB
   check_structure(layout);
@@ -164,7 +167,7 @@ TEST(LowLatencyLayout, SmallestShape) {
   const LowLatencyLayout layout(1, 128, 1, 1);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
-  EXPECT_EQ(layout.half_bytes(), 5248u);
+  EXPECT_EQ(layout.half_bytes(), 5120u);
   EXPECT_EQ(layout.total_bytes(), 10880u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
@@ -175,7 +178,7 @@ TEST(LowLatencyLayout, OddShapes) {
     const LowLatencyLayout layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(layout.half_bytes(), 327552u);
+    EXPECT_EQ(layout.half_bytes(), 327424u);
     EXPECT_EQ(layout.total_bytes(), 800384u);
     check_structure(layout);
   }
@@ -187,6 +190,24 @@ TEST(LowLatencyLayout, OddShapes) {
   }
   for (int hidden : {128, 2048, 2688, 8192})
     for (int ranks : {1, 2, 5, 64}) check_structure(LowLatencyLayout(7, hidden, ranks, ranks * 3));
+}
+
+TEST(LowLatencyLayout, SignalsDoNotMoveWithTheShape) {
+  // Operations of different M / hidden / E on one buffer must agree on the monotonic signal words.
+  const LowLatencyLayout a(128, 7168, 4, 288);
+  const LowLatencyLayout b(3, 2688, 4, 8);
+  for (int half = 0; half < 2; ++half) {
+    for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
+      for (int r = 0; r < 4; ++r) {
+        EXPECT_EQ(a.recv_flag_offset(half, op, r), b.recv_flag_offset(half, op, r));
+        EXPECT_EQ(a.send_finish_offset(half, op, r), b.send_finish_offset(half, op, r));
+      }
+      EXPECT_EQ(a.num_uses_offset(half, op), b.num_uses_offset(half, op));
+      EXPECT_EQ(a.recv_done_offset(half, op), b.recv_done_offset(half, op));
+    }
+  }
+  EXPECT_EQ(a.barrier_count_offset(), b.barrier_count_offset());
+  EXPECT_EQ(a.control_bytes(), b.control_bytes());
 }
 
 void expect_rejected(int m, int hidden, int ranks, int experts, const std::string& argument) {

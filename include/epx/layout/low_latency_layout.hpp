@@ -34,10 +34,11 @@ constexpr int kNumLowLatencyOps = 2;
 // launch or cleaning race exists and a stale signal can never pass. clean_low_latency_buffer() resets them
 // collectively.
 //
-//   control                          clean-barrier signals (not double-buffered)
+//   control                          clean-barrier signals, then per half h: recv_flag[op][R],
+//                                    send_finish[op][R], num_uses[op], recv_done[op] (offsets depend on R
+//                                    only)
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   per half h in {0, 1}:
-//     signals                        recv_flag[op][R], send_finish[op][R], num_uses[op], recv_done[op]
 //     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
 //     dispatch_recv_index[L][R][M]   their (token << 4 | top-k position), ascending token order
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
@@ -89,12 +90,20 @@ struct LowLatencyLayout {
     return align_up(bf16_bytes > logfmt_bytes ? bf16_bytes : logfmt_bytes, 16);
   }
 
-  // ---- Control (clean barrier) ----
+  // ---- Control: the clean barrier and both halves' signals. Their offsets depend only on R, so operations
+  // of different shapes (M, H, E) on one buffer still agree on them. ----
   EPX_HD size_t barrier_signal_offset(int src_rank) const { return sizeof(int) * size_t(src_rank); }
   EPX_HD size_t barrier_count_offset() const { return sizeof(int) * size_t(num_ranks); }
-  EPX_HD size_t control_bytes() const {
+  EPX_HD size_t barrier_bytes() const {
     return align_up(sizeof(int) * (size_t(num_ranks) + 1), kLowLatencyAlign);
   }
+  // Per half: recv_flag[op][R], send_finish[op][R], num_uses[op], recv_done[op].
+  EPX_HD size_t signals_bytes() const {
+    return align_up(sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
+                    kLowLatencyAlign);
+  }
+  EPX_HD size_t signals_offset(int half) const { return barrier_bytes() + size_t(half) * signals_bytes(); }
+  EPX_HD size_t control_bytes() const { return signals_offset(2); }
 
   // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
   EPX_HD size_t combine_send_offset() const { return control_bytes(); }
@@ -105,11 +114,7 @@ struct LowLatencyLayout {
     return combine_send_offset() + (size_t(local_expert) * num_recv_rows() + row) * size_t(hidden) * 2;
   }
 
-  // ---- Per-half regions, offsets relative to the half ----
-  EPX_HD size_t signals_bytes() const {
-    return align_up(sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
-                    kLowLatencyAlign);
-  }
+  // ---- Per-half data regions, offsets relative to the half ----
   EPX_HD size_t dispatch_recv_counts_bytes() const {
     return align_up(sizeof(int) * size_t(num_experts), kLowLatencyAlign);  // L*R == E
   }
@@ -126,8 +131,7 @@ struct LowLatencyLayout {
     return align_up(size_t(num_max_tokens) * kMaxTopk * combine_slot_bytes(), kLowLatencyAlign);
   }
 
-  EPX_HD size_t signals_rel() const { return 0; }
-  EPX_HD size_t dispatch_recv_counts_rel() const { return signals_rel() + signals_bytes(); }
+  EPX_HD size_t dispatch_recv_counts_rel() const { return 0; }
   EPX_HD size_t dispatch_recv_index_rel() const {
     return dispatch_recv_counts_rel() + dispatch_recv_counts_bytes();
   }
@@ -150,24 +154,22 @@ struct LowLatencyLayout {
   // ---- Absolute byte offsets of single items ----
   // Written by `src_rank`: how many operations of kind `op` it has sent into this half (monotonic).
   EPX_HD size_t recv_flag_offset(int half, LowLatencyOp op, int src_rank) const {
-    return half_offset(half) + signals_rel() +
-           sizeof(int) * (size_t(static_cast<int>(op)) * num_ranks + src_rank);
+    return signals_offset(half) + sizeof(int) * (size_t(static_cast<int>(op)) * num_ranks + src_rank);
   }
   // Local: blocks of the running send phase done with `dst_rank` (the last one publishes and resets it).
   EPX_HD size_t send_finish_offset(int half, LowLatencyOp op, int dst_rank) const {
-    return half_offset(half) + signals_rel() +
+    return signals_offset(half) +
            sizeof(int) * (size_t(kNumLowLatencyOps + static_cast<int>(op)) * num_ranks + dst_rank);
   }
   // Local: operations of kind `op` this rank has completely received in this half.
   EPX_HD size_t num_uses_offset(int half, LowLatencyOp op) const {
-    return half_offset(half) + signals_rel() +
+    return signals_offset(half) +
            sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + static_cast<int>(op));
   }
   // Local: blocks of the running receive phase that finished (the last one bumps num_uses and resets it).
   EPX_HD size_t recv_done_offset(int half, LowLatencyOp op) const {
-    return half_offset(half) + signals_rel() +
-           sizeof(int) *
-               (size_t(2 * kNumLowLatencyOps) * num_ranks + kNumLowLatencyOps + static_cast<int>(op));
+    return signals_offset(half) + sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks +
+                                                 kNumLowLatencyOps + static_cast<int>(op));
   }
   EPX_HD size_t dispatch_recv_count_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_counts_rel() +
