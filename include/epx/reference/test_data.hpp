@@ -72,8 +72,7 @@ struct Stamp {
   int src_rank = -1;
   int token_idx = -1;
 };
-// Reads the stamp of a BF16 row (or of a sum of n identical stamped rows when divided by n first);
-// {-1, -1} when hidden < kStampChannels or the channels are not a stamp.
+// Reads the stamp of a BF16 row; {-1, -1} when hidden < kStampChannels or the channels are not a stamp.
 Stamp read_stamp(const uint16_t* row, int hidden);
 
 struct Fp8Tokens {
