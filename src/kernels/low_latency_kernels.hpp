@@ -15,12 +15,6 @@ namespace epx::kernels {
 // two, no SM is held while the data is in flight.
 enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLatencyBoth = 3 };
 
-// Rows delivered per (local expert, source rank): rows [begin, begin + count) of the expert's block.
-struct LowLatencyRange {
-  int begin;
-  int count;
-};
-
 struct LowLatencyDispatchArgs {
   PeerContext peers;  // low-latency buffer bases of every rank (all NVLink peers in this version)
   LowLatencyLayout layout;

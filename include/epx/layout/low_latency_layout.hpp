@@ -19,6 +19,12 @@ constexpr size_t kLowLatencySizeHintAlign = size_t(2) << 20;  // size hints are 
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
 constexpr int kNumLowLatencyOps = 2;
 
+// Rows of local expert le received from source rank s: rows [begin, begin + count) of le's block of R*M rows.
+struct LowLatencyRange {
+  int begin;
+  int count;
+};
+
 // Layout of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
 // the local buffer and the peers' mappings with it (all ranks use the same shape, so offsets agree).
 //

@@ -1,0 +1,138 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+
+#include "epx/buffer.hpp"
+#include "epx/event.hpp"
+#include "epx/layout/low_latency_layout.hpp"
+#include "epx/normal.hpp"
+
+// Low-latency (decode) mode on raw device pointers: dispatch into the fixed per-expert layout [L, R*M, H] and
+// the weighted combine back, through the Buffer's low-latency memory (size it with
+// get_low_latency_rdma_size_hint). Every call is collective over the Buffer's ranks (all ranks make the same
+// sequence of low-latency calls), allocates nothing and never synchronizes with the host, so it can be
+// captured in a CUDA graph. Outputs are caller memory.
+//
+// Double buffering: successive calls (dispatch or combine) alternate between the two halves of the buffer.
+// A call whose receive has not run yet (its hook was not called) keeps its half busy; a call that needs
+// that half again throws instead of overwriting it. So at most two results are pending at once.
+namespace epx {
+
+struct LowLatencyDispatchInput {
+  const void* x = nullptr;            // [T, H] BF16, 16-byte aligned
+  const int64_t* topk_idx = nullptr;  // [T, K] global expert ids, -1 = none (ids outside [-1, E) are ignored)
+  int num_tokens = 0;                 // T <= M
+  int num_topk = 0;                   // K in [1, 16]
+  int hidden = 0;                     // H, a multiple of 128
+  int num_max_dispatch_tokens_per_rank = 0;  // M, the same on every rank
+  int num_experts = 0;                       // E, a multiple of the number of ranks
+  bool use_fp8 = true;                       // cast per 128 channels in the kernel
+  bool round_scale = false;                  // FP8 scales rounded up to powers of two
+  bool use_ue8m0 = false;         // scales as packed UE8M0 bytes (requires use_fp8 and round_scale)
+  bool return_recv_hook = false;  // only send now; LowLatencyRecvHook receives later
+  int* cumulative_local_expert_recv_stats = nullptr;  // [L] or null: += received rows per local expert
+  int64_t* dispatch_wait_recv_cost_stats = nullptr;   // [R] or null: += ns the receive waited per source
+};
+
+// Caller-allocated outputs (sizes: low_latency_dispatch_sizes). Rows past recv_count[le] are unspecified.
+struct LowLatencyDispatchOutput {
+  void* recv_x = nullptr;         // [L, R*M, H] BF16, or FP8 e4m3 bytes
+  void* recv_x_scales = nullptr;  // FP8: float [L, R*M, H/128] stored column-major (as [L, H/128, R*M]);
+                                  // UE8M0: int32 [L, R*M, ceil(H/512)] likewise; BF16: null
+  int* recv_count = nullptr;      // [L]
+  // The handle's arrays (combine reads them):
+  int* recv_src_info = nullptr;                  // [L, R*M] source token index of each row
+  int* recv_topk_pos = nullptr;                  // [L, R*M] top-k position of the token's (first) listing
+  LowLatencyRange* recv_layout_range = nullptr;  // [L, R]
+};
+
+struct LowLatencyDispatchSizes {
+  int num_local_experts = 0;    // L
+  int num_rows_per_expert = 0;  // R*M
+  int num_scale_columns = 0;    // H/128 floats, or ceil(H/512) int32 words with UE8M0, 0 for BF16
+  size_t recv_x_bytes = 0;
+  size_t recv_x_scales_bytes = 0;
+  size_t recv_count_bytes = 0;
+  size_t recv_src_info_bytes = 0;  // also recv_topk_pos
+  size_t recv_layout_range_bytes = 0;
+};
+LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer,
+                                                   const LowLatencyDispatchInput& input);
+
+// What combine needs from its dispatch: shape and the (caller-owned, device) handle arrays. Plain values.
+struct LowLatencyHandle {
+  int num_tokens = 0;
+  int num_topk = 0;
+  int hidden = 0;
+  int num_max_dispatch_tokens_per_rank = 0;
+  int num_experts = 0;
+  const int* recv_src_info = nullptr;
+  const int* recv_topk_pos = nullptr;
+  const LowLatencyRange* recv_layout_range = nullptr;
+};
+
+// Completes a send-only call: launches its receive phase on `stream` (the caller's). Runs once.
+// Copyable; all copies share one state. Run it before the Buffer is destroyed.
+class LowLatencyRecvHook {
+ public:
+  struct State;
+  LowLatencyRecvHook() = default;
+  explicit LowLatencyRecvHook(std::shared_ptr<State> state) : state_(std::move(state)) {}
+  bool valid() const { return state_ != nullptr; }
+  bool done() const;
+  void operator()(cudaStream_t stream) const;
+
+ private:
+  std::shared_ptr<State> state_;
+};
+
+struct LowLatencyDispatchResult {
+  LowLatencyHandle handle;
+  Event event;              // with async_finish (and no hook)
+  LowLatencyRecvHook hook;  // with return_recv_hook
+};
+
+// Without a hook the call runs on the Buffer's comm stream, ordered after order.compute_stream (or
+// order.previous_event), and the compute stream waits for it unless order.async_finish. With a hook the send
+// phase runs on order.compute_stream itself (async_finish is not allowed with a hook).
+LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& input,
+                                              const LowLatencyDispatchOutput& output,
+                                              const StreamOrder& order);
+
+struct LowLatencyCombineInput {
+  const void* x = nullptr;  // [L, R*M, H] BF16 expert outputs in the dispatch output order; with zero_copy
+                            // null (or next_low_latency_combine_buffer()): the rows are already there
+  const int64_t* topk_idx = nullptr;    // [T, K] the ids this rank dispatched with
+  const float* topk_weights = nullptr;  // [T, K]
+  int num_tokens = 0;                   // T of the dispatch
+  int num_topk = 0;                     // K of the dispatch
+  bool use_logfmt = false;              // LogFMT-10 on the wire
+  bool zero_copy = false;
+  bool return_recv_hook = false;
+  int64_t* combine_wait_recv_cost_stats = nullptr;  // [R] or null
+};
+
+struct LowLatencyCombineResult {
+  Event event;
+  LowLatencyRecvHook hook;
+};
+
+// combined_x [T, H] BF16 (caller memory, 16-byte aligned) = sum over the token's experts of weight * output,
+// in top-k order with float accumulation (a duplicated expert counts once per listing).
+LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
+                                            const LowLatencyCombineInput& input, void* combined_x,
+                                            const StreamOrder& order);
+
+// The BF16 [L, R*M, H] rows the next zero-copy combine with this handle's shape sends from (in the Buffer).
+void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle);
+
+// Resets the low-latency signals of every rank and the host's call sequence (collective; no low-latency
+// call may be in flight). Needed only to recover after an error; shapes may change between calls without it.
+void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
+                              int num_experts, const StreamOrder& order);
+
+}  // namespace epx

@@ -1,0 +1,224 @@
+#include "epx/low_latency.hpp"
+
+#include <cstdint>
+
+#include "common/cuda_check.hpp"
+#include "epx/error.hpp"
+#include "kernels/low_latency_kernels.hpp"
+#include "runtime/low_latency_state.hpp"
+#include "runtime/stream_order.hpp"
+
+namespace epx {
+
+namespace {
+
+bool aligned16(const void* pointer) {
+  return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
+}
+
+LowLatencyLayout layout_for(const Buffer& buffer, int num_max_tokens, int hidden, int num_experts) {
+  EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
+            "must be > 0 for low-latency mode (size it with get_low_latency_rdma_size_hint)");
+  const LowLatencyLayout layout(num_max_tokens, hidden, buffer.num_ranks(), num_experts);
+  EPX_CHECK(layout.total_bytes() <= buffer.num_rdma_bytes(), "num_rdma_bytes", buffer.num_rdma_bytes(),
+            detail::concat("must be >= ", layout.total_bytes(), " for M = ", num_max_tokens,
+                           ", hidden = ", hidden, ", E = ", num_experts, " (get_low_latency_rdma_size_hint)")
+                .c_str());
+  return layout;
+}
+
+kernels::PeerContext peer_context(const Buffer& buffer) {
+  return kernels::PeerContext{
+      buffer.rdma_peer_bases_device(), buffer.rdma_buffer(),    buffer.rank(), buffer.num_ranks(),
+      buffer.timeout_record_device(),  buffer.wait_timeout_ns()};
+}
+
+void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, const int64_t* topk_idx) {
+  EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
+  EPX_CHECK(num_tokens <= layout.num_max_tokens, "num_tokens", num_tokens,
+            "must be <= num_max_dispatch_tokens_per_rank");
+  EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
+  EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16 (top-k > 16 is unsupported)");
+  EPX_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null",
+            "must point to [num_tokens, num_topk] ids");
+}
+
+void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
+                       const LowLatencyDispatchOutput& out, const LowLatencyLayout& layout,
+                       const LowLatencyState& state, const StreamOrder& order) {
+  check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
+  EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null",
+            "must point to [num_tokens, hidden] BF16 tokens");
+  EPX_CHECK(aligned16(in.x), "x", in.x, "must be 16-byte aligned");
+  EPX_CHECK(!in.use_ue8m0 || in.use_fp8, "use_ue8m0", in.use_ue8m0, "requires use_fp8");
+  EPX_CHECK(!in.use_ue8m0 || in.round_scale, "use_ue8m0", in.use_ue8m0, "requires round_scale");
+  EPX_CHECK(!(in.return_recv_hook && order.async_finish), "async_finish", order.async_finish,
+            "must be false with return_recv_hook (the hook orders the receive)");
+  EPX_CHECK(out.recv_x != nullptr, "recv_x", "null", "must point to [L, R*M, hidden] rows");
+  EPX_CHECK(aligned16(out.recv_x), "recv_x", out.recv_x, "must be 16-byte aligned");
+  EPX_CHECK(!in.use_fp8 || out.recv_x_scales != nullptr, "recv_x_scales", "null",
+            "are required with use_fp8");
+  EPX_CHECK(out.recv_count != nullptr, "recv_count", "null", "must point to [L] ints");
+  EPX_CHECK(out.recv_src_info != nullptr, "recv_src_info", "null", "must point to [L, R*M] ints");
+  EPX_CHECK(out.recv_topk_pos != nullptr, "recv_topk_pos", "null", "must point to [L, R*M] ints");
+  EPX_CHECK(out.recv_layout_range != nullptr, "recv_layout_range", "null", "must point to [L, R] ranges");
+  const size_t smem_bytes = kernels::low_latency_dispatch_smem_bytes(layout);
+  EPX_CHECK(smem_bytes <= static_cast<size_t>(state.max_smem_bytes), "num_experts", layout.num_experts,
+            detail::concat("needs ", smem_bytes, " bytes of shared memory for routing, more than the GPU's ",
+                           state.max_smem_bytes, " (unsupported)")
+                .c_str());
+}
+
+// Runs `launch` for a call: with a hook on the caller's stream (send now, receive in the hook), else both
+// phases on the comm stream ordered against the caller's stream.
+template <typename Args, typename Launch>
+std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool return_recv_hook,
+                                           const StreamOrder& order, Launch launch) {
+  const std::shared_ptr<LowLatencyState> state = low_latency_state(buffer);
+  const uint64_t call = state->num_calls;
+  args.half = static_cast<int>(call & 1);
+  check_low_latency_half_free(*state, args.half);
+  args.num_blocks = buffer.num_device_sms();
+  if (return_recv_hook) {
+    if (order.previous_event != nullptr)
+      EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, order.previous_event, 0));
+    args.phases = kernels::kLowLatencySend;
+    launch(args, order.compute_stream);
+    state->num_calls += 1;
+    Args receive = args;
+    receive.phases = kernels::kLowLatencyRecv;
+    return {Event{}, make_low_latency_hook(state, call, args.half, [receive, launch](cudaStream_t stream) {
+              launch(receive, stream);
+            })};
+  }
+  begin_on_comm_stream(buffer, order);
+  args.phases = kernels::kLowLatencyBoth;
+  launch(args, buffer.comm_stream());
+  state->num_calls += 1;
+  return {end_on_comm_stream(buffer, order), LowLatencyRecvHook{}};
+}
+
+}  // namespace
+
+LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const LowLatencyDispatchInput& in) {
+  const LowLatencyLayout layout(in.num_max_dispatch_tokens_per_rank, in.hidden, buffer.num_ranks(),
+                                in.num_experts);
+  LowLatencyDispatchSizes sizes;
+  sizes.num_local_experts = layout.num_local_experts();
+  sizes.num_rows_per_expert = layout.num_recv_rows();
+  const size_t rows = size_t(sizes.num_local_experts) * sizes.num_rows_per_expert;
+  sizes.num_scale_columns = !in.use_fp8    ? 0
+                            : in.use_ue8m0 ? (layout.num_groups() + 3) / 4
+                                           : layout.num_groups();
+  sizes.recv_x_bytes = rows * layout.hidden * (in.use_fp8 ? 1 : 2);
+  sizes.recv_x_scales_bytes = rows * sizes.num_scale_columns * 4;
+  sizes.recv_count_bytes = sizeof(int) * sizes.num_local_experts;
+  sizes.recv_src_info_bytes = sizeof(int) * rows;
+  sizes.recv_layout_range_bytes =
+      sizeof(LowLatencyRange) * size_t(sizes.num_local_experts) * layout.num_ranks;
+  return sizes;
+}
+
+LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& in,
+                                              const LowLatencyDispatchOutput& out, const StreamOrder& order) {
+  const LowLatencyLayout layout =
+      layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
+  validate_dispatch(buffer, in, out, layout, *low_latency_state(buffer), order);
+
+  kernels::LowLatencyDispatchArgs args{};
+  args.peers = peer_context(buffer);
+  args.layout = layout;
+  args.x = in.x;
+  args.topk_idx = in.topk_idx;
+  args.num_tokens = in.num_tokens;
+  args.num_topk = in.num_topk;
+  args.use_fp8 = in.use_fp8;
+  args.round_scale = in.round_scale;
+  args.use_ue8m0 = in.use_ue8m0;
+  args.recv_x = out.recv_x;
+  args.recv_scales = out.recv_x_scales;
+  args.recv_count = out.recv_count;
+  args.recv_src_info = out.recv_src_info;
+  args.recv_topk_pos = out.recv_topk_pos;
+  args.recv_range = out.recv_layout_range;
+  args.cumulative_local_expert_recv_stats = in.cumulative_local_expert_recv_stats;
+  args.wait_recv_cost_stats = in.dispatch_wait_recv_cost_stats;
+  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order, kernels::launch_low_latency_dispatch);
+
+  LowLatencyDispatchResult result;
+  result.handle = LowLatencyHandle{
+      in.num_tokens,  in.num_topk,       in.hidden,         in.num_max_dispatch_tokens_per_rank,
+      in.num_experts, out.recv_src_info, out.recv_topk_pos, out.recv_layout_range};
+  result.event = std::move(event);
+  result.hook = std::move(hook);
+  return result;
+}
+
+void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle) {
+  const LowLatencyLayout layout =
+      layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
+  return LowLatencyLayout::at<char>(buffer.rdma_buffer(), layout.combine_send_offset());
+}
+
+LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
+                                            const LowLatencyCombineInput& in, void* combined_x,
+                                            const StreamOrder& order) {
+  const LowLatencyLayout layout =
+      layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
+  check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
+  EPX_CHECK(handle.recv_src_info != nullptr && handle.recv_topk_pos != nullptr &&
+                handle.recv_layout_range != nullptr,
+            "handle", "without arrays", "must come from low_latency_dispatch");
+  EPX_CHECK(in.num_tokens == handle.num_tokens, "num_tokens", in.num_tokens,
+            detail::concat("must equal the dispatch's (", handle.num_tokens, ")").c_str());
+  EPX_CHECK(in.num_topk == handle.num_topk, "num_topk", in.num_topk,
+            detail::concat("must equal the dispatch's (", handle.num_topk, ")").c_str());
+  EPX_CHECK(in.num_tokens == 0 || in.topk_weights != nullptr, "topk_weights", "null",
+            "must point to [num_tokens, num_topk] weights");
+  EPX_CHECK(in.num_tokens == 0 || combined_x != nullptr, "combined_x", "null",
+            "must point to [num_tokens, hidden]");
+  EPX_CHECK(aligned16(combined_x), "combined_x", combined_x, "must be 16-byte aligned");
+  EPX_CHECK(!(in.return_recv_hook && order.async_finish), "async_finish", order.async_finish,
+            "must be false with return_recv_hook (the hook orders the receive)");
+  void* const zero_copy_rows = next_low_latency_combine_buffer(buffer, handle);
+  const void* x = in.x;
+  if (in.zero_copy) {
+    EPX_CHECK(x == nullptr || x == zero_copy_rows, "x", x,
+              "must be null or next_low_latency_combine_buffer() with zero_copy");
+    x = zero_copy_rows;
+  } else {
+    EPX_CHECK(x != nullptr, "x", "null", "must point to [L, R*M, hidden] BF16 rows (or use zero_copy)");
+    EPX_CHECK(aligned16(x), "x", x, "must be 16-byte aligned");
+  }
+
+  kernels::LowLatencyCombineArgs args{};
+  args.peers = peer_context(buffer);
+  args.layout = layout;
+  args.x = x;
+  args.recv_src_info = handle.recv_src_info;
+  args.recv_topk_pos = handle.recv_topk_pos;
+  args.recv_range = handle.recv_layout_range;
+  args.use_logfmt = in.use_logfmt;
+  args.topk_idx = in.topk_idx;
+  args.topk_weights = in.topk_weights;
+  args.num_tokens = in.num_tokens;
+  args.num_topk = in.num_topk;
+  args.out = combined_x;
+  args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
+  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order, kernels::launch_low_latency_combine);
+  return LowLatencyCombineResult{std::move(event), std::move(hook)};
+}
+
+void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
+                              int num_experts, const StreamOrder& order) {
+  const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
+  begin_on_comm_stream(buffer, order);
+  kernels::launch_low_latency_clean(kernels::LowLatencyCleanArgs{peer_context(buffer), layout},
+                                    buffer.comm_stream());
+  end_on_comm_stream(buffer, order);
+  LowLatencyState& state = *low_latency_state(buffer);
+  state.num_calls = 0;
+  state.pending_call[0] = state.pending_call[1] = 0;
+}
+
+}  // namespace epx

@@ -1,0 +1,88 @@
+#include "runtime/low_latency_state.hpp"
+
+#include <map>
+#include <mutex>
+#include <utility>
+
+#include "common/cuda_check.hpp"
+#include "epx/error.hpp"
+
+namespace epx {
+
+struct LowLatencyRecvHook::State {
+  std::shared_ptr<LowLatencyState> owner;
+  uint64_t call = 0;
+  int half = 0;
+  std::function<void(cudaStream_t)> launch_receive;
+  bool done = false;
+};
+
+namespace {
+
+struct RegistryEntry {
+  void* rdma_base = nullptr;
+  size_t rdma_bytes = 0;
+  std::shared_ptr<LowLatencyState> state;
+};
+
+std::mutex registry_mutex;
+std::map<const Buffer*, RegistryEntry>& registry() {
+  static std::map<const Buffer*, RegistryEntry> entries;
+  return entries;
+}
+
+}  // namespace
+
+std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer) {
+  void* const rdma_base = buffer.rdma_buffer();
+  const size_t rdma_bytes = buffer.num_rdma_bytes();
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  RegistryEntry& entry = registry()[&buffer];
+  if (entry.state == nullptr || entry.rdma_base != rdma_base || entry.rdma_bytes != rdma_bytes) {
+    entry.rdma_base = rdma_base;
+    entry.rdma_bytes = rdma_bytes;
+    entry.state = std::make_shared<LowLatencyState>();
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&entry.state->max_smem_bytes,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, buffer.device()));
+  }
+  return entry.state;
+}
+
+void check_low_latency_half_free(const LowLatencyState& state, int half) {
+  const uint64_t pending = state.pending_call[half];
+  if (pending != 0) {
+    EPX_FAIL("low-latency call #", state.num_calls, " needs buffer half ", half,
+             ", but the receive hook of call #", pending - 1,
+             " on that half has not run: run it first (at most two low-latency results may be pending)");
+  }
+}
+
+LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state, uint64_t call, int half,
+                                         std::function<void(cudaStream_t)> launch_receive) {
+  auto hook = std::make_shared<LowLatencyRecvHook::State>();
+  state->pending_call[half] = call + 1;
+  hook->owner = std::move(state);
+  hook->call = call;
+  hook->half = half;
+  hook->launch_receive = std::move(launch_receive);
+  return LowLatencyRecvHook(std::move(hook));
+}
+
+bool LowLatencyRecvHook::done() const {
+  return state_ != nullptr && state_->done;
+}
+
+void LowLatencyRecvHook::operator()(cudaStream_t stream) const {
+  EPX_CHECK(state_ != nullptr, "hook", "empty", "must come from a call with return_recv_hook");
+  EPX_CHECK(!state_->done, "hook", "already run", "a receive hook runs once");
+  LowLatencyState& owner = *state_->owner;
+  if (owner.pending_call[state_->half] != state_->call + 1) {
+    EPX_FAIL("the receive hook of low-latency call #", state_->call,
+             " is stale: clean_low_latency_buffer() was called after it");
+  }
+  state_->launch_receive(stream);
+  state_->done = true;
+  owner.pending_call[state_->half] = 0;
+}
+
+}  // namespace epx

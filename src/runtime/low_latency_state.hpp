@@ -1,0 +1,35 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <functional>
+#include <memory>
+
+#include "epx/buffer.hpp"
+#include "epx/low_latency.hpp"
+
+namespace epx {
+
+// Host side of the low-latency protocol of one Buffer: which half the next call uses and which halves still
+// wait for a receive hook. The device side (monotonic signals) lives in the buffer's control area.
+struct LowLatencyState {
+  uint64_t num_calls = 0;             // low-latency calls issued; call n uses half n & 1
+  uint64_t pending_call[2] = {0, 0};  // 1 + the call whose receive has not run on that half, 0 = none
+  int max_smem_bytes = 0;             // the device's opt-in shared memory per block
+};
+
+// The state of `buffer` (created on first use).
+// TODO(lead): owned by a per-Buffer registry until epx::Buffer carries a slot for it; an entry is renewed
+// when its Buffer address or low-latency memory changes, but a destroyed Buffer re-created at the same
+// address with the same device allocation would inherit the old entry.
+std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);
+
+// Marks `half` busy until the returned hook runs `launch_receive`.
+LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state, uint64_t call, int half,
+                                         std::function<void(cudaStream_t)> launch_receive);
+
+// Throws unless `half` is free for `call` (no earlier call's receive pending on it).
+void check_low_latency_half_free(const LowLatencyState& state, int half);
+
+}  // namespace epx
