@@ -1,6 +1,203 @@
-#include <cstdio>
+// epx-bench: normal and low-latency dispatch/combine on every visible GPU (one process per GPU), with the
+// NCCL all-to-all baseline moving the same bytes in the same run; the CPU reference run where no GPU exists.
 
-int main() {
-  std::printf("epx-bench: not implemented yet\n");
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <iostream>
+#include <sstream>
+#include <string>
+#include <vector>
+
+#include "bench_options.hpp"
+#include "bench_report.hpp"
+#include "cpu_reference_run.hpp"
+#include "epx/error.hpp"
+
+#if defined(EPX_WITH_CUDA)
+#include <cuda_runtime.h>
+
+#include "common/cuda_check.hpp"
+#include "common/device_info.hpp"
+#include "epx/local_launcher.hpp"
+#include "low_latency_bench.hpp"
+#include "normal_bench.hpp"
+#endif
+
+namespace {
+
+using epx::bench::BenchOptions;
+
+void print_help() {
+  std::printf(
+      "usage: epx-bench [options]\n"
+      "  --mode normal|low-latency|all   what to run (default all)\n"
+      "  --ranks N                       GPUs to use (default: all visible)\n"
+      "  --tokens T --hidden H --topk K --experts E   normal-mode shape (default 4096 7168 8 256)\n"
+      "  --num-sms a,b,c                 SM budgets of the normal kernels (default 24)\n"
+      "  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)\n"
+      "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
+      "  --json                          JSON lines on stdout instead of tables\n"
+      "  --json-file PATH                also write the JSON lines to PATH\n"
+      "Bytes (TARGETS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
+      "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
+      "LogFMT).\n");
+}
+
+std::vector<int> parse_list(const std::string& text) {
+  std::vector<int> values;
+  std::stringstream stream(text);
+  std::string item;
+  while (std::getline(stream, item, ',')) values.push_back(std::stoi(item));
+  return values;
+}
+
+// Returns false when the program should stop (help printed).
+bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
+  for (int i = 1; i < argc; ++i) {
+    const std::string flag = argv[i];
+    auto value = [&]() -> std::string {
+      EPX_CHECK(i + 1 < argc, "argv", flag, "needs a value");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      print_help();
+      return false;
+    } else if (flag == "--mode") {
+      o.mode = value();
+      EPX_CHECK(o.mode == "normal" || o.mode == "low-latency" || o.mode == "all", "--mode", o.mode,
+                "must be normal, low-latency or all");
+    } else if (flag == "--ranks") {
+      o.num_ranks = std::stoi(value());
+    } else if (flag == "--tokens") {
+      o.num_tokens = std::stoi(value());
+    } else if (flag == "--hidden") {
+      o.hidden = std::stoi(value());
+    } else if (flag == "--topk") {
+      o.num_topk = std::stoi(value());
+    } else if (flag == "--experts") {
+      o.num_experts = std::stoi(value());
+    } else if (flag == "--num-sms") {
+      o.num_sms = parse_list(value());
+    } else if (flag == "--ll-tokens") {
+      o.ll_num_tokens = std::stoi(value());
+    } else if (flag == "--ll-experts") {
+      o.ll_num_experts = std::stoi(value());
+    } else if (flag == "--warmup") {
+      o.warmup = std::stoi(value());
+    } else if (flag == "--iters") {
+      o.iters = std::stoi(value());
+    } else if (flag == "--json") {
+      o.json = true;
+    } else if (flag == "--json-file") {
+      json_file = value();
+    } else {
+      EPX_FAIL("unknown flag ", flag, " (see --help)");
+    }
+  }
+  EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
+  return true;
+}
+
+int run_cpu_reference(const BenchOptions& o) {
+  epx::reference::CpuReferenceBenchShape shape;
+  if (o.num_ranks > 0) shape.num_ranks = o.num_ranks;
+  shape.num_tokens = o.num_tokens;
+  shape.hidden = o.hidden;
+  shape.num_topk = o.num_topk;
+  shape.num_experts = o.num_experts;
+  shape.ll_num_tokens = o.ll_num_tokens;
+  shape.ll_num_experts = o.ll_num_experts;
+  return epx::reference::run_cpu_reference_bench(shape, o.json, std::cout);
+}
+
+#if defined(EPX_WITH_CUDA)
+// Rows of every rank, gathered: rank_rows[r][i] is rank r's row i (times and bytes differ per rank).
+std::vector<std::vector<epx::bench::BenchRow>> gather_rows(epx::Bootstrap& bootstrap,
+                                                           const std::vector<epx::bench::BenchRow>& mine) {
+  std::vector<double> values;
+  for (const auto& row : mine) {
+    values.push_back(row.time_us);
+    values.push_back(row.bytes);
+  }
+  const std::vector<std::byte> gathered = bootstrap.all_gather(values.data(), sizeof(double) * values.size());
+  std::vector<std::vector<epx::bench::BenchRow>> all(bootstrap.num_ranks(), mine);
+  for (int r = 0; r < bootstrap.num_ranks(); ++r) {
+    const auto* theirs = reinterpret_cast<const double*>(gathered.data()) + r * values.size();
+    for (size_t i = 0; i < mine.size(); ++i) {
+      all[r][i].time_us = theirs[2 * i];
+      all[r][i].bytes = theirs[2 * i + 1];
+    }
+  }
+  return all;
+}
+
+void report(const std::vector<std::vector<epx::bench::BenchRow>>& rows, const BenchOptions& o,
+            std::FILE* json_file, const std::string& header, const std::string& mode) {
+  epx::bench::print_rows(rows, stdout, o.json, header, mode);
+  if (json_file != nullptr) epx::bench::print_rows(rows, json_file, true, header, mode);
+}
+
+int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) {
+  const int num_ranks = o.num_ranks > 0 ? o.num_ranks : num_gpus;
+  EPX_CHECK(num_ranks <= num_gpus, "--ranks", num_ranks, "must be <= the number of visible GPUs");
+  epx::LocalLaunchOptions launch;
+  launch.num_ranks = num_ranks;
+  launch.timeout = std::chrono::milliseconds(600000);
+  const epx::LocalLaunchResult result = epx::launch_local(launch, [&](epx::Bootstrap& bootstrap) {
+    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
+    std::FILE* json_file = nullptr;
+    if (bootstrap.rank() == 0) {
+      cudaDeviceProp prop{};
+      cudaGetDeviceProperties(&prop, 0);
+      if (!o.json) {
+        std::printf(
+            "epx-bench on %d x %s (%d SMs each), one process per GPU; medians of %d runs after %d warm-up\n",
+            num_ranks, prop.name, prop.multiProcessorCount, o.iters, o.warmup);
+      }
+      if (!json_path.empty()) json_file = std::fopen(json_path.c_str(), "w");
+    }
+    if (o.mode != "low-latency") {
+      const auto rows = gather_rows(bootstrap, epx::bench::run_normal_bench(bootstrap, o));
+      std::ostringstream header;
+      header << "normal mode: " << num_ranks << " ranks, " << o.num_tokens << " tokens/rank, hidden "
+             << o.hidden << ", top-" << o.num_topk << " of " << o.num_experts
+             << " experts (GB/s = rows received x row bytes / time; verified before timing)";
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal");
+    }
+    if (o.mode != "normal") {
+      const auto rows = gather_rows(bootstrap, epx::bench::run_low_latency_bench(bootstrap, o));
+      std::ostringstream header;
+      header << "low-latency mode: " << num_ranks << " ranks, " << o.ll_num_tokens << " tokens/rank, hidden "
+             << o.hidden << ", top-" << o.num_topk << " of " << o.ll_num_experts
+             << " experts (GB/s = selections x bytes per selection / time; verified before timing)";
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "low-latency");
+    }
+    if (json_file != nullptr) std::fclose(json_file);
+    return 0;
+  });
+  if (!result.ok()) {
+    std::fprintf(stderr, "epx-bench failed: %s\n", result.summary().c_str());
+    return 1;
+  }
   return 0;
+}
+#endif
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  try {
+    BenchOptions options;
+    std::string json_file;
+    if (!parse(argc, argv, options, json_file)) return 0;
+#if defined(EPX_WITH_CUDA)
+    const int num_gpus = epx::visible_gpu_count();
+    if (num_gpus > 0) return run_gpus(options, num_gpus, json_file);
+#endif
+    return run_cpu_reference(options);
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "epx-bench: %s\n", e.what());
+    return 2;
+  }
 }

@@ -1,14 +1,15 @@
 # CUDA part of EPX: the runtime (Buffer, transports) and the kernels, one library.
+# sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.
+# Set before enable_language(CUDA), which would otherwise take nvcc's default (sm_75 for CUDA 13).
+if(NOT CMAKE_CUDA_ARCHITECTURES)
+  set(CMAKE_CUDA_ARCHITECTURES 90a)
+endif()
 enable_language(CUDA)
 # CMake 3.25 does not know nvcc 13's C++20 flag: tell it.
 set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
 set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
 set(CMAKE_CUDA_STANDARD 20)
 set(CMAKE_CUDA_STANDARD_REQUIRED ON)
-# sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.
-if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES OR CMAKE_CUDA_ARCHITECTURES STREQUAL "52")
-  set(CMAKE_CUDA_ARCHITECTURES 90a)
-endif()
 find_package(CUDAToolkit REQUIRED)
 
 # NCCL: only the benchmark's baseline uses it. /usr/local/cuda on dev/CI machines, a pip wheel on GPU images.

@@ -26,8 +26,9 @@ if(EPX_HAVE_NVSHMEM)
   if(EPX_NVSHMEM_SOURCES)
     add_library(epx_nvshmem STATIC ${EPX_NVSHMEM_SOURCES})
     set_target_properties(epx_nvshmem PROPERTIES CUDA_SEPARABLE_COMPILATION ON CUDA_RESOLVE_DEVICE_SYMBOLS ON)
-    target_include_directories(epx_nvshmem PUBLIC ${PROJECT_SOURCE_DIR}/include ${EPX_NVSHMEM_INCLUDE_DIR}
-                               PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    target_include_directories(epx_nvshmem PUBLIC ${PROJECT_SOURCE_DIR}/include PRIVATE ${PROJECT_SOURCE_DIR}/src)
+    # SYSTEM: NVSHMEM's own headers are not warning-clean under our flags.
+    target_include_directories(epx_nvshmem SYSTEM PUBLIC ${EPX_NVSHMEM_INCLUDE_DIR})
     target_link_libraries(epx_nvshmem PUBLIC epx_cuda ${EPX_NVSHMEM_HOST_LIBRARY} ${EPX_NVSHMEM_DEVICE_LIBRARY})
     target_compile_definitions(epx_nvshmem PUBLIC EPX_HAVE_NVSHMEM=1)
   endif()

@@ -1,16 +1,23 @@
 #include "common/device_info.hpp"
 
 #include <cuda_runtime.h>
+#include <sys/wait.h>
+#include <unistd.h>
 
 namespace epx {
 
 int visible_gpu_count() {
-  int count = 0;
-  if (cudaGetDeviceCount(&count) != cudaSuccess) {
-    cudaGetLastError();  // clear the sticky "no driver" error so later checks start clean
-    return 0;
+  // Counted in a child process: initialising CUDA here would break the workers the caller forks next.
+  const pid_t child = fork();
+  if (child < 0) return 0;
+  if (child == 0) {
+    int count = 0;
+    if (cudaGetDeviceCount(&count) != cudaSuccess) count = 0;
+    _exit(count > 100 ? 100 : count);
   }
-  return count;
+  int status = 0;
+  if (waitpid(child, &status, 0) != child || !WIFEXITED(status)) return 0;
+  return WEXITSTATUS(status);
 }
 
 }  // namespace epx

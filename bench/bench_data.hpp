@@ -1,0 +1,76 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <random>
+#include <vector>
+
+#include "common/cuda_check.hpp"
+
+namespace epx::bench {
+
+// A device array freed on scope exit.
+template <typename T>
+class DeviceArray {
+ public:
+  DeviceArray() = default;
+  explicit DeviceArray(size_t count) : count_(count) {
+    EPX_CUDA_CHECK(cudaMalloc(&data_, sizeof(T) * (count > 0 ? count : 1)));
+  }
+  DeviceArray(const std::vector<T>& host) : DeviceArray(host.size()) { upload(host); }
+  ~DeviceArray() { cudaFree(data_); }
+  DeviceArray(const DeviceArray&) = delete;
+  DeviceArray& operator=(const DeviceArray&) = delete;
+  DeviceArray(DeviceArray&& other) noexcept : data_(other.data_), count_(other.count_) {
+    other.data_ = nullptr;
+  }
+  DeviceArray& operator=(DeviceArray&& other) noexcept {
+    std::swap(data_, other.data_);
+    std::swap(count_, other.count_);
+    return *this;
+  }
+  T* get() const { return data_; }
+  size_t size() const { return count_; }
+  void upload(const std::vector<T>& host) {
+    EPX_CUDA_CHECK(cudaMemcpy(data_, host.data(), sizeof(T) * host.size(), cudaMemcpyHostToDevice));
+  }
+  std::vector<T> download(size_t count) const {
+    std::vector<T> host(count);
+    if (count > 0) EPX_CUDA_CHECK(cudaMemcpy(host.data(), data_, sizeof(T) * count, cudaMemcpyDeviceToHost));
+    return host;
+  }
+
+ private:
+  T* data_ = nullptr;
+  size_t count_ = 0;
+};
+
+// Uniform random top-k: each token picks num_topk distinct experts.
+inline std::vector<int64_t> random_topk(std::mt19937& rng, int num_tokens, int num_topk, int num_experts) {
+  std::vector<int64_t> ids(static_cast<size_t>(num_tokens) * num_topk);
+  std::uniform_int_distribution<int> pick(0, num_experts - 1);
+  for (int t = 0; t < num_tokens; ++t) {
+    for (int k = 0; k < num_topk; ++k) {
+      int64_t e;
+      bool repeated;
+      do {
+        e = pick(rng);
+        repeated = false;
+        for (int j = 0; j < k; ++j) repeated |= ids[static_cast<size_t>(t) * num_topk + j] == e;
+      } while (repeated);
+      ids[static_cast<size_t>(t) * num_topk + k] = e;
+    }
+  }
+  return ids;
+}
+
+// Random BF16 bit patterns of normal numbers in about [-2, 2], never all zeros.
+inline std::vector<uint16_t> random_bf16(std::mt19937& rng, size_t count) {
+  std::vector<uint16_t> values(count);
+  std::uniform_int_distribution<int> mantissa(0, 127), exponent(120, 127), sign(0, 1);
+  for (auto& v : values) v = static_cast<uint16_t>((sign(rng) << 15) | (exponent(rng) << 7) | mantissa(rng));
+  return values;
+}
+
+}  // namespace epx::bench

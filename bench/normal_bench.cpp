@@ -1,0 +1,291 @@
+#include "normal_bench.hpp"
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "bench_data.hpp"
+#include "epx/buffer.hpp"
+#include "epx/error.hpp"
+#include "epx/formats/bf16.hpp"
+#include "epx/layout/normal_layout.hpp"
+#include "epx/normal.hpp"
+#include "nccl_baseline.hpp"
+#include "timing.hpp"
+
+namespace epx::bench {
+
+namespace {
+
+// Token contents any rank can recompute for any (source rank, token, channel): lets every rank verify every
+// row it received without holding the other ranks' inputs. Changes with `salt` so each check has fresh data.
+uint32_t mix(uint32_t a, uint32_t b, uint32_t c) {
+  uint32_t h = a * 0x9E3779B1u ^ (b + 0x7F4A7C15u) * 0x85EBCA77u ^ (c + 0x165667B1u) * 0xC2B2AE3Du;
+  h ^= h >> 15;
+  h *= 0x2C1B3C6Du;
+  h ^= h >> 12;
+  return h;
+}
+// BF16 of magnitude in [1/128, 2): normal numbers whose sum of up to 8 copies is exact in float.
+uint16_t bf16_value(uint32_t salt, int rank, int token, int channel) {
+  const uint32_t h = mix(salt + rank, token, channel);
+  return static_cast<uint16_t>(((h & 1) << 15) | ((120 + (h >> 1) % 8) << 7) | ((h >> 4) & 0x7F));
+}
+// FP8 e4m3 byte that is not NaN (0x7F / 0xFF).
+uint8_t fp8_value(uint32_t salt, int rank, int token, int channel) {
+  const uint8_t byte = static_cast<uint8_t>(mix(salt + rank, token, channel + 1000003));
+  return (byte & 0x7F) == 0x7F ? byte - 1 : byte;
+}
+
+struct RankData {
+  std::vector<uint16_t> x_bf16;
+  std::vector<uint8_t> x_fp8;
+  std::vector<float> scales;
+  std::vector<int64_t> topk_idx;
+  std::vector<float> topk_weights;
+};
+
+RankData make_rank_data(const BenchOptions& o, int rank, uint32_t salt) {
+  RankData d;
+  const size_t cells = size_t(o.num_tokens) * o.hidden;
+  d.x_bf16.resize(cells);
+  d.x_fp8.resize(cells);
+  for (int t = 0; t < o.num_tokens; ++t) {
+    for (int c = 0; c < o.hidden; ++c) {
+      d.x_bf16[size_t(t) * o.hidden + c] = bf16_value(salt, rank, t, c);
+      d.x_fp8[size_t(t) * o.hidden + c] = fp8_value(salt, rank, t, c);
+    }
+  }
+  std::mt19937 rng(salt * 131 + rank);
+  std::uniform_real_distribution<float> unit(0.5f, 2.0f);
+  d.scales.resize(size_t(o.num_tokens) * (o.hidden / 128));
+  for (auto& s : d.scales) s = unit(rng);
+  d.topk_idx = random_topk(rng, o.num_tokens, o.num_topk, o.num_experts);
+  d.topk_weights.resize(d.topk_idx.size());
+  for (auto& w : d.topk_weights) w = unit(rng);
+  return d;
+}
+
+// Device-side inputs, layout and outputs of one rank, sized for the worst case (every token to every rank).
+struct Workspace {
+  DeviceArray<uint16_t> x_bf16;
+  DeviceArray<uint8_t> x_fp8;
+  DeviceArray<float> scales;
+  DeviceArray<int64_t> topk_idx;
+  DeviceArray<float> topk_weights;
+  DeviceArray<int> num_tokens_per_rank, num_tokens_per_expert;
+  DeviceArray<bool> is_token_in_rank;
+  DeviceArray<uint16_t> recv_x;  // also holds FP8 rows
+  DeviceArray<float> recv_scales, recv_topk_weights;
+  DeviceArray<int64_t> recv_topk_idx;
+  DeviceArray<uint16_t> combined;
+  DeviceArray<float> combined_weights;
+
+  Workspace(const BenchOptions& o, int num_ranks)
+      : x_bf16(size_t(o.num_tokens) * o.hidden),
+        x_fp8(size_t(o.num_tokens) * o.hidden),
+        scales(size_t(o.num_tokens) * (o.hidden / 128)),
+        topk_idx(size_t(o.num_tokens) * o.num_topk),
+        topk_weights(size_t(o.num_tokens) * o.num_topk),
+        num_tokens_per_rank(num_ranks),
+        num_tokens_per_expert(o.num_experts),
+        is_token_in_rank(size_t(o.num_tokens) * num_ranks),
+        recv_x(size_t(num_ranks) * o.num_tokens * o.hidden),
+        recv_scales(size_t(num_ranks) * o.num_tokens * (o.hidden / 128)),
+        recv_topk_weights(size_t(num_ranks) * o.num_tokens * o.num_topk),
+        recv_topk_idx(size_t(num_ranks) * o.num_tokens * o.num_topk),
+        combined(size_t(o.num_tokens) * o.hidden),
+        combined_weights(size_t(o.num_tokens) * o.num_topk) {}
+
+  void upload(const RankData& d) {
+    x_bf16.upload(d.x_bf16);
+    x_fp8.upload(d.x_fp8);
+    scales.upload(d.scales);
+    topk_idx.upload(d.topk_idx);
+    topk_weights.upload(d.topk_weights);
+  }
+  DispatchInput input(const BenchOptions& o, TokenFormat format) const {
+    DispatchInput in;
+    in.format = format;
+    in.x = format == TokenFormat::kBf16 ? static_cast<const void*>(x_bf16.get()) : x_fp8.get();
+    in.x_scales = format == TokenFormat::kFp8 ? scales.get() : nullptr;
+    in.num_tokens = o.num_tokens;
+    in.hidden = o.hidden;
+    in.topk_idx = topk_idx.get();
+    in.topk_weights = topk_weights.get();
+    in.num_topk = o.num_topk;
+    in.num_experts = o.num_experts;
+    in.is_token_in_rank = is_token_in_rank.get();
+    in.num_tokens_per_expert = num_tokens_per_expert.get();
+    return in;
+  }
+  DispatchOutput output(TokenFormat format) const {
+    return DispatchOutput{recv_x.get(), format == TokenFormat::kFp8 ? recv_scales.get() : nullptr,
+                          recv_topk_idx.get(), recv_topk_weights.get()};
+  }
+};
+
+DispatchPlan dispatch(Buffer& buffer, const DispatchInput& in, const DispatchOutput& out,
+                      cudaStream_t stream) {
+  const StreamOrder order{stream, nullptr, false};
+  DispatchPlan plan = dispatch_notify(buffer, in, order);
+  dispatch_receive(buffer, plan, in, out, order);
+  return plan;
+}
+
+// Every received row holds the source's token, checked from the source rank and index the handle records;
+// the identity combine returns each token times the number of ranks it went to.
+void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, const RankData& mine,
+                      uint32_t salt, TokenFormat format, cudaStream_t stream) {
+  const int rank = buffer.rank();
+  const DispatchPlan plan = dispatch(buffer, ws.input(o, format), ws.output(format), stream);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const int rows = plan.num_recv_rows;
+  const std::vector<int> src_idx = [&] {
+    std::vector<int> v(rows);
+    if (rows > 0) {
+      EPX_CUDA_CHECK(cudaMemcpy(v.data(), plan.handle.recv_src_idx_device(), sizeof(int) * rows,
+                                cudaMemcpyDeviceToHost));
+    }
+    return v;
+  }();
+  const std::vector<int>& per_rank = plan.handle.num_recv_per_rank();
+  const size_t row_elems = format == TokenFormat::kBf16 ? size_t(o.hidden) : size_t(o.hidden) / 2;
+  const std::vector<uint16_t> recv = ws.recv_x.download(size_t(rows) * row_elems);
+  int row = 0;
+  for (int src = 0; src < buffer.num_ranks(); ++src) {
+    for (int i = 0; i < per_rank[src]; ++i, ++row) {
+      const int token = src_idx[row];
+      for (int c = 0; c < o.hidden; ++c) {
+        const bool same = format == TokenFormat::kBf16
+                              ? recv[size_t(row) * o.hidden + c] == bf16_value(salt, src, token, c)
+                              : reinterpret_cast<const uint8_t*>(recv.data())[size_t(row) * o.hidden + c] ==
+                                    fp8_value(salt, src, token, c);
+        if (!same) {
+          EPX_FAIL("rank ", rank, ": received row ", row, " (source rank ", src, ", token ", token,
+                   ") differs at channel ", c);
+        }
+      }
+    }
+  }
+  EPX_CHECK(row == rows, "num_recv_rows", rows, "must equal the sum of rows received per source rank");
+  if (format != TokenFormat::kBf16) return;
+
+  combine(buffer, plan.handle, CombineInput{ws.recv_x.get(), nullptr, 0, nullptr, nullptr},
+          CombineOutput{ws.combined.get(), nullptr}, StreamOrder{stream, nullptr, false});
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const std::vector<uint16_t> combined = ws.combined.download(size_t(o.num_tokens) * o.hidden);
+  const int num_local = o.num_experts / buffer.num_ranks();
+  for (int t = 0; t < o.num_tokens; ++t) {
+    int copies = 0;
+    for (int r = 0; r < buffer.num_ranks(); ++r) {
+      bool chosen = false;
+      for (int k = 0; k < o.num_topk; ++k)
+        chosen |= mine.topk_idx[size_t(t) * o.num_topk + k] / num_local == r;
+      copies += chosen;
+    }
+    for (int c = 0; c < o.hidden; ++c) {
+      const uint16_t want = float_to_bf16(bf16_to_float(mine.x_bf16[size_t(t) * o.hidden + c]) * copies);
+      if (combined[size_t(t) * o.hidden + c] != want) {
+        EPX_FAIL("rank ", rank, ": combined token ", t, " channel ", c, " is ",
+                 combined[size_t(t) * o.hidden + c], ", expected ", want, " (", copies, " copies)");
+      }
+    }
+  }
+}
+
+}  // namespace
+
+std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions& o) {
+  const int rank = bootstrap.rank(), num_ranks = bootstrap.num_ranks();
+  EPX_CHECK(o.hidden % 128 == 0, "hidden", o.hidden,
+            "must be a multiple of 128 (FP8 dispatch is benchmarked)");
+  BufferOptions buffer_options;
+  buffer_options.num_nvl_bytes = normal_nvl_buffer_size_hint(size_t(o.hidden) * 2, num_ranks, o.num_tokens);
+  Buffer buffer(bootstrap, buffer_options);
+  cudaStream_t stream = nullptr;
+  EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+  Workspace ws(o, num_ranks);
+
+  // Correctness first, on two fresh input sets, then keep the last one for timing.
+  RankData mine;
+  for (uint32_t salt : {o.seed * 2 + 1, o.seed * 2 + 2}) {
+    mine = make_rank_data(o, rank, salt);
+    ws.upload(mine);
+    get_dispatch_layout(buffer, ws.topk_idx.get(), o.num_tokens, o.num_topk, o.num_experts,
+                        DispatchLayoutOutput{ws.num_tokens_per_rank.get(), ws.num_tokens_per_expert.get(),
+                                             ws.is_token_in_rank.get()},
+                        StreamOrder{stream, nullptr, false});
+    check_round_trip(buffer, ws, o, mine, salt, TokenFormat::kBf16, stream);
+    check_round_trip(buffer, ws, o, mine, salt, TokenFormat::kFp8, stream);
+  }
+
+  const DispatchPlan plan =
+      dispatch(buffer, ws.input(o, TokenFormat::kBf16), ws.output(TokenFormat::kBf16), stream);
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  const double rows = plan.num_recv_rows;
+  const double bf16_bytes = rows * o.hidden * 2;
+  const double fp8_bytes = rows * (o.hidden + 4.0 * o.hidden / 128);
+
+  L2Flusher flusher;
+  auto flush = [&] { flusher.flush(stream); };
+  std::vector<BenchRow> out;
+  for (int sms : o.num_sms) {
+    buffer.set_num_sms(sms);
+    for (TokenFormat format : {TokenFormat::kBf16, TokenFormat::kFp8}) {
+      const DispatchInput in = ws.input(o, format);
+      const DispatchOutput dout = ws.output(format);
+      const double us =
+          median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] { dispatch(buffer, in, dout, stream); });
+      const bool bf16 = format == TokenFormat::kBf16;
+      out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, bf16 ? bf16_bytes : fp8_bytes});
+      // Cached: the layout of a previous call, no count exchange and no host sync.
+      const double cached_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+        const StreamOrder order{stream, nullptr, false};
+        DispatchPlan again = dispatch_notify(buffer, in, order, &plan.handle);
+        dispatch_receive(buffer, again, in, dout, order);
+      });
+      out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, cached_us,
+                     bf16 ? bf16_bytes : fp8_bytes});
+    }
+    const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
+    const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
+    const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+      combine(buffer, plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
+    });
+    out.push_back({"combine BF16", sms, us, bf16_bytes});
+  }
+
+  // NCCL moving the same rows, already permuted per destination (send counts from the layout).
+  NcclAllToAll nccl(bootstrap);
+  if (nccl.available()) {
+    const std::vector<int> send_rows = ws.num_tokens_per_rank.download(num_ranks);
+    const std::vector<int>& recv_rows = plan.handle.num_recv_per_rank();
+    for (bool bf16 : {true, false}) {
+      const size_t row_bytes = bf16 ? size_t(o.hidden) * 2 : size_t(o.hidden) + 4 * (o.hidden / 128);
+      std::vector<size_t> send_bytes(num_ranks), recv_bytes(num_ranks);
+      size_t total_send = 0;
+      for (int r = 0; r < num_ranks; ++r) {
+        send_bytes[r] = row_bytes * send_rows[r];
+        recv_bytes[r] = row_bytes * recv_rows[r];
+        total_send += send_bytes[r];
+      }
+      DeviceArray<uint8_t> send(total_send);
+      EPX_CUDA_CHECK(cudaMemset(send.get(), 0x3c, total_send));
+      const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+        nccl.run(send.get(), send_bytes, ws.recv_x.get(), recv_bytes, stream);
+      });
+      out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0, us,
+                     bf16 ? bf16_bytes : fp8_bytes});
+    }
+  }
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  EPX_CUDA_CHECK(cudaStreamDestroy(stream));
+  buffer.destroy();
+  return out;
+}
+
+}  // namespace epx::bench

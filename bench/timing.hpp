@@ -1,0 +1,53 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <functional>
+#include <vector>
+
+#include "common/cuda_check.hpp"
+#include "epx/bootstrap.hpp"
+
+namespace epx::bench {
+
+// The one timing helper of the benchmark: CUDA events on `stream` around `body`, after `warmup` untimed
+// runs; before each run `prepare` (e.g. fresh inputs, an L2 flush) and a host barrier so ranks start
+// together. Returns the median in microseconds.
+inline double median_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, int iters,
+                        const std::function<void()>& prepare, const std::function<void()>& body) {
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EPX_CUDA_CHECK(cudaEventCreate(&start));
+  EPX_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < warmup + iters; ++i) {
+    if (prepare) prepare();
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    bootstrap.barrier();
+    EPX_CUDA_CHECK(cudaEventRecord(start, stream));
+    body();
+    EPX_CUDA_CHECK(cudaEventRecord(stop, stream));
+    EPX_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= warmup) times.push_back(ms * 1000.0f);
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  std::sort(times.begin(), times.end());
+  return times.empty() ? 0.0 : times[times.size() / 2];
+}
+
+// Evicts L2 between throughput runs by writing a buffer larger than it.
+class L2Flusher {
+ public:
+  L2Flusher() { EPX_CUDA_CHECK(cudaMalloc(&scratch_, kBytes)); }
+  ~L2Flusher() { cudaFree(scratch_); }
+  void flush(cudaStream_t stream) { EPX_CUDA_CHECK(cudaMemsetAsync(scratch_, 0x5a, kBytes, stream)); }
+
+ private:
+  static constexpr size_t kBytes = 256u << 20;
+  void* scratch_ = nullptr;
+};
+
+}  // namespace epx::bench
