@@ -8,8 +8,12 @@ namespace epx::kernels {
 
 namespace {
 
-constexpr int kCopyThreads = 512;
+constexpr int kCopyThreads = 1024;  // 32 warps per SM: more rows in flight per SM of the budget
 constexpr int kCopyWarps = kCopyThreads / 32;
+// The reduce keeps 4 chunks x 8 floats of accumulators per lane: 512 threads leave it 128 registers, no
+// spills.
+constexpr int kReduceThreads = 512;
+constexpr int kReduceWarps = kReduceThreads / 32;
 
 // ---- Push: every received row goes back to its source rank, into the slot it was sent from. ----
 __global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
@@ -20,13 +24,16 @@ __global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
   if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
   __syncthreads();
   const int lane = threadIdx.x % 32;
-  const int num_rows = offsets[num_ranks];
   const int num_topk = layout.shape.num_topk;
   const size_t row_bytes = layout.combine_row_bytes();
   const int num_warps = gridDim.x * kCopyWarps;
-  for (int row = blockIdx.x * kCopyWarps + threadIdx.x / 32; row < num_rows; row += num_warps) {
+  int max_rows_per_src = 0;
+  for (int src = 0; src < num_ranks; ++src)
+    max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
+  for (int j = blockIdx.x * kCopyWarps + threadIdx.x / 32; j < max_rows_per_src * num_ranks; j += num_warps) {
     int src = 0;
-    while (row >= offsets[src + 1]) ++src;
+    const int row = interleaved_row(j, offsets, num_ranks, args.peers.rank, src);
+    if (row < 0) continue;
     const int slot = row - offsets[src];
     void* peer = args.peers.peer_bases[src];
     warp_copy<false>(layout.combine_x_row(peer, parity, args.peers.rank, slot),
@@ -53,37 +60,54 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) 
 }
 
 // ---- Reduce: each token sums its returned copies in ascending rank order, then the biases. ----
-__global__ void __launch_bounds__(kCopyThreads) reduce_kernel(ReduceArgs args) {
+__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args) {
   const NormalLayout& layout = args.layout;
   const int num_ranks = args.peers.num_ranks;
   const int parity = parity_after_barrier(args.peers);
   const int lane = threadIdx.x % 32;
   const int num_topk = layout.shape.num_topk;
   const int num_chunks = layout.shape.hidden / 8;
-  const int num_warps = gridDim.x * kCopyWarps;
+  const int num_warps = gridDim.x * kReduceWarps;
   void* local = args.peers.local_base;
-  for (int t = blockIdx.x * kCopyWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
+  for (int t = blockIdx.x * kReduceWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
+    // Slot of the token's copy returned by each rank (-1: not sent there); registers, so indexed by
+    // constants.
     int slots[kMaxNvlRanks];
 #pragma unroll
     for (int r = 0; r < kMaxNvlRanks; ++r) {
       slots[r] = r < num_ranks ? args.handle.send_pos[static_cast<size_t>(t) * num_ranks + r] : -1;
     }
-    for (int c = lane; c < num_chunks; c += 32) {
-      float acc[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+    constexpr int kUnroll = 4;
+    for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
+      float acc[kUnroll][8] = {};
+      // Copies are added in ascending rank order, the summation order the reference defines.
 #pragma unroll
       for (int r = 0; r < kMaxNvlRanks; ++r) {
         if (slots[r] < 0) continue;
         const auto* row = reinterpret_cast<const int4*>(layout.combine_x_row(local, parity, r, slots[r]));
-        add_bf16x8(acc, device::ld_v4(row + c));
-      }
-      const size_t offset = static_cast<size_t>(t) * num_chunks + c;
-      if (args.bias0 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias0)[offset]);
-      if (args.bias1 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias1)[offset]);
-      int4 out;
-      auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+        int4 v[kUnroll];
 #pragma unroll
-      for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[2 * i], acc[2 * i + 1]);
-      static_cast<int4*>(args.combined_x)[offset] = out;
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 < num_chunks) v[u] = device::ld_v4(row + c0 + u * 32);
+        }
+#pragma unroll
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[u]);
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int c = c0 + u * 32;
+        if (c >= num_chunks) continue;
+        const size_t offset = static_cast<size_t>(t) * num_chunks + c;
+        if (args.bias0 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias0)[offset]);
+        if (args.bias1 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias1)[offset]);
+        int4 out;
+        auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
+        static_cast<int4*>(args.combined_x)[offset] = out;
+      }
     }
     if (args.combined_topk_weights != nullptr && lane < num_topk) {
       float sum = 0.0f;
@@ -110,7 +134,7 @@ void launch_barrier(const PeerContext& peers, cudaStream_t stream) {
 
 void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return;
-  reduce_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
+  reduce_kernel<<<args.num_sms, kReduceThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 

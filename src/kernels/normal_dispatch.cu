@@ -8,7 +8,7 @@ namespace epx::kernels {
 
 namespace {
 
-constexpr int kCopyThreads = 512;
+constexpr int kCopyThreads = 1024;  // 32 warps per SM: more rows in flight per SM of the budget
 constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr int kNotifyThreads = 1024;
 
@@ -134,17 +134,22 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
   const int experts_per_rank = layout.shape.num_experts / num_ranks;
   const size_t row_bytes = layout.shape.x_row_bytes;
   const int num_warps = gridDim.x * kCopyWarps;
-  for (int row = blockIdx.x * kCopyWarps + threadIdx.x / 32; row < args.num_out_rows; row += num_warps) {
-    if (row >= num_rows) {  // padding of the worst-case layout
-      if (lane == 0) args.handle.recv_src_idx[row] = -1;
-      if (args.recv_topk_idx != nullptr && lane < num_topk) {
-        args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = -1;
-        args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = 0.0f;
-      }
-      continue;
+  const int first_warp = blockIdx.x * kCopyWarps + threadIdx.x / 32;
+  // Padding rows of the worst-case layout.
+  for (int row = num_rows + first_warp; row < args.num_out_rows; row += num_warps) {
+    if (lane == 0) args.handle.recv_src_idx[row] = -1;
+    if (args.recv_topk_idx != nullptr && lane < num_topk) {
+      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = -1;
+      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = 0.0f;
     }
+  }
+  int max_rows_per_src = 0;
+  for (int src = 0; src < num_ranks; ++src)
+    max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
+  for (int j = first_warp; j < max_rows_per_src * num_ranks; j += num_warps) {
     int src = 0;
-    while (row >= offsets[src + 1]) ++src;
+    const int row = interleaved_row(j, offsets, num_ranks, rank, src);
+    if (row < 0) continue;
     void* peer = args.peers.peer_bases[src];
     const int token_idx = layout.send_list(peer, parity, rank)[row - offsets[src]];
     warp_copy<true>(static_cast<char*>(args.recv_x) + row * row_bytes,

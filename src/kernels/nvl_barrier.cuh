@@ -40,24 +40,37 @@ __device__ __forceinline__ int parity_after_barrier(const PeerContext& peers) {
   return (NormalLayout::control(peers.local_base)->op_count - 1) & 1;
 }
 
-// Copies `bytes` (a multiple of 16) with 16-byte accesses by one warp, several loads in flight per lane.
+// Copies `bytes` (a multiple of 16) with 16-byte accesses by one warp: kUnroll loads per lane are issued
+// before the first store, the last partial round included, so a remote row never waits on serial round trips.
 template <bool kSourceIsRemote>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane) {
   constexpr int kUnroll = 8;
   auto* d = static_cast<int4*>(dst);
   const auto* s = static_cast<const int4*>(src);
   const int n = static_cast<int>(bytes / 16);
-  int i = lane;
-  for (; i + (kUnroll - 1) * 32 < n; i += kUnroll * 32) {
+  for (int base = lane; base < n; base += kUnroll * 32) {
     int4 v[kUnroll];
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      v[u] = kSourceIsRemote ? device::ld_v4(s + i + u * 32) : device::ld_nc_v4(s + i + u * 32);
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < n)
+        v[u] = kSourceIsRemote ? device::ld_v4(s + base + u * 32) : device::ld_nc_v4(s + base + u * 32);
+    }
 #pragma unroll
-    for (int u = 0; u < kUnroll; ++u) device::st_na_v4(d + i + u * 32, v[u]);
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < n) device::st_na_v4(d + base + u * 32, v[u]);
+    }
   }
-  for (; i < n; i += 32)
-    device::st_na_v4(d + i, kSourceIsRemote ? device::ld_v4(s + i) : device::ld_nc_v4(s + i));
+}
+
+// Row j of an interleaved walk over per-rank row ranges [offsets[r], offsets[r+1]): consecutive j go to
+// different ranks (starting at `first_rank`), so the copy engines of every link and the local memory work at
+// once instead of one source after another. Returns -1 for the walk's holes (ranks with fewer rows).
+__device__ __forceinline__ int interleaved_row(int j, const int* offsets, int num_ranks, int first_rank,
+                                               int& rank_of_row) {
+  const int r = (j % num_ranks + first_rank) % num_ranks;
+  const int i = j / num_ranks;
+  rank_of_row = r;
+  return offsets[r] + i < offsets[r + 1] ? offsets[r] + i : -1;
 }
 
 }  // namespace epx::kernels
