@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <random>
 #include <string>
@@ -242,6 +243,11 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
           median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] { dispatch(buffer, in, dout, stream); });
       const bool bf16 = format == TokenFormat::kBf16;
       out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, bf16 ? bf16_bytes : fp8_bytes});
+      // The first step alone (stage, count exchange, host sync): the rest of the time is the pull.
+      const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+        dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
+      });
+      out.push_back({bf16 ? "  of which notify (BF16)" : "  of which notify (FP8)", sms, notify_us, 0});
       // Cached: the layout of a previous call, no count exchange and no host sync.
       const double cached_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
         const StreamOrder order{stream, nullptr, false};
@@ -257,6 +263,19 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       combine(buffer, plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
     });
     out.push_back({"combine BF16", sms, us, bf16_bytes});
+  }
+
+  // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer.
+  if (num_ranks > 1) {
+    std::vector<void*> peer_bases(num_ranks);
+    EPX_CUDA_CHECK(cudaMemcpy(peer_bases.data(), buffer.nvl_peer_bases_device(), sizeof(void*) * num_ranks,
+                              cudaMemcpyDeviceToHost));
+    const size_t bytes = std::min<size_t>(size_t(32) << 20, buffer.num_nvl_bytes());
+    const void* peer = peer_bases[(rank + 1) % num_ranks];
+    const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+      EPX_CUDA_CHECK(cudaMemcpyAsync(ws.recv_x.get(), peer, bytes, cudaMemcpyDeviceToDevice, stream));
+    });
+    out.push_back({"copy engine: read next rank", 0, us, static_cast<double>(bytes)});
   }
 
   // NCCL moving the same rows, already permuted per destination (send counts from the layout).
