@@ -207,6 +207,12 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
                        const DispatchOutput& out, const StreamOrder& order) {
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
+  EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
+            "must equal the num_tokens given to dispatch_notify (pass the same input)");
+  EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
+            "must equal the format given to dispatch_notify (pass the same input)");
+  EPX_CHECK(in.hidden == state.layout.shape.hidden, "hidden", in.hidden,
+            "must equal the hidden size given to dispatch_notify (pass the same input)");
   EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
             "must point to the plan's num_recv_rows rows");
   EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
