@@ -23,8 +23,8 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args)
     uint32_t rank_mask = 0;
     for (int k = 0; k < args.num_topk; ++k) {
       const int64_t expert = ids[k];
-      if (expert < 0) continue;
-      if (expert >= args.num_experts) {
+      if (expert == -1) continue;
+      if (expert < -1 || expert >= args.num_experts) {
         atomicCAS(args.invalid_id_flag, 0, token_idx + 1);
         continue;
       }

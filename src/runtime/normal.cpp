@@ -139,6 +139,11 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                            ", what the NVLink buffer holds for this shape (raise num_nvl_bytes)")
                 .c_str());
 
+  // The host reads 1 + L counts from the mapped scratch, below the invalid-id slot.
+  EPX_CHECK(in.num_experts / num_ranks < kInvalidIdSlot - 1, "num_experts", in.num_experts,
+            detail::concat("must be < ", (kInvalidIdSlot - 1) * num_ranks, " (", kInvalidIdSlot - 2,
+                           " local experts per rank)")
+                .c_str());
   DispatchPlan plan;
   std::shared_ptr<DispatchHandle::State> state;
   if (is_cached) {
@@ -160,7 +165,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->allocate(buffer.comm_stream_shared(), max_rows, in.num_experts / num_ranks);
   }
   state->format = in.format;
-  state->num_topk = shape.num_topk;
+  // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
+  if (!is_cached || in.topk_idx != nullptr) state->num_topk = shape.num_topk;
 
   begin_on_comm_stream(buffer, order);
   const cudaStream_t stream = buffer.comm_stream();
@@ -187,7 +193,12 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     buffer.synchronize(stream);
     const int* counts = buffer.host_scratch() + kCountsSlot;
     state->num_recv_rows = counts[0];
-    state->num_recv_tokens_per_expert.assign(counts + 1, counts + 1 + in.num_experts / num_ranks);
+    // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
+    if (in.num_tokens_per_expert != nullptr || in.num_tokens == 0) {
+      state->num_recv_tokens_per_expert.assign(counts + 1, counts + 1 + in.num_experts / num_ranks);
+    } else {
+      state->num_recv_tokens_per_expert.clear();
+    }
     const int invalid = buffer.host_scratch()[kInvalidIdSlot];
     EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
               "must be -1 or in [0, num_experts)");
@@ -217,11 +228,13 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
             "must point to the plan's num_recv_rows rows");
   EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
             "null", "are required for FP8 tokens");
-  EPX_CHECK(out.recv_topk_idx == nullptr || state.num_topk > 0, "recv_topk_idx", "non-null",
+  EPX_CHECK(out.recv_topk_idx == nullptr || state.layout.shape.num_topk > 0, "recv_topk_idx", "non-null",
             "needs a dispatch with topk_idx");
   EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
             out.recv_topk_weights == nullptr ? "null" : "non-null",
             "must be given together with recv_topk_idx");
+  // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
+  begin_on_comm_stream(buffer, order);
   kernels::PullArgs pull{peer_context(buffer), state.layout,      state.arrays,      rows,
                          out.recv_x,           out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
                          buffer.num_sms()};
@@ -243,14 +256,30 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
             "must equal the dispatch's top-k");
   EPX_CHECK(out.combined_topk_weights == nullptr || in.topk_weights != nullptr, "topk_weights", "null",
             "are needed to produce combined_topk_weights");
+  // Combine carves the halves for its own shape (BF16 rows, the weights it returns): every rank calls it with
+  // the same shape, and the halves stay at fixed addresses whatever the shape.
+  const NormalShape& dispatched = state.layout.shape;
+  const int hidden = dispatched.hidden;
+  const NormalShape shape{dispatched.num_ranks,
+                          dispatched.num_experts,
+                          hidden,
+                          hidden * 2,
+                          0,
+                          in.topk_weights != nullptr ? in.num_topk : 0};
+  const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
+  EPX_CHECK(
+      state.num_tokens <= layout.capacity, "num_tokens", state.num_tokens,
+      detail::concat("must be <= ", layout.capacity,
+                     ", what the NVLink buffer holds for a BF16 combine of this shape (raise num_nvl_bytes)")
+          .c_str());
   begin_on_comm_stream(buffer, order);
   const cudaStream_t stream = buffer.comm_stream();
   const kernels::PeerContext peers = peer_context(buffer);
-  kernels::PushArgs push{peers, state.layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
+  kernels::PushArgs push{peers, layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
   kernels::launch_combine_push(push, stream);
   kernels::launch_barrier(peers, stream);
-  kernels::ReduceArgs reduce{peers,           state.layout, state.arrays,   state.num_tokens,
-                             in.bias0,        in.bias1,     out.combined_x, out.combined_topk_weights,
+  kernels::ReduceArgs reduce{peers,           layout,   state.arrays,   state.num_tokens,
+                             in.bias0,        in.bias1, out.combined_x, out.combined_topk_weights,
                              buffer.num_sms()};
   kernels::launch_combine_reduce(reduce, stream);
   return end_on_comm_stream(buffer, order);

@@ -64,6 +64,8 @@ class DeviceArray {
     void* raw = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&raw, bytes == 0 ? 16 : bytes));
     EPX_CUDA_CHECK(cudaMemset(raw, 0, bytes == 0 ? 16 : bytes));
+    // cudaMemset may still run when it returns; uploads go on non-blocking streams not ordered after it.
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
     memory_ = std::shared_ptr<void>(raw, [](void* p) { cudaFree(p); });
   }
   template <typename T = void>

@@ -1,0 +1,733 @@
+#pragma once
+
+// Multi-GPU harness of the normal-mode tests, built like the low-latency one: one process per GPU (rank =
+// device); every process generates every rank's seeded inputs, runs the CPU reference for all ranks and
+// checks its own GPU outputs against its own rank's reference output.
+//
+// Everything is compared bit-exactly: the layout, the dispatched rows, scales, top-k ids and weights, the
+// per-expert counts and the receive order, and the combine as well. The combine needs no integer-valued
+// tokens for that: the reduce kernel adds a token's returned copies in ascending rank order, then bias0,
+// then bias1, in float32 with one final round to BF16, which is the order reference::normal_combine defines
+// (and additions alone leave the compiler nothing to contract into FMAs).
+
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <memory>
+#include <optional>
+#include <sstream>
+#include <stdexcept>
+#include <string>
+#include <thread>
+#include <type_traits>
+#include <vector>
+
+#include "epx/layout/normal_layout.hpp"
+#include "epx/normal.hpp"
+#include "epx/reference/layout.hpp"
+#include "epx/reference/normal.hpp"
+#include "test_low_latency_harness.hpp"  // DeviceArray, fail
+
+namespace epx::test {
+
+enum class NormalRouting {
+  kRandom,      // distinct experts per token, plus drop_probability -1 ids
+  kUnbalanced,  // reference::make_unbalanced_routing: hot and empty experts, -1 ids, rank 0 receives nothing,
+                // the last rank sends nothing
+};
+
+// What the dispatch is told about where tokens go.
+enum class NormalRouteBy {
+  kTopk,           // topk_idx + weights (+ the layout's maps): recv top-k outputs and per-expert counts
+  kRankMapCounts,  // is_token_in_rank and num_tokens_per_expert only: no top-k outputs
+  kRankMap,        // is_token_in_rank alone: no top-k outputs, per-expert counts unspecified
+};
+
+enum class NormalOrder {
+  kSync,           // the caller's stream waits for every operation
+  kAsyncFinish,    // every operation returns an event the caller's stream then waits on
+  kPreviousEvent,  // every operation starts after the previous one's event, never after the caller's stream
+};
+
+struct NormalCase {
+  int num_ranks = 2;
+  int hidden = 2048;
+  int num_experts = 16;
+  int num_topk = 4;
+  // Tokens of rank r in iteration i: num_tokens[(r + i) % size], so every rank meets every count.
+  std::vector<int> num_tokens{64};
+  NormalRouting routing = NormalRouting::kRandom;
+  double drop_probability = 0.05;  // kRandom: extra -1 ids
+  bool duplicates = false;         // every third token lists its first expert again (it still counts once)
+  // Per-iteration settings: iteration i uses element i % size of each list.
+  std::vector<TokenFormat> formats{TokenFormat::kBf16};
+  std::vector<NormalRouteBy> route_by{NormalRouteBy::kTopk};
+  std::vector<int> expert_alignments{1};
+  std::vector<bool> worst_case{false};  // num_worst_tokens = every rank's tokens + 3, so padding rows exist
+  std::vector<bool> cached{false};  // then re-dispatch new x with the handle and combine with the new handle
+  std::vector<int> num_sms{20};
+  std::vector<int> num_biases{1};
+  std::vector<bool> combine_weights{true};  // with top-k: the combine also reduces [rows, K] weights
+  std::vector<NormalOrder> orders{NormalOrder::kSync};
+  // In iterations where no call may wait for the device (worst-case rows, or previous-event order), hold the
+  // caller's stream at a host callback while the calls are issued: a call that waits makes the gate time out,
+  // which is reported, instead of hanging the test.
+  bool gate_caller_stream = false;
+  reference::TokenValues combine_values = reference::TokenValues::kUniform;
+  bool same_inputs = false;  // every iteration uses the same seed and token counts
+  int num_iterations = 1;
+  int buffer_hidden = 0;  // sizes the NVLink buffer; 0: hidden
+  int buffer_tokens = 0;  // likewise; 0: the largest of num_tokens
+  uint64_t seed = 1;
+};
+
+// NVLink bytes a Buffer needs for every iteration of `c`.
+inline size_t normal_buffer_bytes(const NormalCase& c) {
+  const int hidden = c.buffer_hidden > 0 ? c.buffer_hidden : c.hidden;
+  int tokens = c.buffer_tokens;
+  for (int t : c.num_tokens) tokens = std::max(tokens, t);
+  return normal_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks, std::max(tokens, 1));
+}
+
+template <typename T>
+T cyclic_at(const std::vector<T>& list, int index) {
+  if (list.empty()) throw std::runtime_error("NormalCase: a per-iteration list is empty");
+  return list[static_cast<size_t>(index) % list.size()];
+}
+
+template <typename T>
+std::vector<T> download_device(const T* device, size_t count) {
+  std::vector<T> host(count);
+  if (count > 0) EPX_CUDA_CHECK(cudaMemcpy(host.data(), device, sizeof(T) * count, cudaMemcpyDeviceToHost));
+  return host;
+}
+
+template <typename T>
+std::string show_value(T value) {
+  if constexpr (std::is_same_v<T, float>) {
+    uint32_t bits = 0;
+    std::memcpy(&bits, &value, 4);
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.9g (bits 0x%08x)", static_cast<double>(value), bits);
+    return text;
+  } else if constexpr (std::is_same_v<T, uint16_t>) {
+    char text[64];
+    std::snprintf(text, sizeof(text), "%.9g (bf16 0x%04x)", static_cast<double>(bf16_to_float(value)), value);
+    return text;
+  } else {
+    return std::to_string(static_cast<long long>(value));
+  }
+}
+
+// Holds a stream at a host callback until release(), or until a timeout: a library call that wrongly waits
+// for the held stream (or for the device) then only stalls until the timeout and shows up as timed_out().
+class StreamGate {
+ public:
+  explicit StreamGate(cudaStream_t stream, std::chrono::milliseconds timeout = std::chrono::seconds(10))
+      : stream_(stream), state_(std::make_unique<State>()) {
+    state_->timeout = timeout;
+    EPX_CUDA_CHECK(cudaLaunchHostFunc(stream, &StreamGate::hold, state_.get()));
+  }
+  StreamGate(const StreamGate&) = delete;
+  StreamGate& operator=(const StreamGate&) = delete;
+  // The callback reads the state: it must have run before the state goes.
+  ~StreamGate() {
+    release();
+    cudaStreamSynchronize(stream_);
+  }
+  void release() { state_->released.store(true, std::memory_order_release); }
+  // Meaningful once the stream has passed the gate.
+  bool timed_out() const { return state_->timed_out.load(std::memory_order_acquire); }
+
+ private:
+  struct State {
+    std::atomic<bool> released{false};
+    std::atomic<bool> timed_out{false};
+    std::chrono::milliseconds timeout{0};
+  };
+  static void CUDART_CB hold(void* raw) {
+    auto* state = static_cast<State*>(raw);
+    const auto deadline = std::chrono::steady_clock::now() + state->timeout;
+    while (!state->released.load(std::memory_order_acquire)) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        state->timed_out.store(true, std::memory_order_release);
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+  }
+
+  cudaStream_t stream_;
+  std::unique_ptr<State> state_;
+};
+
+// One iteration's settings, resolved from the case.
+struct NormalStep {
+  int iteration = 0;
+  uint64_t seed = 0;
+  std::vector<int> num_tokens;  // [R]
+  TokenFormat format = TokenFormat::kBf16;
+  NormalRouteBy route_by = NormalRouteBy::kTopk;
+  int expert_alignment = 1;
+  int num_worst_tokens = 0;
+  bool cached = false;
+  int num_sms = 20;
+  int num_biases = 0;
+  bool combine_weights = false;  // only with top-k: a dispatch without it has no weights to combine
+  NormalOrder order = NormalOrder::kSync;
+  bool gated = false;
+
+  bool fp8() const { return format == TokenFormat::kFp8; }
+  bool with_topk() const { return route_by == NormalRouteBy::kTopk; }
+};
+
+// Every rank's inputs and the reference's answers for one iteration.
+struct NormalExpected {
+  std::vector<std::vector<int64_t>> topk_idx;      // [R][T * K], also feeds the layout without top-k
+  std::vector<std::vector<float>> topk_weights;    // [R][T * K]
+  std::vector<reference::DispatchLayout> layouts;  // [R]
+  std::vector<reference::NormalDispatchRankInput> inputs;
+  reference::NormalDispatchResult dispatched;
+  std::vector<reference::NormalDispatchRankInput> cached_inputs;  // new payload, same routing
+  reference::NormalDispatchResult redispatched;
+  std::vector<reference::NormalCombineRankInput> combine_inputs;
+  std::vector<reference::NormalCombineRankOutput> combined;
+};
+
+// ---- The CPU side of an iteration: settings, inputs, reference answers (no GPU needed) ----
+
+inline NormalStep normal_step(const NormalCase& c, int iteration) {
+  const int i = iteration;
+  NormalStep s;
+  s.iteration = i;
+  s.seed = c.seed * 1000003 + (c.same_inputs ? 0 : i);
+  const int shift = c.same_inputs ? 0 : i;
+  int all_tokens = 0;
+  for (int r = 0; r < c.num_ranks; ++r) {
+    s.num_tokens.push_back(cyclic_at(c.num_tokens, r + shift));
+    all_tokens += s.num_tokens.back();
+  }
+  s.format = cyclic_at(c.formats, i);
+  s.route_by = cyclic_at(c.route_by, i);
+  s.expert_alignment = cyclic_at(c.expert_alignments, i);
+  s.num_worst_tokens = cyclic_at(c.worst_case, i) ? all_tokens + 3 : 0;
+  s.cached = cyclic_at(c.cached, i);
+  s.num_sms = cyclic_at(c.num_sms, i);
+  s.num_biases = cyclic_at(c.num_biases, i);
+  s.combine_weights = s.with_topk() && cyclic_at(c.combine_weights, i);
+  s.order = cyclic_at(c.orders, i);
+  s.gated = c.gate_caller_stream && (s.num_worst_tokens > 0 || s.order == NormalOrder::kPreviousEvent);
+  return s;
+}
+
+inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
+  static const char* const kRouteBy[] = {"top-k", "rank map + expert counts", "rank map"};
+  static const char* const kOrders[] = {"sync", "async_finish", "previous_event"};
+  std::ostringstream out;
+  out << (s.fp8() ? "FP8" : "BF16") << ", hidden " << c.hidden << ", " << c.num_experts << " experts, top-"
+      << c.num_topk << ", routed by " << kRouteBy[static_cast<int>(s.route_by)] << ", alignment "
+      << s.expert_alignment;
+  if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
+  if (s.cached) out << ", cached re-dispatch";
+  out << ", " << s.num_sms << " SMs, " << s.num_biases << " biases" << (s.combine_weights ? ", weights" : "")
+      << ", " << kOrders[static_cast<int>(s.order)] << ", tokens [";
+  for (size_t r = 0; r < s.num_tokens.size(); ++r) out << (r > 0 ? " " : "") << s.num_tokens[r];
+  out << "]";
+  return out.str();
+}
+
+inline std::vector<std::vector<int64_t>> normal_routing(const NormalCase& c, const NormalStep& s) {
+  const int K = c.num_topk;
+  std::vector<std::vector<int64_t>> ids;
+  if (c.routing == NormalRouting::kUnbalanced) {
+    ids = reference::make_unbalanced_routing(s.seed, s.num_tokens, K, c.num_experts, c.num_ranks);
+  } else {
+    for (int r = 0; r < c.num_ranks; ++r) {
+      reference::RoutingSpec spec;
+      spec.num_tokens = s.num_tokens[r];
+      spec.num_topk = K;
+      spec.num_experts = c.num_experts;
+      spec.num_ranks = c.num_ranks;
+      spec.drop_probability = c.drop_probability;
+      ids.push_back(reference::make_topk_idx(spec, s.seed * 1000 + r));
+    }
+  }
+  if (c.duplicates && K >= 2) {
+    for (int r = 0; r < c.num_ranks; ++r) {
+      for (int t = 0; t < s.num_tokens[r]; t += 3) {
+        int64_t* row = &ids[r][size_t(t) * K];
+        if (row[0] >= 0) row[K - 1] = row[0];
+      }
+    }
+  }
+  return ids;
+}
+
+// Stamped tokens (BF16), or their FP8 quantization, so a misplaced row names where it came from.
+inline void normal_payload(const NormalCase& c, const NormalStep& s, uint64_t seed, int rank,
+                           reference::NormalDispatchRankInput& in) {
+  if (s.fp8()) {
+    reference::Fp8Tokens tokens = reference::random_fp8_tokens(seed, in.num_tokens, c.hidden, rank);
+    in.x_fp8 = std::move(tokens.x);
+    in.x_scales = std::move(tokens.scales);
+  } else {
+    in.x =
+        reference::random_bf16_tokens(seed, in.num_tokens, c.hidden, rank, reference::TokenValues::kUniform);
+  }
+}
+
+inline NormalExpected expect_normal(const NormalCase& c, const NormalStep& s) {
+  const int R = c.num_ranks;
+  const int H = c.hidden;
+  const int K = c.num_topk;
+  NormalExpected e;
+  e.topk_idx = normal_routing(c, s);
+  for (int r = 0; r < R; ++r) {
+    e.topk_weights.push_back(reference::random_topk_weights(s.seed * 104729 + r, s.num_tokens[r], K));
+    e.layouts.push_back(
+        reference::get_dispatch_layout(e.topk_idx[r].data(), s.num_tokens[r], K, c.num_experts, R));
+  }
+
+  reference::NormalDispatchParams params;
+  params.num_ranks = R;
+  params.num_experts = c.num_experts;
+  params.hidden = H;
+  params.format = s.fp8() ? reference::PayloadFormat::kFp8 : reference::PayloadFormat::kBf16;
+  params.with_topk = s.with_topk();
+  params.num_topk = s.with_topk() ? K : 0;
+  params.expert_alignment = s.expert_alignment;
+  params.num_worst_tokens = s.num_worst_tokens;
+  e.inputs.resize(R);
+  for (int r = 0; r < R; ++r) {
+    reference::NormalDispatchRankInput& in = e.inputs[r];
+    in.num_tokens = s.num_tokens[r];
+    normal_payload(c, s, s.seed * 7919 + r, r, in);
+    if (s.with_topk()) {
+      in.topk_idx = e.topk_idx[r];
+      in.topk_weights = e.topk_weights[r];
+    } else {
+      in.is_token_in_rank = e.layouts[r].is_token_in_rank;
+      if (s.route_by == NormalRouteBy::kRankMapCounts)
+        in.num_tokens_per_expert = e.layouts[r].num_tokens_per_expert;
+    }
+  }
+  e.dispatched = reference::normal_dispatch(params, e.inputs);
+
+  if (s.cached) {
+    // A cached re-dispatch repeats the routing from the handle and carries only the payload.
+    reference::NormalDispatchParams again = params;
+    again.with_topk = false;
+    again.num_topk = 0;
+    e.cached_inputs.resize(R);
+    for (int r = 0; r < R; ++r) {
+      e.cached_inputs[r].num_tokens = s.num_tokens[r];
+      normal_payload(c, s, s.seed * 15485863 + r, r, e.cached_inputs[r]);
+      e.cached_inputs[r].is_token_in_rank = e.layouts[r].is_token_in_rank;
+    }
+    e.redispatched = reference::normal_dispatch(again, e.cached_inputs);
+  }
+
+  // Expert outputs: fresh values in every row, padding rows included (the combine must ignore those).
+  e.combine_inputs.resize(R);
+  for (int d = 0; d < R; ++d) {
+    reference::NormalCombineRankInput& in = e.combine_inputs[d];
+    const int rows = e.dispatched.ranks[d].num_rows;
+    in.x = reference::random_bf16_tokens(s.seed * 31337 + d, rows, H, d, c.combine_values, false);
+    if (s.combine_weights) in.topk_weights = reference::random_topk_weights(s.seed * 611953 + d, rows, K);
+    if (s.num_biases >= 1)
+      in.bias0 =
+          reference::random_bf16_tokens(s.seed * 4111 + d, s.num_tokens[d], H, d, c.combine_values, false);
+    if (s.num_biases >= 2)
+      in.bias1 =
+          reference::random_bf16_tokens(s.seed * 6151 + d, s.num_tokens[d], H, d, c.combine_values, false);
+  }
+  e.combined = reference::normal_combine(e.dispatched.handle, {s.combine_weights ? K : 0, s.num_biases},
+                                         e.combine_inputs);
+  return e;
+}
+
+// Device memory of one iteration on this rank; unused arrays stay empty (null), which is what the calls get.
+struct NormalSlot {
+  DeviceArray x, x_scales, topk_idx, topk_weights;                           // dispatch inputs
+  DeviceArray num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank;  // layout outputs
+  DeviceArray recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights;       // dispatch outputs
+  DeviceArray combine_x, combine_weights, bias0, bias1;                      // combine inputs
+  DeviceArray combined_x, combined_weights;                                  // combine outputs
+  DeviceArray cached_x, cached_x_scales, cached_recv_x, cached_recv_x_scales, cached_combined_x;
+  DispatchPlan plan, cached_plan;
+};
+
+class NormalRunner {
+ public:
+  // Runs on `buffer`, which must hold normal_buffer_bytes(c).
+  NormalRunner(const NormalCase& c, Buffer& buffer) : c_(c), rank_(buffer.rank()), buffer_(&buffer) {
+    init();
+  }
+  // Runs on a Buffer of its own.
+  NormalRunner(const NormalCase& c, Bootstrap& bootstrap) : c_(c), rank_(bootstrap.rank()) {
+    BufferOptions options;
+    options.num_nvl_bytes = normal_buffer_bytes(c);
+    options.wait_timeout_s = 20.0;
+    owned_buffer_ = std::make_unique<Buffer>(bootstrap, options);
+    buffer_ = owned_buffer_.get();
+    init();
+  }
+  ~NormalRunner() {
+    if (stream_ != nullptr) cudaStreamDestroy(stream_);
+  }
+  NormalRunner(const NormalRunner&) = delete;
+  NormalRunner& operator=(const NormalRunner&) = delete;
+
+  void run() {
+    for (int i = 0; i < c_.num_iterations; ++i) run_step(normal_step(c_, i));
+  }
+
+ private:
+  void init() {
+    if (buffer_->num_ranks() != c_.num_ranks)
+      throw std::runtime_error("NormalCase: num_ranks != the group's");
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+  }
+
+  [[noreturn]] void fail_at(const NormalStep& s, const std::string& what) const {
+    fail(rank_, s.iteration, what + " (" + describe_step(c_, s) + ")");
+  }
+
+  // ---- Device memory ----
+
+  NormalSlot make_slot(const NormalStep& s, const NormalExpected& e) const {
+    const size_t T = s.num_tokens[rank_];
+    const size_t H = c_.hidden;
+    const size_t K = c_.num_topk;
+    const size_t R = c_.num_ranks;
+    const size_t rows = e.dispatched.ranks[rank_].num_rows;
+    const size_t row_bytes = s.fp8() ? H : H * 2;
+    const size_t scale_bytes = s.fp8() ? H / 128 * sizeof(float) : 0;
+    const reference::NormalDispatchRankInput& in = e.inputs[rank_];
+    const reference::NormalCombineRankInput& combine_in = e.combine_inputs[rank_];
+
+    NormalSlot slot;
+    slot.x = DeviceArray(T * row_bytes);
+    slot.topk_idx = DeviceArray(T * K * sizeof(int64_t));
+    slot.topk_weights = DeviceArray(T * K * sizeof(float));
+    slot.num_tokens_per_rank = DeviceArray(R * sizeof(int));
+    slot.num_tokens_per_expert = DeviceArray(size_t(c_.num_experts) * sizeof(int));
+    slot.is_token_in_rank = DeviceArray(T * R);
+    slot.recv_x = DeviceArray(rows * row_bytes);
+    if (s.fp8()) {
+      slot.x_scales = DeviceArray(T * scale_bytes);
+      slot.recv_x_scales = DeviceArray(rows * scale_bytes);
+    }
+    if (s.with_topk()) {
+      slot.recv_topk_idx = DeviceArray(rows * K * sizeof(int64_t));
+      slot.recv_topk_weights = DeviceArray(rows * K * sizeof(float));
+    }
+    slot.combine_x = DeviceArray(rows * H * 2);
+    slot.combined_x = DeviceArray(T * H * 2);
+    if (s.combine_weights) {
+      slot.combine_weights = DeviceArray(rows * K * sizeof(float));
+      slot.combined_weights = DeviceArray(T * K * sizeof(float));
+    }
+    if (s.num_biases >= 1) slot.bias0 = DeviceArray(T * H * 2);
+    if (s.num_biases >= 2) slot.bias1 = DeviceArray(T * H * 2);
+    if (s.cached) {
+      slot.cached_x = DeviceArray(T * row_bytes);
+      slot.cached_recv_x = DeviceArray(rows * row_bytes);
+      slot.cached_combined_x = DeviceArray(T * H * 2);
+      if (s.fp8()) {
+        slot.cached_x_scales = DeviceArray(T * scale_bytes);
+        slot.cached_recv_x_scales = DeviceArray(rows * scale_bytes);
+      }
+    }
+    // DeviceArray zeroes on the legacy default stream, which does not order against the non-blocking streams
+    // the uploads and the library use.
+    EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
+
+    // Uploads happen here, before any gate: a pageable upload may wait for its stream.
+    if (s.fp8()) {
+      slot.x.upload(in.x_fp8, stream_);
+      slot.x_scales.upload(in.x_scales, stream_);
+    } else {
+      slot.x.upload(in.x, stream_);
+    }
+    slot.topk_idx.upload(e.topk_idx[rank_], stream_);
+    slot.topk_weights.upload(e.topk_weights[rank_], stream_);
+    slot.combine_x.upload(combine_in.x, stream_);
+    slot.combine_weights.upload(combine_in.topk_weights, stream_);
+    slot.bias0.upload(combine_in.bias0, stream_);
+    slot.bias1.upload(combine_in.bias1, stream_);
+    if (s.cached) {
+      const reference::NormalDispatchRankInput& again = e.cached_inputs[rank_];
+      if (s.fp8()) {
+        slot.cached_x.upload(again.x_fp8, stream_);
+        slot.cached_x_scales.upload(again.x_scales, stream_);
+      } else {
+        slot.cached_x.upload(again.x, stream_);
+      }
+    }
+    // Outputs start as 0x7F bytes, a value no output legitimately holds (not 0, not -1), so an element the
+    // library forgot to write (or zero) is caught.
+    for (const DeviceArray* out :
+         {&slot.num_tokens_per_rank, &slot.num_tokens_per_expert, &slot.is_token_in_rank, &slot.recv_x,
+          &slot.recv_x_scales, &slot.recv_topk_idx, &slot.recv_topk_weights, &slot.combined_x,
+          &slot.combined_weights, &slot.cached_recv_x, &slot.cached_recv_x_scales, &slot.cached_combined_x}) {
+      if (out->bytes() > 0) EPX_CUDA_CHECK(cudaMemsetAsync(out->get(), 0x7F, out->bytes(), stream_));
+    }
+    return slot;
+  }
+
+  // ---- The calls ----
+
+  StreamOrder order_for(const NormalStep& s) const {
+    switch (s.order) {
+      case NormalOrder::kAsyncFinish:
+        return StreamOrder{stream_, nullptr, true};
+      case NormalOrder::kPreviousEvent:
+        return StreamOrder{stream_, last_event_.get(), true};
+      case NormalOrder::kSync:
+        break;
+    }
+    return StreamOrder{stream_, nullptr, false};
+  }
+
+  void finished(const NormalStep& s, const Event& event, const char* call) {
+    const bool async = s.order != NormalOrder::kSync;
+    if (event.valid() != async)
+      fail_at(s, std::string(call) + (async ? " returned no event with async_finish"
+                                            : " returned an event without async_finish"));
+    if (s.order == NormalOrder::kAsyncFinish) event.wait_on(stream_);
+    if (s.order == NormalOrder::kPreviousEvent) last_event_ = event;
+  }
+
+  DispatchInput dispatch_input(const NormalStep& s, const NormalSlot& slot, bool cached) const {
+    DispatchInput in;
+    in.x = cached ? slot.cached_x.get() : slot.x.get();
+    in.format = s.format;
+    in.x_scales = cached ? slot.cached_x_scales.get<float>() : slot.x_scales.get<float>();
+    in.num_tokens = s.num_tokens[rank_];
+    in.hidden = c_.hidden;
+    in.num_experts = c_.num_experts;
+    in.expert_alignment = s.expert_alignment;
+    in.num_worst_tokens = s.num_worst_tokens;
+    if (cached) return in;  // routing comes from the handle; is_token_in_rank may be null
+    if (s.with_topk()) {
+      in.topk_idx = slot.topk_idx.get<int64_t>();
+      in.topk_weights = slot.topk_weights.get<float>();
+      in.num_topk = c_.num_topk;
+    }
+    in.is_token_in_rank = slot.is_token_in_rank.get<bool>();
+    if (s.route_by != NormalRouteBy::kRankMap)
+      in.num_tokens_per_expert = slot.num_tokens_per_expert.get<int>();
+    return in;
+  }
+
+  // What the host learns from dispatch_notify, checked before the outputs (sized from the reference) are
+  // written, so a wrong count can not overrun them.
+  void check_plan(const NormalStep& s, const reference::NormalDispatchRankOutput& want,
+                  const DispatchPlan& plan, const std::vector<int>& want_per_expert,
+                  const std::string& what) const {
+    const int L = c_.num_experts / c_.num_ranks;
+    if (!plan.handle.valid()) fail_at(s, what + ": empty handle");
+    if (plan.num_recv_rows != want.num_rows || plan.handle.num_recv_rows() != want.num_rows)
+      fail_at(s, what + ": num_recv_rows " + std::to_string(plan.num_recv_rows) + " (handle " +
+                     std::to_string(plan.handle.num_recv_rows()) + "), expected " +
+                     std::to_string(want.num_rows));
+    if (plan.handle.num_tokens() != s.num_tokens[rank_] || plan.handle.hidden() != c_.hidden)
+      fail_at(s, what + ": handle num_tokens " + std::to_string(plan.handle.num_tokens()) + " / hidden " +
+                     std::to_string(plan.handle.hidden()));
+    if (s.num_worst_tokens > 0) {
+      if (!plan.num_recv_tokens_per_expert.empty() || !plan.handle.num_recv_per_rank().empty())
+        fail_at(s, what + ": per-expert and per-rank counts must be empty in worst-case mode");
+      return;
+    }
+    if (plan.handle.num_recv_per_rank() != want.num_recv_tokens_per_rank)
+      fail_at(s, what + ": the handle's rows per source rank differ from the reference");
+    if (plan.num_recv_tokens_per_expert.size() != size_t(L))
+      fail_at(s, what + ": num_recv_tokens_per_expert has " +
+                     std::to_string(plan.num_recv_tokens_per_expert.size()) + " entries, expected " +
+                     std::to_string(L));
+    // Without num_tokens_per_expert the counts are not defined (the reference gives none).
+    if (want_per_expert.empty()) return;
+    for (int le = 0; le < L; ++le) {
+      if (plan.num_recv_tokens_per_expert[le] != want_per_expert[le])
+        fail_at(s, what + ": num_recv_tokens_per_expert[" + std::to_string(le) +
+                       "] = " + std::to_string(plan.num_recv_tokens_per_expert[le]) + ", expected " +
+                       std::to_string(want_per_expert[le]));
+    }
+  }
+
+  void issue(const NormalStep& s, const NormalExpected& e, NormalSlot& slot) {
+    const int T = s.num_tokens[rank_];
+    const reference::NormalDispatchRankOutput& want = e.dispatched.ranks[rank_];
+
+    const DispatchLayoutOutput layout{slot.num_tokens_per_rank.get<int>(),
+                                      slot.num_tokens_per_expert.get<int>(),
+                                      slot.is_token_in_rank.get<bool>()};
+    finished(s,
+             get_dispatch_layout(*buffer_, slot.topk_idx.get<int64_t>(), T, c_.num_topk, c_.num_experts,
+                                 layout, order_for(s)),
+             "get_dispatch_layout");
+
+    const DispatchInput in = dispatch_input(s, slot, false);
+    slot.plan = dispatch_notify(*buffer_, in, order_for(s));
+    check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
+    const DispatchOutput out{slot.recv_x.get(), slot.recv_x_scales.get<float>(),
+                             slot.recv_topk_idx.get<int64_t>(), slot.recv_topk_weights.get<float>()};
+    finished(s, dispatch_receive(*buffer_, slot.plan, in, out, order_for(s)), "dispatch_receive");
+
+    const CombineInput combine_in{slot.combine_x.get(), slot.combine_weights.get<float>(),
+                                  s.combine_weights ? c_.num_topk : 0, slot.bias0.get(), slot.bias1.get()};
+    const CombineOutput combine_out{slot.combined_x.get(), slot.combined_weights.get<float>()};
+    finished(s, combine(*buffer_, slot.plan.handle, combine_in, combine_out, order_for(s)), "combine");
+    if (!s.cached) return;
+
+    const DispatchInput again = dispatch_input(s, slot, true);
+    slot.cached_plan = dispatch_notify(*buffer_, again, order_for(s), &slot.plan.handle);
+    check_plan(s, e.redispatched.ranks[rank_], slot.cached_plan, slot.plan.num_recv_tokens_per_expert,
+               "cached dispatch_notify");
+    const DispatchOutput again_out{slot.cached_recv_x.get(), slot.cached_recv_x_scales.get<float>(), nullptr,
+                                   nullptr};
+    finished(s, dispatch_receive(*buffer_, slot.cached_plan, again, again_out, order_for(s)),
+             "cached dispatch_receive");
+    // The new handle carries no top-k (the re-dispatch had none), so this combine reduces x and biases only;
+    // its combined_x must equal the first combine's.
+    const CombineInput plain{slot.combine_x.get(), nullptr, 0, slot.bias0.get(), slot.bias1.get()};
+    finished(s,
+             combine(*buffer_, slot.cached_plan.handle, plain,
+                     CombineOutput{slot.cached_combined_x.get(), nullptr}, order_for(s)),
+             "combine with the cached handle");
+  }
+
+  void run_step(const NormalStep& s) {
+    buffer_->set_num_sms(s.num_sms);
+    const NormalExpected e = expect_normal(c_, s);
+    NormalSlot slot = make_slot(s, e);
+    last_event_ = Event::record(stream_);  // previous-event order: the first call starts after the uploads
+    std::optional<StreamGate> gate;
+    // The gate's 10 s bound is below the Buffer's 20 s device wait bound, so a call that wrongly waits is
+    // reported as that, not as a peer timeout.
+    if (s.gated) gate.emplace(stream_);
+    issue(s, e, slot);
+    // With previous events nothing waits for the caller's stream, so the last event completes while it is
+    // held.
+    if (s.order == NormalOrder::kPreviousEvent) last_event_.synchronize();
+    if (gate) gate->release();
+    buffer_->synchronize(stream_);
+    if (gate && gate->timed_out())
+      fail_at(s,
+              "a call waited for the device or for the caller's stream although it must not (worst-case "
+              "rows, a cached handle or previous_event order)");
+    last_event_ = Event{};
+    check(s, e, slot);
+  }
+
+  // ---- Checks ----
+
+  template <typename T>
+  void check_bits(const NormalStep& s, const std::vector<T>& got, const std::vector<T>& want, size_t count,
+                  size_t row_size, const std::string& what) const {
+    if (got.size() < count || want.size() < count)
+      fail_at(s, what + ": " + std::to_string(std::min(got.size(), want.size())) + " elements, expected " +
+                     std::to_string(count));
+    for (size_t i = 0; i < count; ++i) {
+      if (std::memcmp(&got[i], &want[i], sizeof(T)) != 0)
+        fail_at(s, what + "[" + std::to_string(i / row_size) + "][" + std::to_string(i % row_size) +
+                       "] = " + show_value(got[i]) + ", expected " + show_value(want[i]));
+    }
+  }
+
+  void check_layout(const NormalStep& s, const reference::DispatchLayout& want,
+                    const NormalSlot& slot) const {
+    const size_t T = s.num_tokens[rank_];
+    const size_t R = c_.num_ranks;
+    check_bits(s, slot.num_tokens_per_rank.download<int>(R), want.num_tokens_per_rank, R, R,
+               "layout num_tokens_per_rank");
+    check_bits(s, slot.num_tokens_per_expert.download<int>(c_.num_experts), want.num_tokens_per_expert,
+               c_.num_experts, c_.num_experts, "layout num_tokens_per_expert");
+    check_bits(s, slot.is_token_in_rank.download<uint8_t>(T * R), want.is_token_in_rank, T * R, R,
+               "layout is_token_in_rank");
+  }
+
+  // Real rows bit-exactly (padding rows' payload is unspecified), naming the row's expected and actual
+  // source.
+  void check_rows(const NormalStep& s, const reference::NormalDispatchRankOutput& want,
+                  const DeviceArray& recv_x, const std::string& what) const {
+    const size_t H = c_.hidden;
+    const size_t row_bytes = s.fp8() ? H : H * 2;
+    const size_t N = want.num_recv_tokens;
+    const std::vector<uint8_t> got = recv_x.download<uint8_t>(N * row_bytes);
+    const auto* want_bytes =
+        s.fp8() ? want.recv_x_fp8.data() : reinterpret_cast<const uint8_t*>(want.recv_x.data());
+    for (size_t row = 0; row < N; ++row) {
+      if (std::memcmp(&got[row * row_bytes], want_bytes + row * row_bytes, row_bytes) == 0) continue;
+      std::string message = what + " row " + std::to_string(row) +
+                            " differs from the reference, which holds token " +
+                            std::to_string(want.recv_src_token_idx[row]) + " of rank " +
+                            std::to_string(want.recv_src_rank[row]);
+      if (!s.fp8() && H >= size_t(reference::kStampChannels)) {
+        uint16_t stamp[reference::kStampChannels];
+        std::memcpy(stamp, &got[row * row_bytes], sizeof(stamp));
+        const reference::Stamp from = reference::read_stamp(stamp, reference::kStampChannels);
+        if (from.src_rank >= 0)
+          message += "; the row is stamped token " + std::to_string(from.token_idx) + " of rank " +
+                     std::to_string(from.src_rank);
+      }
+      fail_at(s, message);
+    }
+  }
+
+  void check_dispatch(const NormalStep& s, const reference::NormalDispatchRankOutput& want,
+                      const DispatchPlan& plan, const DeviceArray& recv_x, const DeviceArray& recv_x_scales,
+                      bool with_topk, const NormalSlot& slot, const std::string& what) const {
+    const size_t rows = want.num_rows;
+    const size_t N = want.num_recv_tokens;
+    const size_t K = c_.num_topk;
+    check_rows(s, want, recv_x, what + "recv_x");
+    if (s.fp8()) {
+      const size_t G = c_.hidden / 128;
+      check_bits(s, recv_x_scales.download<float>(N * G), want.recv_x_scales, N * G, G,
+                 what + "recv_x_scales");
+    }
+    if (with_topk) {
+      check_bits(s, slot.recv_topk_idx.download<int64_t>(rows * K), want.recv_topk_idx, rows * K, K,
+                 what + "recv_topk_idx");
+      check_bits(s, slot.recv_topk_weights.download<float>(rows * K), want.recv_topk_weights, rows * K, K,
+                 what + "recv_topk_weights");
+    }
+    check_bits(s, download_device(plan.handle.recv_src_idx_device(), rows), want.recv_src_token_idx, rows, 1,
+               what + "handle recv_src_idx");
+  }
+
+  void check(const NormalStep& s, const NormalExpected& e, const NormalSlot& slot) const {
+    const size_t T = s.num_tokens[rank_];
+    const size_t H = c_.hidden;
+    const size_t K = c_.num_topk;
+    check_layout(s, e.layouts[rank_], slot);
+    check_dispatch(s, e.dispatched.ranks[rank_], slot.plan, slot.recv_x, slot.recv_x_scales, s.with_topk(),
+                   slot, "");
+    const reference::NormalCombineRankOutput& want = e.combined[rank_];
+    check_bits(s, slot.combined_x.download<uint16_t>(T * H), want.combined_x, T * H, H, "combined_x");
+    if (s.combine_weights)
+      check_bits(s, slot.combined_weights.download<float>(T * K), want.combined_topk_weights, T * K, K,
+                 "combined_topk_weights");
+    if (!s.cached) return;
+    check_dispatch(s, e.redispatched.ranks[rank_], slot.cached_plan, slot.cached_recv_x,
+                   slot.cached_recv_x_scales, false, slot, "cached ");
+    check_bits(s, slot.cached_combined_x.download<uint16_t>(T * H), want.combined_x, T * H, H,
+               "combined_x with the cached handle");
+  }
+
+  NormalCase c_;
+  int rank_;
+  std::unique_ptr<Buffer> owned_buffer_;
+  Buffer* buffer_ = nullptr;
+  cudaStream_t stream_ = nullptr;
+  Event last_event_;  // previous-event order: what the next call starts after
+};
+
+}  // namespace epx::test
