@@ -2,6 +2,7 @@
 // again on the operation counts however the previous operations ended.
 #include "common/cuda_check.hpp"
 #include "kernels/low_latency_common.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -38,6 +39,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream) {
   low_latency_clean_kernel<<<1, kNumThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
+}
+
+void preload_low_latency_clean_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_clean_kernel));
 }
 
 }  // namespace epx::kernels

@@ -5,6 +5,7 @@
 #include "epx/formats/logfmt.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/nvl_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -225,6 +226,11 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t 
   }
   low_latency_combine_kernel<<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
+}
+
+void preload_low_latency_combine_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_combine_kernel));
 }
 
 }  // namespace epx::kernels

@@ -8,6 +8,7 @@
 #include "epx/formats/ue8m0.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/nvl_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -290,6 +291,11 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_
 
 size_t low_latency_dispatch_smem_bytes(const LowLatencyLayout& layout) {
   return dispatch_smem_bytes(layout);
+}
+
+void preload_low_latency_dispatch_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel));
 }
 
 }  // namespace epx::kernels

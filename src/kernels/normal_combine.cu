@@ -3,6 +3,7 @@
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/nvl_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -136,6 +137,13 @@ void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return;
   reduce_kernel<<<args.num_sms, kReduceThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
+}
+
+void preload_normal_combine_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, push_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, barrier_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel));
 }
 
 }  // namespace epx::kernels

@@ -3,6 +3,7 @@
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/nvl_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -186,6 +187,13 @@ void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream) {
 void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream) {
   pull_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
+}
+
+void preload_normal_dispatch_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, stage_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, notify_kernel));
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, pull_kernel));
 }
 
 }  // namespace epx::kernels

@@ -1,5 +1,6 @@
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -63,6 +64,11 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
   const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts);
   layout_kernel<<<blocks, kLayoutThreads, shared_bytes, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
+}
+
+void preload_normal_layout_kernels() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, layout_kernel));
 }
 
 }  // namespace epx::kernels

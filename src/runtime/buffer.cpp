@@ -9,6 +9,7 @@
 #include "common/cuda_check.hpp"
 #include "core/wait_record.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
 
 namespace epx {
@@ -90,6 +91,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.wait_timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
   try {
     set_num_sms(options.num_sms);
+    kernels::preload_all_kernels();
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
     s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [](cudaStream_t stream) {
       cudaStreamSynchronize(stream);

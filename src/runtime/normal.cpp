@@ -194,7 +194,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     const int* counts = buffer.host_scratch() + kCountsSlot;
     state->num_recv_rows = counts[0];
     // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
-    if (in.num_tokens_per_expert != nullptr || in.num_tokens == 0) {
+    if (in.num_tokens_per_expert != nullptr) {
       state->num_recv_tokens_per_expert.assign(counts + 1, counts + 1 + in.num_experts / num_ranks);
     } else {
       state->num_recv_tokens_per_expert.clear();

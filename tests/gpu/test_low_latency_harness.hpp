@@ -63,9 +63,10 @@ class DeviceArray {
   explicit DeviceArray(size_t bytes) : bytes_(bytes) {
     void* raw = nullptr;
     EPX_CUDA_CHECK(cudaMalloc(&raw, bytes == 0 ? 16 : bytes));
-    EPX_CUDA_CHECK(cudaMemset(raw, 0, bytes == 0 ? 16 : bytes));
-    // cudaMemset may still run when it returns; uploads go on non-blocking streams not ordered after it.
-    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    // Zeroed before any upload, which goes on a non-blocking stream not ordered after the legacy stream; a
+    // device-wide sync would also wait for streams the tests deliberately hold.
+    EPX_CUDA_CHECK(cudaMemsetAsync(raw, 0, bytes == 0 ? 16 : bytes, cudaStreamLegacy));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     memory_ = std::shared_ptr<void>(raw, [](void* p) { cudaFree(p); });
   }
   template <typename T = void>

@@ -1,0 +1,25 @@
+#pragma once
+
+// Loads every EPX kernel into the current context now. With CUDA's lazy module loading (the default), the
+// first launch of a kernel loads it, and loading can wait for work already running on the device; our
+// kernels spin on peers, and callers may hold their streams (host callbacks, graphs), so a first launch in
+// the middle of an operation could stall or deadlock. The Buffer preloads at construction instead.
+namespace epx::kernels {
+
+void preload_normal_layout_kernels();
+void preload_normal_dispatch_kernels();
+void preload_normal_combine_kernels();
+void preload_low_latency_dispatch_kernels();
+void preload_low_latency_combine_kernels();
+void preload_low_latency_clean_kernels();
+
+inline void preload_all_kernels() {
+  preload_normal_layout_kernels();
+  preload_normal_dispatch_kernels();
+  preload_normal_combine_kernels();
+  preload_low_latency_dispatch_kernels();
+  preload_low_latency_combine_kernels();
+  preload_low_latency_clean_kernels();
+}
+
+}  // namespace epx::kernels
