@@ -7,5 +7,7 @@ extra=()
 # The GPU image may lack an installed GoogleTest; a source tree can be carried instead.
 [ -n "${EPX_GTEST_SOURCE_DIR:-}" ] && extra+=(-DEPX_GTEST_SOURCE_DIR="$EPX_GTEST_SOURCE_DIR")
 python_exe=$(command -v "${PYTHON:-python3}")
+# The Python binding builds (and its CPU pytest runs) wherever pybind11 is importable.
+"$python_exe" -c 'import pybind11' 2>/dev/null && extra+=(-DEPX_BUILD_PYTHON=ON)
 cmake -S "$root" -B "$build" -G Ninja -DPython3_EXECUTABLE="$python_exe" "${extra[@]}" "$@" >/dev/null
 echo "$build"

@@ -3,6 +3,7 @@
 # and leave logs plus summary.json under $OUT (default gpu-out/).
 # Environment knobs:
 #   GPU_TESTS      gtest filter of the GPU tests (default: all; "-" skips them)
+#   PY_TESTS       "-" skips the Python GPU tests and the example
 #   BENCH_ARGS     epx-bench flags (default: the TARGETS.md shapes; "skip" skips the benchmark)
 #   TEST_TIMEOUT / BENCH_TIMEOUT  seconds before the stage is killed (default 300 / 240)
 #   EPX_BUILD_DIR  build folder (default build-gpu/); when it already holds the binaries and EPX_REBUILD is
@@ -48,6 +49,18 @@ if [ "${GPU_TESTS:-*}" != "-" ]; then
   grep -E "^\[       OK \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$out/gpu-tests.log" | sed 's/^/  /' | tail -80 >"$out/gpu-tests-brief.txt"
 fi
 
+# Python: the binding's GPU pytest suite (torch multiprocessing) and the example MoE layer trained on the GPUs.
+py_rc=skipped
+if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
+  export PYTHONPATH=$root/python:$build/python
+  timeout -k 10 "${PY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs -x tests/python/gpu \
+    >"$out/py-tests.log" 2>&1
+  py_rc=$?
+  tail -15 "$out/py-tests.log"
+  timeout -k 10 120 python3 examples/moe_layer.py >"$out/moe-example.log" 2>&1 || py_rc=example-failed
+  tail -8 "$out/moe-example.log"
+fi
+
 bench_rc=skipped
 if [ "${BENCH_ARGS:-}" != "skip" ]; then
   # shellcheck disable=SC2086
@@ -57,7 +70,8 @@ if [ "${BENCH_ARGS:-}" != "skip" ]; then
   tail -60 "$out/bench.txt"
 fi
 
-printf '{"date":"%s","build_s":%s,"tests_rc":"%s","bench_rc":"%s"}\n' "$(date -Iseconds)" "$build_s" "$tests_rc" \
-  "$bench_rc" | tee "$out/summary.json"
+printf '{"date":"%s","build_s":%s,"tests_rc":"%s","py_rc":"%s","bench_rc":"%s"}\n' "$(date -Iseconds)" \
+  "$build_s" "$tests_rc" "$py_rc" "$bench_rc" | tee "$out/summary.json"
 [ "$tests_rc" = 0 ] || [ "$tests_rc" = skipped ] || exit 1
+[ "$py_rc" = 0 ] || [ "$py_rc" = skipped ] || exit 1
 [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ] || exit 1

@@ -1,0 +1,68 @@
+"""EPX: expert-parallel all-to-all (MoE dispatch / combine) for PyTorch.
+
+    import epx
+    buffer = epx.Buffer(group, num_nvl_bytes=epx.Config().get_nvl_buffer_size_hint(hidden * 2, group.size()))
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+    result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
+    ...
+    combined = buffer.combine(expert_out, result.handle).combined_x
+
+Submodules: epx.training (autograd dispatch/combine, permute/unpermute), epx.compat.deep_ep (DeepEP V1's
+interface), epx.reference (the CPU reference, for tests). torch is imported only when a torch-facing part is
+used; the size hints, layouts and the reference work without it.
+"""
+
+import pkgutil as _pkgutil
+
+# A development build keeps the compiled extension in <build>/python/epx/: with that folder on sys.path too
+# (PYTHONPATH=python:<build>/python), the package spans both directories.
+__path__ = _pkgutil.extend_path(__path__, __name__)
+
+from ._ext import _epx  # noqa: E402
+from .buffer import Buffer, group_bootstrap  # noqa: E402
+from .config import Config, get_low_latency_rdma_size_hint, normal_nvl_buffer_size_hint  # noqa: E402
+from .event import EventOverlap  # noqa: E402
+from .results import (  # noqa: E402
+    CombineResult,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+    RecvHook,
+)
+
+EpxError = _epx.EpxError
+__version__ = _epx.__version__
+WITH_CUDA = bool(_epx.WITH_CUDA)
+MAX_TOPK = _epx.MAX_TOPK
+
+__all__ = [
+    "Buffer",
+    "CombineResult",
+    "Config",
+    "DispatchHandle",
+    "DispatchLayout",
+    "DispatchResult",
+    "EpxError",
+    "EventOverlap",
+    "LowLatencyCombineResult",
+    "LowLatencyDispatchResult",
+    "LowLatencyHandle",
+    "MAX_TOPK",
+    "RecvHook",
+    "WITH_CUDA",
+    "get_low_latency_rdma_size_hint",
+    "group_bootstrap",
+    "normal_nvl_buffer_size_hint",
+]
+
+
+def __getattr__(name):
+    # Submodules that import torch (training) load on first access.
+    if name in ("training", "compat", "reference"):
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -1,0 +1,494 @@
+"""epx.Buffer: the torch layer over the C++ runtime (allocates outputs with torch, orders streams, names
+results). DeepEP V1's interface is in epx.compat.deep_ep, a thin layer over this one."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+
+from ._ext import _epx
+from ._util import (
+    EpxError,
+    check,
+    check_tensor,
+    current_stream,
+    device_view,
+    event_handle,
+    maybe_stream,
+    pointer,
+    record_stream,
+    torch,
+)
+from .config import Config
+from .event import EventOverlap
+from .results import (
+    CombineResult,
+    DispatchHandle,
+    DispatchLayout,
+    DispatchResult,
+    LowLatencyCombineResult,
+    LowLatencyDispatchResult,
+    LowLatencyHandle,
+    RecvHook,
+)
+
+Tokens = Union[Any, Tuple[Any, Any]]  # BF16 [T, H], or (float8_e4m3fn [T, H], float32 scales [T, H/128])
+
+
+def group_bootstrap(group: Any) -> Tuple[int, int, Callable[[bytes], List[bytes]], Callable[[], None]]:
+    """(rank, num_ranks, all_gather, barrier) over a torch.distributed process group, through
+    all_gather_object (works with the NCCL and Gloo backends)."""
+    import torch.distributed as dist
+
+    num_ranks = dist.get_world_size(group)
+
+    def all_gather(payload: bytes) -> List[bytes]:
+        gathered: List[Any] = [None] * num_ranks
+        dist.all_gather_object(gathered, payload, group=group)
+        return gathered
+
+    def barrier() -> None:
+        dist.all_gather_object([None] * num_ranks, None, group=group)
+
+    return dist.get_rank(group), num_ranks, all_gather, barrier
+
+
+def _require_cuda_runtime() -> None:
+    if not _epx.WITH_CUDA:
+        raise EpxError("epx was built without CUDA (EPX_WITH_CUDA=OFF): only size hints, layouts and the "
+                       "CPU reference are available")
+
+
+class Buffer:
+    """Communication buffers of one rank for MoE dispatch/combine, built collectively by every rank of a
+    process group on the current CUDA device.
+
+    Args:
+        group: a torch.distributed process group (default: the world group). All its ranks construct the
+            Buffer together.
+        num_nvl_bytes: normal-mode NVLink buffer bytes (see Config.get_nvl_buffer_size_hint).
+        num_rdma_bytes: low-latency buffer bytes (see get_low_latency_rdma_size_hint).
+        low_latency_mode: whether the buffer serves low-latency calls.
+        num_sms: SM budget of the normal-mode kernels (a call's Config overrides it for that call).
+        wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
+            a timeout raises EpxError naming the rank, peer and phase.
+        bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
+            returns every rank's bytes in rank order (for frameworks other than torch.distributed).
+
+    Every call is collective: all ranks make the same sequence of calls. Call destroy() (collective) to
+    free the memory at a known point; otherwise it is freed, also collectively, when the object is collected.
+    """
+
+    def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
+                 bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
+        _require_cuda_runtime()
+        t = torch()
+        if bootstrap is None:
+            import torch.distributed as dist
+
+            if group is None:
+                group = dist.group.WORLD
+            bootstrap = group_bootstrap(group)
+        rank, num_ranks, all_gather, barrier = bootstrap
+        self.group = group
+        self.device = t.device("cuda", t.cuda.current_device())  # also initialises torch's CUDA context
+        options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
+                                     low_latency_mode=bool(low_latency_mode), num_sms=int(num_sms),
+                                     wait_timeout_s=float(wait_timeout_s))
+        self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
+        self.rank = rank
+        self.num_ranks = num_ranks
+        self.low_latency_mode = bool(low_latency_mode)
+        self.comm_stream = t.cuda.ExternalStream(self.runtime.comm_stream, device=self.device)
+
+    # ---- Life cycle and properties ----
+
+    def destroy(self) -> None:
+        """Frees the buffers now (collective). Calls after it raise EpxError."""
+        self.runtime.destroy()
+
+    @property
+    def is_destroyed(self) -> bool:
+        return self.runtime.is_destroyed
+
+    @property
+    def num_sms(self) -> int:
+        return self.runtime.num_sms
+
+    @num_sms.setter
+    def num_sms(self, value: int) -> None:
+        self.runtime.num_sms = int(value)
+
+    @property
+    def num_nvl_bytes(self) -> int:
+        return self.runtime.num_nvl_bytes
+
+    @property
+    def num_rdma_bytes(self) -> int:
+        return self.runtime.num_rdma_bytes
+
+    def local_buffer_tensor(self, dtype: Any, size: Optional[Sequence[int]] = None, offset_bytes: int = 0,
+                            use_rdma_buffer: bool = False) -> Any:
+        """A tensor view of this rank's NVLink buffer (or low-latency buffer) from byte offset_bytes on, shaped
+        `size` (default: as many elements as fit). It keeps the Buffer alive."""
+        base = self.runtime.rdma_buffer if use_rdma_buffer else self.runtime.nvl_buffer
+        total = self.runtime.num_rdma_bytes if use_rdma_buffer else self.runtime.num_nvl_bytes
+        check(0 <= offset_bytes <= total, "offset", offset_bytes, f"must be in [0, {total}] bytes")
+        element_bytes = torch().empty((), dtype=dtype).element_size()
+        available = (total - offset_bytes) // element_bytes
+        num_elements = available
+        if size is not None:
+            num_elements = 1
+            for extent in size:
+                num_elements *= int(extent)
+            check(num_elements <= available, "size", tuple(size), f"must fit in the buffer ({available} elements)")
+        shape = tuple(size) if size is not None else (num_elements,)
+        return device_view(base + offset_bytes, num_elements * element_bytes, dtype, shape, self, self.device)
+
+    # ---- Stream handling shared by the calls ----
+
+    def _order(self, previous_event: Any, async_finish: bool) -> Any:
+        return _epx.StreamOrder(compute_stream=current_stream().cuda_stream,
+                                previous_event=event_handle(previous_event), async_finish=bool(async_finish))
+
+    def _alloc_stream(self, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> Any:
+        if not allocate_on_comm_stream:
+            return None
+        # Outputs owned by the comm stream are only safe when the call is ordered by an event and the caller
+        # waits for its event (DeepEP's rule).
+        check(previous_event is not None, "previous_event", None, "is required with allocate_on_comm_stream")
+        check(async_finish, "async_finish", async_finish, "must be True with allocate_on_comm_stream")
+        return self.comm_stream
+
+    def _finish(self, event: Any, inputs: Sequence[Any], outputs: Sequence[Any], async_finish: bool,
+                allocate_on_comm_stream: bool, compute_stream: Any) -> EventOverlap:
+        if async_finish:
+            # The comm stream still uses these after this call returns.
+            record_stream(list(inputs) + list(outputs), self.comm_stream)
+        if allocate_on_comm_stream:
+            record_stream(outputs, compute_stream)
+        return EventOverlap(event if async_finish else None)
+
+    def _apply_config(self, config: Optional[Config]) -> None:
+        if config is not None and config.num_sms != self.runtime.num_sms:
+            self.runtime.num_sms = config.num_sms
+
+    # ---- Normal mode ----
+
+    def get_dispatch_layout(self, topk_idx: Any, num_experts: int, *, previous_event: Any = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
+        """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map."""
+        t = torch()
+        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2)
+        num_tokens, num_topk = topk_idx.shape
+        compute_stream = current_stream()
+        order = self._order(previous_event, async_finish)
+        with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
+            per_rank = t.empty(self.num_ranks, dtype=t.int32, device=self.device)
+            per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=self.device)
+            in_rank = t.empty(num_tokens, self.num_ranks, dtype=t.bool, device=self.device)
+        out = _epx.DispatchLayoutOutput()
+        out.num_tokens_per_rank = pointer(per_rank)
+        out.num_tokens_per_expert = pointer(per_expert)
+        out.is_token_in_rank = pointer(in_rank)
+        event = _epx.get_dispatch_layout(self.runtime, pointer(topk_idx), num_tokens, num_topk, num_experts, out,
+                                         order)
+        overlap = self._finish(event, [topk_idx], [per_rank, per_expert, in_rank], async_finish,
+                               allocate_on_comm_stream, compute_stream)
+        return DispatchLayout(per_rank, None, per_expert, in_rank, overlap)
+
+    def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
+                 topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,
+                 num_tokens_per_expert: Any = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+        """Sends each token once to every rank holding at least one of its experts.
+
+        Routing comes from `handle` (cached: the same layout as that dispatch, no top-k outputs), or from
+        is_token_in_rank and num_tokens_per_expert (get_dispatch_layout's outputs), computed here from topk_idx
+        and num_experts when not given. Rows arrive ordered by source rank, then source token index.
+        """
+        t = torch()
+        x, x_scales, fp8 = _split_tokens(x)
+        num_tokens, hidden = x.shape
+        compute_stream = current_stream()
+        alloc_stream = self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)
+        cached = handle is not None
+        if cached:
+            check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__,
+                  "must be the handle of a dispatch")
+            check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
+            check(topk_idx is None and topk_weights is None, "topk_idx/topk_weights", "given",
+                  "must be None with a cached handle (the handle fixes the routing)")
+            check(num_tokens == handle.num_tokens, "x.shape[0]", num_tokens,
+                  f"must equal the cached dispatch's token count ({handle.num_tokens})")
+            num_experts = handle.num_experts
+            num_topk = 0
+        else:
+            if topk_idx is not None:
+                check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, None))
+                num_topk = topk_idx.size(1)
+                check(topk_weights is not None, "topk_weights", None, "are required with topk_idx")
+                check_tensor(topk_weights, "topk_weights", dtype=t.float32, shape=(num_tokens, num_topk))
+            else:
+                check(topk_weights is None, "topk_weights", "given", "need topk_idx as well")
+                num_topk = 0
+            if num_tokens_per_expert is not None:
+                check_tensor(num_tokens_per_expert, "num_tokens_per_expert", dtype=t.int32, ndim=1)
+                check(num_experts is None or num_experts == num_tokens_per_expert.numel(), "num_experts",
+                      num_experts, f"must equal num_tokens_per_expert.numel() ({num_tokens_per_expert.numel()})")
+                num_experts = num_tokens_per_expert.numel()
+            # The per-expert counts come from num_tokens_per_expert: compute the layout when either is missing.
+            if is_token_in_rank is None or (topk_idx is not None and num_tokens_per_expert is None):
+                check(topk_idx is not None, "is_token_in_rank", None,
+                      "is required without topk_idx or a cached handle")
+                check(num_experts is not None, "num_experts", None,
+                      "is required to compute the layout (or pass is_token_in_rank and num_tokens_per_expert)")
+                layout = self.get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event)
+                previous_event = None  # the layout ran in order after it
+                is_token_in_rank = layout.is_token_in_rank
+                num_tokens_per_expert = layout.num_tokens_per_expert
+            check_tensor(is_token_in_rank, "is_token_in_rank", dtype=t.bool, shape=(num_tokens, self.num_ranks))
+            num_experts = 0 if num_experts is None else num_experts
+
+        self._apply_config(config)
+        native_in = _epx.DispatchInput()
+        native_in.x = pointer(x)
+        native_in.format = _epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16
+        native_in.x_scales = pointer(x_scales)
+        native_in.num_tokens = num_tokens
+        native_in.hidden = hidden
+        native_in.topk_idx = pointer(topk_idx)
+        native_in.topk_weights = pointer(topk_weights)
+        native_in.num_topk = num_topk
+        native_in.num_experts = num_experts
+        native_in.is_token_in_rank = 0 if cached else pointer(is_token_in_rank)
+        native_in.num_tokens_per_expert = 0 if cached else pointer(num_tokens_per_expert)
+        native_in.expert_alignment = int(expert_alignment)
+        native_in.num_worst_tokens = int(num_worst_tokens)
+        order = self._order(previous_event, async_finish)
+
+        plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None)
+        rows = plan.num_recv_rows
+        with maybe_stream(alloc_stream):
+            recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
+            recv_scales = t.empty(rows, hidden // 128, dtype=t.float32, device=self.device) if fp8 else None
+            recv_idx = recv_weights = None
+            if num_topk > 0:
+                recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=self.device)
+                recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=self.device)
+        out = _epx.DispatchOutput()
+        out.recv_x = pointer(recv_x)
+        out.recv_x_scales = pointer(recv_scales)
+        out.recv_topk_idx = pointer(recv_idx)
+        out.recv_topk_weights = pointer(recv_weights)
+        event = _epx.dispatch_receive(self.runtime, plan, native_in, out, order)
+
+        per_expert_list = list(plan.num_recv_tokens_per_expert)
+        if cached:
+            new_handle = handle
+        else:
+            new_handle = DispatchHandle(native=plan.handle, buffer_id=id(self), num_tokens=num_tokens,
+                                        num_recv_rows=rows, hidden=hidden, num_experts=num_experts,
+                                        num_topk=num_topk, num_worst_tokens=int(num_worst_tokens),
+                                        num_recv_tokens_per_expert_list=per_expert_list, _owner=self)
+        inputs = [x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert]
+        outputs = [recv_x, recv_scales, recv_idx, recv_weights]
+        overlap = self._finish(event, inputs, outputs, async_finish, allocate_on_comm_stream, compute_stream)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, new_handle, overlap)
+
+    def combine(self, x: Any, handle: DispatchHandle, *, topk_weights: Any = None,
+                bias: Union[None, Any, Tuple[Any, ...]] = None, config: Optional[Config] = None,
+                previous_event: Any = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> CombineResult:
+        """Sums, without weights, the copies of each token that come back from the ranks it was dispatched to,
+        then adds up to two BF16 biases [T, H]. topk_weights [N, K] are summed the same way."""
+        t = torch()
+        check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__, "must be the handle of a dispatch")
+        check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
+        check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, None))
+        hidden = x.size(1)
+        num_tokens = handle.num_tokens
+        if topk_weights is not None:
+            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(handle.num_recv_rows, None))
+        biases = _biases(bias)
+        for i, b in enumerate(biases):
+            check_tensor(b, f"bias[{i}]", dtype=t.bfloat16, shape=(num_tokens, hidden))
+        compute_stream = current_stream()
+        self._apply_config(config)
+        order = self._order(previous_event, async_finish)
+        with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
+            combined_x = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
+            combined_weights = None
+            if topk_weights is not None:
+                combined_weights = t.empty(num_tokens, topk_weights.size(1), dtype=t.float32, device=self.device)
+        native_in = _epx.CombineInput()
+        native_in.x = pointer(x)
+        native_in.topk_weights = pointer(topk_weights)
+        native_in.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        native_in.bias0 = pointer(biases[0]) if len(biases) > 0 else 0
+        native_in.bias1 = pointer(biases[1]) if len(biases) > 1 else 0
+        out = _epx.CombineOutput()
+        out.combined_x = pointer(combined_x)
+        out.combined_topk_weights = pointer(combined_weights)
+        event = _epx.combine(self.runtime, handle.native, native_in, out, order)
+        overlap = self._finish(event, [x, topk_weights, *biases], [combined_x, combined_weights], async_finish,
+                               allocate_on_comm_stream, compute_stream)
+        return CombineResult(combined_x, combined_weights, overlap)
+
+    # ---- Low-latency mode ----
+
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             *, cumulative_local_expert_recv_stats: Any = None,
+                             dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+        """Dispatch into the fixed per-expert layout [L, R*M, H] (CUDA-graph capturable, no CPU sync).
+
+        At most two low-latency results may be pending at once (double buffering): a third call raises
+        EpxError until an earlier one's hook has run.
+        """
+        t = torch()
+        check_tensor(x, "x", dtype=t.bfloat16, ndim=2)
+        num_tokens, hidden = x.shape
+        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, None))
+        native_in = _epx.LowLatencyDispatchInput()
+        native_in.x = pointer(x)
+        native_in.topk_idx = pointer(topk_idx)
+        native_in.num_tokens = num_tokens
+        native_in.num_topk = topk_idx.size(1)
+        native_in.hidden = hidden
+        native_in.num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
+        native_in.num_experts = int(num_experts)
+        native_in.use_fp8 = bool(use_fp8)
+        native_in.round_scale = bool(round_scale)
+        native_in.use_ue8m0 = bool(use_ue8m0)
+        native_in.return_recv_hook = bool(return_recv_hook)
+        native_in.cumulative_local_expert_recv_stats = pointer(cumulative_local_expert_recv_stats)
+        native_in.dispatch_wait_recv_cost_stats = pointer(dispatch_wait_recv_cost_stats)
+        sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)  # validates the shape
+        num_local, num_rows = sizes.num_local_experts, sizes.num_rows_per_expert
+        if cumulative_local_expert_recv_stats is not None:
+            check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", dtype=t.int32,
+                         shape=(num_local,), ndim=1)
+        if dispatch_wait_recv_cost_stats is not None:
+            check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", dtype=t.int64,
+                         shape=(self.num_ranks,), ndim=1)
+        dev = self.device
+        recv_x = t.empty(num_local, num_rows, hidden, dtype=t.float8_e4m3fn if use_fp8 else t.bfloat16, device=dev)
+        recv_scales = None
+        if use_fp8:
+            # Column-major in the last two dimensions: a transposed view of [L, columns, R*M].
+            scale_dtype = t.int32 if use_ue8m0 else t.float32
+            recv_scales = t.empty(num_local, sizes.num_scale_columns, num_rows, dtype=scale_dtype,
+                                  device=dev).transpose(1, 2)
+        recv_count = t.empty(num_local, dtype=t.int32, device=dev)
+        src_info = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
+        topk_pos = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
+        layout_range = t.empty(num_local, self.num_ranks, 2, dtype=t.int32, device=dev)
+        out = _epx.LowLatencyDispatchOutput()
+        out.recv_x = pointer(recv_x)
+        out.recv_x_scales = pointer(recv_scales)
+        out.recv_count = pointer(recv_count)
+        out.recv_src_info = pointer(src_info)
+        out.recv_topk_pos = pointer(topk_pos)
+        out.recv_layout_range = pointer(layout_range)
+        result = _epx.low_latency_dispatch(self.runtime, native_in, out, self._order(None, async_finish))
+
+        handle = LowLatencyHandle(native=result.handle, buffer_id=id(self), recv_src_info=src_info,
+                                  recv_topk_pos=topk_pos, recv_layout_range=layout_range,
+                                  num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
+                                  hidden=hidden, num_experts=int(num_experts), num_tokens=num_tokens,
+                                  num_topk=topk_idx.size(1))
+        tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range,
+                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+        hook = RecvHook(result.hook, tensors) if return_recv_hook else None
+        event = EventOverlap(result.event, tensors if async_finish else None)
+        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
+
+    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, *,
+                            use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
+                            return_recv_hook: bool = False, out: Any = None,
+                            combine_wait_recv_cost_stats: Any = None) -> LowLatencyCombineResult:
+        """Weighted combine of the expert outputs x [L, R*M, H] (in the dispatch's layout) back to each token's
+        rank: combined_x[t] = sum over k of topk_weights[t, k] * output of (t, k). With zero_copy, x is (or the
+        rows were written to) get_next_low_latency_combine_buffer(handle)."""
+        t = torch()
+        check(isinstance(handle, LowLatencyHandle), "handle", type(handle).__name__,
+              "must be the handle of a low_latency_dispatch")
+        check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
+        num_tokens, hidden = handle.num_tokens, handle.hidden
+        num_rows = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        if x is not None:
+            check_tensor(x, "x", dtype=t.bfloat16, ndim=3,
+                         shape=(handle.num_experts // self.num_ranks, num_rows, hidden))
+        check(zero_copy or x is not None, "x", None, "is required without zero_copy")
+        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, handle.num_topk))
+        check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, handle.num_topk))
+        if combine_wait_recv_cost_stats is not None:
+            check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", dtype=t.int64, ndim=1,
+                         shape=(self.num_ranks,))
+        if out is None:
+            out = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
+        else:
+            check_tensor(out, "out", dtype=t.bfloat16, shape=(num_tokens, hidden), ndim=2)
+        native_in = _epx.LowLatencyCombineInput()
+        native_in.x = pointer(x)
+        native_in.topk_idx = pointer(topk_idx)
+        native_in.topk_weights = pointer(topk_weights)
+        native_in.num_tokens = topk_idx.size(0)
+        native_in.num_topk = topk_idx.size(1)
+        native_in.use_logfmt = bool(use_logfmt)
+        native_in.zero_copy = bool(zero_copy)
+        native_in.return_recv_hook = bool(return_recv_hook)
+        native_in.combine_wait_recv_cost_stats = pointer(combine_wait_recv_cost_stats)
+        result = _epx.low_latency_combine(self.runtime, handle.native, native_in, pointer(out),
+                                          self._order(None, async_finish))
+        tensors = (x, topk_idx, topk_weights, out, handle.recv_src_info, handle.recv_topk_pos,
+                   handle.recv_layout_range, combine_wait_recv_cost_stats)
+        hook = RecvHook(result.hook, tensors) if return_recv_hook else None
+        event = EventOverlap(result.event, tensors if async_finish else None)
+        return LowLatencyCombineResult(out, event, hook)
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
+                                 num_experts: int) -> None:
+        """Resets the low-latency signals of every rank (collective). Needed only to recover after an error."""
+        _epx.clean_low_latency_buffer(self.runtime, num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                      self._order(None, False))
+
+    def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
+        """The BF16 [L, R*M, H] view (in the Buffer) the next zero-copy combine with this handle sends from."""
+        check(isinstance(handle, LowLatencyHandle), "handle", type(handle).__name__,
+              "must be the handle of a low_latency_dispatch")
+        address = _epx.next_low_latency_combine_buffer(self.runtime, handle.native)
+        num_local = handle.num_experts // self.num_ranks
+        shape = (num_local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
+        num_bytes = 2 * shape[0] * shape[1] * shape[2]
+        return device_view(address, num_bytes, torch().bfloat16, shape, self, self.device)
+
+
+def _split_tokens(x: Tokens) -> Tuple[Any, Any, bool]:
+    """(x, scales, is_fp8) of a BF16 tensor or an (FP8, scales) tuple, checked."""
+    t = torch()
+    if isinstance(x, (tuple, list)):
+        check(len(x) == 2, "x", f"a tuple of {len(x)}", "must be a BF16 tensor or an (FP8 x, scales) pair")
+        data, scales = x
+        check_tensor(data, "x[0]", dtype=t.float8_e4m3fn, ndim=2)
+        num_tokens, hidden = data.shape
+        check(hidden % 128 == 0, "hidden", hidden, "must be a multiple of 128 for FP8 tokens")
+        check_tensor(scales, "x[1]", dtype=t.float32, shape=(num_tokens, hidden // 128), ndim=2)
+        return data, scales, True
+    check_tensor(x, "x", ndim=2)
+    check(x.dtype == t.bfloat16, "x.dtype", x.dtype,
+          "must be torch.bfloat16 (or pass an (float8_e4m3fn x, float32 scales) tuple)")
+    return x, None, False
+
+
+def _biases(bias: Any) -> List[Any]:
+    if bias is None:
+        return []
+    if isinstance(bias, (tuple, list)):
+        biases = [b for b in bias if b is not None]
+        check(len(biases) <= 2, "bias", f"{len(biases)} tensors", "must be at most 2 tensors")
+        return biases
+    return [bias]

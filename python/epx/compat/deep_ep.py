@@ -1,0 +1,190 @@
+"""DeepEP V1 (v1.2.1) interface over EPX: ``import epx.compat.deep_ep as deep_ep``.
+
+Same names, signatures, defaults and return tuples as DeepEP's ``deep_ep`` module (Buffer, Config,
+EventOverlap), running on EPX's runtime. Differences a caller may notice:
+
+- Handles are opaque EPX objects, not tuples of tensors; pass them back as DeepEP code does.
+- Any hidden size that is a multiple of 8 (128 for FP8 and low-latency mode) and any top-k up to 16 work.
+- Config's chunk sizes are accepted and ignored (EPX's kernels need no chunking); num_sms is used.
+- num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl are accepted and ignored: EPX moves
+  data over NVLink within a node.
+- Errors are epx.EpxError (a RuntimeError) naming the argument, its value and the rule, where DeepEP asserts.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, List, Optional, Tuple, Union
+
+from ..buffer import Buffer as _EpxBuffer, _require_cuda_runtime
+from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
+from ..event import EventOverlap
+from .._ext import _epx
+from .._util import EpxError, check, current_stream_handle
+
+__all__ = ["Buffer", "Config", "EventOverlap", "EpxError"]
+
+# DeepEP's recommended configs (the chunk sizes are kept for callers that read them back).
+_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
+    24: (8, 288, 32, 128), 32: (8, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+    144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}
+_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (2, 288, 28, 128),
+    24: (1, 288, 20, 128), 32: (1, 288, 20, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
+    144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+class Buffer:
+    """DeepEP V1's Buffer over EPX. See epx.Buffer for the native interface with named results."""
+
+    num_sms: int = 20
+
+    def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
+                 low_latency_mode: bool = False, num_qps_per_rank: int = 24,
+                 allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
+                 explicitly_destroy: bool = False) -> None:
+        self.rank = group.rank()
+        self.group_size = group.size()
+        self.group = group
+        self.num_nvl_bytes = num_nvl_bytes
+        self.num_rdma_bytes = num_rdma_bytes
+        self.low_latency_mode = low_latency_mode
+        self.explicitly_destroy = explicitly_destroy
+        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                                                         num_sms=Buffer.num_sms)
+
+    # ---- Static helpers ----
+
+    @staticmethod
+    def set_num_sms(new_num_sms: int) -> None:
+        """Sets the SMs the normal-mode kernels use (the default configs pick it up)."""
+        check(new_num_sms % 2 == 0, "new_num_sms", new_num_sms, "must be even (the SM count must be even)")
+        Buffer.num_sms = new_num_sms
+
+    @staticmethod
+    def capture() -> EventOverlap:
+        """An event recorded on the current stream."""
+        _require_cuda_runtime()
+        return EventOverlap(_epx.Event.record(current_stream_handle()))
+
+    @staticmethod
+    def is_sm90_compiled() -> bool:
+        return bool(_epx.WITH_CUDA)
+
+    @staticmethod
+    def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                       num_experts: int) -> int:
+        return _ll_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
+
+    @staticmethod
+    def get_dispatch_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, *_DISPATCH_CONFIGS.get(num_ranks, (6, 256, 6, 128)))
+
+    @staticmethod
+    def get_combine_config(num_ranks: int) -> Config:
+        return Config(Buffer.num_sms, *_COMBINE_CONFIGS.get(num_ranks, (4, 256, 6, 128)))
+
+    # ---- Life cycle ----
+
+    def _live(self) -> _EpxBuffer:
+        if self.runtime is None:
+            raise EpxError("deep_ep.Buffer used after destroy()")
+        return self.runtime
+
+    def destroy(self) -> None:
+        """Frees the buffers (collective); requires explicitly_destroy=True, as in DeepEP."""
+        check(self.explicitly_destroy, "explicitly_destroy", self.explicitly_destroy,
+              "must be True to call destroy() (otherwise the buffer is freed when collected)")
+        self._live().destroy()
+        self.runtime = None
+
+    def get_comm_stream(self) -> Any:
+        return self._live().comm_stream
+
+    def get_local_buffer_tensor(self, dtype: Any, size: Any = None, offset: int = 0,
+                                use_rdma_buffer: bool = False) -> Any:
+        """The raw buffer as a tensor of dtype, from byte `offset`; `size` (a torch.Size) takes a prefix."""
+        return self._live().local_buffer_tensor(dtype, size, offset, use_rdma_buffer)
+
+    # ---- Normal mode ----
+
+    def get_dispatch_layout(self, topk_idx: Any, num_experts: int, previous_event: Optional[EventOverlap] = None,
+                            async_finish: bool = False, allocate_on_comm_stream: bool = False
+                            ) -> Tuple[Any, Optional[Any], Any, Any, EventOverlap]:
+        layout = self._live().get_dispatch_layout(topk_idx, num_experts, previous_event=previous_event,
+                                                  async_finish=async_finish,
+                                                  allocate_on_comm_stream=allocate_on_comm_stream)
+        return (layout.num_tokens_per_rank, layout.num_tokens_per_rdma_rank, layout.num_tokens_per_expert,
+                layout.is_token_in_rank, layout.event)
+
+    def dispatch(self, x: Union[Any, Tuple[Any, Any]], handle: Optional[Any] = None,
+                 num_tokens_per_rank: Optional[Any] = None, num_tokens_per_rdma_rank: Optional[Any] = None,
+                 is_token_in_rank: Optional[Any] = None, num_tokens_per_expert: Optional[Any] = None,
+                 topk_idx: Optional[Any] = None, topk_weights: Optional[Any] = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0, config: Optional[Config] = None,
+                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                 allocate_on_comm_stream: bool = False
+                 ) -> Tuple[Union[Tuple[Any, Any], Any], Optional[Any], Optional[Any], List[int], Any, EventOverlap]:
+        config = self.get_dispatch_config(self.group_size) if config is None else config
+        is_fp8 = isinstance(x, tuple)
+        if handle is not None:
+            result = self._live().dispatch(x, handle=handle, topk_idx=topk_idx, topk_weights=topk_weights,
+                                           expert_alignment=expert_alignment, config=config,
+                                           previous_event=previous_event, async_finish=async_finish,
+                                           allocate_on_comm_stream=allocate_on_comm_stream)
+            recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
+            return recv_x, None, None, None, None, result.event
+        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
+        result = self._live().dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                                       is_token_in_rank=is_token_in_rank,
+                                       num_tokens_per_expert=num_tokens_per_expert,
+                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
+                                       config=config, previous_event=previous_event, async_finish=async_finish,
+                                       allocate_on_comm_stream=allocate_on_comm_stream)
+        recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
+        return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
+                result.handle, result.event)
+
+    def combine(self, x: Any, handle: Any, topk_weights: Optional[Any] = None,
+                bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
+                previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
+                allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
+        config = self.get_combine_config(self.group_size) if config is None else config
+        result = self._live().combine(x, handle, topk_weights=topk_weights, bias=bias, config=config,
+                                      previous_event=previous_event, async_finish=async_finish,
+                                      allocate_on_comm_stream=allocate_on_comm_stream)
+        return result.combined_x, result.combined_topk_weights, result.event
+
+    # ---- Low-latency mode ----
+
+    def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int, num_experts: int) -> None:
+        self._live().clean_low_latency_buffer(num_max_dispatch_tokens_per_rank, hidden, num_experts)
+
+    def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                             cumulative_local_expert_recv_stats: Optional[Any] = None,
+                             dispatch_wait_recv_cost_stats: Optional[Any] = None, use_fp8: bool = True,
+                             round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
+                             return_recv_hook: bool = False
+                             ) -> Tuple[Union[Tuple[Any, Any], Any], Any, Any, EventOverlap, Optional[Callable]]:
+        result = self._live().low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
+            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale,
+            use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook)
+        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
+        return recv_x, result.recv_count, result.handle, result.event, result.hook
+
+    def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: bool = False,
+                            zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
+                            out: Optional[Any] = None, combine_wait_recv_cost_stats: Optional[Any] = None
+                            ) -> Tuple[Any, EventOverlap, Optional[Callable]]:
+        result = self._live().low_latency_combine(
+            x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt, zero_copy=zero_copy,
+            async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
+            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
+        return result.combined_x, result.event, result.hook
+
+    def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
+        return self._live().get_next_low_latency_combine_buffer(handle)

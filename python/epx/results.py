@@ -1,0 +1,125 @@
+"""Named results of the epx.Buffer calls, and the handles dispatch returns for combine."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable, List, Optional
+
+from .event import EventOverlap
+
+
+@dataclass
+class DispatchLayout:
+    """What get_dispatch_layout computes for this rank's tokens."""
+
+    num_tokens_per_rank: Any  # int32 [R]: tokens with at least one expert on rank r (once per rank)
+    num_tokens_per_rdma_rank: Optional[Any]  # None within one NVLink domain
+    num_tokens_per_expert: Any  # int32 [E]
+    is_token_in_rank: Any  # bool [T, R]
+    event: EventOverlap
+
+
+@dataclass(eq=False)
+class DispatchHandle:
+    """What combine and a cached dispatch need from a normal-mode dispatch (opaque to most users).
+
+    ``native`` is the C++ handle (it owns the device arrays); the fields describe the dispatch it came from.
+    """
+
+    native: Any
+    buffer_id: int  # id() of the epx.Buffer it came from
+    num_tokens: int  # T: tokens this rank dispatched (rows of the combine output)
+    num_recv_rows: int  # N: rows of recv_x (num_worst_tokens in worst-case mode)
+    hidden: int
+    num_experts: int
+    num_topk: int  # 0 when dispatched without top-k
+    num_worst_tokens: int
+    num_recv_tokens_per_expert_list: List[int] = field(default_factory=list)
+    # Keeps the Buffer's views (recv_src_idx) valid.
+    _owner: Any = field(default=None, repr=False)
+
+    @property
+    def num_recv_per_rank(self) -> List[int]:
+        """Rows received from each source rank (empty in worst-case mode)."""
+        return list(self.native.num_recv_per_rank)
+
+    @property
+    def recv_src_idx(self) -> Any:
+        """int32 [N] device view: the source token index of each received row (-1 for padding rows)."""
+        from ._util import device_view, torch
+
+        rows = self.num_recv_rows
+        device = torch().device("cuda", torch().cuda.current_device())
+        return device_view(self.native.recv_src_idx, 4 * rows, torch().int32, (rows,), self.native, device)
+
+
+@dataclass
+class DispatchResult:
+    """Output of a normal-mode dispatch. recv_x has the input's format: BF16, or FP8 with recv_x_scales."""
+
+    recv_x: Any  # [N, H]
+    recv_x_scales: Optional[Any]  # float32 [N, H / 128] for FP8 input, else None
+    recv_topk_idx: Optional[Any]  # int64 [N, K] local expert ids, -1 elsewhere (None in cached mode)
+    recv_topk_weights: Optional[Any]  # float32 [N, K], 0 where recv_topk_idx is -1
+    num_recv_tokens_per_expert_list: List[int]  # [L], aligned to expert_alignment; empty in worst-case mode
+    handle: DispatchHandle
+    event: EventOverlap
+
+
+@dataclass
+class CombineResult:
+    combined_x: Any  # BF16 [T, H]: the unweighted sum of the copies of each token, plus the biases
+    combined_topk_weights: Optional[Any]  # float32 [T, K] when topk_weights were given
+    event: EventOverlap
+
+
+class RecvHook:
+    """Completes a low-latency call made with ``return_recv_hook=True``: calling it launches the receive on
+    the current stream. Runs once. Keeps the call's tensors alive until it has run."""
+
+    def __init__(self, native: Any, keep_alive: tuple) -> None:
+        self._native = native
+        self._keep_alive = keep_alive
+
+    @property
+    def done(self) -> bool:
+        return self._native.done
+
+    def __call__(self) -> None:
+        from ._util import current_stream_handle
+
+        self._native(current_stream_handle())
+        self._keep_alive = ()  # the receive is in stream order now
+
+
+@dataclass(eq=False)
+class LowLatencyHandle:
+    """What low_latency_combine needs from its low-latency dispatch (opaque to most users)."""
+
+    native: Any  # the C++ LowLatencyHandle (plain values and the addresses of the tensors below)
+    buffer_id: int
+    recv_src_info: Any  # int32 [L, R*M]
+    recv_topk_pos: Any  # int32 [L, R*M]
+    recv_layout_range: Any  # int32 [L, R, 2]: (begin, count) of each source's rows in each expert block
+    num_max_dispatch_tokens_per_rank: int
+    hidden: int
+    num_experts: int
+    num_tokens: int
+    num_topk: int
+
+
+@dataclass
+class LowLatencyDispatchResult:
+    recv_x: Any  # [L, R*M, H]: float8_e4m3fn with use_fp8, else bfloat16
+    recv_x_scales: Optional[Any]  # float32 [L, R*M, H/128] (int32 [L, R*M, ceil(H/512)] with UE8M0), column-major
+    recv_count: Any  # int32 [L]: valid rows of each expert block
+    handle: LowLatencyHandle
+    event: EventOverlap
+    hook: Optional[Callable[[], None]]  # with return_recv_hook
+
+
+@dataclass
+class LowLatencyCombineResult:
+    combined_x: Any  # BF16 [T, H]: the weighted sum over each token's experts
+    event: EventOverlap
+    hook: Optional[Callable[[], None]]

@@ -1,0 +1,243 @@
+// Host-only part of the binding: the exception type, constants, buffer size hints, layouts and the bridge
+// that lets a Python process group act as an epx::Bootstrap. Needs no GPU and no CUDA.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstring>
+#include <string>
+
+#include "binding.hpp"
+#include "epx/error.hpp"
+#include "epx/layout/low_latency_layout.hpp"
+#include "epx/layout/normal_layout.hpp"
+#include "py_bootstrap.hpp"
+
+namespace epx::python {
+
+namespace {
+
+bool python_finalizing() {
+#if PY_VERSION_HEX >= 0x030D0000
+  return Py_IsFinalizing() != 0;
+#else
+  return _Py_IsFinalizing() != 0;
+#endif
+}
+
+// "TypeName: message" of a Python exception (what() would append the traceback).
+std::string describe(const py::error_already_set& error) {
+  return std::string(py::str(error.type().attr("__name__"))) + ": " + std::string(py::str(error.value()));
+}
+
+// epx::Error -> epx.EpxError (a RuntimeError): str() is the C++ what() ("file:line: message"); the attributes
+// file, line and message carry its parts. Created with the C API so the class has these attributes (None)
+// even when Python code raises it.
+PyObject* error_type = nullptr;
+
+void register_error(py::module_& m) {
+  py::dict attributes;
+  attributes["__doc__"] = py::str(
+      "Every failure EPX reports: an argument check (naming the argument, its value and the rule), a CUDA "
+      "error, or a device-side wait timeout. str() is the C++ message with its source location; file, line "
+      "and message are its parts (None when raised from Python).");
+  attributes["file"] = py::none();
+  attributes["line"] = py::none();
+  attributes["message"] = py::none();
+  error_type = PyErr_NewException("epx._epx.EpxError", PyExc_RuntimeError, attributes.ptr());
+  if (error_type == nullptr) throw py::error_already_set();
+  m.add_object("EpxError", py::handle(error_type));  // the module keeps a reference; so does error_type
+  py::register_exception_translator([](std::exception_ptr pointer) {
+    try {
+      if (pointer) std::rethrow_exception(pointer);
+    } catch (const epx::Error& error) {
+      py::object instance = py::reinterpret_borrow<py::object>(error_type)(py::str(error.what()));
+      instance.attr("file") = py::str(error.file());
+      instance.attr("line") = py::int_(error.line());
+      instance.attr("message") = py::str(error.message());
+      PyErr_SetObject(error_type, instance.ptr());
+    }
+  });
+}
+
+void bind_constants(py::module_& m) {
+  m.attr("MAX_TOPK") = kMaxTopk;
+  m.attr("MAX_EXPERTS") = kMaxExperts;
+  m.attr("MAX_NVL_RANKS") = kMaxNvlRanks;
+  m.attr("MAX_LOW_LATENCY_RANKS") = kMaxLowLatencyRanks;
+  m.attr("MAX_LOW_LATENCY_TOKENS_PER_RANK") = kMaxLowLatencyTokensPerRank;
+  m.attr("DEFAULT_MAX_TOKENS_PER_RANK") = kDefaultMaxTokensPerRank;
+  m.attr("LOW_LATENCY_SIZE_HINT_ALIGN") = kLowLatencySizeHintAlign;
+}
+
+void bind_size_hints(py::module_& m) {
+  m.def("normal_nvl_buffer_size_hint", &normal_nvl_buffer_size_hint, py::arg("hidden_bytes"),
+        py::arg("num_ranks"), py::arg("max_tokens_per_rank") = kDefaultMaxTokensPerRank,
+        "NVLink buffer bytes per rank for max_tokens_per_rank tokens of hidden_bytes (= hidden * 2), with up "
+        "to 16 top-k and FP8 scales; a multiple of 2 MiB.");
+  m.def("get_low_latency_rdma_size_hint", &get_low_latency_rdma_size_hint,
+        py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
+        py::arg("num_experts"), "Low-latency buffer bytes per rank; a multiple of 2 MiB.");
+}
+
+void bind_normal_layout(py::module_& m) {
+  py::class_<NormalShape>(m, "NormalShape")
+      .def(py::init(
+               [](int num_ranks, int num_experts, int hidden, int x_row_bytes, int num_scales, int num_topk) {
+                 return NormalShape{num_ranks, num_experts, hidden, x_row_bytes, num_scales, num_topk};
+               }),
+           py::arg("num_ranks"), py::arg("num_experts"), py::arg("hidden"), py::arg("x_row_bytes"),
+           py::arg("num_scales") = 0, py::arg("num_topk") = 0)
+      .def_readwrite("num_ranks", &NormalShape::num_ranks)
+      .def_readwrite("num_experts", &NormalShape::num_experts)
+      .def_readwrite("hidden", &NormalShape::hidden)
+      .def_readwrite("x_row_bytes", &NormalShape::x_row_bytes)
+      .def_readwrite("num_scales", &NormalShape::num_scales)
+      .def_readwrite("num_topk", &NormalShape::num_topk);
+  m.def("validate_normal_shape", &validate_normal_shape, py::arg("shape"));
+
+  py::class_<NormalLayout>(m, "NormalLayout")
+      .def_static("fit", &NormalLayout::fit, py::arg("shape"), py::arg("buffer_bytes"))
+      .def_static("with_capacity", &NormalLayout::with_capacity, py::arg("shape"), py::arg("capacity"))
+      .def_readonly("shape", &NormalLayout::shape)
+      .def_readonly("capacity", &NormalLayout::capacity)
+      .def_readonly("half_stride", &NormalLayout::half_stride)
+      .def_property_readonly_static("CONTROL_BYTES", [](py::object) { return NormalLayout::kControlBytes; })
+      .def("send_counts_offset", &NormalLayout::send_counts_offset)
+      .def("expert_counts_offset", &NormalLayout::expert_counts_offset)
+      .def("send_lists_offset", &NormalLayout::send_lists_offset)
+      .def("stage_x_offset", &NormalLayout::stage_x_offset)
+      .def("stage_scales_offset", &NormalLayout::stage_scales_offset)
+      .def("stage_topk_idx_offset", &NormalLayout::stage_topk_idx_offset)
+      .def("stage_topk_weights_offset", &NormalLayout::stage_topk_weights_offset)
+      .def("combine_x_offset", &NormalLayout::combine_x_offset)
+      .def("combine_weights_offset", &NormalLayout::combine_weights_offset)
+      .def("half_bytes", &NormalLayout::half_bytes)
+      .def("half_offset", &NormalLayout::half_offset, py::arg("parity"))
+      .def("total_bytes", &NormalLayout::total_bytes);
+}
+
+void bind_low_latency_layout(py::module_& m) {
+  py::class_<LowLatencyLayout>(m, "LowLatencyLayout")
+      .def(py::init<int, int, int, int>(), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
+           py::arg("num_ranks"), py::arg("num_experts"))
+      .def_readonly("num_max_tokens", &LowLatencyLayout::num_max_tokens)
+      .def_readonly("hidden", &LowLatencyLayout::hidden)
+      .def_readonly("num_ranks", &LowLatencyLayout::num_ranks)
+      .def_readonly("num_experts", &LowLatencyLayout::num_experts)
+      .def("num_local_experts", &LowLatencyLayout::num_local_experts)
+      .def("num_groups", &LowLatencyLayout::num_groups)
+      .def("num_recv_rows", &LowLatencyLayout::num_recv_rows)
+      .def("dispatch_msg_bytes", &LowLatencyLayout::dispatch_msg_bytes)
+      .def("combine_slot_bytes", &LowLatencyLayout::combine_slot_bytes)
+      .def("control_bytes", &LowLatencyLayout::control_bytes)
+      .def("combine_send_offset", &LowLatencyLayout::combine_send_offset)
+      .def("combine_send_bytes", &LowLatencyLayout::combine_send_bytes)
+      .def("half_bytes", &LowLatencyLayout::half_bytes)
+      .def("half_offset", &LowLatencyLayout::half_offset, py::arg("half"))
+      .def("total_bytes", &LowLatencyLayout::total_bytes)
+      .def(
+          "recv_flag_offset",
+          [](const LowLatencyLayout& self, int half, int op, int src_rank) {
+            return self.recv_flag_offset(half, static_cast<LowLatencyOp>(op), src_rank);
+          },
+          py::arg("half"), py::arg("op"), py::arg("src_rank"))
+      .def("dispatch_recv_count_offset", &LowLatencyLayout::dispatch_recv_count_offset, py::arg("half"),
+           py::arg("local_expert"), py::arg("src_rank"))
+      .def("dispatch_recv_msg_offset", &LowLatencyLayout::dispatch_recv_msg_offset, py::arg("half"),
+           py::arg("src_rank"), py::arg("token"))
+      .def("combine_recv_slot_offset", &LowLatencyLayout::combine_recv_slot_offset, py::arg("half"),
+           py::arg("token"), py::arg("topk_pos"));
+}
+
+// Runs one all_gather and one barrier through a PyBootstrap: lets the CPU tests check the bridge (payload
+// order, size checks, callback errors) without a GPU.
+py::bytes bootstrap_round_trip(int rank, int num_ranks, py::object all_gather, py::object barrier,
+                               const std::string& payload) {
+  PyBootstrap bootstrap(rank, num_ranks, std::move(all_gather), std::move(barrier));
+  const std::vector<std::byte> gathered = bootstrap.all_gather(payload.data(), payload.size());
+  bootstrap.barrier();
+  return py::bytes(reinterpret_cast<const char*>(gathered.data()), gathered.size());
+}
+
+}  // namespace
+
+PyBootstrap::PyBootstrap(int rank, int num_ranks, py::object all_gather, py::object barrier)
+    : rank_(rank), num_ranks_(num_ranks), all_gather_(std::move(all_gather)), barrier_(std::move(barrier)) {
+  EPX_CHECK(num_ranks_ >= 1, "num_ranks", num_ranks_, "must be >= 1");
+  EPX_CHECK(rank_ >= 0, "rank", rank_, "must be >= 0");
+  EPX_CHECK(rank_ < num_ranks_, "rank", rank_, "must be < num_ranks");
+  EPX_CHECK(PyCallable_Check(all_gather_.ptr()), "all_gather", "not callable",
+            "must be a callable taking bytes and returning one bytes per rank");
+  EPX_CHECK(PyCallable_Check(barrier_.ptr()), "barrier", "not callable", "must be a callable");
+}
+
+PyBootstrap::~PyBootstrap() {
+  if (python_finalizing()) {
+    // Dropping references then could run arbitrary finalizers on a half-torn-down interpreter.
+    all_gather_.release();
+    barrier_.release();
+    return;
+  }
+  py::gil_scoped_acquire gil;
+  all_gather_ = py::object();
+  barrier_ = py::object();
+}
+
+std::vector<std::byte> PyBootstrap::all_gather(const void* data, size_t bytes) {
+  if (python_finalizing()) EPX_FAIL("bootstrap all_gather: the Python interpreter is shutting down");
+  py::gil_scoped_acquire gil;
+  std::vector<std::byte> gathered(bytes * num_ranks_);
+  try {
+    py::object result = all_gather_(py::bytes(static_cast<const char*>(data), bytes));
+    EPX_CHECK(PySequence_Check(result.ptr()) && !PyBytes_Check(result.ptr()), "all_gather result",
+              std::string(py::str(py::type::of(result))),
+              "must be a sequence with one bytes object per rank");
+    const py::sequence parts = py::reinterpret_borrow<py::sequence>(result);
+    EPX_CHECK(static_cast<int>(parts.size()) == num_ranks_, "all_gather result length", parts.size(),
+              detail::concat("must equal num_ranks (", num_ranks_, ")").c_str());
+    for (int r = 0; r < num_ranks_; ++r) {
+      const py::object part = parts[r];
+      Py_buffer view;
+      if (PyObject_GetBuffer(part.ptr(), &view, PyBUF_SIMPLE) != 0) {
+        PyErr_Clear();
+        EPX_FAIL("bootstrap all_gather: the payload of rank ", r, " is a ",
+                 std::string(py::str(py::type::of(part))), ", not bytes");
+      }
+      const size_t part_bytes = static_cast<size_t>(view.len);
+      if (part_bytes == bytes && bytes > 0) std::memcpy(gathered.data() + r * bytes, view.buf, bytes);
+      PyBuffer_Release(&view);
+      if (part_bytes != bytes) {
+        EPX_FAIL("bootstrap all_gather: rank ", r, " sent ", part_bytes, " bytes but rank ", rank_, " sent ",
+                 bytes, " (every rank must pass the same count)");
+      }
+    }
+  } catch (py::error_already_set& error) {
+    EPX_FAIL("bootstrap all_gather: the Python callback raised ", describe(error));
+  }
+  return gathered;
+}
+
+void PyBootstrap::barrier() {
+  if (python_finalizing()) EPX_FAIL("bootstrap barrier: the Python interpreter is shutting down");
+  py::gil_scoped_acquire gil;
+  try {
+    barrier_();
+  } catch (py::error_already_set& error) {
+    EPX_FAIL("bootstrap barrier: the Python callback raised ", describe(error));
+  }
+}
+
+void bind_core(py::module_& m) {
+  register_error(m);
+  bind_constants(m);
+  bind_size_hints(m);
+  bind_normal_layout(m);
+  bind_low_latency_layout(m);
+  m.def("_bootstrap_round_trip", &bootstrap_round_trip, py::arg("rank"), py::arg("num_ranks"),
+        py::arg("all_gather"), py::arg("barrier"), py::arg("payload"),
+        "Testing aid: one all_gather of payload and one barrier through the Python bootstrap bridge; returns "
+        "the gathered bytes.");
+}
+
+}  // namespace epx::python

@@ -1,0 +1,332 @@
+// The CUDA runtime part of the binding: Buffer, Event and the normal / low-latency calls on raw device
+// pointers (ints), streams and events (ints). Calls that may wait on the GPU or on peers release the GIL.
+
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <memory>
+#include <optional>
+
+#include "binding.hpp"
+#include "epx/buffer.hpp"
+#include "epx/error.hpp"
+#include "epx/event.hpp"
+#include "epx/low_latency.hpp"
+#include "epx/normal.hpp"
+#include "py_bootstrap.hpp"
+
+namespace epx::python {
+
+namespace {
+
+using release_gil = py::call_guard<py::gil_scoped_release>;
+
+// The Python-facing Buffer: owns its bootstrap bridge (the C++ Buffer keeps a reference to it).
+class PyBuffer {
+ public:
+  PyBuffer(int rank, int num_ranks, py::object all_gather, py::object barrier, const BufferOptions& options)
+      : bootstrap_(std::make_unique<PyBootstrap>(rank, num_ranks, std::move(all_gather), std::move(barrier))),
+        buffer_(std::make_unique<Buffer>(*bootstrap_, options)) {}
+
+  Buffer& get() const { return *buffer_; }  // throws on use after destroy (Buffer::live)
+
+ private:
+  std::unique_ptr<PyBootstrap> bootstrap_;  // declared first: destroyed after the Buffer that uses it
+  std::unique_ptr<Buffer> buffer_;
+};
+
+cudaStream_t stream_of(uintptr_t handle) {
+  return to_pointer<cudaStream_t>(handle);
+}
+
+void bind_buffer(py::module_& m) {
+  py::class_<BufferOptions> options(m, "BufferOptions");
+  options
+      .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, bool low_latency_mode, int num_sms,
+                       double wait_timeout_s) {
+             return BufferOptions{num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, wait_timeout_s};
+           }),
+           py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("low_latency_mode") = false,
+           py::arg("num_sms") = 20, py::arg("wait_timeout_s") = 30.0)
+      .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
+      .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
+      .def_readwrite("low_latency_mode", &BufferOptions::low_latency_mode)
+      .def_readwrite("num_sms", &BufferOptions::num_sms)
+      .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s);
+
+  // Construction and destroy() run collectives through the bootstrap callbacks: they keep the GIL.
+  py::class_<PyBuffer>(m, "Buffer")
+      .def(py::init<int, int, py::object, py::object, const BufferOptions&>(), py::arg("rank"),
+           py::arg("num_ranks"), py::arg("all_gather"), py::arg("barrier"), py::arg("options"),
+           "Collective over the group the callbacks talk to; uses the current CUDA device.")
+      .def("destroy", [](PyBuffer& self) { self.get().destroy(); })
+      .def_property_readonly("is_destroyed", [](const PyBuffer& self) { return self.get().is_destroyed(); })
+      .def_property_readonly("rank", [](const PyBuffer& self) { return self.get().rank(); })
+      .def_property_readonly("num_ranks", [](const PyBuffer& self) { return self.get().num_ranks(); })
+      .def_property_readonly("device", [](const PyBuffer& self) { return self.get().device(); })
+      .def_property_readonly("num_device_sms",
+                             [](const PyBuffer& self) { return self.get().num_device_sms(); })
+      .def_property_readonly(
+          "comm_stream",
+          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().comm_stream()); })
+      .def_property(
+          "num_sms", [](const PyBuffer& self) { return self.get().num_sms(); },
+          [](PyBuffer& self, int num_sms) { self.get().set_num_sms(num_sms); })
+      .def_property_readonly("wait_timeout_ns",
+                             [](const PyBuffer& self) { return self.get().wait_timeout_ns(); })
+      .def_property_readonly(
+          "nvl_buffer",
+          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_buffer()); })
+      .def_property_readonly("num_nvl_bytes", [](const PyBuffer& self) { return self.get().num_nvl_bytes(); })
+      .def_property_readonly(
+          "rdma_buffer",
+          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().rdma_buffer()); })
+      .def_property_readonly("num_rdma_bytes",
+                             [](const PyBuffer& self) { return self.get().num_rdma_bytes(); })
+      .def("check_timeout", [](const PyBuffer& self) { self.get().check_timeout(); })
+      .def(
+          "synchronize",
+          [](const PyBuffer& self, uintptr_t stream) { self.get().synchronize(stream_of(stream)); },
+          py::arg("stream"), release_gil());
+}
+
+void bind_event(py::module_& m) {
+  py::class_<Event>(m, "Event")
+      .def(py::init<>())
+      .def_static(
+          "record", [](uintptr_t stream) { return Event::record(stream_of(stream)); }, py::arg("stream"),
+          "A new event recorded on `stream`.")
+      .def_property_readonly("valid", &Event::valid)
+      .def("__bool__", &Event::valid)
+      .def_property_readonly("handle",
+                             [](const Event& self) { return reinterpret_cast<uintptr_t>(self.get()); })
+      .def(
+          "wait_on", [](const Event& self, uintptr_t stream) { self.wait_on(stream_of(stream)); },
+          py::arg("stream"), "Makes `stream` wait for this event (no-op when empty).")
+      .def("synchronize", &Event::synchronize, release_gil());
+
+  py::class_<StreamOrder> order(m, "StreamOrder");
+  order
+      .def(py::init([](uintptr_t compute_stream, uintptr_t previous_event, bool async_finish) {
+             return StreamOrder{stream_of(compute_stream), to_pointer<cudaEvent_t>(previous_event),
+                                async_finish};
+           }),
+           py::arg("compute_stream") = 0, py::arg("previous_event") = 0, py::arg("async_finish") = false)
+      .def_readwrite("async_finish", &StreamOrder::async_finish);
+  def_pointer(order, "compute_stream", &StreamOrder::compute_stream);
+  def_pointer(order, "previous_event", &StreamOrder::previous_event);
+}
+
+void bind_normal(py::module_& m) {
+  py::enum_<TokenFormat>(m, "TokenFormat").value("BF16", TokenFormat::kBf16).value("FP8", TokenFormat::kFp8);
+
+  py::class_<DispatchLayoutOutput> layout_out(m, "DispatchLayoutOutput");
+  layout_out.def(py::init<>());
+  def_pointer(layout_out, "num_tokens_per_rank", &DispatchLayoutOutput::num_tokens_per_rank);
+  def_pointer(layout_out, "num_tokens_per_expert", &DispatchLayoutOutput::num_tokens_per_expert);
+  def_pointer(layout_out, "is_token_in_rank", &DispatchLayoutOutput::is_token_in_rank);
+  m.def(
+      "get_dispatch_layout",
+      [](PyBuffer& buffer, uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts,
+         const DispatchLayoutOutput& out, const StreamOrder& order) {
+        return get_dispatch_layout(buffer.get(), to_pointer<const int64_t*>(topk_idx), num_tokens, num_topk,
+                                   num_experts, out, order);
+      },
+      py::arg("buffer"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
+      py::arg("num_experts"), py::arg("out"), py::arg("order"), release_gil());
+
+  py::class_<DispatchInput> in(m, "DispatchInput");
+  in.def(py::init<>())
+      .def_readwrite("format", &DispatchInput::format)
+      .def_readwrite("num_tokens", &DispatchInput::num_tokens)
+      .def_readwrite("hidden", &DispatchInput::hidden)
+      .def_readwrite("num_topk", &DispatchInput::num_topk)
+      .def_readwrite("num_experts", &DispatchInput::num_experts)
+      .def_readwrite("expert_alignment", &DispatchInput::expert_alignment)
+      .def_readwrite("num_worst_tokens", &DispatchInput::num_worst_tokens);
+  def_pointer(in, "x", &DispatchInput::x);
+  def_pointer(in, "x_scales", &DispatchInput::x_scales);
+  def_pointer(in, "topk_idx", &DispatchInput::topk_idx);
+  def_pointer(in, "topk_weights", &DispatchInput::topk_weights);
+  def_pointer(in, "is_token_in_rank", &DispatchInput::is_token_in_rank);
+  def_pointer(in, "num_tokens_per_expert", &DispatchInput::num_tokens_per_expert);
+
+  py::class_<DispatchHandle>(m, "DispatchHandle")
+      .def_property_readonly("valid", &DispatchHandle::valid)
+      .def_property_readonly("num_tokens", &DispatchHandle::num_tokens)
+      .def_property_readonly("num_recv_rows", &DispatchHandle::num_recv_rows)
+      .def_property_readonly("hidden", &DispatchHandle::hidden)
+      .def_property_readonly(
+          "recv_src_idx",
+          [](const DispatchHandle& self) { return reinterpret_cast<uintptr_t>(self.recv_src_idx_device()); })
+      .def_property_readonly("num_recv_per_rank", &DispatchHandle::num_recv_per_rank);
+
+  py::class_<DispatchPlan>(m, "DispatchPlan")
+      .def_readonly("num_recv_rows", &DispatchPlan::num_recv_rows)
+      .def_readonly("num_recv_tokens_per_expert", &DispatchPlan::num_recv_tokens_per_expert)
+      .def_readonly("handle", &DispatchPlan::handle);
+
+  py::class_<DispatchOutput> out(m, "DispatchOutput");
+  out.def(py::init<>());
+  def_pointer(out, "recv_x", &DispatchOutput::recv_x);
+  def_pointer(out, "recv_x_scales", &DispatchOutput::recv_x_scales);
+  def_pointer(out, "recv_topk_idx", &DispatchOutput::recv_topk_idx);
+  def_pointer(out, "recv_topk_weights", &DispatchOutput::recv_topk_weights);
+
+  m.def(
+      "dispatch_notify",
+      [](PyBuffer& buffer, const DispatchInput& input, const StreamOrder& order,
+         std::optional<DispatchHandle> cached) {
+        return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr);
+      },
+      py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none(), release_gil());
+  m.def(
+      "dispatch_receive",
+      [](PyBuffer& buffer, const DispatchPlan& plan, const DispatchInput& input, const DispatchOutput& output,
+         const StreamOrder& order) { return dispatch_receive(buffer.get(), plan, input, output, order); },
+      py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"),
+      release_gil());
+
+  py::class_<CombineInput> combine_in(m, "CombineInput");
+  combine_in.def(py::init<>()).def_readwrite("num_topk", &CombineInput::num_topk);
+  def_pointer(combine_in, "x", &CombineInput::x);
+  def_pointer(combine_in, "topk_weights", &CombineInput::topk_weights);
+  def_pointer(combine_in, "bias0", &CombineInput::bias0);
+  def_pointer(combine_in, "bias1", &CombineInput::bias1);
+
+  py::class_<CombineOutput> combine_out(m, "CombineOutput");
+  combine_out.def(py::init<>());
+  def_pointer(combine_out, "combined_x", &CombineOutput::combined_x);
+  def_pointer(combine_out, "combined_topk_weights", &CombineOutput::combined_topk_weights);
+
+  m.def(
+      "combine",
+      [](PyBuffer& buffer, const DispatchHandle& handle, const CombineInput& input,
+         const CombineOutput& output,
+         const StreamOrder& order) { return combine(buffer.get(), handle, input, output, order); },
+      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("output"), py::arg("order"),
+      release_gil());
+}
+
+void bind_low_latency(py::module_& m) {
+  using In = LowLatencyDispatchInput;
+  py::class_<In> in(m, "LowLatencyDispatchInput");
+  in.def(py::init<>())
+      .def_readwrite("num_tokens", &In::num_tokens)
+      .def_readwrite("num_topk", &In::num_topk)
+      .def_readwrite("hidden", &In::hidden)
+      .def_readwrite("num_max_dispatch_tokens_per_rank", &In::num_max_dispatch_tokens_per_rank)
+      .def_readwrite("num_experts", &In::num_experts)
+      .def_readwrite("use_fp8", &In::use_fp8)
+      .def_readwrite("round_scale", &In::round_scale)
+      .def_readwrite("use_ue8m0", &In::use_ue8m0)
+      .def_readwrite("return_recv_hook", &In::return_recv_hook);
+  def_pointer(in, "x", &In::x);
+  def_pointer(in, "topk_idx", &In::topk_idx);
+  def_pointer(in, "cumulative_local_expert_recv_stats", &In::cumulative_local_expert_recv_stats);
+  def_pointer(in, "dispatch_wait_recv_cost_stats", &In::dispatch_wait_recv_cost_stats);
+
+  using Out = LowLatencyDispatchOutput;
+  py::class_<Out> out(m, "LowLatencyDispatchOutput");
+  out.def(py::init<>());
+  def_pointer(out, "recv_x", &Out::recv_x);
+  def_pointer(out, "recv_x_scales", &Out::recv_x_scales);
+  def_pointer(out, "recv_count", &Out::recv_count);
+  def_pointer(out, "recv_src_info", &Out::recv_src_info);
+  def_pointer(out, "recv_topk_pos", &Out::recv_topk_pos);
+  def_pointer(out, "recv_layout_range", &Out::recv_layout_range);
+
+  using Sizes = LowLatencyDispatchSizes;
+  py::class_<Sizes>(m, "LowLatencyDispatchSizes")
+      .def_readonly("num_local_experts", &Sizes::num_local_experts)
+      .def_readonly("num_rows_per_expert", &Sizes::num_rows_per_expert)
+      .def_readonly("num_scale_columns", &Sizes::num_scale_columns)
+      .def_readonly("recv_x_bytes", &Sizes::recv_x_bytes)
+      .def_readonly("recv_x_scales_bytes", &Sizes::recv_x_scales_bytes)
+      .def_readonly("recv_count_bytes", &Sizes::recv_count_bytes)
+      .def_readonly("recv_src_info_bytes", &Sizes::recv_src_info_bytes)
+      .def_readonly("recv_layout_range_bytes", &Sizes::recv_layout_range_bytes);
+  m.def(
+      "low_latency_dispatch_sizes",
+      [](const PyBuffer& buffer, const In& input) { return low_latency_dispatch_sizes(buffer.get(), input); },
+      py::arg("buffer"), py::arg("input"));
+
+  py::class_<LowLatencyHandle> handle(m, "LowLatencyHandle");
+  handle.def(py::init<>())
+      .def_readwrite("num_tokens", &LowLatencyHandle::num_tokens)
+      .def_readwrite("num_topk", &LowLatencyHandle::num_topk)
+      .def_readwrite("hidden", &LowLatencyHandle::hidden)
+      .def_readwrite("num_max_dispatch_tokens_per_rank", &LowLatencyHandle::num_max_dispatch_tokens_per_rank)
+      .def_readwrite("num_experts", &LowLatencyHandle::num_experts);
+  def_pointer(handle, "recv_src_info", &LowLatencyHandle::recv_src_info);
+  def_pointer(handle, "recv_topk_pos", &LowLatencyHandle::recv_topk_pos);
+  def_pointer(handle, "recv_layout_range", &LowLatencyHandle::recv_layout_range);
+
+  py::class_<LowLatencyRecvHook>(m, "LowLatencyRecvHook")
+      .def_property_readonly("valid", &LowLatencyRecvHook::valid)
+      .def_property_readonly("done", &LowLatencyRecvHook::done)
+      .def(
+          "__call__", [](const LowLatencyRecvHook& self, uintptr_t stream) { self(stream_of(stream)); },
+          py::arg("stream"), release_gil());
+
+  py::class_<LowLatencyDispatchResult>(m, "LowLatencyDispatchResult")
+      .def_readonly("handle", &LowLatencyDispatchResult::handle)
+      .def_readonly("event", &LowLatencyDispatchResult::event)
+      .def_readonly("hook", &LowLatencyDispatchResult::hook);
+  m.def(
+      "low_latency_dispatch",
+      [](PyBuffer& buffer, const In& input, const Out& output, const StreamOrder& order) {
+        return low_latency_dispatch(buffer.get(), input, output, order);
+      },
+      py::arg("buffer"), py::arg("input"), py::arg("output"), py::arg("order"), release_gil());
+
+  using CIn = LowLatencyCombineInput;
+  py::class_<CIn> combine_in(m, "LowLatencyCombineInput");
+  combine_in.def(py::init<>())
+      .def_readwrite("num_tokens", &CIn::num_tokens)
+      .def_readwrite("num_topk", &CIn::num_topk)
+      .def_readwrite("use_logfmt", &CIn::use_logfmt)
+      .def_readwrite("zero_copy", &CIn::zero_copy)
+      .def_readwrite("return_recv_hook", &CIn::return_recv_hook);
+  def_pointer(combine_in, "x", &CIn::x);
+  def_pointer(combine_in, "topk_idx", &CIn::topk_idx);
+  def_pointer(combine_in, "topk_weights", &CIn::topk_weights);
+  def_pointer(combine_in, "combine_wait_recv_cost_stats", &CIn::combine_wait_recv_cost_stats);
+
+  py::class_<LowLatencyCombineResult>(m, "LowLatencyCombineResult")
+      .def_readonly("event", &LowLatencyCombineResult::event)
+      .def_readonly("hook", &LowLatencyCombineResult::hook);
+  m.def(
+      "low_latency_combine",
+      [](PyBuffer& buffer, const LowLatencyHandle& handle, const CIn& input, uintptr_t combined_x,
+         const StreamOrder& order) {
+        return low_latency_combine(buffer.get(), handle, input, to_pointer<void*>(combined_x), order);
+      },
+      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("combined_x"), py::arg("order"),
+      release_gil());
+  m.def(
+      "next_low_latency_combine_buffer",
+      [](const PyBuffer& buffer, const LowLatencyHandle& handle) {
+        return reinterpret_cast<uintptr_t>(next_low_latency_combine_buffer(buffer.get(), handle));
+      },
+      py::arg("buffer"), py::arg("handle"));
+  m.def(
+      "clean_low_latency_buffer",
+      [](PyBuffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts,
+         const StreamOrder& order) {
+        clean_low_latency_buffer(buffer.get(), num_max_dispatch_tokens_per_rank, hidden, num_experts, order);
+      },
+      py::arg("buffer"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
+      py::arg("num_experts"), py::arg("order"), release_gil());
+}
+
+}  // namespace
+
+void bind_runtime(py::module_& m) {
+  bind_buffer(m);
+  bind_event(m);
+  bind_normal(m);
+  bind_low_latency(m);
+}
+
+}  // namespace epx::python

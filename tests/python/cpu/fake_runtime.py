@@ -1,0 +1,252 @@
+"""A stand-in for the CUDA half of epx._epx, so the torch layer (epx.Buffer, epx.compat.deep_ep, epx.training)
+can run end to end on the CPU with one rank: every call is answered by the CPU reference, reading and writing
+the CPU tensors behind the addresses the layer passes. It checks the layer's plumbing (arguments, output shapes,
+dtypes, strides, handles, events, hooks, autograd), not the kernels: the GPU tests do that."""
+
+from types import SimpleNamespace
+
+import numpy as np
+
+import epx
+import epx.reference as ref
+
+
+class Struct:
+    """Plays the binding's plain structs: attributes are set one by one."""
+
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+class FakeEvent:
+    def __init__(self, valid):
+        self.valid = valid
+        self.waits = 0
+
+    def wait_on(self, stream):
+        self.waits += 1
+
+
+class FakeHook:
+    """Runs the deferred receive (writes the outputs) when called, once."""
+
+    def __init__(self, receive):
+        self.valid = True
+        self.done = False
+        self._receive = receive
+
+    def __call__(self, stream):
+        if self.done:
+            raise epx.EpxError("invalid hook = already run: a receive hook runs once")
+        self._receive()
+        self.done = True
+
+
+NO_HOOK = SimpleNamespace(valid=False, done=False)
+
+
+class FakeRuntime:
+    """What epx.Buffer keeps as .runtime."""
+
+    def __init__(self):
+        self.num_sms = 20
+        self.comm_stream = 0
+        self.num_nvl_bytes = 1 << 20
+        self.num_rdma_bytes = 1 << 20
+        self.is_destroyed = False
+
+    def destroy(self):
+        self.is_destroyed = True
+
+
+def write_bf16(tensor, bits):
+    import torch
+
+    tensor.view(torch.int16).copy_(torch.from_numpy(np.ascontiguousarray(bits).view(np.int16)).reshape(tensor.shape))
+
+
+def write(tensor, values):
+    import torch
+
+    tensor.copy_(torch.from_numpy(np.ascontiguousarray(values)).reshape(tensor.shape))
+
+
+class FakeBinding:
+    """Replaces epx.buffer._epx: one rank, answers from the reference."""
+
+    EpxError = epx.EpxError
+    WITH_CUDA = True
+    TokenFormat = SimpleNamespace(BF16="bf16", FP8="fp8")
+    StreamOrder = Struct
+    DispatchLayoutOutput = Struct
+    DispatchInput = Struct
+    DispatchOutput = Struct
+    CombineInput = Struct
+    CombineOutput = Struct
+    LowLatencyDispatchInput = Struct
+    LowLatencyDispatchOutput = Struct
+    LowLatencyCombineInput = Struct
+
+    def __init__(self):
+        self.registry = {}
+        self.orders = []
+        self.cleaned = 0
+
+    def pointer(self, tensor):
+        """Stands in for epx.buffer.pointer: remembers which tensor an address belongs to."""
+        if tensor is None:
+            return 0
+        self.registry[tensor.data_ptr()] = tensor
+        return tensor.data_ptr()
+
+    def tensor(self, address):
+        return self.registry[address] if address else None
+
+    def host(self, address):
+        tensor = self.tensor(address)
+        return None if tensor is None else tensor.detach().numpy()
+
+    # ---- Normal mode ----
+
+    def get_dispatch_layout(self, runtime, topk_idx, num_tokens, num_topk, num_experts, out, order):
+        self.orders.append(order)
+        per_rank, per_expert, in_rank = ref.dispatch_layout(self.host(topk_idx), num_experts, 1)
+        write(self.tensor(out.num_tokens_per_rank), per_rank)
+        write(self.tensor(out.num_tokens_per_expert), per_expert)
+        write(self.tensor(out.is_token_in_rank), in_rank)
+        return FakeEvent(order.async_finish)
+
+    def dispatch_notify(self, runtime, inp, order, cached):
+        self.orders.append(order)
+        fp8 = inp.format == "fp8"
+        item = ref.NormalRankInput()
+        x = self.tensor(inp.x)
+        if fp8:
+            item.x_fp8, item.x_scales = ref.fp8_bytes(x), self.host(inp.x_scales)
+        else:
+            item.x = ref.bf16_bits(x)
+        if cached is not None:
+            item.is_token_in_rank = cached.is_token_in_rank
+        elif inp.topk_idx:
+            item.topk_idx, item.topk_weights = self.host(inp.topk_idx), self.host(inp.topk_weights)
+        else:
+            item.is_token_in_rank = self.host(inp.is_token_in_rank)
+        outputs, handle = ref.normal_dispatch([item], num_ranks=1, num_experts=inp.num_experts, hidden=inp.hidden,
+                                              fp8=fp8, expert_alignment=inp.expert_alignment,
+                                              num_worst_tokens=inp.num_worst_tokens)
+        in_rank = ref.dispatch_layout(item.topk_idx, inp.num_experts, 1)[2] if item.topk_idx is not None \
+            else item.is_token_in_rank
+        native = Struct(reference=handle, output=outputs[0], is_token_in_rank=in_rank,
+                        num_recv_per_rank=list(outputs[0].num_recv_tokens_per_rank))
+        return Struct(num_recv_rows=outputs[0].num_rows,
+                      num_recv_tokens_per_expert=outputs[0].num_recv_tokens_per_expert_list, handle=native)
+
+    def dispatch_receive(self, runtime, plan, inp, out, order):
+        import torch
+
+        expected = plan.handle.output
+        if inp.format == "fp8":
+            write(self.tensor(out.recv_x).view(torch.uint8), expected.recv_x_fp8)
+            write(self.tensor(out.recv_x_scales), expected.recv_x_scales)
+        else:
+            write_bf16(self.tensor(out.recv_x), expected.recv_x)
+        if out.recv_topk_idx:
+            write(self.tensor(out.recv_topk_idx), expected.recv_topk_idx)
+            write(self.tensor(out.recv_topk_weights), expected.recv_topk_weights)
+        return FakeEvent(order.async_finish)
+
+    def combine(self, runtime, handle, inp, out, order):
+        self.orders.append(order)
+        weights = self.host(inp.topk_weights)
+        bias0 = None if not inp.bias0 else [ref.bf16_bits(self.tensor(inp.bias0))]
+        bias1 = None if not inp.bias1 else [ref.bf16_bits(self.tensor(inp.bias1))]
+        combined, combined_weights = ref.normal_combine(
+            handle.reference, [ref.bf16_bits(self.tensor(inp.x))],
+            topk_weights=None if weights is None else [weights], bias0=bias0, bias1=bias1)[0]
+        write_bf16(self.tensor(out.combined_x), combined)
+        if out.combined_topk_weights:
+            write(self.tensor(out.combined_topk_weights), combined_weights)
+        return FakeEvent(order.async_finish)
+
+    # ---- Low-latency mode ----
+
+    def low_latency_dispatch_sizes(self, runtime, inp):
+        columns = 0 if not inp.use_fp8 else (inp.hidden // 128 + 3) // 4 if inp.use_ue8m0 else inp.hidden // 128
+        return Struct(num_local_experts=inp.num_experts, num_rows_per_expert=inp.num_max_dispatch_tokens_per_rank,
+                      num_scale_columns=columns)
+
+    def low_latency_dispatch(self, runtime, inp, out, order):
+        import torch
+
+        self.orders.append(order)
+        params = ref.low_latency_params(num_ranks=1, num_experts=inp.num_experts, hidden=inp.hidden,
+                                        num_topk=inp.num_topk,
+                                        num_max_dispatch_tokens_per_rank=inp.num_max_dispatch_tokens_per_rank)
+        x, ids = ref.bf16_bits(self.tensor(inp.x)), self.host(inp.topk_idx)
+
+        def receive():
+            (got,) = ref.low_latency_dispatch([x], [ids], params, use_fp8=inp.use_fp8, round_scale=inp.round_scale,
+                                              use_ue8m0=inp.use_ue8m0)
+            recv_x = self.tensor(out.recv_x)
+            if inp.use_fp8:
+                write(recv_x.view(torch.uint8), got.recv_x)
+                scales = self.tensor(out.recv_x_scales)
+                write(scales, got.recv_x_scales.view(np.int32) if inp.use_ue8m0 else got.recv_x_scales)
+            else:
+                write_bf16(recv_x, got.recv_x)
+            write(self.tensor(out.recv_count), got.recv_count)
+            stats = self.tensor(inp.cumulative_local_expert_recv_stats)
+            if stats is not None:
+                stats += torch.from_numpy(got.recv_count)
+
+        handle = Struct(num_tokens=len(ids), num_topk=inp.num_topk, hidden=inp.hidden,
+                        num_max_dispatch_tokens_per_rank=inp.num_max_dispatch_tokens_per_rank,
+                        num_experts=inp.num_experts, params=params)
+        if inp.return_recv_hook:
+            return Struct(handle=handle, event=FakeEvent(False), hook=FakeHook(receive))
+        receive()
+        return Struct(handle=handle, event=FakeEvent(order.async_finish), hook=NO_HOOK)
+
+    def low_latency_combine(self, runtime, handle, inp, combined_x, order):
+        self.orders.append(order)
+        expert_out = ref.bf16_bits(self.tensor(inp.x))
+        ids, weights = self.host(inp.topk_idx), self.host(inp.topk_weights)
+
+        def receive():
+            (combined,) = ref.low_latency_combine([expert_out], [ids], [weights], handle.params,
+                                                  use_logfmt=inp.use_logfmt)
+            write_bf16(self.tensor(combined_x), combined)
+
+        if inp.return_recv_hook:
+            return Struct(event=FakeEvent(False), hook=FakeHook(receive))
+        receive()
+        return Struct(event=FakeEvent(order.async_finish), hook=NO_HOOK)
+
+    def clean_low_latency_buffer(self, runtime, num_max_dispatch_tokens_per_rank, hidden, num_experts, order):
+        self.cleaned += 1
+
+
+def install(monkeypatch):
+    """Patches epx.buffer to run on the CPU against FakeBinding; returns (epx.Buffer, binding)."""
+    import torch
+
+    import epx._util as util
+    import epx.buffer as buffer_module
+
+    binding = FakeBinding()
+    stream = SimpleNamespace(cuda_stream=0)
+    real_check = util.check_tensor
+    monkeypatch.setattr(buffer_module, "_epx", binding)
+    monkeypatch.setattr(buffer_module, "pointer", binding.pointer)
+    monkeypatch.setattr(buffer_module, "current_stream", lambda: stream)
+    monkeypatch.setattr(util, "current_stream", lambda: stream)
+    monkeypatch.setattr(buffer_module, "check_tensor", lambda *a, **k: real_check(*a, **{**k, "cuda": False}))
+    monkeypatch.setattr(buffer_module, "record_stream", lambda tensors, stream: None)
+    buffer = object.__new__(buffer_module.Buffer)
+    buffer.runtime = FakeRuntime()
+    buffer.rank, buffer.num_ranks = 0, 1
+    buffer.group = None
+    buffer.device = torch.device("cpu")
+    buffer.comm_stream = None
+    buffer.low_latency_mode = True
+    return buffer, binding

@@ -1,0 +1,194 @@
+"""The Python layer without a GPU: Config, EventOverlap, the DeepEP-compatible signatures, argument checks and
+the training helpers (torch on the CPU, skipped without torch)."""
+
+import inspect
+
+import pytest
+
+import epx
+import epx.compat.deep_ep as deep_ep
+
+# ---- Config ----
+
+
+def test_config_defaults_and_fields():
+    config = epx.Config()
+    assert config.num_sms == 20
+    assert (config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens) == (6, 256)
+    assert (config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens) == (6, 256)
+    custom = epx.Config(24, 8, 288, 16, 128)
+    assert custom.num_sms == 24 and custom.num_max_rdma_chunked_recv_tokens == 128
+    assert custom == epx.Config(24, 8, 288, 16, 128) and custom != config
+    assert "num_sms=24" in repr(custom)
+
+
+def test_config_checks():
+    with pytest.raises(epx.EpxError, match="invalid num_sms = 0: must be > 0"):
+        epx.Config(0)
+    with pytest.raises(epx.EpxError, match="invalid num_max_nvl_chunked_recv_tokens = '8': must be an int"):
+        epx.Config(20, 6, "8")
+
+
+def test_config_size_hints():
+    config = epx.Config()
+    assert config.get_nvl_buffer_size_hint(7168 * 2, 8) == epx.normal_nvl_buffer_size_hint(7168 * 2, 8)
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one NVLink domain needs no RDMA buffer
+    with pytest.raises(epx.EpxError, match="not implemented"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    with pytest.raises(epx.EpxError, match="invalid hidden_bytes = 7: must be a multiple of 16"):
+        config.get_nvl_buffer_size_hint(7, 8)
+
+
+# ---- DeepEP V1 compatibility: names, signatures, defaults ----
+
+
+def params(function):
+    return [(p.name, p.default) for p in inspect.signature(function).parameters.values() if p.name != "self"]
+
+
+E = inspect.Parameter.empty
+
+
+def test_deep_ep_module_names():
+    for name in ("Buffer", "Config", "EventOverlap"):
+        assert hasattr(deep_ep, name)
+    assert deep_ep.Config is epx.Config and deep_ep.EventOverlap is epx.EventOverlap
+    assert params(deep_ep.EventOverlap.__init__) == [("event", None), ("extra_tensors", None)]
+    assert params(deep_ep.Config.__init__)[0][0] == "num_sms"
+    assert [n for n, _ in params(deep_ep.Config.__init__)] == [
+        "num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+        "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens"]
+
+
+def test_deep_ep_buffer_signatures():
+    B = deep_ep.Buffer
+    assert B.num_sms == 20
+    assert params(B.__init__) == [
+        ("group", E), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
+        ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
+        ("explicitly_destroy", False)]
+    assert params(B.get_local_buffer_tensor) == [("dtype", E), ("size", None), ("offset", 0),
+                                                 ("use_rdma_buffer", False)]
+    assert params(B.get_dispatch_layout) == [("topk_idx", E), ("num_experts", E), ("previous_event", None),
+                                             ("async_finish", False), ("allocate_on_comm_stream", False)]
+    assert params(B.dispatch) == [
+        ("x", E), ("handle", None), ("num_tokens_per_rank", None), ("num_tokens_per_rdma_rank", None),
+        ("is_token_in_rank", None), ("num_tokens_per_expert", None), ("topk_idx", None), ("topk_weights", None),
+        ("expert_alignment", 1), ("num_worst_tokens", 0), ("config", None), ("previous_event", None),
+        ("async_finish", False), ("allocate_on_comm_stream", False)]
+    assert params(B.combine) == [
+        ("x", E), ("handle", E), ("topk_weights", None), ("bias", None), ("config", None), ("previous_event", None),
+        ("async_finish", False), ("allocate_on_comm_stream", False)]
+    assert params(B.low_latency_dispatch) == [
+        ("x", E), ("topk_idx", E), ("num_max_dispatch_tokens_per_rank", E), ("num_experts", E),
+        ("cumulative_local_expert_recv_stats", None), ("dispatch_wait_recv_cost_stats", None), ("use_fp8", True),
+        ("round_scale", False), ("use_ue8m0", False), ("async_finish", False), ("return_recv_hook", False)]
+    assert params(B.low_latency_combine) == [
+        ("x", E), ("topk_idx", E), ("topk_weights", E), ("handle", E), ("use_logfmt", False), ("zero_copy", False),
+        ("async_finish", False), ("return_recv_hook", False), ("out", None), ("combine_wait_recv_cost_stats", None)]
+    assert params(B.clean_low_latency_buffer) == [("num_max_dispatch_tokens_per_rank", E), ("hidden", E),
+                                                  ("num_experts", E)]
+    assert params(B.get_next_low_latency_combine_buffer) == [("handle", E)]
+    assert params(B.get_low_latency_rdma_size_hint) == [("num_max_dispatch_tokens_per_rank", E), ("hidden", E),
+                                                        ("num_ranks", E), ("num_experts", E)]
+    for name in ("destroy", "get_comm_stream"):
+        assert params(getattr(B, name)) == []
+    for name in ("set_num_sms", "get_dispatch_config", "get_combine_config", "capture", "is_sm90_compiled",
+                 "get_low_latency_rdma_size_hint"):
+        assert isinstance(inspect.getattr_static(B, name), staticmethod), name
+
+
+def test_deep_ep_static_helpers():
+    assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 4, 288) == \
+        epx.get_low_latency_rdma_size_hint(128, 7168, 4, 288)
+    assert deep_ep.Buffer.is_sm90_compiled() == epx.WITH_CUDA
+    for num_ranks in (2, 4, 8, 3):
+        assert deep_ep.Buffer.get_dispatch_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
+        assert deep_ep.Buffer.get_combine_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
+    old = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(24)
+        assert deep_ep.Buffer.num_sms == 24 and deep_ep.Buffer.get_dispatch_config(8).num_sms == 24
+        with pytest.raises(epx.EpxError, match="invalid new_num_sms = 25: must be even"):
+            deep_ep.Buffer.set_num_sms(25)
+    finally:
+        deep_ep.Buffer.num_sms = old
+
+
+# ---- EventOverlap ----
+
+
+def test_event_overlap_without_event_is_a_no_op():
+    event = epx.EventOverlap()
+    event.current_stream_wait()
+    with event as inside:
+        assert inside is event
+    assert event.event is None and event.extra_tensors is None
+
+    class Empty:  # an empty C++ Event reads as "no event"
+        valid = False
+
+    assert epx.EventOverlap(Empty()).event is None
+
+
+# ---- With torch on the CPU ----
+
+
+def test_buffer_calls_check_arguments_before_the_runtime():
+    torch = pytest.importorskip("torch")
+    buffer = object.__new__(epx.Buffer)  # no runtime needed: the checks come first
+    buffer.num_ranks, buffer.rank = 2, 0
+    with pytest.raises(epx.EpxError, match=r"invalid x.device = cpu: must be a CUDA device"):
+        buffer.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16))
+    with pytest.raises(epx.EpxError, match=r"invalid topk_idx.device = cpu"):
+        buffer.get_dispatch_layout(torch.zeros(4, 2, dtype=torch.int64), 8)
+    with pytest.raises(epx.EpxError, match=r"invalid x = a tuple of 3"):
+        buffer.dispatch((1, 2, 3))
+
+
+def test_reference_torch_bridges():
+    torch = pytest.importorskip("torch")
+    import numpy as np
+
+    import epx.reference as ref
+
+    values = torch.tensor([[1.0, -2.5], [0.125, 3.0]], dtype=torch.bfloat16)
+    bits = ref.bf16_bits(values)
+    np.testing.assert_array_equal(ref.bf16_to_float(bits), values.float().numpy())
+    assert torch.equal(ref.to_torch_bf16(bits), values)
+    fp8 = torch.tensor([0.5, -1.0, 448.0]).to(torch.float8_e4m3fn)
+    assert torch.equal(ref.to_torch_fp8(ref.fp8_bytes(fp8)).float(), fp8.float())
+
+
+def test_permute_unpermute_match_a_dense_computation():
+    torch = pytest.importorskip("torch")
+    import epx.training as training
+
+    generator = torch.Generator().manual_seed(0)
+    num_rows, hidden, num_topk, num_local = 13, 16, 3, 4
+    recv_x = torch.randn(num_rows, hidden, generator=generator).to(torch.bfloat16).requires_grad_()
+    recv_idx = torch.randint(-1, num_local, (num_rows, num_topk), generator=generator)
+    recv_weights = torch.rand(num_rows, num_topk, generator=generator).masked_fill(recv_idx < 0, 0).requires_grad_()
+    scale = torch.arange(1, num_local + 1, dtype=torch.float32)
+
+    rows, probs, info = training.permute(recv_x, recv_idx, num_local, recv_weights)
+    counts = info.num_tokens_per_expert.tolist()
+    assert counts == [int((recv_idx == e).sum()) for e in range(num_local)]
+    expert_of_row = torch.repeat_interleave(torch.arange(num_local), torch.tensor(counts))
+    # Rows of each expert keep the received order.
+    for e in range(num_local):
+        assert info.row_idx[expert_of_row == e].tolist() == sorted(info.row_idx[expert_of_row == e].tolist())
+    out = training.unpermute(rows.float() * scale[expert_of_row].unsqueeze(1), info, probs)
+
+    dense = torch.zeros(num_rows, hidden)
+    for k in range(num_topk):
+        selected = recv_idx[:, k] >= 0
+        factor = torch.where(selected, recv_weights[:, k] * scale[recv_idx[:, k].clamp(min=0)], 0)
+        dense = dense + recv_x.float() * factor.unsqueeze(1)
+    torch.testing.assert_close(out, dense, rtol=1e-5, atol=1e-5)
+
+    target = torch.randn(num_rows, hidden, generator=generator)
+    (grad_x, grad_w) = torch.autograd.grad((out * target).sum(), (recv_x, recv_weights))
+    (ref_x, ref_w) = torch.autograd.grad((dense * target).sum(), (recv_x, recv_weights))
+    torch.testing.assert_close(grad_x.float(), ref_x.float(), rtol=1e-2, atol=1e-2)
+    torch.testing.assert_close(grad_w, ref_w, rtol=1e-4, atol=1e-4)

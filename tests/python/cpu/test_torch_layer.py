@@ -1,0 +1,248 @@
+"""The torch layer end to end on the CPU, one rank, with the CUDA binding replaced by the reference
+(fake_runtime.py): output shapes, dtypes and strides, named results and DeepEP tuples, cached handles, events,
+receive hooks, statistics and the autograd functions. Skipped without torch."""
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epx  # noqa: E402
+import epx.compat.deep_ep as deep_ep  # noqa: E402
+import epx.reference as ref  # noqa: E402
+import epx.training as training  # noqa: E402
+from fake_runtime import install  # noqa: E402
+
+HIDDEN = 256
+NUM_EXPERTS = 4
+NUM_TOPK = 2
+
+
+@pytest.fixture
+def fake(monkeypatch):
+    return install(monkeypatch)
+
+
+@pytest.fixture
+def compat(fake):
+    buffer, binding = fake
+    wrapper = object.__new__(deep_ep.Buffer)
+    wrapper.rank, wrapper.group_size, wrapper.group = 0, 1, None
+    wrapper.explicitly_destroy = True
+    wrapper.runtime = buffer
+    return wrapper, binding
+
+
+def tokens(num_tokens=6, seed=0):
+    x = ref.native.random_bf16_tokens(seed, num_tokens, HIDDEN, 0).reshape(num_tokens, HIDDEN)
+    ids = np.array([[0, 1], [2, -1], [-1, -1], [3, 0], [1, 2], [-1, 3]], dtype=np.int64)[:num_tokens]
+    weights = ref.native.random_topk_weights(seed, num_tokens, NUM_TOPK).reshape(num_tokens, NUM_TOPK)
+    return ref.to_torch_bf16(x), torch.from_numpy(ids), torch.from_numpy(weights)
+
+
+def test_native_dispatch_and_combine(fake):
+    buffer, binding = fake
+    x, ids, weights = tokens()
+    layout = buffer.get_dispatch_layout(ids, NUM_EXPERTS)
+    assert isinstance(layout, epx.DispatchLayout) and layout.num_tokens_per_rdma_rank is None
+    assert layout.num_tokens_per_rank.tolist() == [5] and layout.is_token_in_rank.dtype == torch.bool
+    assert layout.num_tokens_per_expert.tolist() == [2, 2, 2, 2]
+
+    result = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, expert_alignment=4)
+    assert isinstance(result, epx.DispatchResult)
+    assert result.recv_x.shape == (5, HIDDEN) and result.recv_x.dtype == torch.bfloat16
+    kept = [0, 1, 3, 4, 5]  # token 2 chose no expert
+    assert torch.equal(result.recv_x, x[kept])
+    assert result.recv_topk_idx.dtype == torch.int64 and torch.equal(result.recv_topk_idx, ids[kept])
+    assert torch.equal(result.recv_topk_weights, torch.where(ids[kept] >= 0, weights[kept], 0))
+    assert result.num_recv_tokens_per_expert_list == [4, 4, 4, 4]
+    assert result.recv_x_scales is None and result.event.event is None
+    handle = result.handle
+    assert (handle.num_tokens, handle.num_recv_rows, handle.num_experts, handle.num_topk) == (6, 5, 4, 2)
+    assert handle.num_recv_per_rank == [5]
+
+    bias = ref.to_torch_bf16(ref.native.random_bf16_tokens(9, 6, HIDDEN, 0, stamp=False).reshape(6, HIDDEN))
+    combined = buffer.combine(result.recv_x, handle, topk_weights=result.recv_topk_weights, bias=bias)
+    assert isinstance(combined, epx.CombineResult)
+    sent = (ids >= 0).any(dim=1, keepdim=True)
+    assert torch.equal(combined.combined_x, (x.float() * sent + bias.float()).to(torch.bfloat16))
+    assert torch.equal(combined.combined_topk_weights, torch.where(ids >= 0, weights, 0))
+
+    # Cached: same routing, new tokens, no top-k outputs, the same handle back.
+    x2 = x * 2
+    cached = buffer.dispatch(x2, handle=handle)
+    assert torch.equal(cached.recv_x, x2[kept]) and cached.recv_topk_idx is None and cached.handle is handle
+
+
+def test_dispatch_argument_checks(fake):
+    buffer, _ = fake
+    x, ids, weights = tokens()
+    with pytest.raises(epx.EpxError, match="topk_weights = None: are required with topk_idx"):
+        buffer.dispatch(x, topk_idx=ids, num_experts=NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match="num_experts = None"):
+        buffer.dispatch(x, topk_idx=ids, topk_weights=weights)
+    with pytest.raises(epx.EpxError, match=r"topk_idx.shape = \(5, 2\): must have size 6 in dimension 0"):
+        buffer.dispatch(x, topk_idx=ids[:5], topk_weights=weights[:5], num_experts=NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match="topk_idx.dtype = torch.int32"):
+        buffer.get_dispatch_layout(ids.int(), NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match="must be contiguous"):
+        buffer.dispatch(torch.zeros(HIDDEN, 6, dtype=torch.bfloat16).t(), topk_idx=ids, topk_weights=weights,
+                        num_experts=NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match="x\\[1\\].shape"):
+        buffer.dispatch((x.to(torch.float8_e4m3fn), torch.ones(6, 3)), topk_idx=ids, topk_weights=weights,
+                        num_experts=NUM_EXPERTS)
+    result = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match="must be None with a cached handle"):
+        buffer.dispatch(x, handle=result.handle, topk_idx=ids, topk_weights=weights)
+    with pytest.raises(epx.EpxError, match=r"x.shape = \(3, 256\)"):
+        buffer.combine(result.recv_x[:3], result.handle)
+    other = object.__new__(epx.Buffer)
+    with pytest.raises(epx.EpxError, match="from another Buffer"):
+        other.combine(result.recv_x, result.handle)
+    with pytest.raises(epx.EpxError, match="allocate_on_comm_stream"):
+        buffer.get_dispatch_layout(ids, NUM_EXPERTS, async_finish=True, allocate_on_comm_stream=True)
+
+
+def test_deep_ep_tuples(compat):
+    wrapper, binding = compat
+    x, ids, weights = tokens()
+    layout = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    assert len(layout) == 5 and layout[1] is None and isinstance(layout[4], epx.EventOverlap)
+    per_rank, _, per_expert, in_rank, _ = layout
+    out = wrapper.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights, 2)
+    assert len(out) == 6
+    recv_x, recv_idx, recv_w, counts, handle, event = out
+    assert counts == [2, 2, 2, 2] and event.event is None
+    assert wrapper.runtime.num_sms == deep_ep.Buffer.num_sms  # the default config's SM count
+    cached = wrapper.dispatch(x, handle)
+    assert len(cached) == 6 and cached[1:5] == (None, None, None, None) and torch.equal(cached[0], recv_x)
+    combined, combined_w, event = wrapper.combine(recv_x, handle, topk_weights=recv_w)
+    assert combined.shape == (6, HIDDEN) and combined_w.shape == (6, NUM_TOPK)
+    combined, combined_w, _ = wrapper.combine(recv_x, handle)
+    assert combined_w is None
+
+    # FP8 in, FP8 tuple out.
+    fp8 = (x.float().to(torch.float8_e4m3fn), torch.ones(6, HIDDEN // 128))
+    recv_x, *_ = wrapper.dispatch(fp8, None, per_rank, None, in_rank, per_expert, ids, weights)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn and recv_x[1].shape == (5, 2)
+    cached = wrapper.dispatch(fp8, handle)
+    assert isinstance(cached[0], tuple)
+
+    # Async: an event comes back and can be waited on.
+    _, _, _, _, _, event = wrapper.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights,
+                                            async_finish=True)
+    assert event.event is not None
+    with event:
+        pass
+    assert event.event.waits == 1
+    assert binding.orders[-1].async_finish is True
+
+    wrapper.destroy()
+    with pytest.raises(epx.EpxError, match="after destroy"):
+        wrapper.combine(recv_x, handle)
+
+
+def test_config_sets_the_sm_budget(fake):
+    buffer, _ = fake
+    x, ids, weights = tokens()
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, config=epx.Config(num_sms=8))
+    assert buffer.runtime.num_sms == 8
+
+
+@pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0", [(False, False, False), (True, False, False),
+                                                           (True, True, True)])
+def test_low_latency_shapes_and_values(compat, use_fp8, round_scale, use_ue8m0):
+    wrapper, binding = compat
+    max_tokens, num_tokens = 8, 6
+    x, ids, weights = tokens(num_tokens)
+    stats = torch.zeros(NUM_EXPERTS, dtype=torch.int32)
+    recv_x, recv_count, handle, event, hook = wrapper.low_latency_dispatch(
+        x, ids, max_tokens, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats, use_fp8=use_fp8,
+        round_scale=round_scale, use_ue8m0=use_ue8m0)
+    assert hook is None and event.event is None
+    params = ref.low_latency_params(num_ranks=1, num_experts=NUM_EXPERTS, hidden=HIDDEN, num_topk=NUM_TOPK,
+                                    num_max_dispatch_tokens_per_rank=max_tokens)
+    (expected,) = ref.low_latency_dispatch([ref.bf16_bits(x)], [ids.numpy()], params, use_fp8=use_fp8,
+                                           round_scale=round_scale, use_ue8m0=use_ue8m0)
+    assert recv_count.tolist() == list(expected.recv_count) == stats.tolist()
+    if use_fp8:
+        data, scales = recv_x
+        assert data.shape == (NUM_EXPERTS, max_tokens, HIDDEN) and data.dtype == torch.float8_e4m3fn
+        columns = 1 if use_ue8m0 else HIDDEN // 128
+        assert scales.shape == (NUM_EXPERTS, max_tokens, columns)
+        assert scales.dtype == (torch.int32 if use_ue8m0 else torch.float32)
+        assert scales.stride() == (columns * max_tokens, 1, max_tokens)  # column-major in the last two dims
+        for e, count in enumerate(expected.recv_count):
+            np.testing.assert_array_equal(ref.fp8_bytes(data)[e, :count], expected.recv_x[e, :count])
+    else:
+        assert recv_x.shape == (NUM_EXPERTS, max_tokens, HIDDEN) and recv_x.dtype == torch.bfloat16
+    out = torch.zeros(NUM_EXPERTS, max_tokens, HIDDEN, dtype=torch.bfloat16)
+    combined, event, hook = wrapper.low_latency_combine(out, ids, weights, handle)
+    assert combined.shape == (num_tokens, HIDDEN) and hook is None
+
+
+def test_low_latency_hooks_defer_the_receive(compat):
+    wrapper, _ = compat
+    x, ids, weights = tokens()
+    recv_x, recv_count, handle, event, hook = wrapper.low_latency_dispatch(x, ids, 8, NUM_EXPERTS, use_fp8=False,
+                                                                           return_recv_hook=True)
+    recv_count.fill_(-7)
+    assert callable(hook) and not hook.done
+    assert recv_count.tolist() == [-7] * NUM_EXPERTS  # nothing received yet
+    hook()
+    assert hook.done and recv_count.tolist() == [2, 2, 2, 2]
+    with pytest.raises(epx.EpxError, match="runs once"):
+        hook()
+    expert_out = recv_x.clone()
+    preset = torch.full((6, HIDDEN), 3.0, dtype=torch.bfloat16)
+    combined, event, hook = wrapper.low_latency_combine(expert_out, ids, weights, handle, return_recv_hook=True,
+                                                        out=preset)
+    assert combined is preset and bool((combined == 3).all())
+    hook()
+    expected = sum(torch.where(ids[:, k:k + 1] >= 0, weights[:, k:k + 1] * x.float(), 0) for k in range(NUM_TOPK))
+    torch.testing.assert_close(combined.float(), expected, rtol=1e-2, atol=1e-2)
+    with pytest.raises(epx.EpxError, match="must be a LowLatencyHandle|handle of a low_latency_dispatch"):
+        wrapper.low_latency_combine(expert_out, ids, weights, object())
+    with pytest.raises(epx.EpxError, match=r"x.shape"):
+        wrapper.low_latency_combine(expert_out[:, :4], ids, weights, handle)
+    wrapper.clean_low_latency_buffer(8, HIDDEN, NUM_EXPERTS)
+
+
+def test_autograd_one_rank_matches_dense(fake):
+    buffer, _ = fake
+    x0, ids, w0 = tokens()
+    generator = torch.Generator().manual_seed(3)
+    experts = (torch.randn(NUM_EXPERTS, HIDDEN, HIDDEN, generator=generator) / 16).to(torch.bfloat16)
+    target = torch.randn(6, HIDDEN, generator=generator)
+
+    x = x0.clone().requires_grad_()
+    w = w0.clone().requires_grad_()
+    experts_d = experts.clone().requires_grad_()
+    result = training.dispatch(buffer, x, ids, w, NUM_EXPERTS)
+    rows, probs, info = training.permute(result.recv_x, result.recv_topk_idx, NUM_EXPERTS, result.recv_topk_weights)
+    chunks = rows.split(info.num_tokens_per_expert.tolist())
+    expert_out = torch.cat([chunk @ experts_d[e] for e, chunk in enumerate(chunks)])
+    out = training.combine(buffer, training.unpermute(expert_out, info, probs), result.handle)
+    (out.float() * target).sum().backward()
+
+    xd = x0.clone().requires_grad_()
+    wd = w0.clone().requires_grad_()
+    experts_r = experts.clone().requires_grad_()
+    dense = torch.zeros(6, HIDDEN)
+    for k in range(NUM_TOPK):
+        for e in range(NUM_EXPERTS):
+            rows_e = (ids[:, k] == e).nonzero(as_tuple=True)[0]
+            if rows_e.numel():
+                y = (xd[rows_e] @ experts_r[e]).float() * wd[rows_e, k].unsqueeze(1)
+                dense = dense.index_add(0, rows_e, y)
+    (dense.to(torch.bfloat16).float() * target).sum().backward()
+
+    def close(a, b):
+        return float((a.double() - b.double()).norm() / b.double().norm()) < 2e-2
+
+    assert close(out.detach().float(), dense.detach())
+    assert close(x.grad.float(), xd.grad.float())
+    assert close(w.grad, wd.grad)
+    assert close(experts_d.grad.float(), experts_r.grad.float())
+    # Tokens routed nowhere get no gradient from the experts.
+    assert bool((x.grad[2] == 0).all())

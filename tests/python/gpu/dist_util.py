@@ -1,0 +1,54 @@
+"""Runs a test body on N GPUs: one process per GPU (torch.multiprocessing), joined by an NCCL process group.
+Tests skip (not fail) without torch, without CUDA, or with fewer GPUs than they need."""
+
+import socket
+
+import pytest
+
+
+def require_gpus(num_gpus):
+    """torch, or a pytest skip when this machine cannot run an N-GPU test."""
+    torch = pytest.importorskip("torch")
+    import epx
+
+    if not epx.WITH_CUDA:
+        pytest.skip("epx was built without CUDA")
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device")
+    if torch.cuda.device_count() < num_gpus:
+        pytest.skip(f"needs {num_gpus} GPUs, {torch.cuda.device_count()} present")
+    return torch
+
+
+def _free_port():
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _entry(rank, num_ranks, port, worker, args):
+    import torch
+    import torch.distributed as dist
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        worker(rank, num_ranks, dist.group.WORLD, *args)
+        torch.cuda.synchronize()
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+
+
+def run(worker, num_ranks, *args):
+    """worker(rank, num_ranks, group, *args) on num_ranks GPUs (rank r on cuda:r); a failure in any rank
+    fails the test with that rank's traceback. `worker` must be a module-level function."""
+    require_gpus(num_ranks)
+    import torch.multiprocessing as mp
+
+    mp.spawn(_entry, args=(num_ranks, _free_port(), worker, args), nprocs=num_ranks, join=True)
+
+
+def gpu_counts(*counts):
+    """pytest parameters for rank counts, each skipped where too few GPUs exist."""
+    return [pytest.param(n, id=f"{n}gpu") for n in counts]

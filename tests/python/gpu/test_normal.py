@@ -1,0 +1,237 @@
+"""Normal mode through epx.compat.deep_ep (DeepEP V1's calls) against the CPU reference, on 2 and 4 GPUs:
+layout, BF16 and FP8 dispatch, combine with weights and biases, the cached handle, async with events and
+comm-stream allocation, worst-case rows, argument errors. Data movement is compared bit-exactly (the values
+are small integers, so the combine's sums are exact in any order)."""
+
+import numpy as np
+import pytest
+
+from dist_util import gpu_counts, run
+
+HIDDEN = 256
+NUM_TOPK = 4
+
+
+def make_inputs(num_ranks, num_experts, seed, fp8=False):
+    import epx.reference as ref
+
+    native = ref.native
+    num_tokens = [37, 64, 0, 5][:num_ranks] if num_ranks <= 4 else [17 + 3 * r for r in range(num_ranks)]
+    ids = native.make_unbalanced_routing(seed, num_tokens, NUM_TOPK, num_experts, num_ranks)
+    inputs = []
+    for r in range(num_ranks):
+        item = ref.NormalRankInput(
+            topk_idx=ids[r].reshape(num_tokens[r], NUM_TOPK),
+            topk_weights=native.random_topk_weights(seed * 31 + r, num_tokens[r], NUM_TOPK).reshape(-1, NUM_TOPK))
+        if fp8:
+            x, scales = native.random_fp8_tokens(seed * 17 + r, num_tokens[r], HIDDEN, r)
+            item.x_fp8, item.x_scales = x.reshape(-1, HIDDEN), scales.reshape(-1, HIDDEN // 128)
+        else:
+            item.x = native.random_bf16_tokens(seed * 17 + r, num_tokens[r], HIDDEN, r).reshape(-1, HIDDEN)
+        inputs.append(item)
+    return inputs
+
+
+def random_rows(seed, rows, rank):
+    import epx.reference as ref
+
+    return ref.native.random_bf16_tokens(seed, rows, HIDDEN, rank, stamp=False).reshape(rows, HIDDEN)
+
+
+def to_device(rank_input, device):
+    import torch
+
+    import epx.reference as ref
+
+    x = (ref.to_torch_fp8(rank_input.x_fp8, device), torch.from_numpy(rank_input.x_scales).to(device)) \
+        if rank_input.x_fp8 is not None else ref.to_torch_bf16(rank_input.x, device)
+    return (x, torch.from_numpy(rank_input.topk_idx).to(device), torch.from_numpy(rank_input.topk_weights).to(device))
+
+
+def check_dispatch(expected, recv_x, recv_idx, recv_w, counts, rows=None):
+    import epx.reference as ref
+
+    rows = expected.num_rows if rows is None else rows
+    if isinstance(recv_x, tuple):
+        np.testing.assert_array_equal(ref.fp8_bytes(recv_x[0])[:rows], expected.recv_x_fp8[:rows])
+        np.testing.assert_array_equal(recv_x[1].cpu().numpy()[:rows], expected.recv_x_scales[:rows])
+    else:
+        np.testing.assert_array_equal(ref.bf16_bits(recv_x)[:rows], expected.recv_x[:rows])
+    if recv_idx is not None:
+        np.testing.assert_array_equal(recv_idx.cpu().numpy(), expected.recv_topk_idx)
+        np.testing.assert_array_equal(recv_w.cpu().numpy(), expected.recv_topk_weights)
+    if counts is not None:
+        assert counts == expected.num_recv_tokens_per_expert_list
+
+
+def normal_worker(rank, num_ranks, group, seed):
+    import torch
+
+    import epx
+    import epx.compat.deep_ep as deep_ep
+    import epx.reference as ref
+
+    device = torch.device("cuda", rank)
+    num_experts = 8 * num_ranks
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
+                            explicitly_destroy=True)
+    assert (buffer.rank, buffer.group_size) == (rank, num_ranks)
+
+    inputs = make_inputs(num_ranks, num_experts, seed)
+    x, topk_idx, topk_weights = to_device(inputs[rank], device)
+
+    # ---- Layout ----
+    per_rank, per_rdma, per_expert, in_rank, event = buffer.get_dispatch_layout(topk_idx, num_experts)
+    exp_rank, exp_expert, exp_in_rank = ref.dispatch_layout(inputs[rank].topk_idx, num_experts, num_ranks)
+    assert per_rdma is None and event.event is None
+    np.testing.assert_array_equal(per_rank.cpu().numpy(), exp_rank)
+    np.testing.assert_array_equal(per_expert.cpu().numpy(), exp_expert)
+    np.testing.assert_array_equal(in_rank.cpu().numpy(), exp_in_rank)
+
+    # ---- BF16 dispatch with top-k ----
+    outputs, ref_handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
+                                              expert_alignment=4)
+    recv_x, recv_idx, recv_w, counts, handle, event = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4)
+    check_dispatch(outputs[rank], recv_x, recv_idx, recv_w, counts)
+    assert recv_idx.dtype == torch.int64 and recv_w.dtype == torch.float32
+
+    # ---- Combine: unweighted sum of the copies, weights reduced, two biases ----
+    expert_out = [random_rows(seed * 7 + d, outputs[d].num_rows, d) for d in range(num_ranks)]
+    bias0 = [random_rows(seed * 11 + r, len(inputs[r].topk_idx), r) for r in range(num_ranks)]
+    bias1 = [random_rows(seed * 13 + r, len(inputs[r].topk_idx), r) for r in range(num_ranks)]
+    expected = ref.normal_combine(ref_handle, expert_out, topk_weights=[o.recv_topk_weights for o in outputs],
+                                  bias0=bias0, bias1=bias1)[rank]
+    combined, combined_w, event = buffer.combine(ref.to_torch_bf16(expert_out[rank], device), handle,
+                                                 topk_weights=recv_w,
+                                                 bias=(ref.to_torch_bf16(bias0[rank], device),
+                                                       ref.to_torch_bf16(bias1[rank], device)))
+    np.testing.assert_array_equal(ref.bf16_bits(combined), expected[0])
+    np.testing.assert_array_equal(combined_w.cpu().numpy(), expected[1])
+    # Without weights or bias, the same handle again.
+    plain = ref.normal_combine(ref_handle, expert_out)[rank]
+    combined, combined_w, _ = buffer.combine(ref.to_torch_bf16(expert_out[rank], device), handle)
+    assert combined_w is None
+    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
+
+    # ---- Cached handle: new tokens, same routing, no top-k outputs ----
+    fresh = make_inputs(num_ranks, num_experts, seed)
+    for r, item in enumerate(fresh):
+        item.x = random_rows(seed * 19 + r, len(item.topk_idx), r)
+    cached_outputs, _ = ref.normal_dispatch(fresh, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
+    result = buffer.dispatch(ref.to_torch_bf16(fresh[rank].x, device), handle=handle)
+    assert len(result) == 6 and result[1:5] == (None, None, None, None)
+    check_dispatch(cached_outputs[rank], result[0], None, None, None)
+
+    # ---- Async: previous_event, async_finish, outputs allocated on the comm stream ----
+    layout = buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=buffer.capture(), async_finish=True,
+                                        allocate_on_comm_stream=True)
+    layout[4].current_stream_wait()
+    np.testing.assert_array_equal(layout[3].cpu().numpy(), exp_in_rank)
+    recv_x, recv_idx, recv_w, counts, handle2, event = buffer.dispatch(
+        x, num_tokens_per_rank=layout[0], is_token_in_rank=layout[3], num_tokens_per_expert=layout[2],
+        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4, previous_event=buffer.capture(),
+        async_finish=True, allocate_on_comm_stream=True)
+    assert event.event is not None
+    with event:
+        pass  # overlapped work would go here
+    check_dispatch(outputs[rank], recv_x, recv_idx, recv_w, counts)
+    combined, _, event = buffer.combine(ref.to_torch_bf16(expert_out[rank], device), handle2, async_finish=True,
+                                        previous_event=buffer.capture())
+    event.current_stream_wait()
+    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
+
+    # ---- Worst-case rows: no CPU sync, padded outputs ----
+    worst = sum(len(item.topk_idx) for item in inputs)
+    worst_outputs, worst_handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts,
+                                                      hidden=HIDDEN, num_worst_tokens=worst)
+    recv_x, recv_idx, recv_w, counts, handle3, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, num_worst_tokens=worst)
+    assert recv_x.shape == (worst, HIDDEN) and counts == []
+    check_dispatch(worst_outputs[rank], recv_x, recv_idx, recv_w, counts, rows=worst_outputs[rank].num_recv_tokens)
+    padded = [np.zeros((worst, HIDDEN), dtype=np.uint16) for _ in range(num_ranks)]
+    for d in range(num_ranks):
+        real = worst_outputs[d].num_recv_tokens
+        padded[d][:real] = random_rows(seed * 23 + d, real, d)
+    expected = ref.normal_combine(worst_handle, padded)[rank]
+    combined, _, _ = buffer.combine(ref.to_torch_bf16(padded[rank], device), handle3)
+    np.testing.assert_array_equal(ref.bf16_bits(combined), expected[0])
+
+    # ---- FP8 dispatch ----
+    fp8_inputs = make_inputs(num_ranks, num_experts, seed + 1, fp8=True)
+    fp8_outputs, _ = ref.normal_dispatch(fp8_inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
+                                         fp8=True)
+    fx, fidx, fw = to_device(fp8_inputs[rank], device)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(fidx, num_experts)
+    recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(
+        fx, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=fidx, topk_weights=fw)
+    assert isinstance(recv_x, tuple) and recv_x[0].dtype == torch.float8_e4m3fn
+    check_dispatch(fp8_outputs[rank], recv_x, recv_idx, recv_w, counts)
+
+    # ---- Argument errors raise EpxError with the rule, and the buffer keeps working ----
+    with pytest.raises(epx.EpxError, match="x.dtype"):
+        buffer.dispatch(x.float(), topk_idx=topk_idx, topk_weights=topk_weights)
+    with pytest.raises(epx.EpxError, match="x.shape"):
+        buffer.combine(torch.zeros(outputs[rank].num_rows + 1, HIDDEN, dtype=torch.bfloat16, device=device), handle)
+    with pytest.raises(epx.EpxError, match="low-latency"):  # no low-latency buffer: the C++ check
+        buffer.low_latency_dispatch(x[:1], topk_idx[:1], 8, num_experts)
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4)
+    check_dispatch(outputs[rank], recv_x, recv_idx, recv_w, counts)
+
+    torch.cuda.synchronize()
+    buffer.destroy()
+    with pytest.raises(epx.EpxError, match="after destroy"):
+        buffer.get_comm_stream()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
+def test_normal_mode_against_reference(num_ranks):
+    run(normal_worker, num_ranks, 1)
+
+
+def native_api_worker(rank, num_ranks, group):
+    """epx.Buffer's own interface: layout computed inside dispatch, named results, handle views."""
+    import torch
+
+    import epx
+    import epx.reference as ref
+
+    device = torch.device("cuda", rank)
+    num_experts = 4 * num_ranks
+    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, 256))
+    inputs = make_inputs(num_ranks, num_experts, 5)
+    x, topk_idx, topk_weights = to_device(inputs[rank], device)
+    outputs, _ = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
+    result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
+    assert isinstance(result, epx.DispatchResult) and result.recv_x_scales is None
+    check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights,
+                   result.num_recv_tokens_per_expert_list)
+    handle = result.handle
+    assert handle.num_recv_rows == outputs[rank].num_rows and handle.num_tokens == len(inputs[rank].topk_idx)
+    assert handle.num_recv_per_rank == list(outputs[rank].num_recv_tokens_per_rank)
+    np.testing.assert_array_equal(handle.recv_src_idx.cpu().numpy(), outputs[rank].recv_src_token_idx)
+    combined = buffer.combine(result.recv_x, handle)
+    assert isinstance(combined, epx.CombineResult) and combined.combined_topk_weights is None
+    copies = torch.from_numpy(ref.dispatch_layout(inputs[rank].topk_idx, num_experts, num_ranks)[2].sum(1))
+    expected = x.float().cpu() * copies.float().unsqueeze(1)
+    assert torch.equal(combined.combined_x.float().cpu(), expected)
+    # A one-SM config still works (slower).
+    result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                             config=epx.Config(num_sms=2))
+    assert buffer.num_sms == 2
+    check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights, None)
+    # The raw NVLink buffer as a tensor (keeps the Buffer alive).
+    view = buffer.local_buffer_tensor(torch.int32, (16,))
+    assert view.shape == (16,) and view.device == device
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_native_api(num_ranks):
+    run(native_api_worker, num_ranks)
