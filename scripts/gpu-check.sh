@@ -53,7 +53,7 @@ fi
 py_rc=skipped
 if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
   export PYTHONPATH=$root/python:$build/python
-  timeout -k 10 "${PY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs -x tests/python/gpu \
+  timeout -k 10 "${PY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs tests/python/gpu \
     >"$out/py-tests.log" 2>&1
   py_rc=$?
   tail -15 "$out/py-tests.log"

@@ -38,15 +38,18 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null", "must point to [num_tokens, hidden] tokens");
   EPX_CHECK(in.num_topk >= 0, "num_topk", in.num_topk, "must be >= 0");
   EPX_CHECK(in.num_topk <= kMaxTopk, "num_topk", in.num_topk, "must be <= 16");
-  EPX_CHECK(in.topk_weights == nullptr || in.topk_idx != nullptr, "topk_weights", "non-null",
-            "need topk_idx as well");
+  // num_topk > 0 means "with top-k" on every rank, even one whose empty tensors have null addresses: the
+  // buffer layout depends on it and must agree across ranks.
+  EPX_CHECK(in.topk_weights == nullptr || in.topk_idx != nullptr || in.num_tokens == 0, "topk_weights",
+            "non-null", "need topk_idx as well");
   EPX_CHECK(in.topk_idx == nullptr || in.num_topk > 0, "num_topk", in.num_topk,
             "must be > 0 when topk_idx is given");
+  EPX_CHECK(in.num_topk == 0 || in.num_tokens == 0 || in.topk_idx != nullptr, "topk_idx", "null",
+            "must point to [num_tokens, num_topk] ids when num_topk > 0");
   EPX_CHECK(in.num_experts >= 0, "num_experts", in.num_experts, "must be >= 0");
   EPX_CHECK(in.num_experts % buffer.num_ranks() == 0, "num_experts", in.num_experts,
             "must be a multiple of the number of ranks");
-  EPX_CHECK(in.topk_idx == nullptr || in.num_experts > 0, "num_experts", in.num_experts,
-            "must be > 0 when topk_idx is given");
+  EPX_CHECK(in.num_topk == 0 || in.num_experts > 0, "num_experts", in.num_experts, "must be > 0 with top-k");
   EPX_CHECK(in.expert_alignment >= 1, "expert_alignment", in.expert_alignment, "must be >= 1");
   EPX_CHECK(in.num_worst_tokens >= 0, "num_worst_tokens", in.num_worst_tokens, "must be >= 0");
   if (!cached) {
@@ -127,12 +130,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
   const bool fp8 = in.format == TokenFormat::kFp8;
-  const NormalShape shape{num_ranks,
-                          in.num_experts,
-                          in.hidden,
-                          fp8 ? in.hidden : in.hidden * 2,
-                          fp8 ? in.hidden / 128 : 0,
-                          in.topk_idx != nullptr ? in.num_topk : 0};
+  const NormalShape shape{
+      num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2, fp8 ? in.hidden / 128 : 0,
+      in.num_topk};
   const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
   EPX_CHECK(in.num_tokens <= layout.capacity, "num_tokens", in.num_tokens,
             detail::concat("must be <= ", layout.capacity,
@@ -166,7 +166,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   state->format = in.format;
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
-  if (!is_cached || in.topk_idx != nullptr) state->num_topk = shape.num_topk;
+  if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
   begin_on_comm_stream(buffer, order);
   const cudaStream_t stream = buffer.comm_stream();
@@ -252,20 +252,20 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
             "must point to [num_recv_rows, hidden] BF16");
   EPX_CHECK(state.num_tokens == 0 || out.combined_x != nullptr, "combined_x", "null",
             "must point to [num_tokens, hidden] BF16");
-  EPX_CHECK(in.topk_weights == nullptr || in.num_topk == state.num_topk, "num_topk", in.num_topk,
-            "must equal the dispatch's top-k");
-  EPX_CHECK(out.combined_topk_weights == nullptr || in.topk_weights != nullptr, "topk_weights", "null",
+  // As in dispatch, num_topk > 0 means "with weights" on every rank, whatever the addresses of empty tensors.
+  EPX_CHECK(in.num_topk == 0 || in.num_topk == state.num_topk, "num_topk", in.num_topk,
+            "must be 0 or the dispatch's top-k");
+  EPX_CHECK(in.topk_weights == nullptr || in.num_topk > 0, "num_topk", in.num_topk,
+            "must be the dispatch's top-k when topk_weights are given");
+  EPX_CHECK(in.num_topk == 0 || in.topk_weights != nullptr || state.num_recv_rows == 0, "topk_weights",
+            "null", "must point to [num_recv_rows, num_topk] weights when num_topk > 0");
+  EPX_CHECK(out.combined_topk_weights == nullptr || in.num_topk > 0, "topk_weights", "null",
             "are needed to produce combined_topk_weights");
   // Combine carves the halves for its own shape (BF16 rows, the weights it returns): every rank calls it with
   // the same shape, and the halves stay at fixed addresses whatever the shape.
   const NormalShape& dispatched = state.layout.shape;
   const int hidden = dispatched.hidden;
-  const NormalShape shape{dispatched.num_ranks,
-                          dispatched.num_experts,
-                          hidden,
-                          hidden * 2,
-                          0,
-                          in.topk_weights != nullptr ? in.num_topk : 0};
+  const NormalShape shape{dispatched.num_ranks, dispatched.num_experts, hidden, hidden * 2, 0, in.num_topk};
   const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
   EPX_CHECK(
       state.num_tokens <= layout.capacity, "num_tokens", state.num_tokens,

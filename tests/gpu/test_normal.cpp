@@ -551,7 +551,7 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     bad_comb = comb;
     bad_comb.num_topk = K - 1;
     expect_error([&] { combine(plan.handle, bad_comb, comb_out); },
-                 "invalid num_topk = 1: must equal the dispatch's top-k");
+                 "invalid num_topk = 1: must be 0 or the dispatch's top-k");
     bad_comb = comb;
     bad_comb.topk_weights = nullptr;
     expect_error([&] { combine(plan.handle, bad_comb, comb_out); }, "invalid topk_weights = null");
