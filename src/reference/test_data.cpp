@@ -228,4 +228,15 @@ Fp8Tokens random_fp8_tokens(uint64_t seed, int num_tokens, int hidden, int src_r
   return tokens;
 }
 
+std::vector<std::vector<int64_t>> make_routing(uint64_t seed, const std::vector<int>& num_tokens,
+                                               int num_topk, int num_experts, int num_ranks,
+                                               bool unbalanced) {
+  if (unbalanced) return make_unbalanced_routing(seed, num_tokens, num_topk, num_experts, num_ranks);
+  std::vector<std::vector<int64_t>> routing;
+  for (int r = 0; r < num_ranks; ++r) {
+    routing.push_back(random_topk_idx(seed * 100 + r, num_tokens[r], num_topk, num_experts));
+  }
+  return routing;
+}
+
 }  // namespace epx::reference

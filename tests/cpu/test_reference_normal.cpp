@@ -277,14 +277,8 @@ struct RandomCase {
 };
 
 std::vector<NormalDispatchRankInput> make_inputs(const RandomCase& c, uint64_t seed) {
-  std::vector<std::vector<int64_t>> routing;
-  if (c.unbalanced) {
-    routing = make_unbalanced_routing(seed, c.num_tokens, c.num_topk, c.num_experts, c.num_ranks);
-  } else {
-    for (int r = 0; r < c.num_ranks; ++r) {
-      routing.push_back(random_topk_idx(seed * 100 + r, c.num_tokens[r], c.num_topk, c.num_experts));
-    }
-  }
+  const std::vector<std::vector<int64_t>> routing =
+      make_routing(seed, c.num_tokens, c.num_topk, c.num_experts, c.num_ranks, c.unbalanced);
   std::vector<NormalDispatchRankInput> inputs(c.num_ranks);
   for (int r = 0; r < c.num_ranks; ++r) {
     inputs[r].num_tokens = c.num_tokens[r];

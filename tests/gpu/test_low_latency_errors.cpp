@@ -7,24 +7,14 @@
 #include "common/device_info.hpp"
 #include "epx/error.hpp"
 #include "epx/local_launcher.hpp"
+#include "expect_error.hpp"
 #include "test_low_latency_harness.hpp"
 
 namespace {
 
 using epx::test::DeviceArray;
 
-// Throws unless `call` throws an epx::Error whose message contains `needle` (a worker can not use gtest
-// assertions: they would stay in the child process).
-void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-  } catch (const epx::Error& error) {
-    if (error.message().find(needle) == std::string::npos)
-      throw std::runtime_error("expected an error about '" + needle + "', got: " + error.message());
-    return;
-  }
-  throw std::runtime_error("expected an epx::Error about '" + needle + "', nothing was thrown");
-}
+using epx::test::expect_error;
 
 // Rejected calls on one GPU, then a full checked dispatch + combine on the same buffer: a rejected call must
 // leave the buffer usable.

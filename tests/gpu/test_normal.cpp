@@ -10,6 +10,7 @@
 #include "common/device_info.hpp"
 #include "epx/error.hpp"
 #include "epx/local_launcher.hpp"
+#include "expect_error.hpp"
 #include "test_normal_harness.hpp"
 
 namespace {
@@ -389,18 +390,7 @@ TEST(Normal, Large4096x7168Fp8) {
 
 // ---- Errors ----
 
-// Throws unless `call` throws an epx::Error whose message contains `needle` (a worker can not use gtest
-// assertions: they would stay in the child process).
-void expect_error(const std::function<void()>& call, const std::string& needle) {
-  try {
-    call();
-  } catch (const epx::Error& error) {
-    if (error.message().find(needle) == std::string::npos)
-      throw std::runtime_error("expected an error about '" + needle + "', got: " + error.message());
-    return;
-  }
-  throw std::runtime_error("expected an epx::Error about '" + needle + "', nothing was thrown");
-}
+using epx::test::expect_error;
 
 // Two ranks where there are two GPUs, else one: the checks are the same, two ranks also show that a rejected
 // call leaves the ranks in step.

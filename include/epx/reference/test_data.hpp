@@ -49,6 +49,11 @@ std::vector<int64_t> make_topk_idx(const RoutingSpec& spec, uint64_t seed);
 std::vector<std::vector<int64_t>> make_unbalanced_routing(uint64_t seed, const std::vector<int>& num_tokens,
                                                           int num_topk, int num_experts, int num_ranks);
 
+// Every rank's top-k ids: make_unbalanced_routing when `unbalanced`, else random_topk_idx per rank (seeded
+// with seed * 100 + rank).
+std::vector<std::vector<int64_t>> make_routing(uint64_t seed, const std::vector<int>& num_tokens,
+                                               int num_topk, int num_experts, int num_ranks, bool unbalanced);
+
 // Weights [T, K]: multiples of 1/16 in [1/16, 1] (so weighted sums of small integers are exact in float),
 // given for every entry including -1 ones (receivers must zero those).
 std::vector<float> random_topk_weights(uint64_t seed, int num_tokens, int num_topk);
