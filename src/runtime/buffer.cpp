@@ -11,6 +11,7 @@
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
+#include "runtime/low_latency_state.hpp"
 
 namespace epx {
 
@@ -128,6 +129,7 @@ Buffer::~Buffer() {
 
 void Buffer::destroy() {
   if (state_ == nullptr) return;
+  forget_low_latency_state(*this);
   std::unique_ptr<State> state = std::move(state_);
   // Every rank must be done touching peers' memory before anyone unmaps or frees it.
   cudaStreamSynchronize(state->comm_stream);

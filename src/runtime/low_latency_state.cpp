@@ -48,6 +48,11 @@ std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer) {
   return entry.state;
 }
 
+void forget_low_latency_state(const Buffer& buffer) {
+  const std::lock_guard<std::mutex> lock(registry_mutex);
+  registry().erase(&buffer);
+}
+
 void check_low_latency_half_free(const LowLatencyState& state, int half) {
   const uint64_t pending = state.pending_call[half];
   if (pending != 0) {

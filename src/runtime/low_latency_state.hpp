@@ -19,11 +19,11 @@ struct LowLatencyState {
   int max_smem_bytes = 0;             // the device's opt-in shared memory per block
 };
 
-// The state of `buffer` (created on first use).
-// TODO(lead): owned by a per-Buffer registry until epx::Buffer carries a slot for it; an entry is renewed
-// when its Buffer address or low-latency memory changes, but a destroyed Buffer re-created at the same
-// address with the same device allocation would inherit the old entry.
+// The state of `buffer` (created on first use), kept in a registry keyed by the Buffer's address; the Buffer
+// drops its entry when it is destroyed (forget_low_latency_state), so a later Buffer at the same address
+// starts afresh.
 std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);
+void forget_low_latency_state(const Buffer& buffer);
 
 // Marks `half` busy until the returned hook runs `launch_receive`.
 LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state, uint64_t call, int half,
