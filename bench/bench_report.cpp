@@ -32,8 +32,14 @@ void print_rows(const std::vector<std::vector<BenchRow>>& rank_rows, std::FILE* 
                    mode.c_str(), row.op.c_str(), row.num_sms, num_ranks, sum_time / num_ranks, max_time,
                    sum_gbps / num_ranks, min_gbps);
     } else {
-      std::fprintf(out, "%-34s %5d %12.1f %12.1f %12.1f %12.1f\n", row.op.c_str(), row.num_sms,
-                   sum_time / num_ranks, max_time, sum_gbps / num_ranks, min_gbps);
+      // Rows that only break another row's time down carry no bytes: no bandwidth to show.
+      if (row.bytes > 0) {
+        std::fprintf(out, "%-34s %5d %12.1f %12.1f %12.1f %12.1f\n", row.op.c_str(), row.num_sms,
+                     sum_time / num_ranks, max_time, sum_gbps / num_ranks, min_gbps);
+      } else {
+        std::fprintf(out, "%-34s %5d %12.1f %12.1f %12s %12s\n", row.op.c_str(), row.num_sms,
+                     sum_time / num_ranks, max_time, "-", "-");
+      }
     }
   }
   std::fflush(out);
