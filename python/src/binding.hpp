@@ -6,6 +6,10 @@
 #include <pybind11/pybind11.h>
 
 #include <cstdint>
+#include <exception>
+#include <optional>
+#include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace epx::python {
@@ -26,6 +30,45 @@ void def_pointer(py::class_<Class>& cls, const char* name, Pointer Class::*membe
 template <typename Pointer>
 Pointer to_pointer(uintptr_t address) {
   return reinterpret_cast<Pointer>(address);  // NOLINT(performance-no-int-to-ptr)
+}
+
+// Raises a C++ exception caught by call_without_gil as the Python exception it maps to; needs the GIL.
+// epx::Error becomes epx.EpxError (set here, then thrown as py::error_already_set, so no exception
+// translator is involved); any other exception is rethrown to pybind11's own translation.
+[[noreturn]] void raise_cpp_exception(std::exception_ptr error);
+
+// Runs f() with the GIL released and returns its result once the GIL is held again. Use it instead of
+// py::call_guard<py::gil_scoped_release> for C++ calls that can throw: an exception f throws is caught while
+// the GIL is still released (as a std::exception_ptr: C++ only, no Python object) and raised as the Python
+// exception only after the GIL is back, so no C++ exception unwinds out of a GIL-released region and no
+// Python error is built there. f must not touch Python objects.
+template <typename F>
+auto call_without_gil(F&& f) -> std::invoke_result_t<F&> {
+  using Result = std::invoke_result_t<F&>;
+  std::exception_ptr error;
+  if constexpr (std::is_void_v<Result>) {
+    {
+      py::gil_scoped_release release;
+      try {
+        f();
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) raise_cpp_exception(std::move(error));
+  } else {
+    std::optional<Result> result;
+    {
+      py::gil_scoped_release release;
+      try {
+        result.emplace(f());
+      } catch (...) {
+        error = std::current_exception();
+      }
+    }
+    if (error) raise_cpp_exception(std::move(error));
+    return std::move(*result);
+  }
 }
 
 // Parts of the module, one translation unit each (they compile in parallel).

@@ -4,8 +4,12 @@
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <chrono>
 #include <cstring>
+#include <new>
+#include <stdexcept>
 #include <string>
+#include <thread>
 
 #include "binding.hpp"
 #include "epx/error.hpp"
@@ -32,8 +36,45 @@ std::string describe(const py::error_already_set& error) {
 
 // epx::Error -> epx.EpxError (a RuntimeError): str() is the C++ what() ("file:line: message"); the attributes
 // file, line and message carry its parts. Created with the C API so the class has these attributes (None)
-// even when Python code raises it.
+// even when Python code raises it. The module holds a reference, and so does error_type (never released:
+// the class lives as long as the interpreter).
 PyObject* error_type = nullptr;
+
+// Sets attribute `name` of `object` to `value` (a new reference, may be null); false with a Python error set.
+bool set_new_attr(PyObject* object, const char* name, PyObject* value) {
+  if (value == nullptr) return false;
+  const int status = PyObject_SetAttrString(object, name, value);
+  Py_DECREF(value);
+  return status == 0;
+}
+
+PyObject* utf8(const std::string& text) {
+  // "replace": a message with bytes that are not UTF-8 still reaches Python.
+  return PyUnicode_DecodeUTF8(text.data(), static_cast<Py_ssize_t>(text.size()), "replace");
+}
+
+// Sets the current Python error to an epx.EpxError built from `error`. Needs the GIL; never throws: if the
+// instance can not be built, a plain EpxError (or RuntimeError before the class exists) with what() is set.
+void set_epx_error(const epx::Error& error) noexcept {
+  PyObject* const type = error_type != nullptr ? error_type : PyExc_RuntimeError;
+  const std::string what = error.what();
+  PyObject* const text = utf8(what);
+  PyObject* const instance = text != nullptr ? PyObject_CallOneArg(type, text) : nullptr;
+  Py_XDECREF(text);
+  if (instance == nullptr) {
+    PyErr_Clear();
+    PyErr_SetString(type, what.c_str());
+    return;
+  }
+  if (type == error_type) {
+    const bool ok = set_new_attr(instance, "file", utf8(error.file())) &&
+                    set_new_attr(instance, "line", PyLong_FromLong(error.line())) &&
+                    set_new_attr(instance, "message", utf8(error.message()));
+    if (!ok) PyErr_Clear();  // the parts stay None; str() still has the whole message
+  }
+  PyErr_SetObject(type, instance);
+  Py_DECREF(instance);
+}
 
 void register_error(py::module_& m) {
   py::dict attributes;
@@ -47,15 +88,20 @@ void register_error(py::module_& m) {
   error_type = PyErr_NewException("epx._epx.EpxError", PyExc_RuntimeError, attributes.ptr());
   if (error_type == nullptr) throw py::error_already_set();
   m.add_object("EpxError", py::handle(error_type));  // the module keeps a reference; so does error_type
-  py::register_exception_translator([](std::exception_ptr pointer) {
+  // Module-local: tried first for this module's calls, before (and never instead of) the translators other
+  // pybind11 modules register process-wide (torch's, when both share pybind11's internals), and never run
+  // for their exceptions. pybind11 calls translators with the GIL held; it is taken here if not, defensively.
+  py::register_local_exception_translator([](std::exception_ptr pointer) {
     try {
       if (pointer) std::rethrow_exception(pointer);
     } catch (const epx::Error& error) {
-      py::object instance = py::reinterpret_borrow<py::object>(error_type)(py::str(error.what()));
-      instance.attr("file") = py::str(error.file());
-      instance.attr("line") = py::int_(error.line());
-      instance.attr("message") = py::str(error.message());
-      PyErr_SetObject(error_type, instance.ptr());
+      if (PyGILState_Check()) {
+        set_epx_error(error);
+      } else {
+        const PyGILState_STATE gil = PyGILState_Ensure();
+        set_epx_error(error);
+        PyGILState_Release(gil);
+      }
     }
   });
 }
@@ -160,7 +206,29 @@ py::bytes bootstrap_round_trip(int rank, int num_ranks, py::object all_gather, p
   return py::bytes(reinterpret_cast<const char*>(gathered.data()), gathered.size());
 }
 
+// Testing aids for the exception path of GIL-released calls (see bind_core): throw what `error` names after
+// sleeping sleep_ms, or return 42.
+int throw_for_test(const std::string& error, const std::string& message, int sleep_ms) {
+  if (sleep_ms > 0) std::this_thread::sleep_for(std::chrono::milliseconds(sleep_ms));
+  if (error.empty()) return 42;
+  if (error == "epx") EPX_FAIL(message);
+  if (error == "invalid_argument") throw std::invalid_argument(message);
+  if (error == "bad_alloc") throw std::bad_alloc();
+  throw std::logic_error("unknown error kind '" + error + "'");
+}
+
 }  // namespace
+
+void raise_cpp_exception(std::exception_ptr error) {
+  try {
+    std::rethrow_exception(std::move(error));
+  } catch (const epx::Error& epx_error) {
+    set_epx_error(epx_error);
+  }
+  // Only an epx::Error gets here (others left the catch above for pybind11's translators): its Python error
+  // is set; error_already_set hands it to pybind11, which restores it without consulting any translator.
+  throw py::error_already_set();
+}
 
 PyBootstrap::PyBootstrap(int rank, int num_ranks, py::object all_gather, py::object barrier)
     : rank_(rank), num_ranks_(num_ranks), all_gather_(std::move(all_gather)), barrier_(std::move(barrier)) {
@@ -238,6 +306,22 @@ void bind_core(py::module_& m) {
         py::arg("all_gather"), py::arg("barrier"), py::arg("payload"),
         "Testing aid: one all_gather of payload and one barrier through the Python bootstrap bridge; returns "
         "the gathered bytes.");
+
+  // Testing aids for how a C++ exception reaches Python from each kind of call: with the GIL held (the
+  // exception translator), through py::call_guard<py::gil_scoped_release>, and through call_without_gil (how
+  // every GIL-releasing binding calls C++). error: "" (returns 42), "epx", "invalid_argument", "bad_alloc".
+  const auto doc =
+      "Testing aid: sleeps sleep_ms, then raises the C++ exception `error` names, or returns 42.";
+  m.def("_throw_with_gil", &throw_for_test, py::arg("error"), py::arg("message") = "",
+        py::arg("sleep_ms") = 0, doc);
+  m.def("_throw_call_guard", &throw_for_test, py::arg("error"), py::arg("message") = "",
+        py::arg("sleep_ms") = 0, py::call_guard<py::gil_scoped_release>(), doc);
+  m.def(
+      "_throw_without_gil",
+      [](const std::string& error, const std::string& message, int sleep_ms) {
+        return call_without_gil([&] { return throw_for_test(error, message, sleep_ms); });
+      },
+      py::arg("error"), py::arg("message") = "", py::arg("sleep_ms") = 0, doc);
 }
 
 }  // namespace epx::python

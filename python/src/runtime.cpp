@@ -1,5 +1,6 @@
 // The CUDA runtime part of the binding: Buffer, Event and the normal / low-latency calls on raw device
-// pointers (ints), streams and events (ints). Calls that may wait on the GPU or on peers release the GIL.
+// pointers (ints), streams and events (ints). Calls that may wait on the GPU or on peers release the GIL
+// through call_without_gil (binding.hpp): their C++ errors become Python exceptions once the GIL is back.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -18,8 +19,6 @@
 namespace epx::python {
 
 namespace {
-
-using release_gil = py::call_guard<py::gil_scoped_release>;
 
 // The Python-facing Buffer: owns its bootstrap bridge (the C++ Buffer keeps a reference to it).
 class PyBuffer {
@@ -86,8 +85,10 @@ void bind_buffer(py::module_& m) {
       .def("check_timeout", [](const PyBuffer& self) { self.get().check_timeout(); })
       .def(
           "synchronize",
-          [](const PyBuffer& self, uintptr_t stream) { self.get().synchronize(stream_of(stream)); },
-          py::arg("stream"), release_gil());
+          [](const PyBuffer& self, uintptr_t stream) {
+            call_without_gil([&] { self.get().synchronize(stream_of(stream)); });
+          },
+          py::arg("stream"));
 }
 
 void bind_event(py::module_& m) {
@@ -103,7 +104,7 @@ void bind_event(py::module_& m) {
       .def(
           "wait_on", [](const Event& self, uintptr_t stream) { self.wait_on(stream_of(stream)); },
           py::arg("stream"), "Makes `stream` wait for this event (no-op when empty).")
-      .def("synchronize", &Event::synchronize, release_gil());
+      .def("synchronize", [](const Event& self) { call_without_gil([&] { self.synchronize(); }); });
 
   py::class_<StreamOrder> order(m, "StreamOrder");
   order
@@ -129,11 +130,13 @@ void bind_normal(py::module_& m) {
       "get_dispatch_layout",
       [](PyBuffer& buffer, uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts,
          const DispatchLayoutOutput& out, const StreamOrder& order) {
-        return get_dispatch_layout(buffer.get(), to_pointer<const int64_t*>(topk_idx), num_tokens, num_topk,
-                                   num_experts, out, order);
+        return call_without_gil([&] {
+          return get_dispatch_layout(buffer.get(), to_pointer<const int64_t*>(topk_idx), num_tokens, num_topk,
+                                     num_experts, out, order);
+        });
       },
       py::arg("buffer"), py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"),
-      py::arg("num_experts"), py::arg("out"), py::arg("order"), release_gil());
+      py::arg("num_experts"), py::arg("out"), py::arg("order"));
 
   py::class_<DispatchInput> in(m, "DispatchInput");
   in.def(py::init<>())
@@ -177,15 +180,17 @@ void bind_normal(py::module_& m) {
       "dispatch_notify",
       [](PyBuffer& buffer, const DispatchInput& input, const StreamOrder& order,
          std::optional<DispatchHandle> cached) {
-        return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr);
+        return call_without_gil(
+            [&] { return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr); });
       },
-      py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none(), release_gil());
+      py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none());
   m.def(
       "dispatch_receive",
       [](PyBuffer& buffer, const DispatchPlan& plan, const DispatchInput& input, const DispatchOutput& output,
-         const StreamOrder& order) { return dispatch_receive(buffer.get(), plan, input, output, order); },
-      py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"),
-      release_gil());
+         const StreamOrder& order) {
+        return call_without_gil([&] { return dispatch_receive(buffer.get(), plan, input, output, order); });
+      },
+      py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"));
 
   py::class_<CombineInput> combine_in(m, "CombineInput");
   combine_in.def(py::init<>()).def_readwrite("num_topk", &CombineInput::num_topk);
@@ -202,10 +207,10 @@ void bind_normal(py::module_& m) {
   m.def(
       "combine",
       [](PyBuffer& buffer, const DispatchHandle& handle, const CombineInput& input,
-         const CombineOutput& output,
-         const StreamOrder& order) { return combine(buffer.get(), handle, input, output, order); },
-      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("output"), py::arg("order"),
-      release_gil());
+         const CombineOutput& output, const StreamOrder& order) {
+        return call_without_gil([&] { return combine(buffer.get(), handle, input, output, order); });
+      },
+      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("output"), py::arg("order"));
 }
 
 void bind_low_latency(py::module_& m) {
@@ -266,8 +271,11 @@ void bind_low_latency(py::module_& m) {
       .def_property_readonly("valid", &LowLatencyRecvHook::valid)
       .def_property_readonly("done", &LowLatencyRecvHook::done)
       .def(
-          "__call__", [](const LowLatencyRecvHook& self, uintptr_t stream) { self(stream_of(stream)); },
-          py::arg("stream"), release_gil());
+          "__call__",
+          [](const LowLatencyRecvHook& self, uintptr_t stream) {
+            call_without_gil([&] { self(stream_of(stream)); });
+          },
+          py::arg("stream"));
 
   py::class_<LowLatencyDispatchResult>(m, "LowLatencyDispatchResult")
       .def_readonly("handle", &LowLatencyDispatchResult::handle)
@@ -276,9 +284,9 @@ void bind_low_latency(py::module_& m) {
   m.def(
       "low_latency_dispatch",
       [](PyBuffer& buffer, const In& input, const Out& output, const StreamOrder& order) {
-        return low_latency_dispatch(buffer.get(), input, output, order);
+        return call_without_gil([&] { return low_latency_dispatch(buffer.get(), input, output, order); });
       },
-      py::arg("buffer"), py::arg("input"), py::arg("output"), py::arg("order"), release_gil());
+      py::arg("buffer"), py::arg("input"), py::arg("output"), py::arg("order"));
 
   using CIn = LowLatencyCombineInput;
   py::class_<CIn> combine_in(m, "LowLatencyCombineInput");
@@ -300,10 +308,11 @@ void bind_low_latency(py::module_& m) {
       "low_latency_combine",
       [](PyBuffer& buffer, const LowLatencyHandle& handle, const CIn& input, uintptr_t combined_x,
          const StreamOrder& order) {
-        return low_latency_combine(buffer.get(), handle, input, to_pointer<void*>(combined_x), order);
+        return call_without_gil([&] {
+          return low_latency_combine(buffer.get(), handle, input, to_pointer<void*>(combined_x), order);
+        });
       },
-      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("combined_x"), py::arg("order"),
-      release_gil());
+      py::arg("buffer"), py::arg("handle"), py::arg("input"), py::arg("combined_x"), py::arg("order"));
   m.def(
       "next_low_latency_combine_buffer",
       [](const PyBuffer& buffer, const LowLatencyHandle& handle) {
@@ -314,10 +323,13 @@ void bind_low_latency(py::module_& m) {
       "clean_low_latency_buffer",
       [](PyBuffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden, int num_experts,
          const StreamOrder& order) {
-        clean_low_latency_buffer(buffer.get(), num_max_dispatch_tokens_per_rank, hidden, num_experts, order);
+        call_without_gil([&] {
+          clean_low_latency_buffer(buffer.get(), num_max_dispatch_tokens_per_rank, hidden, num_experts,
+                                   order);
+        });
       },
       py::arg("buffer"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
-      py::arg("num_experts"), py::arg("order"), release_gil());
+      py::arg("num_experts"), py::arg("order"));
 }
 
 }  // namespace

@@ -118,6 +118,96 @@ def test_python_raised_error_has_no_location():
     assert str(error) == "from python"
 
 
+# ---- C++ exceptions from calls that release the GIL (every call that waits on the GPU or peers does) ----
+# _throw_with_gil: the exception translator (GIL held); _throw_without_gil: call_without_gil, how every
+# GIL-releasing binding calls C++; _throw_call_guard: pybind11's py::call_guard<py::gil_scoped_release>.
+
+
+@pytest.mark.parametrize("name", ["_throw_with_gil", "_throw_without_gil"])
+def test_cpp_errors_reach_python(name):
+    call = getattr(_epx, name)
+    assert call("") == 42
+    with pytest.raises(epx.EpxError) as info:
+        call("epx", "buffer half 1 is busy")
+    error = info.value
+    assert error.message == "buffer half 1 is busy"
+    assert error.file.endswith("core.cpp") and isinstance(error.line, int) and error.line > 0
+    assert str(error) == f"{error.file}:{error.line}: buffer half 1 is busy"
+    # Other C++ exceptions keep pybind11's standard mapping.
+    with pytest.raises(ValueError, match="bad shape"):
+        call("invalid_argument", "bad shape")
+    with pytest.raises(MemoryError):
+        call("bad_alloc")
+    # A message that is not UTF-8 still arrives (replaced bytes), as an EpxError.
+    with pytest.raises(epx.EpxError) as info:
+        call("epx", b"bad \xff byte")
+    assert info.value.message == "bad \ufffd byte"
+    assert call("") == 42  # and the module keeps working
+
+
+def test_calls_without_gil_release_it_and_raise_in_any_thread():
+    import threading
+    import time
+
+    ticks = []
+    stop = threading.Event()
+
+    def spin():
+        while not stop.is_set():
+            ticks.append(1)
+            time.sleep(0.001)
+
+    spinner = threading.Thread(target=spin)
+    spinner.start()
+    try:
+        time.sleep(0.02)
+        before = len(ticks)
+        with pytest.raises(epx.EpxError, match="after a wait"):
+            _epx._throw_without_gil("epx", "after a wait", sleep_ms=200)
+        during = len(ticks) - before
+    finally:
+        stop.set()
+        spinner.join()
+    assert during > 10, "the Python thread did not run while C++ waited: the GIL was not released"
+
+    messages = []
+
+    def fail(i):
+        try:
+            _epx._throw_without_gil("epx", f"thread {i}", sleep_ms=10)
+        except epx.EpxError as error:
+            messages.append(error.message)
+
+    threads = [threading.Thread(target=fail, args=(i,)) for i in range(8)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sorted(messages) == sorted(f"thread {i}" for i in range(8))
+
+
+def test_cpp_errors_from_every_kind_of_call_in_a_fresh_process():
+    # As the GPU tests import it (torch first when installed), each path raises and the process survives; a
+    # crash names the path that took it down (faulthandler prints where).
+    code = """
+import epx
+from epx import _epx
+for name in ("_throw_with_gil", "_throw_without_gil", "_throw_call_guard"):
+    print(name, flush=True)
+    try:
+        getattr(_epx, name)("epx", "boom")
+    except epx.EpxError as error:
+        assert error.message == "boom", error
+    else:
+        raise AssertionError(name + " did not raise")
+print("ok")
+"""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path))
+    out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], env=env, capture_output=True,
+                         text=True, timeout=300)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr)
+
+
 def test_runtime_buffer_without_gpu_raises_epx_error():
     if not epx.WITH_CUDA:
         pytest.skip("built without CUDA")

@@ -1,0 +1,323 @@
+"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of TARGETS.md,
+the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit without GPUs, and
+(with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
+
+import multiprocessing
+import os
+import subprocess
+import sys
+
+import pytest
+
+import epx.bench as bench
+
+# ---- Flags ----
+
+
+def test_defaults_match_epx_bench():
+    o = bench.parse_args([])
+    assert o.mode == "all" and o.ranks == 0
+    assert (o.tokens, o.hidden, o.topk, o.experts) == (4096, 7168, 8, 256)
+    assert o.num_sms == [24]
+    assert (o.ll_tokens, o.ll_experts) == (128, 288)
+    assert (o.warmup, o.iters) == (5, 30)
+    assert not o.json and o.json_file == ""
+    assert o.seed == 1 and o.launch_ahead_us == 200.0
+
+
+def test_every_flag():
+    o = bench.parse_args(["--mode", "normal", "--ranks", "2", "--tokens", "512", "--hidden", "2048", "--topk", "4",
+                          "--experts", "64", "--num-sms", "12,24,48", "--ll-tokens", "64", "--ll-experts", "32",
+                          "--warmup", "0", "--iters", "3", "--json", "--json-file", "out.jsonl", "--seed", "9",
+                          "--launch-ahead-us", "0"])
+    assert o.mode == "normal" and o.ranks == 2
+    assert (o.tokens, o.hidden, o.topk, o.experts) == (512, 2048, 4, 64)
+    assert o.num_sms == [12, 24, 48]
+    assert (o.ll_tokens, o.ll_experts, o.warmup, o.iters) == (64, 32, 0, 3)
+    assert o.json and o.json_file == "out.jsonl" and o.seed == 9 and o.launch_ahead_us == 0
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--mode", "fast"], "invalid choice"),
+    (["--num-sms", "12,x"], "not a comma-separated list"),
+    (["--num-sms", "0"], "must be > 0"),
+    (["--iters", "0"], "--iters must be >= 1"),
+    (["--warmup", "-1"], "must be >= 0"),
+    (["--hidden", "7000"], "multiple of 128"),
+    (["--unknown"], "unrecognized arguments"),
+    (["--tok", "5"], "unrecognized arguments"),  # no abbreviations: flags are spelled as epx-bench's
+    (["--tokens"], "expected one argument"),
+])
+def test_bad_flags_exit_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        bench.parse_args(argv)
+    assert exit_info.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_hidden_multiple_of_128_only_for_normal_mode():
+    assert bench.parse_args(["--mode", "low-latency", "--hidden", "7000"]).hidden == 7000
+
+
+# ---- Bytes (TARGETS.md) ----
+
+
+def test_normal_bytes():
+    assert bench.normal_row_bytes(7168, fp8=False) == 14336
+    assert bench.normal_row_bytes(7168, fp8=True) == 7168 + 4 * 7168 / 128 == 7392
+    assert bench.normal_bytes(1000, 7168, False) == 14_336_000
+    assert bench.normal_bytes(1000, 7168, True) == 7_392_000
+    # What NCCL moves per row: the same sizes, as integers.
+    assert bench.nccl_row_bytes(7168, fp8=False, low_latency=False) == 14336
+    assert bench.nccl_row_bytes(7168, fp8=True, low_latency=False) == 7392
+
+
+def test_low_latency_bytes():
+    assert bench.ll_selection_bytes(7168, "fp8") == 7168 + 7168 / 32 + 16 == 7408
+    assert bench.ll_selection_bytes(7168, "bf16") == 14336
+    assert bench.ll_selection_bytes(7168, "logfmt") == 1.25 * 7168 + 7168 / 32 == 9184
+    assert bench.ll_bytes(128 * 8, 7168, "fp8") == 1024 * 7408
+    assert bench.nccl_row_bytes(7168, fp8=True, low_latency=True) == 7408
+    assert bench.nccl_row_bytes(7168, fp8=False, low_latency=True) == 14336
+    with pytest.raises(ValueError, match="unknown low-latency format"):
+        bench.ll_selection_bytes(7168, "fp4")
+
+
+# ---- The report ----
+
+
+def test_gbps():
+    assert bench.BenchRow("x", 0, 500.0, 1e9).gbps() == 2000.0  # bytes / (us * 1e3)
+    assert bench.BenchRow("x", 0, 0.0, 1e9).gbps() == 0.0
+
+
+def _rank_rows():
+    return [
+        [bench.BenchRow("dispatch BF16", 24, 800.0, 4e8), bench.BenchRow("  of which notify (BF16)", 24, 50.0, 0.0)],
+        [bench.BenchRow("dispatch BF16", 24, 1000.0, 5e8), bench.BenchRow("  of which notify (BF16)", 24, 70.0, 0.0)],
+    ]
+
+
+def test_table_has_epx_bench_format():
+    lines = bench.format_rows(_rank_rows(), False, "normal mode: header", "normal")
+    # bench_report.cpp: "\n%s\n", then "%-34s %5s %12s %12s %12s %12s\n", then "%-34s %5d %12.1f ...\n" per op.
+    assert lines[0] == "" and lines[1] == "normal mode: header"
+    assert lines[2] == "%-34s %5s %12s %12s %12s %12s" % ("op", "SMs", "mean us", "slowest us", "GB/s (mean)",
+                                                        "GB/s (min)")
+    # Mean time over ranks, slowest rank, mean of the ranks' GB/s, the smallest GB/s.
+    assert lines[3] == "%-34s %5d %12.1f %12.1f %12.1f %12.1f" % ("dispatch BF16", 24, 900.0, 1000.0, 500.0, 500.0)
+    assert lines[4] == "%-34s %5d %12.1f %12.1f %12.1f %12.1f" % ("  of which notify (BF16)", 24, 60.0, 70.0, 0, 0)
+    assert len(lines) == 5
+
+
+def test_json_has_epx_bench_format():
+    rows = _rank_rows()
+    rows[1][0] = bench.BenchRow("dispatch BF16", 24, 1000.0, 6e8)
+    lines = bench.format_rows(rows, True, "ignored", "normal")
+    assert lines[0] == ('{"mode":"normal","op":"dispatch BF16","num_sms":24,"num_ranks":2,"mean_us":900.00,'
+                        '"slowest_us":1000.00,"gbps_mean":550.00,"gbps_min":500.00}')
+    import json
+
+    assert json.loads(lines[1])["op"] == "  of which notify (BF16)"
+    assert bench.format_rows([], True, "h", "normal") == []
+
+
+def test_headers():
+    o = bench.parse_args([])
+    assert bench.normal_header(o, 4) == ("normal mode: 4 ranks, 4096 tokens/rank, hidden 7168, top-8 of 256 experts "
+                                         "(GB/s = rows received x row bytes / time; verified before timing)")
+    assert bench.low_latency_header(o, 4) == (
+        "low-latency mode: 4 ranks, 128 tokens/rank, hidden 7168, top-8 of 288 experts (GB/s = selections x bytes "
+        "per selection / time; verified before timing)")
+
+
+# ---- Host barrier ----
+
+
+def _barrier_child(barrier, arrived, rank, rounds, failures):
+    for k in range(1, rounds + 1):
+        arrived[rank] = k
+        barrier.wait()
+        if min(arrived[:]) < k:  # someone had not arrived at round k yet
+            failures.value += 1
+        barrier.wait()  # nobody starts round k + 1 before everyone checked round k
+
+
+@pytest.mark.skipif("fork" not in multiprocessing.get_all_start_methods(), reason="needs fork")
+def test_host_barrier_holds_every_rank():
+    ctx = multiprocessing.get_context("fork")
+    num_ranks, rounds = 3, 20
+    barrier = bench.HostBarrier(ctx, num_ranks, timeout_s=60)
+    arrived = ctx.RawArray("q", num_ranks)
+    failures = ctx.Value("q", 0)
+    procs = [ctx.Process(target=_barrier_child, args=(barrier, arrived, r, rounds, failures))
+             for r in range(num_ranks)]
+    for p in procs:
+        p.start()
+    for p in procs:
+        p.join(60)
+    assert [p.exitcode for p in procs] == [0] * num_ranks
+    assert failures.value == 0
+
+
+def test_host_barrier_times_out():
+    ctx = multiprocessing.get_context()
+    barrier = bench.HostBarrier(ctx, 2, timeout_s=0.05)
+    with pytest.raises(RuntimeError, match="host barrier timed out"):
+        barrier.wait()
+
+
+# ---- Without GPUs ----
+
+
+def test_main_without_gpus_exits_0(monkeypatch, capsys):
+    for name in bench.NVLINK_ENV:
+        monkeypatch.setenv(name, "unset-by-test")  # restored after the test
+    monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
+    assert bench.main(["--iters", "3"]) == 0
+    assert "nothing to measure" in capsys.readouterr().out
+    assert {name: os.environ[name] for name in bench.NVLINK_ENV} == {
+        "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+
+def test_import_needs_no_torch():
+    code = "import sys, epx.bench; assert 'torch' not in sys.modules, 'epx.bench imported torch'"
+    env = dict(os.environ, EPX_NO_TORCH_PRELOAD="1")
+    subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
+
+
+# ---- Inputs and checks, with torch on the CPU ----
+
+
+def _options():
+    return bench.parse_args(["--tokens", "64", "--hidden", "256", "--topk", "4", "--experts", "16",
+                             "--ll-tokens", "16", "--ll-experts", "12"])
+
+
+def test_inputs_are_seeded_and_in_range():
+    torch = pytest.importorskip("torch")
+    o = _options()
+    x = bench.normal_field(torch, o, 3, 1, "x_bf16", "cpu")
+    assert x.dtype == torch.bfloat16 and x.shape == (64, 256)
+    assert torch.equal(x.view(torch.int16), bench.normal_field(torch, o, 3, 1, "x_bf16", "cpu").view(torch.int16))
+    assert not torch.equal(x, bench.normal_field(torch, o, 3, 2, "x_bf16", "cpu"))  # another rank
+    assert not torch.equal(x, bench.normal_field(torch, o, 4, 1, "x_bf16", "cpu"))  # another salt
+    magnitude = x.float().abs()
+    assert bool((magnitude >= 1 / 128).all()) and bool((magnitude < 2).all())
+    assert bool((x.float() < 0).any()) and bool((x.float() > 0).any())
+    fp8 = bench.normal_field(torch, o, 3, 1, "x_fp8", "cpu")
+    assert fp8.dtype == torch.float8_e4m3fn and not bool(fp8.float().isnan().any())
+    scales = bench.normal_field(torch, o, 3, 1, "scales", "cpu")
+    assert scales.shape == (64, 2) and bool((scales >= 0.5).all()) and bool((scales < 2).all())
+    topk = bench.normal_field(torch, o, 3, 1, "topk", "cpu")
+    assert topk.dtype == torch.int64 and topk.shape == (64, 4)
+    assert bool((topk >= 0).all()) and bool((topk < 16).all())
+    assert all(len(set(row)) == 4 for row in topk.tolist())  # distinct experts per token
+    assert len(set(topk.flatten().tolist())) > 8  # random, not a fixed pattern
+    ll = [bench.ll_field(torch, o, 1, 0, "ll_x", "cpu", i) for i in range(bench.LL_INPUT_SETS)]
+    assert ll[0].shape == (16, 256) and not torch.equal(ll[0], ll[1])
+    assert bench.ll_field(torch, o, 1, 0, "ll_topk", "cpu").shape == (16, 4)
+
+
+def _simulated_dispatch(torch, o, salt, rank, num_ranks, fp8):
+    """What a correct dispatch delivers to `rank`: rows by source rank, then source token index."""
+    num_local = o.experts // num_ranks
+    recv_x, scales, idx, weights, src_idx, per_rank = [], [], [], [], [], []
+    for src in range(num_ranks):
+        topk = bench.normal_field(torch, o, salt, src, "topk", "cpu")
+        tokens = ((topk // num_local) == rank).any(1).nonzero().flatten()
+        x = bench.normal_field(torch, o, salt, src, "x_fp8" if fp8 else "x_bf16", "cpu")
+        recv_x.append(bench._bits(torch, x).index_select(0, tokens))
+        scales.append(bench.normal_field(torch, o, salt, src, "scales", "cpu").index_select(0, tokens))
+        routed = topk.index_select(0, tokens)
+        here = (routed // num_local) == rank
+        idx.append(torch.where(here, routed - rank * num_local, torch.full_like(routed, -1)))
+        w = bench.normal_field(torch, o, salt, src, "weights", "cpu").index_select(0, tokens)
+        weights.append(torch.where(here, w, torch.zeros_like(w)))
+        src_idx.append(tokens.to(torch.int32))
+        per_rank.append(tokens.numel())
+    x = torch.cat(recv_x).view(torch.float8_e4m3fn if fp8 else torch.bfloat16)
+    return x, torch.cat(scales), torch.cat(idx), torch.cat(weights), torch.cat(src_idx), per_rank
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+def test_check_received_accepts_a_correct_dispatch_and_names_a_wrong_row(fp8):
+    torch = pytest.importorskip("torch")
+    o, num_ranks, rank, salt = _options(), 4, 2, 5
+    x, scales, idx, weights, src_idx, per_rank = _simulated_dispatch(torch, o, salt, rank, num_ranks, fp8)
+    args = (torch, o, salt, rank, num_ranks, fp8)
+    bench.check_received(*args, x, scales if fp8 else None, idx, weights, src_idx, per_rank, "cpu")
+
+    bad = x.clone()
+    bench._bits(torch, bad)[per_rank[0] + 1, 7] += 1  # second row from source rank 1
+    with pytest.raises(RuntimeError, match=r"source rank 1 .*received row %d .*channel 7" % (per_rank[0] + 1)):
+        bench.check_received(*args, bad, scales if fp8 else None, idx, weights, src_idx, per_rank, "cpu")
+    with pytest.raises(RuntimeError, match="must|the sum of rows"):
+        bench.check_received(*args, x, scales, idx, weights, src_idx, [per_rank[0] + 1] + per_rank[1:], "cpu")
+    swapped = src_idx.clone()
+    swapped[[0, 1]] = swapped[[1, 0]]
+    with pytest.raises(RuntimeError, match="ascending order"):
+        bench.check_received(*args, x, scales, idx, weights, swapped, per_rank, "cpu")
+    bad_weights = weights.clone()
+    bad_weights[0, 0] += 1
+    with pytest.raises(RuntimeError, match="recv_topk_weights"):
+        bench.check_received(*args, x, scales, idx, bad_weights, src_idx, per_rank, "cpu")
+    if fp8:
+        bad_scales = scales.clone()
+        bad_scales[-1, -1] = 3.0
+        with pytest.raises(RuntimeError, match="scales"):
+            bench.check_received(*args, x, bad_scales, idx, weights, src_idx, per_rank, "cpu")
+
+
+def test_identity_combine_and_layout_checks():
+    torch = pytest.importorskip("torch")
+    o, num_ranks, rank, salt = _options(), 4, 1, 7
+    mine_x = bench.normal_field(torch, o, salt, rank, "x_bf16", "cpu")
+    mine_topk = bench.normal_field(torch, o, salt, rank, "topk", "cpu")
+    # Combine as the ranks would: every rank that received token t sends its row back; float sum, one rounding.
+    acc = torch.zeros(o.tokens, o.hidden)
+    for dest in range(num_ranks):
+        x, _, _, _, src_idx, per_rank = _simulated_dispatch(torch, o, salt, dest, num_ranks, False)
+        begin = sum(per_rank[:rank])
+        rows = x[begin:begin + per_rank[rank]].float()
+        acc.index_add_(0, src_idx[begin:begin + per_rank[rank]].long(), rows)
+    combined = acc.to(torch.bfloat16)
+    bench.check_identity_combine(torch, rank, mine_x, mine_topk, num_ranks, o.experts, combined)
+    combined.view(torch.int16)[3, 5] += 1
+    with pytest.raises(RuntimeError, match="combined token 3 channel 5"):
+        bench.check_identity_combine(torch, rank, mine_x, mine_topk, num_ranks, o.experts, combined)
+
+    in_rank = bench.token_ranks(torch, mine_topk, num_ranks, o.experts)
+    per_expert = torch.bincount(mine_topk.flatten(), minlength=o.experts).to(torch.int32)
+    bench.check_layout(torch, rank, mine_topk, num_ranks, o.experts, in_rank.sum(0).to(torch.int32), per_expert,
+                       in_rank)
+    with pytest.raises(RuntimeError, match="num_tokens_per_rank"):
+        bench.check_layout(torch, rank, mine_topk, num_ranks, o.experts, in_rank.sum(0) + 1, per_expert, in_rank)
+
+
+def test_low_latency_checks():
+    torch = pytest.importorskip("torch")
+    o, num_ranks, rank = _options(), 3, 1
+    x = bench.ll_field(torch, o, o.seed, rank, "ll_x", "cpu")
+    ids = bench.ll_field(torch, o, o.seed, rank, "ll_topk", "cpu")
+    weights = bench.ll_field(torch, o, o.seed, rank, "ll_weights", "cpu")
+    acc = torch.zeros(o.ll_tokens, o.hidden)
+    for k in range(o.topk):  # the kernel's order: products summed over k, one BF16 rounding
+        acc += weights[:, k:k + 1] * x.float()
+    combined = acc.to(torch.bfloat16)
+    bench.check_ll_round_trip(torch, rank, x, ids, weights, combined)
+    combined[2, 9] = combined[2, 9] * 1.1
+    with pytest.raises(RuntimeError, match="token 2 channel 9"):
+        bench.check_ll_round_trip(torch, rank, x, ids, weights, combined)
+
+    num_local = o.ll_experts // num_ranks
+    counts = torch.zeros(num_local, dtype=torch.int32)
+    for src in range(num_ranks):
+        theirs = bench.ll_field(torch, o, o.seed, src, "ll_topk", "cpu")
+        for e in theirs.flatten().tolist():
+            if e // num_local == rank:
+                counts[e - rank * num_local] += 1
+    bench.check_ll_counts(torch, o, rank, num_ranks, counts, "cpu")
+    counts[0] += 1
+    with pytest.raises(RuntimeError, match="recv_count"):
+        bench.check_ll_counts(torch, o, rank, num_ranks, counts, "cpu")
