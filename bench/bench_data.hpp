@@ -46,25 +46,6 @@ class DeviceArray {
   size_t count_ = 0;
 };
 
-// Uniform random top-k: each token picks num_topk distinct experts.
-inline std::vector<int64_t> random_topk(std::mt19937& rng, int num_tokens, int num_topk, int num_experts) {
-  std::vector<int64_t> ids(static_cast<size_t>(num_tokens) * num_topk);
-  std::uniform_int_distribution<int> pick(0, num_experts - 1);
-  for (int t = 0; t < num_tokens; ++t) {
-    for (int k = 0; k < num_topk; ++k) {
-      int64_t e;
-      bool repeated;
-      do {
-        e = pick(rng);
-        repeated = false;
-        for (int j = 0; j < k; ++j) repeated |= ids[static_cast<size_t>(t) * num_topk + j] == e;
-      } while (repeated);
-      ids[static_cast<size_t>(t) * num_topk + k] = e;
-    }
-  }
-  return ids;
-}
-
 // Random BF16 bit patterns of normal numbers in about [-2, 2], never all zeros.
 inline std::vector<uint16_t> random_bf16(std::mt19937& rng, size_t count) {
   std::vector<uint16_t> values(count);

@@ -16,6 +16,7 @@
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/low_latency.hpp"
+#include "epx/reference/test_data.hpp"
 #include "nccl_baseline.hpp"
 #include "timing.hpp"
 
@@ -132,9 +133,7 @@ std::pair<double, double> hook_phases_us(Bootstrap& bootstrap, cudaStream_t stre
     }
   }
   for (auto& ev : e) cudaEventDestroy(ev);
-  std::sort(send_us.begin(), send_us.end());
-  std::sort(recv_us.begin(), recv_us.end());
-  return {send_us[send_us.size() / 2], recv_us[recv_us.size() / 2]};
+  return {median(std::move(send_us)), median(std::move(recv_us))};
 }
 
 }  // namespace
@@ -157,7 +156,8 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     xs_host.push_back(random_bf16(rng, size_t(s.num_tokens) * s.hidden));
     xs.emplace_back(xs_host.back());
   }
-  const std::vector<int64_t> ids_host = random_topk(rng, s.num_tokens, s.num_topk, s.num_experts);
+  const std::vector<int64_t> ids_host =
+      reference::random_topk_idx(o.seed * 7 + rank, s.num_tokens, s.num_topk, s.num_experts);
   std::vector<float> weights_host(ids_host.size());
   std::uniform_real_distribution<float> unit(0.0f, 1.0f);
   for (auto& w : weights_host) w = unit(rng);

@@ -14,6 +14,7 @@
 #include "epx/formats/bf16.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
+#include "epx/reference/test_data.hpp"
 #include "nccl_baseline.hpp"
 #include "timing.hpp"
 
@@ -64,7 +65,7 @@ RankData make_rank_data(const BenchOptions& o, int rank, uint32_t salt) {
   std::uniform_real_distribution<float> unit(0.5f, 2.0f);
   d.scales.resize(size_t(o.num_tokens) * (o.hidden / 128));
   for (auto& s : d.scales) s = unit(rng);
-  d.topk_idx = random_topk(rng, o.num_tokens, o.num_topk, o.num_experts);
+  d.topk_idx = reference::random_topk_idx(salt * 131 + rank, o.num_tokens, o.num_topk, o.num_experts);
   d.topk_weights.resize(d.topk_idx.size());
   for (auto& w : d.topk_weights) w = unit(rng);
   return d;

@@ -4,12 +4,20 @@
 
 #include <algorithm>
 #include <functional>
+#include <utility>
 #include <vector>
 
 #include "common/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
 
 namespace epx::bench {
+
+// Median of `values` (0 when empty).
+inline double median(std::vector<float> values) {
+  if (values.empty()) return 0.0;
+  std::sort(values.begin(), values.end());
+  return values[values.size() / 2];
+}
 
 // The one timing helper of the benchmark: CUDA events on `stream` around `body`, after `warmup` untimed
 // runs; before each run `prepare` (e.g. fresh inputs, an L2 flush) and a host barrier so ranks start
@@ -34,8 +42,7 @@ inline double median_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, i
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
-  std::sort(times.begin(), times.end());
-  return times.empty() ? 0.0 : times[times.size() / 2];
+  return median(std::move(times));
 }
 
 // Evicts L2 between throughput runs by writing a buffer larger than it.
