@@ -31,5 +31,13 @@ if(EPX_HAVE_NVSHMEM)
     target_include_directories(epx_nvshmem SYSTEM PUBLIC ${EPX_NVSHMEM_INCLUDE_DIR})
     target_link_libraries(epx_nvshmem PUBLIC epx_cuda ${EPX_NVSHMEM_HOST_LIBRARY} ${EPX_NVSHMEM_DEVICE_LIBRARY})
     target_compile_definitions(epx_nvshmem PUBLIC EPX_HAVE_NVSHMEM=1)
+    target_compile_options(epx_nvshmem PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
+    # The runtime reaches the transport through runtime/remote_memory.hpp and the *_remote launchers (a cycle
+    # of static libraries, which CMake links by repeating them).
+    target_link_libraries(epx_cuda PUBLIC epx_nvshmem)
   endif()
+endif()
+if(NOT TARGET epx_nvshmem)
+  # The same entry points, refusing with a clear error.
+  target_sources(epx_cuda PRIVATE ${PROJECT_SOURCE_DIR}/src/transport/none/remote_none.cpp)
 endif()

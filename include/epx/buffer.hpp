@@ -18,6 +18,11 @@ struct BufferOptions {
   bool low_latency_mode = false;
   int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
   double wait_timeout_s = 30.0;  // bound of every device-side wait (env EPX_WAIT_TIMEOUT_S overrides)
+  // Ranks per NVLink node; 0 = all ranks (one node). Fewer than num_ranks splits the group into nodes of
+  // consecutive ranks whose low-latency traffic to other nodes goes through NVSHMEM (needs the NVSHMEM
+  // transport). On one host this makes virtual nodes (e.g. 4 GPUs as 2 x 2), which is how the multi-node
+  // path is tested without a NIC. Env EPX_RANKS_PER_NODE overrides.
+  int ranks_per_node = 0;
 };
 
 // One per rank, constructed collectively by all ranks of a node on the current CUDA device.
@@ -53,7 +58,12 @@ class Buffer {
   size_t num_nvl_bytes() const;
   void* const* nvl_peer_bases_device() const;
 
-  // Low-latency memory, likewise (nullptr entries for peers not reachable over NVLink).
+  // Ranks per NVLink node (num_ranks for one node); the low-latency buffer reaches other nodes by NVSHMEM.
+  int ranks_per_node() const;
+  bool spans_nodes() const;
+
+  // Low-latency memory, likewise (nullptr entries for ranks outside this rank's node: NVSHMEM puts reach
+  // them).
   void* rdma_buffer() const;
   size_t num_rdma_bytes() const;
   void* const* rdma_peer_bases_device() const;

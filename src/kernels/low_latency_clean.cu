@@ -1,49 +1,15 @@
-// clean_low_latency_buffer: reset this rank's low-latency signals, then meet every rank, so the ranks agree
-// again on the operation counts however the previous operations ended.
-#include "common/cuda_check.hpp"
-#include "kernels/low_latency_common.cuh"
+// The low-latency clean kernel for groups whose ranks all share this NVLink node.
+#include "kernels/low_latency_clean.cuh"
 #include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
-namespace {
-
-using namespace low_latency;
-
-__global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
-  const LowLatencyLayout& layout = args.layout;
-  const PeerContext& peers = args.peers;
-  // Both halves' signals are contiguous: [signals_offset(0), control_bytes()).
-  const int num_signal_ints =
-      static_cast<int>((layout.control_bytes() - layout.signals_offset(0)) / sizeof(int));
-  int* signals = local_at<int>(peers, layout.signals_offset(0));
-  for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
-  // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
-  // rank's signal, and a peer sends again only after it saw every rank's signal.
-  __threadfence_system();
-  __syncthreads();
-  const int target = __ldcg(local_at<int>(peers, layout.barrier_count_offset())) + 1;
-  if (threadIdx.x < peers.num_ranks) {
-    device::st_release_sys(peer_at<int>(peers, threadIdx.x, layout.barrier_signal_offset(peers.rank)),
-                           target);
-    const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
-    device::wait_at_least(local_at<int>(peers, layout.barrier_signal_offset(threadIdx.x)), target, ctx,
-                          threadIdx.x, WaitPhase::kBarrier);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) *local_at<int>(peers, layout.barrier_count_offset()) = target;
-}
-
-}  // namespace
-
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream) {
-  low_latency_clean_kernel<<<1, kNumThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch_low_latency_clean_with<low_latency::NoRemote>(args, stream);
 }
 
 void preload_low_latency_clean_kernels() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_clean_kernel));
+  preload_low_latency_clean_with<low_latency::NoRemote>();
 }
 
 }  // namespace epx::kernels

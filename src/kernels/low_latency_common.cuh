@@ -5,6 +5,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "kernels/low_latency_kernels.hpp"
+#include "kernels/low_latency_transport.cuh"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
 // (local expert, source rank) bookkeeping that turns a flat row index into a row of one expert's block.
@@ -36,11 +37,13 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 
 // Called by every thread of every block once its sends are issued. The last block to finish with a
 // destination publishes `value` into that destination's receive flag for this rank.
-// NOTES: each thread fences its own peer stores at system scope before the block's arrival is counted; the
-// last arriver fences again (acquiring the others' arrivals) and then releases the flag, so the receiver's
-// acquire of the flag orders every data store of every block before its reads.
+// NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
+// arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
+// flag, so the receiver's acquire of the flag orders every data store and put of every block before its reads.
+template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value) {
+  Remote::quiet();
   __threadfence_system();
   __syncthreads();
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
@@ -48,7 +51,7 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
     if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
       atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
       __threadfence_system();
-      device::st_release_sys(peer_at<int>(peers, dst, layout.recv_flag_offset(half, op, peers.rank)), value);
+      signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);
     }
   }
 }

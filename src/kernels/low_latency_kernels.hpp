@@ -16,7 +16,7 @@ namespace epx::kernels {
 enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLatencyBoth = 3 };
 
 struct LowLatencyDispatchArgs {
-  PeerContext peers;  // low-latency buffer bases of every rank (all NVLink peers in this version)
+  PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not an NVLink peer, reached by puts)
   LowLatencyLayout layout;
   int half;        // which half of the double buffer this call uses
   int phases;      // LowLatencyPhase bits
@@ -77,5 +77,12 @@ struct LowLatencyCleanArgs {
   LowLatencyLayout layout;
 };
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream);
+
+// The same three kernels for groups with ranks outside this rank's NVLink node (other nodes, or virtual
+// nodes): those ranks are reached through the NVSHMEM transport (transport/nvshmem), whose heap must hold
+// the buffer. Where EPX was built without NVSHMEM they throw epx::Error.
+void launch_low_latency_dispatch_remote(const LowLatencyDispatchArgs& args, cudaStream_t stream);
+void launch_low_latency_combine_remote(const LowLatencyCombineArgs& args, cudaStream_t stream);
+void launch_low_latency_clean_remote(const LowLatencyCleanArgs& args, cudaStream_t stream);
 
 }  // namespace epx::kernels

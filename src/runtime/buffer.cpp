@@ -12,10 +12,20 @@
 #include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
 #include "runtime/low_latency_state.hpp"
+#include "runtime/remote_memory.hpp"
 
 namespace epx {
 
 namespace {
+
+int ranks_per_node_from_env(int fallback) {
+  const char* text = std::getenv("EPX_RANKS_PER_NODE");
+  if (text == nullptr || *text == '\0') return fallback;
+  char* end = nullptr;
+  const long value = std::strtol(text, &end, 10);
+  EPX_CHECK(end != text && *end == '\0', "EPX_RANKS_PER_NODE", text, "must be an integer");
+  return static_cast<int>(value);
+}
 
 double wait_timeout_from_env(double fallback) {
   const char* text = std::getenv("EPX_WAIT_TIMEOUT_S");
@@ -46,11 +56,14 @@ struct Buffer::State {
   int device = 0;
   int num_device_sms = 0;
   int num_sms = 0;
+  int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
   std::optional<IpcMemory> nvl;
-  std::optional<IpcMemory> rdma;
+  std::optional<IpcMemory> rdma;        // low-latency memory of a one-node group
+  std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
+  size_t rdma_bytes = 0;
   void* const* nvl_table = nullptr;
   void* const* rdma_table = nullptr;
   WaitTimeoutRecord* timeout_record = nullptr;  // host-mapped
@@ -62,6 +75,7 @@ struct Buffer::State {
     if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
     if (nvl) nvl->release();
     if (rdma) rdma->release();
+    rdma_remote.reset();  // collective free of the NVSHMEM allocation
     if (nvl_table != nullptr) cudaFree(const_cast<void**>(nvl_table));
     if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
     if (timeout_record != nullptr) cudaFreeHost(timeout_record);
@@ -81,9 +95,16 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.num_ranks = bootstrap.num_ranks();
   EPX_CHECK(s.num_ranks >= 1, "num_ranks", s.num_ranks, "must be >= 1");
   EPX_CHECK(s.num_ranks <= 64, "num_ranks", s.num_ranks, "must be <= 64");
+  const int ranks_per_node = ranks_per_node_from_env(options.ranks_per_node);
+  EPX_CHECK(ranks_per_node >= 0, "ranks_per_node", ranks_per_node, "must be >= 0 (0: all ranks)");
+  s.ranks_per_node = ranks_per_node == 0 ? s.num_ranks : ranks_per_node;
+  EPX_CHECK(s.num_ranks % s.ranks_per_node == 0, "ranks_per_node", s.ranks_per_node,
+            detail::concat("must divide num_ranks (", s.num_ranks, ")").c_str());
   if (options.num_nvl_bytes > 0) {
     EPX_CHECK(s.num_ranks <= kMaxNvlRanks, "num_ranks", s.num_ranks,
               "must be <= 8 for the normal-mode NVLink buffer (one node)");
+    EPX_CHECK(s.ranks_per_node == s.num_ranks, "ranks_per_node", s.ranks_per_node,
+              "must be num_ranks with num_nvl_bytes > 0: normal mode across nodes is not implemented yet");
   }
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
@@ -108,9 +129,15 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer");
-    s.rdma.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
     s.nvl_table = upload_table(s.nvl->bases());
-    s.rdma_table = upload_table(s.rdma->bases());
+    if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
+      s.rdma_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
+      s.rdma_bytes = options.num_rdma_bytes;
+      s.rdma_table = upload_table(s.rdma_remote->bases);
+    } else {
+      s.rdma.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
+      s.rdma_table = upload_table(s.rdma->bases());
+    }
     bootstrap.barrier();
   } catch (...) {
     s.free_local();
@@ -195,11 +222,19 @@ size_t Buffer::num_nvl_bytes() const {
 void* const* Buffer::nvl_peer_bases_device() const {
   return live().nvl_table;
 }
+int Buffer::ranks_per_node() const {
+  return live().ranks_per_node;
+}
+bool Buffer::spans_nodes() const {
+  return live().ranks_per_node < live().num_ranks;
+}
 void* Buffer::rdma_buffer() const {
-  return live().rdma->local();
+  const State& s = live();
+  return s.rdma_remote ? s.rdma_remote->local : s.rdma->local();
 }
 size_t Buffer::num_rdma_bytes() const {
-  return live().rdma->bytes();
+  const State& s = live();
+  return s.rdma_remote ? s.rdma_bytes : s.rdma->bytes();
 }
 void* const* Buffer::rdma_peer_bases_device() const {
   return live().rdma_table;

@@ -143,7 +143,9 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.recv_range = out.recv_layout_range;
   args.cumulative_local_expert_recv_stats = in.cumulative_local_expert_recv_stats;
   args.wait_recv_cost_stats = in.dispatch_wait_recv_cost_stats;
-  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order, kernels::launch_low_latency_dispatch);
+  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
+                             buffer.spans_nodes() ? kernels::launch_low_latency_dispatch_remote
+                                                  : kernels::launch_low_latency_dispatch);
 
   LowLatencyDispatchResult result;
   result.handle = LowLatencyHandle{
@@ -205,7 +207,9 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.num_topk = in.num_topk;
   args.out = combined_x;
   args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
-  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order, kernels::launch_low_latency_combine);
+  auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
+                             buffer.spans_nodes() ? kernels::launch_low_latency_combine_remote
+                                                  : kernels::launch_low_latency_combine);
   return LowLatencyCombineResult{std::move(event), std::move(hook)};
 }
 
@@ -213,8 +217,12 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
                               int num_experts, const StreamOrder& order) {
   const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
-  kernels::launch_low_latency_clean(kernels::LowLatencyCleanArgs{peer_context(buffer), layout},
-                                    buffer.comm_stream());
+  const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout};
+  if (buffer.spans_nodes()) {
+    kernels::launch_low_latency_clean_remote(args, buffer.comm_stream());
+  } else {
+    kernels::launch_low_latency_clean(args, buffer.comm_stream());
+  }
   end_on_comm_stream(buffer, order);
   LowLatencyState& state = *low_latency_state(buffer);
   state.num_calls = 0;

@@ -30,6 +30,8 @@ std::vector<Region> regions_of(const LowLatencyLayout& layout) {
   }
   regions.push_back({"combine_send", layout.combine_send_offset(),
                      layout.combine_send_offset() + layout.combine_send_bytes()});
+  regions.push_back({"combine_send_meta", layout.combine_send_meta_offset(),
+                     layout.combine_send_meta_offset() + layout.combine_send_meta_bytes()});
   for (int half = 0; half < 2; ++half) {
     const size_t base = layout.half_offset(half);
     const std::string h = "[" + std::to_string(half) + "]";
@@ -37,6 +39,8 @@ std::vector<Region> regions_of(const LowLatencyLayout& layout) {
                        base + layout.dispatch_recv_counts_rel() + layout.dispatch_recv_counts_bytes()});
     regions.push_back({"dispatch_recv_index" + h, base + layout.dispatch_recv_index_rel(),
                        base + layout.dispatch_recv_index_rel() + layout.dispatch_recv_index_bytes()});
+    regions.push_back({"dispatch_send_index" + h, base + layout.dispatch_send_index_rel(),
+                       base + layout.dispatch_send_index_rel() + layout.dispatch_send_index_bytes()});
     regions.push_back({"dispatch_send_msgs" + h, base + layout.dispatch_send_msgs_rel(),
                        base + layout.dispatch_send_msgs_rel() + layout.dispatch_send_msgs_bytes()});
     regions.push_back({"dispatch_recv_msgs" + h, base + layout.dispatch_recv_msgs_rel(),
@@ -93,6 +97,11 @@ void check_structure(const LowLatencyLayout& layout) {
                 layout.combine_send_row_offset(num_local - 1, layout.num_recv_rows() - 1),
                 size_t(layout.hidden) * 2);
   EXPECT_EQ(layout.combine_send_row_offset(0, 1) % 16, 0u);
+  expect_inside(regions, "combine_send_meta",
+                layout.combine_send_meta_row_offset(num_local - 1, layout.num_recv_rows() - 1),
+                sizeof(uint32_t) * layout.num_groups());
+  // A staged LogFMT row's codes fill at most the BF16 row; its metadata lives in combine_send_meta.
+  EXPECT_LE(size_t(layout.num_groups()) * 2 * epx::kLogfmtGroupSize, size_t(layout.hidden) * 2);
 
   std::set<size_t> signal_words;
   for (int half = 0; half < 2; ++half) {
@@ -115,6 +124,9 @@ void check_structure(const LowLatencyLayout& layout) {
                   layout.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(int));
     expect_inside(regions, "dispatch_recv_index" + h,
                   layout.dispatch_recv_index_offset(half, num_local - 1, last_rank),
+                  sizeof(int) * layout.num_max_tokens);
+    expect_inside(regions, "dispatch_send_index" + h,
+                  layout.dispatch_send_index_offset(half, layout.num_experts - 1),
                   sizeof(int) * layout.num_max_tokens);
     expect_inside(regions, "dispatch_send_msgs" + h, layout.dispatch_send_msg_offset(half, last_token),
                   layout.dispatch_msg_bytes());
@@ -157,9 +169,11 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
   EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
   EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
-  EXPECT_EQ(layout.half_bytes(), 39142528u);
-  EXPECT_EQ(layout.total_bytes(), 606767744u);
-  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 608174080u);  // 290 x 2 MiB
+  EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
+  EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
+  EXPECT_EQ(layout.half_bytes(), 39289984u);
+  EXPECT_EQ(layout.total_bytes(), 615320192u);
+  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
 
@@ -167,8 +181,8 @@ TEST(LowLatencyLayout, SmallestShape) {
   const LowLatencyLayout layout(1, 128, 1, 1);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
-  EXPECT_EQ(layout.half_bytes(), 5120u);
-  EXPECT_EQ(layout.total_bytes(), 10880u);
+  EXPECT_EQ(layout.half_bytes(), 5248u);
+  EXPECT_EQ(layout.total_bytes(), 11264u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
 }
@@ -178,14 +192,14 @@ TEST(LowLatencyLayout, OddShapes) {
     const LowLatencyLayout layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(layout.half_bytes(), 327424u);
-    EXPECT_EQ(layout.total_bytes(), 800384u);
+    EXPECT_EQ(layout.half_bytes(), 327552u);
+    EXPECT_EQ(layout.total_bytes(), 802944u);
     check_structure(layout);
   }
   {
     const LowLatencyLayout layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes(), 643304064u);
-    EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 643825664u);
+    EXPECT_EQ(layout.total_bytes(), 652216960u);
+    EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }
   for (int hidden : {128, 2048, 2688, 8192})

@@ -48,6 +48,7 @@ struct LowLatencyCase {
   int batch = 1;                // iterations issued back to back before the host syncs and checks
   bool pending_pairs = false;   // with hooks: send two calls, then run both hooks
   bool graph = false;           // capture one dispatch + combine, replay it num_iterations times
+  int ranks_per_node = 0;       // BufferOptions::ranks_per_node: < num_ranks runs across (virtual) nodes
   uint64_t seed = 1;
 };
 
@@ -181,6 +182,7 @@ class LowLatencyRunner {
         get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
     options.low_latency_mode = true;
     options.wait_timeout_s = 20.0;
+    options.ranks_per_node = c.ranks_per_node;
     owned_buffer_ = std::make_unique<Buffer>(bootstrap, options);
     buffer_ = owned_buffer_.get();
     init();

@@ -44,9 +44,11 @@ struct LowLatencyRange {
 //                                    send_finish[op][R], num_uses[op], recv_done[op] (offsets depend on R
 //                                    only)
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
+//   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
 //   per half h in {0, 1}:
 //     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
 //     dispatch_recv_index[L][R][M]   their (token << 4 | top-k position), ascending token order
+//     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
 //     combine_recv_slots[M][16]      expert outputs returned for (token, top-k position)
@@ -119,6 +121,17 @@ struct LowLatencyLayout {
   EPX_HD size_t combine_send_row_offset(int local_expert, int row) const {
     return combine_send_offset() + (size_t(local_expert) * num_recv_rows() + row) * size_t(hidden) * 2;
   }
+  // A LogFMT row staged for RDMA keeps its codes in the combine_send row (G * 256 bytes, the BF16 row's size)
+  // and its G metadata words here.
+  EPX_HD size_t combine_send_meta_offset() const { return combine_send_offset() + combine_send_bytes(); }
+  EPX_HD size_t combine_send_meta_bytes() const {
+    return align_up(sizeof(uint32_t) * size_t(num_local_experts()) * num_recv_rows() * num_groups(),
+                    kLowLatencyAlign);
+  }
+  EPX_HD size_t combine_send_meta_row_offset(int local_expert, int row) const {
+    return combine_send_meta_offset() +
+           (size_t(local_expert) * num_recv_rows() + row) * sizeof(uint32_t) * num_groups();
+  }
 
   // ---- Per-half data regions, offsets relative to the half ----
   EPX_HD size_t dispatch_recv_counts_bytes() const {
@@ -127,6 +140,7 @@ struct LowLatencyLayout {
   EPX_HD size_t dispatch_recv_index_bytes() const {
     return align_up(sizeof(int) * size_t(num_experts) * num_max_tokens, kLowLatencyAlign);
   }
+  EPX_HD size_t dispatch_send_index_bytes() const { return dispatch_recv_index_bytes(); }  // E*M == L*R*M
   EPX_HD size_t dispatch_send_msgs_bytes() const {
     return align_up(size_t(num_max_tokens) * dispatch_msg_bytes(), kLowLatencyAlign);
   }
@@ -141,8 +155,11 @@ struct LowLatencyLayout {
   EPX_HD size_t dispatch_recv_index_rel() const {
     return dispatch_recv_counts_rel() + dispatch_recv_counts_bytes();
   }
-  EPX_HD size_t dispatch_send_msgs_rel() const {
+  EPX_HD size_t dispatch_send_index_rel() const {
     return dispatch_recv_index_rel() + dispatch_recv_index_bytes();
+  }
+  EPX_HD size_t dispatch_send_msgs_rel() const {
+    return dispatch_send_index_rel() + dispatch_send_index_bytes();
   }
   EPX_HD size_t dispatch_recv_msgs_rel() const {
     return dispatch_send_msgs_rel() + dispatch_send_msgs_bytes();
@@ -153,7 +170,7 @@ struct LowLatencyLayout {
   EPX_HD size_t half_bytes() const { return combine_recv_slots_rel() + combine_recv_slots_bytes(); }
 
   EPX_HD size_t half_offset(int half) const {
-    return combine_send_offset() + combine_send_bytes() + size_t(half) * half_bytes();
+    return combine_send_meta_offset() + combine_send_meta_bytes() + size_t(half) * half_bytes();
   }
   EPX_HD size_t total_bytes() const { return half_offset(2); }
 
@@ -185,6 +202,10 @@ struct LowLatencyLayout {
   EPX_HD size_t dispatch_recv_index_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_index_rel() +
            sizeof(int) * (size_t(local_expert) * num_ranks + src_rank) * num_max_tokens;
+  }
+  // Start of the staged int list [M] of global expert `expert` (on an RDMA rank).
+  EPX_HD size_t dispatch_send_index_offset(int half, int expert) const {
+    return half_offset(half) + dispatch_send_index_rel() + sizeof(int) * size_t(expert) * num_max_tokens;
   }
   EPX_HD size_t dispatch_send_msg_offset(int half, int token) const {
     return half_offset(half) + dispatch_send_msgs_rel() + size_t(token) * dispatch_msg_bytes();

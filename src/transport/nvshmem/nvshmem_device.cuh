@@ -18,6 +18,11 @@ __device__ __forceinline__ void put_block_warp(void* dst, const void* src, size_
   nvshmemx_putmem_nbi_warp(dst, src, bytes, rank);
 }
 
+// One int to `rank` (blocking: `*dst` on this rank may change right after).
+__device__ __forceinline__ void put_int(int* dst, int value, int rank) {
+  nvshmem_int_p(dst, value, rank);
+}
+
 // Puts to `rank` issued before are delivered before those issued after (data before its signal).
 __device__ __forceinline__ void fence() {
   nvshmem_fence();

@@ -4,7 +4,9 @@
 
 #include <atomic>
 #include <cstddef>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <vector>
 
 #include "common/cuda_check.hpp"
@@ -24,6 +26,10 @@ NvshmemHeap::NvshmemHeap(Bootstrap& bootstrap, size_t bytes)
   if (heap_alive.exchange(true))
     EPX_FAIL("NVSHMEM is already initialised in this process (one NvshmemHeap at a time)");
   try {
+    // NVSHMEM reserves its heap at initialisation (1 GiB unless told): make room for this allocation unless
+    // the user chose a size.
+    const size_t heap_bytes = (bytes + (size_t(64) << 20) + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
+    setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), /*overwrite=*/0);
     nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
     if (rank_ == 0 && nvshmemx_get_uniqueid(&id) != 0) EPX_FAIL("nvshmemx_get_uniqueid failed on rank 0");
     // Everyone takes rank 0's id (gathered as bytes: the first sizeof(id) bytes are rank 0's).

@@ -1,0 +1,276 @@
+#pragma once
+
+// Low-latency combine: send phase (every expert output row goes back to its source token's slot on the
+// source rank, BF16 or LogFMT-10) and receive phase (wait, then the weighted sum in top-k order). Templated
+// on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh).
+#include "common/cuda_check.hpp"
+#include "epx/formats/bf16.hpp"
+#include "epx/formats/logfmt.hpp"
+#include "kernels/low_latency_common.cuh"
+#include "kernels/low_latency_transport.cuh"
+#include "kernels/nvl_barrier.cuh"
+
+namespace epx::kernels {
+
+namespace {
+
+using namespace low_latency;
+
+// LogFMT on the wire, inside one combine slot (the format's fields, arranged for aligned stores):
+//   payload of group g at g * 256: 160 bytes of codes, or the 256 bytes of BF16 of a fallback group
+//   metadata of group g at G * 256 + 4 g: max_bits | min_bits << 16 (max_bits = marker for a fallback)
+// G * 260 bytes in all, which is what LowLatencyLayout::combine_slot_bytes() reserves.
+constexpr int kLogfmtPayloadStride = kLogfmtGroupSize * 2;
+constexpr int kLogfmtCodeWords = kLogfmtCodeBytes / 4;  // 40
+
+struct CombineSmallSmem {
+  float weights[kMaxTopk];
+  int slot_pos[kMaxTopk];  // top-k position whose slot holds listing k's row, -1 for no expert
+  int warp_sums[kNumWarps];
+};
+
+size_t combine_smem_bytes(const LowLatencyLayout& layout) {
+  return align_up(sizeof(CombineSmallSmem), 16) + sizeof(int) * (size_t(layout.num_experts) + 1);
+}
+
+// ---- Send ----
+
+// One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
+// of the group's code stream; lanes assemble the stream into 32-bit words with two shuffles each. Payloads
+// go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g is read
+// completely before its payload is written, so `slot` may be `row` itself (encoding in place).
+__device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* row, int num_groups, int lane) {
+  for (int group = 0; group < num_groups; ++group) {
+    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(row + group * kLogfmtGroupSize) + lane);
+    const float values[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
+                             __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
+    float max_key = 0.0f;
+    float min_key = __uint_as_float(0x7F800000u);
+#pragma unroll
+    for (int i = 0; i < 4; ++i) {
+      max_key = fmaxf(max_key, logfmt_abs_for_max(values[i]));
+      min_key = fminf(min_key, logfmt_abs_for_min(values[i]));
+    }
+#pragma unroll
+    for (int offset = 16; offset > 0; offset >>= 1) {
+      max_key = fmaxf(max_key, __shfl_xor_sync(kFullMask, max_key, offset));
+      min_key = fminf(min_key, __shfl_xor_sync(kFullMask, min_key, offset));
+    }
+    char* payload = slot + size_t(group) * kLogfmtPayloadStride;
+    if (!logfmt_group_qualifies(max_key)) {  // warp-uniform
+      reinterpret_cast<uint2*>(payload)[lane] = raw;
+      if (lane == 0) meta[group] = kLogfmtFallbackMarker;
+      continue;
+    }
+    const LogfmtParams params = logfmt_params(max_key, min_key);
+    const unsigned long long packed =
+        logfmt_pack_codes4(logfmt_encode_value(values[0], params), logfmt_encode_value(values[1], params),
+                           logfmt_encode_value(values[2], params), logfmt_encode_value(values[3], params));
+#pragma unroll
+    for (int round = 0; round < 2; ++round) {
+      const int word = lane + 32 * round;
+      const int bit = 32 * min(word, kLogfmtCodeWords - 1);
+      const int src_lane = bit / 40;
+      const int shift = bit - 40 * src_lane;
+      const unsigned long long low = __shfl_sync(kFullMask, packed, src_lane);
+      const unsigned long long high = __shfl_sync(kFullMask, packed, min(src_lane + 1, 31));
+      if (word < kLogfmtCodeWords)
+        reinterpret_cast<uint32_t*>(payload)[word] =
+            static_cast<uint32_t>((low >> shift) | (high << (40 - shift)));
+    }
+    if (lane == 0) meta[group] = params.max_bits | (static_cast<uint32_t>(params.min_bits) << 16);
+  }
+}
+
+// One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
+// combine_send) and puts.
+template <typename Remote>
+__device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint16_t* row, size_t row_idx,
+                                  int dst, size_t slot_offset, int lane) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_groups = layout.num_groups();
+  const size_t row_bytes = size_t(layout.hidden) * 2;
+  char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
+  char* slot = local_at<char>(args.peers, slot_offset);
+  if (args.use_logfmt) {
+    // Codes (at most the BF16 row's G * 256 bytes) in the staging row, metadata beside it.
+    uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) + row_idx * num_groups;
+    encode_logfmt_row(staged, meta, row, num_groups, lane);
+    __syncwarp();
+    Remote::put_warp(slot, staged, size_t(num_groups) * kLogfmtPayloadStride, dst);
+    Remote::put_warp(slot + size_t(num_groups) * kLogfmtPayloadStride, meta, sizeof(uint32_t) * num_groups,
+                     dst);
+    return;
+  }
+  // Zero-copy rows already are the staging rows.
+  if (reinterpret_cast<const char*>(row) != staged) warp_copy<false>(staged, row, row_bytes, lane);
+  __syncwarp();
+  Remote::put_warp(slot, staged, row_bytes, dst);
+}
+
+// Rows of every (local expert, source) block, spread over every warp of the grid; each goes to slot
+// (token, first top-k position) of its source rank.
+template <typename Remote>
+__device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_ranks = layout.num_ranks;
+  const int num_pairs = layout.num_experts;
+  const int hidden = layout.hidden;
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = args.recv_range[p].count;
+  __syncthreads();
+  block_exclusive_scan(prefix, num_pairs, warp_sums);
+
+  const int lane = threadIdx.x % 32;
+  const int total_rows = prefix[num_pairs];
+  const int num_grid_warps = gridDim.x * kNumWarps;
+  for (int j = blockIdx.x * kNumWarps + threadIdx.x / 32; j < total_rows; j += num_grid_warps) {
+    const int pair = find_pair(prefix, num_pairs, j);
+    const int dst = pair % num_ranks;
+    const size_t row_idx =
+        size_t(pair / num_ranks) * layout.num_recv_rows() + args.recv_range[pair].begin + (j - prefix[pair]);
+    const int token = args.recv_src_info[row_idx];
+    const int topk_pos = args.recv_topk_pos[row_idx];
+    const uint16_t* row = static_cast<const uint16_t*>(args.x) + row_idx * hidden;
+    const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, topk_pos);
+    if (!is_direct<Remote>(args.peers, dst)) {
+      put_expert_output<Remote>(args, row, row_idx, dst, slot_offset, lane);
+      continue;
+    }
+    char* slot = peer_at<char>(args.peers, dst, slot_offset);
+    if (args.use_logfmt) {
+      encode_logfmt_row(slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride),
+                        row, layout.num_groups(), lane);
+    } else {
+      warp_copy<false>(slot, row, size_t(hidden) * 2, lane);
+    }
+  }
+}
+
+// ---- Receive ----
+
+// 10-bit code j (0..7) of 80 little-endian bits held as (low 64 bits, high 16 bits).
+__device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t high, int j) {
+  const int bit = 10 * j;
+  if (bit + 10 <= 64) return static_cast<uint16_t>((low >> bit) & 0x3FFu);
+  if (bit >= 64) return static_cast<uint16_t>((high >> (bit - 64)) & 0x3FFu);
+  return static_cast<uint16_t>(((low >> bit) | (static_cast<unsigned long long>(high) << (64 - bit))) &
+                               0x3FFu);
+}
+
+// Values of channels 8q..8q+7 of a returned row, as the reference's combine sees them.
+__device__ __forceinline__ void load_returned8(const char* slot, int num_groups, int chunk, bool use_logfmt,
+                                               float* values) {
+  if (!use_logfmt) {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(slot) + chunk), values);
+    return;
+  }
+  const int group = chunk / 16;
+  const int q = chunk % 16;  // 8-channel chunk inside the group
+  const char* payload = slot + size_t(group) * kLogfmtPayloadStride;
+  const uint32_t meta =
+      __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
+  const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
+  if (max_bits == kLogfmtFallbackMarker) {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + q), values);
+    return;
+  }
+  const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+  // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
+  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
+  unsigned long long low = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
+  const uint32_t high = __ldcg(halves + 4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
+}
+
+// Per token (a block each), per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with
+// separate IEEE multiply and add (as the reference writes it), then BF16 round to nearest even.
+__device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small) {
+  const LowLatencyLayout& layout = args.layout;
+  const int hidden = layout.hidden;
+  const int num_topk = args.num_topk;
+  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+    __syncthreads();
+    if (threadIdx.x < 32) {
+      const int lane = threadIdx.x;
+      const size_t entry = size_t(token) * num_topk + lane;
+      const int expert = lane < num_topk ? expert_at(args.topk_idx, entry, layout.num_experts) : -1;
+      int first = lane;
+      for (int k = num_topk - 1; k >= 0; --k) {
+        const int other = __shfl_sync(kFullMask, expert, k);
+        if (k < lane && other == expert) first = k;
+      }
+      if (lane < num_topk) {
+        small.slot_pos[lane] = expert >= 0 ? first : -1;
+        small.weights[lane] = args.topk_weights[entry];
+      }
+    }
+    __syncthreads();
+    uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
+    for (int chunk = threadIdx.x; chunk < hidden / 8; chunk += kNumThreads) {
+      float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      for (int k = 0; k < num_topk; ++k) {
+        const int pos = small.slot_pos[k];
+        if (pos < 0) continue;
+        float values[8];
+        load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
+                       layout.num_groups(), chunk, args.use_logfmt, values);
+        const float weight = small.weights[k];
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+      }
+      uint32_t words[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        words[i] = float_to_bf16(acc[2 * i]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * i + 1])) << 16);
+      reinterpret_cast<int4*>(out_row)[chunk] =
+          make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                    static_cast<int>(words[3]));
+    }
+  }
+}
+
+template <typename Remote>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    low_latency_combine_kernel(const LowLatencyCombineArgs args) {
+  extern __shared__ __align__(16) char smem[];
+  auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
+  int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
+  const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
+  if (args.phases & kLowLatencySend) {
+    send_expert_outputs<Remote>(args, prefix, small.warp_sums);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1);
+  }
+  if (args.phases & kLowLatencyRecv) {
+    wait_all_sources(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+                     WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats);
+    reduce_tokens(args, small);
+    finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
+  }
+}
+
+template <typename Remote>
+void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
+  const size_t smem_bytes = combine_smem_bytes(args.layout);
+  if (smem_bytes > 48 * 1024) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(low_latency_combine_kernel<Remote>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_bytes)));
+  }
+  low_latency_combine_kernel<Remote><<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+template <typename Remote>
+void preload_low_latency_combine_with() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<Remote>));
+}
+
+}  // namespace
+
+}  // namespace epx::kernels

@@ -1,0 +1,363 @@
+#pragma once
+
+// Low-latency dispatch: send phase (route, cast, write each token once per destination rank, publish) and
+// receive phase (wait, expand rows into the packed per-expert output). See LowLatencyLayout for the protocol.
+// Templated on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh); the
+// including file instantiates it.
+#include <cuda_fp8.h>
+
+#include "common/cuda_check.hpp"
+#include "epx/formats/bf16.hpp"
+#include "epx/formats/fp8.hpp"
+#include "epx/formats/ue8m0.hpp"
+#include "kernels/low_latency_common.cuh"
+#include "kernels/low_latency_transport.cuh"
+#include "kernels/nvl_barrier.cuh"
+
+namespace epx::kernels {
+
+namespace {
+
+using namespace low_latency;
+
+// Shared memory: a small fixed part, then one large area whose use depends on the phase.
+struct DispatchSmallSmem {
+  // Where this token's message is written: each NVLink destination's receive slot, plus this rank's staging
+  // slot when some destination is reached by puts.
+  char* dst_msgs[kMaxTopk + 1];
+  int num_dsts;
+  int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
+  int num_remote;
+  int warp_sums[kNumWarps];
+};
+
+size_t dispatch_smem_bytes(const LowLatencyLayout& layout) {
+  const size_t routing = sizeof(int) * size_t(kNumWarps) * layout.num_experts;
+  const size_t prefix = sizeof(int) * (size_t(layout.num_experts) + 1);
+  return align_up(sizeof(DispatchSmallSmem), 16) + (routing > prefix ? routing : prefix);
+}
+
+// ---- Send: routing ----
+
+// Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
+template <typename Remote>
+__device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* totals) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_local = layout.num_local_experts();
+  __syncthreads();
+  for (int expert = threadIdx.x / 32; expert < layout.num_experts; expert += kNumWarps) {
+    const int dst = expert / num_local;
+    const int count = totals[expert];
+    if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
+    Remote::put_warp(
+        local_at<int>(args.peers, layout.dispatch_recv_index_offset(args.half, expert % num_local,
+                                                                    args.peers.rank)),
+        local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert)),
+        sizeof(int) * count, dst);
+  }
+}
+
+// For every expert e, the ordered list of this rank's (token, top-k position) entries that chose it (first
+// listing only), and its length, written into the rank that owns e. Entry order = ascending token, so a
+// token's slot in the list is the number of earlier entries with the same expert. One block computes it:
+// every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
+// expert, and a second pass assigns slots with __match_any_sync ranks.
+template <typename Remote>
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
+  const LowLatencyLayout& layout = args.layout;
+  const int num_experts = layout.num_experts;
+  const int num_local = layout.num_local_experts();
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int num_entries = args.num_tokens * args.num_topk;
+
+  for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kNumThreads) hist[i] = 0;
+  __syncthreads();
+  const int per_warp = (num_entries + kNumWarps - 1) / kNumWarps;
+  const int seg_begin = min(num_entries, warp * per_warp);
+  const int seg_end = min(num_entries, seg_begin + per_warp);
+  int* warp_hist = hist + warp * num_experts;
+
+  for (int base = seg_begin; base < seg_end; base += 32) {
+    const int expert = base + lane < seg_end
+                           ? first_listed_expert(args.topk_idx, base + lane, args.num_topk, num_experts)
+                           : -1;
+    const unsigned same = __match_any_sync(kFullMask, expert);
+    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
+    __syncwarp();
+  }
+  __syncthreads();
+
+  for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) {
+    int running = 0;
+    for (int w = 0; w < kNumWarps; ++w) {
+      const int count = hist[w * num_experts + expert];
+      hist[w * num_experts + expert] = running;
+      running += count;
+    }
+    const int dst = expert / num_local;
+    const size_t offset = layout.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+    if (is_direct<Remote>(args.peers, dst)) {
+      *peer_at<int>(args.peers, dst, offset) = running;
+    } else {
+      Remote::put_int(local_at<int>(args.peers, offset), running, dst);
+    }
+  }
+  __syncthreads();
+
+  for (int base = seg_begin; base < seg_end; base += 32) {
+    const int entry = base + lane;
+    const int expert =
+        entry < seg_end ? first_listed_expert(args.topk_idx, entry, args.num_topk, num_experts) : -1;
+    const unsigned same = __match_any_sync(kFullMask, expert);
+    if (expert >= 0) {
+      const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
+      const int dst = expert / num_local;
+      int* list = is_direct<Remote>(args.peers, dst)
+                      ? peer_at<int>(args.peers, dst,
+                                     layout.dispatch_recv_index_offset(args.half, expert % num_local,
+                                                                       args.peers.rank))
+                      : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
+      const int token = entry / args.num_topk;
+      list[slot] = (token << 4) | (entry % args.num_topk);
+    }
+    __syncwarp();
+    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
+    __syncwarp();
+  }
+  if constexpr (Remote::kEnabled) put_staged_lists<Remote>(args, hist + (kNumWarps - 1) * num_experts);
+}
+
+// ---- Send: token data ----
+
+// 4 e4m3 codes of v[0..3] * inv_scale, v[0] in the lowest byte. The SATFINITE hardware conversion is
+// bit-exact with float_to_e4m3 (see fp8.hpp).
+__device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale) {
+  const __nv_fp8x2_storage_t lo =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[0] * inv_scale, v[1] * inv_scale), __NV_SATFINITE, __NV_E4M3);
+  const __nv_fp8x2_storage_t hi =
+      __nv_cvt_float2_to_fp8x2(make_float2(v[2] * inv_scale, v[3] * inv_scale), __NV_SATFINITE, __NV_E4M3);
+  return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
+}
+
+// This token's distinct destination ranks (first top-k occurrence order) and its message address in each.
+// Run by warp 0.
+template <typename Remote>
+__device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small) {
+  const int lane = threadIdx.x;
+  const int expert = lane < args.num_topk ? expert_at(args.topk_idx, size_t(token) * args.num_topk + lane,
+                                                      args.layout.num_experts)
+                                          : -1;
+  const int dst = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
+  bool first = dst >= 0;
+  for (int k = 0; k < args.num_topk; ++k) {
+    const int other = __shfl_sync(kFullMask, dst, k);
+    if (k < lane && other == dst) first = false;
+  }
+  const bool direct = first && is_direct<Remote>(args.peers, dst);
+  const unsigned directs = __ballot_sync(kFullMask, direct);
+  const unsigned remotes = __ballot_sync(kFullMask, first && !direct);
+  const unsigned lower = (1u << lane) - 1u;
+  if (direct) {
+    small.dst_msgs[__popc(directs & lower)] = peer_at<char>(
+        args.peers, dst, args.layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
+  }
+  if (first && !direct) small.remote_dsts[__popc(remotes & lower)] = dst;
+  if (lane == 0) {
+    small.num_dsts = __popc(directs);
+    small.num_remote = __popc(remotes);
+    if (remotes != 0) {
+      small.dst_msgs[small.num_dsts++] =
+          local_at<char>(args.peers, args.layout.dispatch_send_msg_offset(args.half, token));
+    }
+  }
+}
+
+// One block per token: 8 lanes per group of 128 channels, 16 channels (two 16-byte loads) per lane, so a lane
+// writes one 16-byte FP8 chunk (or two BF16 chunks) straight into every destination's receive slot.
+template <typename Remote>
+__device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small) {
+  const LowLatencyLayout& layout = args.layout;
+  const int hidden = layout.hidden;
+  const int num_groups = layout.num_groups();
+  const int octet = threadIdx.x / 8;
+  const int sub = threadIdx.x % 8;
+  const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
+  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+    __syncthreads();  // the previous token's destinations are no longer read
+    if (threadIdx.x < 32) find_destinations<Remote>(args, token, small);
+    __syncthreads();
+    const int num_dsts = small.num_dsts;
+    const int4* row = static_cast<const int4*>(args.x) + size_t(token) * hidden / 8;
+    for (int group = octet; group < num_groups; group += kNumThreads / 8) {
+      const int chunk = group * 16 + sub * 2;  // int4 index of this lane's 16 channels
+      const int4 v0 = device::ld_nc_v4(row + chunk);
+      const int4 v1 = device::ld_nc_v4(row + chunk + 1);
+      if (!args.use_fp8) {
+        for (int d = 0; d < num_dsts; ++d) {
+          int4* out = reinterpret_cast<int4*>(small.dst_msgs[d]) + chunk;
+          out[0] = v0;
+          out[1] = v1;
+        }
+        continue;
+      }
+      float values[16];
+      unpack_bf16x8(v0, values);
+      unpack_bf16x8(v1, values + 8);
+      float amax = 0.0f;
+#pragma unroll
+      for (int i = 0; i < 16; ++i) amax = fmaxf(amax, fabsf(values[i]));
+      amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 1));
+      amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 2));
+      amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 4));
+      const Fp8GroupScale scale = fp8_group_scale(amax, args.round_scale);
+      const int4 codes = make_int4(static_cast<int>(cast_e4m3x4(values, scale.inv_scale)),
+                                   static_cast<int>(cast_e4m3x4(values + 4, scale.inv_scale)),
+                                   static_cast<int>(cast_e4m3x4(values + 8, scale.inv_scale)),
+                                   static_cast<int>(cast_e4m3x4(values + 12, scale.inv_scale)));
+      for (int d = 0; d < num_dsts; ++d) {
+        char* msg = small.dst_msgs[d];
+        *reinterpret_cast<int4*>(msg + group * 128 + sub * 16) = codes;
+        if (sub == 0)
+          reinterpret_cast<float*>(msg + layout.dispatch_msg_scales_offset())[group] = scale.scale;
+      }
+    }
+    if constexpr (Remote::kEnabled) {
+      // The staged message is complete; one warp per remote destination puts it (num_remote is
+      // block-uniform).
+      if (small.num_remote > 0) {
+        __syncthreads();
+        const int warp = threadIdx.x / 32;
+        if (warp < small.num_remote) {
+          const size_t bytes = args.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
+          Remote::put_warp(
+              local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
+              small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
+        }
+      }
+    }
+  }
+}
+
+// ---- Receive ----
+
+// Copies one received message into row `row` of local expert `local_expert`'s block.
+__device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg, int local_expert, int row,
+                            int lane) {
+  const LowLatencyLayout& layout = args.layout;
+  const int hidden = layout.hidden;
+  const int num_rows = layout.num_recv_rows();
+  const size_t row_idx = size_t(local_expert) * num_rows + row;
+  if (!args.use_fp8) {
+    warp_copy<true>(static_cast<char*>(args.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2, lane);
+    return;
+  }
+  warp_copy<true>(static_cast<char*>(args.recv_x) + row_idx * hidden, msg, size_t(hidden), lane);
+  const float* scales = reinterpret_cast<const float*>(msg + layout.dispatch_msg_scales_offset());
+  const int num_groups = layout.num_groups();
+  if (args.use_ue8m0) {
+    // ceil(G / 4) words; bytes past the last group stay 0.
+    const int num_words = (num_groups + 3) / 4;
+    for (int word = lane; word < num_words; word += 32) {
+      uint8_t bytes[4] = {0, 0, 0, 0};
+#pragma unroll
+      for (int i = 0; i < 4; ++i)
+        if (4 * word + i < num_groups) bytes[i] = ue8m0_from_pow2_scale(__ldcg(scales + 4 * word + i));
+      static_cast<uint32_t*>(args.recv_scales)[ll_scale_index(local_expert, row, word, num_rows, num_words)] =
+          pack_ue8m0x4(bytes[0], bytes[1], bytes[2], bytes[3]);
+    }
+  } else {
+    for (int group = lane; group < num_groups; group += 32)
+      static_cast<float*>(args.recv_scales)[ll_scale_index(local_expert, row, group, num_rows, num_groups)] =
+          __ldcg(scales + group);
+  }
+}
+
+__device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, int* warp_sums,
+                               int num_uses) {
+  const LowLatencyLayout& layout = args.layout;
+  const PeerContext& peers = args.peers;
+  const int num_ranks = layout.num_ranks;
+  const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
+  wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
+                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats);
+
+  // Counts are stored pair-major (le * R + src), which is also the packed output order.
+  const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = __ldcg(counts + p);
+  __syncthreads();
+  block_exclusive_scan(prefix, num_pairs, warp_sums);
+
+  if (blockIdx.x == 0) {
+    for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
+      const int expert_begin = prefix[p / num_ranks * num_ranks];
+      args.recv_range[p] = LowLatencyRange{prefix[p] - expert_begin, prefix[p + 1] - prefix[p]};
+    }
+    for (int le = threadIdx.x; le < layout.num_local_experts(); le += kNumThreads) {
+      const int count = prefix[(le + 1) * num_ranks] - prefix[le * num_ranks];
+      args.recv_count[le] = count;
+      if (args.cumulative_local_expert_recv_stats != nullptr)
+        args.cumulative_local_expert_recv_stats[le] += count;
+    }
+  }
+
+  // Rows are spread over every warp of the grid, whatever the routing skew.
+  const int lane = threadIdx.x % 32;
+  const int total_rows = prefix[num_pairs];
+  const int num_grid_warps = gridDim.x * kNumWarps;
+  for (int j = blockIdx.x * kNumWarps + threadIdx.x / 32; j < total_rows; j += num_grid_warps) {
+    const int pair = find_pair(prefix, num_pairs, j);
+    const int local_expert = pair / num_ranks;
+    const int src = pair % num_ranks;
+    const int row = j - prefix[local_expert * num_ranks];
+    const int entry =
+        __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
+               (j - prefix[pair]));
+    const int token = entry >> 4;
+    deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
+                local_expert, row, lane);
+    if (lane == 0) {
+      const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
+      args.recv_src_info[row_idx] = token;
+      args.recv_topk_pos[row_idx] = entry & 15;
+    }
+  }
+  finish_receive(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses);
+}
+
+template <typename Remote>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    low_latency_dispatch_kernel(const LowLatencyDispatchArgs args) {
+  extern __shared__ __align__(16) char smem[];
+  auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
+  int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
+  const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
+  if (args.phases & kLowLatencySend) {
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large);
+    send_tokens<Remote>(args, small);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1);
+  }
+  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses);
+}
+
+template <typename Remote>
+void launch_low_latency_dispatch_with(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
+  const size_t smem_bytes = dispatch_smem_bytes(args.layout);
+  if (smem_bytes > 48 * 1024) {
+    EPX_CUDA_CHECK(cudaFuncSetAttribute(low_latency_dispatch_kernel<Remote>,
+                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
+                                        static_cast<int>(smem_bytes)));
+  }
+  low_latency_dispatch_kernel<Remote><<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+template <typename Remote>
+void preload_low_latency_dispatch_with() {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_dispatch_kernel<Remote>));
+}
+
+}  // namespace
+
+}  // namespace epx::kernels

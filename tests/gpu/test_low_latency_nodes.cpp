@@ -1,0 +1,177 @@
+// Low-latency dispatch/combine across nodes: the group is split into virtual nodes (BufferOptions::
+// ranks_per_node) so traffic between them goes through the NVSHMEM transport while ranks of one node keep
+// using NVLink stores. Same harness and CPU reference as test_low_latency.cpp.
+#include <gtest/gtest.h>
+
+#include <memory>
+
+#include "common/cuda_check.hpp"
+#include "common/device_info.hpp"
+#include "epx/local_launcher.hpp"
+#include "epx/low_latency.hpp"
+#include "expect_error.hpp"
+#include "test_low_latency_harness.hpp"
+
+namespace {
+
+using epx::test::LowLatencyCase;
+
+#ifdef EPX_HAVE_NVSHMEM
+constexpr bool kHaveNvshmem = true;
+#else
+constexpr bool kHaveNvshmem = false;
+#endif
+
+// Runs `body` with one process per GPU; skips without enough GPUs or without the NVSHMEM transport.
+template <typename Body>
+void run_ranks(int num_ranks, Body body) {
+  if (!kHaveNvshmem) GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
+  const int num_gpus = epx::visible_gpu_count();
+  if (num_gpus < num_ranks) GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
+  epx::LocalLaunchOptions options;
+  options.num_ranks = num_ranks;
+  options.timeout = std::chrono::milliseconds(300000);
+  const epx::LocalLaunchResult result = epx::launch_local(options, [&](epx::Bootstrap& bootstrap) {
+    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
+    body(bootstrap);
+    return 0;
+  });
+  ASSERT_TRUE(result.ok()) << result.summary();
+}
+
+void run_case(const LowLatencyCase& c) {
+  run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) { epx::test::LowLatencyRunner(c, bootstrap).run(); });
+}
+
+// `num_nodes` virtual nodes of `ranks_per_node` GPUs.
+LowLatencyCase nodes_case(int num_nodes, int ranks_per_node) {
+  LowLatencyCase c;
+  c.num_ranks = num_nodes * ranks_per_node;
+  c.ranks_per_node = ranks_per_node;
+  c.num_max_tokens = 24;
+  c.hidden = 512;
+  c.num_experts = 8 * c.num_ranks;
+  c.num_topk = 4;
+  return c;
+}
+
+TEST(LowLatencyNodes, Bf16TwoNodesOfOne) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.num_iterations = 3;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, Fp8Ue8m0LogfmtHooksZeroCopy) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.use_fp8 = c.round_scale = c.use_ue8m0 = true;
+  c.use_logfmt = true;
+  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
+  c.num_iterations = 3;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, UnbalancedDuplicatesOddCounts) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.num_tokens = {0, 1, c.num_max_tokens, 7};
+  c.unbalanced = true;
+  c.duplicates = true;
+  c.drop_probability = 0.2;
+  c.num_topk = 9;
+  c.hidden = 2688;
+  c.use_logfmt = true;
+  c.stats = true;
+  c.num_iterations = 4;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, DefaultShapeFp8) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.num_max_tokens = 128;
+  c.hidden = 7168;
+  c.num_experts = 288;
+  c.num_topk = 8;
+  c.use_fp8 = true;
+  c.num_iterations = 2;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, BackToBackCalls) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.num_max_tokens = 8;
+  c.hidden = 256;
+  c.num_topk = 3;
+  c.num_tokens = {8, 3};
+  c.use_fp8 = true;
+  c.batch = 10;
+  c.num_iterations = 200;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, GraphCaptureReplayHooks) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
+  c.use_fp8 = true;
+  c.num_iterations = 4;
+  c.graph = true;
+  run_case(c);
+}
+
+// A clean resets the signals collectively (barrier through NVSHMEM), and the buffer keeps working.
+TEST(LowLatencyNodes, CleanThenReuse) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.num_iterations = 2;
+  run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_rdma_bytes =
+        epx::get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
+    options.ranks_per_node = c.ranks_per_node;
+    options.wait_timeout_s = 20.0;
+    epx::Buffer buffer(bootstrap, options);
+    if (!buffer.spans_nodes()) throw std::runtime_error("the buffer should span 2 nodes");
+    epx::test::LowLatencyRunner(c, buffer).run();
+    epx::clean_low_latency_buffer(buffer, c.num_max_tokens, c.hidden, c.num_experts, epx::StreamOrder{});
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    LowLatencyCase again = c;
+    again.seed = 7;
+    epx::test::LowLatencyRunner(again, buffer).run();
+    buffer.destroy();
+  });
+}
+
+TEST(LowLatencyNodes, RanksPerNodeMustDivideRanks) {
+  run_ranks(2, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_rdma_bytes = size_t(2) << 20;
+    options.ranks_per_node = 3;
+    epx::test::expect_error([&] { epx::Buffer buffer(bootstrap, options); }, "ranks_per_node");
+  });
+}
+
+// ---- 4 GPUs as 2 nodes x 2: NVLink inside a node, NVSHMEM between nodes ----
+
+TEST(LowLatencyNodes, Fp8TwoNodesOfTwo) {
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_fp8 = true;
+  c.unbalanced = true;
+  c.num_iterations = 3;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_logfmt = true;
+  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
+  c.pending_pairs = true;
+  c.num_iterations = 4;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, GraphReplayFourNodesOfOne) {
+  LowLatencyCase c = nodes_case(4, 1);
+  c.use_fp8 = true;
+  c.num_iterations = 3;
+  c.graph = true;
+  run_case(c);
+}
+
+}  // namespace
