@@ -107,6 +107,7 @@ struct CombineOutput {
 };
 
 // Sums, without weights, every copy of each token returned by the ranks it went to, then adds the biases.
+// The outputs must not overlap x or topk_weights: the reduce that writes them reads own rows from there.
 Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& input,
               const CombineOutput& out, const StreamOrder& order);
 

@@ -16,11 +16,13 @@ constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr int kReduceThreads = 512;
 constexpr int kReduceWarps = kReduceThreads / 32;
 
-// ---- Push: every received row goes back to its source rank, into the slot it was sent from. ----
+// ---- Push: every row received from a peer goes back to it, into the slot it was sent from. ----
+// Rows this rank received from itself stay where they are: the reduce reads them from `x`.
 __global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
   __shared__ int offsets[kMaxNvlRanks + 1];
   const NormalLayout& layout = args.layout;
   const int num_ranks = args.peers.num_ranks;
+  const int rank = args.peers.rank;
   const int parity = parity_before_barrier(args.peers);
   if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
   __syncthreads();
@@ -28,19 +30,22 @@ __global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
   const int num_topk = layout.shape.num_topk;
   const size_t row_bytes = layout.combine_row_bytes();
   const int num_warps = gridDim.x * kCopyWarps;
+  const int num_remote = num_ranks - 1;
   int max_rows_per_src = 0;
-  for (int src = 0; src < num_ranks; ++src)
-    max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
-  for (int j = blockIdx.x * kCopyWarps + threadIdx.x / 32; j < max_rows_per_src * num_ranks; j += num_warps) {
+  for (int src = 0; src < num_ranks; ++src) {
+    if (src != rank) max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
+  }
+  for (int j = blockIdx.x * kCopyWarps + threadIdx.x / 32; j < max_rows_per_src * num_remote;
+       j += num_warps) {
     int src = 0;
-    const int row = interleaved_row(j, offsets, num_ranks, args.peers.rank, src);
+    const int row = interleaved_remote_row(j, offsets, num_ranks, rank, src);
     if (row < 0) continue;
     const int slot = row - offsets[src];
     void* peer = args.peers.peer_bases[src];
-    warp_copy<false>(layout.combine_x_row(peer, parity, args.peers.rank, slot),
+    warp_copy<false>(layout.combine_x_row(peer, parity, rank, slot),
                      static_cast<const char*>(args.x) + row * row_bytes, row_bytes, lane);
     if (args.topk_weights != nullptr && lane < num_topk) {
-      layout.combine_weights_row(peer, parity, args.peers.rank, slot)[lane] =
+      layout.combine_weights_row(peer, parity, rank, slot)[lane] =
           args.topk_weights[static_cast<size_t>(row) * num_topk + lane];
     }
   }
@@ -61,15 +66,19 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) 
 }
 
 // ---- Reduce: each token sums its returned copies in ascending rank order, then the biases. ----
+// Peers' copies come from this rank's buffer, its own copy straight from the combine input (never pushed).
 __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args) {
   const NormalLayout& layout = args.layout;
   const int num_ranks = args.peers.num_ranks;
+  const int rank = args.peers.rank;
   const int parity = parity_after_barrier(args.peers);
   const int lane = threadIdx.x % 32;
   const int num_topk = layout.shape.num_topk;
   const int num_chunks = layout.shape.hidden / 8;
   const int num_warps = gridDim.x * kReduceWarps;
   void* local = args.peers.local_base;
+  // Row of `x` holding own slot 0: rows received from this rank follow in slot order.
+  const int own_offset = args.handle.recv_offsets[rank];
   for (int t = blockIdx.x * kReduceWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
     // Slot of the token's copy returned by each rank (-1: not sent there); registers, so indexed by
     // constants.
@@ -85,7 +94,10 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
 #pragma unroll
       for (int r = 0; r < kMaxNvlRanks; ++r) {
         if (slots[r] < 0) continue;
-        const auto* row = reinterpret_cast<const int4*>(layout.combine_x_row(local, parity, r, slots[r]));
+        const auto* row = reinterpret_cast<const int4*>(
+            r == rank ? static_cast<const char*>(args.x) +
+                            static_cast<size_t>(own_offset + slots[r]) * layout.combine_row_bytes()
+                      : layout.combine_x_row(local, parity, r, slots[r]));
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -114,7 +126,9 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
       float sum = 0.0f;
 #pragma unroll
       for (int r = 0; r < kMaxNvlRanks; ++r) {
-        if (slots[r] >= 0) sum += layout.combine_weights_row(local, parity, r, slots[r])[lane];
+        if (slots[r] < 0) continue;
+        sum += r == rank ? args.topk_weights[static_cast<size_t>(own_offset + slots[r]) * num_topk + lane]
+                         : layout.combine_weights_row(local, parity, r, slots[r])[lane];
       }
       args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = sum;
     }

@@ -94,6 +94,8 @@ struct ReduceArgs {
   NormalLayout layout;
   HandleArrays handle;
   int num_tokens;
+  const void* x;  // the combine input (as in PushArgs): this rank's own copies are read from it, not pushed
+  const float* topk_weights;
   const void* bias0;
   const void* bias1;
   void* combined_x;

@@ -278,9 +278,10 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   kernels::PushArgs push{peers, layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
   kernels::launch_combine_push(push, stream);
   kernels::launch_barrier(peers, stream);
-  kernels::ReduceArgs reduce{peers,           layout,   state.arrays,   state.num_tokens,
-                             in.bias0,        in.bias1, out.combined_x, out.combined_topk_weights,
-                             buffer.num_sms()};
+  kernels::ReduceArgs reduce{
+      peers,           layout,   state.arrays, state.num_tokens, in.x,
+      in.topk_weights, in.bias0, in.bias1,     out.combined_x,   out.combined_topk_weights,
+      buffer.num_sms()};
   kernels::launch_combine_reduce(reduce, stream);
   return end_on_comm_stream(buffer, order);
 }

@@ -43,7 +43,8 @@ struct NormalShape {
 //     stage_scales[cap][num_scales]
 //     stage_topk_idx[cap][K]        int32 global expert ids
 //     stage_topk_weights[cap][K]
-//     combine_x[R][cap][hidden]     BF16 rows returned by each expert-holding rank
+//     combine_x[R][cap][hidden]     BF16 rows returned by each expert-holding rank (this rank's own part
+//                                   stays unused: combine reads its own rows from its input)
 //     combine_weights[R][cap][K]
 struct NormalLayout {
   NormalShape shape;
