@@ -29,11 +29,11 @@ if(EPX_HAVE_NVSHMEM)
     target_include_directories(epx_nvshmem PUBLIC ${PROJECT_SOURCE_DIR}/include PRIVATE ${PROJECT_SOURCE_DIR}/src)
     # SYSTEM: NVSHMEM's own headers are not warning-clean under our flags.
     target_include_directories(epx_nvshmem SYSTEM PUBLIC ${EPX_NVSHMEM_INCLUDE_DIR})
-    target_link_libraries(epx_nvshmem PUBLIC epx_cuda ${EPX_NVSHMEM_HOST_LIBRARY} ${EPX_NVSHMEM_DEVICE_LIBRARY})
+    # epx_core only: epx_cuda links this library (no cycle, so a clean parallel build orders them).
+    target_link_libraries(epx_nvshmem PUBLIC epx_core CUDA::cudart ${EPX_NVSHMEM_HOST_LIBRARY} ${EPX_NVSHMEM_DEVICE_LIBRARY})
     target_compile_definitions(epx_nvshmem PUBLIC EPX_HAVE_NVSHMEM=1)
     target_compile_options(epx_nvshmem PRIVATE $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo>)
-    # The runtime reaches the transport through runtime/remote_memory.hpp and the *_remote launchers (a cycle
-    # of static libraries, which CMake links by repeating them).
+    # The runtime reaches the transport through runtime/remote_memory.hpp and the *_remote launchers.
     target_link_libraries(epx_cuda PUBLIC epx_nvshmem)
   endif()
 endif()
