@@ -15,6 +15,7 @@ struct BenchOptions {
   std::vector<int> num_sms = {24};
   int ll_num_tokens = 128;
   int ll_num_experts = 288;
+  int ll_ranks_per_node = 0;  // 0: one node; fewer than the ranks: virtual nodes joined by NVSHMEM
   int warmup = 5;
   int iters = 30;
   bool json = false;

@@ -36,6 +36,7 @@ from .results import (  # noqa: E402
 EpxError = _epx.EpxError
 __version__ = _epx.__version__
 WITH_CUDA = bool(_epx.WITH_CUDA)
+WITH_NVSHMEM = bool(_epx.WITH_NVSHMEM)
 MAX_TOPK = _epx.MAX_TOPK
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "MAX_TOPK",
     "RecvHook",
     "WITH_CUDA",
+    "WITH_NVSHMEM",
     "get_low_latency_rdma_size_hint",
     "group_bootstrap",
     "normal_nvl_buffer_size_hint",

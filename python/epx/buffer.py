@@ -71,6 +71,9 @@ class Buffer:
         num_sms: SM budget of the normal-mode kernels (a call's Config overrides it for that call).
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
             a timeout raises EpxError naming the rank, peer and phase.
+        ranks_per_node: ranks per NVLink node (0: all ranks). Fewer splits the group into nodes of consecutive
+            ranks; low-latency traffic between nodes goes through NVSHMEM (epx.WITH_NVSHMEM). On one host
+            this makes virtual nodes. The environment's EPX_RANKS_PER_NODE overrides it.
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -80,7 +83,7 @@ class Buffer:
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
-                 bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
+                 ranks_per_node: int = 0, bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
         _require_cuda_runtime()
         t = torch()
         if bootstrap is None:
@@ -94,7 +97,7 @@ class Buffer:
         self.device = t.device("cuda", t.cuda.current_device())  # also initialises torch's CUDA context
         options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
                                      low_latency_mode=bool(low_latency_mode), num_sms=int(num_sms),
-                                     wait_timeout_s=float(wait_timeout_s))
+                                     wait_timeout_s=float(wait_timeout_s), ranks_per_node=int(ranks_per_node))
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
         self.rank = rank
         self.num_ranks = num_ranks

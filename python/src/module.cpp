@@ -16,6 +16,12 @@ PYBIND11_MODULE(_epx, m) {
   epx::python::bind_core(m);
   py::module_ reference = m.def_submodule("reference", "The CPU reference (the tests' oracle) and test data");
   epx::python::bind_reference(reference);
+  // Whether low-latency groups may span nodes (BufferOptions.ranks_per_node < num_ranks).
+#if defined(EPX_HAVE_NVSHMEM)
+  m.attr("WITH_NVSHMEM") = true;
+#else
+  m.attr("WITH_NVSHMEM") = false;
+#endif
 #if defined(EPX_WITH_CUDA)
   m.attr("WITH_CUDA") = true;
   epx::python::bind_runtime(m);

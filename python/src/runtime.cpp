@@ -42,16 +42,18 @@ void bind_buffer(py::module_& m) {
   py::class_<BufferOptions> options(m, "BufferOptions");
   options
       .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, bool low_latency_mode, int num_sms,
-                       double wait_timeout_s) {
-             return BufferOptions{num_nvl_bytes, num_rdma_bytes, low_latency_mode, num_sms, wait_timeout_s};
+                       double wait_timeout_s, int ranks_per_node) {
+             return BufferOptions{num_nvl_bytes,  num_rdma_bytes, low_latency_mode,
+                                  num_sms,        wait_timeout_s, ranks_per_node};
            }),
            py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("low_latency_mode") = false,
-           py::arg("num_sms") = 20, py::arg("wait_timeout_s") = 30.0)
+           py::arg("num_sms") = 20, py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
       .def_readwrite("low_latency_mode", &BufferOptions::low_latency_mode)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
-      .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s);
+      .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s)
+      .def_readwrite("ranks_per_node", &BufferOptions::ranks_per_node);
 
   // Construction and destroy() run collectives through the bootstrap callbacks: they keep the GIL.
   py::class_<PyBuffer>(m, "Buffer")
@@ -62,6 +64,8 @@ void bind_buffer(py::module_& m) {
       .def_property_readonly("is_destroyed", [](const PyBuffer& self) { return self.get().is_destroyed(); })
       .def_property_readonly("rank", [](const PyBuffer& self) { return self.get().rank(); })
       .def_property_readonly("num_ranks", [](const PyBuffer& self) { return self.get().num_ranks(); })
+      .def_property_readonly("ranks_per_node", [](const PyBuffer& self) { return self.get().ranks_per_node(); })
+      .def_property_readonly("spans_nodes", [](const PyBuffer& self) { return self.get().spans_nodes(); })
       .def_property_readonly("device", [](const PyBuffer& self) { return self.get().device(); })
       .def_property_readonly("num_device_sms",
                              [](const PyBuffer& self) { return self.get().num_device_sms(); })

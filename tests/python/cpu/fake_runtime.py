@@ -76,6 +76,7 @@ class FakeBinding:
 
     EpxError = epx.EpxError
     WITH_CUDA = True
+    WITH_NVSHMEM = False
     TokenFormat = SimpleNamespace(BF16="bf16", FP8="fp8")
     StreamOrder = Struct
     DispatchLayoutOutput = Struct

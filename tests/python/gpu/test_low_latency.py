@@ -216,3 +216,33 @@ def low_latency_worker(rank, num_ranks, group):
 @pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
 def test_low_latency_against_reference(num_ranks):
     run(low_latency_worker, num_ranks)
+
+
+def virtual_nodes_worker(rank, num_ranks, group):
+    """The DeepEP-compatible calls, unchanged, on a group split into nodes of one GPU: every peer is reached
+    through NVSHMEM, in a process where torch is loaded too."""
+    import os
+
+    import torch
+
+    import epx.compat.deep_ep as deep_ep
+
+    os.environ["EPX_RANKS_PER_NODE"] = "1"
+    device = torch.device("cuda", rank)
+    num_experts = 4 * num_ranks
+    num_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, num_ranks, num_experts)
+    buffer = deep_ep.Buffer(group, num_rdma_bytes=num_bytes, low_latency_mode=True,
+                            num_qps_per_rank=num_experts // num_ranks, explicitly_destroy=True)
+    assert buffer.runtime.runtime.spans_nodes
+    for i, case in enumerate(CASES):
+        one_round(buffer, World(num_ranks, num_experts, 300 + i, case), rank, num_experts, case, device)
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
+def test_low_latency_virtual_nodes(num_ranks):
+    import epx
+
+    if not epx.WITH_NVSHMEM:
+        pytest.skip("epx was built without the NVSHMEM transport")
+    run(virtual_nodes_worker, num_ranks)
