@@ -204,6 +204,23 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
         {logfmt ? "LL combine LogFMT" : "LL combine BF16", 0, us, logfmt ? logfmt_bytes : bf16_bytes});
   }
 
+  // The same calls captured in a CUDA graph and replayed back to back: GPU time without the host's issue
+  // cost (what a graph-captured decode step pays, and what kernel-time measurements report). Two calls per
+  // graph, one in each buffer half: a replay then never sends into a half a peer may still be reading.
+  const double dispatch_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+    for (int i = 0; i < 2; ++i)
+      low_latency_dispatch(buffer, dispatch_input(s, xs[i].get(), ids.get(), true), fp8_out.view(true), order);
+  });
+  out.push_back({"LL dispatch FP8, graph replay", 0, dispatch_graph_us, fp8_bytes});
+  const double combine_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+    for (int i = 0; i < 2; ++i) {
+      low_latency_combine(buffer, d.handle,
+                          combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), false),
+                          combined.get(), order);
+    }
+  });
+  out.push_back({"LL combine BF16, graph replay", 0, combine_graph_us, bf16_bytes});
+
   // Hook mode: the send and the receive phase timed apart.
   const auto [dispatch_send, dispatch_recv] =
       hook_phases_us(bootstrap, stream, o.warmup, o.iters, [&](int i) {

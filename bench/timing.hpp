@@ -45,6 +45,41 @@ inline double median_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, i
   return median(std::move(times));
 }
 
+// GPU time of one of the `calls_per_body` calls `body` makes, with the host's issue cost hidden: `body` is
+// captured once into a CUDA graph, and each timed run replays it kReplays times back to back between two
+// events (the host enqueues the replays while the GPU runs them, so the interval holds the kernels and the
+// gaps between them only, as a CUDA-graph decode step sees them). Returns the median in microseconds.
+inline double median_graph_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, int iters,
+                              int calls_per_body, const std::function<void()>& body) {
+  constexpr int kReplays = 20;
+  cudaGraph_t graph = nullptr;
+  cudaGraphExec_t exec = nullptr;
+  EPX_CUDA_CHECK(cudaStreamBeginCapture(stream, cudaStreamCaptureModeRelaxed));
+  body();
+  EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
+  EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+  cudaEvent_t start = nullptr, stop = nullptr;
+  EPX_CUDA_CHECK(cudaEventCreate(&start));
+  EPX_CUDA_CHECK(cudaEventCreate(&stop));
+  std::vector<float> times;
+  for (int i = 0; i < warmup + iters; ++i) {
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    bootstrap.barrier();
+    EPX_CUDA_CHECK(cudaEventRecord(start, stream));
+    for (int r = 0; r < kReplays; ++r) EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream));
+    EPX_CUDA_CHECK(cudaEventRecord(stop, stream));
+    EPX_CUDA_CHECK(cudaEventSynchronize(stop));
+    float ms = 0;
+    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
+    if (i >= warmup) times.push_back(ms * 1000.0f / (kReplays * calls_per_body));
+  }
+  cudaEventDestroy(start);
+  cudaEventDestroy(stop);
+  cudaGraphExecDestroy(exec);
+  cudaGraphDestroy(graph);
+  return median(std::move(times));
+}
+
 // Evicts L2 between throughput runs by writing a buffer larger than it.
 class L2Flusher {
  public:

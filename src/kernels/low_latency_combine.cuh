@@ -35,50 +35,67 @@ size_t combine_smem_bytes(const LowLatencyLayout& layout) {
 
 // ---- Send ----
 
+// Group `group` of a row (lane l holds channels 4l..4l+3 in `raw`) into its payload and metadata word.
+__device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, int group, const uint2 raw,
+                                                    int lane) {
+  const float values[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
+                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
+  float max_key = 0.0f;
+  float min_key = __uint_as_float(0x7F800000u);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    max_key = fmaxf(max_key, logfmt_abs_for_max(values[i]));
+    min_key = fminf(min_key, logfmt_abs_for_min(values[i]));
+  }
+#pragma unroll
+  for (int offset = 16; offset > 0; offset >>= 1) {
+    max_key = fmaxf(max_key, __shfl_xor_sync(kFullMask, max_key, offset));
+    min_key = fminf(min_key, __shfl_xor_sync(kFullMask, min_key, offset));
+  }
+  char* payload = slot + size_t(group) * kLogfmtPayloadStride;
+  if (!logfmt_group_qualifies(max_key)) {  // warp-uniform
+    reinterpret_cast<uint2*>(payload)[lane] = raw;
+    if (lane == 0) meta[group] = kLogfmtFallbackMarker;
+    return;
+  }
+  const LogfmtParams params = logfmt_params(max_key, min_key);
+  const unsigned long long packed =
+      logfmt_pack_codes4(logfmt_encode_value(values[0], params), logfmt_encode_value(values[1], params),
+                         logfmt_encode_value(values[2], params), logfmt_encode_value(values[3], params));
+#pragma unroll
+  for (int round = 0; round < 2; ++round) {
+    const int word = lane + 32 * round;
+    const int bit = 32 * min(word, kLogfmtCodeWords - 1);
+    const int src_lane = bit / 40;
+    const int shift = bit - 40 * src_lane;
+    const unsigned long long low = __shfl_sync(kFullMask, packed, src_lane);
+    const unsigned long long high = __shfl_sync(kFullMask, packed, min(src_lane + 1, 31));
+    if (word < kLogfmtCodeWords)
+      reinterpret_cast<uint32_t*>(payload)[word] =
+          static_cast<uint32_t>((low >> shift) | (high << (40 - shift)));
+  }
+  if (lane == 0) meta[group] = params.max_bits | (static_cast<uint32_t>(params.min_bits) << 16);
+}
+
 // One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
 // of the group's code stream; lanes assemble the stream into 32-bit words with two shuffles each. Payloads
-// go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g is read
-// completely before its payload is written, so `slot` may be `row` itself (encoding in place).
+// go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g's payload
+// covers only group g's input bytes and is written after they were read, so `slot` may be `row` itself
+// (encoding in place).
 __device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* row, int num_groups, int lane) {
-  for (int group = 0; group < num_groups; ++group) {
-    const uint2 raw = __ldcg(reinterpret_cast<const uint2*>(row + group * kLogfmtGroupSize) + lane);
-    const float values[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
-                             __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
-    float max_key = 0.0f;
-    float min_key = __uint_as_float(0x7F800000u);
+  // kBatch groups' loads in flight together; a batch is loaded before any of its payloads is written.
+  constexpr int kBatch = 8;
+  for (int group0 = 0; group0 < num_groups; group0 += kBatch) {
+    uint2 batch[kBatch];
 #pragma unroll
-    for (int i = 0; i < 4; ++i) {
-      max_key = fmaxf(max_key, logfmt_abs_for_max(values[i]));
-      min_key = fminf(min_key, logfmt_abs_for_min(values[i]));
+    for (int u = 0; u < kBatch; ++u) {
+      if (group0 + u < num_groups)
+        batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
     }
 #pragma unroll
-    for (int offset = 16; offset > 0; offset >>= 1) {
-      max_key = fmaxf(max_key, __shfl_xor_sync(kFullMask, max_key, offset));
-      min_key = fminf(min_key, __shfl_xor_sync(kFullMask, min_key, offset));
+    for (int u = 0; u < kBatch; ++u) {
+      if (group0 + u < num_groups) encode_logfmt_group(slot, meta, group0 + u, batch[u], lane);
     }
-    char* payload = slot + size_t(group) * kLogfmtPayloadStride;
-    if (!logfmt_group_qualifies(max_key)) {  // warp-uniform
-      reinterpret_cast<uint2*>(payload)[lane] = raw;
-      if (lane == 0) meta[group] = kLogfmtFallbackMarker;
-      continue;
-    }
-    const LogfmtParams params = logfmt_params(max_key, min_key);
-    const unsigned long long packed =
-        logfmt_pack_codes4(logfmt_encode_value(values[0], params), logfmt_encode_value(values[1], params),
-                           logfmt_encode_value(values[2], params), logfmt_encode_value(values[3], params));
-#pragma unroll
-    for (int round = 0; round < 2; ++round) {
-      const int word = lane + 32 * round;
-      const int bit = 32 * min(word, kLogfmtCodeWords - 1);
-      const int src_lane = bit / 40;
-      const int shift = bit - 40 * src_lane;
-      const unsigned long long low = __shfl_sync(kFullMask, packed, src_lane);
-      const unsigned long long high = __shfl_sync(kFullMask, packed, min(src_lane + 1, 31));
-      if (word < kLogfmtCodeWords)
-        reinterpret_cast<uint32_t*>(payload)[word] =
-            static_cast<uint32_t>((low >> shift) | (high << (40 - shift)));
-    }
-    if (lane == 0) meta[group] = params.max_bits | (static_cast<uint32_t>(params.min_bits) << 16);
   }
 }
 
@@ -213,15 +230,41 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      for (int k = 0; k < num_topk; ++k) {
-        const int pos = small.slot_pos[k];
-        if (pos < 0) continue;
-        float values[8];
-        load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
-                       layout.num_groups(), chunk, args.use_logfmt, values);
-        const float weight = small.weights[k];
+      if (args.use_logfmt) {
+        for (int k = 0; k < num_topk; ++k) {
+          const int pos = small.slot_pos[k];
+          if (pos < 0) continue;
+          float values[8];
+          load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
+                         layout.num_groups(), chunk, true, values);
+          const float weight = small.weights[k];
 #pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+        }
+      } else {
+        // kBatch listings' loads in flight together, then added in top-k order.
+        constexpr int kBatch = 4;
+        for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
+          int4 raw[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+            if (pos >= 0) {
+              raw[u] = __ldcg(local_at<const int4>(args.peers,
+                                                   layout.combine_recv_slot_offset(args.half, token, pos)) +
+                              chunk);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
+            float values[8];
+            unpack_bf16x8(raw[u], values);
+            const float weight = small.weights[k0 + u];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+          }
+        }
       }
       uint32_t words[4];
 #pragma unroll

@@ -162,13 +162,19 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
 // The expert of top-k entry `entry` (flat t * K + k) if it is that token's first listing of it, else -1: a
 // token listing an expert twice is one row (the first listing's), and combine weights that row once per
 // listing.
+// NOTES: the earlier listings are loaded unrolled and predicated, so their loads are in flight together
+// instead of one round trip each (this runs on the routing block's critical path).
 __device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
                                                    int num_experts) {
+  const int first = entry - entry % num_topk;
+  int64_t earlier[kMaxTopk - 1];
+#pragma unroll
+  for (int j = 0; j < kMaxTopk - 1; ++j) earlier[j] = first + j < entry ? __ldg(topk_idx + first + j) : -1;
   const int expert = expert_at(topk_idx, entry, num_experts);
-  if (expert < 0) return -1;
-  for (int j = entry - entry % num_topk; j < entry; ++j)
-    if (expert_at(topk_idx, j, num_experts) == expert) return -1;
-  return expert;
+  bool repeated = false;
+#pragma unroll
+  for (int j = 0; j < kMaxTopk - 1; ++j) repeated |= earlier[j] == expert;
+  return repeated ? -1 : expert;
 }
 
 }  // namespace epx::kernels::low_latency
