@@ -78,10 +78,17 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
   const int seg_end = min(num_entries, seg_begin + per_warp);
   int* warp_hist = hist + warp * num_experts;
 
-  for (int base = seg_begin; base < seg_end; base += 32) {
+  // The first kCachedRounds rounds' experts stay in registers for the second pass (no second round trip).
+  constexpr int kCachedRounds = 4;
+  int cached[kCachedRounds];
+  int round = 0;
+  for (int base = seg_begin; base < seg_end; base += 32, ++round) {
     const int expert = base + lane < seg_end
                            ? first_listed_expert(args.topk_idx, base + lane, args.num_topk, num_experts)
                            : -1;
+#pragma unroll
+    for (int r = 0; r < kCachedRounds; ++r)
+      if (r == round) cached[r] = expert;
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
     __syncwarp();
@@ -105,10 +112,17 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
   }
   __syncthreads();
 
-  for (int base = seg_begin; base < seg_end; base += 32) {
+  round = 0;
+  for (int base = seg_begin; base < seg_end; base += 32, ++round) {
     const int entry = base + lane;
-    const int expert =
-        entry < seg_end ? first_listed_expert(args.topk_idx, entry, args.num_topk, num_experts) : -1;
+    int expert = -1;
+    if (round < kCachedRounds) {
+#pragma unroll
+      for (int r = 0; r < kCachedRounds; ++r)
+        if (r == round) expert = cached[r];
+    } else if (entry < seg_end) {
+      expert = first_listed_expert(args.topk_idx, entry, args.num_topk, num_experts);
+    }
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0) {
       const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
