@@ -37,7 +37,8 @@ void print_help() {
       "  --num-sms a,b,c                 SM budgets of the normal kernels (default 24)\n"
       "  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)\n"
       "  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes\n"
-      "                                  whose traffic between them goes through NVSHMEM (default: one node)\n"
+      "                                  whose traffic between them goes through NVSHMEM (default: one "
+      "node)\n"
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
@@ -176,8 +177,8 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       if (o.ll_ranks_per_node > 0 && o.ll_ranks_per_node < num_ranks)
         header << " (" << num_ranks / o.ll_ranks_per_node << " nodes of " << o.ll_ranks_per_node
                << ", NVSHMEM between them)";
-      header << ", " << o.ll_num_tokens << " tokens/rank, hidden "
-             << o.hidden << ", top-" << o.num_topk << " of " << o.ll_num_experts
+      header << ", " << o.ll_num_tokens << " tokens/rank, hidden " << o.hidden << ", top-" << o.num_topk
+             << " of " << o.ll_num_experts
              << " experts (GB/s = selections x bytes per selection / time; verified before timing)";
       if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "low-latency");
     }

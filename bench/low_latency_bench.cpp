@@ -209,7 +209,8 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   // graph, one in each buffer half: a replay then never sends into a half a peer may still be reading.
   const double dispatch_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
     for (int i = 0; i < 2; ++i)
-      low_latency_dispatch(buffer, dispatch_input(s, xs[i].get(), ids.get(), true), fp8_out.view(true), order);
+      low_latency_dispatch(buffer, dispatch_input(s, xs[i].get(), ids.get(), true), fp8_out.view(true),
+                           order);
   });
   out.push_back({"LL dispatch FP8, graph replay", 0, dispatch_graph_us, fp8_bytes});
   const double combine_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {

@@ -43,8 +43,8 @@ void bind_buffer(py::module_& m) {
   options
       .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, bool low_latency_mode, int num_sms,
                        double wait_timeout_s, int ranks_per_node) {
-             return BufferOptions{num_nvl_bytes,  num_rdma_bytes, low_latency_mode,
-                                  num_sms,        wait_timeout_s, ranks_per_node};
+             return BufferOptions{num_nvl_bytes, num_rdma_bytes, low_latency_mode,
+                                  num_sms,       wait_timeout_s, ranks_per_node};
            }),
            py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("low_latency_mode") = false,
            py::arg("num_sms") = 20, py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0)
@@ -64,7 +64,8 @@ void bind_buffer(py::module_& m) {
       .def_property_readonly("is_destroyed", [](const PyBuffer& self) { return self.get().is_destroyed(); })
       .def_property_readonly("rank", [](const PyBuffer& self) { return self.get().rank(); })
       .def_property_readonly("num_ranks", [](const PyBuffer& self) { return self.get().num_ranks(); })
-      .def_property_readonly("ranks_per_node", [](const PyBuffer& self) { return self.get().ranks_per_node(); })
+      .def_property_readonly("ranks_per_node",
+                             [](const PyBuffer& self) { return self.get().ranks_per_node(); })
       .def_property_readonly("spans_nodes", [](const PyBuffer& self) { return self.get().spans_nodes(); })
       .def_property_readonly("device", [](const PyBuffer& self) { return self.get().device(); })
       .def_property_readonly("num_device_sms",

@@ -155,8 +155,9 @@ __device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* pref
     }
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
     if (args.use_logfmt) {
-      encode_logfmt_row(slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride),
-                        row, layout.num_groups(), lane);
+      encode_logfmt_row(
+          slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
+          layout.num_groups(), lane);
     } else {
       warp_copy<false>(slot, row, size_t(hidden) * 2, lane);
     }
@@ -250,9 +251,9 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           for (int u = 0; u < kBatch; ++u) {
             const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
             if (pos >= 0) {
-              raw[u] = __ldcg(local_at<const int4>(args.peers,
-                                                   layout.combine_recv_slot_offset(args.half, token, pos)) +
-                              chunk);
+              raw[u] = __ldcg(
+                  local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)) +
+                  chunk);
             }
           }
 #pragma unroll

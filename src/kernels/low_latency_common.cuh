@@ -39,7 +39,8 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // destination publishes `value` into that destination's receive flag for this rank.
 // NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
 // arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
-// flag, so the receiver's acquire of the flag orders every data store and put of every block before its reads.
+// flag, so the receiver's acquire of the flag orders every data store and put of every block before its
+// reads.
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value) {

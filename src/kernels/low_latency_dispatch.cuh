@@ -49,11 +49,10 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
     const int dst = expert / num_local;
     const int count = totals[expert];
     if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
-    Remote::put_warp(
-        local_at<int>(args.peers, layout.dispatch_recv_index_offset(args.half, expert % num_local,
-                                                                    args.peers.rank)),
-        local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert)),
-        sizeof(int) * count, dst);
+    Remote::put_warp(local_at<int>(args.peers, layout.dispatch_recv_index_offset(
+                                                   args.half, expert % num_local, args.peers.rank)),
+                     local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert)),
+                     sizeof(int) * count, dst);
   }
 }
 
@@ -128,9 +127,9 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
       const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
       const int dst = expert / num_local;
       int* list = is_direct<Remote>(args.peers, dst)
-                      ? peer_at<int>(args.peers, dst,
-                                     layout.dispatch_recv_index_offset(args.half, expert % num_local,
-                                                                       args.peers.rank))
+                      ? peer_at<int>(
+                            args.peers, dst,
+                            layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
                       : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
       const int token = entry / args.num_topk;
       list[slot] = (token << 4) | (entry % args.num_topk);
@@ -243,7 +242,8 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
         __syncthreads();
         const int warp = threadIdx.x / 32;
         if (warp < small.num_remote) {
-          const size_t bytes = args.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
+          const size_t bytes =
+              args.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
           Remote::put_warp(
               local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);

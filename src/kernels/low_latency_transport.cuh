@@ -34,7 +34,8 @@ __device__ __forceinline__ bool is_direct(const PeerContext& peers, int rank) {
 template <typename Remote>
 __device__ __forceinline__ void signal_rank(const PeerContext& peers, int rank, size_t offset, int value) {
   if (is_direct<Remote>(peers, rank)) {
-    device::st_release_sys(reinterpret_cast<int*>(static_cast<char*>(peers.peer_bases[rank]) + offset), value);
+    device::st_release_sys(reinterpret_cast<int*>(static_cast<char*>(peers.peer_bases[rank]) + offset),
+                           value);
   } else {
     Remote::put_int(reinterpret_cast<int*>(static_cast<char*>(peers.local_base) + offset), value, rank);
     Remote::quiet();

@@ -18,9 +18,36 @@ __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int 
   return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
 }
 
-// ---- Stage: this rank's tokens go into its own buffer, where the destinations will pull them from. ----
+// Called by every thread of every stage block at its end: the last block tells every rank that this rank's
+// stage is complete (monotonic count, like the barrier signals).
+// NOTES: each thread fences its own staged stores at system scope before its block's arrival is counted; the
+// last arriver fences again and releases the signal, so a puller that acquired it sees every staged row.
+__device__ __forceinline__ void publish_staged(const PeerContext& peers) {
+  __shared__ bool is_last;
+  auto* local = NormalLayout::control(peers.local_base);
+  __threadfence_system();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(&local->stage_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence_system();
+  const int count = local->stage_count + 1;
+  if (threadIdx.x < peers.num_ranks) {
+    device::st_release_sys(&NormalLayout::control(peers.peer_bases[threadIdx.x])->staged_signal[peers.rank],
+                           count);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    local->stage_arrivals = 0;
+    local->stage_count = count;
+  }
+}
+
+// ---- Stage: this rank's tokens go into its own buffer, where the destinations will pull them from. It
+// runs after notify's barrier (so the host's wait for the counts overlaps it) and publishes its own
+// completion; the pull waits for that per source. ----
 __global__ void __launch_bounds__(kCopyThreads) stage_kernel(StageArgs args) {
-  const int parity = parity_before_barrier(args.peers);
+  const int parity = parity_after_barrier(args.peers);
   const NormalLayout& layout = args.layout;
   const int lane = threadIdx.x % 32;
   const int num_warps = gridDim.x * kCopyWarps;
@@ -40,6 +67,7 @@ __global__ void __launch_bounds__(kCopyThreads) stage_kernel(StageArgs args) {
           args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
     }
   }
+  publish_staged(args.peers);
 }
 
 // ---- Notify: publish send lists and counts, meet, then learn what arrives from whom. One block. ----
@@ -126,6 +154,14 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
   const int rank = args.peers.rank;
   const int parity = parity_after_barrier(args.peers);
   if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
+  // Every source staged this operation's rows: its stage count reached this rank's (every rank stages once
+  // per dispatch, and a source can not stage the next one before this rank's next notify).
+  if (threadIdx.x < num_ranks) {
+    const auto* control = NormalLayout::control(args.peers.local_base);
+    const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
+    device::wait_at_least(&control->staged_signal[threadIdx.x], control->stage_count, ctx, threadIdx.x,
+                          WaitPhase::kDispatchReceive);
+  }
   __syncthreads();
 
   const int lane = threadIdx.x % 32;
@@ -174,7 +210,7 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
 }  // namespace
 
 void launch_dispatch_stage(const StageArgs& args, cudaStream_t stream) {
-  if (args.num_tokens == 0) return;
+  // Launched with no tokens too: its completion signal is what the peers' pulls wait for.
   stage_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }

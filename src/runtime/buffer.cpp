@@ -61,7 +61,7 @@ struct Buffer::State {
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
   std::optional<IpcMemory> nvl;
-  std::optional<IpcMemory> rdma;        // low-latency memory of a one-node group
+  std::optional<IpcMemory> rdma;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
   size_t rdma_bytes = 0;
   void* const* nvl_table = nullptr;
@@ -257,12 +257,24 @@ void Buffer::check_timeout() const {
   if (reinterpret_cast<const volatile int32_t&>(record.flag) == 1) EPX_FAIL(describe_wait_timeout(record));
 }
 
+namespace {
+
+[[noreturn]] void raise_failed_wait(const Buffer& buffer, cudaError_t status) {
+  buffer.check_timeout();
+  EPX_FAIL("rank ", buffer.rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
+           cudaGetErrorString(status));
+}
+
+}  // namespace
+
+void Buffer::wait_event(cudaEvent_t event) const {
+  const cudaError_t status = cudaEventSynchronize(event);
+  if (status != cudaSuccess) raise_failed_wait(*this, status);
+}
+
 void Buffer::synchronize(cudaStream_t stream) const {
   const cudaError_t status = cudaStreamSynchronize(stream);
-  if (status == cudaSuccess) return;
-  check_timeout();
-  EPX_FAIL("rank ", rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
-           cudaGetErrorString(status));
+  if (status != cudaSuccess) raise_failed_wait(*this, status);
 }
 
 }  // namespace epx

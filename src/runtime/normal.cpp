@@ -1,6 +1,7 @@
 #include "epx/normal.hpp"
 
 #include <algorithm>
+#include <memory>
 
 #include "common/cuda_check.hpp"
 #include "epx/error.hpp"
@@ -171,9 +172,6 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   begin_on_comm_stream(buffer, order);
   const cudaStream_t stream = buffer.comm_stream();
   const kernels::PeerContext peers = peer_context(buffer);
-  kernels::StageArgs stage{peers,       layout,          in.x,          in.x_scales,
-                           in.topk_idx, in.topk_weights, in.num_tokens, buffer.num_sms()};
-  kernels::launch_dispatch_stage(stage, stream);
   kernels::NotifyArgs notify{
       peers,
       layout,
@@ -185,12 +183,25 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       state->arrays,
       buffer.host_scratch_device() + kCountsSlot};
   kernels::launch_dispatch_notify(notify, stream);
+  // The stage runs after the count exchange, so the host's wait for the counts (and the caller's output
+  // allocation) overlaps it; each pull waits for its sources' stage signals.
+  const bool host_waits = !is_cached && state->num_worst_tokens == 0;
+  std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> counted(nullptr, cudaEventDestroy);
+  if (host_waits) {
+    cudaEvent_t event = nullptr;
+    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    counted.reset(event);
+    EPX_CUDA_CHECK(cudaEventRecord(event, stream));
+  }
+  kernels::StageArgs stage{peers,       layout,          in.x,          in.x_scales,
+                           in.topk_idx, in.topk_weights, in.num_tokens, buffer.num_sms()};
+  kernels::launch_dispatch_stage(stage, stream);
 
-  if (is_cached || state->num_worst_tokens > 0) {
+  if (!host_waits) {
     if (state->num_worst_tokens > 0) state->num_recv_rows = state->num_worst_tokens;
   } else {
     // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
-    buffer.synchronize(stream);
+    buffer.wait_event(counted.get());
     const int* counts = buffer.host_scratch() + kCountsSlot;
     state->num_recv_rows = counts[0];
     // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).

@@ -56,7 +56,10 @@ struct NormalLayout {
     int barrier_signal[kMaxNvlRanks];  // written by peer r: the number of barriers r has entered
     int barrier_count;                 // barriers this rank has entered
     int op_count;                      // normal-mode operations started; its parity picks the half
-    int pad[32 - kMaxNvlRanks - 2];
+    int staged_signal[kMaxNvlRanks];   // written by peer r: the number of dispatch stages r has finished
+    int stage_count;                   // dispatch stages this rank has finished
+    int stage_arrivals;                // blocks of the running stage launch that are done (last resets it)
+    int pad[32 - 2 * kMaxNvlRanks - 4];
   };
   static constexpr size_t kControlBytes = align_up(sizeof(int) * 32, kNormalAlign);
 

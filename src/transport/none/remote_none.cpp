@@ -9,8 +9,9 @@ namespace epx {
 namespace {
 
 [[noreturn]] void no_nvshmem(const char* what) {
-  EPX_FAIL(what, " needs the NVSHMEM transport, and this EPX was built without it (configure with "
-                 "EPX_WITH_NVSHMEM=ON; pip install nvidia-nvshmem-cu13==3.4.5)");
+  EPX_FAIL(what,
+           " needs the NVSHMEM transport, and this EPX was built without it (configure with "
+           "EPX_WITH_NVSHMEM=ON; pip install nvidia-nvshmem-cu13==3.4.5)");
 }
 
 }  // namespace

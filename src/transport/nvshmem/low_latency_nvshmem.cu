@@ -1,5 +1,6 @@
-// The low-latency kernels for groups spanning several NVLink nodes: ranks outside this rank's node are reached
-// with NVSHMEM puts from this rank's staging areas (the same kernel sources as the NVLink-only build).
+// The low-latency kernels for groups spanning several NVLink nodes: ranks outside this rank's node are
+// reached with NVSHMEM puts from this rank's staging areas (the same kernel sources as the NVLink-only
+// build).
 #include "kernels/low_latency_clean.cuh"
 #include "kernels/low_latency_combine.cuh"
 #include "kernels/low_latency_dispatch.cuh"
@@ -15,7 +16,9 @@ struct NvshmemRemote {
   __device__ static void put_warp(void* dst, const void* src, size_t bytes, int rank) {
     transport::nvshmem::put_block_warp(dst, src, bytes, rank);
   }
-  __device__ static void put_int(int* dst, int value, int rank) { transport::nvshmem::put_int(dst, value, rank); }
+  __device__ static void put_int(int* dst, int value, int rank) {
+    transport::nvshmem::put_int(dst, value, rank);
+  }
   __device__ static void quiet() { transport::nvshmem::quiet(); }
 };
 

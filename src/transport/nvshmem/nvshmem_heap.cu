@@ -28,7 +28,8 @@ NvshmemHeap::NvshmemHeap(Bootstrap& bootstrap, size_t bytes)
   try {
     // NVSHMEM reserves its heap at initialisation (1 GiB unless told): make room for this allocation unless
     // the user chose a size.
-    const size_t heap_bytes = (bytes + (size_t(64) << 20) + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
+    const size_t heap_bytes =
+        (bytes + (size_t(64) << 20) + (size_t(2) << 20) - 1) / (size_t(2) << 20) * (size_t(2) << 20);
     setenv("NVSHMEM_SYMMETRIC_SIZE", std::to_string(heap_bytes).c_str(), /*overwrite=*/0);
     nvshmemx_uniqueid_t id = NVSHMEMX_UNIQUEID_INITIALIZER;
     if (rank_ == 0 && nvshmemx_get_uniqueid(&id) != 0) EPX_FAIL("nvshmemx_get_uniqueid failed on rank 0");

@@ -20,8 +20,9 @@ RemoteMemory allocate_remote_memory(Bootstrap& bootstrap, size_t bytes, int rank
     if (rank / ranks_per_node == node) {
       mapped = heap->peer_pointer(rank, 0);
       if (mapped == nullptr) {
-        EPX_FAIL("rank ", bootstrap.rank(), " can not map rank ", rank,
-                 " of its node through NVSHMEM (nvshmem_ptr is null): the ranks of a node must be NVLink peers");
+        EPX_FAIL(
+            "rank ", bootstrap.rank(), " can not map rank ", rank,
+            " of its node through NVSHMEM (nvshmem_ptr is null): the ranks of a node must be NVLink peers");
       }
     }
     memory.bases.push_back(mapped);
