@@ -6,6 +6,7 @@
 #include "common/cuda_check.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -45,8 +46,7 @@ void launch_low_latency_clean_with(const LowLatencyCleanArgs& args, cudaStream_t
 
 template <typename Remote>
 void preload_low_latency_clean_with() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_clean_kernel<Remote>));
+  preload_kernel(low_latency_clean_kernel<Remote>);
 }
 
 }  // namespace

@@ -9,6 +9,7 @@
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/nvl_barrier.cuh"
+#include "kernels/preload.hpp"
 
 namespace epx::kernels {
 
@@ -300,19 +301,14 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = combine_smem_bytes(args.layout);
-  if (smem_bytes > 48 * 1024) {
-    EPX_CUDA_CHECK(cudaFuncSetAttribute(low_latency_combine_kernel<Remote>,
-                                        cudaFuncAttributeMaxDynamicSharedMemorySize,
-                                        static_cast<int>(smem_bytes)));
-  }
+  allow_dynamic_smem(low_latency_combine_kernel<Remote>, smem_bytes);
   low_latency_combine_kernel<Remote><<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
 template <typename Remote>
 void preload_low_latency_combine_with() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, low_latency_combine_kernel<Remote>));
+  preload_kernel(low_latency_combine_kernel<Remote>);
 }
 
 }  // namespace

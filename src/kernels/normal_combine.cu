@@ -154,10 +154,9 @@ void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
 }
 
 void preload_normal_combine_kernels() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, push_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, barrier_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, reduce_kernel));
+  preload_kernel(push_kernel);
+  preload_kernel(barrier_kernel);
+  preload_kernel(reduce_kernel);
 }
 
 }  // namespace epx::kernels

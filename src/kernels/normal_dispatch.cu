@@ -226,10 +226,9 @@ void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream) {
 }
 
 void preload_normal_dispatch_kernels() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, stage_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, notify_kernel));
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, pull_kernel));
+  preload_kernel(stage_kernel);
+  preload_kernel(notify_kernel);
+  preload_kernel(pull_kernel);
 }
 
 }  // namespace epx::kernels

@@ -67,8 +67,7 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
 }
 
 void preload_normal_layout_kernels() {
-  cudaFuncAttributes attributes{};
-  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, layout_kernel));
+  preload_kernel(layout_kernel);
 }
 
 }  // namespace epx::kernels

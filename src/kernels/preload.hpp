@@ -4,7 +4,28 @@
 // first launch of a kernel loads it, and loading can wait for work already running on the device; our
 // kernels spin on peers, and callers may hold their streams (host callbacks, graphs), so a first launch in
 // the middle of an operation could stall or deadlock. The Buffer preloads at construction instead.
+#include <cuda_runtime.h>
+
+#include <cstddef>
+
+#include "common/cuda_check.hpp"
+
 namespace epx::kernels {
+
+// Loads `kernel` into the current context (its attributes query forces the load).
+template <typename Kernel>
+void preload_kernel(Kernel* kernel) {
+  cudaFuncAttributes attributes{};
+  EPX_CUDA_CHECK(cudaFuncGetAttributes(&attributes, kernel));
+}
+
+// Lets `kernel` launch with `bytes` of dynamic shared memory (above 48 KiB needs the opt-in).
+template <typename Kernel>
+void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
+  if (bytes <= 48 * 1024) return;
+  EPX_CUDA_CHECK(
+      cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, static_cast<int>(bytes)));
+}
 
 void preload_normal_layout_kernels();
 void preload_normal_dispatch_kernels();

@@ -5,6 +5,7 @@
 
 #include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
+#include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 
 namespace {
@@ -13,17 +14,8 @@ using epx::test::LowLatencyCase;
 
 // Runs `c` with one process per GPU; skips when the machine has fewer GPUs.
 void run_case(const LowLatencyCase& c) {
-  const int num_gpus = epx::visible_gpu_count();
-  if (num_gpus < c.num_ranks) GTEST_SKIP() << "needs " << c.num_ranks << " GPUs, found " << num_gpus;
-  epx::LocalLaunchOptions options;
-  options.num_ranks = c.num_ranks;
-  options.timeout = std::chrono::milliseconds(300000);
-  const epx::LocalLaunchResult result = epx::launch_local(options, [&](epx::Bootstrap& bootstrap) {
-    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
-    epx::test::LowLatencyRunner(c, bootstrap).run();
-    return 0;
-  });
-  ASSERT_TRUE(result.ok()) << result.summary();
+  epx::test::run_ranks(c.num_ranks,
+                       [&](epx::Bootstrap& bootstrap) { epx::test::LowLatencyRunner(c, bootstrap).run(); });
 }
 
 LowLatencyCase small_case(int num_ranks) {

@@ -10,6 +10,7 @@
 #include "epx/local_launcher.hpp"
 #include "epx/low_latency.hpp"
 #include "expect_error.hpp"
+#include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 
 namespace {
@@ -23,20 +24,9 @@ constexpr bool kHaveNvshmem = false;
 #endif
 
 // Runs `body` with one process per GPU; skips without enough GPUs or without the NVSHMEM transport.
-template <typename Body>
-void run_ranks(int num_ranks, Body body) {
+void run_ranks(int num_ranks, const std::function<void(epx::Bootstrap&)>& body) {
   if (!kHaveNvshmem) GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-  const int num_gpus = epx::visible_gpu_count();
-  if (num_gpus < num_ranks) GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
-  epx::LocalLaunchOptions options;
-  options.num_ranks = num_ranks;
-  options.timeout = std::chrono::milliseconds(300000);
-  const epx::LocalLaunchResult result = epx::launch_local(options, [&](epx::Bootstrap& bootstrap) {
-    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
-    body(bootstrap);
-    return 0;
-  });
-  ASSERT_TRUE(result.ok()) << result.summary();
+  epx::test::run_ranks(num_ranks, body);
 }
 
 void run_case(const LowLatencyCase& c) {

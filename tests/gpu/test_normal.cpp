@@ -11,6 +11,7 @@
 #include "epx/error.hpp"
 #include "epx/local_launcher.hpp"
 #include "expect_error.hpp"
+#include "run_ranks.hpp"
 #include "test_normal_harness.hpp"
 
 namespace {
@@ -25,20 +26,7 @@ using epx::test::NormalRouting;
 constexpr TokenFormat kBf16 = TokenFormat::kBf16;
 constexpr TokenFormat kFp8 = TokenFormat::kFp8;
 
-// Runs `worker` in one process per GPU (rank = device); skips when the machine has fewer GPUs.
-void run_ranks(int num_ranks, const std::function<void(epx::Bootstrap&)>& worker) {
-  const int num_gpus = epx::visible_gpu_count();
-  if (num_gpus < num_ranks) GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
-  epx::LocalLaunchOptions options;
-  options.num_ranks = num_ranks;
-  options.timeout = std::chrono::milliseconds(300000);
-  const epx::LocalLaunchResult result = epx::launch_local(options, [&](epx::Bootstrap& bootstrap) {
-    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
-    worker(bootstrap);
-    return 0;
-  });
-  ASSERT_TRUE(result.ok()) << result.summary();
-}
+using epx::test::run_ranks;
 
 void run_case(const NormalCase& c) {
   run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) { epx::test::NormalRunner(c, bootstrap).run(); });
