@@ -16,9 +16,11 @@ constexpr int kCopyWarps = kCopyThreads / 32;
 constexpr int kReduceThreads = 512;
 constexpr int kReduceWarps = kReduceThreads / 32;
 
-// ---- Push: every row received from a peer goes back to it, into the slot it was sent from. ----
-// Rows this rank received from itself stay where they are: the reduce reads them from `x`.
-__global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
+// ---- Stage: the rows this rank returns to each peer go into its own buffer, where that peer's reduce reads
+// them after the barrier (a local copy, then one remote read fused into the reduce, instead of a remote write
+// and a local re-read). Rows this rank received from itself stay where they are: the reduce reads them from
+// `x`. ----
+__global__ void __launch_bounds__(kCopyThreads) stage_kernel(CombineStageArgs args) {
   __shared__ int offsets[kMaxNvlRanks + 1];
   const NormalLayout& layout = args.layout;
   const int num_ranks = args.peers.num_ranks;
@@ -30,22 +32,17 @@ __global__ void __launch_bounds__(kCopyThreads) push_kernel(PushArgs args) {
   const int num_topk = layout.shape.num_topk;
   const size_t row_bytes = layout.combine_row_bytes();
   const int num_warps = gridDim.x * kCopyWarps;
-  const int num_remote = num_ranks - 1;
-  int max_rows_per_src = 0;
-  for (int src = 0; src < num_ranks; ++src) {
-    if (src != rank) max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
-  }
-  for (int j = blockIdx.x * kCopyWarps + threadIdx.x / 32; j < max_rows_per_src * num_remote;
-       j += num_warps) {
+  const int num_own = offsets[rank + 1] - offsets[rank];
+  const int num_staged = offsets[num_ranks] - num_own;
+  for (int i = blockIdx.x * kCopyWarps + threadIdx.x / 32; i < num_staged; i += num_warps) {
+    const int row = i < offsets[rank] ? i : i + num_own;  // rows of every source but this rank
     int src = 0;
-    const int row = interleaved_remote_row(j, offsets, num_ranks, rank, src);
-    if (row < 0) continue;
+    while (row >= offsets[src + 1]) ++src;
     const int slot = row - offsets[src];
-    void* peer = args.peers.peer_bases[src];
-    warp_copy<false>(layout.combine_x_row(peer, parity, rank, slot),
+    warp_copy<false>(layout.combine_x_row(args.peers.local_base, parity, src, slot),
                      static_cast<const char*>(args.x) + row * row_bytes, row_bytes, lane);
     if (args.topk_weights != nullptr && lane < num_topk) {
-      layout.combine_weights_row(peer, parity, rank, slot)[lane] =
+      layout.combine_weights_row(args.peers.local_base, parity, src, slot)[lane] =
           args.topk_weights[static_cast<size_t>(row) * num_topk + lane];
     }
   }
@@ -66,7 +63,8 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) 
 }
 
 // ---- Reduce: each token sums its returned copies in ascending rank order, then the biases. ----
-// Peers' copies come from this rank's buffer, its own copy straight from the combine input (never pushed).
+// Peers' copies are read from their buffers (staged there for this rank), its own copy straight from the
+// combine input.
 __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args) {
   const NormalLayout& layout = args.layout;
   const int num_ranks = args.peers.num_ranks;
@@ -76,7 +74,6 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
   const int num_topk = layout.shape.num_topk;
   const int num_chunks = layout.shape.hidden / 8;
   const int num_warps = gridDim.x * kReduceWarps;
-  void* local = args.peers.local_base;
   // Row of `x` holding own slot 0: rows received from this rank follow in slot order.
   const int own_offset = args.handle.recv_offsets[rank];
   for (int t = blockIdx.x * kReduceWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
@@ -97,7 +94,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
         const auto* row = reinterpret_cast<const int4*>(
             r == rank ? static_cast<const char*>(args.x) +
                             static_cast<size_t>(own_offset + slots[r]) * layout.combine_row_bytes()
-                      : layout.combine_x_row(local, parity, r, slots[r]));
+                      : layout.combine_x_row(args.peers.peer_bases[r], parity, rank, slots[r]));
         int4 v[kUnroll];
 #pragma unroll
         for (int u = 0; u < kUnroll; ++u) {
@@ -128,7 +125,7 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
       for (int r = 0; r < kMaxNvlRanks; ++r) {
         if (slots[r] < 0) continue;
         sum += r == rank ? args.topk_weights[static_cast<size_t>(own_offset + slots[r]) * num_topk + lane]
-                         : layout.combine_weights_row(local, parity, r, slots[r])[lane];
+                         : layout.combine_weights_row(args.peers.peer_bases[r], parity, rank, slots[r])[lane];
       }
       args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = sum;
     }
@@ -137,8 +134,8 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
 
 }  // namespace
 
-void launch_combine_push(const PushArgs& args, cudaStream_t stream) {
-  push_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
+void launch_combine_stage(const CombineStageArgs& args, cudaStream_t stream) {
+  stage_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
@@ -154,7 +151,7 @@ void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
 }
 
 void preload_normal_combine_kernels() {
-  preload_kernel(push_kernel);
+  preload_kernel(stage_kernel);
   preload_kernel(barrier_kernel);
   preload_kernel(reduce_kernel);
 }

@@ -76,7 +76,7 @@ struct PullArgs {
 };
 void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream);
 
-struct PushArgs {
+struct CombineStageArgs {
   PeerContext peers;
   NormalLayout layout;
   HandleArrays handle;
@@ -84,7 +84,7 @@ struct PushArgs {
   const float* topk_weights;
   int num_sms;
 };
-void launch_combine_push(const PushArgs& args, cudaStream_t stream);
+void launch_combine_stage(const CombineStageArgs& args, cudaStream_t stream);
 
 // One block: all ranks meet; advances the operation counter.
 void launch_barrier(const PeerContext& peers, cudaStream_t stream);
@@ -94,7 +94,7 @@ struct ReduceArgs {
   NormalLayout layout;
   HandleArrays handle;
   int num_tokens;
-  const void* x;  // the combine input (as in PushArgs): this rank's own copies are read from it, not pushed
+  const void* x;  // the combine input: this rank's own copies are read from it, never staged
   const float* topk_weights;
   const void* bias0;
   const void* bias1;

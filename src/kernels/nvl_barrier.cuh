@@ -73,16 +73,4 @@ __device__ __forceinline__ int interleaved_row(int j, const int* offsets, int nu
   return offsets[r] + i < offsets[r + 1] ? offsets[r] + i : -1;
 }
 
-// The same walk over the num_ranks - 1 ranks other than `rank` (starting at rank + 1), for copies whose own
-// rows are read in place instead: no warp lands on this rank's rows. Needs num_ranks > 1 and j below
-// (num_ranks - 1) * the largest row count of the other ranks.
-__device__ __forceinline__ int interleaved_remote_row(int j, const int* offsets, int num_ranks, int rank,
-                                                      int& rank_of_row) {
-  const int num_remote = num_ranks - 1;
-  const int r = (rank + 1 + j % num_remote) % num_ranks;
-  const int i = j / num_remote;
-  rank_of_row = r;
-  return offsets[r] + i < offsets[r + 1] ? offsets[r] + i : -1;
-}
-
 }  // namespace epx::kernels

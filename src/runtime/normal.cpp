@@ -286,8 +286,8 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   begin_on_comm_stream(buffer, order);
   const cudaStream_t stream = buffer.comm_stream();
   const kernels::PeerContext peers = peer_context(buffer);
-  kernels::PushArgs push{peers, layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
-  kernels::launch_combine_push(push, stream);
+  kernels::CombineStageArgs stage{peers, layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
+  kernels::launch_combine_stage(stage, stream);
   kernels::launch_barrier(peers, stream);
   kernels::ReduceArgs reduce{
       peers,           layout,   state.arrays, state.num_tokens, in.x,

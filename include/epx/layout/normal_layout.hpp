@@ -29,10 +29,10 @@ struct NormalShape {
 
 // Layout of one rank's normal-mode NVLink buffer; the host sizes with it, kernels address with it.
 //
-// NOTES: design is "publish locally, pull remotely" for dispatch and "push remotely, reduce locally" for
-// combine. Every region a rank writes before a barrier and others read after it exists twice (parity of the
-// operation counter), so a fast rank can start operation n+1 while a slow one still reads operation n: the
-// barrier of n+1 cannot complete before everybody finished n, so n+2 may reuse n's half safely.
+// NOTES: design is "publish locally, pull remotely" for dispatch and for combine (whose pull is fused into
+// the reduce). Every region a rank writes before a barrier and others read after it exists twice (parity of
+// the operation counter), so a fast rank can start operation n+1 while a slow one still reads operation n:
+// the barrier of n+1 cannot complete before everybody finished n, so n+2 may reuse n's half safely.
 //
 //   control                         barrier signals and counters (not double-buffered)
 //   per parity p in {0, 1}:
@@ -43,8 +43,9 @@ struct NormalShape {
 //     stage_scales[cap][num_scales]
 //     stage_topk_idx[cap][K]        int32 global expert ids
 //     stage_topk_weights[cap][K]
-//     combine_x[R][cap][hidden]     BF16 rows returned by each expert-holding rank (this rank's own part
-//                                   stays unused: combine reads its own rows from its input)
+//     combine_x[R][cap][hidden]     BF16 expert outputs this rank returns to each source rank, staged for
+//                                   that rank to read (the own part stays unused: combine reads its own
+//                                   rows from its input)
 //     combine_weights[R][cap][K]
 struct NormalLayout {
   NormalShape shape;
@@ -125,13 +126,15 @@ struct NormalLayout {
     return reinterpret_cast<float*>(half(base, parity) + stage_topk_weights_offset()) +
            size_t(token_idx) * shape.num_topk;
   }
-  EPX_HD char* combine_x_row(void* base, int parity, int from_rank, int slot_idx) const {
+  // In the buffer at `base`: the row staged for `source_rank` (the rank the token came from), slot = the
+  // token's position in that rank's send list to the buffer's owner.
+  EPX_HD char* combine_x_row(void* base, int parity, int source_rank, int slot_idx) const {
     return half(base, parity) + combine_x_offset() +
-           (size_t(from_rank) * capacity + slot_idx) * combine_row_bytes();
+           (size_t(source_rank) * capacity + slot_idx) * combine_row_bytes();
   }
-  EPX_HD float* combine_weights_row(void* base, int parity, int from_rank, int slot_idx) const {
+  EPX_HD float* combine_weights_row(void* base, int parity, int source_rank, int slot_idx) const {
     return reinterpret_cast<float*>(half(base, parity) + combine_weights_offset()) +
-           (size_t(from_rank) * capacity + slot_idx) * shape.num_topk;
+           (size_t(source_rank) * capacity + slot_idx) * shape.num_topk;
   }
 
   // The largest capacity whose halves fit in a buffer of `buffer_bytes` (capacity 0 if not even one token
