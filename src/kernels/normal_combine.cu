@@ -87,22 +87,31 @@ __global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args)
     constexpr int kUnroll = 4;
     for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
       float acc[kUnroll][8] = {};
-      // Copies are added in ascending rank order, the summation order the reference defines.
+      // Copies are added in ascending rank order, the summation order the reference defines. Two ranks'
+      // chunks are loaded before either is added, so a remote read and a local one overlap.
 #pragma unroll
-      for (int r = 0; r < kMaxNvlRanks; ++r) {
-        if (slots[r] < 0) continue;
-        const auto* row = reinterpret_cast<const int4*>(
-            r == rank ? static_cast<const char*>(args.x) +
-                            static_cast<size_t>(own_offset + slots[r]) * layout.combine_row_bytes()
-                      : layout.combine_x_row(args.peers.peer_bases[r], parity, rank, slots[r]));
-        int4 v[kUnroll];
+      for (int r0 = 0; r0 < kMaxNvlRanks; r0 += 2) {
+        int4 v[2][kUnroll];
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + u * 32 < num_chunks) v[u] = device::ld_v4(row + c0 + u * 32);
+        for (int p = 0; p < 2; ++p) {
+          const int r = r0 + p;
+          if (slots[r] < 0) continue;
+          const auto* row = reinterpret_cast<const int4*>(
+              r == rank ? static_cast<const char*>(args.x) +
+                              static_cast<size_t>(own_offset + slots[r]) * layout.combine_row_bytes()
+                        : layout.combine_x_row(args.peers.peer_bases[r], parity, rank, slots[r]));
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (c0 + u * 32 < num_chunks) v[p][u] = device::ld_v4(row + c0 + u * 32);
+          }
         }
 #pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[u]);
+        for (int p = 0; p < 2; ++p) {
+          if (slots[r0 + p] < 0) continue;
+#pragma unroll
+          for (int u = 0; u < kUnroll; ++u) {
+            if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[p][u]);
+          }
         }
       }
 #pragma unroll
