@@ -136,7 +136,10 @@ def normal_header(o: argparse.Namespace, num_ranks: int) -> str:
 
 
 def low_latency_header(o: argparse.Namespace, num_ranks: int) -> str:
-    return (f"low-latency mode: {num_ranks} ranks, {o.ll_tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} "
+    nodes = ""
+    if 0 < o.ll_ranks_per_node < num_ranks:
+        nodes = f" ({num_ranks // o.ll_ranks_per_node} nodes of {o.ll_ranks_per_node}, NVSHMEM between them)"
+    return (f"low-latency mode: {num_ranks} ranks{nodes}, {o.ll_tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} "
             f"of {o.ll_experts} experts (GB/s = selections x bytes per selection / time; verified before timing)")
 
 
@@ -170,6 +173,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="SM budgets of the normal kernels (default 24)")
     p.add_argument("--ll-tokens", type=int, default=128, help="low-latency tokens per rank (default 128)")
     p.add_argument("--ll-experts", type=int, default=288, help="low-latency experts (default 288)")
+    p.add_argument("--ll-ranks-per-node", type=int, default=0, metavar="N",
+                   help="low-latency ranks per node: fewer than --ranks makes virtual nodes joined by NVSHMEM "
+                        "(default: one node)")
     p.add_argument("--warmup", type=int, default=5, help="untimed runs per number (default 5)")
     p.add_argument("--iters", type=int, default=30, help="timed runs per number, median reported (default 30)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout instead of tables")
@@ -188,8 +194,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("tokens", "hidden", "topk", "experts", "ll_tokens", "ll_experts", "iters"):
         if getattr(o, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(o, name)})")
-    if o.warmup < 0 or o.ranks < 0 or o.launch_ahead_us < 0:
-        p.error("--warmup, --ranks and --launch-ahead-us must be >= 0")
+    if o.warmup < 0 or o.ranks < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0:
+        p.error("--warmup, --ranks, --launch-ahead-us and --ll-ranks-per-node must be >= 0")
     if o.mode != "low-latency" and o.hidden % 128 != 0:
         p.error(f"--hidden {o.hidden} must be a multiple of 128 (FP8 dispatch is benchmarked)")
     return o
@@ -670,7 +676,7 @@ class _Rank:
         tokens, hidden, experts = o.ll_tokens, o.hidden, o.ll_experts
         buffer = epx.Buffer(self.world, num_rdma_bytes=epx.get_low_latency_rdma_size_hint(tokens, hidden, num_ranks,
                                                                                           experts),
-                            low_latency_mode=True)
+                            low_latency_mode=True, ranks_per_node=o.ll_ranks_per_node)
         xs = [ll_field(torch, o, o.seed, rank, "ll_x", dev, i) for i in range(LL_INPUT_SETS)]
         ids = ll_field(torch, o, o.seed, rank, "ll_topk", dev)
         weights = ll_field(torch, o, o.seed, rank, "ll_weights", dev)
