@@ -74,8 +74,6 @@ class Buffer {
   void check_timeout() const;
   // Synchronizes `stream`; on failure throws epx::Error with the timeout record if any, else the CUDA error.
   void synchronize(cudaStream_t stream) const;
-  // The same for an event (work queued after it may still run).
-  void wait_event(cudaEvent_t event) const;
 
   // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
   // without a copy once the stream reached that point. kHostScratchInts ints.

@@ -22,12 +22,12 @@ __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int 
 // stage is complete (monotonic count, like the barrier signals).
 // NOTES: each thread fences its own staged stores at system scope before its block's arrival is counted; the
 // last arriver fences again and releases the signal, so a puller that acquired it sees every staged row.
-__device__ __forceinline__ void publish_staged(const PeerContext& peers) {
+__device__ __forceinline__ void publish_staged(const PeerContext& peers, int num_blocks) {
   __shared__ bool is_last;
   auto* local = NormalLayout::control(peers.local_base);
   __threadfence_system();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&local->stage_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(&local->stage_arrivals, 1) == num_blocks - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence_system();
@@ -43,17 +43,16 @@ __device__ __forceinline__ void publish_staged(const PeerContext& peers) {
   }
 }
 
-// ---- Stage: this rank's tokens go into its own buffer, where the destinations will pull them from. It
-// runs after notify's barrier (so the host's wait for the counts overlaps it) and publishes its own
-// completion; the pull waits for that per source. ----
-__global__ void __launch_bounds__(kCopyThreads) stage_kernel(StageArgs args) {
-  const int parity = parity_after_barrier(args.peers);
+// ---- Stage: this rank's tokens go into its own buffer (half `parity`), where the destinations will pull
+// them from; `num_blocks` blocks share the rows. Publishes its completion; the pull waits for that per
+// source. ----
+__device__ void stage_rows(const StageArgs& args, int parity, int block, int num_blocks) {
   const NormalLayout& layout = args.layout;
   const int lane = threadIdx.x % 32;
-  const int num_warps = gridDim.x * kCopyWarps;
+  const int num_warps = num_blocks * kCopyWarps;
   const int num_scales = layout.shape.num_scales;
   const int num_topk = layout.shape.num_topk;
-  for (int t = blockIdx.x * kCopyWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
+  for (int t = block * kCopyWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
     const size_t row_bytes = layout.shape.x_row_bytes;
     warp_copy<false>(layout.stage_x_row(args.peers.local_base, parity, t),
                      static_cast<const char*>(args.x) + t * row_bytes, row_bytes, lane);
@@ -67,11 +66,12 @@ __global__ void __launch_bounds__(kCopyThreads) stage_kernel(StageArgs args) {
           args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
     }
   }
-  publish_staged(args.peers);
+  publish_staged(args.peers, num_blocks);
 }
 
-// ---- Notify: publish send lists and counts, meet, then learn what arrives from whom. One block. ----
-__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs args) {
+// ---- Notify: publish send lists and counts, meet, then learn what arrives from whom. One block; the
+// barrier holds the operation counter until `num_parity_readers` stage blocks have read it. ----
+__device__ void notify_counts(const NotifyArgs& args, int num_parity_readers) {
   using BlockScan = cub::BlockScan<int, kNotifyThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int running_count;
@@ -112,7 +112,7 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     expert_counts[e] = args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
   }
 
-  nvl_barrier_block(args.peers);
+  nvl_barrier_block(args.peers, num_parity_readers);
 
   if (threadIdx.x < num_ranks) {
     const NormalLayout& l = layout;
@@ -144,6 +144,35 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
     args.handle.num_recv_tokens_per_expert[le] = aligned;
     args.host_counts[1 + le] = aligned;
   }
+  // The host spins on the ready word, not on the launch: it reads the counts while the stage blocks still
+  // run.
+  if (args.host_ready != nullptr) {
+    __threadfence_system();
+    __syncthreads();
+    if (threadIdx.x == 0) device::st_release_sys(args.host_ready, args.ready_value);
+  }
+}
+
+// Notify (the last block) and the stage (the others) in one launch, so the count exchange and the host's
+// wait for it overlap the stage copy.
+// NOTES: the stage writes the half of the operation about to start (op_count before notify's barrier), as a
+// stage launched before notify would; each stage block reads op_count and acknowledges, and the barrier does
+// not advance op_count before every acknowledgement arrived.
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_stage_kernel(NotifyStageArgs args) {
+  const int num_stage_blocks = static_cast<int>(gridDim.x) - 1;
+  if (blockIdx.x == gridDim.x - 1) {
+    notify_counts(args.notify, num_stage_blocks);
+    return;
+  }
+  __shared__ int parity;
+  if (threadIdx.x == 0) {
+    auto* control = NormalLayout::control(args.stage.peers.local_base);
+    parity = *reinterpret_cast<volatile int*>(&control->op_count) & 1;
+    __threadfence();  // the read completes before the acknowledgement can be seen
+    atomicAdd(&control->parity_acks, 1);
+  }
+  __syncthreads();
+  stage_rows(args.stage, parity, blockIdx.x, num_stage_blocks);
 }
 
 // ---- Pull: each warp fetches whole rows from the source rank's staging area into the outputs. ----
@@ -209,14 +238,8 @@ __global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
 
 }  // namespace
 
-void launch_dispatch_stage(const StageArgs& args, cudaStream_t stream) {
-  // Launched with no tokens too: its completion signal is what the peers' pulls wait for.
-  stage_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
-}
-
-void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream) {
-  notify_kernel<<<1, kNotifyThreads, 0, stream>>>(args);
+void launch_dispatch_notify_stage(const NotifyStageArgs& args, cudaStream_t stream) {
+  notify_stage_kernel<<<args.stage.num_sms + 1, kNotifyThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
@@ -226,8 +249,7 @@ void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream) {
 }
 
 void preload_normal_dispatch_kernels() {
-  preload_kernel(stage_kernel);
-  preload_kernel(notify_kernel);
+  preload_kernel(notify_stage_kernel);
   preload_kernel(pull_kernel);
 }
 

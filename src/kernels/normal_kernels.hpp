@@ -48,7 +48,6 @@ struct StageArgs {
   int num_tokens;
   int num_sms;
 };
-void launch_dispatch_stage(const StageArgs& args, cudaStream_t stream);
 
 struct NotifyArgs {
   PeerContext peers;
@@ -60,8 +59,16 @@ struct NotifyArgs {
   int num_worst_tokens;  // 0 or the row capacity of the outputs
   HandleArrays handle;
   int* host_counts;  // host-mapped: [0] = rows, [1 + le] = aligned count of local expert le
+  int* host_ready;   // host-mapped or nullptr: set to ready_value once host_counts are written
+  int ready_value;
 };
-void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
+
+// One launch: notify in one block, the stage in stage.num_sms others.
+struct NotifyStageArgs {
+  NotifyArgs notify;
+  StageArgs stage;
+};
+void launch_dispatch_notify_stage(const NotifyStageArgs& args, cudaStream_t stream);
 
 struct PullArgs {
   PeerContext peers;

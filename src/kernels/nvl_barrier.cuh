@@ -12,7 +12,9 @@ namespace epx::kernels {
 // NOTES: signals are monotonic counts (the number of barriers entered), never reset, so a late reader can
 // not miss a signal and no cleaning launch is needed. op_count advances here: kernels before an operation's
 // barrier use half op_count & 1, kernels after it use (op_count - 1) & 1, which is the same half.
-__device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
+// `num_parity_readers` > 0: op_count advances only once that many blocks of the same launch acknowledged
+// (Control::parity_acks) that they read it.
+__device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers, int num_parity_readers = 0) {
   auto* local = NormalLayout::control(peers.local_base);
   __syncthreads();
   const int target = local->barrier_count + 1;
@@ -26,6 +28,12 @@ __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
   }
   __syncthreads();
   if (threadIdx.x == 0) {
+    if (num_parity_readers > 0) {
+      const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+      device::wait_at_least(&local->parity_acks, num_parity_readers, ctx, peers.rank, WaitPhase::kBarrier);
+      local->parity_acks = 0;
+      __threadfence();
+    }
     local->barrier_count = target;
     local->op_count += 1;
   }

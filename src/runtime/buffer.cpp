@@ -1,5 +1,6 @@
 #include "epx/buffer.hpp"
 
+#include <algorithm>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -126,6 +127,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.timeout_record_device), s.timeout_record, 0));
     EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_scratch), sizeof(int) * kHostScratchInts,
                                  cudaHostAllocMapped));
+    std::fill_n(s.host_scratch, kHostScratchInts, 0);
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer");
@@ -266,11 +268,6 @@ namespace {
 }
 
 }  // namespace
-
-void Buffer::wait_event(cudaEvent_t event) const {
-  const cudaError_t status = cudaEventSynchronize(event);
-  if (status != cudaSuccess) raise_failed_wait(*this, status);
-}
 
 void Buffer::synchronize(cudaStream_t stream) const {
   const cudaError_t status = cudaStreamSynchronize(stream);

@@ -1,7 +1,9 @@
 #include "epx/normal.hpp"
 
 #include <algorithm>
-#include <memory>
+#include <atomic>
+#include <chrono>
+#include <cstdint>
 
 #include "common/cuda_check.hpp"
 #include "epx/error.hpp"
@@ -16,6 +18,32 @@ namespace {
 // Host scratch slots (ints of Buffer::host_scratch).
 constexpr int kCountsSlot = 0;                                // [0] rows, [1 + le] per local expert
 constexpr int kInvalidIdSlot = Buffer::kHostScratchInts - 1;  // 1 + token index of an out-of-range expert id
+constexpr int kReadySlot = Buffer::kHostScratchInts - 2;  // notify's sequence number once counts are written
+
+// Spins until notify published this call's counts (the ready word reaches `expected`), without waiting for
+// the rest of its launch (the stage). Bounded like the device waits; a failed launch raises its error.
+void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
+  const volatile int* ready = buffer.host_scratch() + kReadySlot;
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spin = 0; *ready != expected; ++spin) {
+    if (spin % 1024 != 1023) continue;
+    const cudaError_t status = cudaStreamQuery(stream);
+    if (status != cudaSuccess && status != cudaErrorNotReady) buffer.synchronize(stream);  // raises
+    if (status == cudaSuccess && *ready != expected) {
+      EPX_FAIL("rank ", buffer.rank(),
+               ": dispatch notify finished without publishing its counts (ready word ", *ready, ", expected ",
+               expected, ")");
+    }
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    if (static_cast<uint64_t>(waited.count()) > buffer.wait_timeout_ns()) {
+      EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9,
+               " s waiting for dispatch notify's counts (phase dispatch notify; a peer may not have called "
+               "dispatch)");
+    }
+  }
+  std::atomic_thread_fence(std::memory_order_acquire);
+}
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
   return kernels::PeerContext{
@@ -140,9 +168,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                            ", what the NVLink buffer holds for this shape (raise num_nvl_bytes)")
                 .c_str());
 
-  // The host reads 1 + L counts from the mapped scratch, below the invalid-id slot.
-  EPX_CHECK(in.num_experts / num_ranks < kInvalidIdSlot - 1, "num_experts", in.num_experts,
-            detail::concat("must be < ", (kInvalidIdSlot - 1) * num_ranks, " (", kInvalidIdSlot - 2,
+  // The host reads 1 + L counts from the mapped scratch, below the ready and invalid-id slots.
+  EPX_CHECK(in.num_experts / num_ranks < kReadySlot - 1, "num_experts", in.num_experts,
+            detail::concat("must be < ", (kReadySlot - 1) * num_ranks, " (", kReadySlot - 2,
                            " local experts per rank)")
                 .c_str());
   DispatchPlan plan;
@@ -181,27 +209,26 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       state->expert_alignment,
       state->num_worst_tokens,
       state->arrays,
-      buffer.host_scratch_device() + kCountsSlot};
-  kernels::launch_dispatch_notify(notify, stream);
-  // The stage runs after the count exchange, so the host's wait for the counts (and the caller's output
-  // allocation) overlaps it; each pull waits for its sources' stage signals.
+      buffer.host_scratch_device() + kCountsSlot,
+      nullptr,
+      0};
+  // Notify and the stage share one launch, so the count exchange, the host's wait for the counts and the
+  // caller's output allocation overlap the stage copy; each pull waits for its sources' stage signals.
   const bool host_waits = !is_cached && state->num_worst_tokens == 0;
-  std::unique_ptr<CUevent_st, decltype(&cudaEventDestroy)> counted(nullptr, cudaEventDestroy);
   if (host_waits) {
-    cudaEvent_t event = nullptr;
-    EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
-    counted.reset(event);
-    EPX_CUDA_CHECK(cudaEventRecord(event, stream));
+    // Every earlier waiting dispatch published its value and was waited for: the next one is one more.
+    notify.host_ready = buffer.host_scratch_device() + kReadySlot;
+    notify.ready_value = buffer.host_scratch()[kReadySlot] + 1;
   }
   kernels::StageArgs stage{peers,       layout,          in.x,          in.x_scales,
                            in.topk_idx, in.topk_weights, in.num_tokens, buffer.num_sms()};
-  kernels::launch_dispatch_stage(stage, stream);
+  kernels::launch_dispatch_notify_stage(kernels::NotifyStageArgs{notify, stage}, stream);
 
   if (!host_waits) {
     if (state->num_worst_tokens > 0) state->num_recv_rows = state->num_worst_tokens;
   } else {
     // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
-    buffer.wait_event(counted.get());
+    wait_for_counts(buffer, stream, notify.ready_value);
     const int* counts = buffer.host_scratch() + kCountsSlot;
     state->num_recv_rows = counts[0];
     // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).

@@ -60,7 +60,8 @@ struct NormalLayout {
     int staged_signal[kMaxNvlRanks];   // written by peer r: the number of dispatch stages r has finished
     int stage_count;                   // dispatch stages this rank has finished
     int stage_arrivals;                // blocks of the running stage launch that are done (last resets it)
-    int pad[32 - 2 * kMaxNvlRanks - 4];
+    int parity_acks;                   // stage blocks that read op_count (notify's barrier waits, resets)
+    int pad[32 - 2 * kMaxNvlRanks - 5];
   };
   static constexpr size_t kControlBytes = align_up(sizeof(int) * 32, kNormalAlign);
 
