@@ -18,6 +18,7 @@ def test_module_basics():
     assert _epx.MAX_NVL_RANKS == 8
     assert _epx.MAX_EXPERTS == 4096
     assert isinstance(epx.WITH_CUDA, bool)
+    assert isinstance(epx.WITH_NVSHMEM, bool)
     assert epx.EpxError is _epx.EpxError
     assert issubclass(epx.EpxError, RuntimeError)
 
@@ -206,6 +207,16 @@ print("ok")
     out = subprocess.run([sys.executable, "-X", "faulthandler", "-c", code], env=env, capture_output=True,
                          text=True, timeout=300)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr)
+
+
+def test_buffer_options_carry_ranks_per_node():
+    if not epx.WITH_CUDA:
+        pytest.skip("built without CUDA")
+    assert _epx.BufferOptions().ranks_per_node == 0
+    options = _epx.BufferOptions(num_rdma_bytes=1 << 21, ranks_per_node=2)
+    assert (options.num_rdma_bytes, options.ranks_per_node) == (1 << 21, 2)
+    options.ranks_per_node = 4
+    assert options.ranks_per_node == 4
 
 
 def test_runtime_buffer_without_gpu_raises_epx_error():
