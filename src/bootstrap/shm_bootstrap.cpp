@@ -113,7 +113,10 @@ void ShmBootstrap::wait_for_all(uint64_t collective_idx, CollectiveKind kind) co
     for (const int peer : arrivals.missing_ranks) {
       const RankState& state = header.ranks[peer];
       const ExitState exit_state = state.exit_state.load(std::memory_order_acquire);
+      // Loaded after the exit state (acquire): a peer that arrived and then finished since the count above
+      // shows its arrival here, and the collective completes on the next pass.
       const uint64_t num_peer_calls = state.num_arrived.load(std::memory_order_relaxed);
+      if (num_peer_calls > collective_idx) continue;
       if (exit_state == ExitState::kReturned) {
         fail_waiting(collective_idx, kind,
                      detail::concat("rank ", peer, "'s worker returned after ", num_peer_calls,
