@@ -63,6 +63,7 @@ struct NormalLayout {
     int parity_acks;                   // stage blocks that read op_count (notify's barrier waits, resets)
     int pad[32 - 2 * kMaxNvlRanks - 5];
   };
+  static_assert(sizeof(Control) == sizeof(int) * 32, "Control must stay 32 ints (adjust pad)");
   static constexpr size_t kControlBytes = align_up(sizeof(int) * 32, kNormalAlign);
 
   EPX_HD size_t send_counts_bytes() const { return align_up(sizeof(int) * shape.num_ranks, kNormalAlign); }
