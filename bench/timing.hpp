@@ -58,26 +58,12 @@ inline double median_graph_us(Bootstrap& bootstrap, cudaStream_t stream, int war
   body();
   EPX_CUDA_CHECK(cudaStreamEndCapture(stream, &graph));
   EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-  cudaEvent_t start = nullptr, stop = nullptr;
-  EPX_CUDA_CHECK(cudaEventCreate(&start));
-  EPX_CUDA_CHECK(cudaEventCreate(&stop));
-  std::vector<float> times;
-  for (int i = 0; i < warmup + iters; ++i) {
-    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-    bootstrap.barrier();
-    EPX_CUDA_CHECK(cudaEventRecord(start, stream));
+  const double us = median_us(bootstrap, stream, warmup, iters, nullptr, [&] {
     for (int r = 0; r < kReplays; ++r) EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream));
-    EPX_CUDA_CHECK(cudaEventRecord(stop, stream));
-    EPX_CUDA_CHECK(cudaEventSynchronize(stop));
-    float ms = 0;
-    EPX_CUDA_CHECK(cudaEventElapsedTime(&ms, start, stop));
-    if (i >= warmup) times.push_back(ms * 1000.0f / (kReplays * calls_per_body));
-  }
-  cudaEventDestroy(start);
-  cudaEventDestroy(stop);
+  });
   cudaGraphExecDestroy(exec);
   cudaGraphDestroy(graph);
-  return median(std::move(times));
+  return us / (kReplays * calls_per_body);  // the median scales with its values
 }
 
 // Evicts L2 between throughput runs by writing a buffer larger than it.

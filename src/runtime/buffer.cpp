@@ -64,7 +64,6 @@ struct Buffer::State {
   std::optional<IpcMemory> nvl;
   std::optional<IpcMemory> rdma;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
-  size_t rdma_bytes = 0;
   void* const* nvl_table = nullptr;
   void* const* rdma_table = nullptr;
   WaitTimeoutRecord* timeout_record = nullptr;  // host-mapped
@@ -134,7 +133,6 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     s.nvl_table = upload_table(s.nvl->bases());
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.rdma_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
-      s.rdma_bytes = options.num_rdma_bytes;
       s.rdma_table = upload_table(s.rdma_remote->bases);
     } else {
       s.rdma.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
@@ -236,7 +234,7 @@ void* Buffer::rdma_buffer() const {
 }
 size_t Buffer::num_rdma_bytes() const {
   const State& s = live();
-  return s.rdma_remote ? s.rdma_bytes : s.rdma->bytes();
+  return s.rdma_remote ? s.rdma_remote->bytes : s.rdma->bytes();
 }
 void* const* Buffer::rdma_peer_bases_device() const {
   return live().rdma_table;
@@ -259,19 +257,12 @@ void Buffer::check_timeout() const {
   if (reinterpret_cast<const volatile int32_t&>(record.flag) == 1) EPX_FAIL(describe_wait_timeout(record));
 }
 
-namespace {
-
-[[noreturn]] void raise_failed_wait(const Buffer& buffer, cudaError_t status) {
-  buffer.check_timeout();
-  EPX_FAIL("rank ", buffer.rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
-           cudaGetErrorString(status));
-}
-
-}  // namespace
-
 void Buffer::synchronize(cudaStream_t stream) const {
   const cudaError_t status = cudaStreamSynchronize(stream);
-  if (status != cudaSuccess) raise_failed_wait(*this, status);
+  if (status == cudaSuccess) return;
+  check_timeout();
+  EPX_FAIL("rank ", rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
+           cudaGetErrorString(status));
 }
 
 }  // namespace epx

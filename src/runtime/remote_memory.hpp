@@ -13,6 +13,7 @@ namespace epx {
 // ranks of this rank's node also map directly.
 struct RemoteMemory {
   void* local = nullptr;
+  size_t bytes = 0;
   // [R]: rank r's allocation as seen from this GPU for the ranks of this rank's node (own included),
   // nullptr for ranks reached only by puts.
   std::vector<void*> bases;

@@ -14,6 +14,7 @@ RemoteMemory allocate_remote_memory(Bootstrap& bootstrap, size_t bytes, int rank
   transport::nvshmem::preload_low_latency_remote_kernels();
   RemoteMemory memory;
   memory.local = heap->base();
+  memory.bytes = heap->bytes();
   const int node = bootstrap.rank() / ranks_per_node;
   for (int rank = 0; rank < bootstrap.num_ranks(); ++rank) {
     void* mapped = nullptr;
