@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 
 #include "common/cuda_check.hpp"
@@ -11,16 +12,32 @@
 
 namespace epx::test {
 
-// Runs `worker` in one process per GPU (rank r on device r) and fails the test with the launcher's summary if
-// any rank fails; skips the test when the machine has fewer GPUs.
+// EPX_TEST_RANKS_PER_GPU=N lets N ranks share each GPU (rank r on device r % GPUs). The ranks' kernels then
+// take turns on the GPU by time slicing, so this checks the logic of larger groups (indexing, barriers,
+// counts) on a machine with fewer GPUs; it is far too slow for timings and NCCL refuses it. Default 1.
+inline int test_ranks_per_gpu() {
+  const char* value = std::getenv("EPX_TEST_RANKS_PER_GPU");
+  const int n = value != nullptr ? std::atoi(value) : 1;
+  return n > 1 ? n : 1;
+}
+
+// How many ranks the GPU tests can start here.
+inline int test_rank_capacity() {
+  return visible_gpu_count() * test_ranks_per_gpu();
+}
+
+// Runs `worker` in one process per rank (rank r on device r, or r % GPUs when ranks share GPUs) and fails the
+// test with the launcher's summary if any rank fails; skips the test when the machine has too few GPUs.
 inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& worker) {
   const int num_gpus = visible_gpu_count();
-  if (num_gpus < num_ranks) GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
+  if (num_gpus * test_ranks_per_gpu() < num_ranks) {
+    GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
+  }
   LocalLaunchOptions options;
   options.num_ranks = num_ranks;
   options.timeout = std::chrono::milliseconds(300000);
   const LocalLaunchResult result = launch_local(options, [&](Bootstrap& bootstrap) {
-    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
+    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank() % num_gpus));
     worker(bootstrap);
     return 0;
   });

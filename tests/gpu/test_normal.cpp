@@ -360,7 +360,7 @@ TEST(Normal, HundredTwentyCallsFourRanks) {
 // DeepSeek-like: 4096 tokens of hidden 7168 per rank, FP8, top-8. Four ranks where there are four GPUs.
 TEST(Normal, Large4096x7168Fp8) {
   NormalCase c;
-  c.num_ranks = epx::visible_gpu_count() >= 4 ? 4 : 2;
+  c.num_ranks = epx::test::test_rank_capacity() >= 4 ? 4 : 2;
   c.hidden = 7168;
   c.num_experts = 64 * c.num_ranks;
   c.num_topk = 8;
@@ -383,7 +383,7 @@ using epx::test::expect_error;
 // Two ranks where there are two GPUs, else one: the checks are the same, two ranks also show that a rejected
 // call leaves the ranks in step.
 int error_test_ranks() {
-  return std::min(epx::visible_gpu_count(), 2);
+  return std::min(epx::test::test_rank_capacity(), 2);
 }
 
 NormalCase error_follow_up_case(int num_ranks, int hidden, int num_topk) {

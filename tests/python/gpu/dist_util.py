@@ -1,6 +1,10 @@
 """Runs a test body on N GPUs: one process per GPU (torch.multiprocessing), joined by an NCCL process group.
-Tests skip (not fail) without torch, without CUDA, or with fewer GPUs than they need."""
+Tests skip (not fail) without torch, without CUDA, or with fewer GPUs than they need.
 
+EPX_TEST_RANKS_PER_GPU=N lets N ranks share each GPU (rank r on cuda:r % GPUs, a Gloo group since NCCL refuses
+two ranks on one GPU): it checks larger groups' logic on fewer GPUs, never their speed."""
+
+import os
 import socket
 
 import pytest
@@ -15,9 +19,13 @@ def require_gpus(num_gpus):
         pytest.skip("epx was built without CUDA")
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
-    if torch.cuda.device_count() < num_gpus:
+    if torch.cuda.device_count() * ranks_per_gpu() < num_gpus:
         pytest.skip(f"needs {num_gpus} GPUs, {torch.cuda.device_count()} present")
     return torch
+
+
+def ranks_per_gpu():
+    return max(1, int(os.environ.get("EPX_TEST_RANKS_PER_GPU", "1")))
 
 
 def _free_port():
@@ -30,8 +38,9 @@ def _entry(rank, num_ranks, port, worker, args):
     import torch
     import torch.distributed as dist
 
-    torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    torch.cuda.set_device(rank % torch.cuda.device_count())
+    backend = "gloo" if ranks_per_gpu() > 1 else "nccl"
+    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     try:
         worker(rank, num_ranks, dist.group.WORLD, *args)
         torch.cuda.synchronize()
