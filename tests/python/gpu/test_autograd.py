@@ -65,7 +65,7 @@ def autograd_worker(rank, num_ranks, group):
     import epx
     import epx.training as training
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     problem, experts = make_problem(num_ranks, device)
     num_experts = experts.size(0)
     local = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)

@@ -129,7 +129,7 @@ def low_latency_worker(rank, num_ranks, group):
     import epx.compat.deep_ep as deep_ep
     import epx.reference as ref
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
     num_local = num_experts // num_ranks
     num_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, num_ranks, num_experts)
@@ -228,7 +228,7 @@ def virtual_nodes_worker(rank, num_ranks, group):
     import epx.compat.deep_ep as deep_ep
 
     os.environ["EPX_RANKS_PER_NODE"] = "1"
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
     num_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(MAX_TOKENS, HIDDEN, num_ranks, num_experts)
     buffer = deep_ep.Buffer(group, num_rdma_bytes=num_bytes, low_latency_mode=True,

@@ -71,7 +71,7 @@ def normal_worker(rank, num_ranks, group, seed):
     import epx.compat.deep_ep as deep_ep
     import epx.reference as ref
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 8 * num_ranks
     buffer = deep_ep.Buffer(group, num_nvl_bytes=deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
                             explicitly_destroy=True)
@@ -202,7 +202,7 @@ def native_api_worker(rank, num_ranks, group):
     import epx
     import epx.reference as ref
 
-    device = torch.device("cuda", rank)
+    device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
     buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, 256))
     inputs = make_inputs(num_ranks, num_experts, 5)
