@@ -87,11 +87,9 @@ def relative_error(a, b):
 
 
 def worker(rank, num_ranks, port, args):
-    torch.cuda.set_device(rank % torch.cuda.device_count())
-    device = torch.device("cuda", torch.cuda.current_device())
-    # NCCL refuses two ranks on one GPU; Gloo serves the router's all-reduce when ranks share GPUs.
-    backend = "gloo" if args.ranks_per_gpu > 1 else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    torch.cuda.set_device(rank)
+    device = torch.device("cuda", rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     group = dist.group.WORLD
     num_local = args.num_experts // num_ranks
     layer = MoELayer(args.hidden, args.ffn, args.num_experts, args.top_k, rank * num_local, num_local, 0).to(device)
@@ -155,9 +153,7 @@ def worker(rank, num_ranks, port, args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--ranks-per-gpu", type=int, default=int(os.environ.get("EPX_TEST_RANKS_PER_GPU", "1")),
-                        help="ranks sharing each GPU (checks larger groups on fewer GPUs; slow)")
-    parser.add_argument("--num-gpus", type=int, default=None, help="ranks (default: GPUs x ranks per GPU, at most 4)")
+    parser.add_argument("--num-gpus", type=int, default=min(4, torch.cuda.device_count()))
     parser.add_argument("--steps", type=int, default=5)
     parser.add_argument("--tokens", type=int, default=128, help="tokens per rank per step")
     parser.add_argument("--hidden", type=int, default=512)
@@ -166,12 +162,8 @@ def main():
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
-    args.ranks_per_gpu = max(1, args.ranks_per_gpu)
-    if args.num_gpus is None:
-        args.num_gpus = min(4, torch.cuda.device_count() * args.ranks_per_gpu)
-    if args.num_gpus < 2 or args.num_gpus > torch.cuda.device_count() * args.ranks_per_gpu:
-        print(f"--num-gpus {args.num_gpus} must be in [2, {torch.cuda.device_count()} visible GPUs x "
-              f"{args.ranks_per_gpu} ranks per GPU]", file=sys.stderr)
+    if args.num_gpus < 2:
+        print(f"needs at least 2 GPUs ({torch.cuda.device_count()} visible)", file=sys.stderr)
         return 1
     if args.num_experts % args.num_gpus != 0:
         print("--num-experts must be a multiple of --num-gpus", file=sys.stderr)
