@@ -1,6 +1,6 @@
 #!/usr/bin/env bash
-# The one command a GPU machine runs: build (or reuse a carried build), run the GPU tests and the benchmark,
-# and leave logs plus summary.json under $OUT (default gpu-out/).
+# The one command a GPU machine runs: build (or reuse a carried build), run the GPU tests, the C++ examples,
+# the Python tests and example and the benchmark, and leave logs plus summary.json under $OUT (default gpu-out/).
 # Environment knobs:
 #   GPU_TESTS      gtest filter of the GPU tests (default: all; "-" skips them)
 #   PY_TESTS       "-" skips the Python GPU tests and the example
@@ -50,6 +50,18 @@ if [ "${GPU_TESTS:-*}" != "-" ]; then
   grep -E "^\[       OK \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$out/gpu-tests.log" | sed 's/^/  /' | tail -80 >"$out/gpu-tests-brief.txt"
 fi
 
+# The numbered C++ examples, each checking its own result, on every GPU (4 ranks at most).
+examples_rc=skipped
+if [ "${GPU_TESTS:-*}" != "-" ] && [ -x "$build/examples/epx_example_normal" ]; then
+  ranks=$(($(nvidia-smi -L | grep -c '^GPU') * ${EPX_TEST_RANKS_PER_GPU:-1}))
+  [ $ranks -gt 4 ] && ranks=4
+  examples_rc=0
+  for example in normal low_latency; do
+    timeout -k 10 120 "$build/examples/epx_example_$example" $ranks >>"$out/cpp-examples.log" 2>&1 || examples_rc=1
+  done
+  tail -12 "$out/cpp-examples.log"
+fi
+
 # Python: the binding's GPU pytest suite (torch multiprocessing) and the example MoE layer trained on the GPUs.
 py_rc=skipped
 if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
@@ -59,7 +71,7 @@ if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
   py_rc=$?
   tail -15 "$out/py-tests.log"
   if [ "${EPX_TEST_RANKS_PER_GPU:-1}" -le 1 ]; then  # the example's NCCL group needs a GPU per rank
-    timeout -k 10 120 python3 examples/moe_layer.py >"$out/moe-example.log" 2>&1 || py_rc=example-failed
+    timeout -k 10 120 python3 examples/03_moe_layer.py >"$out/moe-example.log" 2>&1 || py_rc=example-failed
     tail -8 "$out/moe-example.log"
   fi
 fi
@@ -73,8 +85,9 @@ if [ "${BENCH_ARGS:-}" != "skip" ]; then
   tail -60 "$out/bench.txt"
 fi
 
-printf '{"date":"%s","build_s":%s,"tests_rc":"%s","py_rc":"%s","bench_rc":"%s"}\n' "$(date -Iseconds)" \
-  "$build_s" "$tests_rc" "$py_rc" "$bench_rc" | tee "$out/summary.json"
+printf '{"date":"%s","build_s":%s,"tests_rc":"%s","examples_rc":"%s","py_rc":"%s","bench_rc":"%s"}\n' \
+  "$(date -Iseconds)" "$build_s" "$tests_rc" "$examples_rc" "$py_rc" "$bench_rc" | tee "$out/summary.json"
 [ "$tests_rc" = 0 ] || [ "$tests_rc" = skipped ] || exit 1
+[ "$examples_rc" = 0 ] || [ "$examples_rc" = skipped ] || exit 1
 [ "$py_rc" = 0 ] || [ "$py_rc" = skipped ] || exit 1
 [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ] || exit 1

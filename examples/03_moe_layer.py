@@ -8,7 +8,7 @@ same training steps on every rank's tokens without any communication. The script
 the summed loss agrees, and at the first step that the gradients of the router, the local experts and the
 input tokens agree. It exits non-zero on a mismatch.
 
-    python examples/moe_layer.py --num-gpus 4 --steps 5
+    python examples/03_moe_layer.py --num-gpus 4 --steps 5
 
 Needs torch with CUDA and the epx package (pip install ./python, or PYTHONPATH=python:<build>/python).
 """
