@@ -6,13 +6,13 @@
 //   build/examples/epx_example_normal [num_ranks]      (default 2; rank r on GPU r % GPUs)
 #include <cstdint>
 #include <cstdio>
-#include <random>
 #include <vector>
 
 #include "epx/buffer.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
+#include "epx/reference/test_data.hpp"
 #include "example_util.hpp"
 
 namespace {
@@ -26,22 +26,19 @@ int normal_rank_main(epx::Bootstrap& bootstrap) {
   const int num_experts = 8 * num_ranks;
   const int num_topk = 4;
 
-  // Tokens hold small integers, so sums of a few copies are exact in BF16. A token picks distinct experts;
-  // about one pick in ten is -1 (no expert).
-  std::mt19937 rng(1234 + rank);
-  std::vector<uint16_t> x(size_t(num_tokens) * hidden);
-  for (uint16_t& v : x) v = epx::float_to_bf16(float(int(rng() % 17) - 8));
-  std::vector<int64_t> topk_idx(size_t(num_tokens) * num_topk);
-  std::vector<float> topk_weights(topk_idx.size());
-  std::vector<int> experts(num_experts);
-  for (int t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < num_experts; ++e) experts[e] = e;
-    for (int k = 0; k < num_topk; ++k) {
-      std::swap(experts[k], experts[k + rng() % (num_experts - k)]);
-      topk_idx[size_t(t) * num_topk + k] = rng() % 10 == 0 ? -1 : experts[k];
-      topk_weights[size_t(t) * num_topk + k] = float(rng() % 1000) / 1000.0f;
-    }
-  }
+  // Seeded inputs from the reference's generators: tokens of small integers (sums of a few copies are exact
+  // in BF16), distinct experts per token with about one pick in ten dropped to -1 (no expert).
+  const uint64_t seed = 1234 + rank;
+  const std::vector<uint16_t> x = epx::reference::random_bf16_tokens(
+      seed, num_tokens, hidden, rank, epx::reference::TokenValues::kSmallIntegers,
+      /*stamp=*/false);
+  epx::reference::RoutingSpec routing;
+  routing.num_tokens = num_tokens;
+  routing.num_topk = num_topk;
+  routing.num_experts = num_experts;
+  routing.drop_probability = 0.1;
+  const std::vector<int64_t> topk_idx = epx::reference::make_topk_idx(routing, seed);
+  const std::vector<float> topk_weights = epx::reference::random_topk_weights(seed, num_tokens, num_topk);
 
   epx::BufferOptions options;
   options.num_nvl_bytes = epx::normal_nvl_buffer_size_hint(size_t(hidden) * 2, num_ranks);

@@ -8,13 +8,13 @@
 //   build/examples/epx_example_low_latency [num_ranks]      (default 2; rank r on GPU r % GPUs)
 #include <cstdint>
 #include <cstdio>
-#include <random>
 #include <vector>
 
 #include "epx/buffer.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/low_latency.hpp"
+#include "epx/reference/test_data.hpp"
 #include "example_util.hpp"
 
 namespace {
@@ -28,21 +28,18 @@ int low_latency_rank_main(epx::Bootstrap& bootstrap) {
   const int num_experts = 36 * num_ranks;  // 288 at 8 ranks
   const int num_topk = 8;
 
-  std::mt19937 rng(4321 + rank);
-  std::uniform_real_distribution<float> value(-1.0f, 1.0f);
-  std::vector<uint16_t> x(size_t(num_tokens) * hidden);
-  for (uint16_t& v : x) v = epx::float_to_bf16(value(rng));
-  std::vector<int64_t> topk_idx(size_t(num_tokens) * num_topk);
-  std::vector<float> topk_weights(topk_idx.size());
-  std::vector<int> experts(num_experts);
-  for (int t = 0; t < num_tokens; ++t) {
-    for (int e = 0; e < num_experts; ++e) experts[e] = e;
-    for (int k = 0; k < num_topk; ++k) {
-      std::swap(experts[k], experts[k + rng() % (num_experts - k)]);
-      topk_idx[size_t(t) * num_topk + k] = rng() % 16 == 0 ? -1 : experts[k];
-      topk_weights[size_t(t) * num_topk + k] = float(rng() % 1000) / 1000.0f;
-    }
-  }
+  // Seeded inputs from the reference's generators: tokens uniform in [-1, 1) scaled per 128 channels,
+  // distinct experts per token with about one pick in sixteen dropped to -1 (no expert).
+  const uint64_t seed = 4321 + rank;
+  const std::vector<uint16_t> x = epx::reference::random_bf16_tokens(
+      seed, num_tokens, hidden, rank, epx::reference::TokenValues::kUniform, /*stamp=*/false);
+  epx::reference::RoutingSpec routing;
+  routing.num_tokens = num_tokens;
+  routing.num_topk = num_topk;
+  routing.num_experts = num_experts;
+  routing.drop_probability = 1.0 / 16;
+  const std::vector<int64_t> topk_idx = epx::reference::make_topk_idx(routing, seed);
+  const std::vector<float> topk_weights = epx::reference::random_topk_weights(seed, num_tokens, num_topk);
 
   epx::BufferOptions options;
   options.num_rdma_bytes =
