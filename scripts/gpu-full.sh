@@ -1,11 +1,11 @@
 #!/usr/bin/env bash
 # Everything the README's results need, in one GPU-machine call: the C++ and Python GPU tests with the example,
-# the normal-mode benchmark at 24 and 48 SMs, the low-latency benchmark, and (with 4 or more GPUs) the
-# low-latency benchmark across virtual nodes of half the GPUs each, plus its 1-token fixed cost.
+# the normal-mode benchmark at 24 and 48 SMs, the low-latency benchmark and its 1-token fixed cost, and (with 4
+# or more GPUs) the low-latency benchmark across virtual nodes of half the GPUs each.
 # A device call brings back at most 8 files, so every stage's logs are packed into $OUT/logs.tar.gz and the
 # tables into $OUT/summary.txt. Exit status: non-zero when any stage failed.
 # Knobs: those of gpu-check.sh (GPU_TESTS, PY_TESTS, EPX_TEST_RANKS_PER_GPU, EPX_REBUILD, ...); STAGES
-# (default "tests normal ll nodes") picks the stages.
+# (default "tests normal ll fixed-cost nodes") picks the stages.
 set -uo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
 out=${OUT:-$root/gpu-out}
@@ -24,16 +24,16 @@ stage() {
 }
 
 num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
-stages=${STAGES:-tests normal ll nodes}
+stages=${STAGES:-tests normal ll fixed-cost nodes}
 for s in $stages; do
   case $s in
     tests) stage tests BENCH_ARGS=skip ;;
     normal) stage normal GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode normal --num-sms 24,48" ;;
     ll) stage ll GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency" ;;
+    fixed-cost) stage fixed-cost GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency --ll-tokens 1" ;;
     nodes)
       if [ "$num_gpus" -ge 4 ]; then
         stage nodes GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency --ll-ranks-per-node $((num_gpus / 2))"
-        stage fixed-cost GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency --ll-tokens 1"
       fi
       ;;
     *) echo "unknown stage $s" | tee -a "$summary" && failed="$failed $s" ;;
