@@ -206,7 +206,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   EPX_CHECK(o.hidden % 128 == 0, "hidden", o.hidden,
             "must be a multiple of 128 (FP8 dispatch is benchmarked)");
   BufferOptions buffer_options;
-  buffer_options.num_nvl_bytes = normal_nvl_buffer_size_hint(size_t(o.hidden) * 2, num_ranks, o.num_tokens);
+  // Sized for the widest SM budget of the sweep (the default queue sizes); the size does not depend on tokens.
+  Config widest;
+  widest.num_sms = *std::max_element(o.num_sms.begin(), o.num_sms.end());
+  buffer_options.num_nvl_bytes = widest.get_nvl_buffer_size_hint(size_t(o.hidden) * 2, num_ranks);
   Buffer buffer(bootstrap, buffer_options);
   cudaStream_t stream = nullptr;
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
@@ -244,7 +247,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
           median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] { dispatch(buffer, in, dout, stream); });
       const bool bf16 = format == TokenFormat::kBf16;
       out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, bf16 ? bf16_bytes : fp8_bytes});
-      // The first step alone (stage, count exchange, host sync): the rest of the time is the pull.
+      // The first step alone (count exchange and host sync): the rest of the time moves the rows.
       const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
         dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
       });

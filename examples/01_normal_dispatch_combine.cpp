@@ -40,10 +40,13 @@ int normal_rank_main(epx::Bootstrap& bootstrap) {
   const std::vector<int64_t> topk_idx = epx::reference::make_topk_idx(routing, seed);
   const std::vector<float> topk_weights = epx::reference::random_topk_weights(seed, num_tokens, num_topk);
 
+  // The NVLink buffer holds bounded per-peer queues: its size follows the config, never the batch.
+  epx::Config config;
+  config.num_sms = 24;
   epx::BufferOptions options;
-  options.num_nvl_bytes = epx::normal_nvl_buffer_size_hint(size_t(hidden) * 2, num_ranks);
+  options.num_nvl_bytes = config.get_nvl_buffer_size_hint(size_t(hidden) * 2, num_ranks);
   epx::Buffer buffer(bootstrap, options);  // collective: maps every peer's buffer
-  buffer.set_num_sms(24);
+  buffer.set_config(config);
   cudaStream_t stream;
   example::check_cuda(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking), "cudaStreamCreate");
   const epx::StreamOrder order{stream, nullptr, false};  // on the comm stream; `stream` waits for each call

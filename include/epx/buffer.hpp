@@ -7,13 +7,14 @@
 #include <memory>
 
 #include "epx/bootstrap.hpp"
+#include "epx/config.hpp"
 
 namespace epx {
 
 struct WaitTimeoutRecord;
 
 struct BufferOptions {
-  size_t num_nvl_bytes = 0;   // normal-mode NVLink buffer per rank (see normal_nvl_buffer_size_hint)
+  size_t num_nvl_bytes = 0;   // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
   size_t num_rdma_bytes = 0;  // low-latency buffer per rank (see get_low_latency_rdma_size_hint)
   bool low_latency_mode = false;
   int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
@@ -48,7 +49,10 @@ class Buffer {
   // it.
   std::shared_ptr<CUstream_st> comm_stream_shared() const;
 
-  int num_sms() const;
+  // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as BufferOptions::num_sms.
+  const Config& config() const;
+  void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
+  int num_sms() const { return config().num_sms; }
   void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count
   uint64_t wait_timeout_ns() const;
 

@@ -24,6 +24,12 @@ const char* wait_phase_name(WaitPhase phase) {
       return "low-latency combine receive";
     case WaitPhase::kCapacity:
       return "capacity check";
+    case WaitPhase::kDispatchSend:
+      return "dispatch send (room in the peer's queue)";
+    case WaitPhase::kCombineSend:
+      return "combine send (room in the peer's queue)";
+    case WaitPhase::kPreviousCall:
+      return "the peer's previous normal-mode call";
   }
   return "unknown phase";
 }

@@ -16,6 +16,9 @@ enum class WaitPhase : int32_t {
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
   kCapacity = 7,  // a count exceeded what the caller sized for (e.g. num_worst_tokens)
+  kDispatchSend = 8,   // normal dispatch: waiting for room in a peer's queue
+  kCombineSend = 9,    // normal combine: likewise
+  kPreviousCall = 10,  // normal mode: waiting for a peer to finish its previous dispatch or combine
 };
 
 const char* wait_phase_name(WaitPhase phase);

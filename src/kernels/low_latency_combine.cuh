@@ -8,7 +8,7 @@
 #include "epx/formats/logfmt.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
-#include "kernels/nvl_barrier.cuh"
+#include "kernels/warp_copy.cuh"
 #include "kernels/preload.hpp"
 
 namespace epx::kernels {

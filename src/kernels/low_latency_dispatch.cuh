@@ -12,7 +12,7 @@
 #include "epx/formats/ue8m0.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
-#include "kernels/nvl_barrier.cuh"
+#include "kernels/warp_copy.cuh"
 #include "kernels/preload.hpp"
 
 namespace epx::kernels {

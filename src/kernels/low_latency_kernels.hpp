@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "epx/layout/low_latency_layout.hpp"
-#include "kernels/normal_kernels.hpp"
+#include "kernels/peer_context.hpp"
 
 // Launchers of the low-latency (decode) kernels; each takes one Args struct of plain pointers.
 // Every launch is capturable in a CUDA graph: no allocation, no host synchronisation.

@@ -2,54 +2,38 @@
 
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
-#include "kernels/nvl_barrier.cuh"
+#include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/warp_copy.cuh"
 
 namespace epx::kernels {
 
 namespace {
 
-constexpr int kCopyThreads = 1024;  // 32 warps per SM: more rows in flight per SM of the budget
-constexpr int kCopyWarps = kCopyThreads / 32;
-// The reduce keeps 4 chunks x 8 floats of accumulators per lane: 512 threads leave it 128 registers, no
-// spills.
-constexpr int kReduceThreads = 512;
-constexpr int kReduceWarps = kReduceThreads / 32;
-
-// ---- Stage: the rows this rank returns to each peer go into its own buffer, where that peer's reduce reads
-// them after the barrier (a local copy, then one remote read fused into the reduce, instead of a remote write
-// and a local re-read). Rows this rank received from itself stay where they are: the reduce reads them from
-// `x`. ----
-__global__ void __launch_bounds__(kCopyThreads) stage_kernel(CombineStageArgs args) {
-  __shared__ int offsets[kMaxNvlRanks + 1];
-  const NormalLayout& layout = args.layout;
-  const int num_ranks = args.peers.num_ranks;
-  const int rank = args.peers.rank;
-  const int parity = parity_before_barrier(args.peers);
-  if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
-  __syncthreads();
-  const int lane = threadIdx.x % 32;
-  const int num_topk = layout.shape.num_topk;
-  const size_t row_bytes = layout.combine_row_bytes();
-  const int num_warps = gridDim.x * kCopyWarps;
-  const int num_own = offsets[rank + 1] - offsets[rank];
-  const int num_staged = offsets[num_ranks] - num_own;
-  for (int i = blockIdx.x * kCopyWarps + threadIdx.x / 32; i < num_staged; i += num_warps) {
-    const int row = i < offsets[rank] ? i : i + num_own;  // rows of every source but this rank
-    int src = 0;
-    while (row >= offsets[src + 1]) ++src;
-    const int slot = row - offsets[src];
-    warp_copy<false>(layout.combine_x_row(args.peers.local_base, parity, src, slot),
-                     static_cast<const char*>(args.x) + row * row_bytes, row_bytes, lane);
-    if (args.topk_weights != nullptr && lane < num_topk) {
-      layout.combine_weights_row(args.peers.local_base, parity, src, slot)[lane] =
-          args.topk_weights[static_cast<size_t>(row) * num_topk + lane];
+// ---- Send: the rows this rank received from `dst` on `channel` (contiguous, in dst's token order) go back
+// into dst's queue, each with its top-k weights. ----
+__device__ void send_rows(const CombineArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
+                          int calls) {
+  const NormalRecord& r = args.record;
+  const int index = dst * args.layout.num_channels + channel;
+  const int row0 = args.handle.recv_channel_offset[index];
+  const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
+  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens, WaitPhase::kCombineSend);
+  queue.wait_until_peer_ready(calls);
+  while (queue.pushed < num_rows) {
+    const int granted = queue.reserve(num_rows - queue.pushed);
+    for (int j = group.warp; j < granted; j += group.num_warps) {
+      const size_t row = row0 + queue.pushed + j;
+      char* record = queue.record(j);
+      warp_copy<false>(record, static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes, group.lane);
+      if (group.lane < r.num_topk_weights) {
+        reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
+            args.topk_weights[row * r.num_topk_weights + group.lane];
+      }
     }
+    queue.publish(granted);
   }
-}
-
-__global__ void barrier_kernel(PeerContext peers) {
-  nvl_barrier_block(peers);
+  queue.finish();
 }
 
 __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
@@ -62,107 +46,159 @@ __device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) 
   }
 }
 
-// ---- Reduce: each token sums its returned copies in ascending rank order, then the biases. ----
-// Peers' copies are read from their buffers (staged there for this rank), its own copy straight from the
-// combine input.
-__global__ void __launch_bounds__(kReduceThreads) reduce_kernel(ReduceArgs args) {
-  const NormalLayout& layout = args.layout;
-  const int num_ranks = args.peers.num_ranks;
-  const int rank = args.peers.rank;
-  const int parity = parity_after_barrier(args.peers);
-  const int lane = threadIdx.x % 32;
-  const int num_topk = layout.shape.num_topk;
-  const int num_chunks = layout.shape.hidden / 8;
-  const int num_warps = gridDim.x * kReduceWarps;
-  // Row of `x` holding own slot 0: rows received from this rank follow in slot order.
-  const int own_offset = args.handle.recv_offsets[rank];
-  for (int t = blockIdx.x * kReduceWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
-    // Slot of the token's copy returned by each rank (-1: not sent there); registers, so indexed by
-    // constants.
-    int slots[kMaxNvlRanks];
+// Where rank r's copy of the token lies: this rank's own copy in the combine input, a peer's in the queue.
+__device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, int entry, int channel,
+                                                int own_row0) {
+  if (r == args.peers.rank) {
+    return static_cast<const char*>(args.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
+  }
+  return args.layout.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
+}
+
+// Token t's sum over the ranks it went to (`entries[r]` >= 0), in ascending rank order in float, then the
+// biases, rounded once to BF16: the order reference::normal_combine defines. Two ranks' chunks are loaded
+// before either is added, so reads from the queue and from the input overlap.
+__device__ void reduce_token(const CombineArgs& args, int t, const int (&entries)[kMaxNvlRanks], int channel,
+                             int own_row0, int lane) {
+  constexpr int kUnroll = 2;
+  const int num_chunks = args.record.x_bytes / 16;
+  for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
+    float acc[kUnroll][8] = {};
 #pragma unroll
-    for (int r = 0; r < kMaxNvlRanks; ++r) {
-      slots[r] = r < num_ranks ? args.handle.send_pos[static_cast<size_t>(t) * num_ranks + r] : -1;
-    }
-    constexpr int kUnroll = 4;
-    for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
-      float acc[kUnroll][8] = {};
-      // Copies are added in ascending rank order, the summation order the reference defines. Two ranks'
-      // chunks are loaded before either is added, so a remote read and a local one overlap.
+    for (int r0 = 0; r0 < kMaxNvlRanks; r0 += 2) {
+      int4 v[2][kUnroll];
 #pragma unroll
-      for (int r0 = 0; r0 < kMaxNvlRanks; r0 += 2) {
-        int4 v[2][kUnroll];
+      for (int p = 0; p < 2; ++p) {
+        if (entries[r0 + p] < 0) continue;
+        const auto* row = reinterpret_cast<const int4*>(copy_row(args, r0 + p, entries[r0 + p], channel, own_row0));
 #pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          const int r = r0 + p;
-          if (slots[r] < 0) continue;
-          const auto* row = reinterpret_cast<const int4*>(
-              r == rank ? static_cast<const char*>(args.x) +
-                              static_cast<size_t>(own_offset + slots[r]) * layout.combine_row_bytes()
-                        : layout.combine_x_row(args.peers.peer_bases[r], parity, rank, slots[r]));
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            if (c0 + u * 32 < num_chunks) v[p][u] = device::ld_v4(row + c0 + u * 32);
-          }
-        }
-#pragma unroll
-        for (int p = 0; p < 2; ++p) {
-          if (slots[r0 + p] < 0) continue;
-#pragma unroll
-          for (int u = 0; u < kUnroll; ++u) {
-            if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[p][u]);
-          }
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 < num_chunks) v[p][u] = device::ld_v4(row + c0 + u * 32);
         }
       }
 #pragma unroll
-      for (int u = 0; u < kUnroll; ++u) {
-        const int c = c0 + u * 32;
-        if (c >= num_chunks) continue;
-        const size_t offset = static_cast<size_t>(t) * num_chunks + c;
-        if (args.bias0 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias0)[offset]);
-        if (args.bias1 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias1)[offset]);
-        int4 out;
-        auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+      for (int p = 0; p < 2; ++p) {
+        if (entries[r0 + p] < 0) continue;
 #pragma unroll
-        for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
-        static_cast<int4*>(args.combined_x)[offset] = out;
+        for (int u = 0; u < kUnroll; ++u) {
+          if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[p][u]);
+        }
       }
     }
-    if (args.combined_topk_weights != nullptr && lane < num_topk) {
-      float sum = 0.0f;
 #pragma unroll
-      for (int r = 0; r < kMaxNvlRanks; ++r) {
-        if (slots[r] < 0) continue;
-        sum += r == rank ? args.topk_weights[static_cast<size_t>(own_offset + slots[r]) * num_topk + lane]
-                         : layout.combine_weights_row(args.peers.peer_bases[r], parity, rank, slots[r])[lane];
-      }
-      args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = sum;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * 32;
+      if (c >= num_chunks) continue;
+      const size_t offset = static_cast<size_t>(t) * num_chunks + c;
+      if (args.bias0 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias0)[offset]);
+      if (args.bias1 != nullptr) add_bf16x8(acc[u], static_cast<const int4*>(args.bias1)[offset]);
+      int4 out;
+      auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) pairs[i] = __floats2bfloat162_rn(acc[u][2 * i], acc[u][2 * i + 1]);
+      static_cast<int4*>(args.combined_x)[offset] = out;
     }
   }
+  const int num_topk = args.record.num_topk_weights;
+  if (args.combined_topk_weights != nullptr && lane < num_topk) {
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxNvlRanks; ++r) {
+      if (entries[r] < 0) continue;
+      if (r == args.peers.rank) {
+        sum += args.topk_weights[static_cast<size_t>(own_row0 + entries[r]) * num_topk + lane];
+      } else {
+        const char* record = copy_row(args, r, entries[r], channel, own_row0);
+        sum += reinterpret_cast<const volatile float*>(record + args.record.topk_weights_offset())[lane];
+      }
+    }
+    args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = sum;
+  }
+}
+
+// ---- Reduce: the channel's tokens (or `tokens`, a part of them, without queues) in batches of one token per
+// warp. A warp waits only for its own token's copies; after each batch, each peer learns how far its queue
+// was consumed.
+// NOTES: a batch needs at most `batch` <= Q new records of each queue, and senders write whatever room
+// allows, so every record a batch waits for fits in the queue: no deadlock for any chunk sizes. ----
+__device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues) {
+  __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
+  const int num_ranks = args.peers.num_ranks;
+  const int rank = args.peers.rank;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int own_row0 = args.handle.recv_channel_offset[rank * args.layout.num_channels + channel];
+  const bool lane_is_peer = lane < num_ranks && lane != rank;
+  auto* counters = NormalLayout::counters(args.peers.local_base);
+  const uint32_t lane_base = lane_is_peer ? counters->consumed[lane][channel] : 0;
+  if (threadIdx.x < kMaxNvlRanks) consumed[threadIdx.x] = 0;
+  int published = 0;  // thread r < R: what peer r was last told
+  __syncthreads();
+
+  const int batch = with_queues ? min(kQueueWarps, args.layout.queue_tokens) : kQueueWarps;
+  for (int first = tokens.begin; first < tokens.end; first += batch) {
+    const int t = first + warp;
+    if (warp < batch && t < tokens.end) {
+      const int entry = lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
+      if (lane_is_peer && entry >= 0) {
+        device::wait_count_since(&counters->tail[lane][channel], lane_base, entry + 1, wait_context(args.peers),
+                                 lane, WaitPhase::kCombineReduce);
+      }
+      __syncwarp();
+      int entries[kMaxNvlRanks];
+#pragma unroll
+      for (int r = 0; r < kMaxNvlRanks; ++r) entries[r] = __shfl_sync(~0u, entry, r);
+#pragma unroll
+      for (int r = 0; r < kMaxNvlRanks; ++r) entries[r] = r < num_ranks ? entries[r] : -1;
+      reduce_token(args, t, entries, channel, own_row0, lane);
+      if (lane_is_peer && entry >= 0) atomicMax(&consumed[lane], entry + 1);
+    }
+    __syncthreads();
+    if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank && consumed[threadIdx.x] > published) {
+      published = consumed[threadIdx.x];
+      auto* head = &NormalLayout::counters(args.peers.peer_bases[threadIdx.x])->head[rank][channel];
+      device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(lane_base + published));
+    }
+    __syncthreads();  // the next batch's progress is not published before it is read
+  }
+  if (with_queues && lane_is_peer && warp == 0) counters->consumed[lane][channel] = lane_base + consumed[lane];
+}
+
+// Block 2c sends the rows received on channel c back to their sources, block 2c + 1 reduces channel c's
+// tokens. With one rank there are no queues and both blocks reduce, half of the channel each.
+__global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
+  __shared__ int group_values[kMaxNvlRanks];
+  const int calls = calls_before(args.peers);
+  const int channel = blockIdx.x / 2;
+  const bool is_sender = blockIdx.x % 2 == 0;
+  const int num_ranks = args.peers.num_ranks;
+  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
+  if (num_ranks == 1) {
+    const int middle = range.begin + (range.end - range.begin) / 2;
+    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end}, false);
+  } else if (is_sender) {
+    const int warp = threadIdx.x / 32;
+    const int warps_per_peer = kQueueWarps / (num_ranks - 1);
+    const int peer_idx = warp / warps_per_peer;
+    if (peer_idx < num_ranks - 1) {
+      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, static_cast<int>(threadIdx.x % 32)};
+      send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
+    }
+  } else {
+    reduce_tokens(args, channel, range, true);
+  }
+  finish_launch(args.peers, calls);
 }
 
 }  // namespace
 
-void launch_combine_stage(const CombineStageArgs& args, cudaStream_t stream) {
-  stage_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
-}
-
-void launch_barrier(const PeerContext& peers, cudaStream_t stream) {
-  barrier_kernel<<<1, 32, 0, stream>>>(peers);
-  EPX_CUDA_CHECK_LAUNCH();
-}
-
-void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream) {
-  if (args.num_tokens == 0) return;
-  reduce_kernel<<<args.num_sms, kReduceThreads, 0, stream>>>(args);
+void launch_combine(const CombineArgs& args, cudaStream_t stream) {
+  combine_kernel<<<2 * args.layout.num_channels, kQueueThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
 void preload_normal_combine_kernels() {
-  preload_kernel(stage_kernel);
-  preload_kernel(barrier_kernel);
-  preload_kernel(reduce_kernel);
+  preload_kernel(combine_kernel);
 }
 
 }  // namespace epx::kernels

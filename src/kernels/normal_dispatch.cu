@@ -1,256 +1,221 @@
-#include <cub/block/block_scan.cuh>
-
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
-#include "kernels/nvl_barrier.cuh"
+#include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/warp_copy.cuh"
 
 namespace epx::kernels {
 
 namespace {
-
-constexpr int kCopyThreads = 1024;  // 32 warps per SM: more rows in flight per SM of the budget
-constexpr int kCopyWarps = kCopyThreads / 32;
-constexpr int kNotifyThreads = 1024;
 
 __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
   const int local = global_expert - rank * experts_per_rank;
   return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
 }
 
-// Called by every thread of every stage block at its end: the last block tells every rank that this rank's
-// stage is complete (monotonic count, like the barrier signals).
-// NOTES: each thread fences its own staged stores at system scope before its block's arrival is counted; the
-// last arriver fences again and releases the signal, so a puller that acquired it sees every staged row.
-__device__ __forceinline__ void publish_staged(const PeerContext& peers, int num_blocks) {
-  __shared__ bool is_last;
-  auto* local = NormalLayout::control(peers.local_base);
-  __threadfence_system();
-  __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(&local->stage_arrivals, 1) == num_blocks - 1;
-  __syncthreads();
-  if (!is_last) return;
-  __threadfence_system();
-  const int count = local->stage_count + 1;
-  if (threadIdx.x < peers.num_ranks) {
-    device::st_release_sys(&NormalLayout::control(peers.peer_bases[threadIdx.x])->staged_signal[peers.rank],
-                           count);
+// Writes output row `row`: the token row from `x_row`, its scales, its top-k as this rank's local expert ids
+// (-1 and weight 0 for other ranks' experts) and its source index. `kFromQueue`: the inputs lie in a queue
+// record that peers rewrite while the kernel runs, so they are read coherently.
+template <bool kFromQueue>
+__device__ __forceinline__ void write_row(const DispatchArgs& args, int row, const char* x_row, const float* scales,
+                                          const int* topk_idx32, const int64_t* topk_idx64, const float* weights,
+                                          int src_idx, int lane) {
+  const size_t row_bytes = args.record.x_bytes;
+  warp_copy<kFromQueue>(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes, lane);
+  const int num_scales = args.record.num_scales;
+  for (int g = lane; g < num_scales; g += 32) {
+    args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
+        kFromQueue ? *reinterpret_cast<const volatile float*>(scales + g) : scales[g];
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    local->stage_arrivals = 0;
-    local->stage_count = count;
+  const int num_topk = args.record.num_topk_idx;
+  if (args.recv_topk_idx != nullptr && lane < num_topk) {
+    const int experts_per_rank = args.num_experts / args.peers.num_ranks;
+    const int global = kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + lane)
+                                  : static_cast<int>(topk_idx64[lane]);
+    const float weight = weights == nullptr ? 0.0f
+                         : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + lane)
+                                            : weights[lane];
+    const int local = to_local_expert(global, args.peers.rank, experts_per_rank);
+    args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
+    args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? weight : 0.0f;
   }
+  if (lane == 0) args.handle.recv_src_idx[row] = src_idx;
 }
 
-// ---- Stage: this rank's tokens go into its own buffer (half `parity`), where the destinations will pull
-// them from; `num_blocks` blocks share the rows. Publishes its completion; the pull waits for that per
-// source. ----
-__device__ void stage_rows(const StageArgs& args, int parity, int block, int num_blocks) {
-  const NormalLayout& layout = args.layout;
-  const int lane = threadIdx.x % 32;
-  const int num_warps = num_blocks * kCopyWarps;
-  const int num_scales = layout.shape.num_scales;
-  const int num_topk = layout.shape.num_topk;
-  for (int t = block * kCopyWarps + threadIdx.x / 32; t < args.num_tokens; t += num_warps) {
-    const size_t row_bytes = layout.shape.x_row_bytes;
-    warp_copy<false>(layout.stage_x_row(args.peers.local_base, parity, t),
-                     static_cast<const char*>(args.x) + t * row_bytes, row_bytes, lane);
-    float* scales = layout.stage_scales_row(args.peers.local_base, parity, t);
-    for (int g = lane; g < num_scales; g += 32)
-      scales[g] = args.x_scales[static_cast<size_t>(t) * num_scales + g];
-    if (lane < num_topk) {
-      const size_t k = static_cast<size_t>(t) * num_topk + lane;
-      layout.stage_topk_idx_row(args.peers.local_base, parity, t)[lane] = static_cast<int>(args.topk_idx[k]);
-      layout.stage_topk_weights_row(args.peers.local_base, parity, t)[lane] =
-          args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
-    }
+// Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
+__device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane) {
+  const NormalRecord& r = args.record;
+  warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes, lane);
+  auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
+  for (int g = lane; g < r.num_scales; g += 32) scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
+  if (lane < r.num_topk_idx) {
+    const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
+    reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(args.topk_idx[k]);
+    reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] =
+        args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
   }
-  publish_staged(args.peers, num_blocks);
+  if (lane == 0) *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
 }
 
-// ---- Notify: publish send lists and counts, meet, then learn what arrives from whom. One block; the
-// barrier holds the operation counter until `num_parity_readers` stage blocks have read it. ----
-__device__ void notify_counts(const NotifyArgs& args, int num_parity_readers) {
-  using BlockScan = cub::BlockScan<int, kNotifyThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ int running_count;
-  __shared__ int recv_counts[kMaxNvlRanks];
-
-  const NormalLayout& layout = args.layout;
+// ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
+// spread over two blocks) takes every num_workers-th row; all of them scan the whole channel, so they agree
+// on every row's position. ----
+__device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker, int num_workers, int lane) {
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
-  const int num_experts = layout.shape.num_experts;
-  const int parity = parity_before_barrier(args.peers);
-  void* local = args.peers.local_base;
+  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
+  const int row0 = args.handle.recv_channel_offset[rank * args.layout.num_channels + channel];
+  const int num_topk = args.record.num_topk_idx;
+  int count = 0;
+  for (int t0 = range.begin, window = 0; t0 < range.end; t0 += 32, ++window) {
+    const int t = t0 + lane;
+    const bool in = t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + rank] != 0;
+    const unsigned mask = __ballot_sync(~0u, in);
+    if (window % num_workers == worker && t < range.end) {
+      args.handle.send_head[static_cast<size_t>(t) * num_ranks + rank] =
+          in ? count + __popc(mask & lanes_below(lane)) : -1;
+    }
+    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      const int bit = __ffs(todo) - 1;
+      const int entry = count + __popc(mask & lanes_below(bit));
+      if (entry % num_workers != worker) continue;
+      const int token = t0 + bit;
+      const size_t k = static_cast<size_t>(token) * num_topk;
+      write_row<false>(args, row0 + entry,
+                       static_cast<const char*>(args.x) + static_cast<size_t>(token) * args.record.x_bytes,
+                       args.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
+                       args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k, token,
+                       lane);
+    }
+    count += __popc(mask);
+  }
+}
 
-  // Send lists: for each destination, its tokens in ascending order (a block-wide scan per chunk).
-  for (int dst = 0; dst < num_ranks; ++dst) {
-    int* list = layout.send_list(local, parity, dst);
-    if (threadIdx.x == 0) running_count = 0;
-    __syncthreads();
-    for (int base = 0; base < args.num_tokens; base += kNotifyThreads) {
-      const int t = base + threadIdx.x;
-      const size_t cell = static_cast<size_t>(t) * num_ranks + dst;
-      const int flag = t < args.num_tokens ? (args.is_token_in_rank[cell] != 0) : 0;
-      int position = 0, chunk_total = 0;
-      BlockScan(scan_storage).ExclusiveSum(flag, position, chunk_total);
-      position += running_count;
-      if (t < args.num_tokens) {
-        if (flag) list[position] = t;
-        args.handle.send_pos[cell] = flag ? position : -1;
-        if (args.handle.is_token_in_rank != args.is_token_in_rank) args.handle.is_token_in_rank[cell] = flag;
+// ---- Send: the channel's tokens for `dst`, in token order, into dst's queue, a chunk at a time. ----
+__device__ void send_tokens(const DispatchArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
+                            int calls) {
+  const int num_ranks = args.peers.num_ranks;
+  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens, WaitPhase::kDispatchSend);
+  queue.wait_until_peer_ready(calls);
+  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
+  const int lane = group.lane;
+  int window = 0;
+  for (int t0 = range.begin; t0 < range.end;) {
+    const int granted = queue.reserve(args.chunk_tokens);
+    int taken = 0;
+    // Scan 32 tokens at a time; a window that holds more than the chunk has room for is cut after the last
+    // token taken, and the next scan resumes there. Every warp scans identically.
+    while (taken < granted && t0 < range.end) {
+      const int t = t0 + lane;
+      const bool in = t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + dst] != 0;
+      unsigned mask = __ballot_sync(~0u, in);
+      int width = 32;
+      const int room = granted - taken;
+      if (__popc(mask) > room) {
+        unsigned last = mask;
+        for (int i = 1; i < room; ++i) last &= last - 1;
+        width = __ffs(last);  // one past the room-th token
+        mask &= width == 32 ? ~0u : (1u << width) - 1u;
       }
-      __syncthreads();
-      if (threadIdx.x == 0) running_count += chunk_total;
-      __syncthreads();
+      if (window % group.num_warps == group.warp && lane < width && t < range.end) {
+        const bool sent = (mask >> lane) & 1u;
+        args.handle.send_head[static_cast<size_t>(t) * num_ranks + dst] =
+            sent ? queue.pushed + taken + __popc(mask & lanes_below(lane)) : -1;
+      }
+      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+        const int bit = __ffs(todo) - 1;
+        const int entry = taken + __popc(mask & lanes_below(bit));
+        if (entry % group.num_warps == group.warp) write_record(args, queue.record(entry), t0 + bit, lane);
+      }
+      taken += __popc(mask);
+      t0 += width;
+      ++window;
     }
-    if (threadIdx.x == 0) layout.send_counts(local, parity)[dst] = running_count;
+    queue.publish(taken);
   }
-  int* expert_counts = layout.expert_counts(local, parity);
-  for (int e = threadIdx.x; e < num_experts; e += kNotifyThreads) {
-    expert_counts[e] = args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
-  }
+  queue.finish();
+}
 
-  nvl_barrier_block(args.peers, num_parity_readers);
+// ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
+__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group, int* shared) {
+  const int index = src * args.layout.num_channels + channel;
+  const int row0 = args.handle.recv_channel_offset[index];
+  QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
+                      args.handle.recv_channel_offset[index + 1] - row0, WaitPhase::kDispatchReceive);
+  const NormalRecord& r = args.record;
+  while (!queue.done()) {
+    const int ready = queue.wait_ready();
+    for (int j = group.warp; j < ready; j += group.num_warps) {
+      const char* record = queue.record(j);
+      write_row<true>(args, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
+                      reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
+                      reinterpret_cast<const float*>(record + r.topk_weights_offset()),
+                      *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane);
+    }
+    queue.release(ready);
+  }
+  queue.finish();
+}
 
-  if (threadIdx.x < num_ranks) {
-    const NormalLayout& l = layout;
-    recv_counts[threadIdx.x] =
-        device::ld_relaxed_sys(&l.send_counts(args.peers.peer_bases[threadIdx.x], parity)[rank]);
-  }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    int offset = 0;
-    for (int src = 0; src < num_ranks; ++src) {
-      args.handle.recv_offsets[src] = offset;
-      offset += recv_counts[src];
+// Padding rows of the worst-case layout (after every received row): no source, no experts.
+__device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
+  const int num_rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+  const int num_topk = args.record.num_topk_idx;
+  const int stride = args.layout.num_channels * kQueueThreads;
+  for (int row = num_rows + channel * kQueueThreads + threadIdx.x; row < args.num_out_rows; row += stride) {
+    args.handle.recv_src_idx[row] = -1;
+    if (args.recv_topk_idx == nullptr) continue;
+    for (int k = 0; k < num_topk; ++k) {
+      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = -1;
+      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = 0.0f;
     }
-    args.handle.recv_offsets[num_ranks] = offset;
-    args.host_counts[0] = offset;
-    if (args.num_worst_tokens > 0 && offset > args.num_worst_tokens) {
-      const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
-      device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, offset, 0);
-    }
-  }
-  const int experts_per_rank = num_experts / num_ranks;
-  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
-    int count = 0;
-    for (int src = 0; src < num_ranks; ++src) {
-      count += device::ld_relaxed_sys(
-          &layout.expert_counts(args.peers.peer_bases[src], parity)[rank * experts_per_rank + le]);
-    }
-    const int aligned = (count + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
-    args.handle.num_recv_tokens_per_expert[le] = aligned;
-    args.host_counts[1 + le] = aligned;
-  }
-  // The host spins on the ready word, not on the launch: it reads the counts while the stage blocks still
-  // run.
-  if (args.host_ready != nullptr) {
-    __threadfence_system();
-    __syncthreads();
-    if (threadIdx.x == 0) device::st_release_sys(args.host_ready, args.ready_value);
   }
 }
 
-// Notify (the last block) and the stage (the others) in one launch, so the count exchange and the host's
-// wait for it overlap the stage copy.
-// NOTES: the stage writes the half of the operation about to start (op_count before notify's barrier), as a
-// stage launched before notify would; each stage block reads op_count and acknowledges, and the barrier does
-// not advance op_count before every acknowledgement arrived.
-__global__ void __launch_bounds__(kNotifyThreads, 1) notify_stage_kernel(NotifyStageArgs args) {
-  const int num_stage_blocks = static_cast<int>(gridDim.x) - 1;
-  if (blockIdx.x == gridDim.x - 1) {
-    notify_counts(args.notify, num_stage_blocks);
-    return;
-  }
-  __shared__ int parity;
-  if (threadIdx.x == 0) {
-    auto* control = NormalLayout::control(args.stage.peers.local_base);
-    parity = *reinterpret_cast<volatile int*>(&control->op_count) & 1;
-    __threadfence();  // the read completes before the acknowledgement can be seen
-    atomicAdd(&control->parity_acks, 1);
-  }
-  __syncthreads();
-  stage_rows(args.stage, parity, blockIdx.x, num_stage_blocks);
-}
-
-// ---- Pull: each warp fetches whole rows from the source rank's staging area into the outputs. ----
-__global__ void __launch_bounds__(kCopyThreads) pull_kernel(PullArgs args) {
-  __shared__ int offsets[kMaxNvlRanks + 1];
-  const NormalLayout& layout = args.layout;
+// Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
+// the rows this rank keeps. With one rank there are no queues and both blocks copy.
+__global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
+  __shared__ int group_values[kMaxNvlRanks];
+  const int calls = calls_before(args.peers);
+  const int channel = blockIdx.x / 2;
+  const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
-  const int parity = parity_after_barrier(args.peers);
-  if (threadIdx.x <= num_ranks) offsets[threadIdx.x] = args.handle.recv_offsets[threadIdx.x];
-  // Every source staged this operation's rows: its stage count reached this rank's (every rank stages once
-  // per dispatch, and a source can not stage the next one before this rank's next notify).
-  if (threadIdx.x < num_ranks) {
-    const auto* control = NormalLayout::control(args.peers.local_base);
-    const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
-    device::wait_at_least(&control->staged_signal[threadIdx.x], control->stage_count, ctx, threadIdx.x,
-                          WaitPhase::kDispatchReceive);
-  }
-  __syncthreads();
-
+  const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int num_rows = offsets[num_ranks];
-  const int num_scales = layout.shape.num_scales;
-  const int num_topk = layout.shape.num_topk;
-  const int experts_per_rank = layout.shape.num_experts / num_ranks;
-  const size_t row_bytes = layout.shape.x_row_bytes;
-  const int num_warps = gridDim.x * kCopyWarps;
-  const int first_warp = blockIdx.x * kCopyWarps + threadIdx.x / 32;
-  // Padding rows of the worst-case layout.
-  for (int row = num_rows + first_warp; row < args.num_out_rows; row += num_warps) {
-    if (lane == 0) args.handle.recv_src_idx[row] = -1;
-    if (args.recv_topk_idx != nullptr && lane < num_topk) {
-      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = -1;
-      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = 0.0f;
+
+  if (num_ranks == 1) {
+    copy_own_rows(args, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane);
+  } else if (is_sender) {
+    const int warps_per_peer = kQueueWarps / (num_ranks - 1);
+    const int peer_idx = warp / warps_per_peer;
+    if (peer_idx < num_ranks - 1) {
+      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
+      send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
+    }
+  } else {
+    const int warps_per_rank = kQueueWarps / num_ranks;
+    const int src = warp / warps_per_rank;
+    if (src == rank) {
+      copy_own_rows(args, channel, warp % warps_per_rank, warps_per_rank, lane);
+    } else if (src < num_ranks) {
+      const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
+      receive_tokens(args, channel, src, group, &group_values[src]);
     }
   }
-  int max_rows_per_src = 0;
-  for (int src = 0; src < num_ranks; ++src)
-    max_rows_per_src = max(max_rows_per_src, offsets[src + 1] - offsets[src]);
-  for (int j = first_warp; j < max_rows_per_src * num_ranks; j += num_warps) {
-    int src = 0;
-    const int row = interleaved_row(j, offsets, num_ranks, rank, src);
-    if (row < 0) continue;
-    void* peer = args.peers.peer_bases[src];
-    const int token_idx = layout.send_list(peer, parity, rank)[row - offsets[src]];
-    warp_copy<true>(static_cast<char*>(args.recv_x) + row * row_bytes,
-                    layout.stage_x_row(peer, parity, token_idx), row_bytes, lane);
-    if (num_scales > 0) {
-      const float* scales = layout.stage_scales_row(peer, parity, token_idx);
-      for (int g = lane; g < num_scales; g += 32)
-        args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] = scales[g];
-    }
-    if (args.recv_topk_idx != nullptr && lane < num_topk) {
-      const int local_expert =
-          to_local_expert(layout.stage_topk_idx_row(peer, parity, token_idx)[lane], rank, experts_per_rank);
-      const float weight = layout.stage_topk_weights_row(peer, parity, token_idx)[lane];
-      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local_expert;
-      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local_expert >= 0 ? weight : 0.0f;
-    }
-    if (lane == 0) args.handle.recv_src_idx[row] = token_idx;
-  }
+  if (!is_sender) mark_padding_rows(args, channel);
+  finish_launch(args.peers, calls);
 }
 
 }  // namespace
 
-void launch_dispatch_notify_stage(const NotifyStageArgs& args, cudaStream_t stream) {
-  notify_stage_kernel<<<args.stage.num_sms + 1, kNotifyThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
-}
-
-void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream) {
-  pull_kernel<<<args.num_sms, kCopyThreads, 0, stream>>>(args);
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
+  dispatch_kernel<<<2 * args.layout.num_channels, kQueueThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
 void preload_normal_dispatch_kernels() {
-  preload_kernel(notify_stage_kernel);
-  preload_kernel(pull_kernel);
+  preload_kernel(dispatch_kernel);
 }
 
 }  // namespace epx::kernels

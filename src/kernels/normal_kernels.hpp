@@ -4,26 +4,17 @@
 
 #include <cstdint>
 
-#include "core/wait_record.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "kernels/peer_context.hpp"
 
 // Launchers of the normal-mode kernels; each takes one Args struct of plain pointers.
 namespace epx::kernels {
 
-struct PeerContext {
-  void* const* peer_bases;  // device array [R]: every rank's NVLink buffer as seen from this GPU
-  void* local_base;
-  int rank;
-  int num_ranks;
-  WaitTimeoutRecord* timeout_record;
-  uint64_t timeout_ns;
-};
-
 // Device-side handle arrays (allocated by the host, filled by the kernels).
 struct HandleArrays {
   uint8_t* is_token_in_rank;        // [T, R] copy, for cached dispatch
-  int* send_pos;                    // [T, R]: row of token t in destination r's receive order, -1 if not sent
-  int* recv_offsets;                // [R + 1]: first row received from each source; [R] = total
+  int* send_head;                   // [T, R]: entry of token t in its channel's stream to rank r, -1 if not sent
+  int* recv_channel_offset;         // [R * C + 1]: first received row of (source, channel), source-major
   int* recv_src_idx;                // [rows]
   int* num_recv_tokens_per_expert;  // [L] rounded to expert_alignment
 };
@@ -38,77 +29,65 @@ struct LayoutArgs {
 };
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
-struct StageArgs {
-  PeerContext peers;
-  NormalLayout layout;
-  const void* x;
-  const float* x_scales;
-  const int64_t* topk_idx;
-  const float* topk_weights;
-  int num_tokens;
-  int num_sms;
+// Host-mapped counts notify publishes: [0] rows, [1 + r] rows from source r, [1 + R + le] aligned rows of
+// local expert le.
+struct HostCounts {
+  int* counts;
+  int* ready;  // nullptr, or set to ready_value once counts are written
+  int ready_value;
 };
 
 struct NotifyArgs {
   PeerContext peers;
-  NormalLayout layout;
+  int num_channels;
   const uint8_t* is_token_in_rank;   // [T, R] (bool bytes)
   const int* num_tokens_per_expert;  // [E] or nullptr
   int num_tokens;
+  int num_experts;
   int expert_alignment;
   int num_worst_tokens;  // 0 or the row capacity of the outputs
-  HandleArrays handle;
-  int* host_counts;  // host-mapped: [0] = rows, [1 + le] = aligned count of local expert le
-  int* host_ready;   // host-mapped or nullptr: set to ready_value once host_counts are written
-  int ready_value;
+  HandleArrays handle;   // is_token_in_rank (copy), recv_channel_offset, num_recv_tokens_per_expert
+  HostCounts host;
 };
+// The count exchange: one block per channel counts what it will send to each rank; one block exchanges
+// those and the per-expert counts. Constant cost in T apart from the per-channel counting.
+void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
 
-// One launch: notify in one block, the stage in stage.num_sms others.
-struct NotifyStageArgs {
-  NotifyArgs notify;
-  StageArgs stage;
-};
-void launch_dispatch_notify_stage(const NotifyStageArgs& args, cudaStream_t stream);
-
-struct PullArgs {
+struct DispatchArgs {
   PeerContext peers;
   NormalLayout layout;
+  NormalRecord record;
+  int num_tokens;
+  int num_experts;
+  int chunk_tokens;                 // records per published chunk
+  const uint8_t* is_token_in_rank;  // [T, R]
+  const void* x;
+  const float* x_scales;
+  const int64_t* topk_idx;
+  const float* topk_weights;
   HandleArrays handle;
   int num_out_rows;  // rows of the outputs (N, or num_worst_tokens)
   void* recv_x;
   float* recv_x_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
-  int num_sms;
 };
-void launch_dispatch_pull(const PullArgs& args, cudaStream_t stream);
+void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
-struct CombineStageArgs {
+struct CombineArgs {
   PeerContext peers;
   NormalLayout layout;
+  NormalRecord record;  // num_topk_weights = the top-k reduced (0: no weights)
+  int num_tokens;
+  int chunk_tokens;
   HandleArrays handle;
   const void* x;  // [rows, hidden] BF16
-  const float* topk_weights;
-  int num_sms;
-};
-void launch_combine_stage(const CombineStageArgs& args, cudaStream_t stream);
-
-// One block: all ranks meet; advances the operation counter.
-void launch_barrier(const PeerContext& peers, cudaStream_t stream);
-
-struct ReduceArgs {
-  PeerContext peers;
-  NormalLayout layout;
-  HandleArrays handle;
-  int num_tokens;
-  const void* x;  // the combine input: this rank's own copies are read from it, never staged
   const float* topk_weights;
   const void* bias0;
   const void* bias1;
   void* combined_x;
   float* combined_topk_weights;
-  int num_sms;
 };
-void launch_combine_reduce(const ReduceArgs& args, cudaStream_t stream);
+void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
 }  // namespace epx::kernels

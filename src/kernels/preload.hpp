@@ -28,6 +28,7 @@ void allow_dynamic_smem(Kernel* kernel, size_t bytes) {
 }
 
 void preload_normal_layout_kernels();
+void preload_normal_notify_kernels();
 void preload_normal_dispatch_kernels();
 void preload_normal_combine_kernels();
 void preload_low_latency_dispatch_kernels();
@@ -36,6 +37,7 @@ void preload_low_latency_clean_kernels();
 
 inline void preload_all_kernels() {
   preload_normal_layout_kernels();
+  preload_normal_notify_kernels();
   preload_normal_dispatch_kernels();
   preload_normal_combine_kernels();
   preload_low_latency_dispatch_kernels();

@@ -4,6 +4,25 @@
 
 namespace epx {
 
+void validate_config(const Config& config) {
+  EPX_CHECK(config.num_sms >= 1, "num_sms", config.num_sms, "must be >= 1");
+  EPX_CHECK(config.num_channels() <= kMaxChannels, "num_sms", config.num_sms,
+            "must be < 258 (at most 128 channels of two SMs)");
+  EPX_CHECK(config.num_max_nvl_chunked_send_tokens >= 1, "num_max_nvl_chunked_send_tokens",
+            config.num_max_nvl_chunked_send_tokens, "must be >= 1");
+  EPX_CHECK(config.num_max_nvl_chunked_recv_tokens >= 1, "num_max_nvl_chunked_recv_tokens",
+            config.num_max_nvl_chunked_recv_tokens, "must be >= 1");
+  EPX_CHECK(config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens,
+            "num_max_nvl_chunked_send_tokens", config.num_max_nvl_chunked_send_tokens,
+            detail::concat("must be <= num_max_nvl_chunked_recv_tokens (", config.num_max_nvl_chunked_recv_tokens,
+                           ")")
+                .c_str());
+  EPX_CHECK(config.num_max_rdma_chunked_send_tokens >= 1, "num_max_rdma_chunked_send_tokens",
+            config.num_max_rdma_chunked_send_tokens, "must be >= 1");
+  EPX_CHECK(config.num_max_rdma_chunked_recv_tokens >= 1, "num_max_rdma_chunked_recv_tokens",
+            config.num_max_rdma_chunked_recv_tokens, "must be >= 1");
+}
+
 void validate_normal_shape(const NormalShape& shape) {
   EPX_CHECK(shape.num_ranks >= 1, "num_ranks", shape.num_ranks, "must be >= 1");
   EPX_CHECK(shape.num_ranks <= kMaxNvlRanks, "num_ranks", shape.num_ranks,
@@ -21,33 +40,35 @@ void validate_normal_shape(const NormalShape& shape) {
   EPX_CHECK(shape.num_topk <= kMaxTopk, "num_topk", shape.num_topk, "must be <= 16");
 }
 
-NormalLayout NormalLayout::fit(const NormalShape& shape, size_t buffer_bytes) {
-  validate_normal_shape(shape);
-  NormalLayout layout{shape, 0, 0};
-  if (buffer_bytes <= NormalLayout::kControlBytes) return layout;
-  layout.half_stride = (buffer_bytes - NormalLayout::kControlBytes) / 2 / kNormalAlign * kNormalAlign;
-  // Half size is affine in capacity up to alignment padding: estimate from the slope, then step down.
-  const size_t base = layout.half_bytes();
-  if (layout.half_stride <= base) return layout;
-  layout.capacity = 1024;
-  const size_t per_token = (layout.half_bytes() - base) / 1024 + 1;
-  long capacity = static_cast<long>((layout.half_stride - base) / per_token) + 1;
-  capacity = capacity > (1L << 30) ? (1L << 30) : capacity;
-  for (layout.capacity = static_cast<int>(capacity);
-       layout.capacity > 0 && layout.half_bytes() > layout.half_stride;)
-    --layout.capacity;
-  return layout;
+void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes) {
+  const size_t needed = layout.total_bytes();
+  EPX_CHECK(needed <= buffer_bytes, "num_nvl_bytes", buffer_bytes,
+            detail::concat("must be >= ", needed, " for this call (", layout.num_ranks, " ranks, ",
+                           layout.num_channels, " channels, ", layout.queue_tokens, " tokens per queue, ",
+                           layout.record_bytes,
+                           "-byte records); size it with Config::get_nvl_buffer_size_hint for the configs used")
+                .c_str());
 }
 
-size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, int max_tokens_per_rank) {
+size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config) {
+  EPX_CHECK(hidden_bytes > 0, "hidden_bytes", hidden_bytes, "must be > 0");
   EPX_CHECK(hidden_bytes % 16 == 0, "hidden_bytes", hidden_bytes, "must be a multiple of 16");
-  EPX_CHECK(max_tokens_per_rank >= 1, "max_tokens_per_rank", max_tokens_per_rank, "must be >= 1");
-  const int hidden = static_cast<int>(hidden_bytes / 2);
-  const NormalShape shape{num_ranks, 0, hidden, static_cast<int>(hidden_bytes), (hidden + 127) / 128,
-                          kMaxTopk};
-  validate_normal_shape(shape);
-  const size_t bytes = NormalLayout::with_capacity(shape, max_tokens_per_rank).total_bytes();
-  return align_up(bytes, size_t(2) << 20);
+  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+  EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks, "must be <= 8 (ranks of one NVLink domain)");
+  validate_config(config);
+  const NormalLayout layout = NormalLayout::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
+  return align_up(layout.total_bytes(), kNormalAlign);
+}
+
+size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {
+  return normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, *this);
+}
+
+size_t Config::get_rdma_buffer_size_hint(size_t /*hidden_bytes*/, int num_ranks) const {
+  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+  EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks,
+            "must be <= 8: normal mode across NVLink domains is not implemented");
+  return 0;
 }
 
 }  // namespace epx

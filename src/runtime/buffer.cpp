@@ -56,7 +56,7 @@ struct Buffer::State {
   int num_ranks = 0;
   int device = 0;
   int num_device_sms = 0;
-  int num_sms = 0;
+  Config config;
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   cudaStream_t comm_stream = nullptr;
@@ -199,18 +199,24 @@ cudaStream_t Buffer::comm_stream() const {
 std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
   return live().comm_stream_owner;
 }
-int Buffer::num_sms() const {
-  return live().num_sms;
+const Config& Buffer::config() const {
+  return live().config;
 }
 uint64_t Buffer::wait_timeout_ns() const {
   return live().wait_timeout_ns;
 }
 
-void Buffer::set_num_sms(int num_sms) {
+void Buffer::set_config(const Config& config) {
   State& s = const_cast<State&>(live());
-  EPX_CHECK(num_sms >= 1, "num_sms", num_sms, "must be >= 1");
-  EPX_CHECK(num_sms <= s.num_device_sms, "num_sms", num_sms, "must be <= the GPU's SM count");
-  s.num_sms = num_sms;
+  validate_config(config);
+  EPX_CHECK(config.num_sms <= s.num_device_sms, "num_sms", config.num_sms, "must be <= the GPU's SM count");
+  s.config = config;
+}
+
+void Buffer::set_num_sms(int num_sms) {
+  Config config = live().config;
+  config.num_sms = num_sms;
+  set_config(config);
 }
 
 void* Buffer::nvl_buffer() const {

@@ -9,9 +9,9 @@
 namespace epx {
 
 struct DispatchHandle::State {
-  NormalLayout layout{};
+  NormalShape shape{};  // of the dispatch that made the handle
+  int num_channels = 0;  // its token split; a cached dispatch and the combine keep it
   TokenFormat format = TokenFormat::kBf16;
-  int num_ranks = 0;
   int rank = 0;
   int num_tokens = 0;
   int num_topk = 0;
@@ -21,10 +21,13 @@ struct DispatchHandle::State {
   std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode
   std::vector<int> num_recv_tokens_per_expert;  // host copy; empty in worst-case mode
   kernels::HandleArrays arrays{};
-  std::shared_ptr<void> device_memory;  // owns every array above, freed on the comm stream
+  std::shared_ptr<void> routing_memory;  // owns every array but recv_src_idx, freed on the comm stream
+  std::shared_ptr<void> rows_memory;     // owns recv_src_idx
 
-  // Allocates the arrays on `stream` for `num_tokens` tokens and `max_rows` received rows.
-  void allocate(const std::shared_ptr<CUstream_st>& stream, int max_rows, int num_local_experts);
+  // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
+  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, int num_local_experts);
+  // Allocates recv_src_idx for `num_rows` rows.
+  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, int num_rows);
 };
 
 }  // namespace epx

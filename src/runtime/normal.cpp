@@ -7,6 +7,7 @@
 
 #include "common/cuda_check.hpp"
 #include "epx/error.hpp"
+#include "epx/layout/normal_layout.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/stream_order.hpp"
@@ -16,7 +17,7 @@ namespace epx {
 namespace {
 
 // Host scratch slots (ints of Buffer::host_scratch).
-constexpr int kCountsSlot = 0;                                // [0] rows, [1 + le] per local expert
+constexpr int kCountsSlot = 0;  // [0] rows, [1 + r] rows from source r, [1 + R + le] per local expert
 constexpr int kInvalidIdSlot = Buffer::kHostScratchInts - 1;  // 1 + token index of an out-of-range expert id
 constexpr int kReadySlot = Buffer::kHostScratchInts - 2;  // notify's sequence number once counts are written
 
@@ -49,6 +50,18 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
   return kernels::PeerContext{
       buffer.nvl_peer_bases_device(), buffer.nvl_buffer(),     buffer.rank(), buffer.num_ranks(),
       buffer.timeout_record_device(), buffer.wait_timeout_ns()};
+}
+
+// The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
+// dispatch that made the handle did, whatever the SM budget is now.
+Config queue_config(const Buffer& buffer, const DispatchHandle::State& state) {
+  Config config = buffer.config();
+  config.num_sms = 2 * state.num_channels;
+  return config;
+}
+
+NormalLayout dispatch_layout(const Buffer& buffer, const DispatchHandle::State& state) {
+  return NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state), NormalRecord::dispatch(state.shape));
 }
 
 void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool cached) {
@@ -100,7 +113,7 @@ int DispatchHandle::num_recv_rows() const {
   return state().num_recv_rows;
 }
 int DispatchHandle::hidden() const {
-  return state().layout.shape.hidden;
+  return state().shape.hidden;
 }
 const int* DispatchHandle::recv_src_idx_device() const {
   return state().arrays.recv_src_idx;
@@ -109,22 +122,26 @@ const std::vector<int>& DispatchHandle::num_recv_per_rank() const {
   return state().num_recv_per_rank;
 }
 
-void DispatchHandle::State::allocate(const std::shared_ptr<CUstream_st>& stream, int max_rows,
-                                     int num_local_experts) {
+void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>& stream, int num_local_experts) {
+  const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
-  const size_t ints =
-      cells /*send_pos*/ + (num_ranks + 1) + std::max(max_rows, 1) + std::max(num_local_experts, 1);
-  const size_t bytes = ints * sizeof(int) + cells /*is_token_in_rank*/ + 64;
+  const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
+                      std::max(num_local_experts, 1);
+  const size_t bytes = ints * sizeof(int) + cells /*is_token_in_rank*/;
   void* raw = nullptr;
   EPX_CUDA_CHECK(cudaMallocAsync(&raw, bytes, stream.get()));
-  device_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
-  int* ints_base = static_cast<int*>(raw);
-  arrays.send_pos = ints_base;
-  arrays.recv_offsets = arrays.send_pos + cells;
-  arrays.recv_src_idx = arrays.recv_offsets + num_ranks + 1;
-  arrays.num_recv_tokens_per_expert = arrays.recv_src_idx + std::max(max_rows, 1);
-  arrays.is_token_in_rank =
-      reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
+  routing_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
+  arrays.send_head = static_cast<int*>(raw);
+  arrays.recv_channel_offset = arrays.send_head + cells;
+  arrays.num_recv_tokens_per_expert = arrays.recv_channel_offset + static_cast<size_t>(num_ranks) * num_channels + 1;
+  arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
+}
+
+void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, int num_rows) {
+  void* raw = nullptr;
+  EPX_CUDA_CHECK(cudaMallocAsync(&raw, sizeof(int) * std::max(num_rows, 1), stream.get()));
+  rows_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
+  arrays.recv_src_idx = static_cast<int*>(raw);
 }
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
@@ -162,90 +179,85 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const NormalShape shape{
       num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2, fp8 ? in.hidden / 128 : 0,
       in.num_topk};
-  const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
-  EPX_CHECK(in.num_tokens <= layout.capacity, "num_tokens", in.num_tokens,
-            detail::concat("must be <= ", layout.capacity,
-                           ", what the NVLink buffer holds for this shape (raise num_nvl_bytes)")
+  validate_normal_shape(shape);
+  // The host reads 1 + R + L counts from the mapped scratch, below the ready and invalid-id slots.
+  const int num_local_experts = in.num_experts / num_ranks;
+  EPX_CHECK(num_local_experts < kReadySlot - 1 - num_ranks, "num_experts", in.num_experts,
+            detail::concat("must be < ", (kReadySlot - 1 - num_ranks) * num_ranks, " (",
+                           kReadySlot - 2 - num_ranks, " local experts per rank)")
                 .c_str());
 
-  // The host reads 1 + L counts from the mapped scratch, below the ready and invalid-id slots.
-  EPX_CHECK(in.num_experts / num_ranks < kReadySlot - 1, "num_experts", in.num_experts,
-            detail::concat("must be < ", (kReadySlot - 1) * num_ranks, " (", kReadySlot - 2,
-                           " local experts per rank)")
-                .c_str());
-  DispatchPlan plan;
   std::shared_ptr<DispatchHandle::State> state;
   if (is_cached) {
     const auto& old = cached->state();
     EPX_CHECK(old.num_tokens == in.num_tokens, "num_tokens", in.num_tokens,
               "must equal the cached handle's token count");
-    EPX_CHECK(old.num_ranks == num_ranks, "handle", "from another buffer", "must come from this buffer");
+    EPX_CHECK(old.shape.num_ranks == num_ranks, "handle", "from another buffer", "must come from this buffer");
     state = std::make_shared<DispatchHandle::State>(old);  // shares the device arrays
-    state->layout = layout;
   } else {
     state = std::make_shared<DispatchHandle::State>();
-    state->layout = layout;
-    state->num_ranks = num_ranks;
+    state->num_channels = buffer.config().num_channels();
     state->rank = buffer.rank();
     state->num_tokens = in.num_tokens;
     state->num_worst_tokens = in.num_worst_tokens;
     state->expert_alignment = in.expert_alignment;
-    const int max_rows = std::max(in.num_worst_tokens, num_ranks * std::max(layout.capacity, 1));
-    state->allocate(buffer.comm_stream_shared(), max_rows, in.num_experts / num_ranks);
   }
+  state->shape = shape;
+  // The queues this dispatch needs must fit before anything is launched.
+  check_normal_layout_fits(dispatch_layout(buffer, *state), buffer.num_nvl_bytes());
   state->format = in.format;
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
   begin_on_comm_stream(buffer, order);
+  if (is_cached) {
+    DispatchPlan plan;
+    plan.num_recv_rows = state->num_recv_rows;
+    if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
+    plan.handle = DispatchHandle(std::move(state));
+    return plan;
+  }
+
   const cudaStream_t stream = buffer.comm_stream();
-  const kernels::PeerContext peers = peer_context(buffer);
-  kernels::NotifyArgs notify{
-      peers,
-      layout,
-      is_cached ? state->arrays.is_token_in_rank : reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-      is_cached ? nullptr : in.num_tokens_per_expert,
-      in.num_tokens,
-      state->expert_alignment,
-      state->num_worst_tokens,
-      state->arrays,
-      buffer.host_scratch_device() + kCountsSlot,
-      nullptr,
-      0};
-  // Notify and the stage share one launch, so the count exchange, the host's wait for the counts and the
-  // caller's output allocation overlap the stage copy; each pull waits for its sources' stage signals.
-  const bool host_waits = !is_cached && state->num_worst_tokens == 0;
+  state->allocate_routing(buffer.comm_stream_shared(), num_local_experts);
+  const bool host_waits = state->num_worst_tokens == 0;
+  kernels::NotifyArgs notify{peer_context(buffer),
+                             state->num_channels,
+                             reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                             in.num_tokens_per_expert,
+                             in.num_tokens,
+                             in.num_experts,
+                             state->expert_alignment,
+                             state->num_worst_tokens,
+                             state->arrays,
+                             {buffer.host_scratch_device() + kCountsSlot, nullptr, 0}};
   if (host_waits) {
     // Every earlier waiting dispatch published its value and was waited for: the next one is one more.
-    notify.host_ready = buffer.host_scratch_device() + kReadySlot;
-    notify.ready_value = buffer.host_scratch()[kReadySlot] + 1;
+    notify.host.ready = buffer.host_scratch_device() + kReadySlot;
+    notify.host.ready_value = buffer.host_scratch()[kReadySlot] + 1;
   }
-  kernels::StageArgs stage{peers,       layout,          in.x,          in.x_scales,
-                           in.topk_idx, in.topk_weights, in.num_tokens, buffer.num_sms()};
-  kernels::launch_dispatch_notify_stage(kernels::NotifyStageArgs{notify, stage}, stream);
+  kernels::launch_dispatch_notify(notify, stream);
 
   if (!host_waits) {
-    if (state->num_worst_tokens > 0) state->num_recv_rows = state->num_worst_tokens;
+    state->num_recv_rows = state->num_worst_tokens;
   } else {
     // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
-    wait_for_counts(buffer, stream, notify.ready_value);
+    wait_for_counts(buffer, stream, notify.host.ready_value);
     const int* counts = buffer.host_scratch() + kCountsSlot;
     state->num_recv_rows = counts[0];
+    state->num_recv_per_rank.assign(counts + 1, counts + 1 + num_ranks);
     // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
     if (in.num_tokens_per_expert != nullptr) {
-      state->num_recv_tokens_per_expert.assign(counts + 1, counts + 1 + in.num_experts / num_ranks);
+      state->num_recv_tokens_per_expert.assign(counts + 1 + num_ranks, counts + 1 + num_ranks + num_local_experts);
     } else {
       state->num_recv_tokens_per_expert.clear();
     }
     const int invalid = buffer.host_scratch()[kInvalidIdSlot];
     EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
               "must be -1 or in [0, num_experts)");
-    state->num_recv_per_rank.resize(num_ranks);
-    std::vector<int> offsets(num_ranks + 1);
-    EPX_CUDA_CHECK(cudaMemcpy(offsets.data(), state->arrays.recv_offsets, sizeof(int) * (num_ranks + 1),
-                              cudaMemcpyDeviceToHost));
-    for (int r = 0; r < num_ranks; ++r) state->num_recv_per_rank[r] = offsets[r + 1] - offsets[r];
   }
+  state->allocate_rows(buffer.comm_stream_shared(), state->num_recv_rows);
+  DispatchPlan plan;
   plan.num_recv_rows = state->num_recv_rows;
   if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
   plan.handle = DispatchHandle(std::move(state));
@@ -260,23 +272,38 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
             "must equal the num_tokens given to dispatch_notify (pass the same input)");
   EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
             "must equal the format given to dispatch_notify (pass the same input)");
-  EPX_CHECK(in.hidden == state.layout.shape.hidden, "hidden", in.hidden,
+  EPX_CHECK(in.hidden == state.shape.hidden, "hidden", in.hidden,
             "must equal the hidden size given to dispatch_notify (pass the same input)");
   EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
             "must point to the plan's num_recv_rows rows");
   EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
             "null", "are required for FP8 tokens");
-  EPX_CHECK(out.recv_topk_idx == nullptr || state.layout.shape.num_topk > 0, "recv_topk_idx", "non-null",
+  EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
             "needs a dispatch with topk_idx");
   EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
             out.recv_topk_weights == nullptr ? "null" : "non-null",
             "must be given together with recv_topk_idx");
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   begin_on_comm_stream(buffer, order);
-  kernels::PullArgs pull{peer_context(buffer), state.layout,      state.arrays,      rows,
-                         out.recv_x,           out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights,
-                         buffer.num_sms()};
-  kernels::launch_dispatch_pull(pull, buffer.comm_stream());
+  const uint8_t* is_token_in_rank = state.arrays.is_token_in_rank;
+  kernels::DispatchArgs args{peer_context(buffer),
+                             dispatch_layout(buffer, state),
+                             NormalRecord::dispatch(state.shape),
+                             state.num_tokens,
+                             state.shape.num_experts,
+                             buffer.config().num_max_nvl_chunked_send_tokens,
+                             is_token_in_rank,
+                             in.x,
+                             in.x_scales,
+                             in.topk_idx,
+                             in.topk_weights,
+                             state.arrays,
+                             rows,
+                             out.recv_x,
+                             out.recv_x_scales,
+                             out.recv_topk_idx,
+                             out.recv_topk_weights};
+  kernels::launch_dispatch(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
 
@@ -284,7 +311,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
               const StreamOrder& order) {
   EPX_CHECK(handle.valid(), "handle", "empty", "must come from dispatch_notify");
   const auto& state = handle.state();
-  EPX_CHECK(state.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
+  EPX_CHECK(state.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
             "must come from this buffer");
   EPX_CHECK(state.num_recv_rows == 0 || in.x != nullptr, "x", "null",
             "must point to [num_recv_rows, hidden] BF16");
@@ -299,28 +326,24 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
             "null", "must point to [num_recv_rows, num_topk] weights when num_topk > 0");
   EPX_CHECK(out.combined_topk_weights == nullptr || in.num_topk > 0, "topk_weights", "null",
             "are needed to produce combined_topk_weights");
-  // Combine carves the halves for its own shape (BF16 rows, the weights it returns): every rank calls it with
-  // the same shape, and the halves stay at fixed addresses whatever the shape.
-  const NormalShape& dispatched = state.layout.shape;
-  const int hidden = dispatched.hidden;
-  const NormalShape shape{dispatched.num_ranks, dispatched.num_experts, hidden, hidden * 2, 0, in.num_topk};
-  const NormalLayout layout = NormalLayout::fit(shape, buffer.num_nvl_bytes());
-  EPX_CHECK(
-      state.num_tokens <= layout.capacity, "num_tokens", state.num_tokens,
-      detail::concat("must be <= ", layout.capacity,
-                     ", what the NVLink buffer holds for a BF16 combine of this shape (raise num_nvl_bytes)")
-          .c_str());
+  const int hidden = state.shape.hidden;
+  const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
+  const NormalLayout layout = NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state), record);
+  check_normal_layout_fits(layout, buffer.num_nvl_bytes());
   begin_on_comm_stream(buffer, order);
-  const cudaStream_t stream = buffer.comm_stream();
-  const kernels::PeerContext peers = peer_context(buffer);
-  kernels::CombineStageArgs stage{peers, layout, state.arrays, in.x, in.topk_weights, buffer.num_sms()};
-  kernels::launch_combine_stage(stage, stream);
-  kernels::launch_barrier(peers, stream);
-  kernels::ReduceArgs reduce{
-      peers,           layout,   state.arrays, state.num_tokens, in.x,
-      in.topk_weights, in.bias0, in.bias1,     out.combined_x,   out.combined_topk_weights,
-      buffer.num_sms()};
-  kernels::launch_combine_reduce(reduce, stream);
+  kernels::CombineArgs args{peer_context(buffer),
+                            layout,
+                            record,
+                            state.num_tokens,
+                            buffer.config().num_max_nvl_chunked_send_tokens,
+                            state.arrays,
+                            in.x,
+                            in.topk_weights,
+                            in.bias0,
+                            in.bias1,
+                            out.combined_x,
+                            out.combined_topk_weights};
+  kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
 

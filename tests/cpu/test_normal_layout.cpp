@@ -1,6 +1,10 @@
 #include <gtest/gtest.h>
 
-#include <cstddef>
+#include <algorithm>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <set>
 #include <string>
 #include <vector>
 
@@ -9,103 +13,204 @@
 
 namespace {
 
+using epx::Config;
 using epx::NormalLayout;
+using epx::NormalRecord;
 using epx::NormalShape;
 
-// The TARGETS.md shape: 4 ranks, 256 experts, hidden 7168, BF16 rows, top-8.
-NormalShape bf16_shape(int num_ranks = 4, int hidden = 7168, int num_topk = 8) {
-  return NormalShape{num_ranks, 256, hidden, hidden * 2, 0, num_topk};
+NormalShape bf16_shape(int ranks = 4, int hidden = 7168, int topk = 8) {
+  return NormalShape{ranks, 256, hidden, hidden * 2, 0, topk};
 }
 
-struct Region {
-  std::string name;
-  size_t begin, end;
-};
-
-std::vector<Region> half_regions(const NormalLayout& l) {
-  return {{"send_counts", l.send_counts_offset(), l.send_counts_offset() + l.send_counts_bytes()},
-          {"expert_counts", l.expert_counts_offset(), l.expert_counts_offset() + l.expert_counts_bytes()},
-          {"send_lists", l.send_lists_offset(), l.send_lists_offset() + l.send_lists_bytes()},
-          {"stage_x", l.stage_x_offset(), l.stage_x_offset() + l.stage_x_bytes()},
-          {"stage_scales", l.stage_scales_offset(), l.stage_scales_offset() + l.stage_scales_bytes()},
-          {"stage_topk_idx", l.stage_topk_idx_offset(), l.stage_topk_idx_offset() + l.stage_topk_bytes()},
-          {"stage_topk_weights", l.stage_topk_weights_offset(),
-           l.stage_topk_weights_offset() + l.stage_topk_bytes()},
-          {"combine_x", l.combine_x_offset(), l.combine_x_offset() + l.combine_x_bytes()},
-          {"combine_weights", l.combine_weights_offset(),
-           l.combine_weights_offset() + l.combine_weights_bytes()}};
-}
-
-TEST(NormalLayout, RegionsAreAlignedContiguousAndInsideTheHalf) {
-  for (const NormalShape& shape : {bf16_shape(), bf16_shape(2, 2048, 0), bf16_shape(8, 2688, 16),
-                                   NormalShape{4, 256, 7168, 7168, 56, 8}}) {
-    const NormalLayout layout = NormalLayout::with_capacity(shape, 4096);
-    size_t expected_begin = 0;
-    for (const Region& region : half_regions(layout)) {
-      EXPECT_EQ(region.begin % epx::kNormalAlign, 0u) << region.name;
-      EXPECT_EQ(region.begin, expected_begin) << region.name;
-      expected_begin = region.end;
+TEST(NormalLayout, ChannelRangesCoverTheBatchInOrder) {
+  for (int tokens : {0, 1, 31, 4095, 4097, 65536}) {
+    for (int channels : {1, 3, 10, 12, 24, 64}) {
+      int next = 0;
+      for (int c = 0; c < channels; ++c) {
+        const epx::TokenRange range = epx::channel_token_range(tokens, channels, c);
+        EXPECT_EQ(range.begin, next) << tokens << " tokens, channel " << c << " of " << channels;
+        EXPECT_LE(range.begin, range.end);
+        EXPECT_LE(range.end - range.begin, epx::tokens_per_channel(tokens, channels));
+        next = range.end;
+      }
+      EXPECT_EQ(next, tokens);
     }
-    EXPECT_EQ(expected_begin, layout.half_bytes());
-    EXPECT_EQ(layout.half_stride, layout.half_bytes());
-    EXPECT_EQ(layout.half_offset(0), NormalLayout::kControlBytes);
-    EXPECT_EQ(layout.total_bytes(), NormalLayout::kControlBytes + 2 * layout.half_bytes());
   }
 }
 
-TEST(NormalLayout, PinnedSizesOfTheTargetShape) {
-  const NormalLayout layout = NormalLayout::with_capacity(bf16_shape(), 4096);
-  // 4096 staged rows of 14336 bytes, returned rows of 4 ranks x 4096 x 14336 bytes, plus counts and lists.
-  EXPECT_EQ(layout.stage_x_bytes(), 4096u * 14336u);
-  EXPECT_EQ(layout.combine_x_bytes(), 4u * 4096u * 14336u);
-  EXPECT_EQ(layout.send_lists_bytes(), 4u * 4096u * 4u);
-  EXPECT_EQ(layout.stage_topk_bytes(), 4096u * 8u * 4u);
-  // 128 + 16384 + 65536 + 58720256 + 0 + 2 x 131072 + 234881024 + 524288
-  EXPECT_EQ(layout.half_bytes(), 294469760u);
+TEST(NormalLayout, RecordFieldsAreContiguousAndAligned) {
+  const NormalRecord bf16 = NormalRecord::dispatch(bf16_shape());
+  EXPECT_EQ(bf16.scales_offset(), 14336u);
+  EXPECT_EQ(bf16.topk_idx_offset(), 14336u);
+  EXPECT_EQ(bf16.topk_weights_offset(), 14336u + 32);
+  EXPECT_EQ(bf16.src_idx_offset(), 14336u + 64);
+  EXPECT_EQ(bf16.bytes(), 14416u);  // 14336 + 68, padded to 16
+  const NormalRecord fp8 = NormalRecord::dispatch(NormalShape{4, 256, 7168, 7168, 56, 8});
+  EXPECT_EQ(fp8.topk_idx_offset(), 7168u + 56 * 4);
+  EXPECT_EQ(fp8.bytes() % 16, 0u);
+  const NormalRecord combine = NormalRecord::combine(7168, 8);
+  EXPECT_EQ(combine.topk_weights_offset(), 14336u);
+  EXPECT_EQ(combine.bytes(), 14336u + 32);
+  EXPECT_EQ(NormalRecord::combine(7168, 0).bytes(), 14336u);
+  // The largest record bounds every call's record for that row size.
+  const NormalRecord largest = NormalRecord::largest(7168 * 2);
+  for (int topk : {0, 1, 8, epx::kMaxTopk}) {
+    EXPECT_LE(NormalRecord::dispatch(bf16_shape(8, 7168, topk)).bytes(), largest.bytes());
+    EXPECT_LE(NormalRecord::dispatch(NormalShape{8, 256, 7168, 7168, 56, topk}).bytes(), largest.bytes());
+    EXPECT_LE(NormalRecord::combine(7168, topk).bytes(), largest.bytes());
+  }
+}
+
+TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
+  Config config;
+  config.num_sms = 6;  // 3 channels
+  config.num_max_nvl_chunked_recv_tokens = 5;
+  const int ranks = 4;
+  const NormalLayout layout = NormalLayout::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
+  EXPECT_EQ(layout.num_channels, 3);
+  EXPECT_EQ(layout.total_bytes(),
+            NormalLayout::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * layout.record_bytes);
+  std::vector<char> owner_buffer(layout.total_bytes());
+  for (int owner = 0; owner < ranks; ++owner) {
+    std::set<size_t> offsets;
+    for (int src = 0; src < ranks; ++src) {
+      if (src == owner) continue;
+      for (int c = 0; c < layout.num_channels; ++c) {
+        for (uint32_t entry = 0; entry < 5; ++entry) {
+          const size_t offset = layout.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
+          EXPECT_GE(offset, NormalLayout::kQueuesOffset);
+          EXPECT_LE(offset + layout.record_bytes, layout.total_bytes());
+          EXPECT_EQ(offset % 16, 0u);
+          EXPECT_TRUE(offsets.insert(offset).second) << "record used twice";
+          // Entry e and e + Q share a slot.
+          EXPECT_EQ(layout.record(owner_buffer.data(), src, owner, c, entry + 5),
+                    layout.record(owner_buffer.data(), src, owner, c, entry));
+        }
+      }
+    }
+    EXPECT_EQ(offsets.size(), size_t(ranks - 1) * 3 * 5);
+  }
+  // The fixed areas: control is 32 ints, the counters cover every (rank, channel).
   EXPECT_EQ(sizeof(NormalLayout::Control), 128u);
-  EXPECT_EQ(NormalLayout::kControlBytes, 128u);
+  EXPECT_EQ(NormalLayout::kCountersOffset, 128u);
+  EXPECT_EQ(sizeof(NormalLayout::QueueCounters), 4u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
 }
 
-TEST(NormalLayout, FitFindsTheLargestCapacityAndKeepsHalvesAtFixedAddresses) {
-  const NormalShape shape = bf16_shape();
-  const size_t bytes = epx::normal_nvl_buffer_size_hint(7168 * 2, 4);
-  const NormalLayout fitted = NormalLayout::fit(shape, bytes);
-  EXPECT_GE(fitted.capacity, 4096);
-  EXPECT_LE(fitted.half_bytes(), fitted.half_stride);
-  EXPECT_LE(fitted.total_bytes(), bytes);
-  EXPECT_GT(NormalLayout::with_capacity(shape, fitted.capacity + 1).half_bytes(), fitted.half_stride);
-  // Another shape in the same buffer: same halves, whatever its capacity.
-  const NormalLayout fp8 = NormalLayout::fit(NormalShape{4, 256, 7168, 7168, 56, 8}, bytes);
-  EXPECT_EQ(fp8.half_stride, fitted.half_stride);
-  EXPECT_GT(fp8.capacity, fitted.capacity);
-  EXPECT_EQ(NormalLayout::fit(shape, 64).capacity, 0);
-}
-
-TEST(NormalLayout, SizeHintIsRoundedAndCoversTheDefaultTokens) {
-  for (int ranks : {1, 2, 4, 8}) {
-    const size_t hint = epx::normal_nvl_buffer_size_hint(7168 * 2, ranks);
-    EXPECT_EQ(hint % (size_t(2) << 20), 0u);
-    EXPECT_GE(NormalLayout::fit(bf16_shape(ranks, 7168, epx::kMaxTopk), hint).capacity,
-              epx::kDefaultMaxTokensPerRank);
+// The protocol of one queue, played on the CPU with counters that wrap: a sender writes whatever room a
+// chunk allows, a receiver takes what landed, both starting from their own running counts. Every record
+// arrives once, in order, and no record is overwritten before it was read.
+TEST(NormalLayout, QueueProtocolDeliversInOrderAcrossCounterWrap) {
+  std::mt19937 rng(7);
+  for (int queue_tokens : {1, 2, 3, 7, 256}) {
+    for (int chunk : {1, 2, 6, queue_tokens}) {
+      if (chunk > queue_tokens) continue;
+      uint32_t tail = 0xFFFFFFF0u, head = tail;  // close to the wrap, as after a long run
+      uint32_t sender_count = tail, receiver_count = head;
+      for (int call = 0; call < 3; ++call) {
+        const int records = static_cast<int>(rng() % 40);
+        std::vector<int> slots(queue_tokens, -1);  // which record each slot holds
+        int pushed = 0, got = 0;
+        const uint32_t send_base = sender_count, recv_base = receiver_count;
+        ASSERT_EQ(send_base, recv_base);
+        while (got < records) {
+          if (pushed < records && rng() % 2 == 0) {
+            const int room = epx::queue_room(pushed, epx::count_since(head, send_base), queue_tokens);
+            ASSERT_GE(room, 0);
+            const int n = std::min({room, chunk, records - pushed});
+            for (int j = 0; j < n; ++j) {
+              int& slot = slots[epx::queue_slot(uint32_t(pushed + j), queue_tokens)];
+              ASSERT_EQ(slot, -1) << "overwrote an unread record";
+              slot = pushed + j;
+            }
+            pushed += n;
+            tail = send_base + uint32_t(pushed);
+          } else {
+            const int landed = epx::count_since(tail, recv_base) - got;
+            const int n = landed == 0 ? 0 : 1 + static_cast<int>(rng() % landed);
+            for (int j = 0; j < n; ++j) {
+              int& slot = slots[epx::queue_slot(uint32_t(got + j), queue_tokens)];
+              ASSERT_EQ(slot, got + j) << "record out of order";
+              slot = -1;
+            }
+            got += n;
+            head = recv_base + uint32_t(got);
+          }
+        }
+        sender_count = send_base + uint32_t(pushed);
+        receiver_count = recv_base + uint32_t(got);
+      }
+    }
   }
+}
+
+// Pinned hints of the default config (10 channels of 256 tokens), as docs/ARCHITECTURE.md lists them.
+TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
+  const Config config;
+  EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 2), epx::normal_nvl_buffer_size_hint(7168 * 2, 2, config));
+  for (int ranks : {1, 2, 4, 8}) {
+    for (size_t hidden : {4096u, 7168u}) {
+      const size_t hint = config.get_nvl_buffer_size_hint(hidden * 2, ranks);
+      const NormalLayout layout = NormalLayout::of(ranks, config, NormalRecord::largest(hidden * 2));
+      EXPECT_EQ(hint, epx::align_up(layout.total_bytes(), epx::kNormalAlign));
+      EXPECT_EQ(hint, NormalLayout::kQueuesOffset +
+                          size_t(ranks - 1) * 10 * 256 * epx::align_up(hidden * 2 + 2 * 4 * epx::kMaxTopk + 4, 16));
+    }
+  }
+  Config wide = config;
+  wide.num_sms = 48;
+  EXPECT_GT(wide.get_nvl_buffer_size_hint(7168 * 2, 4), config.get_nvl_buffer_size_hint(7168 * 2, 4));
+  Config deep = config;
+  deep.num_max_nvl_chunked_recv_tokens = 512;
+  EXPECT_GT(deep.get_nvl_buffer_size_hint(7168 * 2, 4), config.get_nvl_buffer_size_hint(7168 * 2, 4));
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2 + 2, 4), epx::Error);
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2, 9), epx::Error);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 8), 0u);
+  EXPECT_THROW(config.get_rdma_buffer_size_hint(7168 * 2, 16), epx::Error);
+}
+
+std::string message_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const epx::Error& error) {
+    return error.what();
+  }
+  return "";
+}
+
+TEST(NormalLayout, ConfigChecksNameTheField) {
+  Config config;
+  EXPECT_EQ(message_of([&] { epx::validate_config(config); }), "");
+  config.num_max_nvl_chunked_send_tokens = 300;
+  EXPECT_NE(message_of([&] { epx::validate_config(config); }).find("num_max_nvl_chunked_send_tokens = 300"),
+            std::string::npos);
+  config = Config{};
+  config.num_max_nvl_chunked_recv_tokens = 0;
+  EXPECT_NE(message_of([&] { epx::validate_config(config); }).find("num_max_nvl_chunked_recv_tokens = 0"),
+            std::string::npos);
+  config = Config{};
+  config.num_sms = 0;
+  EXPECT_NE(message_of([&] { epx::validate_config(config); }).find("num_sms = 0"), std::string::npos);
+  config.num_sms = 1;  // one channel still
+  EXPECT_EQ(config.num_channels(), 1);
+}
+
+TEST(NormalLayout, TooSmallBufferNamesTheBytesNeeded) {
+  const NormalLayout layout = NormalLayout::of(2, Config{}, NormalRecord::dispatch(bf16_shape(2)));
+  EXPECT_EQ(message_of([&] { epx::check_normal_layout_fits(layout, layout.total_bytes()); }), "");
+  const std::string message = message_of([&] { epx::check_normal_layout_fits(layout, 1000); });
+  EXPECT_NE(message.find("num_nvl_bytes = 1000"), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(layout.total_bytes())), std::string::npos) << message;
 }
 
 TEST(NormalLayout, ShapeChecksNameTheArgument) {
-  const auto message_of = [](const NormalShape& shape) {
-    try {
-      epx::validate_normal_shape(shape);
-    } catch (const epx::Error& error) {
-      return std::string(error.what());
-    }
-    return std::string();
+  const auto shape_message = [](const NormalShape& shape) {
+    return message_of([&] { epx::validate_normal_shape(shape); });
   };
-  EXPECT_NE(message_of(NormalShape{9, 256, 7168, 14336, 0, 8}).find("num_ranks = 9"), std::string::npos);
-  EXPECT_NE(message_of(NormalShape{4, 250, 7168, 14336, 0, 8}).find("num_experts = 250"), std::string::npos);
-  EXPECT_NE(message_of(NormalShape{4, 256, 7164, 14328, 0, 8}).find("hidden = 7164"), std::string::npos);
-  EXPECT_NE(message_of(NormalShape{4, 256, 7168, 14336, 0, 17}).find("num_topk = 17"), std::string::npos);
-  EXPECT_EQ(message_of(bf16_shape()), "");
+  EXPECT_NE(shape_message(NormalShape{9, 256, 7168, 14336, 0, 8}).find("num_ranks = 9"), std::string::npos);
+  EXPECT_NE(shape_message(NormalShape{4, 250, 7168, 14336, 0, 8}).find("num_experts = 250"), std::string::npos);
+  EXPECT_NE(shape_message(NormalShape{4, 256, 7164, 14328, 0, 8}).find("hidden = 7164"), std::string::npos);
+  EXPECT_NE(shape_message(NormalShape{4, 256, 7168, 14336, 0, 17}).find("num_topk = 17"), std::string::npos);
+  EXPECT_EQ(shape_message(bf16_shape()), "");
 }
 
 }  // namespace

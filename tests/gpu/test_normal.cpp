@@ -376,6 +376,114 @@ TEST(Normal, Large4096x7168Fp8) {
   run_case(c);
 }
 
+// ---- Any batch size through the size-hint buffer (the queues do not grow with the batch) ----
+
+NormalCase many_tokens_case(int num_ranks, std::vector<int> num_tokens) {
+  NormalCase c;
+  c.num_ranks = num_ranks;
+  c.hidden = 256;
+  c.num_experts = 8 * num_ranks;
+  c.num_topk = 4;
+  c.num_tokens = std::move(num_tokens);
+  c.formats = {kBf16, kFp8};
+  c.hidden = 512;
+  c.num_sms = {8};
+  c.num_iterations = 2;
+  c.combine_values = epx::reference::TokenValues::kSmallIntegers;
+  return c;
+}
+
+TEST(Normal, TokenCountsAroundAndFarAboveTheOldCapTwoRanks) {
+  NormalCase c = many_tokens_case(2, {4095, 4097, 1, 16384});
+  c.num_iterations = 4;
+  c.seed = 201;
+  run_case(c);
+}
+
+TEST(Normal, TokenCountsAroundAndFarAboveTheOldCapFourRanks) {
+  NormalCase c = many_tokens_case(4, {4095, 0, 16384, 4097});
+  c.cached = {false, true};
+  c.seed = 202;
+  run_case(c);
+}
+
+TEST(Normal, SixtyFiveThousandTokensTwoRanks) {
+  NormalCase c = many_tokens_case(2, {65536});
+  c.cached = {false, true};
+  c.worst_case = {false, true};
+  c.seed = 203;
+  run_case(c);
+}
+
+TEST(Normal, SixtyFiveThousandTokensFourRanks) {
+  NormalCase c = many_tokens_case(4, {65536});
+  c.num_iterations = 1;
+  c.formats = {kFp8};
+  c.seed = 204;
+  run_case(c);
+}
+
+// Every token to one rank (the others receive nothing), and a rank sending nothing (unbalanced routing).
+NormalCase skewed_case(int num_ranks) {
+  NormalCase c = small_case(num_ranks);
+  c.routing = NormalRouting::kOneRank;
+  c.num_tokens = {2000, 333, 0};
+  c.formats = {kBf16, kFp8};
+  c.cached = {false, true};
+  c.num_iterations = 3;
+  c.seed = 211;
+  return c;
+}
+
+TEST(Normal, EveryTokenToOneRankTwoRanks) {
+  run_case(skewed_case(2));
+}
+
+TEST(Normal, EveryTokenToOneRankFourRanks) {
+  run_case(skewed_case(4));
+}
+
+// Queue settings at the extremes: one-token queues and chunks (every record waits for the receiver), and
+// one queue as large as a channel's whole traffic.
+NormalCase queue_case(int num_ranks, int chunk_tokens, int queue_tokens, std::vector<int> num_tokens) {
+  NormalCase c = small_case(num_ranks);
+  c.chunk_tokens = chunk_tokens;
+  c.queue_tokens = queue_tokens;
+  c.num_tokens = std::move(num_tokens);
+  c.formats = {kBf16, kFp8};
+  c.worst_case = {false, true};
+  c.cached = {false, false, true};
+  c.num_sms = {4, 2};
+  c.num_iterations = 3;
+  return c;
+}
+
+TEST(Normal, OneTokenQueuesTwoRanks) {
+  NormalCase c = queue_case(2, 1, 1, {150, 77});
+  c.seed = 221;
+  run_case(c);
+}
+
+TEST(Normal, OneTokenQueuesFourRanks) {
+  NormalCase c = queue_case(4, 1, 1, {100, 33, 0, 64});
+  c.routing = NormalRouting::kUnbalanced;
+  c.seed = 222;
+  run_case(c);
+}
+
+TEST(Normal, OddChunksTwoRanks) {
+  NormalCase c = queue_case(2, 5, 7, {1000, 333});
+  c.seed = 223;
+  run_case(c);
+}
+
+TEST(Normal, LargestQueuesFourRanks) {
+  NormalCase c = queue_case(4, 4096, 4096, {4096, 1000});
+  c.hidden = 256;
+  c.seed = 224;
+  run_case(c);
+}
+
 // ---- Errors ----
 
 using epx::test::expect_error;
@@ -569,7 +677,7 @@ void check_bad_ids_are_reported(int64_t bad_id) {
     const int R = num_ranks, T = 16, H = 256, K = 4, E = 4 * R;
     const NormalCase follow_up = error_follow_up_case(R, H, K);
     epx::BufferOptions options;
-    options.num_nvl_bytes = epx::normal_nvl_buffer_size_hint(size_t(H) * 2, R, T);  // also fits follow_up
+    options.num_nvl_bytes = epx::normal_nvl_buffer_size_hint(size_t(H) * 2, R);  // also fits follow_up
     options.wait_timeout_s = 20.0;
     epx::Buffer buffer(bootstrap, options);
 
@@ -621,42 +729,46 @@ TEST(NormalErrors, IdsBelowMinusOneAreReported) {
   check_bad_ids_are_reported(-2);
 }
 
-// One token more than the buffer holds is rejected on every rank; exactly as many then work.
-TEST(NormalErrors, TooManyTokensForTheBuffer) {
+// A config whose queues do not fit the buffer is rejected on every rank, naming the bytes it needs; the
+// config the buffer was sized for then works on the same buffer.
+TEST(NormalErrors, BufferSmallerThanTheConfigNeeds) {
   const int num_ranks = error_test_ranks();
   if (num_ranks < 1) GTEST_SKIP() << "needs 1 GPU";
   run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) {
     const int R = num_ranks, H = 512, K = 4, E = 8 * R;
+    NormalCase c;
+    c.num_ranks = R;
+    c.hidden = H;
+    c.num_experts = E;
+    c.num_topk = K;
+    c.num_tokens = {300};
+    c.num_sms = {4};
     epx::BufferOptions options;
-    options.num_nvl_bytes = epx::normal_nvl_buffer_size_hint(size_t(H) * 2, R, 32);
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
     options.wait_timeout_s = 20.0;
     epx::Buffer buffer(bootstrap, options);
-    const int capacity =
-        epx::NormalLayout::fit(epx::NormalShape{R, E, H, H * 2, 0, K}, buffer.num_nvl_bytes()).capacity;
-    if (capacity < 32)
-      throw std::runtime_error("the size hint for 32 tokens holds " + std::to_string(capacity));
 
     // Nothing is read before the check, so small placeholder arrays do.
     DeviceArray placeholder(256);
     epx::DispatchInput in;
     in.x = placeholder.get();
-    in.num_tokens = capacity + 1;
+    in.num_tokens = 1;
     in.hidden = H;
     in.topk_idx = placeholder.get<int64_t>();
     in.topk_weights = placeholder.get<float>();
     in.num_topk = K;
     in.num_experts = E;
     in.is_token_in_rank = placeholder.get<bool>();
-    expect_error([&] { epx::dispatch_notify(buffer, in, epx::StreamOrder{}); },
-                 "what the NVLink buffer holds");
-
-    NormalCase c;
-    c.num_ranks = R;
-    c.hidden = H;
-    c.num_experts = E;
-    c.num_topk = K;
-    c.num_tokens = {capacity};
-    c.num_iterations = 1;
+    epx::Config wide = epx::test::normal_config(c, 4);
+    wide.num_sms = 8;
+    buffer.set_config(wide);
+    if (R > 1) {
+      expect_error([&] { epx::dispatch_notify(buffer, in, epx::StreamOrder{}); },
+                   "size it with Config::get_nvl_buffer_size_hint");
+    }
+    epx::Config bad = wide;
+    bad.num_max_nvl_chunked_send_tokens = bad.num_max_nvl_chunked_recv_tokens + 1;
+    expect_error([&] { buffer.set_config(bad); }, "must be <= num_max_nvl_chunked_recv_tokens");
     epx::test::NormalRunner(c, buffer).run();
   });
 }

@@ -39,6 +39,7 @@ enum class NormalRouting {
   kRandom,      // distinct experts per token, plus drop_probability -1 ids
   kUnbalanced,  // reference::make_unbalanced_routing: hot and empty experts, -1 ids, rank 0 receives nothing,
                 // the last rank sends nothing
+  kOneRank,     // every token goes to rank 0's experts only (every other rank receives nothing)
 };
 
 // What the dispatch is told about where tokens go.
@@ -82,16 +83,27 @@ struct NormalCase {
   bool same_inputs = false;  // every iteration uses the same seed and token counts
   int num_iterations = 1;
   int buffer_hidden = 0;  // sizes the NVLink buffer; 0: hidden
-  int buffer_tokens = 0;  // likewise; 0: the largest of num_tokens
+  // Queue settings of every call (Config's num_max_nvl_chunked_send_tokens / _recv_tokens).
+  int chunk_tokens = Config{}.num_max_nvl_chunked_send_tokens;
+  int queue_tokens = Config{}.num_max_nvl_chunked_recv_tokens;
   uint64_t seed = 1;
 };
 
-// NVLink bytes a Buffer needs for every iteration of `c`.
+// The config of the iterations that use `num_sms` SMs.
+inline Config normal_config(const NormalCase& c, int num_sms) {
+  Config config;
+  config.num_sms = num_sms;
+  config.num_max_nvl_chunked_send_tokens = c.chunk_tokens;
+  config.num_max_nvl_chunked_recv_tokens = c.queue_tokens;
+  return config;
+}
+
+// NVLink bytes a Buffer needs for every iteration of `c`: the size hint of its widest config (it does not
+// depend on the token counts).
 inline size_t normal_buffer_bytes(const NormalCase& c) {
   const int hidden = c.buffer_hidden > 0 ? c.buffer_hidden : c.hidden;
-  int tokens = c.buffer_tokens;
-  for (int t : c.num_tokens) tokens = std::max(tokens, t);
-  return normal_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks, std::max(tokens, 1));
+  const int num_sms = *std::max_element(c.num_sms.begin(), c.num_sms.end());
+  return normal_config(c, num_sms).get_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks);
 }
 
 template <typename T>
@@ -246,6 +258,17 @@ inline std::vector<std::vector<int64_t>> normal_routing(const NormalCase& c, con
   std::vector<std::vector<int64_t>> ids;
   if (c.routing == NormalRouting::kUnbalanced) {
     ids = reference::make_unbalanced_routing(s.seed, s.num_tokens, K, c.num_experts, c.num_ranks);
+  } else if (c.routing == NormalRouting::kOneRank) {
+    for (int r = 0; r < c.num_ranks; ++r) {
+      reference::RoutingSpec spec;
+      spec.num_tokens = s.num_tokens[r];
+      spec.num_topk = K;
+      spec.num_experts = c.num_experts;
+      spec.num_ranks = c.num_ranks;
+      for (int other = 1; other < c.num_ranks; ++other) spec.excluded_ranks.push_back(other);
+      spec.drop_probability = c.drop_probability;
+      ids.push_back(reference::make_topk_idx(spec, s.seed * 1000 + r));
+    }
   } else {
     for (int r = 0; r < c.num_ranks; ++r) {
       reference::RoutingSpec spec;
@@ -605,7 +628,7 @@ class NormalRunner {
   }
 
   void run_step(const NormalStep& s) {
-    buffer_->set_num_sms(s.num_sms);
+    buffer_->set_config(normal_config(c_, s.num_sms));
     const NormalExpected e = expect_normal(c_, s);
     NormalSlot slot = make_slot(s, e);
     last_event_ = Event::record(stream_);  // previous-event order: the first call starts after the uploads

@@ -4,20 +4,21 @@
 #include <cstdint>
 
 #include "epx/common/host_device.hpp"
+#include "epx/config.hpp"
 
 namespace epx {
 
-constexpr int kMaxNvlRanks = 8;                 // NVLink domain size the normal kernels support
-constexpr int kMaxTopk = 16;                    // top-k supported by every mode
-constexpr int kMaxExperts = 4096;               // per-expert counters reserved in the control area
-constexpr int kDefaultMaxTokensPerRank = 4096;  // what the size hints plan for
+constexpr int kMaxNvlRanks = 8;    // NVLink domain size the normal kernels support
+constexpr int kMaxTopk = 16;       // top-k supported by every mode
+constexpr int kMaxExperts = 4096;  // per-expert counters reserved in the notify area
+constexpr int kMaxChannels = 128;  // channels (num_sms / 2) the queue counters are reserved for
 constexpr size_t kNormalAlign = 128;
 
 EPX_HD constexpr size_t align_up(size_t value, size_t alignment) {
   return (value + alignment - 1) / alignment * alignment;
 }
 
-// The per-call shape that decides how the normal-mode NVLink buffer is carved up.
+// The per-call shape of a normal-mode dispatch.
 struct NormalShape {
   int num_ranks;
   int num_experts;
@@ -27,135 +28,156 @@ struct NormalShape {
   int num_topk;     // 0 when dispatch carries no top-k
 };
 
+// Tokens [begin, end) of a rank's batch that channel `channel` carries: contiguous ranges of
+// ceil(T / C) tokens, so the receive order (source rank, then token index) is channel after channel.
+struct TokenRange {
+  int begin;
+  int end;
+};
+EPX_HD int tokens_per_channel(int num_tokens, int num_channels) {
+  return (num_tokens + num_channels - 1) / num_channels;
+}
+EPX_HD TokenRange channel_token_range(int num_tokens, int num_channels, int channel) {
+  const int per_channel = tokens_per_channel(num_tokens, num_channels);
+  const int begin = channel * per_channel < num_tokens ? channel * per_channel : num_tokens;
+  const int end = begin + per_channel < num_tokens ? begin + per_channel : num_tokens;
+  return {begin, end};
+}
+
+// Queue arithmetic shared by the kernels and the CPU tests. Counters are monotonic uint32 that may wrap: a
+// count is always a difference from the value a call started at.
+EPX_HD int count_since(uint32_t counter, uint32_t base) {
+  return static_cast<int>(counter - base);
+}
+// Records a sender may write now: the queue holds `queue_tokens`, it wrote `pushed` and the receiver
+// consumed `consumed` of them (both counted from the start of the call).
+EPX_HD int queue_room(int pushed, int consumed, int queue_tokens) {
+  return queue_tokens - (pushed - consumed);
+}
+// Queue slot of entry `entry` (counted from the start of the call, so every call starts at slot 0).
+EPX_HD int queue_slot(uint32_t entry, int queue_tokens) {
+  return static_cast<int>(entry % static_cast<uint32_t>(queue_tokens));
+}
+
+// One row travelling through a queue: the payload, then its metadata, padded to 16 bytes so every record
+// starts 16-byte aligned. Dispatch records carry the token row, FP8 scales, top-k ids (int32, global) and
+// weights, and the source token index; combine records carry the BF16 row and the top-k weights.
+struct NormalRecord {
+  int x_bytes;
+  int num_scales;
+  int num_topk_idx;
+  int num_topk_weights;
+  bool with_src_idx;
+
+  EPX_HD size_t scales_offset() const { return size_t(x_bytes); }
+  EPX_HD size_t topk_idx_offset() const { return scales_offset() + sizeof(float) * num_scales; }
+  EPX_HD size_t topk_weights_offset() const { return topk_idx_offset() + sizeof(int) * num_topk_idx; }
+  EPX_HD size_t src_idx_offset() const { return topk_weights_offset() + sizeof(float) * num_topk_weights; }
+  EPX_HD size_t bytes() const { return align_up(src_idx_offset() + (with_src_idx ? sizeof(int) : 0), 16); }
+
+  EPX_HD static NormalRecord dispatch(const NormalShape& shape) {
+    return {shape.x_row_bytes, shape.num_scales, shape.num_topk, shape.num_topk, true};
+  }
+  EPX_HD static NormalRecord combine(int hidden, int num_topk) { return {hidden * 2, 0, 0, num_topk, false}; }
+  // The largest record of any call with rows of up to `hidden_bytes` (= hidden * 2): a BF16 row with
+  // kMaxTopk ids and weights (an FP8 row plus its scales is smaller).
+  static NormalRecord largest(size_t hidden_bytes) {
+    return {static_cast<int>(hidden_bytes), 0, kMaxTopk, kMaxTopk, true};
+  }
+};
+
 // Layout of one rank's normal-mode NVLink buffer; the host sizes with it, kernels address with it.
 //
-// NOTES: design is "publish locally, pull remotely" for dispatch and for combine (whose pull is fused into
-// the reduce). Every region a rank writes before a barrier and others read after it exists twice (parity of
-// the operation counter), so a fast rank can start operation n+1 while a slow one still reads operation n:
-// the barrier of n+1 cannot complete before everybody finished n, so n+2 may reuse n's half safely.
+// NOTES: tokens stream through bounded queues, so the buffer depends on (ranks, channels, queue tokens,
+// record bytes), never on the batch. Queue (src -> owner, channel) lives in the owner's buffer; the source
+// writes records into it with posted NVLink stores and publishes how many it wrote (tail); the owner copies
+// them out and publishes how many it consumed (head) into the source's buffer. Both counters are monotonic
+// for the Buffer's life (compared by unsigned difference, so wrapping is harmless); each side keeps its own
+// count at the end of a call and starts the next call from it, so no call resets anything. A rank's traffic
+// to itself never enters a queue.
 //
-//   control                         barrier signals and counters (not double-buffered)
-//   per parity p in {0, 1}:
-//     send_counts[R]                tokens this rank sends to each destination
-//     expert_counts[kMaxExperts]    this rank's tokens per global expert (each token once per expert)
-//     send_lists[R][cap]            per destination, the source token indices in ascending order
-//     stage_x[cap][x_row_bytes]     this rank's tokens, read by the destinations
-//     stage_scales[cap][num_scales]
-//     stage_topk_idx[cap][K]        int32 global expert ids
-//     stage_topk_weights[cap][K]
-//     combine_x[R][cap][hidden]     BF16 expert outputs this rank returns to each source rank, staged for
-//                                   that rank to read (the own part stays unused: combine reads its own
-//                                   rows from its input)
-//     combine_weights[R][cap][K]
+//   Control           barrier signals, the notify operation counter, launch arrivals, "calls done" signals
+//   QueueCounters     tail / head per (peer, channel), and this rank's own running counts
+//   NotifyHalf x 2    count exchange of dispatch (double-buffered by the parity of op_count: a fast rank may
+//                     write notify n+1 while a slow one still reads notify n)
+//   queues            [R - 1 sources][C channels][Q records] of this call's record size
+//
+// A call's queues are carved for its own shape, so before a source writes into a peer's queues it waits
+// until that peer finished its previous dispatch or combine launch (Control::done_signal): then nothing of
+// an earlier call, whatever its shape, is still unread there.
 struct NormalLayout {
-  NormalShape shape;
-  int capacity;        // tokens per rank the buffer holds (cap above)
-  size_t half_stride;  // bytes between the two halves: fixed by the buffer size, not by the shape, so
-                       // operations of different shapes still alternate between the same two address ranges
+  int num_ranks;
+  int num_channels;
+  int queue_tokens;  // Q: records one queue holds
+  int record_bytes;  // of this call's records
 
   struct Control {
     int barrier_signal[kMaxNvlRanks];  // written by peer r: the number of barriers r has entered
     int barrier_count;                 // barriers this rank has entered
-    int op_count;                      // normal-mode operations started; its parity picks the half
-    int staged_signal[kMaxNvlRanks];   // written by peer r: the number of dispatch stages r has finished
-    int stage_count;                   // dispatch stages this rank has finished
-    int stage_arrivals;                // blocks of the running stage launch that are done (last resets it)
-    int parity_acks;                   // stage blocks that read op_count (notify's barrier waits, resets)
+    int op_count;                      // notifies started; its parity picks the notify half
+    int parity_acks;                   // notify blocks that read op_count (the barrier waits for them)
+    int calls_done;                    // dispatch / combine launches this rank finished
+    int launch_arrivals;               // blocks of the running dispatch / combine launch that finished
+    int done_signal[kMaxNvlRanks];     // written by peer r: r's calls_done
     int pad[32 - 2 * kMaxNvlRanks - 5];
   };
   static_assert(sizeof(Control) == sizeof(int) * 32, "Control must stay 32 ints (adjust pad)");
-  static constexpr size_t kControlBytes = align_up(sizeof(int) * 32, kNormalAlign);
 
-  EPX_HD size_t send_counts_bytes() const { return align_up(sizeof(int) * shape.num_ranks, kNormalAlign); }
-  EPX_HD size_t expert_counts_bytes() const { return align_up(sizeof(int) * kMaxExperts, kNormalAlign); }
-  EPX_HD size_t send_lists_bytes() const {
-    return align_up(sizeof(int) * size_t(shape.num_ranks) * capacity, kNormalAlign);
-  }
-  EPX_HD size_t stage_x_bytes() const { return align_up(size_t(capacity) * shape.x_row_bytes, kNormalAlign); }
-  EPX_HD size_t stage_scales_bytes() const {
-    return align_up(sizeof(float) * size_t(capacity) * shape.num_scales, kNormalAlign);
-  }
-  EPX_HD size_t stage_topk_bytes() const {
-    return align_up(sizeof(int) * size_t(capacity) * shape.num_topk, kNormalAlign);
-  }
-  EPX_HD size_t combine_row_bytes() const { return size_t(shape.hidden) * 2; }
-  EPX_HD size_t combine_x_bytes() const {
-    return align_up(size_t(shape.num_ranks) * capacity * combine_row_bytes(), kNormalAlign);
-  }
-  EPX_HD size_t combine_weights_bytes() const {
-    return align_up(sizeof(float) * size_t(shape.num_ranks) * capacity * shape.num_topk, kNormalAlign);
-  }
+  struct QueueCounters {
+    uint32_t tail[kMaxNvlRanks][kMaxChannels];      // [src][c], written by src: records it wrote to me
+    uint32_t head[kMaxNvlRanks][kMaxChannels];      // [dst][c], written by dst: my records it consumed
+    uint32_t sent[kMaxNvlRanks][kMaxChannels];      // [dst][c], own: records written to dst so far
+    uint32_t consumed[kMaxNvlRanks][kMaxChannels];  // [src][c], own: records consumed from src so far
+  };
 
-  // Offsets within one half, then the half's size.
-  EPX_HD size_t send_counts_offset() const { return 0; }
-  EPX_HD size_t expert_counts_offset() const { return send_counts_offset() + send_counts_bytes(); }
-  EPX_HD size_t send_lists_offset() const { return expert_counts_offset() + expert_counts_bytes(); }
-  EPX_HD size_t stage_x_offset() const { return send_lists_offset() + send_lists_bytes(); }
-  EPX_HD size_t stage_scales_offset() const { return stage_x_offset() + stage_x_bytes(); }
-  EPX_HD size_t stage_topk_idx_offset() const { return stage_scales_offset() + stage_scales_bytes(); }
-  EPX_HD size_t stage_topk_weights_offset() const { return stage_topk_idx_offset() + stage_topk_bytes(); }
-  EPX_HD size_t combine_x_offset() const { return stage_topk_weights_offset() + stage_topk_bytes(); }
-  EPX_HD size_t combine_weights_offset() const { return combine_x_offset() + combine_x_bytes(); }
-  EPX_HD size_t half_bytes() const { return combine_weights_offset() + combine_weights_bytes(); }
+  struct NotifyHalf {
+    int channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
+    int expert_counts[kMaxExperts];                  // [src * L + le], written by src: its tokens for my le
+  };
 
-  EPX_HD size_t half_offset(int parity) const { return kControlBytes + size_t(parity) * half_stride; }
-  EPX_HD size_t total_bytes() const { return kControlBytes + 2 * half_stride; }
+  static constexpr size_t kControlOffset = 0;
+  static constexpr size_t kCountersOffset = align_up(sizeof(Control), kNormalAlign);
+  static constexpr size_t kNotifyOffset = kCountersOffset + align_up(sizeof(QueueCounters), kNormalAlign);
+  static constexpr size_t kNotifyHalfBytes = align_up(sizeof(NotifyHalf), kNormalAlign);
+  static constexpr size_t kQueuesOffset = kNotifyOffset + 2 * kNotifyHalfBytes;
 
-  // Typed addresses inside a buffer whose base is `base` (a local or a peer's mapping).
-  EPX_HD static Control* control(void* base) { return static_cast<Control*>(base); }
-  EPX_HD char* half(void* base, int parity) const { return static_cast<char*>(base) + half_offset(parity); }
-  EPX_HD int* send_counts(void* base, int parity) const {
-    return reinterpret_cast<int*>(half(base, parity) + send_counts_offset());
-  }
-  EPX_HD int* expert_counts(void* base, int parity) const {
-    return reinterpret_cast<int*>(half(base, parity) + expert_counts_offset());
-  }
-  EPX_HD int* send_list(void* base, int parity, int dst_rank) const {
-    return reinterpret_cast<int*>(half(base, parity) + send_lists_offset()) + size_t(dst_rank) * capacity;
-  }
-  EPX_HD char* stage_x_row(void* base, int parity, int token_idx) const {
-    return half(base, parity) + stage_x_offset() + size_t(token_idx) * shape.x_row_bytes;
-  }
-  EPX_HD float* stage_scales_row(void* base, int parity, int token_idx) const {
-    return reinterpret_cast<float*>(half(base, parity) + stage_scales_offset()) +
-           size_t(token_idx) * shape.num_scales;
-  }
-  EPX_HD int* stage_topk_idx_row(void* base, int parity, int token_idx) const {
-    return reinterpret_cast<int*>(half(base, parity) + stage_topk_idx_offset()) +
-           size_t(token_idx) * shape.num_topk;
-  }
-  EPX_HD float* stage_topk_weights_row(void* base, int parity, int token_idx) const {
-    return reinterpret_cast<float*>(half(base, parity) + stage_topk_weights_offset()) +
-           size_t(token_idx) * shape.num_topk;
-  }
-  // In the buffer at `base`: the row staged for `source_rank` (the rank the token came from), slot = the
-  // token's position in that rank's send list to the buffer's owner.
-  EPX_HD char* combine_x_row(void* base, int parity, int source_rank, int slot_idx) const {
-    return half(base, parity) + combine_x_offset() +
-           (size_t(source_rank) * capacity + slot_idx) * combine_row_bytes();
-  }
-  EPX_HD float* combine_weights_row(void* base, int parity, int source_rank, int slot_idx) const {
-    return reinterpret_cast<float*>(half(base, parity) + combine_weights_offset()) +
-           (size_t(source_rank) * capacity + slot_idx) * shape.num_topk;
+  EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
+  EPX_HD size_t total_bytes() const {
+    return kQueuesOffset + size_t(num_ranks - 1) * num_channels * queue_bytes();
   }
 
-  // The largest capacity whose halves fit in a buffer of `buffer_bytes` (capacity 0 if not even one token
-  // fits).
-  static NormalLayout fit(const NormalShape& shape, size_t buffer_bytes);
-  // The smallest layout holding `capacity` tokens.
-  static NormalLayout with_capacity(const NormalShape& shape, int capacity) {
-    NormalLayout layout{shape, capacity, 0};
-    layout.half_stride = layout.half_bytes();
-    return layout;
+  EPX_HD static Control* control(void* base) { return reinterpret_cast<Control*>(base); }
+  EPX_HD static QueueCounters* counters(void* base) {
+    return reinterpret_cast<QueueCounters*>(static_cast<char*>(base) + kCountersOffset);
+  }
+  EPX_HD static NotifyHalf* notify(void* base, int parity) {
+    return reinterpret_cast<NotifyHalf*>(static_cast<char*>(base) + kNotifyOffset + parity * kNotifyHalfBytes);
+  }
+  // Queue index of `src` in `owner`'s buffer: owners keep no queue from themselves.
+  EPX_HD static int source_slot(int src, int owner) { return src < owner ? src : src - 1; }
+  // In the buffer at `base` (owned by `owner`): the record holding entry `entry` (counted from the start of
+  // this call) of the queue from `src` on `channel`.
+  EPX_HD char* record(void* base, int src, int owner, int channel, uint32_t entry) const {
+    const size_t queue_idx = size_t(source_slot(src, owner)) * num_channels + channel;
+    return static_cast<char*>(base) + kQueuesOffset + queue_idx * queue_bytes() +
+           size_t(queue_slot(entry, queue_tokens)) * record_bytes;
+  }
+
+  // The layout of a call with `config` and records of `record` on `num_ranks` ranks.
+  static NormalLayout of(int num_ranks, const Config& config, const NormalRecord& record) {
+    return {num_ranks, config.num_channels(), config.num_max_nvl_chunked_recv_tokens,
+            static_cast<int>(record.bytes())};
   }
 };
 
 // Checks a shape (ranks, experts, hidden, top-k) and throws epx::Error naming the bad argument.
 void validate_normal_shape(const NormalShape& shape);
 
-// NVLink bytes a rank needs for `max_tokens_per_rank` tokens of `hidden_bytes` (= hidden * 2) with up to
-// kMaxTopk top-k and FP8 scales; rounded up to 2 MiB. What Config::get_nvl_buffer_size_hint returns.
-size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks,
-                                   int max_tokens_per_rank = kDefaultMaxTokensPerRank);
+// Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`.
+void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes);
+
+// NVLink bytes per rank for normal-mode calls with `config` (what Config::get_nvl_buffer_size_hint returns):
+// (R - 1) * C * Q records of the largest record for `hidden_bytes`, plus the fixed control and notify areas.
+size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config = Config{});
 
 }  // namespace epx

@@ -1,0 +1,190 @@
+#pragma once
+
+#include <cstdint>
+
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "kernels/normal_kernels.hpp"
+
+// The queues of normal-mode dispatch and combine (layout and invariants: NormalLayout). Every launch has 2C
+// blocks: even blocks send for channel b / 2, odd blocks receive for it. Inside a block the warps form one
+// group per peer, so a full queue to one peer never stalls the traffic to another.
+namespace epx::kernels {
+
+constexpr int kQueueThreads = 512;
+constexpr int kQueueWarps = kQueueThreads / 32;
+
+// The warps of a block that serve one peer. Group g synchronizes on named barrier 1 + g (0 is
+// __syncthreads), so groups never wait for each other.
+struct WarpGroup {
+  int group;      // < kMaxNvlRanks
+  int warp;       // index within the group
+  int num_warps;  // warps in the group
+  int lane;
+
+  __device__ bool leader() const { return warp == 0 && lane == 0; }
+  __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory"); }
+};
+
+__device__ __forceinline__ device::WaitContext wait_context(const PeerContext& peers) {
+  return {peers.timeout_record, peers.rank, peers.timeout_ns};
+}
+
+// Dispatch and combine launches this rank finished before the running one. Every block reads it at its start;
+// finish_launch advances it only after every block arrived, so all blocks see the same value.
+__device__ __forceinline__ int calls_before(const PeerContext& peers) {
+  return *reinterpret_cast<volatile int*>(&NormalLayout::control(peers.local_base)->calls_done);
+}
+
+// Called by every thread of every block at its end: the last block to arrive counts the call as done and
+// tells every peer, which may then write into this rank's queues with the next call's layout.
+// NOTES: each block fences before arriving, so its reads of the queues are complete before the last arriver
+// releases the done signal.
+__device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
+  __shared__ bool is_last;
+  auto* control = NormalLayout::control(peers.local_base);
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence_system();
+    is_last = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence_system();
+  if (threadIdx.x == 0) {
+    control->launch_arrivals = 0;
+    control->calls_done = calls + 1;
+  }
+  const int peer = threadIdx.x;
+  if (peer < peers.num_ranks && peer != peers.rank) {
+    device::st_release_sys(&NormalLayout::control(peers.peer_bases[peer])->done_signal[peers.rank], calls + 1);
+  }
+}
+
+// One sender's stream of records into queue (this rank -> dst, channel) in dst's buffer. Entries count from
+// the start of the call; `base` is the queue's running count when the call began.
+struct QueueSender {
+  const PeerContext& peers;
+  const NormalLayout& layout;
+  WarpGroup group;
+  int* shared_value;  // one int of shared memory for this group
+  int dst;
+  int channel;
+  int chunk_tokens;
+  WaitPhase phase;
+  uint32_t base;
+  int pushed = 0;
+
+  __device__ QueueSender(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared, int dst_rank,
+                         int channel_idx, int chunk, WaitPhase wait_phase)
+      : peers(p), layout(l), group(g), shared_value(shared), dst(dst_rank), channel(channel_idx),
+        chunk_tokens(chunk), phase(wait_phase), base(NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]) {}
+
+  // Before the first record: dst finished every call before this one, so nothing of theirs is still unread
+  // in its queues (whatever their layout).
+  __device__ void wait_until_peer_ready(int calls) {
+    if (group.leader()) {
+      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[dst], calls, wait_context(peers),
+                            dst, WaitPhase::kPreviousCall);
+    }
+    group.sync();
+  }
+
+  // Waits for room and returns how many records (1 .. min(chunk, most)) the group may write now.
+  __device__ int reserve(int most) {
+    if (group.leader()) {
+      const int consumed =
+          device::wait_count_since(&NormalLayout::counters(peers.local_base)->head[dst][channel], base,
+                                   pushed - layout.queue_tokens + 1, wait_context(peers), dst, phase);
+      const int room = queue_room(pushed, consumed, layout.queue_tokens);
+      *shared_value = min(min(room, chunk_tokens), most);
+    }
+    group.sync();
+    const int granted = *shared_value;
+    group.sync();  // everybody read it before the leader may overwrite it
+    return granted;
+  }
+
+  // Record `j` of the reserved chunk, in dst's buffer.
+  __device__ char* record(int j) const {
+    return layout.record(peers.peer_bases[dst], peers.rank, dst, channel, static_cast<uint32_t>(pushed + j));
+  }
+
+  // The group wrote `count` records: dst may read them.
+  __device__ void publish(int count) {
+    group.sync();
+    pushed += count;
+    if (count > 0 && group.leader()) {
+      auto* tail = &NormalLayout::counters(peers.peer_bases[dst])->tail[peers.rank][channel];
+      device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(base + pushed));
+    }
+  }
+
+  __device__ void finish() const {
+    if (group.leader()) NormalLayout::counters(peers.local_base)->sent[dst][channel] = base + pushed;
+  }
+};
+
+// One receiver's stream of `count` records from queue (src -> this rank, channel) in its own buffer.
+struct QueueReceiver {
+  const PeerContext& peers;
+  const NormalLayout& layout;
+  WarpGroup group;
+  int* shared_value;
+  int src;
+  int channel;
+  int count;
+  WaitPhase phase;
+  uint32_t base;
+  int got = 0;
+
+  __device__ QueueReceiver(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared, int src_rank,
+                           int channel_idx, int num_records, WaitPhase wait_phase)
+      : peers(p), layout(l), group(g), shared_value(shared), src(src_rank), channel(channel_idx), count(num_records),
+        phase(wait_phase), base(NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]) {}
+
+  __device__ bool done() const { return got >= count; }
+
+  // Waits until at least one more record landed and returns how many are ready to read.
+  __device__ int wait_ready() {
+    if (group.leader()) {
+      const int landed = device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[src][channel],
+                                                  base, got + 1, wait_context(peers), src, phase);
+      *shared_value = min(landed, count) - got;
+    }
+    group.sync();
+    const int ready = *shared_value;
+    group.sync();
+    return ready;
+  }
+
+  __device__ const char* record(int j) const {
+    return layout.record(peers.local_base, src, peers.rank, channel, static_cast<uint32_t>(got + j));
+  }
+
+  // The group copied `num` records out: src may overwrite them.
+  __device__ void release(int num) {
+    group.sync();
+    got += num;
+    if (group.leader()) {
+      auto* head = &NormalLayout::counters(peers.peer_bases[src])->head[peers.rank][channel];
+      device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(base + got));
+    }
+  }
+
+  __device__ void finish() const {
+    if (group.leader()) NormalLayout::counters(peers.local_base)->consumed[src][channel] = base + count;
+  }
+};
+
+// Peer index -> rank, skipping this rank.
+__device__ __forceinline__ int peer_rank(int peer_idx, int rank) {
+  return peer_idx < rank ? peer_idx : peer_idx + 1;
+}
+
+// Lanes below this one.
+__device__ __forceinline__ unsigned lanes_below(int lane) {
+  return (1u << lane) - 1u;
+}
+
+}  // namespace epx::kernels

@@ -1,0 +1,33 @@
+#pragma once
+
+#include <cstddef>
+
+#include "device/ptx.cuh"
+
+namespace epx::kernels {
+
+// Copies `bytes` (a multiple of 16) with 16-byte accesses by one warp: kUnroll loads per lane are issued
+// before the first store, the last partial round included, so a remote row never waits on serial round trips.
+// kSourceMayChange: the source is written by others while the kernel runs (peer memory, queues), so it is
+// read coherently (L1 bypassed, no read-only path).
+template <bool kSourceMayChange>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane) {
+  constexpr int kUnroll = 8;
+  auto* d = static_cast<int4*>(dst);
+  const auto* s = static_cast<const int4*>(src);
+  const int n = static_cast<int>(bytes / 16);
+  for (int base = lane; base < n; base += kUnroll * 32) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < n)
+        v[u] = kSourceMayChange ? device::ld_v4(s + base + u * 32) : device::ld_nc_v4(s + base + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < n) device::st_na_v4(d + base + u * 32, v[u]);
+    }
+  }
+}
+
+}  // namespace epx::kernels
