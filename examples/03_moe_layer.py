@@ -94,8 +94,8 @@ def worker(rank, num_ranks, port, args):
     num_local = args.num_experts // num_ranks
     layer = MoELayer(args.hidden, args.ffn, args.num_experts, args.top_k, rank * num_local, num_local, 0).to(device)
     dense = MoELayer(args.hidden, args.ffn, args.num_experts, args.top_k, 0, args.num_experts, 0).to(device)
-    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(args.hidden * 2, num_ranks,
-                                                                             args.tokens))
+    # The calls use the default config: its hint fits any number of tokens.
+    buffer = epx.Buffer(group, num_nvl_bytes=epx.Config().get_nvl_buffer_size_hint(args.hidden * 2, num_ranks))
     tokens_per_step = args.tokens * num_ranks
     failures = []
     for step in range(args.steps):

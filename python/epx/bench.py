@@ -537,8 +537,11 @@ class _Rank:
         from epx._ext import _epx
 
         torch, o, rank, num_ranks, dev = self.torch, self.o, self.rank, self.num_ranks, self.device
-        buffer = epx.Buffer(self.world, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(o.hidden * 2, num_ranks,
-                                                                                       o.tokens))
+        # Sized for the largest config used: the checks run with the default one (20 SMs), the timed runs with
+        # each --num-sms budget (the hint grows with the SMs, never with the tokens).
+        configs = [epx.Config()] + [epx.Config(num_sms=sms) for sms in o.num_sms]
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(o.hidden * 2, num_ranks) for config in configs)
+        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes)
 
         def make(salt: int) -> dict:
             return {f: normal_field(torch, o, salt, rank, f, dev) for f in ("x_bf16", "x_fp8", "scales", "topk",

@@ -18,7 +18,7 @@ from ._util import (
     record_stream,
     torch,
 )
-from .config import Config
+from .config import Config, native_config
 from .event import EventOverlap
 from .results import (
     CombineResult,
@@ -65,10 +65,12 @@ class Buffer:
     Args:
         group: a torch.distributed process group (default: the world group). All its ranks construct the
             Buffer together.
-        num_nvl_bytes: normal-mode NVLink buffer bytes (see Config.get_nvl_buffer_size_hint).
+        num_nvl_bytes: normal-mode NVLink buffer bytes: the largest Config.get_nvl_buffer_size_hint of the
+            configs its calls use (it does not depend on the number of tokens).
         num_rdma_bytes: low-latency buffer bytes (see get_low_latency_rdma_size_hint).
         low_latency_mode: whether the buffer serves low-latency calls.
-        num_sms: SM budget of the normal-mode kernels (a call's Config overrides it for that call).
+        num_sms: SM budget of the normal-mode kernels. A call given a Config makes it the Buffer's config (SM
+            budget and chunk sizes) from then on; calls without one use the current config.
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
             a timeout raises EpxError naming the rank, peer and phase.
         ranks_per_node: ranks per NVLink node (0: all ranks). Fewer splits the group into nodes of consecutive
@@ -123,6 +125,16 @@ class Buffer:
         self.runtime.num_sms = int(value)
 
     @property
+    def config(self) -> Config:
+        """The config of the normal-mode calls (a copy): the last one a call was given, or the constructor's
+        num_sms with Config's default chunk sizes. Assign a Config to change it."""
+        return Config.from_native(self.runtime.config)
+
+    @config.setter
+    def config(self, value: Config) -> None:
+        self.runtime.config = native_config(value)
+
+    @property
     def num_nvl_bytes(self) -> int:
         return self.runtime.num_nvl_bytes
 
@@ -173,8 +185,10 @@ class Buffer:
         return EventOverlap(event if async_finish else None)
 
     def _apply_config(self, config: Optional[Config]) -> None:
-        if config is not None and config.num_sms != self.runtime.num_sms:
-            self.runtime.num_sms = config.num_sms
+        # The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
+        # next ones; None keeps the runtime's current config.
+        if config is not None:
+            self.runtime.config = native_config(config)
 
     # ---- Normal mode ----
 

@@ -2,28 +2,33 @@
 
 from __future__ import annotations
 
+from typing import Any, Optional
+
 from ._ext import _epx
 from ._util import EpxError, check
 
 
-def normal_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int,
-                                max_tokens_per_rank: int = _epx.DEFAULT_MAX_TOKENS_PER_RANK) -> int:
-    """NVLink buffer bytes per rank for normal mode: max_tokens_per_rank tokens of hidden_bytes (hidden * 2)
-    with up to 16 top-k and FP8 scales, a multiple of 2 MiB."""
-    return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, max_tokens_per_rank)
-
-
-def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
-                                   num_experts: int) -> int:
-    """Low-latency buffer bytes per rank (``num_rdma_bytes`` of a low-latency Buffer), a multiple of 2 MiB."""
-    return _epx.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)
-
-
 class Config:
-    """Performance settings of a normal-mode call, with DeepEP V1's fields.
+    """Performance settings of a normal-mode call, with DeepEP V1's fields and meanings.
 
-    EPX uses ``num_sms`` (the SM budget of the normal-mode kernels). Its kernels need no chunking, so the four
-    chunk sizes are accepted and kept for compatibility but do not change what runs.
+    Tokens stream from each rank to each other rank through bounded queues in the receiver's NVLink buffer,
+    one per (source, destination, channel):
+
+    - ``num_sms``: the SM budget. A call runs ``num_sms / 2`` channels (at least 1), each with one sending and
+      one receiving block; a rank's tokens are split into one contiguous range per channel.
+    - ``num_max_nvl_chunked_send_tokens``: the most records a sender writes into a queue before it publishes
+      them to the receiver (one release per chunk).
+    - ``num_max_nvl_chunked_recv_tokens``: the records one queue holds (its capacity). The NVLink buffer grows
+      with it and with ``num_sms``, never with the number of tokens.
+    - ``num_max_rdma_chunked_send_tokens`` / ``num_max_rdma_chunked_recv_tokens``: for normal mode across
+      nodes, which is not implemented (groups of more than 8 ranks are refused); kept for DeepEP callers.
+
+    Rules (checked when the config is built, by the size hints and when a call uses it; EpxError names the
+    field): every field >= 1, send chunk <= queue tokens, at most 128 channels (num_sms <= 257).
+
+    A Buffer's NVLink memory must hold the queues of every config its calls use: size it with the largest
+    ``get_nvl_buffer_size_hint`` of those configs. A call whose queues do not fit raises EpxError naming the
+    bytes it needs.
     """
 
     __slots__ = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
@@ -36,12 +41,28 @@ class Config:
                   num_max_rdma_chunked_send_tokens, num_max_rdma_chunked_recv_tokens)
         for name, value in zip(self.__slots__, values):
             check(isinstance(value, int) and not isinstance(value, bool), name, repr(value), "must be an int")
-            check(value > 0, name, value, "must be > 0")
             object.__setattr__(self, name, value)
+        _epx.validate_config(self.to_native())  # the C++ rules, naming the field
+
+    def to_native(self) -> Any:
+        """This config as the binding's ``_epx.Config`` (what ``_epx.Buffer.config`` takes)."""
+        return _epx.Config(*(getattr(self, name) for name in self.__slots__))
+
+    @classmethod
+    def from_native(cls, native: Any) -> "Config":
+        """A Config with the fields of an ``_epx.Config``."""
+        return cls(*(getattr(native, name) for name in cls.__slots__))
+
+    def num_channels(self) -> int:
+        """Channels of a call with this config: num_sms / 2, at least 1."""
+        return max(self.num_sms // 2, 1)
 
     def get_nvl_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """NVLink buffer bytes per rank for normal mode (see normal_nvl_buffer_size_hint)."""
-        return normal_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+        """NVLink buffer bytes per rank that normal-mode calls with this config need, for rows of up to
+        hidden_bytes (hidden * 2 for BF16) with up to 16 top-k on num_ranks ranks: the queues of every
+        (source, channel) at num_max_nvl_chunked_recv_tokens records each, plus a fixed control area; a multiple
+        of 128. It grows with num_sms and the queue tokens and does not depend on the number of tokens."""
+        return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, self.to_native())
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
         """RDMA buffer bytes per rank for normal mode: 0 within one NVLink domain (up to 8 ranks)."""
@@ -62,3 +83,25 @@ class Config:
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, n) for n in self.__slots__))
+
+
+def native_config(config: Any) -> Any:
+    """The ``_epx.Config`` of an epx.Config (or an ``_epx.Config`` itself)."""
+    if isinstance(config, Config):
+        return config.to_native()
+    check(isinstance(config, _epx.Config), "config", type(config).__name__, "must be an epx.Config")
+    return config
+
+
+def normal_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optional[Config] = None) -> int:
+    """NVLink buffer bytes per rank for normal-mode calls with `config` (default: Config()), the same as
+    ``config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks)``; independent of the number of tokens. For
+    calls with several configs (DeepEP's dispatch and combine configs), take the largest."""
+    native = _epx.Config() if config is None else native_config(config)
+    return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, native)
+
+
+def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                   num_experts: int) -> int:
+    """Low-latency buffer bytes per rank (``num_rdma_bytes`` of a low-latency Buffer), a multiple of 2 MiB."""
+    return _epx.get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts)

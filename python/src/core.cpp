@@ -1,5 +1,5 @@
-// Host-only part of the binding: the exception type, constants, buffer size hints, layouts and the bridge
-// that lets a Python process group act as an epx::Bootstrap. Needs no GPU and no CUDA.
+// Host-only part of the binding: the exception type, constants, Config, buffer size hints, layouts and the
+// bridge that lets a Python process group act as an epx::Bootstrap. Needs no GPU and no CUDA.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "binding.hpp"
+#include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
@@ -110,17 +111,68 @@ void bind_constants(py::module_& m) {
   m.attr("MAX_TOPK") = kMaxTopk;
   m.attr("MAX_EXPERTS") = kMaxExperts;
   m.attr("MAX_NVL_RANKS") = kMaxNvlRanks;
+  m.attr("MAX_CHANNELS") = kMaxChannels;
   m.attr("MAX_LOW_LATENCY_RANKS") = kMaxLowLatencyRanks;
   m.attr("MAX_LOW_LATENCY_TOKENS_PER_RANK") = kMaxLowLatencyTokensPerRank;
-  m.attr("DEFAULT_MAX_TOKENS_PER_RANK") = kDefaultMaxTokensPerRank;
   m.attr("LOW_LATENCY_SIZE_HINT_ALIGN") = kLowLatencySizeHintAlign;
 }
 
+// epx::Config: the settings of normal-mode calls (SM budget, send chunk, queue tokens), DeepEP V1's fields.
+void bind_config(py::module_& m) {
+  const Config defaults{};
+  py::class_<Config>(m, "Config")
+      .def(py::init([](int num_sms, int nvl_send, int nvl_recv, int rdma_send, int rdma_recv) {
+             return Config{num_sms, nvl_send, nvl_recv, rdma_send, rdma_recv};
+           }),
+           py::arg("num_sms") = defaults.num_sms,
+           py::arg("num_max_nvl_chunked_send_tokens") = defaults.num_max_nvl_chunked_send_tokens,
+           py::arg("num_max_nvl_chunked_recv_tokens") = defaults.num_max_nvl_chunked_recv_tokens,
+           py::arg("num_max_rdma_chunked_send_tokens") = defaults.num_max_rdma_chunked_send_tokens,
+           py::arg("num_max_rdma_chunked_recv_tokens") = defaults.num_max_rdma_chunked_recv_tokens,
+           "Not checked here: validate_config, the size hints and Buffer.config check it.")
+      .def_readwrite("num_sms", &Config::num_sms)
+      .def_readwrite("num_max_nvl_chunked_send_tokens", &Config::num_max_nvl_chunked_send_tokens)
+      .def_readwrite("num_max_nvl_chunked_recv_tokens", &Config::num_max_nvl_chunked_recv_tokens)
+      .def_readwrite("num_max_rdma_chunked_send_tokens", &Config::num_max_rdma_chunked_send_tokens)
+      .def_readwrite("num_max_rdma_chunked_recv_tokens", &Config::num_max_rdma_chunked_recv_tokens)
+      .def("num_channels", &Config::num_channels, "num_sms / 2 (at least 1): the channels of a call.")
+      .def("get_nvl_buffer_size_hint", &Config::get_nvl_buffer_size_hint, py::arg("hidden_bytes"),
+           py::arg("num_ranks"),
+           "NVLink buffer bytes per rank for normal-mode calls with this config (rows of up to hidden_bytes, "
+           "up "
+           "to 16 top-k); independent of the token count.")
+      .def("get_rdma_buffer_size_hint", &Config::get_rdma_buffer_size_hint, py::arg("hidden_bytes"),
+           py::arg("num_ranks"), "0 within one NVLink domain (up to 8 ranks); larger groups raise EpxError.")
+      .def("__eq__",
+           [](const Config& a, const Config& b) {
+             return a.num_sms == b.num_sms &&
+                    a.num_max_nvl_chunked_send_tokens == b.num_max_nvl_chunked_send_tokens &&
+                    a.num_max_nvl_chunked_recv_tokens == b.num_max_nvl_chunked_recv_tokens &&
+                    a.num_max_rdma_chunked_send_tokens == b.num_max_rdma_chunked_send_tokens &&
+                    a.num_max_rdma_chunked_recv_tokens == b.num_max_rdma_chunked_recv_tokens;
+           })
+      .def("__repr__", [](const Config& c) {
+        return detail::concat("_epx.Config(num_sms=", c.num_sms,
+                              ", num_max_nvl_chunked_send_tokens=", c.num_max_nvl_chunked_send_tokens,
+                              ", num_max_nvl_chunked_recv_tokens=", c.num_max_nvl_chunked_recv_tokens,
+                              ", num_max_rdma_chunked_send_tokens=", c.num_max_rdma_chunked_send_tokens,
+                              ", num_max_rdma_chunked_recv_tokens=", c.num_max_rdma_chunked_recv_tokens, ")");
+      });
+  m.def(
+      "validate_config", &validate_config, py::arg("config"),
+      "Raises EpxError naming the first field that breaks a rule (>= 1; send chunk <= queue tokens; at most "
+      "128 channels).");
+}
+
 void bind_size_hints(py::module_& m) {
-  m.def("normal_nvl_buffer_size_hint", &normal_nvl_buffer_size_hint, py::arg("hidden_bytes"),
-        py::arg("num_ranks"), py::arg("max_tokens_per_rank") = kDefaultMaxTokensPerRank,
-        "NVLink buffer bytes per rank for max_tokens_per_rank tokens of hidden_bytes (= hidden * 2), with up "
-        "to 16 top-k and FP8 scales; a multiple of 2 MiB.");
+  m.def(
+      "normal_nvl_buffer_size_hint", &normal_nvl_buffer_size_hint, py::arg("hidden_bytes"),
+      py::arg("num_ranks"), py::arg("config") = Config{},
+      "NVLink buffer bytes per rank for normal-mode calls with `config` (Config.get_nvl_buffer_size_hint): "
+      "the queues of (num_ranks - 1) sources x num_sms / 2 channels x num_max_nvl_chunked_recv_tokens "
+      "records "
+      "of the largest record for hidden_bytes (= hidden * 2), plus the control and notify areas; a multiple "
+      "of 128. Independent of the token count.");
   m.def("get_low_latency_rdma_size_hint", &get_low_latency_rdma_size_hint,
         py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
         py::arg("num_experts"), "Low-latency buffer bytes per rank; a multiple of 2 MiB.");
@@ -142,25 +194,57 @@ void bind_normal_layout(py::module_& m) {
       .def_readwrite("num_topk", &NormalShape::num_topk);
   m.def("validate_normal_shape", &validate_normal_shape, py::arg("shape"));
 
+  m.def(
+      "channel_token_range",
+      [](int num_tokens, int num_channels, int channel) {
+        const TokenRange range = channel_token_range(num_tokens, num_channels, channel);
+        return py::make_tuple(range.begin, range.end);
+      },
+      py::arg("num_tokens"), py::arg("num_channels"), py::arg("channel"),
+      "(begin, end) of the tokens of a rank's batch that `channel` carries.");
+
+  py::class_<NormalRecord>(m, "NormalRecord")
+      .def(py::init(
+               [](int x_bytes, int num_scales, int num_topk_idx, int num_topk_weights, bool with_src_idx) {
+                 return NormalRecord{x_bytes, num_scales, num_topk_idx, num_topk_weights, with_src_idx};
+               }),
+           py::arg("x_bytes"), py::arg("num_scales") = 0, py::arg("num_topk_idx") = 0,
+           py::arg("num_topk_weights") = 0, py::arg("with_src_idx") = false)
+      .def_readwrite("x_bytes", &NormalRecord::x_bytes)
+      .def_readwrite("num_scales", &NormalRecord::num_scales)
+      .def_readwrite("num_topk_idx", &NormalRecord::num_topk_idx)
+      .def_readwrite("num_topk_weights", &NormalRecord::num_topk_weights)
+      .def_readwrite("with_src_idx", &NormalRecord::with_src_idx)
+      .def("scales_offset", &NormalRecord::scales_offset)
+      .def("topk_idx_offset", &NormalRecord::topk_idx_offset)
+      .def("topk_weights_offset", &NormalRecord::topk_weights_offset)
+      .def("src_idx_offset", &NormalRecord::src_idx_offset)
+      .def("bytes", &NormalRecord::bytes, "Bytes of one record (a multiple of 16).")
+      .def_static("dispatch", &NormalRecord::dispatch, py::arg("shape"))
+      .def_static("combine", &NormalRecord::combine, py::arg("hidden"), py::arg("num_topk"))
+      .def_static(
+          "largest", &NormalRecord::largest, py::arg("hidden_bytes"),
+          "The largest record of any call with rows of up to hidden_bytes (what the size hint uses).");
+
   py::class_<NormalLayout>(m, "NormalLayout")
-      .def_static("fit", &NormalLayout::fit, py::arg("shape"), py::arg("buffer_bytes"))
-      .def_static("with_capacity", &NormalLayout::with_capacity, py::arg("shape"), py::arg("capacity"))
-      .def_readonly("shape", &NormalLayout::shape)
-      .def_readonly("capacity", &NormalLayout::capacity)
-      .def_readonly("half_stride", &NormalLayout::half_stride)
-      .def_property_readonly_static("CONTROL_BYTES", [](py::object) { return NormalLayout::kControlBytes; })
-      .def("send_counts_offset", &NormalLayout::send_counts_offset)
-      .def("expert_counts_offset", &NormalLayout::expert_counts_offset)
-      .def("send_lists_offset", &NormalLayout::send_lists_offset)
-      .def("stage_x_offset", &NormalLayout::stage_x_offset)
-      .def("stage_scales_offset", &NormalLayout::stage_scales_offset)
-      .def("stage_topk_idx_offset", &NormalLayout::stage_topk_idx_offset)
-      .def("stage_topk_weights_offset", &NormalLayout::stage_topk_weights_offset)
-      .def("combine_x_offset", &NormalLayout::combine_x_offset)
-      .def("combine_weights_offset", &NormalLayout::combine_weights_offset)
-      .def("half_bytes", &NormalLayout::half_bytes)
-      .def("half_offset", &NormalLayout::half_offset, py::arg("parity"))
+      .def_static("of", &NormalLayout::of, py::arg("num_ranks"), py::arg("config"), py::arg("record"),
+                  "The layout of a call with `config` and records of `record` on num_ranks ranks.")
+      .def_readonly("num_ranks", &NormalLayout::num_ranks)
+      .def_readonly("num_channels", &NormalLayout::num_channels)
+      .def_readonly("queue_tokens", &NormalLayout::queue_tokens)
+      .def_readonly("record_bytes", &NormalLayout::record_bytes)
+      .def_property_readonly_static("CONTROL_OFFSET", [](py::object) { return NormalLayout::kControlOffset; })
+      .def_property_readonly_static("COUNTERS_OFFSET",
+                                    [](py::object) { return NormalLayout::kCountersOffset; })
+      .def_property_readonly_static("NOTIFY_OFFSET", [](py::object) { return NormalLayout::kNotifyOffset; })
+      .def_property_readonly_static("NOTIFY_HALF_BYTES",
+                                    [](py::object) { return NormalLayout::kNotifyHalfBytes; })
+      .def_property_readonly_static("QUEUES_OFFSET", [](py::object) { return NormalLayout::kQueuesOffset; })
+      .def_static("source_slot", &NormalLayout::source_slot, py::arg("src"), py::arg("owner"))
+      .def("queue_bytes", &NormalLayout::queue_bytes)
       .def("total_bytes", &NormalLayout::total_bytes);
+  m.def("check_normal_layout_fits", &check_normal_layout_fits, py::arg("layout"), py::arg("buffer_bytes"),
+        "Raises EpxError naming the bytes needed when the layout does not fit buffer_bytes.");
 }
 
 void bind_low_latency_layout(py::module_& m) {
@@ -299,6 +383,7 @@ void PyBootstrap::barrier() {
 void bind_core(py::module_& m) {
   register_error(m);
   bind_constants(m);
+  bind_config(m);
   bind_size_hints(m);
   bind_normal_layout(m);
   bind_low_latency_layout(m);

@@ -10,6 +10,7 @@
 
 #include "binding.hpp"
 #include "epx/buffer.hpp"
+#include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "epx/event.hpp"
 #include "epx/low_latency.hpp"
@@ -76,6 +77,11 @@ void bind_buffer(py::module_& m) {
       .def_property(
           "num_sms", [](const PyBuffer& self) { return self.get().num_sms(); },
           [](PyBuffer& self, int num_sms) { self.get().set_num_sms(num_sms); })
+      // A copy: set the whole config to change it (set_config checks it against the GPU).
+      .def_property(
+          "config", [](const PyBuffer& self) { return Config(self.get().config()); },
+          [](PyBuffer& self, const Config& config) { self.get().set_config(config); },
+          "The config of the normal-mode calls (SM budget, send chunk, queue tokens); every call uses it.")
       .def_property_readonly("wait_timeout_ns",
                              [](const PyBuffer& self) { return self.get().wait_timeout_ns(); })
       .def_property_readonly(

@@ -5,7 +5,13 @@ EventOverlap), running on EPX's runtime. Differences a caller may notice:
 
 - Handles are opaque EPX objects, not tuples of tensors; pass them back as DeepEP code does.
 - Any hidden size that is a multiple of 8 (128 for FP8 and low-latency mode) and any top-k up to 16 work.
-- Config's chunk sizes are accepted and ignored (EPX's kernels need no chunking); num_sms is used.
+- Config means what DeepEP's does: num_sms / 2 channels; num_max_nvl_chunked_send_tokens records per published
+  chunk; num_max_nvl_chunked_recv_tokens records per queue (one per source, destination and channel). So
+  Config.get_nvl_buffer_size_hint grows with num_sms and the queue tokens, never with the number of tokens,
+  and sizing as DeepEP callers do (the largest hint of get_dispatch_config and get_combine_config) fits every
+  call that uses those configs (for DeepEP's recommended configs the hint is below DeepEP's). The RDMA chunk
+  sizes are kept for callers (normal mode across nodes is not implemented). Config rules are EPX's: send chunk
+  <= queue tokens, at most 128 channels.
 - num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl are accepted and ignored: EPX moves
   data over NVLink within a node.
 - Errors are epx.EpxError (a RuntimeError) naming the argument, its value and the rule, where DeepEP asserts.
@@ -23,7 +29,9 @@ from .._util import EpxError, check, current_stream_handle
 
 __all__ = ["Buffer", "Config", "EventOverlap", "EpxError"]
 
-# DeepEP's recommended configs (the chunk sizes are kept for callers that read them back).
+# DeepEP's recommended configs: (nvl send chunk, nvl queue tokens, rdma send chunk, rdma queue tokens) after
+# Buffer.num_sms. Groups DeepEP has no entry for get (6, 256, 6, 128) for dispatch and (4, 256, 6, 128) for
+# combine.
 _DISPATCH_CONFIGS = {
     2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
     24: (8, 288, 32, 128), 32: (8, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
@@ -59,7 +67,8 @@ class Buffer:
 
     @staticmethod
     def set_num_sms(new_num_sms: int) -> None:
-        """Sets the SMs the normal-mode kernels use (the default configs pick it up)."""
+        """Sets the SMs the normal-mode kernels use: get_dispatch_config / get_combine_config (what dispatch and
+        combine use without a config) pick it up, and so do their size hints."""
         check(new_num_sms % 2 == 0, "new_num_sms", new_num_sms, "must be even (the SM count must be even)")
         Buffer.num_sms = new_num_sms
 

@@ -9,6 +9,7 @@ import numpy as np
 
 import epx
 import epx.reference as ref
+from epx import _epx
 
 
 class Struct:
@@ -45,15 +46,45 @@ class FakeHook:
 NO_HOOK = SimpleNamespace(valid=False, done=False)
 
 
+def copy_config(config):
+    names = ("num_sms", "num_max_nvl_chunked_send_tokens", "num_max_nvl_chunked_recv_tokens",
+             "num_max_rdma_chunked_send_tokens", "num_max_rdma_chunked_recv_tokens")
+    return _epx.Config(*(getattr(config, name) for name in names))
+
+
 class FakeRuntime:
-    """What epx.Buffer keeps as .runtime."""
+    """What epx.Buffer keeps as .runtime. Like _epx.Buffer, `config` reads a copy and takes a checked
+    _epx.Config; num_sms is its SM budget."""
 
     def __init__(self):
-        self.num_sms = 20
+        self._config = _epx.Config()
+        self.configs_set = 0
         self.comm_stream = 0
         self.num_nvl_bytes = 1 << 20
         self.num_rdma_bytes = 1 << 20
         self.is_destroyed = False
+
+    @property
+    def config(self):
+        return copy_config(self._config)
+
+    @config.setter
+    def config(self, config):
+        if not isinstance(config, _epx.Config):
+            raise TypeError(f"config must be an _epx.Config, not {type(config).__name__}")
+        _epx.validate_config(config)
+        self._config = copy_config(config)
+        self.configs_set += 1
+
+    @property
+    def num_sms(self):
+        return self._config.num_sms
+
+    @num_sms.setter
+    def num_sms(self, num_sms):
+        config = self.config
+        config.num_sms = num_sms
+        self.config = config
 
     def destroy(self):
         self.is_destroyed = True

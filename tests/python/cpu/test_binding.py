@@ -46,35 +46,219 @@ def test_low_latency_size_hint(num_max_tokens, hidden, num_ranks, num_experts):
     assert epx.get_low_latency_rdma_size_hint(num_max_tokens + 1, hidden, num_ranks, num_experts) >= hint
 
 
-def test_normal_size_hint_fits_the_planned_tokens():
-    for hidden in (128, 2048, 7168):
-        for num_ranks in (1, 2, 4, 8):
-            hint = epx.normal_nvl_buffer_size_hint(hidden * 2, num_ranks)
-            assert hint % (2 * MiB) == 0
-            assert epx.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks) == hint
-            # A BF16 dispatch with 16 top-k fits the default 4096 tokens per rank.
-            shape = _epx.NormalShape(num_ranks=num_ranks, num_experts=num_ranks * 4, hidden=hidden,
-                                     x_row_bytes=hidden * 2, num_scales=0, num_topk=16)
-            assert _epx.NormalLayout.fit(shape, hint).capacity >= _epx.DEFAULT_MAX_TOKENS_PER_RANK
-    small = epx.normal_nvl_buffer_size_hint(7168 * 2, 8, max_tokens_per_rank=128)
-    assert small < epx.normal_nvl_buffer_size_hint(7168 * 2, 8)
+def align(value, alignment):
+    return (value + alignment - 1) // alignment * alignment
 
 
-def test_normal_layout_regions_are_ordered_and_aligned():
-    shape = _epx.NormalShape(num_ranks=4, num_experts=64, hidden=7168, x_row_bytes=7168, num_scales=56, num_topk=8)
-    layout = _epx.NormalLayout.with_capacity(shape, 100)
-    offsets = [layout.send_counts_offset(), layout.expert_counts_offset(), layout.send_lists_offset(),
-               layout.stage_x_offset(), layout.stage_scales_offset(), layout.stage_topk_idx_offset(),
-               layout.stage_topk_weights_offset(), layout.combine_x_offset(), layout.combine_weights_offset(),
-               layout.half_bytes()]
-    assert offsets == sorted(offsets)
+CONFIGS = [_epx.Config(), _epx.Config(num_sms=24, num_max_nvl_chunked_send_tokens=24),
+           _epx.Config(2, 1, 1, 1, 1), _epx.Config(48, 8, 512, 16, 128), _epx.Config(257, 6, 256)]
+
+
+def test_config_binding_fields_and_defaults():
+    config = _epx.Config()
+    assert (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+            config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens) == (20, 6, 256, 6, 256)
+    assert config.num_channels() == 10
+    assert [_epx.Config(num_sms=n).num_channels() for n in (1, 2, 3, 24, 257)] == [1, 1, 1, 12, 128]
+    config.num_max_nvl_chunked_recv_tokens = 128
+    assert config == _epx.Config(num_max_nvl_chunked_recv_tokens=128) and config != _epx.Config()
+    assert "num_max_nvl_chunked_recv_tokens=128" in repr(config)
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
+    with pytest.raises(epx.EpxError, match="invalid num_ranks = 16: must be <= 8"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    # epx.Config converts both ways.
+    custom = epx.Config(24, 8, 288, 16, 128)
+    assert custom.to_native() == _epx.Config(24, 8, 288, 16, 128)
+    assert epx.Config.from_native(custom.to_native()) == custom
+    assert custom.num_channels() == custom.to_native().num_channels() == 12
+
+
+@pytest.mark.parametrize("hidden", [128, 2048, 7168])
+@pytest.mark.parametrize("num_ranks", [1, 2, 4, 8])
+def test_normal_size_hint_is_the_layout_of_the_largest_record(hidden, num_ranks):
+    hidden_bytes = hidden * 2
+    for config in CONFIGS:
+        layout = _epx.NormalLayout.of(num_ranks, config, _epx.NormalRecord.largest(hidden_bytes))
+        hint = _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, config)
+        assert hint == align(layout.total_bytes(), 128)
+        assert config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) == hint
+        python_config = epx.Config.from_native(config)
+        assert python_config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) == hint
+        assert epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, python_config) == hint
+        assert epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, config) == hint
+        # The hint fits the queues of every call with this config: BF16 or FP8 dispatch, combine, top-k <= 16.
+        for record in (_epx.NormalRecord.dispatch(_epx.NormalShape(num_ranks, num_ranks * 4, hidden, hidden_bytes,
+                                                                   0, 16)),
+                       _epx.NormalRecord.combine(hidden, 16), _epx.NormalRecord.combine(hidden, 0)):
+            _epx.check_normal_layout_fits(_epx.NormalLayout.of(num_ranks, config, record), hint)
+        if hidden % 128 == 0:
+            fp8 = _epx.NormalShape(num_ranks, num_ranks * 4, hidden, hidden, hidden // 128, 16)
+            _epx.check_normal_layout_fits(_epx.NormalLayout.of(num_ranks, config, _epx.NormalRecord.dispatch(fp8)),
+                                          hint)
+    # The default config is the default argument.
+    assert epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks) == \
+        _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks) == \
+        epx.Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks) == \
+        _epx.Config().get_nvl_buffer_size_hint(hidden_bytes, num_ranks)
+
+
+def test_normal_size_hint_takes_no_token_count():
+    import inspect
+
+    assert [p.name for p in inspect.signature(epx.normal_nvl_buffer_size_hint).parameters.values()] == [
+        "hidden_bytes", "num_ranks", "config"]
+    assert not hasattr(_epx, "DEFAULT_MAX_TOKENS_PER_RANK")
+    with pytest.raises(TypeError):
+        _epx.normal_nvl_buffer_size_hint(7168 * 2, 8, 4096)  # the old max_tokens_per_rank argument
+    with pytest.raises(epx.EpxError, match="must be an epx.Config"):
+        epx.normal_nvl_buffer_size_hint(7168 * 2, 8, 4096)
+
+
+def test_normal_size_hint_grows_with_channels_and_queue_tokens_only():
+    hidden_bytes, num_ranks = 7168 * 2, 8
+
+    def hint(**fields):
+        return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, _epx.Config(**fields))
+
+    by_sms = [hint(num_sms=n) for n in (2, 12, 20, 24, 48, 132)]
+    assert by_sms == sorted(set(by_sms))  # strictly increasing
+    assert hint(num_sms=20) == hint(num_sms=21)  # the same 10 channels
+    by_queue = [hint(num_max_nvl_chunked_recv_tokens=q) for q in (6, 64, 256, 512, 1024)]
+    assert by_queue == sorted(set(by_queue))
+    # The send chunk and the RDMA fields do not change the memory.
+    assert hint(num_max_nvl_chunked_send_tokens=1) == hint(num_max_nvl_chunked_send_tokens=256) == hint()
+    assert hint(num_max_rdma_chunked_send_tokens=20, num_max_rdma_chunked_recv_tokens=128) == hint()
+    # Queue bytes scale linearly: twice the channels or twice the queue tokens, twice the queues.
+    queues = hint() - _epx.NormalLayout.QUEUES_OFFSET
+    assert hint(num_sms=40) - _epx.NormalLayout.QUEUES_OFFSET == 2 * queues
+    assert hint(num_max_nvl_chunked_recv_tokens=512) - _epx.NormalLayout.QUEUES_OFFSET == 2 * queues
+    # More ranks and wider rows need more; one rank needs no queues at all.
+    by_ranks = [_epx.normal_nvl_buffer_size_hint(hidden_bytes, r) for r in range(1, 9)]
+    assert by_ranks == sorted(set(by_ranks))
+    assert by_ranks[0] == align(_epx.NormalLayout.QUEUES_OFFSET, 128)
+    assert _epx.normal_nvl_buffer_size_hint(4096 * 2, num_ranks) < _epx.normal_nvl_buffer_size_hint(hidden_bytes,
+                                                                                                    num_ranks)
+
+
+def test_normal_layout_of_a_config():
+    config = _epx.Config(num_sms=24, num_max_nvl_chunked_recv_tokens=128)
+    record = _epx.NormalRecord.largest(7168 * 2)
+    layout = _epx.NormalLayout.of(4, config, record)
+    assert (layout.num_ranks, layout.num_channels, layout.queue_tokens, layout.record_bytes) == (4, 12, 128,
+                                                                                                 record.bytes())
+    assert layout.queue_bytes() == 128 * record.bytes()
+    assert layout.total_bytes() == _epx.NormalLayout.QUEUES_OFFSET + 3 * 12 * layout.queue_bytes()
+    offsets = [_epx.NormalLayout.CONTROL_OFFSET, _epx.NormalLayout.COUNTERS_OFFSET, _epx.NormalLayout.NOTIFY_OFFSET,
+               _epx.NormalLayout.QUEUES_OFFSET]
+    assert offsets == sorted(set(offsets)) and offsets[0] == 0
     assert all(offset % 128 == 0 for offset in offsets)
-    assert layout.half_offset(1) - layout.half_offset(0) == layout.half_stride
-    assert layout.total_bytes() == _epx.NormalLayout.CONTROL_BYTES + 2 * layout.half_stride
-    # fit() picks the largest capacity whose halves fit.
-    fitted = _epx.NormalLayout.fit(shape, layout.total_bytes())
-    assert fitted.capacity >= 100
-    assert _epx.NormalLayout.with_capacity(shape, fitted.capacity + 1).half_bytes() > fitted.half_stride
+    assert _epx.NormalLayout.NOTIFY_OFFSET + 2 * _epx.NormalLayout.NOTIFY_HALF_BYTES == _epx.NormalLayout.QUEUES_OFFSET
+    # Owners keep no queue from themselves.
+    assert [_epx.NormalLayout.source_slot(src, 2) for src in (0, 1, 3)] == [0, 1, 2]
+    assert _epx.MAX_CHANNELS == 128
+
+
+def test_normal_records():
+    largest = _epx.NormalRecord.largest(7168 * 2)
+    assert (largest.x_bytes, largest.num_scales, largest.num_topk_idx, largest.num_topk_weights,
+            largest.with_src_idx) == (14336, 0, 16, 16, True)
+    assert largest.bytes() == align(14336 + 16 * 4 + 16 * 4 + 4, 16)
+    offsets = [largest.scales_offset(), largest.topk_idx_offset(), largest.topk_weights_offset(),
+               largest.src_idx_offset(), largest.bytes()]
+    assert offsets == sorted(offsets)
+    fp8 = _epx.NormalRecord.dispatch(_epx.NormalShape(num_ranks=8, num_experts=256, hidden=7168, x_row_bytes=7168,
+                                                      num_scales=56, num_topk=8))
+    assert (fp8.x_bytes, fp8.num_scales, fp8.num_topk_idx, fp8.num_topk_weights, fp8.with_src_idx) == (7168, 56, 8, 8,
+                                                                                                         True)
+    assert fp8.bytes() == align(7168 + 56 * 4 + 8 * 4 + 8 * 4 + 4, 16) and fp8.bytes() < largest.bytes()
+    combine = _epx.NormalRecord.combine(7168, 8)
+    assert (combine.x_bytes, combine.num_scales, combine.num_topk_idx, combine.num_topk_weights,
+            combine.with_src_idx) == (14336, 0, 0, 8, False)
+    assert combine.bytes() == align(14336 + 8 * 4, 16) and combine.bytes() < largest.bytes()
+    custom = _epx.NormalRecord(x_bytes=256, num_topk_weights=3)
+    assert custom.bytes() == align(256 + 12, 16) and not custom.with_src_idx
+    assert all(r.bytes() % 16 == 0 for r in (largest, fp8, combine, custom))
+
+
+@pytest.mark.parametrize("num_tokens", [0, 1, 7, 100, 32768])
+@pytest.mark.parametrize("num_channels", [1, 3, 10, 128])
+def test_channel_token_ranges_cover_the_batch_in_order(num_tokens, num_channels):
+    ranges = [_epx.channel_token_range(num_tokens, num_channels, c) for c in range(num_channels)]
+    assert ranges[0][0] == 0 and ranges[-1][1] == num_tokens
+    assert all(ranges[c][1] == ranges[c + 1][0] for c in range(num_channels - 1))
+    per_channel = -(-num_tokens // num_channels)
+    assert all(0 <= end - begin <= per_channel for begin, end in ranges)
+
+
+def test_a_call_that_does_not_fit_names_the_bytes_it_needs():
+    layout = _epx.NormalLayout.of(8, _epx.Config(), _epx.NormalRecord.largest(7168 * 2))
+    _epx.check_normal_layout_fits(layout, layout.total_bytes())
+    with pytest.raises(epx.EpxError, match=f"invalid num_nvl_bytes = {layout.total_bytes() - 1}: must be >= "
+                                           f"{layout.total_bytes()} for this call \\(8 ranks, 10 channels, 256 tokens"):
+        _epx.check_normal_layout_fits(layout, layout.total_bytes() - 1)
+
+
+@pytest.mark.parametrize("fields,message", [
+    (dict(num_sms=0), "invalid num_sms = 0: must be >= 1"),
+    (dict(num_sms=258), "invalid num_sms = 258: must be < 258"),
+    (dict(num_max_nvl_chunked_send_tokens=0), "invalid num_max_nvl_chunked_send_tokens = 0: must be >= 1"),
+    (dict(num_max_nvl_chunked_recv_tokens=0), "invalid num_max_nvl_chunked_recv_tokens = 0: must be >= 1"),
+    (dict(num_max_nvl_chunked_send_tokens=300),
+     r"invalid num_max_nvl_chunked_send_tokens = 300: must be <= num_max_nvl_chunked_recv_tokens \(256\)"),
+    (dict(num_max_rdma_chunked_send_tokens=0), "invalid num_max_rdma_chunked_send_tokens = 0: must be >= 1"),
+    (dict(num_max_rdma_chunked_recv_tokens=-1), "invalid num_max_rdma_chunked_recv_tokens = -1: must be >= 1"),
+])
+def test_config_errors_name_the_field(fields, message):
+    config = _epx.Config(**fields)  # the binding's struct is plain: the checks come where it is used
+    with pytest.raises(epx.EpxError, match=message):
+        _epx.validate_config(config)
+    with pytest.raises(epx.EpxError, match=message):
+        config.get_nvl_buffer_size_hint(7168 * 2, 8)
+    with pytest.raises(epx.EpxError, match=message):
+        _epx.normal_nvl_buffer_size_hint(7168 * 2, 8, config)
+    with pytest.raises(epx.EpxError, match=message):
+        epx.Config(**fields)  # epx.Config checks when built
+    _epx.validate_config(_epx.Config())
+    _epx.validate_config(_epx.Config(2, 256, 256, 1, 1))  # send chunk == queue tokens is allowed
+
+
+def deep_ep_nvl_size_hint(config, hidden_bytes, num_ranks):
+    """DeepEP V1's Config::get_nvl_buffer_size_hint within one NVLink domain (NUM_MAX_NVL_PEERS = 8, top-k ids
+    int64, at most 128 top-k and 128 scales, NVSHMEM source metadata left out), rounded up to 128."""
+    num_rdma_ranks = max(num_ranks // 8, 1)
+    num_nvl_ranks = min(num_ranks, 8)
+    num_channels = config.num_sms // 2
+    num_recv_tokens = config.num_max_nvl_chunked_recv_tokens
+    num_bytes = num_channels * num_nvl_ranks * (2 * num_rdma_ranks + 3) * 4
+    num_bytes += num_channels * num_nvl_ranks * num_recv_tokens * (hidden_bytes + 128 * 8 + 128 * 4 + 128 * 4)
+    return align(num_bytes, 128)
+
+
+@pytest.mark.parametrize("num_sms", [20, 24])
+@pytest.mark.parametrize("num_ranks", [2, 4, 8])
+def test_megatron_sizing_is_below_deep_ep(num_ranks, num_sms):
+    import epx.compat.deep_ep as deep_ep
+
+    hidden_bytes = 7168 * max(2, 2)  # Megatron-LM: hidden * max(x.element_size(), 2) for BF16 tokens
+    old = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(num_sms)
+        configs = (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks))
+        ours = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) for config in configs)
+        theirs = max(deep_ep_nvl_size_hint(config, hidden_bytes, num_ranks) for config in configs)
+    finally:
+        deep_ep.Buffer.num_sms = old
+    assert ours < theirs, (ours, theirs)
+    # Each config's queues fit what Megatron allocates.
+    for config in configs:
+        layout = _epx.NormalLayout.of(num_ranks, config.to_native(), _epx.NormalRecord.largest(hidden_bytes))
+        _epx.check_normal_layout_fits(layout, ours)
+
+
+def test_runtime_buffer_has_a_config_property():
+    if not epx.WITH_CUDA:
+        pytest.skip("built without CUDA")
+    assert isinstance(_epx.Buffer.config, property) and _epx.Buffer.config.fset is not None
 
 
 def test_low_latency_layout_control_depends_only_on_ranks():

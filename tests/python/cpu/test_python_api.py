@@ -23,15 +23,28 @@ def test_config_defaults_and_fields():
 
 
 def test_config_checks():
-    with pytest.raises(epx.EpxError, match="invalid num_sms = 0: must be > 0"):
+    # The C++ rules (validate_config), naming the field.
+    with pytest.raises(epx.EpxError, match="invalid num_sms = 0: must be >= 1"):
         epx.Config(0)
     with pytest.raises(epx.EpxError, match="invalid num_max_nvl_chunked_recv_tokens = '8': must be an int"):
         epx.Config(20, 6, "8")
+    with pytest.raises(epx.EpxError, match="invalid num_max_nvl_chunked_send_tokens = 300: must be <= "
+                                           r"num_max_nvl_chunked_recv_tokens \(256\)"):
+        epx.Config(20, 300, 256)
+    with pytest.raises(epx.EpxError, match="invalid num_max_rdma_chunked_recv_tokens = 0: must be >= 1"):
+        epx.Config(20, 6, 256, 6, 0)
+    assert epx.Config(20, 256, 256).num_max_nvl_chunked_send_tokens == 256  # a chunk may fill the queue
 
 
 def test_config_size_hints():
     config = epx.Config()
     assert config.get_nvl_buffer_size_hint(7168 * 2, 8) == epx.normal_nvl_buffer_size_hint(7168 * 2, 8)
+    # The hint is the config's: more SMs (channels) or a longer queue need more, the send chunk nothing.
+    more_sms, longer = epx.Config(num_sms=24), epx.Config(num_max_nvl_chunked_recv_tokens=512)
+    for bigger in (more_sms, longer):
+        assert bigger.get_nvl_buffer_size_hint(7168 * 2, 8) == epx.normal_nvl_buffer_size_hint(7168 * 2, 8, bigger)
+        assert bigger.get_nvl_buffer_size_hint(7168 * 2, 8) > config.get_nvl_buffer_size_hint(7168 * 2, 8)
+    assert epx.Config(20, 1, 256).get_nvl_buffer_size_hint(7168 * 2, 8) == config.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one NVLink domain needs no RDMA buffer
     with pytest.raises(epx.EpxError, match="not implemented"):
         config.get_rdma_buffer_size_hint(7168 * 2, 16)
@@ -105,6 +118,13 @@ def test_deep_ep_static_helpers():
     for num_ranks in (2, 4, 8, 3):
         assert deep_ep.Buffer.get_dispatch_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
         assert deep_ep.Buffer.get_combine_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
+    # DeepEP's recommended configs keep their chunk sizes and follow EPX's rules (send chunk <= queue tokens).
+    assert deep_ep.Buffer.get_dispatch_config(2) == deep_ep.Config(deep_ep.Buffer.num_sms, 24, 256, 6, 128)
+    assert deep_ep.Buffer.get_combine_config(8) == deep_ep.Config(deep_ep.Buffer.num_sms, 4, 256, 6, 128)
+    for num_ranks in (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 144, 160):
+        for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
+            epx._epx.validate_config(config.to_native())
+            assert config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens
     old = deep_ep.Buffer.num_sms
     try:
         deep_ep.Buffer.set_num_sms(24)

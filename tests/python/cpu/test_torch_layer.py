@@ -142,11 +142,45 @@ def test_deep_ep_tuples(compat):
         wrapper.combine(recv_x, handle)
 
 
-def test_config_sets_the_sm_budget(fake):
+def test_config_sets_the_whole_runtime_config(fake):
     buffer, _ = fake
     x, ids, weights = tokens()
-    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, config=epx.Config(num_sms=8))
-    assert buffer.runtime.num_sms == 8
+    assert buffer.config == epx.Config()  # the runtime's initial config
+    config = epx.Config(num_sms=8, num_max_nvl_chunked_send_tokens=4, num_max_nvl_chunked_recv_tokens=128)
+    result = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, config=config)
+    assert buffer.runtime.num_sms == 8 and buffer.num_sms == 8
+    assert buffer.runtime.config == config.to_native() and buffer.config == config
+    # Without a config a call keeps the current one.
+    buffer.combine(result.recv_x, result.handle)
+    assert buffer.config == config
+    combine_config = epx.Config(num_sms=4, num_max_nvl_chunked_send_tokens=2, num_max_nvl_chunked_recv_tokens=64)
+    buffer.combine(result.recv_x, result.handle, config=combine_config)
+    assert buffer.config == combine_config
+    # num_sms changes the SM budget alone; assigning a Config sets all of it.
+    buffer.num_sms = 12
+    assert buffer.config == epx.Config(12, 2, 64)
+    buffer.config = epx.Config(16, 8, 32)
+    assert buffer.runtime.config == epx.Config(16, 8, 32).to_native()
+    with pytest.raises(epx.EpxError, match="invalid num_max_nvl_chunked_send_tokens = 64"):
+        bad = epx.Config(16, 8, 32).to_native()
+        bad.num_max_nvl_chunked_send_tokens = 64
+        buffer.config = bad
+    with pytest.raises(epx.EpxError, match="invalid config = NoneType"):
+        buffer.config = None
+    assert buffer.config == epx.Config(16, 8, 32)
+
+
+def test_deep_ep_calls_use_the_default_configs(compat):
+    wrapper, _ = compat
+    x, ids, weights = tokens()
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    recv_x, _, recv_w, _, handle, _ = wrapper.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_dispatch_config(1)
+    wrapper.combine(recv_x, handle, topk_weights=recv_w)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_combine_config(1)
+    config = deep_ep.Config(8, 4, 64, 6, 128)
+    wrapper.dispatch(x, handle, config=config)
+    assert wrapper.runtime.config == config
 
 
 @pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0", [(False, False, False), (True, False, False),

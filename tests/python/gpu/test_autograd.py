@@ -69,7 +69,7 @@ def autograd_worker(rank, num_ranks, group):
     problem, experts = make_problem(num_ranks, device)
     num_experts = experts.size(0)
     local = slice(rank * EXPERTS_PER_RANK, (rank + 1) * EXPERTS_PER_RANK)
-    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, 256))
+    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks))
 
     # ---- Distributed: this rank's tokens, its own experts ----
     mine = problem[rank]

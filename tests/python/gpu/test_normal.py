@@ -1,7 +1,8 @@
 """Normal mode through epx.compat.deep_ep (DeepEP V1's calls) against the CPU reference, on 2 and 4 GPUs:
 layout, BF16 and FP8 dispatch, combine with weights and biases, the cached handle, async with events and
-comm-stream allocation, worst-case rows, argument errors. Data movement is compared bit-exactly (the values
-are small integers, so the combine's sums are exact in any order)."""
+comm-stream allocation, worst-case rows, argument errors, configs (queue sizes) and a 32,768-token batch
+through a buffer sized as Megatron-LM sizes it. Data movement is compared bit-exactly (the values are small
+integers, so the combine's sums are exact in any order)."""
 
 import numpy as np
 import pytest
@@ -204,7 +205,7 @@ def native_api_worker(rank, num_ranks, group):
 
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
-    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks, 256))
+    buffer = epx.Buffer(group, num_nvl_bytes=epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks))
     inputs = make_inputs(num_ranks, num_experts, 5)
     x, topk_idx, topk_weights = to_device(inputs[rank], device)
     outputs, _ = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
@@ -221,10 +222,20 @@ def native_api_worker(rank, num_ranks, group):
     copies = torch.from_numpy(ref.dispatch_layout(inputs[rank].topk_idx, num_experts, num_ranks)[2].sum(1))
     expected = x.float().cpu() * copies.float().unsqueeze(1)
     assert torch.equal(combined.combined_x.float().cpu(), expected)
-    # A one-SM config still works (slower).
+    # A one-channel config with short queues and one-record chunks still works (slower); it stays the Buffer's.
+    tiny = epx.Config(num_sms=2, num_max_nvl_chunked_send_tokens=1, num_max_nvl_chunked_recv_tokens=4)
     result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                             config=epx.Config(num_sms=2))
-    assert buffer.num_sms == 2
+                             config=tiny)
+    assert buffer.num_sms == 2 and buffer.config == tiny
+    check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights, None)
+    combined = buffer.combine(result.recv_x, result.handle)
+    assert torch.equal(combined.combined_x.float().cpu(), expected)
+    # A config whose queues do not fit the buffer is refused, naming the bytes it needs.
+    huge = epx.Config(num_max_nvl_chunked_recv_tokens=1 << 16)
+    with pytest.raises(epx.EpxError, match="invalid num_nvl_bytes = .*: must be >= .* for this call"):
+        buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts, config=huge)
+    buffer.config = epx.Config()
+    result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
     check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights, None)
     # The raw NVLink buffer as a tensor (keeps the Buffer alive).
     view = buffer.local_buffer_tensor(torch.int32, (16,))
@@ -235,3 +246,80 @@ def native_api_worker(rank, num_ranks, group):
 @pytest.mark.parametrize("num_ranks", gpu_counts(2))
 def test_native_api(num_ranks):
     run(native_api_worker, num_ranks)
+
+
+# ---- A large batch through a buffer sized as Megatron-LM sizes it ----
+
+BIG_TOKENS = 32768
+BIG_HIDDEN = 7168
+BIG_TOPK = 8
+BIG_EXPERTS = 64
+
+
+def big_batch_worker(rank, num_ranks, group, seed):
+    """32,768 tokens per rank (hidden 7168, random top-8 of 64 experts) through epx.compat.deep_ep, with the
+    NVLink buffer sized as Megatron-LM's fused_a2a.get_buffer does: the largest hint of DeepEP's dispatch and
+    combine configs, a small fraction of the batch (tokens stream through the queues)."""
+    import torch
+
+    import epx.compat.deep_ep as deep_ep
+    import epx.reference as ref
+
+    native = ref.native
+    device = torch.device("cuda", torch.cuda.current_device())
+    inputs = []
+    for r in range(num_ranks):
+        ids = native.random_topk_idx(seed * 100 + r, BIG_TOKENS, BIG_TOPK, BIG_EXPERTS)
+        inputs.append(ref.NormalRankInput(
+            x=native.random_bf16_tokens(seed * 17 + r, BIG_TOKENS, BIG_HIDDEN, r).reshape(BIG_TOKENS, BIG_HIDDEN),
+            topk_idx=ids.reshape(BIG_TOKENS, BIG_TOPK),
+            topk_weights=native.random_topk_weights(seed * 31 + r, BIG_TOKENS, BIG_TOPK).reshape(-1, BIG_TOPK)))
+    x, topk_idx, topk_weights = to_device(inputs[rank], device)
+
+    # Megatron-LM: get_hidden_bytes(x) = hidden * max(x.element_size(), 2), then the max over both configs.
+    hidden_bytes = x.size(1) * max(x.element_size(), 2)
+    num_nvl_bytes = 0
+    for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
+        num_nvl_bytes = max(config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks), num_nvl_bytes)
+    assert num_nvl_bytes * 4 < BIG_TOKENS * hidden_bytes  # far less than one rank's batch
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=num_nvl_bytes, explicitly_destroy=True)
+
+    per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, BIG_EXPERTS)
+    exp_rank, exp_expert, exp_in_rank = ref.dispatch_layout(inputs[rank].topk_idx, BIG_EXPERTS, num_ranks)
+    np.testing.assert_array_equal(per_rank.cpu().numpy(), exp_rank)
+    np.testing.assert_array_equal(per_expert.cpu().numpy(), exp_expert)
+    np.testing.assert_array_equal(in_rank.cpu().numpy(), exp_in_rank)
+
+    outputs, ref_handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=BIG_EXPERTS,
+                                              hidden=BIG_HIDDEN)
+    expected = outputs[rank]
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights)
+    check_dispatch(expected, recv_x, recv_idx, recv_w, counts)
+    del x
+
+    # Combine with weights: every row of every rank's expert output differs.
+    expert_out = [native.random_bf16_tokens(seed * 7 + d, outputs[d].num_rows, BIG_HIDDEN, d, stamp=False)
+                  .reshape(outputs[d].num_rows, BIG_HIDDEN) for d in range(num_ranks)]
+    combined_expected = ref.normal_combine(ref_handle, expert_out, topk_weights=[o.recv_topk_weights for o in outputs]
+                                           )[rank]
+    mine = ref.to_torch_bf16(expert_out[rank], device)
+    del expert_out
+    combined, combined_w, _ = buffer.combine(mine, handle, topk_weights=recv_w)
+    np.testing.assert_array_equal(ref.bf16_bits(combined), combined_expected[0])
+    np.testing.assert_array_equal(combined_w.cpu().numpy(), combined_expected[1])
+
+    # Again with the cached handle: the queues carry on from where the first calls left them.
+    cached_x = buffer.dispatch(ref.to_torch_bf16(inputs[rank].x, device), handle=handle)[0]
+    np.testing.assert_array_equal(ref.bf16_bits(cached_x), expected.recv_x)
+    combined, _, _ = buffer.combine(mine, handle, topk_weights=recv_w)
+    np.testing.assert_array_equal(ref.bf16_bits(combined), combined_expected[0])
+
+    torch.cuda.synchronize()
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_large_batch_with_megatron_sizing(num_ranks):
+    run(big_batch_worker, num_ranks, 3)
