@@ -48,6 +48,10 @@ class Buffer {
   // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
   // it.
   std::shared_ptr<CUstream_st> comm_stream_shared() const;
+  // Two events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
+  // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
+  // event as recorded at that moment, so re-recording it later is safe.
+  cudaEvent_t ordering_event(int which) const;
 
   // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as BufferOptions::num_sms.
   const Config& config() const;

@@ -3,6 +3,7 @@
 #include "common/cuda_check.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
+#include "device/tma.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/warp_copy.cuh"
 
@@ -25,6 +26,7 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
     for (int j = group.warp; j < granted; j += group.num_warps) {
       const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
+      if (group.lane == 0) device::bulk_prefetch_l2(static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes);
       warp_copy<false>(record, static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes, group.lane);
       if (group.lane < r.num_topk_weights) {
         reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
@@ -56,33 +58,29 @@ __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, 
 }
 
 // Token t's sum over the ranks it went to (`entries[r]` >= 0), in ascending rank order in float, then the
-// biases, rounded once to BF16: the order reference::normal_combine defines. Two ranks' chunks are loaded
-// before either is added, so reads from the queue and from the input overlap.
+// biases, rounded once to BF16: the order reference::normal_combine defines. Each lane loads four chunks of a
+// copy before adding them, so several reads are in flight.
 __device__ void reduce_token(const CombineArgs& args, int t, const int (&entries)[kMaxNvlRanks], int channel,
                              int own_row0, int lane) {
-  constexpr int kUnroll = 2;
+  constexpr int kUnroll = 4;
   const int num_chunks = args.record.x_bytes / 16;
+  if (lane < kMaxNvlRanks && entries[lane] >= 0) {
+    device::bulk_prefetch_l2(copy_row(args, lane, entries[lane], channel, own_row0), args.record.x_bytes);
+  }
   for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
     float acc[kUnroll][8] = {};
 #pragma unroll
-    for (int r0 = 0; r0 < kMaxNvlRanks; r0 += 2) {
-      int4 v[2][kUnroll];
+    for (int r = 0; r < kMaxNvlRanks; ++r) {
+      if (entries[r] < 0) continue;
+      const auto* row = reinterpret_cast<const int4*>(copy_row(args, r, entries[r], channel, own_row0));
+      int4 v[kUnroll];
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        if (entries[r0 + p] < 0) continue;
-        const auto* row = reinterpret_cast<const int4*>(copy_row(args, r0 + p, entries[r0 + p], channel, own_row0));
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + u * 32 < num_chunks) v[p][u] = device::ld_v4(row + c0 + u * 32);
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u * 32 < num_chunks) v[u] = device::ld_v4(row + c0 + u * 32);
       }
 #pragma unroll
-      for (int p = 0; p < 2; ++p) {
-        if (entries[r0 + p] < 0) continue;
-#pragma unroll
-        for (int u = 0; u < kUnroll; ++u) {
-          if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[p][u]);
-        }
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[u]);
       }
     }
 #pragma unroll

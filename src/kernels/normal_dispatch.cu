@@ -2,6 +2,7 @@
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
 
 namespace epx::kernels {
@@ -13,15 +14,16 @@ __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int 
   return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
 }
 
-// Writes output row `row`: the token row from `x_row`, its scales, its top-k as this rank's local expert ids
-// (-1 and weight 0 for other ranks' experts) and its source index. `kFromQueue`: the inputs lie in a queue
-// record that peers rewrite while the kernel runs, so they are read coherently.
+// Writes output row `row`: the token row from `x_row` (a bulk copy driven by the copier's lane), its scales,
+// its top-k as this rank's local expert ids (-1 and weight 0 for other ranks' experts) and its source index.
+// `kFromQueue`: the inputs lie in a queue record that peers rewrite while the kernel runs, so they are read
+// coherently.
 template <bool kFromQueue>
 __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, const char* x_row, const float* scales,
                                           const int* topk_idx32, const int64_t* topk_idx64, const float* weights,
-                                          int src_idx, int lane) {
+                                          int src_idx, int lane, TmaRowCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
-  warp_copy<kFromQueue>(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes, lane);
+  if (copier.driver()) copier.copy(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes);
   const int num_scales = args.record.num_scales;
   for (int g = lane; g < num_scales; g += 32) {
     args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
@@ -39,12 +41,13 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, con
     args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
     args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? weight : 0.0f;
   }
-  if (lane == 0) args.handle.recv_src_idx[row] = src_idx;
+  if (lane == 1) args.handle.recv_src_idx[row] = src_idx;
 }
 
 // Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
 __device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane) {
   const NormalRecord& r = args.record;
+  if (lane == 0) device::bulk_prefetch_l2(static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes);
   warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes, lane);
   auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
   for (int g = lane; g < r.num_scales; g += 32) scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
@@ -60,7 +63,8 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
 // spread over two blocks) takes every num_workers-th row; all of them scan the whole channel, so they agree
 // on every row's position. ----
-__device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker, int num_workers, int lane) {
+__device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker, int num_workers, int lane,
+                              TmaRowCopier& copier) {
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
@@ -85,7 +89,7 @@ __device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker,
                        static_cast<const char*>(args.x) + static_cast<size_t>(token) * args.record.x_bytes,
                        args.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
                        args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k, token,
-                       lane);
+                       lane, copier);
     }
     count += __popc(mask);
   }
@@ -137,7 +141,8 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 }
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
-__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group, int* shared) {
+__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group, int* shared,
+                               TmaRowCopier& copier) {
   const int index = src * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
@@ -145,13 +150,17 @@ __device__ void receive_tokens(const DispatchArgs& args, int channel, int src, c
   const NormalRecord& r = args.record;
   while (!queue.done()) {
     const int ready = queue.wait_ready();
+    // The records were written by a peer and published to this rank's generic proxy; the bulk copies read
+    // through the async proxy.
+    if (copier.driver()) device::fence_proxy_async();
     for (int j = group.warp; j < ready; j += group.num_warps) {
       const char* record = queue.record(j);
       write_row<true>(args, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
                       reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
                       reinterpret_cast<const float*>(record + r.topk_weights_offset()),
-                      *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane);
+                      *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
     }
+    if (copier.driver()) copier.wait_loads();  // the rows left the queue before its slots are released
     queue.release(ready);
   }
   queue.finish();
@@ -176,6 +185,7 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 // the rows this rank keeps. With one rank there are no queues and both blocks copy.
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
+  extern __shared__ TmaWarpStage tma_stages[];  // [kQueueWarps]
   const int calls = calls_before(args.peers);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
@@ -183,9 +193,10 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   const int rank = args.peers.rank;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  TmaRowCopier copier(&tma_stages[warp], lane == 0);
 
   if (num_ranks == 1) {
-    copy_own_rows(args, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane);
+    copy_own_rows(args, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane, copier);
   } else if (is_sender) {
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
     const int peer_idx = warp / warps_per_peer;
@@ -197,25 +208,29 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     const int warps_per_rank = kQueueWarps / num_ranks;
     const int src = warp / warps_per_rank;
     if (src == rank) {
-      copy_own_rows(args, channel, warp % warps_per_rank, warps_per_rank, lane);
+      copy_own_rows(args, channel, warp % warps_per_rank, warps_per_rank, lane, copier);
     } else if (src < num_ranks) {
       const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
-      receive_tokens(args, channel, src, group, &group_values[src]);
+      receive_tokens(args, channel, src, group, &group_values[src], copier);
     }
   }
   if (!is_sender) mark_padding_rows(args, channel);
+  copier.finish();
   finish_launch(args.peers, calls);
 }
 
 }  // namespace
 
+constexpr size_t kDispatchSharedBytes = sizeof(TmaWarpStage) * kQueueWarps;
+
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<2 * args.layout.num_channels, kQueueThreads, 0, stream>>>(args);
+  dispatch_kernel<<<2 * args.layout.num_channels, kQueueThreads, kDispatchSharedBytes, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
 void preload_normal_dispatch_kernels() {
   preload_kernel(dispatch_kernel);
+  allow_dynamic_smem(dispatch_kernel, kDispatchSharedBytes);
 }
 
 }  // namespace epx::kernels

@@ -61,6 +61,7 @@ struct Buffer::State {
   uint64_t wait_timeout_ns = 0;
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
+  cudaEvent_t ordering_events[2] = {nullptr, nullptr};
   std::optional<IpcMemory> nvl;
   std::optional<IpcMemory> rdma;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
@@ -80,6 +81,10 @@ struct Buffer::State {
     if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
     if (timeout_record != nullptr) cudaFreeHost(timeout_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
+    for (cudaEvent_t& event : ordering_events) {
+      if (event != nullptr) cudaEventDestroy(event);
+      event = nullptr;
+    }
     comm_stream_owner.reset();  // destroyed once no handle holds it any more
     nvl_table = rdma_table = nullptr;
     timeout_record = nullptr;
@@ -115,6 +120,8 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     set_num_sms(options.num_sms);
     kernels::preload_all_kernels();
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
+    for (cudaEvent_t& event : s.ordering_events)
+      EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [](cudaStream_t stream) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
@@ -195,6 +202,9 @@ int Buffer::num_device_sms() const {
 }
 cudaStream_t Buffer::comm_stream() const {
   return live().comm_stream;
+}
+cudaEvent_t Buffer::ordering_event(int which) const {
+  return live().ordering_events[which];
 }
 std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
   return live().comm_stream_owner;

@@ -8,14 +8,17 @@ void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
   if (order.previous_event != nullptr) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), order.previous_event, 0));
   } else if (order.compute_stream != buffer.comm_stream()) {
-    Event::record(order.compute_stream).wait_on(buffer.comm_stream());
+    EPX_CUDA_CHECK(cudaEventRecord(buffer.ordering_event(0), order.compute_stream));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), buffer.ordering_event(0), 0));
   }
 }
 
 Event end_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
-  Event done = Event::record(buffer.comm_stream());
-  if (order.async_finish) return done;
-  if (order.compute_stream != buffer.comm_stream()) done.wait_on(order.compute_stream);
+  if (order.async_finish) return Event::record(buffer.comm_stream());  // the caller's own event
+  if (order.compute_stream != buffer.comm_stream()) {
+    EPX_CUDA_CHECK(cudaEventRecord(buffer.ordering_event(1), buffer.comm_stream()));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, buffer.ordering_event(1), 0));
+  }
   return Event{};
 }
 
