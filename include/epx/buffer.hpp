@@ -52,6 +52,8 @@ class Buffer {
   // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
   // event as recorded at that moment, so re-recording it later is safe.
   cudaEvent_t ordering_event(int which) const;
+  // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
+  cudaMemPool_t handle_memory_pool() const;
 
   // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as BufferOptions::num_sms.
   const Config& config() const;

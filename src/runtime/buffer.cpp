@@ -62,6 +62,7 @@ struct Buffer::State {
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
   cudaEvent_t ordering_events[2] = {nullptr, nullptr};
+  cudaMemPool_t handle_pool = nullptr;
   std::optional<IpcMemory> nvl;
   std::optional<IpcMemory> rdma;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
@@ -81,6 +82,9 @@ struct Buffer::State {
     if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
     if (timeout_record != nullptr) cudaFreeHost(timeout_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
+    // Allocations still out (handles alive) keep the pool's memory until they are freed.
+    if (handle_pool != nullptr) cudaMemPoolDestroy(handle_pool);
+    handle_pool = nullptr;
     for (cudaEvent_t& event : ordering_events) {
       if (event != nullptr) cudaEventDestroy(event);
       event = nullptr;
@@ -122,6 +126,16 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
     for (cudaEvent_t& event : s.ordering_events)
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    // Handles allocate their arrays from this pool on the comm stream. It keeps freed memory instead of
+    // returning it at every synchronisation (the default pool's threshold is 0), so a call's allocations do
+    // not map memory again each time.
+    cudaMemPoolProps pool_props{};
+    pool_props.allocType = cudaMemAllocationTypePinned;
+    pool_props.location.type = cudaMemLocationTypeDevice;
+    pool_props.location.id = s.device;
+    EPX_CUDA_CHECK(cudaMemPoolCreate(&s.handle_pool, &pool_props));
+    uint64_t keep_all = UINT64_MAX;
+    EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
     s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [](cudaStream_t stream) {
       cudaStreamSynchronize(stream);
       cudaStreamDestroy(stream);
@@ -202,6 +216,9 @@ int Buffer::num_device_sms() const {
 }
 cudaStream_t Buffer::comm_stream() const {
   return live().comm_stream;
+}
+cudaMemPool_t Buffer::handle_memory_pool() const {
+  return live().handle_pool;
 }
 cudaEvent_t Buffer::ordering_event(int which) const {
   return live().ordering_events[which];

@@ -25,9 +25,9 @@ struct DispatchHandle::State {
   std::shared_ptr<void> rows_memory;     // owns recv_src_idx
 
   // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
-  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, int num_local_experts);
+  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_local_experts);
   // Allocates recv_src_idx for `num_rows` rows.
-  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, int num_rows);
+  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows);
 };
 
 }  // namespace epx

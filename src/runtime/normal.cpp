@@ -122,14 +122,15 @@ const std::vector<int>& DispatchHandle::num_recv_per_rank() const {
   return state().num_recv_per_rank;
 }
 
-void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>& stream, int num_local_experts) {
+void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
+                                             int num_local_experts) {
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
                       std::max(num_local_experts, 1);
   const size_t bytes = ints * sizeof(int) + cells /*is_token_in_rank*/;
   void* raw = nullptr;
-  EPX_CUDA_CHECK(cudaMallocAsync(&raw, bytes, stream.get()));
+  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
   routing_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
   arrays.send_head = static_cast<int*>(raw);
   arrays.recv_channel_offset = arrays.send_head + cells;
@@ -137,9 +138,10 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
   arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
 }
 
-void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, int num_rows) {
+void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
+                                          int num_rows) {
   void* raw = nullptr;
-  EPX_CUDA_CHECK(cudaMallocAsync(&raw, sizeof(int) * std::max(num_rows, 1), stream.get()));
+  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, sizeof(int) * std::max(num_rows, 1), pool, stream.get()));
   rows_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
   arrays.recv_src_idx = static_cast<int*>(raw);
 }
@@ -219,7 +221,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
 
   const cudaStream_t stream = buffer.comm_stream();
-  state->allocate_routing(buffer.comm_stream_shared(), num_local_experts);
+  state->allocate_routing(buffer.comm_stream_shared(), buffer.handle_memory_pool(), num_local_experts);
   const bool host_waits = state->num_worst_tokens == 0;
   kernels::NotifyArgs notify{peer_context(buffer),
                              state->num_channels,
@@ -256,7 +258,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
               "must be -1 or in [0, num_experts)");
   }
-  state->allocate_rows(buffer.comm_stream_shared(), state->num_recv_rows);
+  state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
   DispatchPlan plan;
   plan.num_recv_rows = state->num_recv_rows;
   if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
