@@ -70,81 +70,38 @@ __device__ __forceinline__ void store_combined(const CombineArgs& args, int t, i
   static_cast<int4*>(args.combined_x)[offset] = out;
 }
 
-// A warp's staging for the reduce: pieces of copies stream through shared memory, a few loads ahead.
-constexpr int kReduceBuffers = 6;
-constexpr int kReducePieceChunks = 4 * 32;  // 16-byte chunks per piece: four per lane
-struct ReduceStage {
-  int4 pieces[kReduceBuffers][kReducePieceChunks];
-  uint64_t barriers[kReduceBuffers];
-};
-
-// The pieces of a token's reduction, in the order they are added: piece q of every copy (ascending rank),
-// then piece q + 1. One lane issues the bulk loads, kReduceBuffers ahead of the lanes that add them.
-struct ReduceStream {
-  ReduceStage* stage;
-  const char* rows[kMaxNvlRanks];  // the copies in ascending rank order
-  int num_rows;
-  int row_bytes;
-  uint32_t first_seq;  // the warp's piece counter when the token began (picks buffers and parities)
-
-  __device__ int num_pieces() const {
-    return (row_bytes + kReducePieceChunks * 16 - 1) / (kReducePieceChunks * 16) * num_rows;
-  }
-  __device__ void load(int i) const {
-    const int q = i / num_rows, k = i % num_rows;
-    const int offset = q * kReducePieceChunks * 16;
-    const int bytes = min(kReducePieceChunks * 16, row_bytes - offset);
-    const int buffer = (first_seq + i) % kReduceBuffers;
-    device::mbarrier_expect_bytes(&stage->barriers[buffer], bytes);
-    device::bulk_load(stage->pieces[buffer], rows[k] + offset, bytes, &stage->barriers[buffer]);
-  }
-};
-
 // Token t's sum over the ranks it went to (`entries[r]` >= 0), in ascending rank order in float, then the
-// biases, rounded once to BF16: the order reference::normal_combine defines. The copies arrive through
-// shared memory by bulk loads, several pieces in flight, so the warp is not bound by one load's latency.
+// biases, rounded once to BF16: the order reference::normal_combine defines. Each lane loads four chunks of a
+// copy before adding them, so several reads are in flight.
 __device__ void reduce_token(const CombineArgs& args, int t, const int (&entries)[kMaxNvlRanks], int channel,
-                             int own_row0, int lane, ReduceStage* stage, uint32_t& seq, uint32_t& parities) {
-  ReduceStream stream{stage, {}, 0, args.record.x_bytes, seq};
-#pragma unroll
-  for (int r = 0; r < kMaxNvlRanks; ++r) {
-    if (entries[r] >= 0) stream.rows[stream.num_rows++] = copy_row(args, r, entries[r], channel, own_row0);
-  }
+                             int own_row0, int lane) {
+  constexpr int kUnroll = 4;
   const int num_chunks = args.record.x_bytes / 16;
-  if (stream.num_rows == 0) {  // sent nowhere: the biases alone
-    for (int c = lane; c < num_chunks; c += 32) {
-      float acc[8] = {};
-      store_combined(args, t, c, num_chunks, acc);
-    }
+  if (lane < kMaxNvlRanks && entries[lane] >= 0) {
+    device::bulk_prefetch_l2(copy_row(args, lane, entries[lane], channel, own_row0), args.record.x_bytes);
   }
-  const int num_pieces = stream.num_pieces();
-  if (lane == 0) {
-    device::fence_proxy_async();  // peers' records, acquired above, are read by the async proxy
-    for (int i = 0; i < min(num_pieces, kReduceBuffers); ++i) stream.load(i);
-  }
-  float acc[4][8] = {};
-  for (int i = 0; i < num_pieces; ++i) {
-    const int buffer = (seq + i) % kReduceBuffers;
-    device::mbarrier_wait(&stage->barriers[buffer], (parities >> buffer) & 1u);
-    parities ^= 1u << buffer;
-    const int q = i / stream.num_rows;
-    const int first_chunk = q * kReducePieceChunks;
+  for (int c0 = lane; c0 < num_chunks; c0 += 32 * kUnroll) {
+    float acc[kUnroll][8] = {};
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      if (first_chunk + lane + 32 * u < num_chunks) add_bf16x8(acc[u], stage->pieces[buffer][lane + 32 * u]);
+    for (int r = 0; r < kMaxNvlRanks; ++r) {
+      if (entries[r] < 0) continue;
+      const auto* row = reinterpret_cast<const int4*>(copy_row(args, r, entries[r], channel, own_row0));
+      int4 v[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u * 32 < num_chunks) v[u] = device::ld_v4(row + c0 + u * 32);
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        if (c0 + u * 32 < num_chunks) add_bf16x8(acc[u], v[u]);
+      }
     }
-    __syncwarp();  // every lane read the buffer before it is loaded again
-    if (lane == 0 && i + kReduceBuffers < num_pieces) stream.load(i + kReduceBuffers);
-    if (i % stream.num_rows != stream.num_rows - 1) continue;
 #pragma unroll
-    for (int u = 0; u < 4; ++u) {
-      const int c = first_chunk + lane + 32 * u;
+    for (int u = 0; u < kUnroll; ++u) {
+      const int c = c0 + u * 32;
       if (c < num_chunks) store_combined(args, t, c, num_chunks, acc[u]);
-#pragma unroll
-      for (int h = 0; h < 8; ++h) acc[u][h] = 0.0f;
     }
   }
-  seq += num_pieces;
   const int num_topk = args.record.num_topk_weights;
   if (args.combined_topk_weights != nullptr && lane < num_topk) {
     float sum = 0.0f;
@@ -167,8 +124,7 @@ __device__ void reduce_token(const CombineArgs& args, int t, const int (&entries
 // was consumed.
 // NOTES: a batch needs at most `batch` <= Q new records of each queue, and senders write whatever room
 // allows, so every record a batch waits for fits in the queue: no deadlock for any chunk sizes. ----
-__device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
-                              ReduceStage* stage) {
+__device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
@@ -180,10 +136,6 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const uint32_t lane_base = lane_is_peer ? counters->consumed[lane][channel] : 0;
   if (threadIdx.x < kMaxNvlRanks) consumed[threadIdx.x] = 0;
   int published = 0;  // thread r < R: what peer r was last told
-  uint32_t seq = 0, parities = 0;  // the warp's pieces so far and its barriers' phases
-  if (lane == 0) {
-    for (int b = 0; b < kReduceBuffers; ++b) device::mbarrier_init(&stage->barriers[b], 1);
-  }
   __syncthreads();
 
   const int batch = with_queues ? min(kQueueWarps, args.layout.queue_tokens) : kQueueWarps;
@@ -201,7 +153,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       for (int r = 0; r < kMaxNvlRanks; ++r) entries[r] = __shfl_sync(~0u, entry, r);
 #pragma unroll
       for (int r = 0; r < kMaxNvlRanks; ++r) entries[r] = r < num_ranks ? entries[r] : -1;
-      reduce_token(args, t, entries, channel, own_row0, lane, stage, seq, parities);
+      reduce_token(args, t, entries, channel, own_row0, lane);
       if (lane_is_peer && entry >= 0) atomicMax(&consumed[lane], entry + 1);
     }
     __syncthreads();
@@ -219,8 +171,6 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
 // tokens. With one rank there are no queues and both blocks reduce, half of the channel each.
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
-  extern __shared__ ReduceStage reduce_stages[];  // [kQueueWarps]
-  ReduceStage* stage = &reduce_stages[threadIdx.x / 32];
   const int calls = calls_before(args.peers);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
@@ -228,8 +178,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
   if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
-    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end}, false,
-                  stage);
+    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end}, false);
   } else if (is_sender) {
     const int warp = threadIdx.x / 32;
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
@@ -239,23 +188,20 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
       send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
     }
   } else {
-    reduce_tokens(args, channel, range, true, stage);
+    reduce_tokens(args, channel, range, true);
   }
   finish_launch(args.peers, calls);
 }
 
 }  // namespace
 
-constexpr size_t kCombineSharedBytes = sizeof(ReduceStage) * kQueueWarps;
-
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  combine_kernel<<<2 * args.layout.num_channels, kQueueThreads, kCombineSharedBytes, stream>>>(args);
+  combine_kernel<<<2 * args.layout.num_channels, kQueueThreads, 0, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }
 
 void preload_normal_combine_kernels() {
   preload_kernel(combine_kernel);
-  allow_dynamic_smem(combine_kernel, kCombineSharedBytes);
 }
 
 }  // namespace epx::kernels

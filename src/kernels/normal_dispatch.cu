@@ -24,24 +24,26 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, con
                                           int src_idx, int lane, TmaRowCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
   if (copier.driver()) copier.copy(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes);
+  // The small fields go to lanes 1.., so lane 0 keeps the bulk copies flowing.
   const int num_scales = args.record.num_scales;
-  for (int g = lane; g < num_scales; g += 32) {
+  for (int g = lane - 1; g >= 0 && g < num_scales; g += 31) {
     args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
         kFromQueue ? *reinterpret_cast<const volatile float*>(scales + g) : scales[g];
   }
   const int num_topk = args.record.num_topk_idx;
-  if (args.recv_topk_idx != nullptr && lane < num_topk) {
+  const int k = lane - 1;
+  if (args.recv_topk_idx != nullptr && k >= 0 && k < num_topk) {
     const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-    const int global = kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + lane)
-                                  : static_cast<int>(topk_idx64[lane]);
+    const int global = kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + k)
+                                  : static_cast<int>(topk_idx64[k]);
     const float weight = weights == nullptr ? 0.0f
-                         : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + lane)
-                                            : weights[lane];
+                         : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + k)
+                                            : weights[k];
     const int local = to_local_expert(global, args.peers.rank, experts_per_rank);
-    args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
-    args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? weight : 0.0f;
+    args.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = local;
+    args.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = local >= 0 ? weight : 0.0f;
   }
-  if (lane == 1) args.handle.recv_src_idx[row] = src_idx;
+  if (lane == 31) args.handle.recv_src_idx[row] = src_idx;
 }
 
 // Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
@@ -71,9 +73,14 @@ __device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker,
   const int row0 = args.handle.recv_channel_offset[rank * args.layout.num_channels + channel];
   const int num_topk = args.record.num_topk_idx;
   int count = 0;
+  const auto flag_at = [&](int t) {
+    return t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + rank] != 0;
+  };
+  bool next_in = flag_at(range.begin + lane);  // one window ahead, so its load overlaps this window's rows
   for (int t0 = range.begin, window = 0; t0 < range.end; t0 += 32, ++window) {
     const int t = t0 + lane;
-    const bool in = t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + rank] != 0;
+    const bool in = next_in;
+    next_in = flag_at(t + 32);
     const unsigned mask = __ballot_sync(~0u, in);
     if (window % num_workers == worker && t < range.end) {
       args.handle.send_head[static_cast<size_t>(t) * num_ranks + rank] =
