@@ -206,7 +206,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   EPX_CHECK(o.hidden % 128 == 0, "hidden", o.hidden,
             "must be a multiple of 128 (FP8 dispatch is benchmarked)");
   BufferOptions buffer_options;
-  // Sized for the widest SM budget of the sweep (the default queue sizes); the size does not depend on tokens.
+  // Sized for the widest SM budget of the sweep (the default queue sizes); the size does not depend on
+  // tokens.
   Config widest;
   widest.num_sms = *std::max_element(o.num_sms.begin(), o.num_sms.end());
   buffer_options.num_nvl_bytes = widest.get_nvl_buffer_size_hint(size_t(o.hidden) * 2, num_ranks);

@@ -55,7 +55,8 @@ class Buffer {
   // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
   cudaMemPool_t handle_memory_pool() const;
 
-  // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as BufferOptions::num_sms.
+  // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as
+  // BufferOptions::num_sms.
   const Config& config() const;
   void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
   int num_sms() const { return config().num_sms; }

@@ -22,7 +22,7 @@ C++ numbers include. A warning names any op whose enqueueing outlasted the spin.
 times exactly as the C++ bench does (host time included). A dispatch that is not cached waits on the host for
 the counts (as in C++): the host time after that wait is always part of its time.
 
-Bytes (../shared/TARGETS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;
+Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;
 low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 LogFMT).
 The table (op, SMs, mean us over ranks, slowest us, GB/s mean over ranks, GB/s of the slowest rank) and the
 ``--json`` lines have epx-bench's format.

@@ -12,12 +12,14 @@ __device__ __forceinline__ uint32_t shared_address(const void* pointer) {
 }
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, int arrivals) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals) : "memory");
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(shared_address(barrier)), "r"(arrivals)
+               : "memory");
   asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
 }
 
 __device__ __forceinline__ void mbarrier_expect_bytes(uint64_t* barrier, int bytes) {
-  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)), "r"(bytes)
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(shared_address(barrier)),
+               "r"(bytes)
                : "memory");
 }
 
@@ -41,7 +43,8 @@ __device__ __forceinline__ void fence_proxy_async() {
 
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global into shared memory; the barrier's
 // transaction count falls by `bytes` when they landed.
-__device__ __forceinline__ void bulk_load(void* shared_dst, const void* global_src, int bytes, uint64_t* barrier) {
+__device__ __forceinline__ void bulk_load(void* shared_dst, const void* global_src, int bytes,
+                                          uint64_t* barrier) {
   asm volatile(
       "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(
           shared_address(shared_dst)),

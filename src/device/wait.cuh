@@ -35,8 +35,8 @@ __device__ __forceinline__ void report_and_trap(const WaitContext& ctx, int peer
 // The one spin-wait of EPX: spins with acquire loads of `address` until done(value), bounded by
 // ctx.timeout_ns; on timeout reports `expected` and the value seen. Returns the value that ended it.
 template <typename Done>
-__device__ __forceinline__ int wait_until(const int* address, Done done, int64_t expected, const WaitContext& ctx,
-                                          int peer, WaitPhase phase) {
+__device__ __forceinline__ int wait_until(const int* address, Done done, int64_t expected,
+                                          const WaitContext& ctx, int peer, WaitPhase phase) {
   int value = ld_acquire_sys(address);
   if (done(value)) return value;
   const uint64_t start = global_timer_ns();
@@ -51,14 +51,17 @@ __device__ __forceinline__ int wait_until(const int* address, Done done, int64_t
 // Waits until *address >= expected. Returns the value seen.
 __device__ __forceinline__ int wait_at_least(const int* address, int expected, const WaitContext& ctx,
                                              int peer, WaitPhase phase) {
-  return wait_until(address, [expected](int value) { return value >= expected; }, expected, ctx, peer, phase);
+  return wait_until(
+      address, [expected](int value) { return value >= expected; }, expected, ctx, peer, phase);
 }
 
 // For monotonic counters that may wrap: waits until *counter - base >= needed (unsigned difference) and
 // returns that difference.
 __device__ __forceinline__ int wait_count_since(const uint32_t* counter, uint32_t base, int needed,
                                                 const WaitContext& ctx, int peer, WaitPhase phase) {
-  const auto since = [base](int value) { return static_cast<int>(static_cast<uint32_t>(value) - base); };  // count_since
+  const auto since = [base](int value) {
+    return static_cast<int>(static_cast<uint32_t>(value) - base);
+  };  // count_since
   const int value = wait_until(
       reinterpret_cast<const int*>(counter), [&](int v) { return since(v) >= needed; },
       static_cast<int64_t>(static_cast<uint32_t>(base + needed)), ctx, peer, phase);

@@ -8,8 +8,8 @@
 #include "epx/formats/logfmt.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
-#include "kernels/warp_copy.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/warp_copy.cuh"
 
 namespace epx::kernels {
 

@@ -12,8 +12,8 @@
 #include "epx/formats/ue8m0.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
-#include "kernels/warp_copy.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/warp_copy.cuh"
 
 namespace epx::kernels {
 

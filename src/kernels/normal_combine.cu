@@ -1,9 +1,9 @@
 #include <cuda_bf16.h>
 
 #include "common/cuda_check.hpp"
+#include "device/tma.cuh"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
-#include "device/tma.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/warp_copy.cuh"
 
@@ -19,14 +19,16 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   const int index = dst * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
-  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens, WaitPhase::kCombineSend);
+  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens,
+                    WaitPhase::kCombineSend);
   queue.wait_until_peer_ready(calls);
   while (queue.pushed < num_rows) {
     const int granted = queue.reserve(num_rows - queue.pushed);
     for (int j = group.warp; j < granted; j += group.num_warps) {
       const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
-      if (group.lane == 0) device::bulk_prefetch_l2(static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes);
+      if (group.lane == 0)
+        device::bulk_prefetch_l2(static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes);
       warp_copy<false>(record, static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes, group.lane);
       if (group.lane < r.num_topk_weights) {
         reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
@@ -142,10 +144,11 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   for (int first = tokens.begin; first < tokens.end; first += batch) {
     const int t = first + warp;
     if (warp < batch && t < tokens.end) {
-      const int entry = lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
+      const int entry =
+          lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
       if (lane_is_peer && entry >= 0) {
-        device::wait_count_since(&counters->tail[lane][channel], lane_base, entry + 1, wait_context(args.peers),
-                                 lane, WaitPhase::kCombineReduce);
+        device::wait_count_since(&counters->tail[lane][channel], lane_base, entry + 1,
+                                 wait_context(args.peers), lane, WaitPhase::kCombineReduce);
       }
       __syncwarp();
       int entries[kMaxNvlRanks];
@@ -164,7 +167,8 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     }
     __syncthreads();  // the next batch's progress is not published before it is read
   }
-  if (with_queues && lane_is_peer && warp == 0) counters->consumed[lane][channel] = lane_base + consumed[lane];
+  if (with_queues && lane_is_peer && warp == 0)
+    counters->consumed[lane][channel] = lane_base + consumed[lane];
 }
 
 // Block 2c sends the rows received on channel c back to their sources, block 2c + 1 reduces channel c's
@@ -178,13 +182,15 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
   if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
-    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end}, false);
+    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
+                  false);
   } else if (is_sender) {
     const int warp = threadIdx.x / 32;
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
     const int peer_idx = warp / warps_per_peer;
     if (peer_idx < num_ranks - 1) {
-      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, static_cast<int>(threadIdx.x % 32)};
+      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
+                            static_cast<int>(threadIdx.x % 32)};
       send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
     }
   } else {

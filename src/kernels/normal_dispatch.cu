@@ -19,9 +19,10 @@ __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int 
 // `kFromQueue`: the inputs lie in a queue record that peers rewrite while the kernel runs, so they are read
 // coherently.
 template <bool kFromQueue>
-__device__ __forceinline__ void write_row(const DispatchArgs& args, int row, const char* x_row, const float* scales,
-                                          const int* topk_idx32, const int64_t* topk_idx64, const float* weights,
-                                          int src_idx, int lane, TmaRowCopier& copier) {
+__device__ __forceinline__ void write_row(const DispatchArgs& args, int row, const char* x_row,
+                                          const float* scales, const int* topk_idx32,
+                                          const int64_t* topk_idx64, const float* weights, int src_idx,
+                                          int lane, TmaRowCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
   if (copier.driver()) copier.copy(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes);
   // The small fields go to lanes 1.., so lane 0 keeps the bulk copies flowing.
@@ -34,8 +35,8 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, con
   const int k = lane - 1;
   if (args.recv_topk_idx != nullptr && k >= 0 && k < num_topk) {
     const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-    const int global = kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + k)
-                                  : static_cast<int>(topk_idx64[k]);
+    const int global =
+        kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + k) : static_cast<int>(topk_idx64[k]);
     const float weight = weights == nullptr ? 0.0f
                          : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + k)
                                             : weights[k];
@@ -49,10 +50,14 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, con
 // Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
 __device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane) {
   const NormalRecord& r = args.record;
-  if (lane == 0) device::bulk_prefetch_l2(static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes);
-  warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes, lane);
+  if (lane == 0)
+    device::bulk_prefetch_l2(static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
+                             r.x_bytes);
+  warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
+                   r.x_bytes, lane);
   auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
-  for (int g = lane; g < r.num_scales; g += 32) scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
+  for (int g = lane; g < r.num_scales; g += 32)
+    scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
   if (lane < r.num_topk_idx) {
     const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
     reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(args.topk_idx[k]);
@@ -95,18 +100,19 @@ __device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker,
       write_row<false>(args, row0 + entry,
                        static_cast<const char*>(args.x) + static_cast<size_t>(token) * args.record.x_bytes,
                        args.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
-                       args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k, token,
-                       lane, copier);
+                       args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k,
+                       token, lane, copier);
     }
     count += __popc(mask);
   }
 }
 
 // ---- Send: the channel's tokens for `dst`, in token order, into dst's queue, a chunk at a time. ----
-__device__ void send_tokens(const DispatchArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
-                            int calls) {
+__device__ void send_tokens(const DispatchArgs& args, int channel, int dst, const WarpGroup& group,
+                            int* shared, int calls) {
   const int num_ranks = args.peers.num_ranks;
-  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens, WaitPhase::kDispatchSend);
+  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens,
+                    WaitPhase::kDispatchSend);
   queue.wait_until_peer_ready(calls);
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
   const int lane = group.lane;
@@ -148,8 +154,8 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 }
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
-__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group, int* shared,
-                               TmaRowCopier& copier) {
+__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group,
+                               int* shared, TmaRowCopier& copier) {
   const int index = src * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
@@ -162,10 +168,11 @@ __device__ void receive_tokens(const DispatchArgs& args, int channel, int src, c
     if (copier.driver()) device::fence_proxy_async();
     for (int j = group.warp; j < ready; j += group.num_warps) {
       const char* record = queue.record(j);
-      write_row<true>(args, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
-                      reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
-                      reinterpret_cast<const float*>(record + r.topk_weights_offset()),
-                      *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
+      write_row<true>(
+          args, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
+          reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
+          reinterpret_cast<const float*>(record + r.topk_weights_offset()),
+          *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
     }
     if (copier.driver()) copier.wait_loads();  // the rows left the queue before its slots are released
     queue.release(ready);

@@ -12,10 +12,10 @@ namespace epx::kernels {
 
 // Device-side handle arrays (allocated by the host, filled by the kernels).
 struct HandleArrays {
-  uint8_t* is_token_in_rank;        // [T, R] copy, for cached dispatch
-  int* send_head;                   // [T, R]: entry of token t in its channel's stream to rank r, -1 if not sent
-  int* recv_channel_offset;         // [R * C + 1]: first received row of (source, channel), source-major
-  int* recv_src_idx;                // [rows]
+  uint8_t* is_token_in_rank;  // [T, R] copy, for cached dispatch
+  int* send_head;             // [T, R]: entry of token t in its channel's stream to rank r, -1 if not sent
+  int* recv_channel_offset;   // [R * C + 1]: first received row of (source, channel), source-major
+  int* recv_src_idx;          // [rows]
   int* num_recv_tokens_per_expert;  // [L] rounded to expert_alignment
 };
 

@@ -15,7 +15,8 @@ static_assert(kMaxNvlRanks * kMaxChannels <= kNotifyThreads, "one thread per (so
 
 // ---- Channel blocks: how many of the channel's tokens go to each rank, posted into that rank's notify area.
 // The block acknowledges once its stores are fenced; the exchange block waits for every acknowledgement
-// before the barrier, and only the barrier advances op_count, so the parity read here is the operation's. ----
+// before the barrier, and only the barrier advances op_count, so the parity read here is the operation's.
+// ----
 __device__ void count_channel(const NotifyArgs& args, int channel) {
   using BlockReduce = cub::BlockReduce<int, kNotifyThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
@@ -39,7 +40,8 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
   for (int r = 0; r < num_ranks; ++r) {
     const int total = BlockReduce(reduce_storage).Sum(counts[r]);
     if (threadIdx.x == 0) {
-      NormalLayout::notify(args.peers.peer_bases[r], parity)->channel_counts[args.peers.rank][channel] = total;
+      NormalLayout::notify(args.peers.peer_bases[r], parity)->channel_counts[args.peers.rank][channel] =
+          total;
     }
     __syncthreads();
   }
@@ -64,8 +66,8 @@ __device__ void exchange_counts(const NotifyArgs& args) {
 
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
-    NormalLayout::notify(args.peers.peer_bases[dst], parity)->expert_counts[rank * experts_per_rank +
-                                                                            e % experts_per_rank] =
+    NormalLayout::notify(args.peers.peer_bases[dst], parity)
+        ->expert_counts[rank * experts_per_rank + e % experts_per_rank] =
         args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
   }
   if (threadIdx.x == 0) {

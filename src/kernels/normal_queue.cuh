@@ -23,7 +23,9 @@ struct WarpGroup {
   int lane;
 
   __device__ bool leader() const { return warp == 0 && lane == 0; }
-  __device__ void sync() const { asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory"); }
+  __device__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
+  }
 };
 
 __device__ __forceinline__ device::WaitContext wait_context(const PeerContext& peers) {
@@ -57,7 +59,8 @@ __device__ __forceinline__ void finish_launch(const PeerContext& peers, int call
   }
   const int peer = threadIdx.x;
   if (peer < peers.num_ranks && peer != peers.rank) {
-    device::st_release_sys(&NormalLayout::control(peers.peer_bases[peer])->done_signal[peers.rank], calls + 1);
+    device::st_release_sys(&NormalLayout::control(peers.peer_bases[peer])->done_signal[peers.rank],
+                           calls + 1);
   }
 }
 
@@ -75,17 +78,24 @@ struct QueueSender {
   uint32_t base;
   int pushed = 0;
 
-  __device__ QueueSender(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared, int dst_rank,
-                         int channel_idx, int chunk, WaitPhase wait_phase)
-      : peers(p), layout(l), group(g), shared_value(shared), dst(dst_rank), channel(channel_idx),
-        chunk_tokens(chunk), phase(wait_phase), base(NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]) {}
+  __device__ QueueSender(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
+                         int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase)
+      : peers(p),
+        layout(l),
+        group(g),
+        shared_value(shared),
+        dst(dst_rank),
+        channel(channel_idx),
+        chunk_tokens(chunk),
+        phase(wait_phase),
+        base(NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]) {}
 
   // Before the first record: dst finished every call before this one, so nothing of theirs is still unread
   // in its queues (whatever their layout).
   __device__ void wait_until_peer_ready(int calls) {
     if (group.leader()) {
-      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[dst], calls, wait_context(peers),
-                            dst, WaitPhase::kPreviousCall);
+      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[dst], calls,
+                            wait_context(peers), dst, WaitPhase::kPreviousCall);
     }
     group.sync();
   }
@@ -138,18 +148,26 @@ struct QueueReceiver {
   uint32_t base;
   int got = 0;
 
-  __device__ QueueReceiver(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared, int src_rank,
-                           int channel_idx, int num_records, WaitPhase wait_phase)
-      : peers(p), layout(l), group(g), shared_value(shared), src(src_rank), channel(channel_idx), count(num_records),
-        phase(wait_phase), base(NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]) {}
+  __device__ QueueReceiver(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
+                           int src_rank, int channel_idx, int num_records, WaitPhase wait_phase)
+      : peers(p),
+        layout(l),
+        group(g),
+        shared_value(shared),
+        src(src_rank),
+        channel(channel_idx),
+        count(num_records),
+        phase(wait_phase),
+        base(NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]) {}
 
   __device__ bool done() const { return got >= count; }
 
   // Waits until at least one more record landed and returns how many are ready to read.
   __device__ int wait_ready() {
     if (group.leader()) {
-      const int landed = device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[src][channel],
-                                                  base, got + 1, wait_context(peers), src, phase);
+      const int landed =
+          device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[src][channel], base,
+                                   got + 1, wait_context(peers), src, phase);
       *shared_value = min(landed, count) - got;
     }
     group.sync();

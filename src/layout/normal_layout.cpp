@@ -14,8 +14,8 @@ void validate_config(const Config& config) {
             config.num_max_nvl_chunked_recv_tokens, "must be >= 1");
   EPX_CHECK(config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens,
             "num_max_nvl_chunked_send_tokens", config.num_max_nvl_chunked_send_tokens,
-            detail::concat("must be <= num_max_nvl_chunked_recv_tokens (", config.num_max_nvl_chunked_recv_tokens,
-                           ")")
+            detail::concat("must be <= num_max_nvl_chunked_recv_tokens (",
+                           config.num_max_nvl_chunked_recv_tokens, ")")
                 .c_str());
   EPX_CHECK(config.num_max_rdma_chunked_send_tokens >= 1, "num_max_rdma_chunked_send_tokens",
             config.num_max_rdma_chunked_send_tokens, "must be >= 1");
@@ -43,10 +43,10 @@ void validate_normal_shape(const NormalShape& shape) {
 void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes) {
   const size_t needed = layout.total_bytes();
   EPX_CHECK(needed <= buffer_bytes, "num_nvl_bytes", buffer_bytes,
-            detail::concat("must be >= ", needed, " for this call (", layout.num_ranks, " ranks, ",
-                           layout.num_channels, " channels, ", layout.queue_tokens, " tokens per queue, ",
-                           layout.record_bytes,
-                           "-byte records); size it with Config::get_nvl_buffer_size_hint for the configs used")
+            detail::concat(
+                "must be >= ", needed, " for this call (", layout.num_ranks, " ranks, ", layout.num_channels,
+                " channels, ", layout.queue_tokens, " tokens per queue, ", layout.record_bytes,
+                "-byte records); size it with Config::get_nvl_buffer_size_hint for the configs used")
                 .c_str());
 }
 

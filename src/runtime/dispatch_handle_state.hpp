@@ -9,7 +9,7 @@
 namespace epx {
 
 struct DispatchHandle::State {
-  NormalShape shape{};  // of the dispatch that made the handle
+  NormalShape shape{};   // of the dispatch that made the handle
   int num_channels = 0;  // its token split; a cached dispatch and the combine keep it
   TokenFormat format = TokenFormat::kBf16;
   int rank = 0;
@@ -25,7 +25,8 @@ struct DispatchHandle::State {
   std::shared_ptr<void> rows_memory;     // owns recv_src_idx
 
   // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
-  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_local_experts);
+  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
+                        int num_local_experts);
   // Allocates recv_src_idx for `num_rows` rows.
   void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows);
 };

@@ -61,7 +61,8 @@ Config queue_config(const Buffer& buffer, const DispatchHandle::State& state) {
 }
 
 NormalLayout dispatch_layout(const Buffer& buffer, const DispatchHandle::State& state) {
-  return NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state), NormalRecord::dispatch(state.shape));
+  return NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state),
+                          NormalRecord::dispatch(state.shape));
 }
 
 void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool cached) {
@@ -134,8 +135,10 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
   routing_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
   arrays.send_head = static_cast<int*>(raw);
   arrays.recv_channel_offset = arrays.send_head + cells;
-  arrays.num_recv_tokens_per_expert = arrays.recv_channel_offset + static_cast<size_t>(num_ranks) * num_channels + 1;
-  arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
+  arrays.num_recv_tokens_per_expert =
+      arrays.recv_channel_offset + static_cast<size_t>(num_ranks) * num_channels + 1;
+  arrays.is_token_in_rank =
+      reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
 }
 
 void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
@@ -194,7 +197,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     const auto& old = cached->state();
     EPX_CHECK(old.num_tokens == in.num_tokens, "num_tokens", in.num_tokens,
               "must equal the cached handle's token count");
-    EPX_CHECK(old.shape.num_ranks == num_ranks, "handle", "from another buffer", "must come from this buffer");
+    EPX_CHECK(old.shape.num_ranks == num_ranks, "handle", "from another buffer",
+              "must come from this buffer");
     state = std::make_shared<DispatchHandle::State>(old);  // shares the device arrays
   } else {
     state = std::make_shared<DispatchHandle::State>();
@@ -250,7 +254,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_recv_per_rank.assign(counts + 1, counts + 1 + num_ranks);
     // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
     if (in.num_tokens_per_expert != nullptr) {
-      state->num_recv_tokens_per_expert.assign(counts + 1 + num_ranks, counts + 1 + num_ranks + num_local_experts);
+      state->num_recv_tokens_per_expert.assign(counts + 1 + num_ranks,
+                                               counts + 1 + num_ranks + num_local_experts);
     } else {
       state->num_recv_tokens_per_expert.clear();
     }

@@ -66,7 +66,8 @@ TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
   config.num_sms = 6;  // 3 channels
   config.num_max_nvl_chunked_recv_tokens = 5;
   const int ranks = 4;
-  const NormalLayout layout = NormalLayout::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
+  const NormalLayout layout =
+      NormalLayout::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
   EXPECT_EQ(layout.num_channels, 3);
   EXPECT_EQ(layout.total_bytes(),
             NormalLayout::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * layout.record_bytes);
@@ -77,7 +78,8 @@ TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
       if (src == owner) continue;
       for (int c = 0; c < layout.num_channels; ++c) {
         for (uint32_t entry = 0; entry < 5; ++entry) {
-          const size_t offset = layout.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
+          const size_t offset =
+              layout.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
           EXPECT_GE(offset, NormalLayout::kQueuesOffset);
           EXPECT_LE(offset + layout.record_bytes, layout.total_bytes());
           EXPECT_EQ(offset % 16, 0u);
@@ -146,14 +148,16 @@ TEST(NormalLayout, QueueProtocolDeliversInOrderAcrossCounterWrap) {
 // Pinned hints of the default config (10 channels of 256 tokens), as docs/ARCHITECTURE.md lists them.
 TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   const Config config;
-  EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 2), epx::normal_nvl_buffer_size_hint(7168 * 2, 2, config));
+  EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 2),
+            epx::normal_nvl_buffer_size_hint(7168 * 2, 2, config));
   for (int ranks : {1, 2, 4, 8}) {
     for (size_t hidden : {4096u, 7168u}) {
       const size_t hint = config.get_nvl_buffer_size_hint(hidden * 2, ranks);
       const NormalLayout layout = NormalLayout::of(ranks, config, NormalRecord::largest(hidden * 2));
       EXPECT_EQ(hint, epx::align_up(layout.total_bytes(), epx::kNormalAlign));
-      EXPECT_EQ(hint, NormalLayout::kQueuesOffset +
-                          size_t(ranks - 1) * 10 * 256 * epx::align_up(hidden * 2 + 2 * 4 * epx::kMaxTopk + 4, 16));
+      EXPECT_EQ(hint,
+                NormalLayout::kQueuesOffset +
+                    size_t(ranks - 1) * 10 * 256 * epx::align_up(hidden * 2 + 2 * 4 * epx::kMaxTopk + 4, 16));
     }
   }
   Config wide = config;
@@ -207,7 +211,8 @@ TEST(NormalLayout, ShapeChecksNameTheArgument) {
     return message_of([&] { epx::validate_normal_shape(shape); });
   };
   EXPECT_NE(shape_message(NormalShape{9, 256, 7168, 14336, 0, 8}).find("num_ranks = 9"), std::string::npos);
-  EXPECT_NE(shape_message(NormalShape{4, 250, 7168, 14336, 0, 8}).find("num_experts = 250"), std::string::npos);
+  EXPECT_NE(shape_message(NormalShape{4, 250, 7168, 14336, 0, 8}).find("num_experts = 250"),
+            std::string::npos);
   EXPECT_NE(shape_message(NormalShape{4, 256, 7164, 14328, 0, 8}).find("hidden = 7164"), std::string::npos);
   EXPECT_NE(shape_message(NormalShape{4, 256, 7168, 14336, 0, 17}).find("num_topk = 17"), std::string::npos);
   EXPECT_EQ(shape_message(bf16_shape()), "");

@@ -151,7 +151,8 @@ struct NormalLayout {
     return reinterpret_cast<QueueCounters*>(static_cast<char*>(base) + kCountersOffset);
   }
   EPX_HD static NotifyHalf* notify(void* base, int parity) {
-    return reinterpret_cast<NotifyHalf*>(static_cast<char*>(base) + kNotifyOffset + parity * kNotifyHalfBytes);
+    return reinterpret_cast<NotifyHalf*>(static_cast<char*>(base) + kNotifyOffset +
+                                         parity * kNotifyHalfBytes);
   }
   // Queue index of `src` in `owner`'s buffer: owners keep no queue from themselves.
   EPX_HD static int source_slot(int src, int owner) { return src < owner ? src : src - 1; }
