@@ -64,134 +64,127 @@ __device__ __forceinline__ void finish_launch(const PeerContext& peers, int call
   }
 }
 
-// One sender's stream of records into queue (this rank -> dst, channel) in dst's buffer. Entries count from
-// the start of the call; `base` is the queue's running count when the call began.
-struct QueueSender {
+// What the two ends of one queue share: who they are, and how a group agrees on a value its leader read.
+// Entries count from the start of the call; `base` is the queue's running count when the call began.
+struct QueueEnd {
   const PeerContext& peers;
   const NormalLayout& layout;
   WarpGroup group;
   int* shared_value;  // one int of shared memory for this group
-  int dst;
+  int peer;           // the rank at the other end
   int channel;
-  int chunk_tokens;
   WaitPhase phase;
   uint32_t base;
+
+  // The leader's `value`, for every thread of the group.
+  __device__ int share(int value) const {
+    if (group.leader()) *shared_value = value;
+    group.sync();
+    const int shared = *shared_value;
+    group.sync();  // everybody read it before the leader may overwrite it
+    return shared;
+  }
+};
+
+// One sender's stream of records into queue (this rank -> peer, channel) in the peer's buffer.
+struct QueueSender : QueueEnd {
+  int chunk_tokens;
   int pushed = 0;
 
   __device__ QueueSender(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
                          int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase)
-      : peers(p),
-        layout(l),
-        group(g),
-        shared_value(shared),
-        dst(dst_rank),
-        channel(channel_idx),
-        chunk_tokens(chunk),
-        phase(wait_phase),
-        base(NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]) {}
+      : QueueEnd{p,          l,
+                 g,          shared,
+                 dst_rank,   channel_idx,
+                 wait_phase, NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]},
+        chunk_tokens(chunk) {}
 
-  // Before the first record: dst finished every call before this one, so nothing of theirs is still unread
-  // in its queues (whatever their layout).
+  // Before the first record: the peer finished every call before this one, so nothing of theirs is still
+  // unread in its queues (whatever their layout).
   __device__ void wait_until_peer_ready(int calls) {
     if (group.leader()) {
-      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[dst], calls,
-                            wait_context(peers), dst, WaitPhase::kPreviousCall);
+      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[peer], calls,
+                            wait_context(peers), peer, WaitPhase::kPreviousCall);
     }
     group.sync();
   }
 
   // Waits for room and returns how many records (1 .. min(chunk, most)) the group may write now.
   __device__ int reserve(int most) {
+    int granted = 0;
     if (group.leader()) {
       const int consumed =
-          device::wait_count_since(&NormalLayout::counters(peers.local_base)->head[dst][channel], base,
-                                   pushed - layout.queue_tokens + 1, wait_context(peers), dst, phase);
-      const int room = queue_room(pushed, consumed, layout.queue_tokens);
-      *shared_value = min(min(room, chunk_tokens), most);
+          device::wait_count_since(&NormalLayout::counters(peers.local_base)->head[peer][channel], base,
+                                   pushed - layout.queue_tokens + 1, wait_context(peers), peer, phase);
+      granted = min(min(queue_room(pushed, consumed, layout.queue_tokens), chunk_tokens), most);
     }
-    group.sync();
-    const int granted = *shared_value;
-    group.sync();  // everybody read it before the leader may overwrite it
-    return granted;
+    return share(granted);
   }
 
-  // Record `j` of the reserved chunk, in dst's buffer.
+  // Record `j` of the reserved chunk, in the peer's buffer.
   __device__ char* record(int j) const {
-    return layout.record(peers.peer_bases[dst], peers.rank, dst, channel, static_cast<uint32_t>(pushed + j));
+    return layout.record(peers.peer_bases[peer], peers.rank, peer, channel,
+                         static_cast<uint32_t>(pushed + j));
   }
 
-  // The group wrote `count` records: dst may read them.
+  // The group wrote `count` records: the peer may read them.
   __device__ void publish(int count) {
     group.sync();
     pushed += count;
     if (count > 0 && group.leader()) {
-      auto* tail = &NormalLayout::counters(peers.peer_bases[dst])->tail[peers.rank][channel];
+      auto* tail = &NormalLayout::counters(peers.peer_bases[peer])->tail[peers.rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(base + pushed));
     }
   }
 
   __device__ void finish() const {
-    if (group.leader()) NormalLayout::counters(peers.local_base)->sent[dst][channel] = base + pushed;
+    if (group.leader()) NormalLayout::counters(peers.local_base)->sent[peer][channel] = base + pushed;
   }
 };
 
-// One receiver's stream of `count` records from queue (src -> this rank, channel) in its own buffer.
-struct QueueReceiver {
-  const PeerContext& peers;
-  const NormalLayout& layout;
-  WarpGroup group;
-  int* shared_value;
-  int src;
-  int channel;
+// One receiver's stream of `count` records from queue (peer -> this rank, channel) in its own buffer.
+struct QueueReceiver : QueueEnd {
   int count;
-  WaitPhase phase;
-  uint32_t base;
   int got = 0;
 
   __device__ QueueReceiver(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
                            int src_rank, int channel_idx, int num_records, WaitPhase wait_phase)
-      : peers(p),
-        layout(l),
-        group(g),
-        shared_value(shared),
-        src(src_rank),
-        channel(channel_idx),
-        count(num_records),
-        phase(wait_phase),
-        base(NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]) {}
+      : QueueEnd{p,          l,
+                 g,          shared,
+                 src_rank,   channel_idx,
+                 wait_phase, NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]},
+        count(num_records) {}
 
   __device__ bool done() const { return got >= count; }
 
   // Waits until at least one more record landed and returns how many are ready to read.
   __device__ int wait_ready() {
+    int ready = 0;
     if (group.leader()) {
       const int landed =
-          device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[src][channel], base,
-                                   got + 1, wait_context(peers), src, phase);
-      *shared_value = min(landed, count) - got;
+          device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[peer][channel], base,
+                                   got + 1, wait_context(peers), peer, phase);
+      ready = min(landed, count) - got;
     }
-    group.sync();
-    const int ready = *shared_value;
-    group.sync();
-    return ready;
+    return share(ready);
   }
 
   __device__ const char* record(int j) const {
-    return layout.record(peers.local_base, src, peers.rank, channel, static_cast<uint32_t>(got + j));
+    return layout.record(peers.local_base, peer, peers.rank, channel, static_cast<uint32_t>(got + j));
   }
 
-  // The group copied `num` records out: src may overwrite them.
+  // The group copied `num` records out: the peer may overwrite them.
   __device__ void release(int num) {
     group.sync();
     got += num;
     if (group.leader()) {
-      auto* head = &NormalLayout::counters(peers.peer_bases[src])->head[peers.rank][channel];
+      auto* head = &NormalLayout::counters(peers.peer_bases[peer])->head[peers.rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(base + got));
     }
   }
 
   __device__ void finish() const {
-    if (group.leader()) NormalLayout::counters(peers.local_base)->consumed[src][channel] = base + count;
+    if (group.leader()) NormalLayout::counters(peers.local_base)->consumed[peer][channel] = base + count;
   }
 };
 

@@ -258,17 +258,6 @@ inline std::vector<std::vector<int64_t>> normal_routing(const NormalCase& c, con
   std::vector<std::vector<int64_t>> ids;
   if (c.routing == NormalRouting::kUnbalanced) {
     ids = reference::make_unbalanced_routing(s.seed, s.num_tokens, K, c.num_experts, c.num_ranks);
-  } else if (c.routing == NormalRouting::kOneRank) {
-    for (int r = 0; r < c.num_ranks; ++r) {
-      reference::RoutingSpec spec;
-      spec.num_tokens = s.num_tokens[r];
-      spec.num_topk = K;
-      spec.num_experts = c.num_experts;
-      spec.num_ranks = c.num_ranks;
-      for (int other = 1; other < c.num_ranks; ++other) spec.excluded_ranks.push_back(other);
-      spec.drop_probability = c.drop_probability;
-      ids.push_back(reference::make_topk_idx(spec, s.seed * 1000 + r));
-    }
   } else {
     for (int r = 0; r < c.num_ranks; ++r) {
       reference::RoutingSpec spec;
@@ -276,6 +265,9 @@ inline std::vector<std::vector<int64_t>> normal_routing(const NormalCase& c, con
       spec.num_topk = K;
       spec.num_experts = c.num_experts;
       spec.num_ranks = c.num_ranks;
+      if (c.routing == NormalRouting::kOneRank) {
+        for (int other = 1; other < c.num_ranks; ++other) spec.excluded_ranks.push_back(other);
+      }
       spec.drop_probability = c.drop_probability;
       ids.push_back(reference::make_topk_idx(spec, s.seed * 1000 + r));
     }
