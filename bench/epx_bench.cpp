@@ -4,6 +4,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <fstream>
 #include <iostream>
 #include <sstream>
 #include <string>
@@ -42,17 +43,50 @@ void print_help() {
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
-      "Bytes (TARGETS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
+      "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
       "LogFMT).\n");
 }
 
-std::vector<int> parse_list(const std::string& text) {
+// An integer flag value; the error names the flag.
+int parse_int(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  int value = 0;
+  try {
+    value = std::stoi(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  EPX_CHECK(used > 0 && used == text.size(), flag.c_str(), text, "must be an integer");
+  return value;
+}
+
+std::vector<int> parse_list(const std::string& flag, const std::string& text) {
   std::vector<int> values;
   std::stringstream stream(text);
   std::string item;
-  while (std::getline(stream, item, ',')) values.push_back(std::stoi(item));
+  while (std::getline(stream, item, ',')) values.push_back(parse_int(flag, item));
+  EPX_CHECK(!values.empty(), flag.c_str(), text, "must list at least one value");
   return values;
+}
+
+// The rules every run shares (GPU or CPU reference), so a bad value fails the same way everywhere.
+void validate(const BenchOptions& o) {
+  EPX_CHECK(o.num_ranks >= 0, "--ranks", o.num_ranks, "must be >= 1");
+  EPX_CHECK(o.num_ranks <= 8, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
+  EPX_CHECK(o.num_tokens >= 0, "--tokens", o.num_tokens, "must be >= 0");
+  EPX_CHECK(o.hidden > 0, "--hidden", o.hidden, "must be > 0");
+  EPX_CHECK(o.hidden % 128 == 0, "--hidden", o.hidden, "must be a multiple of 128 (FP8 is benchmarked)");
+  EPX_CHECK(o.num_topk >= 1, "--topk", o.num_topk, "must be >= 1");
+  EPX_CHECK(o.num_topk <= 16, "--topk", o.num_topk, "must be <= 16");
+  EPX_CHECK(o.num_experts >= o.num_topk, "--experts", o.num_experts, "must be >= --topk");
+  for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
+  EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
+  EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
+  EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
+            "must be >= 0 (0: one node)");
+  EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
+  EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
 }
 
 // Returns false when the program should stop (help printed).
@@ -71,27 +105,28 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       EPX_CHECK(o.mode == "normal" || o.mode == "low-latency" || o.mode == "all", "--mode", o.mode,
                 "must be normal, low-latency or all");
     } else if (flag == "--ranks") {
-      o.num_ranks = std::stoi(value());
+      o.num_ranks = parse_int(flag, value());
+      EPX_CHECK(o.num_ranks >= 1, "--ranks", o.num_ranks, "must be >= 1");
     } else if (flag == "--tokens") {
-      o.num_tokens = std::stoi(value());
+      o.num_tokens = parse_int(flag, value());
     } else if (flag == "--hidden") {
-      o.hidden = std::stoi(value());
+      o.hidden = parse_int(flag, value());
     } else if (flag == "--topk") {
-      o.num_topk = std::stoi(value());
+      o.num_topk = parse_int(flag, value());
     } else if (flag == "--experts") {
-      o.num_experts = std::stoi(value());
+      o.num_experts = parse_int(flag, value());
     } else if (flag == "--num-sms") {
-      o.num_sms = parse_list(value());
+      o.num_sms = parse_list(flag, value());
     } else if (flag == "--ll-tokens") {
-      o.ll_num_tokens = std::stoi(value());
+      o.ll_num_tokens = parse_int(flag, value());
     } else if (flag == "--ll-experts") {
-      o.ll_num_experts = std::stoi(value());
+      o.ll_num_experts = parse_int(flag, value());
     } else if (flag == "--ll-ranks-per-node") {
-      o.ll_ranks_per_node = std::stoi(value());
+      o.ll_ranks_per_node = parse_int(flag, value());
     } else if (flag == "--warmup") {
-      o.warmup = std::stoi(value());
+      o.warmup = parse_int(flag, value());
     } else if (flag == "--iters") {
-      o.iters = std::stoi(value());
+      o.iters = parse_int(flag, value());
     } else if (flag == "--json") {
       o.json = true;
     } else if (flag == "--json-file") {
@@ -100,12 +135,14 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       EPX_FAIL("unknown flag ", flag, " (see --help)");
     }
   }
-  EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
+  validate(o);
   return true;
 }
 
-int run_cpu_reference(const BenchOptions& o) {
+int run_cpu_reference(const BenchOptions& o, const std::string& json_path) {
   epx::reference::CpuReferenceBenchShape shape;
+  shape.with_normal = o.mode != "low-latency";
+  shape.with_low_latency = o.mode != "normal";
   if (o.num_ranks > 0) shape.num_ranks = o.num_ranks;
   shape.num_tokens = o.num_tokens;
   shape.hidden = o.hidden;
@@ -113,7 +150,13 @@ int run_cpu_reference(const BenchOptions& o) {
   shape.num_experts = o.num_experts;
   shape.ll_num_tokens = o.ll_num_tokens;
   shape.ll_num_experts = o.ll_num_experts;
-  return epx::reference::run_cpu_reference_bench(shape, o.json, std::cout);
+  std::ofstream json_file;
+  if (!json_path.empty()) {
+    json_file.open(json_path);
+    EPX_CHECK(json_file.good(), "--json-file", json_path, "must be a writable path");
+  }
+  return epx::reference::run_cpu_reference_bench(shape, o.json, std::cout, std::cerr,
+                                                 json_path.empty() ? nullptr : &json_file);
 }
 
 #if defined(EPX_WITH_CUDA)
@@ -204,7 +247,7 @@ int main(int argc, char** argv) {
     const int num_gpus = epx::visible_gpu_count();
     if (num_gpus > 0) return run_gpus(options, num_gpus, json_file);
 #endif
-    return run_cpu_reference(options);
+    return run_cpu_reference(options, json_file);
   } catch (const std::exception& e) {
     std::fprintf(stderr, "epx-bench: %s\n", e.what());
     return 2;

@@ -14,8 +14,9 @@ constexpr int kNotifyThreads = 1024;
 static_assert(kMaxNvlRanks * kMaxChannels <= kNotifyThreads, "one thread per (source, channel) in the scan");
 
 // ---- Channel blocks: how many of the channel's tokens go to each rank, posted into that rank's notify area.
-// The block acknowledges once its stores are fenced; the exchange block waits for every acknowledgement
-// before the barrier, and only the barrier advances op_count, so the parity read here is the operation's.
+// The block acknowledges with a release once its stores are issued; the exchange block waits for every
+// acknowledgement before the barrier, and only the barrier advances op_count, so the parity read here is the
+// operation's.
 // ----
 __device__ void count_channel(const NotifyArgs& args, int channel) {
   using BlockReduce = cub::BlockReduce<int, kNotifyThreads>;
@@ -45,10 +46,9 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
     }
     __syncthreads();
   }
-  if (threadIdx.x == 0) {
-    __threadfence_system();
-    atomicAdd(&NormalLayout::control(args.peers.local_base)->parity_acks, 1);
-  }
+  // Thread 0 wrote every count above, so its release orders them before the acknowledgement.
+  if (threadIdx.x == 0)
+    device::atomic_add_release_sys(&NormalLayout::control(args.peers.local_base)->parity_acks, 1);
 }
 
 // ---- Exchange block: per-expert counts out, barrier, then what arrives from whom: the received-row offsets

@@ -484,6 +484,19 @@ TEST(Normal, LargestQueuesFourRanks) {
   run_case(c);
 }
 
+// The largest NVLink group (8 ranks): every queue index and the R x C count exchange at their widest.
+TEST(Normal, EightRanks) {
+  NormalCase c = small_case(8);
+  c.num_tokens = {333, 0, 1, 64, 500};
+  c.formats = {kBf16, kFp8};
+  c.cached = {false, true};
+  c.worst_case = {false, false, true};
+  c.num_sms = {6, 4};
+  c.num_iterations = 3;
+  c.seed = 231;
+  run_case(c);
+}
+
 // ---- Errors ----
 
 using epx::test::expect_error;

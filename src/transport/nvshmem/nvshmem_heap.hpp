@@ -35,9 +35,4 @@ class NvshmemHeap {
   int num_ranks_ = 0;
 };
 
-// Each rank puts a stamped block into its right neighbour's heap through the device interface (put, signal,
-// quiet) and checks the block it received from its left neighbour. Returns the number of wrong words (0 = the
-// transport works). Collective; needs 4 KiB + 64 bytes of heap.
-int nvshmem_ring_check(const NvshmemHeap& heap, unsigned long long timeout_ns);
-
 }  // namespace epx::transport::nvshmem
