@@ -8,8 +8,9 @@
     combined = buffer.combine(expert_out, result.handle).combined_x
 
 Submodules: epx.training (autograd dispatch/combine, permute/unpermute), epx.compat.deep_ep (DeepEP V1's
-interface), epx.reference (the CPU reference, for tests). torch is imported only when a torch-facing part is
-used; the size hints, layouts and the reference work without it.
+interface, also importable as the top-level package ``deep_ep``), epx.reference (the CPU reference, for tests).
+torch is imported only when a torch-facing part is used; the size hints, layouts and the reference work without
+it.
 """
 
 import pkgutil as _pkgutil
@@ -21,7 +22,7 @@ __path__ = _pkgutil.extend_path(__path__, __name__)
 from ._ext import _epx  # noqa: E402
 from .buffer import Buffer, group_bootstrap  # noqa: E402
 from .config import Config, get_low_latency_rdma_size_hint, normal_nvl_buffer_size_hint  # noqa: E402
-from .event import EventOverlap  # noqa: E402
+from .event import EventHandle, EventOverlap  # noqa: E402
 from .results import (  # noqa: E402
     CombineResult,
     DispatchHandle,
@@ -47,6 +48,7 @@ __all__ = [
     "DispatchLayout",
     "DispatchResult",
     "EpxError",
+    "EventHandle",
     "EventOverlap",
     "LowLatencyCombineResult",
     "LowLatencyDispatchResult",

@@ -75,7 +75,8 @@ def current_stream_handle() -> int:
 
 
 def event_handle(event: Any) -> int:
-    """cudaEvent_t of a previous_event argument: None, an EventOverlap, an epx Event or a torch.cuda.Event."""
+    """cudaEvent_t of a previous_event argument: None, an EventOverlap, an epx Event, a deep_ep EventHandle or a
+    torch.cuda.Event (the last two through their ``cuda_event``)."""
     if event is None:
         return 0
     inner = getattr(event, "event", event)  # EventOverlap -> its event
@@ -83,11 +84,11 @@ def event_handle(event: Any) -> int:
         return 0
     if isinstance(inner, _epx_event_type()):
         return inner.handle
-    handle = getattr(inner, "cuda_event", None)  # torch.cuda.Event
+    handle = getattr(inner, "cuda_event", None)  # torch.cuda.Event or epx.EventHandle
     if handle is None:
         raise EpxError(
-            f"invalid previous_event = {type(event).__name__}: must be an EventOverlap, an epx Event or a "
-            "torch.cuda.Event"
+            f"invalid previous_event = {type(event).__name__}: must be an EventOverlap, an epx Event, an "
+            "EventHandle or a torch.cuda.Event"
         )
     check(handle != 0, "previous_event", "an unrecorded torch.cuda.Event", "must have been recorded")
     return int(handle)

@@ -142,6 +142,25 @@ class Buffer:
     def num_rdma_bytes(self) -> int:
         return self.runtime.num_rdma_bytes
 
+    # DeepEP's runtime queries (deep_ep.Buffer.runtime is this object). DeepEP's "RDMA ranks" are the nodes:
+    # groups of ranks_per_node consecutive ranks (EPX_RANKS_PER_NODE / ranks_per_node; all ranks by default).
+
+    def get_num_rdma_ranks(self) -> int:
+        """Nodes the group spans: 1 within one NVLink node."""
+        return -(-self.num_ranks // self.runtime.ranks_per_node)
+
+    def get_rdma_rank(self) -> int:
+        """This rank's node."""
+        return self.rank // self.runtime.ranks_per_node
+
+    def get_local_device_id(self) -> int:
+        """The CUDA device (index) the Buffer lives on."""
+        return int(self.runtime.device)
+
+    def is_available(self) -> bool:
+        """Whether the buffers are usable (not destroyed)."""
+        return not self.runtime.is_destroyed
+
     def local_buffer_tensor(self, dtype: Any, size: Optional[Sequence[int]] = None, offset_bytes: int = 0,
                             use_rdma_buffer: bool = False) -> Any:
         """A tensor view of this rank's NVLink buffer (or low-latency buffer) from byte offset_bytes on, shaped

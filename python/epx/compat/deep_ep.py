@@ -1,7 +1,9 @@
-"""DeepEP V1 (v1.2.1) interface over EPX: ``import epx.compat.deep_ep as deep_ep``.
+"""DeepEP V1 (v1.2.1 and the later V1 line) interface over EPX: ``import epx.compat.deep_ep as deep_ep``, or
+the top-level package ``deep_ep`` that EPX ships (a re-export of this module, so code written for DeepEP runs
+unchanged).
 
 Same names, signatures, defaults and return tuples as DeepEP's ``deep_ep`` module (Buffer, Config,
-EventOverlap), running on EPX's runtime. Differences a caller may notice:
+EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a caller may notice:
 
 - Handles are opaque EPX objects, not tuples of tensors; pass them back as DeepEP code does.
 - Any hidden size that is a multiple of 8 (128 for FP8 and low-latency mode) and any top-k up to 16 work.
@@ -12,8 +14,13 @@ EventOverlap), running on EPX's runtime. Differences a caller may notice:
   call that uses those configs (for DeepEP's recommended configs the hint is below DeepEP's). The RDMA chunk
   sizes are kept for callers (normal mode across nodes is not implemented). Config rules are EPX's: send chunk
   <= queue tokens, at most 128 channels.
-- num_qps_per_rank, allow_nvlink_for_low_latency_mode and allow_mnnvl are accepted and ignored: EPX moves
-  data over NVLink within a node.
+- get_dispatch_config / get_combine_config list DeepEP v1.2.1's rank counts and raise EpxError for others (DeepEP
+  asserts). dispatch / combine without a config in a group of another size use Config(Buffer.num_sms) where
+  DeepEP would assert.
+- num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are accepted and ignored: EPX
+  moves data over NVLink within a node, mapping memory with CUDA IPC. enable_shrink is accepted and stored;
+  the shrink-mode mask calls are not provided.
+- EventOverlap.current_stream_wait() without an event does nothing (DeepEP asserts).
 - Errors are epx.EpxError (a RuntimeError) naming the argument, its value and the rule, where DeepEP asserts.
 """
 
@@ -23,45 +30,94 @@ from typing import Any, Callable, List, Optional, Tuple, Union
 
 from ..buffer import Buffer as _EpxBuffer, _require_cuda_runtime
 from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
-from ..event import EventOverlap
+from ..event import EventHandle, EventOverlap
 from .._ext import _epx
-from .._util import EpxError, check, current_stream_handle
+from .._util import EpxError, check
 
-__all__ = ["Buffer", "Config", "EventOverlap", "EpxError"]
+__all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "EpxError"]  # and topk_idx_t (see __getattr__)
 
-# DeepEP's recommended configs: (nvl send chunk, nvl queue tokens, rdma send chunk, rdma queue tokens) after
-# Buffer.num_sms. Groups DeepEP has no entry for get (6, 256, 6, 128) for dispatch and (4, 256, 6, 128) for
-# combine.
+# The DeepEP release whose interface this module follows (deep_ep.__version__ reports it, with EPX's version as
+# a local label).
+DEEP_EP_VERSION = "1.2.1"
+
+# DeepEP v1.2.1's recommended configs (deep_ep/buffer.py, get_dispatch_config / get_combine_config):
+# (nvl send chunk, nvl queue tokens, rdma send chunk, rdma queue tokens) after Buffer.num_sms. DeepEP asserts for
+# a rank count it does not list; so do get_dispatch_config and get_combine_config here (EpxError).
 _DISPATCH_CONFIGS = {
-    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (16, 288, 20, 128),
-    24: (8, 288, 32, 128), 32: (8, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
     144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
 }
 _COMBINE_CONFIGS = {
-    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (2, 288, 28, 128),
-    24: (1, 288, 20, 128), 32: (1, 288, 20, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
     144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
 }
 
 
+def __getattr__(name: str) -> Any:
+    # topk_idx_t is a torch dtype: resolved on first use, so importing this module needs no torch.
+    if name == "topk_idx_t":
+        import torch
+
+        return torch.int64  # DeepEP's topk_idx_t (the dtype of topk_idx)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
+def _recommended_config(table: dict, num_ranks: int, kind: str) -> Config:
+    check(num_ranks in table, "num_ranks", num_ranks,
+          f"DeepEP has no recommended {kind} config for this many ranks (it lists {sorted(table)}); pass a "
+          "Config explicitly")
+    return Config(Buffer.num_sms, *table[num_ranks])
+
+
+def _comm_bootstrap(comm: Any) -> Tuple[int, int, Callable[[bytes], List[bytes]], Callable[[], None]]:
+    """(rank, num_ranks, all_gather, barrier) over an mpi4py communicator (its allgather of Python objects)."""
+    missing = [name for name in ("Get_rank", "Get_size", "allgather") if not callable(getattr(comm, name, None))]
+    check(not missing, "comm", type(comm).__name__,
+          f"must be an mpi4py.MPI.Comm (missing {', '.join(missing)}; is mpi4py installed?)")
+
+    def barrier() -> None:
+        comm.allgather(None)
+
+    return int(comm.Get_rank()), int(comm.Get_size()), comm.allgather, barrier
+
+
 class Buffer:
-    """DeepEP V1's Buffer over EPX. See epx.Buffer for the native interface with named results."""
+    """DeepEP V1's Buffer over EPX. See epx.Buffer for the native interface with named results.
+
+    Built collectively by every rank of `group` (a torch.distributed process group) or, with group=None, of
+    `comm` (an mpi4py communicator, whose allgather exchanges the set-up data). `runtime` is the epx.Buffer.
+    """
 
     num_sms: int = 20
 
     def __init__(self, group: Any, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, num_qps_per_rank: int = 24,
                  allow_nvlink_for_low_latency_mode: bool = True, allow_mnnvl: bool = False,
-                 explicitly_destroy: bool = False) -> None:
-        self.rank = group.rank()
-        self.group_size = group.size()
-        self.group = group
+                 explicitly_destroy: bool = False, enable_shrink: bool = False, comm: Optional[Any] = None, *,
+                 use_fabric: bool = False) -> None:
+        if group is not None:
+            self.rank = group.rank()
+            self.group_size = group.size()
+            self.group = group
+            bootstrap = None  # epx.Buffer bootstraps over the process group
+        elif comm is not None:
+            bootstrap = _comm_bootstrap(comm)
+            self.rank, self.group_size = bootstrap[0], bootstrap[1]
+            self.group = comm
+        else:
+            raise EpxError("invalid group = None: either group (a torch.distributed process group) or comm (an "
+                           "mpi4py communicator) must be given")
         self.num_nvl_bytes = num_nvl_bytes
         self.num_rdma_bytes = num_rdma_bytes
         self.low_latency_mode = low_latency_mode
         self.explicitly_destroy = explicitly_destroy
-        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                                                         num_sms=Buffer.num_sms)
+        self.enable_shrink = enable_shrink
+        self.use_fabric = use_fabric
+        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes, num_rdma_bytes,
+                                                         low_latency_mode, num_sms=Buffer.num_sms,
+                                                         bootstrap=bootstrap)
 
     # ---- Static helpers ----
 
@@ -74,9 +130,9 @@ class Buffer:
 
     @staticmethod
     def capture() -> EventOverlap:
-        """An event recorded on the current stream."""
+        """An event recorded on the current stream: EventOverlap(EventHandle())."""
         _require_cuda_runtime()
-        return EventOverlap(_epx.Event.record(current_stream_handle()))
+        return EventOverlap(EventHandle())
 
     @staticmethod
     def is_sm90_compiled() -> bool:
@@ -89,11 +145,18 @@ class Buffer:
 
     @staticmethod
     def get_dispatch_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, *_DISPATCH_CONFIGS.get(num_ranks, (6, 256, 6, 128)))
+        """DeepEP's recommended dispatch config for num_ranks ranks, with Buffer.num_sms."""
+        return _recommended_config(_DISPATCH_CONFIGS, num_ranks, "dispatch")
 
     @staticmethod
     def get_combine_config(num_ranks: int) -> Config:
-        return Config(Buffer.num_sms, *_COMBINE_CONFIGS.get(num_ranks, (4, 256, 6, 128)))
+        """DeepEP's recommended combine config for num_ranks ranks, with Buffer.num_sms."""
+        return _recommended_config(_COMBINE_CONFIGS, num_ranks, "combine")
+
+    def _default_config(self, table: dict, recommended: Callable[[int], Config]) -> Config:
+        # What a call without a config uses: the recommended one (as DeepEP), or Config's defaults with
+        # Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there).
+        return recommended(self.group_size) if self.group_size in table else Config(Buffer.num_sms)
 
     # ---- Life cycle ----
 
@@ -136,7 +199,7 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[Union[Tuple[Any, Any], Any], Optional[Any], Optional[Any], List[int], Any, EventOverlap]:
-        config = self.get_dispatch_config(self.group_size) if config is None else config
+        config = self._default_config(_DISPATCH_CONFIGS, self.get_dispatch_config) if config is None else config
         is_fp8 = isinstance(x, tuple)
         if handle is not None:
             result = self._live().dispatch(x, handle=handle, topk_idx=topk_idx, topk_weights=topk_weights,
@@ -160,7 +223,7 @@ class Buffer:
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
-        config = self.get_combine_config(self.group_size) if config is None else config
+        config = self._default_config(_COMBINE_CONFIGS, self.get_combine_config) if config is None else config
         result = self._live().combine(x, handle, topk_weights=topk_weights, bias=bias, config=config,
                                       previous_event=previous_event, async_finish=async_finish,
                                       allocate_on_comm_stream=allocate_on_comm_stream)

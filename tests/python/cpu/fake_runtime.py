@@ -20,9 +20,12 @@ class Struct:
 
 
 class FakeEvent:
+    """Plays an epx Event (handle); as previous_event it passes its cuda_event (as a torch.cuda.Event does)."""
+
     def __init__(self, valid):
         self.valid = valid
         self.waits = 0
+        self.handle = self.cuda_event = id(self)
 
     def wait_on(self, stream):
         self.waits += 1
@@ -63,6 +66,8 @@ class FakeRuntime:
         self.num_nvl_bytes = 1 << 20
         self.num_rdma_bytes = 1 << 20
         self.is_destroyed = False
+        self.ranks_per_node = 1
+        self.device = 0
 
     @property
     def config(self):

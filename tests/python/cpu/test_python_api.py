@@ -63,9 +63,11 @@ E = inspect.Parameter.empty
 
 
 def test_deep_ep_module_names():
-    for name in ("Buffer", "Config", "EventOverlap"):
+    for name in ("Buffer", "Config", "EventOverlap", "EventHandle"):
         assert hasattr(deep_ep, name)
     assert deep_ep.Config is epx.Config and deep_ep.EventOverlap is epx.EventOverlap
+    assert deep_ep.EventHandle is epx.EventHandle
+    assert params(deep_ep.EventHandle.__init__) == []
     assert params(deep_ep.EventOverlap.__init__) == [("event", None), ("extra_tensors", None)]
     assert params(deep_ep.Config.__init__)[0][0] == "num_sms"
     assert [n for n, _ in params(deep_ep.Config.__init__)] == [
@@ -79,7 +81,9 @@ def test_deep_ep_buffer_signatures():
     assert params(B.__init__) == [
         ("group", E), ("num_nvl_bytes", 0), ("num_rdma_bytes", 0), ("low_latency_mode", False),
         ("num_qps_per_rank", 24), ("allow_nvlink_for_low_latency_mode", True), ("allow_mnnvl", False),
-        ("explicitly_destroy", False)]
+        ("explicitly_destroy", False), ("enable_shrink", False), ("comm", None), ("use_fabric", False)]
+    # DeepEP's branches place use_fabric differently: EPX takes it by keyword only.
+    assert inspect.signature(B.__init__).parameters["use_fabric"].kind is inspect.Parameter.KEYWORD_ONLY
     assert params(B.get_local_buffer_tensor) == [("dtype", E), ("size", None), ("offset", 0),
                                                  ("use_rdma_buffer", False)]
     assert params(B.get_dispatch_layout) == [("topk_idx", E), ("num_experts", E), ("previous_event", None),
@@ -115,13 +119,13 @@ def test_deep_ep_static_helpers():
     assert deep_ep.Buffer.get_low_latency_rdma_size_hint(128, 7168, 4, 288) == \
         epx.get_low_latency_rdma_size_hint(128, 7168, 4, 288)
     assert deep_ep.Buffer.is_sm90_compiled() == epx.WITH_CUDA
-    for num_ranks in (2, 4, 8, 3):
+    for num_ranks in (2, 4, 8):
         assert deep_ep.Buffer.get_dispatch_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
         assert deep_ep.Buffer.get_combine_config(num_ranks).num_sms == deep_ep.Buffer.num_sms
     # DeepEP's recommended configs keep their chunk sizes and follow EPX's rules (send chunk <= queue tokens).
     assert deep_ep.Buffer.get_dispatch_config(2) == deep_ep.Config(deep_ep.Buffer.num_sms, 24, 256, 6, 128)
     assert deep_ep.Buffer.get_combine_config(8) == deep_ep.Config(deep_ep.Buffer.num_sms, 4, 256, 6, 128)
-    for num_ranks in (1, 2, 3, 4, 8, 16, 24, 32, 64, 128, 144, 160):
+    for num_ranks in DEEP_EP_DISPATCH_CONFIGS:
         for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
             epx._epx.validate_config(config.to_native())
             assert config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens
@@ -133,6 +137,44 @@ def test_deep_ep_static_helpers():
             deep_ep.Buffer.set_num_sms(25)
     finally:
         deep_ep.Buffer.num_sms = old
+
+
+# DeepEP v1.2.1's deep_ep/buffer.py: get_dispatch_config / get_combine_config, after Buffer.num_sms.
+DEEP_EP_DISPATCH_CONFIGS = {
+    2: (24, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
+    24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
+    144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
+}
+DEEP_EP_COMBINE_CONFIGS = {
+    2: (10, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
+    144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
+}
+
+
+@pytest.mark.parametrize("num_sms", [20, 24])
+def test_deep_ep_config_tables_match_deep_ep(num_sms):
+    old = deep_ep.Buffer.num_sms
+    try:
+        deep_ep.Buffer.set_num_sms(num_sms)
+        assert sorted(DEEP_EP_DISPATCH_CONFIGS) == sorted(DEEP_EP_COMBINE_CONFIGS)
+        for num_ranks, fields in DEEP_EP_DISPATCH_CONFIGS.items():
+            assert deep_ep.Buffer.get_dispatch_config(num_ranks) == deep_ep.Config(num_sms, *fields), num_ranks
+        for num_ranks, fields in DEEP_EP_COMBINE_CONFIGS.items():
+            assert deep_ep.Buffer.get_combine_config(num_ranks) == deep_ep.Config(num_sms, *fields), num_ranks
+    finally:
+        deep_ep.Buffer.num_sms = old
+
+
+@pytest.mark.parametrize("num_ranks", [0, 1, 3, 6, 12, 48, 96, 256])
+def test_deep_ep_configs_for_unlisted_rank_counts_raise(num_ranks):
+    # DeepEP asserts 'Unsupported number of EP ranks'; EPX raises EpxError naming the counts it lists.
+    for getter, kind in ((deep_ep.Buffer.get_dispatch_config, "dispatch"),
+                         (deep_ep.Buffer.get_combine_config, "combine")):
+        with pytest.raises(epx.EpxError, match=rf"invalid num_ranks = {num_ranks}: DeepEP has no recommended {kind} "
+                                               r"config for this many ranks \(it lists \[2, 4, 8, 16, 24, 32, 64, "
+                                               r"128, 144, 160\]\)"):
+            getter(num_ranks)
 
 
 # ---- EventOverlap ----

@@ -174,13 +174,67 @@ def test_deep_ep_calls_use_the_default_configs(compat):
     wrapper, _ = compat
     x, ids, weights = tokens()
     per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    # One rank: DeepEP lists no config (it asserts); EPX uses Config's defaults with Buffer.num_sms.
     recv_x, _, recv_w, _, handle, _ = wrapper.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights)
-    assert wrapper.runtime.config == deep_ep.Buffer.get_dispatch_config(1)
+    assert wrapper.runtime.config == deep_ep.Config(deep_ep.Buffer.num_sms)
     wrapper.combine(recv_x, handle, topk_weights=recv_w)
-    assert wrapper.runtime.config == deep_ep.Buffer.get_combine_config(1)
+    assert wrapper.runtime.config == deep_ep.Config(deep_ep.Buffer.num_sms)
+    # A group size DeepEP lists: its recommended configs (the fake runtime serves any group size).
+    wrapper.group_size = 2
+    wrapper.dispatch(x, handle)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_dispatch_config(2)
+    wrapper.combine(recv_x, handle, topk_weights=recv_w)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_combine_config(2)
     config = deep_ep.Config(8, 4, 64, 6, 128)
     wrapper.dispatch(x, handle, config=config)
     assert wrapper.runtime.config == config
+
+
+def test_megatron_fused_a2a_flow(compat, monkeypatch):
+    """Megatron-LM's fused_a2a through the top-level deep_ep package: EventOverlap(EventHandle()) orders a call
+    (previous_event), an asynchronous call's event is waited on, the runtime answers DeepEP's queries."""
+    import epx.event as event_module
+    from deep_ep import Buffer
+    from deep_ep.utils import EventHandle, EventOverlap
+    from fake_runtime import FakeEvent
+
+    recorded = []
+
+    def record():
+        recorded.append(FakeEvent(True))
+        return recorded[-1]
+
+    monkeypatch.setattr(event_module, "_record_on_current_stream", record)
+    wrapper, binding = compat
+    assert isinstance(wrapper, Buffer)
+    assert wrapper.runtime.get_num_rdma_ranks() == 1 and wrapper.runtime.get_local_device_id() == 0
+    x, ids, weights = tokens()
+    hidden_bytes = x.size(1) * max(x.element_size(), 2)
+    configs = (Buffer.get_dispatch_config(2), Buffer.get_combine_config(2))
+    assert max(config.get_nvl_buffer_size_hint(hidden_bytes, 2) for config in configs) > 0
+
+    # Forward: layout, then dispatch ordered after it.
+    per_rank, per_rdma, per_expert, in_rank, event = wrapper.get_dispatch_layout(
+        ids, NUM_EXPERTS, previous_event=EventOverlap(EventHandle()), async_finish=True,
+        allocate_on_comm_stream=False)
+    assert binding.orders[-1].previous_event == recorded[0].handle
+    recv_x, _, recv_w, counts, handle, after = wrapper.dispatch(
+        x, topk_idx=ids, topk_weights=weights, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank, num_tokens_per_expert=per_expert, previous_event=event, async_finish=True,
+        allocate_on_comm_stream=False)
+    assert binding.orders[-1].previous_event == event.event.cuda_event
+    after.current_stream_wait()
+    assert after.event.waits == 1
+    assert counts == [2, 2, 2, 2] and torch.equal(recv_x, x[[0, 1, 3, 4, 5]])
+
+    # Backward: combine ordered after the current stream's work.
+    combined, combined_w, event = wrapper.combine(recv_x, handle, topk_weights=recv_w.float(),
+                                                  previous_event=EventOverlap(EventHandle()), async_finish=True,
+                                                  allocate_on_comm_stream=False)
+    assert binding.orders[-1].previous_event == recorded[1].handle
+    event.current_stream_wait()
+    assert event.event.waits == 1
+    assert combined.shape == (6, HIDDEN) and combined_w.shape == (6, NUM_TOPK)
 
 
 @pytest.mark.parametrize("use_fp8,round_scale,use_ue8m0", [(False, False, False), (True, False, False),
