@@ -62,7 +62,12 @@ inline int launch(int argc, char** argv, const std::function<int(epx::Bootstrap&
   // No CUDA call before launch_local: the ranks are forked, and a CUDA context does not survive a fork.
   const epx::LocalLaunchResult result = epx::launch_local(options, [&](epx::Bootstrap& bootstrap) {
     int num_gpus = 0;
-    check_cuda(cudaGetDeviceCount(&num_gpus), "cudaGetDeviceCount");
+    const cudaError_t status = cudaGetDeviceCount(&num_gpus);
+    if (status != cudaSuccess || num_gpus == 0) {
+      std::fprintf(stderr, "rank %d: no GPU found (cudaGetDeviceCount: %s); this example needs a GPU\n",
+                   bootstrap.rank(), status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+      return 1;
+    }
     check_cuda(cudaSetDevice(bootstrap.rank() % num_gpus), "cudaSetDevice");
     return rank_main(bootstrap);
   });

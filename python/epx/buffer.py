@@ -342,7 +342,8 @@ class Buffer:
         t = torch()
         check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__, "must be the handle of a dispatch")
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
-        check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, None))
+        # A hidden other than the dispatch's would make the kernels read and write past the rows they own.
+        check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, handle.hidden))
         hidden = x.size(1)
         num_tokens = handle.num_tokens
         if topk_weights is not None:

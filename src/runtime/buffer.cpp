@@ -9,6 +9,7 @@
 
 #include "common/cuda_check.hpp"
 #include "core/wait_record.hpp"
+#include "core/wait_timeout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
@@ -26,16 +27,6 @@ int ranks_per_node_from_env(int fallback) {
   const long value = std::strtol(text, &end, 10);
   EPX_CHECK(end != text && *end == '\0', "EPX_RANKS_PER_NODE", text, "must be an integer");
   return static_cast<int>(value);
-}
-
-double wait_timeout_from_env(double fallback) {
-  const char* text = std::getenv("EPX_WAIT_TIMEOUT_S");
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  const double seconds = std::strtod(text, &end);
-  EPX_CHECK(end != text && *end == '\0', "EPX_WAIT_TIMEOUT_S", text, "must be a number of seconds");
-  EPX_CHECK(seconds > 0, "EPX_WAIT_TIMEOUT_S", text, "must be > 0");
-  return seconds;
 }
 
 void* const* upload_table(const std::vector<void*>& bases) {
@@ -117,9 +108,8 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   }
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
-  const double timeout_s = wait_timeout_from_env(options.wait_timeout_s);
-  EPX_CHECK(timeout_s > 0, "wait_timeout_s", timeout_s, "must be > 0");
-  s.wait_timeout_ns = static_cast<uint64_t>(timeout_s * 1e9);
+  s.wait_timeout_ns = wait_timeout_ns_from_seconds(
+      wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
   try {
     set_num_sms(options.num_sms);
     kernels::preload_all_kernels();

@@ -4,7 +4,6 @@
 
 #include <cstdint>
 
-
 // The NVSHMEM transport's device side: the small interface EPX kernels use to reach a rank that is not an
 // NVLink peer (put a contiguous block, put one int, complete). Public NVSHMEM API
 // only. Addresses are symmetric: pass this rank's address of the remote location.
