@@ -9,5 +9,7 @@ extra=()
 python_exe=$(command -v "${PYTHON:-python3}")
 # The Python binding builds (and its CPU pytest runs) wherever pybind11 is importable.
 "$python_exe" -c 'import pybind11' 2>/dev/null && extra+=(-DEPX_BUILD_PYTHON=ON)
-cmake -S "$root" -B "$build" -G Ninja -DPython3_EXECUTABLE="$python_exe" "${extra[@]}" "$@" >/dev/null
+# EPX_CONFIGURE_ARGS: extra cmake arguments from the environment (CI turns warnings into errors with it).
+# shellcheck disable=SC2086
+cmake -S "$root" -B "$build" -G Ninja -DPython3_EXECUTABLE="$python_exe" "${extra[@]}" ${EPX_CONFIGURE_ARGS:-} "$@" >/dev/null
 echo "$build"
