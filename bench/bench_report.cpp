@@ -25,12 +25,13 @@ void print_rows(const std::vector<std::vector<BenchRow>>& rank_rows, std::FILE* 
     }
     const BenchRow& row = rank_rows[0][i];
     if (json) {
+      // The table's header (shape, tokens) rides along, so a plot of several runs can tell them apart.
       std::fprintf(out,
                    "{\"mode\":\"%s\",\"op\":\"%s\",\"num_sms\":%d,\"num_ranks\":%d,\"mean_us\":%.2f,"
                    "\"slowest_us\":%.2f,\"gbps_mean\":%.2f,"
-                   "\"gbps_min\":%.2f}\n",
+                   "\"gbps_min\":%.2f,\"header\":\"%s\"}\n",
                    mode.c_str(), row.op.c_str(), row.num_sms, num_ranks, sum_time / num_ranks, max_time,
-                   sum_gbps / num_ranks, min_gbps);
+                   sum_gbps / num_ranks, min_gbps, header.c_str());
     } else {
       // Rows that only break another row's time down carry no bytes: no bandwidth to show.
       if (row.bytes > 0) {

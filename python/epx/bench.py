@@ -123,7 +123,7 @@ def format_rows(rank_rows: Sequence[Sequence[BenchRow]], as_json: bool, header: 
             lines.append(
                 f'{{"mode":{json.dumps(mode)},"op":{json.dumps(row.op)},"num_sms":{row.num_sms},'
                 f'"num_ranks":{num_ranks},"mean_us":{mean_us:.2f},"slowest_us":{slowest_us:.2f},'
-                f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f}}}')
+                f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f},"header":{json.dumps(header)}}}')
         else:
             lines.append(f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} "
                          f"{min_gbps:12.1f}")

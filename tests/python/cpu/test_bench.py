@@ -113,9 +113,10 @@ def test_table_has_epx_bench_format():
 def test_json_has_epx_bench_format():
     rows = _rank_rows()
     rows[1][0] = bench.BenchRow("dispatch BF16", 24, 1000.0, 6e8)
-    lines = bench.format_rows(rows, True, "ignored", "normal")
+    lines = bench.format_rows(rows, True, "normal mode: 2 ranks, 4096 tokens/rank", "normal")
     assert lines[0] == ('{"mode":"normal","op":"dispatch BF16","num_sms":24,"num_ranks":2,"mean_us":900.00,'
-                        '"slowest_us":1000.00,"gbps_mean":550.00,"gbps_min":500.00}')
+                        '"slowest_us":1000.00,"gbps_mean":550.00,"gbps_min":500.00,'
+                        '"header":"normal mode: 2 ranks, 4096 tokens/rank"}')
     import json
 
     assert json.loads(lines[1])["op"] == "  of which notify (BF16)"
