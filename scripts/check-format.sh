@@ -11,3 +11,8 @@ else
   clang-format --dry-run -Werror "${files[@]}"
   echo "format: ${#files[@]} files clean"
 fi
+# Python: ruff with ruff.toml (pyflakes + pycodestyle), where ruff is installed (CI installs it).
+if python3 -m ruff --version >/dev/null 2>&1; then
+  python3 -m ruff check --quiet "$root"
+  echo "ruff: clean"
+fi

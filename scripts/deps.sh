@@ -25,6 +25,7 @@ $PYTHON -c 'import pybind11' 2>/dev/null || missing_pips+=(pybind11)
 $PYTHON -c 'import pytest' 2>/dev/null || missing_pips+=(pytest)
 $PYTHON -c 'import numpy' 2>/dev/null || missing_pips+=(numpy)
 $PYTHON -c 'import scikit_build_core' 2>/dev/null || missing_pips+=(scikit-build-core)
+$PYTHON -m ruff --version >/dev/null 2>&1 || missing_pips+=(ruff)
 $PYTHON -c 'import matplotlib' 2>/dev/null || missing_pips+=(matplotlib)  # python -m epx.plot's drawing tests
 if [ ${#missing_pips[@]} -gt 0 ]; then
   echo "deps: installing Python packages: ${missing_pips[*]}"

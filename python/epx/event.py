@@ -99,4 +99,5 @@ class EventOverlap:
 
     def __repr__(self) -> str:
         state = "pending" if self.event is not None else "none"
-        return f"EventOverlap(event={state}, extra_tensors={0 if self.extra_tensors is None else len(self.extra_tensors)})"
+        extra = 0 if self.extra_tensors is None else len(self.extra_tensors)
+        return f"EventOverlap(event={state}, extra_tensors={extra})"

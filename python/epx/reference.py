@@ -63,7 +63,8 @@ def fp8_bytes(tensor: Any) -> np.ndarray:
 # ---- Layout ----
 
 
-def dispatch_layout(topk_idx: np.ndarray, num_experts: int, num_ranks: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
+def dispatch_layout(topk_idx: np.ndarray, num_experts: int,
+                    num_ranks: int) -> Tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(num_tokens_per_rank int32 [R], num_tokens_per_expert int32 [E], is_token_in_rank bool [T, R]) of one
     rank's top-k ids [T, K]."""
     ids = np.ascontiguousarray(topk_idx, dtype=np.int64)

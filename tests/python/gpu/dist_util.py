@@ -50,8 +50,8 @@ def _entry(rank, num_ranks, port, worker, args):
 
 
 def run(worker, num_ranks, *args):
-    """worker(rank, num_ranks, group, *args) on num_ranks GPUs (rank r on cuda:r, the current device); a failure in any rank
-    fails the test with that rank's traceback. `worker` must be a module-level function."""
+    """worker(rank, num_ranks, group, *args) on num_ranks GPUs (rank r on cuda:r, the current device); a failure in
+    any rank fails the test with that rank's traceback. `worker` must be a module-level function."""
     require_gpus(num_ranks)
     import torch.multiprocessing as mp
 

@@ -50,8 +50,10 @@ class World:
         self.ids = [ids[r].reshape(-1, NUM_TOPK) for r in range(num_ranks)]
         self.x = [native.random_bf16_tokens(seed * 7919 + r, self.num_tokens[r], HIDDEN, r,
                                             native.TokenValues.UNIFORM).reshape(-1, HIDDEN) for r in range(num_ranks)]
-        self.weights = [native.random_topk_weights(seed * 104729 + r, self.num_tokens[r], NUM_TOPK).reshape(-1, NUM_TOPK)
-                        for r in range(num_ranks)]
+        self.weights = [
+            native.random_topk_weights(seed * 104729 + r, self.num_tokens[r], NUM_TOPK).reshape(-1, NUM_TOPK)
+            for r in range(num_ranks)
+        ]
         self.received = ref.low_latency_dispatch(self.x, self.ids, self.params, use_fp8=case.use_fp8,
                                                  round_scale=case.round_scale, use_ue8m0=case.use_ue8m0,
                                                  cumulative_local_expert_recv_stats=stats)
