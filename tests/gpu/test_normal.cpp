@@ -735,9 +735,7 @@ TEST(NormalErrors, OutOfRangeExpertIdsAreReported) {
   check_bad_ids_are_reported(16);  // >= num_experts for one and two ranks
 }
 
-// Disabled: get_dispatch_layout skips every negative id (src/kernels/normal_layout.cu, `if (expert < 0)
-// continue;` before the range check), so ids below -1 are never reported, although epx/normal.hpp says ids
-// outside [-1, E) are. Enable once the layout kernel flags them.
+// Ids below -1 are reported like ids >= num_experts (epx/normal.hpp: ids outside [-1, E)).
 TEST(NormalErrors, IdsBelowMinusOneAreReported) {
   check_bad_ids_are_reported(-2);
 }
