@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "epx/bench_bytes.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/reference/layout.hpp"
@@ -117,7 +118,7 @@ std::vector<BenchRow> run_normal(const CpuReferenceBenchShape& shape) {
     fp8_params.format = PayloadFormat::kFp8;
     const Clock::time_point start = Clock::now();
     const NormalDispatchResult result = normal_dispatch(fp8_params, fp8_inputs);
-    BenchRow row{"normal dispatch", "fp8", count_rows(result), hidden + 4.0 * hidden / 128,
+    BenchRow row{"normal dispatch", "fp8", count_rows(result), normal_row_bytes(hidden, true),
                  elapsed_ms(start), false};
     row.verified = check_normal_rows(result, routing, hidden, false);
     for (int d = 0; d < num_ranks && row.verified; ++d) {
@@ -134,7 +135,7 @@ std::vector<BenchRow> run_normal(const CpuReferenceBenchShape& shape) {
 
   Clock::time_point start = Clock::now();
   NormalDispatchResult result = normal_dispatch(params, inputs);
-  BenchRow dispatch_row{"normal dispatch", "bf16", count_rows(result), 2.0 * hidden,
+  BenchRow dispatch_row{"normal dispatch", "bf16", count_rows(result), normal_row_bytes(hidden, false),
                         elapsed_ms(start), false};
   dispatch_row.verified = check_normal_rows(result, routing, hidden, true);
   rows.push_back(dispatch_row);
@@ -147,7 +148,8 @@ std::vector<BenchRow> run_normal(const CpuReferenceBenchShape& shape) {
   start = Clock::now();
   const std::vector<NormalCombineRankOutput> combined =
       normal_combine(result.handle, NormalCombineParams{shape.num_topk, 0}, combine);
-  BenchRow combine_row{"normal combine", "bf16", dispatch_row.units, 2.0 * hidden, elapsed_ms(start), true};
+  BenchRow combine_row{"normal combine",  "bf16", dispatch_row.units, normal_row_bytes(hidden, false),
+                       elapsed_ms(start), true};
   // Identity experts: each token comes back times the ranks it went to, exactly (small integers).
   for (int s = 0; s < num_ranks && combine_row.verified; ++s) {
     for (int t = 0; t < num_tokens && combine_row.verified; ++t) {
@@ -195,8 +197,9 @@ std::vector<BenchRow> run_low_latency(const CpuReferenceBenchShape& shape) {
   LowLatencyDispatchOptions options;  // FP8, float scales
   Clock::time_point start = Clock::now();
   std::vector<LowLatencyDispatchRankOutput> dispatched = low_latency_dispatch(params, options, inputs);
-  BenchRow dispatch_row{"low-latency dispatch", "fp8", selections, hidden + hidden / 32.0 + 16,
-                        elapsed_ms(start),      true};
+  BenchRow dispatch_row{
+      "low-latency dispatch", "fp8", selections, low_latency_selection_bytes(hidden, WireFormat::kFp8),
+      elapsed_ms(start),      true};
   long long received = 0;
   for (const LowLatencyDispatchRankOutput& out : dispatched) {
     for (int count : out.recv_count) received += count;
@@ -247,7 +250,9 @@ std::vector<BenchRow> run_low_latency(const CpuReferenceBenchShape& shape) {
   start = Clock::now();
   const std::vector<LowLatencyCombineRankOutput> combined =
       low_latency_combine(params, LowLatencyCombineOptions{}, combine);
-  BenchRow combine_row{"low-latency combine", "bf16", selections, 2.0 * hidden, elapsed_ms(start), true};
+  BenchRow combine_row{
+      "low-latency combine", "bf16", selections, low_latency_selection_bytes(hidden, WireFormat::kBf16),
+      elapsed_ms(start),     true};
   // sum_k w_k x within the FP8 cast error (1/16 relative + scale/1024) and the BF16 roundings.
   for (int s = 0; s < num_ranks && combine_row.verified; ++s) {
     for (int t = 0; t < num_tokens && combine_row.verified; ++t) {

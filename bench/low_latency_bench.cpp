@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "bench_data.hpp"
+#include "epx/bench_bytes.hpp"
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
@@ -176,9 +177,9 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
 
   const double selections =
       static_cast<double>(std::count_if(ids_host.begin(), ids_host.end(), [](int64_t e) { return e >= 0; }));
-  const double fp8_bytes = selections * (s.hidden + s.hidden / 32.0 + 16);
-  const double bf16_bytes = selections * 2.0 * s.hidden;
-  const double logfmt_bytes = selections * (1.25 * s.hidden + s.hidden / 32.0);
+  const double fp8_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kFp8);
+  const double bf16_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
+  const double logfmt_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kLogFmt);
   const StreamOrder order{stream, nullptr, false};
   std::vector<BenchRow> out;
 

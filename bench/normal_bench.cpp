@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "bench_data.hpp"
+#include "epx/bench_bytes.hpp"
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
@@ -233,8 +234,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       dispatch(buffer, ws.input(o, TokenFormat::kBf16), ws.output(TokenFormat::kBf16), stream);
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   const double rows = plan.num_recv_rows;
-  const double bf16_bytes = rows * o.hidden * 2;
-  const double fp8_bytes = rows * (o.hidden + 4.0 * o.hidden / 128);
+  const double bf16_bytes = rows * normal_row_bytes(o.hidden, false);
+  const double fp8_bytes = rows * normal_row_bytes(o.hidden, true);
 
   L2Flusher flusher;
   auto flush = [&] { flusher.flush(stream); };

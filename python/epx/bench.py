@@ -55,8 +55,11 @@ PROG = "python -m epx.bench"
 
 
 def normal_row_bytes(hidden: int, fp8: bool) -> float:
-    """Bytes of one received row in normal mode: 2H for BF16, H + 4H/128 (the float32 scales) for FP8."""
-    return hidden + 4.0 * hidden / 128 if fp8 else 2.0 * hidden
+    """Bytes of one received row in normal mode: 2H for BF16, H + 4H/128 (the float32 scales) for FP8 (the
+    formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
+    from ._ext import _epx
+
+    return _epx.normal_row_bytes(hidden, fp8)
 
 
 def normal_bytes(num_recv_rows: int, hidden: int, fp8: bool) -> float:
@@ -65,14 +68,11 @@ def normal_bytes(num_recv_rows: int, hidden: int, fp8: bool) -> float:
 
 
 def ll_selection_bytes(hidden: int, fmt: str) -> float:
-    """Bytes of one valid (token, expert) selection in low-latency mode, fmt one of fp8, bf16, logfmt."""
-    if fmt == "fp8":
-        return hidden + hidden / 32.0 + 16
-    if fmt == "bf16":
-        return 2.0 * hidden
-    if fmt == "logfmt":
-        return 1.25 * hidden + hidden / 32.0
-    raise ValueError(f"unknown low-latency format {fmt!r} (fp8, bf16 or logfmt)")
+    """Bytes of one valid (token, expert) selection in low-latency mode, fmt one of fp8, bf16, logfmt (the
+    formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
+    from ._ext import _epx
+
+    return _epx.low_latency_selection_bytes(hidden, fmt)
 
 
 def ll_bytes(num_selections: int, hidden: int, fmt: str) -> float:

@@ -12,6 +12,7 @@
 #include <thread>
 
 #include "binding.hpp"
+#include "epx/bench_bytes.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "epx/layout/low_latency_layout.hpp"
@@ -176,6 +177,20 @@ void bind_size_hints(py::module_& m) {
   m.def("get_low_latency_rdma_size_hint", &get_low_latency_rdma_size_hint,
         py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"), py::arg("num_ranks"),
         py::arg("num_experts"), "Low-latency buffer bytes per rank; a multiple of 2 MiB.");
+}
+
+// The benchmarks' byte counts (epx/bench_bytes.hpp), so python -m epx.bench counts what epx-bench counts.
+void bind_bench_bytes(py::module_& m) {
+  m.def("normal_row_bytes", &normal_row_bytes, py::arg("hidden"), py::arg("fp8"));
+  m.def(
+      "low_latency_selection_bytes",
+      [](int hidden, const std::string& format) {
+        if (format == "fp8") return low_latency_selection_bytes(hidden, WireFormat::kFp8);
+        if (format == "bf16") return low_latency_selection_bytes(hidden, WireFormat::kBf16);
+        if (format == "logfmt") return low_latency_selection_bytes(hidden, WireFormat::kLogFmt);
+        throw py::value_error("unknown low-latency format '" + format + "' (fp8, bf16 or logfmt)");
+      },
+      py::arg("hidden"), py::arg("format"));
 }
 
 void bind_normal_layout(py::module_& m) {
@@ -385,6 +400,7 @@ void bind_core(py::module_& m) {
   bind_constants(m);
   bind_config(m);
   bind_size_hints(m);
+  bind_bench_bytes(m);
   bind_normal_layout(m);
   bind_low_latency_layout(m);
   m.def("_bootstrap_round_trip", &bootstrap_round_trip, py::arg("rank"), py::arg("num_ranks"),
