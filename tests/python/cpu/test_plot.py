@@ -25,7 +25,7 @@ def _load():
 
 plot = _load()
 
-# epx-bench --json-file on one H100 (1 rank) at --tokens 4096 and 16384, as written (bench_report.cpp).
+# epx-bench --json-file on one H200 (1 rank) at --tokens 4096 and 16384, as written (bench_report.cpp).
 BENCH_4096 = """\
 {"mode":"normal","op":"dispatch BF16","num_sms":24,"num_ranks":1,"mean_us":97.34,"slowest_us":97.34,"gbps_mean":603.22,"gbps_min":603.22}
 {"mode":"normal","op":"  of which notify (BF16)","num_sms":24,"num_ranks":1,"mean_us":20.96,"slowest_us":20.96,"gbps_mean":0.00,"gbps_min":0.00}
