@@ -56,6 +56,14 @@ NormalCase small_case(int num_ranks) {
   return c;
 }
 
+// Cases that run the same way at 2 and 4 ranks (the 4-rank run skips where fewer ranks fit): test names
+// end in /TwoRanks or /FourRanks, e.g. Normal/NormalRanks.Bf16/FourRanks.
+class NormalRanks : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(Normal, NormalRanks, ::testing::Values(2, 4),
+                         [](const ::testing::TestParamInfo<int>& info) {
+                           return info.param == 2 ? std::string("TwoRanks") : std::string("FourRanks");
+                         });
+
 // ---- Formats, routing, token counts ----
 
 NormalCase format_case(int num_ranks, TokenFormat format) {
@@ -68,20 +76,12 @@ NormalCase format_case(int num_ranks, TokenFormat format) {
   return c;
 }
 
-TEST(Normal, Bf16TwoRanks) {
-  run_case(format_case(2, kBf16));
+TEST_P(NormalRanks, Bf16) {
+  run_case(format_case(GetParam(), kBf16));
 }
 
-TEST(Normal, Bf16FourRanks) {
-  run_case(format_case(4, kBf16));
-}
-
-TEST(Normal, Fp8TwoRanks) {
-  run_case(format_case(2, kFp8));
-}
-
-TEST(Normal, Fp8FourRanks) {
-  run_case(format_case(4, kFp8));
+TEST_P(NormalRanks, Fp8) {
+  run_case(format_case(GetParam(), kFp8));
 }
 
 // Dispatch from is_token_in_rank (with and without num_tokens_per_expert): no top-k outputs.
@@ -97,12 +97,8 @@ NormalCase without_topk_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, WithoutTopkTwoRanks) {
-  run_case(without_topk_case(2));
-}
-
-TEST(Normal, WithoutTopkFourRanks) {
-  run_case(without_topk_case(4));
+TEST_P(NormalRanks, WithoutTopk) {
+  run_case(without_topk_case(GetParam()));
 }
 
 // Hot experts, experts nobody picks, -1 ids, rank 0 receives nothing, the last rank sends nothing, and tokens
@@ -121,12 +117,8 @@ NormalCase unbalanced_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, UnbalancedRoutingTwoRanks) {
-  run_case(unbalanced_case(2));
-}
-
-TEST(Normal, UnbalancedRoutingFourRanks) {
-  run_case(unbalanced_case(4));
+TEST_P(NormalRanks, UnbalancedRouting) {
+  run_case(unbalanced_case(GetParam()));
 }
 
 // Each rank meets 0, 1 and an odd count over the iterations.
@@ -187,12 +179,8 @@ std::vector<NormalCase> shape_sweep(int num_ranks) {
   return cases;
 }
 
-TEST(Normal, HiddenAndTopkSizesTwoRanks) {
-  run_cases_on_one_buffer(shape_sweep(2));
-}
-
-TEST(Normal, HiddenAndTopkSizesFourRanks) {
-  run_cases_on_one_buffer(shape_sweep(4));
+TEST_P(NormalRanks, HiddenAndTopkSizes) {
+  run_cases_on_one_buffer(shape_sweep(GetParam()));
 }
 
 // ---- Cached and worst-case modes ----
@@ -210,12 +198,8 @@ NormalCase cached_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, CachedRedispatchTwoRanks) {
-  run_case(cached_case(2));
-}
-
-TEST(Normal, CachedRedispatchFourRanks) {
-  run_case(cached_case(4));
+TEST_P(NormalRanks, CachedRedispatch) {
+  run_case(cached_case(GetParam()));
 }
 
 // Outputs of num_worst_tokens rows with padding; the caller's stream is held while the calls are issued, so a
@@ -275,12 +259,8 @@ NormalCase combine_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, CombineBiasesAndWeightsTwoRanks) {
-  run_case(combine_case(2));
-}
-
-TEST(Normal, CombineBiasesAndWeightsFourRanks) {
-  run_case(combine_case(4));
+TEST_P(NormalRanks, CombineBiasesAndWeights) {
+  run_case(combine_case(GetParam()));
 }
 
 NormalCase order_case(int num_ranks, NormalOrder order) {
@@ -294,24 +274,14 @@ NormalCase order_case(int num_ranks, NormalOrder order) {
   return c;
 }
 
-TEST(Normal, AsyncFinishTwoRanks) {
-  run_case(order_case(2, NormalOrder::kAsyncFinish));
-}
-
-TEST(Normal, AsyncFinishFourRanks) {
-  run_case(order_case(4, NormalOrder::kAsyncFinish));
+TEST_P(NormalRanks, AsyncFinish) {
+  run_case(order_case(GetParam(), NormalOrder::kAsyncFinish));
 }
 
 // Each call starts after the previous call's event while the caller's stream is held: nothing may wait for
 // it.
-TEST(Normal, PreviousEventTwoRanks) {
-  NormalCase c = order_case(2, NormalOrder::kPreviousEvent);
-  c.gate_caller_stream = true;
-  run_case(c);
-}
-
-TEST(Normal, PreviousEventFourRanks) {
-  NormalCase c = order_case(4, NormalOrder::kPreviousEvent);
+TEST_P(NormalRanks, PreviousEvent) {
+  NormalCase c = order_case(GetParam(), NormalOrder::kPreviousEvent);
   c.gate_caller_stream = true;
   run_case(c);
 }
@@ -435,12 +405,8 @@ NormalCase skewed_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, EveryTokenToOneRankTwoRanks) {
-  run_case(skewed_case(2));
-}
-
-TEST(Normal, EveryTokenToOneRankFourRanks) {
-  run_case(skewed_case(4));
+TEST_P(NormalRanks, EveryTokenToOneRank) {
+  run_case(skewed_case(GetParam()));
 }
 
 // Queue settings at the extremes: one-token queues and chunks (every record waits for the receiver), and
