@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Everything the README's results need, in one GPU-machine call: the C++ and Python GPU tests with the example,
-# the normal-mode benchmark at 24 and 48 SMs, the low-latency benchmark and its 1-token fixed cost, and (with 4
-# or more GPUs) the low-latency benchmark across virtual nodes of half the GPUs each.
+# the normal-mode benchmark at 12, 24 and 48 SMs for 4,096 and 16,384 tokens per rank, the low-latency
+# benchmark and its 1-token fixed cost, (with 4 or more GPUs) the low-latency benchmark across virtual nodes of
+# half the GPUs each, and the plots of all of it (python -m epx.plot, into $OUT/plots.tar.gz).
 # A device call brings back at most 8 files, so every stage's logs are packed into $OUT/logs.tar.gz and the
 # tables into $OUT/summary.txt. Exit status: non-zero when any stage failed.
 # Knobs: those of gpu-check.sh (GPU_TESTS, PY_TESTS, EPX_TEST_RANKS_PER_GPU, EPX_REBUILD, ...); STAGES
@@ -28,7 +29,10 @@ stages=${STAGES:-tests normal ll fixed-cost nodes}
 for s in $stages; do
   case $s in
     tests) stage tests BENCH_ARGS=skip ;;
-    normal) stage normal GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode normal --num-sms 24,48" ;;
+    normal)
+      stage normal GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode normal --num-sms 12,24,48 --tokens 4096"
+      stage normal-16384 GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode normal --num-sms 12,24,48 --tokens 16384"
+      ;;
     ll) stage ll GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency" ;;
     fixed-cost) stage fixed-cost GPU_TESTS=- PY_TESTS=- BENCH_ARGS="--mode low-latency --ll-tokens 1" ;;
     nodes)
@@ -40,6 +44,14 @@ for s in $stages; do
   esac
 done
 
+# Plots from every stage's JSON (the bench lines carry their table's header, so runs stay apart).
+mapfile -t jsons < <(find "$work" -name bench.json -size +0 | sort)
+if [ ${#jsons[@]} -gt 0 ]; then
+  mkdir -p "$work/plots"
+  PYTHONPATH=$root/python:${EPX_BUILD_DIR:-$root/build-gpu}/python python3 -m epx.plot "${jsons[@]}" \
+    --out "$work/plots" >>"$summary" 2>&1 || echo "plots: not drawn (see summary)" | tee -a "$summary"
+  tar czf "$out/plots.tar.gz" -C "$work/plots" .
+fi
 tar czf "$out/logs.tar.gz" -C "$work" .
 rm -rf "$work"
 echo "failed stages:${failed:- none}" | tee -a "$summary"
