@@ -203,11 +203,17 @@ class Buffer:
             record_stream(outputs, compute_stream)
         return EventOverlap(event if async_finish else None)
 
-    def _apply_config(self, config: Optional[Config]) -> None:
-        # The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
-        # next ones; None keeps the runtime's current config.
+    def _apply_config(self, config: Optional[Config]) -> Any:
+        """The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
+        next ones; None keeps the runtime's current config. Returns the config before, for _restore_config."""
+        previous = self.runtime.config
         if config is not None:
             self.runtime.config = native_config(config)
+        return previous
+
+    def _restore_config(self, previous: Any) -> None:
+        # A rejected call leaves the Buffer as it was, its config included.
+        self.runtime.config = previous
 
     # ---- Normal mode ----
 
@@ -287,7 +293,7 @@ class Buffer:
             check_tensor(is_token_in_rank, "is_token_in_rank", dtype=t.bool, shape=(num_tokens, self.num_ranks))
             num_experts = 0 if num_experts is None else num_experts
 
-        self._apply_config(config)
+        previous_config = self._apply_config(config)
         native_in = _epx.DispatchInput()
         native_in.x = pointer(x)
         native_in.format = _epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16
@@ -304,7 +310,11 @@ class Buffer:
         native_in.num_worst_tokens = int(num_worst_tokens)
         order = self._order(previous_event, async_finish)
 
-        plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None)
+        try:
+            plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None)
+        except Exception:
+            self._restore_config(previous_config)
+            raise
         rows = plan.num_recv_rows
         with maybe_stream(alloc_stream):
             recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
@@ -352,7 +362,7 @@ class Buffer:
         for i, b in enumerate(biases):
             check_tensor(b, f"bias[{i}]", dtype=t.bfloat16, shape=(num_tokens, hidden))
         compute_stream = current_stream()
-        self._apply_config(config)
+        previous_config = self._apply_config(config)
         order = self._order(previous_event, async_finish)
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
             combined_x = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
@@ -368,7 +378,11 @@ class Buffer:
         out = _epx.CombineOutput()
         out.combined_x = pointer(combined_x)
         out.combined_topk_weights = pointer(combined_weights)
-        event = _epx.combine(self.runtime, handle.native, native_in, out, order)
+        try:
+            event = _epx.combine(self.runtime, handle.native, native_in, out, order)
+        except Exception:
+            self._restore_config(previous_config)
+            raise
         overlap = self._finish(event, [x, topk_weights, *biases], [combined_x, combined_weights], async_finish,
                                allocate_on_comm_stream, compute_stream)
         return CombineResult(combined_x, combined_weights, overlap)
