@@ -272,7 +272,7 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   const int num_groups = layout.num_groups();
   if (args.use_ue8m0) {
     // ceil(G / 4) words; bytes past the last group stay 0.
-    const int num_words = (num_groups + 3) / 4;
+    const int num_words = ue8m0_num_words(num_groups);
     for (int word = lane; word < num_words; word += 32) {
       uint8_t bytes[4] = {0, 0, 0, 0};
 #pragma unroll

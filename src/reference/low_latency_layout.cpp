@@ -1,14 +1,14 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
+#include "epx/formats/ue8m0.hpp"
 #include "epx/reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
 
 namespace epx::reference {
 
 int ll_num_ue8m0_words(int hidden) {
-  const int num_groups = hidden / 128;
-  return (num_groups + 3) / 4;
+  return ue8m0_num_words(hidden / 128);
 }
 
 std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& params,

@@ -4,6 +4,7 @@
 
 #include "common/cuda_check.hpp"
 #include "epx/error.hpp"
+#include "epx/formats/ue8m0.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/stream_order.hpp"
@@ -108,7 +109,7 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
   sizes.num_rows_per_expert = layout.num_recv_rows();
   const size_t rows = size_t(sizes.num_local_experts) * sizes.num_rows_per_expert;
   sizes.num_scale_columns = !in.use_fp8    ? 0
-                            : in.use_ue8m0 ? (layout.num_groups() + 3) / 4
+                            : in.use_ue8m0 ? ue8m0_num_words(layout.num_groups())
                                            : layout.num_groups();
   sizes.recv_x_bytes = rows * layout.hidden * (in.use_fp8 ? 1 : 2);
   sizes.recv_x_scales_bytes = rows * sizes.num_scale_columns * 4;

@@ -24,6 +24,11 @@ EPX_HD float pow2_scale_from_ue8m0(uint8_t byte) {
   return bits_as_float(static_cast<uint32_t>(byte) << 23);
 }
 
+// 32-bit words holding the UE8M0 bytes of `num_groups` scale groups: ceil(G / 4), four per word.
+EPX_HD int ue8m0_num_words(int num_groups) {
+  return (num_groups + 3) / 4;
+}
+
 // Four groups' scale bytes per 32-bit word, group 4i+j in byte j of word i (the layout DeepGEMM reads).
 EPX_HD uint32_t pack_ue8m0x4(uint8_t b0, uint8_t b1, uint8_t b2, uint8_t b3) {
   return static_cast<uint32_t>(b0) | (static_cast<uint32_t>(b1) << 8) | (static_cast<uint32_t>(b2) << 16) |
