@@ -205,15 +205,18 @@ class Buffer:
 
     def _apply_config(self, config: Optional[Config]) -> Any:
         """The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
-        next ones; None keeps the runtime's current config. Returns the config before, for _restore_config."""
+        next ones; None keeps the runtime's current config. Returns the config before (None when unchanged),
+        for _restore_config."""
+        if config is None:
+            return None
         previous = self.runtime.config
-        if config is not None:
-            self.runtime.config = native_config(config)
+        self.runtime.config = native_config(config)
         return previous
 
     def _restore_config(self, previous: Any) -> None:
         # A rejected call leaves the Buffer as it was, its config included.
-        self.runtime.config = previous
+        if previous is not None:
+            self.runtime.config = previous
 
     # ---- Normal mode ----
 

@@ -10,8 +10,8 @@ namespace epx::kernels {
 // peers' writes before their barrier are visible here.
 //
 // NOTES: signals are monotonic counts (the number of barriers entered), never reset, so a late reader can
-// not miss a signal and no cleaning launch is needed. op_count advances here: code before an operation's
-// barrier uses half op_count & 1, code after it uses (op_count - 1) & 1, which is the same half.
+// not miss a signal and no cleaning launch is needed. op_count advances here, so code that uses the half of
+// an operation reads op_count & 1 before the operation's barrier (parity_before_barrier).
 __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
   auto* local = NormalLayout::control(peers.local_base);
   __syncthreads();
@@ -35,9 +35,6 @@ __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
 
 __device__ __forceinline__ int parity_before_barrier(const PeerContext& peers) {
   return *reinterpret_cast<volatile int*>(&NormalLayout::control(peers.local_base)->op_count) & 1;
-}
-__device__ __forceinline__ int parity_after_barrier(const PeerContext& peers) {
-  return (NormalLayout::control(peers.local_base)->op_count - 1) & 1;
 }
 
 }  // namespace epx::kernels

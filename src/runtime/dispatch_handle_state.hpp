@@ -12,7 +12,6 @@ struct DispatchHandle::State {
   NormalShape shape{};   // of the dispatch that made the handle
   int num_channels = 0;  // its token split; a cached dispatch and the combine keep it
   TokenFormat format = TokenFormat::kBf16;
-  int rank = 0;
   int num_tokens = 0;
   int num_topk = 0;
   int num_recv_rows = 0;  // rows of the outputs

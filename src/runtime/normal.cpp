@@ -123,17 +123,35 @@ const std::vector<int>& DispatchHandle::num_recv_per_rank() const {
   return state().num_recv_per_rank;
 }
 
+namespace {
+
+// `bytes` from the Buffer's handle pool, ordered on `stream`, freed on it with the last owner.
+std::shared_ptr<void> allocate_on_stream(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
+                                         size_t bytes) {
+  void* raw = nullptr;
+  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
+  return std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
+}
+
+// What the caller sizes the outputs with, and the handle.
+DispatchPlan plan_of(std::shared_ptr<DispatchHandle::State> state) {
+  DispatchPlan plan;
+  plan.num_recv_rows = state->num_recv_rows;
+  if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
+  plan.handle = DispatchHandle(std::move(state));
+  return plan;
+}
+
+}  // namespace
+
 void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
                                              int num_local_experts) {
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
                       std::max(num_local_experts, 1);
-  const size_t bytes = ints * sizeof(int) + cells /*is_token_in_rank*/;
-  void* raw = nullptr;
-  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
-  routing_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
-  arrays.send_head = static_cast<int*>(raw);
+  routing_memory = allocate_on_stream(stream, pool, ints * sizeof(int) + cells /*is_token_in_rank*/);
+  arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
   arrays.num_recv_tokens_per_expert =
       arrays.recv_channel_offset + static_cast<size_t>(num_ranks) * num_channels + 1;
@@ -143,10 +161,8 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
 
 void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
                                           int num_rows) {
-  void* raw = nullptr;
-  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, sizeof(int) * std::max(num_rows, 1), pool, stream.get()));
-  rows_memory = std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
-  arrays.recv_src_idx = static_cast<int*>(raw);
+  rows_memory = allocate_on_stream(stream, pool, sizeof(int) * std::max(num_rows, 1));
+  arrays.recv_src_idx = static_cast<int*>(rows_memory.get());
 }
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
@@ -203,7 +219,6 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   } else {
     state = std::make_shared<DispatchHandle::State>();
     state->num_channels = buffer.config().num_channels();
-    state->rank = buffer.rank();
     state->num_tokens = in.num_tokens;
     state->num_worst_tokens = in.num_worst_tokens;
     state->expert_alignment = in.expert_alignment;
@@ -215,14 +230,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
+  // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
+  if (is_cached) return plan_of(std::move(state));
   begin_on_comm_stream(buffer, order);
-  if (is_cached) {
-    DispatchPlan plan;
-    plan.num_recv_rows = state->num_recv_rows;
-    if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
-    plan.handle = DispatchHandle(std::move(state));
-    return plan;
-  }
 
   const cudaStream_t stream = buffer.comm_stream();
   state->allocate_routing(buffer.comm_stream_shared(), buffer.handle_memory_pool(), num_local_experts);
@@ -264,11 +274,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
               "must be -1 or in [0, num_experts)");
   }
   state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
-  DispatchPlan plan;
-  plan.num_recv_rows = state->num_recv_rows;
-  if (state->num_worst_tokens == 0) plan.num_recv_tokens_per_expert = state->num_recv_tokens_per_expert;
-  plan.handle = DispatchHandle(std::move(state));
-  return plan;
+  return plan_of(std::move(state));
 }
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
@@ -292,14 +298,13 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
             "must be given together with recv_topk_idx");
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   begin_on_comm_stream(buffer, order);
-  const uint8_t* is_token_in_rank = state.arrays.is_token_in_rank;
   kernels::DispatchArgs args{peer_context(buffer),
                              dispatch_layout(buffer, state),
                              NormalRecord::dispatch(state.shape),
                              state.num_tokens,
                              state.shape.num_experts,
                              buffer.config().num_max_nvl_chunked_send_tokens,
-                             is_token_in_rank,
+                             state.arrays.is_token_in_rank,
                              in.x,
                              in.x_scales,
                              in.topk_idx,
