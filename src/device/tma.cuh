@@ -41,6 +41,12 @@ __device__ __forceinline__ void fence_proxy_async() {
   asm volatile("fence.proxy.async;" ::: "memory");
 }
 
+// This thread's earlier accesses to shared memory come before later bulk copies into it (e.g. reads of a
+// buffer before it is reloaded).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+  asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+}
+
 // `bytes` (a multiple of 16, both addresses 16-byte aligned) from global into shared memory; the barrier's
 // transaction count falls by `bytes` when they landed.
 __device__ __forceinline__ void bulk_load(void* shared_dst, const void* global_src, int bytes,
