@@ -89,149 +89,250 @@ __device__ __forceinline__ const char* token_source(const CombineArgs& args, int
   return nullptr;
 }
 
-// A warp's bulk-copy stage for reducing: which phase each buffer's barrier is in.
-struct ReduceStage {
-  TmaWarpStage& buffers;
-  uint32_t parities = 0;
+// The tokens one warp reduces in one batch: first, first + stride, ..., `count` of them.
+struct WarpTokens {
+  int first;
+  int stride;
+  int count;
+  __device__ int token(int k) const { return first + k * stride; }
 };
 
-// Token t's sum over the ranks it went to (`copies`; lane r holds rank r's `entry`), in ascending rank order
-// in float, then the biases, rounded once to BF16: the order reference::normal_combine defines.
-// Lane 0 streams piece p of every source in turn through the warp's buffers with bulk copies (up to
-// kTmaBuffers - 1 in flight); every lane adds its chunks of each landed piece from shared memory, so the
-// warp's instructions go to the sums, not to issuing loads.
-__device__ void reduce_token(const CombineArgs& args, int t, unsigned copies, int entry, int channel,
-                             int own_row0, int lane, ReduceStage& stage) {
-  constexpr int kPieceChunks = kTmaPieceBytes / 16;
-  constexpr int kChunksPerLane = kPieceChunks / 32;
+// What the reducer of one channel shares between its warps and calls.
+struct ReduceContext {
+  const CombineArgs& args;
+  int channel;
+  int own_row0;      // first row of this rank's own copies on the channel
+  bool with_queues;  // peers' copies arrive in queues (else there are none)
+  uint32_t lane_base;
+  int lane;
+  bool lane_is_peer;  // lane r < R, r != rank: waits for and tracks peer r's queue
+
+  // Lane r: where rank r's copy of token t lies in its queue or in x (-1: none).
+  __device__ int entry_of(int t) const {
+    const int num_ranks = args.peers.num_ranks;
+    return lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
+  }
+  __device__ int num_sources(unsigned copies) const {
+    return __popc(copies) + (args.bias0 != nullptr ? 1 : 0) + (args.bias1 != nullptr ? 1 : 0);
+  }
+};
+
+// One warp's tokens, streamed piece by piece through its bulk-copy buffers: lane 0 loads piece p of each
+// source of a token in turn (copies in ascending rank order, then the biases), up to kTmaBuffers - 1 pieces
+// ahead and across token boundaries; every lane adds its chunks of each landed piece from shared memory, so
+// the warp's instructions go to the sums, not to issuing loads. Each chunk is summed in float in that order
+// and rounded once to BF16: the order reference::normal_combine defines.
+class WarpReducer {
+ public:
+  static constexpr int kPieceChunks = kTmaPieceBytes / 16;
+  static constexpr int kChunksPerLane = kPieceChunks / 32;
   static_assert(kPieceChunks % 32 == 0, "whole chunks per lane");
-  const int row_bytes = args.record.x_bytes;
-  const int num_chunks = row_bytes / 16;
-  const int num_pieces = (row_bytes + kTmaPieceBytes - 1) / kTmaPieceBytes;
-  const int num_sources = __popc(copies) + (args.bias0 != nullptr ? 1 : 0) + (args.bias1 != nullptr ? 1 : 0);
-  const char* my_source = token_source(args, t, copies, entry, lane, channel, own_row0);  // lane j: source j
-  const int num_items = num_pieces * num_sources;  // (piece, source), source-minor
+  static constexpr int kRing = kTmaBuffers;  // tokens the loads may be ahead of the sums, plus one
 
-  int issue_piece = 0, issue_source = 0;
-  const auto issue = [&](int item) {  // every lane calls it; lane 0 copies
-    if (item >= num_items) return;
-    const auto* row = reinterpret_cast<const char*>(
-        __shfl_sync(~0u, reinterpret_cast<unsigned long long>(my_source), issue_source));
-    if (lane == 0) {
-      const int offset = issue_piece * kTmaPieceBytes;
-      const int bytes = min(kTmaPieceBytes, row_bytes - offset);
-      const int b = item % kTmaBuffers;
-      device::fence_proxy_async_shared();  // the lanes' reads of this buffer come before the copy's writes
-      device::mbarrier_expect_bytes(&stage.buffers.barriers[b], bytes);
-      device::bulk_load(stage.buffers.pieces[b], row + offset, bytes, &stage.buffers.barriers[b]);
-    }
-    if (++issue_source == num_sources) {
-      issue_source = 0;
-      ++issue_piece;
-    }
-  };
-  // Copies in the queues were written by peers through the generic proxy; the bulk copies read through the
-  // async proxy.
-  if (lane == 0) device::fence_proxy_async();
-  for (int item = 0; item < kTmaBuffers - 1; ++item) issue(item);
-
-  float acc[kChunksPerLane][8] = {};
-  int piece = 0, source = 0;
-  for (int item = 0; item < num_items; ++item) {
-    issue(item + kTmaBuffers - 1);  // into the buffer every lane finished reading last iteration
-    const int b = item % kTmaBuffers;
-    device::mbarrier_wait(&stage.buffers.barriers[b], (stage.parities >> b) & 1u);
-    stage.parities ^= 1u << b;
-    const auto* landed = reinterpret_cast<const int4*>(stage.buffers.pieces[b]);
-    const int first = piece * kPieceChunks;
-#pragma unroll
-    for (int u = 0; u < kChunksPerLane; ++u) {
-      const int k = lane + 32 * u;
-      if (first + k < num_chunks && k < kPieceChunks) add_bf16x8(acc[u], landed[k]);
-    }
-    if (++source == num_sources) {
-#pragma unroll
-      for (int u = 0; u < kChunksPerLane; ++u) {
-        const int k = lane + 32 * u;
-        if (first + k < num_chunks) store_chunk(args, t, first + k, num_chunks, acc[u]);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[u][i] = 0.0f;
-      }
-      source = 0;
-      ++piece;
+  __device__ WarpReducer(const ReduceContext& context, TmaWarpStage& buffers, int* entry_ring)
+      : c_(context), buffers_(buffers), entry_ring_(entry_ring) {
+    row_bytes_ = c_.args.record.x_bytes;
+    num_chunks_ = row_bytes_ / 16;
+    num_pieces_ = (row_bytes_ + kTmaPieceBytes - 1) / kTmaPieceBytes;
+    if (c_.lane == 0) {
+      for (int b = 0; b < kTmaBuffers; ++b) device::mbarrier_init(&buffers_.barriers[b], 1);
     }
     __syncwarp();
   }
-  if (num_sources == 0) {  // a token no rank holds and no bias: zeros
-    for (int c = lane; c < num_chunks; c += 32) store_chunk(args, t, c, num_chunks, acc[0]);
+
+  // Reduces every token of `tokens`; `consumed[r]` ends at least at the entries of peer r's queue they used.
+  __device__ void reduce(const WarpTokens& tokens, int* consumed) {
+    tokens_ = tokens;
+    issue_token_ = -1;
+    issue_left_ = 0;
+    issued_ = 0;
+    for (int i = 0; i < kTmaBuffers - 1; ++i) issue_next();
+    int item = 0;
+    for (int k = 0; k < tokens.count; ++k) {
+      const int t = tokens.token(k);
+      const int entry = entry_ring_[(k % kRing) * 32 + c_.lane];
+      const unsigned copies = __ballot_sync(~0u, entry >= 0);
+      const int num_sources = c_.num_sources(copies);
+      float weights[kMaxNvlRanks];
+      load_topk_weights(copies, entry, weights);  // used at the token's end: the loads fly meanwhile
+      if (num_sources == 0) {  // a token no rank holds and no bias: zeros (one item, no load)
+        issue_next();
+        const float zeros[8] = {};
+        for (int chunk = c_.lane; chunk < num_chunks_; chunk += 32)
+          store_chunk(c_.args, t, chunk, num_chunks_, zeros);
+        ++item;
+        __syncwarp();
+      }
+      for (int piece = 0; num_sources > 0 && piece < num_pieces_; ++piece) {
+        float acc[kChunksPerLane][8] = {};
+        const int first = piece * kPieceChunks;
+        for (int source = 0; source < num_sources; ++source, ++item) {
+          issue_next();  // into the buffer every lane finished reading last item
+          const int b = item % kTmaBuffers;
+          device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
+          parities_ ^= 1u << b;
+          const auto* landed = reinterpret_cast<const int4*>(buffers_.pieces[b]);
+#pragma unroll
+          for (int u = 0; u < kChunksPerLane; ++u) {
+            const int chunk = c_.lane + 32 * u;
+            if (first + chunk < num_chunks_) add_bf16x8(acc[u], landed[chunk]);
+          }
+          __syncwarp();
+        }
+#pragma unroll
+        for (int u = 0; u < kChunksPerLane; ++u) {
+          const int chunk = first + c_.lane + 32 * u;
+          if (chunk < num_chunks_) store_chunk(c_.args, t, chunk, num_chunks_, acc[u]);
+        }
+      }
+      store_topk_weights(t, copies, weights);
+      if (c_.lane_is_peer && entry >= 0) atomicMax(&consumed[c_.lane], entry + 1);
+    }
   }
-  const int num_topk = args.record.num_topk_weights;
-  if (args.combined_topk_weights != nullptr) {
-    float sum = 0.0f;
+
+ private:
+  // Issues the next (token, piece, source) of the stream into buffer issued_ % kTmaBuffers, if any is left.
+  // Every lane calls it with the same state.
+  __device__ void issue_next() {
+    if (issue_left_ == 0) {
+      if (issue_token_ + 1 >= tokens_.count) return;
+      start_issue_token(++issue_token_);
+    }
+    const int b = issued_ % kTmaBuffers;
+    ++issued_;
+    --issue_left_;
+    if (issue_sources_ == 0) return;  // the empty token's one item
+    const auto* row = reinterpret_cast<const char*>(
+        __shfl_sync(~0u, reinterpret_cast<unsigned long long>(issue_row_), issue_source_));
+    if (c_.lane == 0) {
+      const int offset = issue_piece_ * kTmaPieceBytes;
+      const int bytes = min(kTmaPieceBytes, row_bytes_ - offset);
+      device::fence_proxy_async_shared();  // the lanes' reads of this buffer come before the copy's writes
+      device::mbarrier_expect_bytes(&buffers_.barriers[b], bytes);
+      device::bulk_load(buffers_.pieces[b], row + offset, bytes, &buffers_.barriers[b]);
+    }
+    if (++issue_source_ == issue_sources_) {
+      issue_source_ = 0;
+      ++issue_piece_;
+    }
+  }
+
+  // Token k's copies have landed (waited for here) and its sources are known to the issuing lanes.
+  __device__ void start_issue_token(int k) {
+    const int t = tokens_.token(k);
+    const int entry = c_.entry_of(t);
+    if (c_.with_queues && c_.lane_is_peer && entry >= 0) {
+      auto* counters = NormalLayout::counters(c_.args.peers.local_base);
+      device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
+                               wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
+    }
+    __syncwarp();
+    // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
+    // async proxy.
+    if (c_.lane == 0) device::fence_proxy_async();
+    const unsigned copies = __ballot_sync(~0u, entry >= 0);
+    entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
+    issue_sources_ = c_.num_sources(copies);
+    issue_row_ = token_source(c_.args, t, copies, entry, c_.lane, c_.channel, c_.own_row0);
+    issue_left_ = issue_sources_ == 0 ? 1 : num_pieces_ * issue_sources_;
+    issue_piece_ = 0;
+    issue_source_ = 0;
+  }
+
+  // Lane k < top-k: rank r's weight k of the token, for each rank r that holds a copy.
+  __device__ void load_topk_weights(unsigned copies, int entry, float (&weights)[kMaxNvlRanks]) const {
+    const int num_topk = c_.args.record.num_topk_weights;
 #pragma unroll
     for (int r = 0; r < kMaxNvlRanks; ++r) {
       const int entry_r = __shfl_sync(~0u, entry, r);
-      if (((copies >> r) & 1u) == 0 || lane >= num_topk) continue;
-      if (r == args.peers.rank) {
-        sum += args.topk_weights[static_cast<size_t>(own_row0 + entry_r) * num_topk + lane];
+      weights[r] = 0.0f;
+      if (c_.args.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
+        continue;
+      if (r == c_.args.peers.rank) {
+        weights[r] = c_.args.topk_weights[static_cast<size_t>(c_.own_row0 + entry_r) * num_topk + c_.lane];
       } else {
-        const char* record = copy_row(args, r, entry_r, channel, own_row0);
-        sum += reinterpret_cast<const volatile float*>(record + args.record.topk_weights_offset())[lane];
+        const char* record = copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
+        weights[r] =
+            reinterpret_cast<const volatile float*>(record + c_.args.record.topk_weights_offset())[c_.lane];
       }
     }
-    if (lane < num_topk) args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = sum;
   }
-}
 
-// ---- Reduce: the channel's tokens (or `tokens`, a part of them, without queues) in batches of one token per
-// warp. A warp waits only for its own token's copies; after each batch, each peer learns how far its queue
-// was consumed.
+  // The weights summed in ascending rank order.
+  __device__ void store_topk_weights(int t, unsigned copies, const float (&weights)[kMaxNvlRanks]) const {
+    const int num_topk = c_.args.record.num_topk_weights;
+    if (c_.args.combined_topk_weights == nullptr || c_.lane >= num_topk) return;
+    float sum = 0.0f;
+#pragma unroll
+    for (int r = 0; r < kMaxNvlRanks; ++r) {
+      if ((copies >> r) & 1u) sum += weights[r];
+    }
+    c_.args.combined_topk_weights[static_cast<size_t>(t) * num_topk + c_.lane] = sum;
+  }
+
+  const ReduceContext& c_;
+  TmaWarpStage& buffers_;
+  int* entry_ring_;  // [kRing][32]: each lane's entry of the tokens the loads started
+  int row_bytes_ = 0, num_chunks_ = 0, num_pieces_ = 0;
+  uint32_t parities_ = 0;  // the phase each buffer's barrier waits for next
+  WarpTokens tokens_{};
+  int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
+  int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;
+  const char* issue_row_ = nullptr;  // lane j: source j of the token being issued
+};
+
+// ---- Reduce: the channel's tokens (or `tokens`, a part of them, without queues) in batches; in a batch each
+// warp streams up to kMaxTokensPerWarp tokens (without queues: all of its tokens in one batch). A warp waits
+// only for its own tokens' copies; after each batch, each peer learns how far its queue was consumed.
 // NOTES: a batch needs at most `batch` <= Q new records of each queue, and senders write whatever room
-// allows, so every record a batch waits for fits in the queue: no deadlock for any chunk sizes. ----
+// allows, so every record a batch waits for fits in the queue: no deadlock for any chunk sizes. Batches of at
+// most a quarter of Q let senders refill the queue while a batch is reduced. ----
+constexpr int kMaxTokensPerWarp = 4;
+
 __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
                               TmaWarpStage* stages) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
+  __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  const int own_row0 = args.handle.recv_channel_offset[rank * args.layout.num_channels + channel];
   const bool lane_is_peer = lane < num_ranks && lane != rank;
   auto* counters = NormalLayout::counters(args.peers.local_base);
-  const uint32_t lane_base = lane_is_peer ? counters->consumed[lane][channel] : 0;
+  const ReduceContext context{args,
+                              channel,
+                              args.handle.recv_channel_offset[rank * args.layout.num_channels + channel],
+                              with_queues,
+                              lane_is_peer ? counters->consumed[lane][channel] : 0u,
+                              lane,
+                              lane_is_peer};
   if (threadIdx.x < kMaxNvlRanks) consumed[threadIdx.x] = 0;
-  ReduceStage stage{stages[warp]};
-  if (lane == 0) {
-    for (int b = 0; b < kTmaBuffers; ++b) device::mbarrier_init(&stage.buffers.barriers[b], 1);
-  }
+  WarpReducer reducer(context, stages[warp], entry_rings[warp]);
   int published = 0;  // thread r < R: what peer r was last told
   __syncthreads();
 
-  const int batch = with_queues ? min(kQueueWarps, args.layout.queue_tokens) : kQueueWarps;
+  const int num_tokens = tokens.end - tokens.begin;
+  const int queue_tokens = args.layout.queue_tokens;
+  const int warps = with_queues ? min(kQueueWarps, queue_tokens) : kQueueWarps;
+  const int per_warp = with_queues ? max(1, min(kMaxTokensPerWarp, queue_tokens / (4 * kQueueWarps)))
+                                   : (num_tokens + kQueueWarps - 1) / kQueueWarps;
+  const int batch = max(1, warps * per_warp);
   for (int first = tokens.begin; first < tokens.end; first += batch) {
-    const int t = first + warp;
-    if (warp < batch && t < tokens.end) {
-      const int entry =
-          lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
-      if (lane_is_peer && entry >= 0) {
-        device::wait_count_since(&counters->tail[lane][channel], lane_base, entry + 1,
-                                 wait_context(args.peers), lane, WaitPhase::kCombineReduce);
-      }
-      __syncwarp();
-      const unsigned copies = __ballot_sync(~0u, entry >= 0);
-      reduce_token(args, t, copies, entry, channel, own_row0, lane, stage);
-      if (lane_is_peer && entry >= 0) atomicMax(&consumed[lane], entry + 1);
+    if (warp < warps) {
+      const int mine = first + warp;
+      const int count = mine < tokens.end ? min(per_warp, (tokens.end - mine + warps - 1) / warps) : 0;
+      reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
     __syncthreads();
     if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank && consumed[threadIdx.x] > published) {
       published = consumed[threadIdx.x];
       auto* head = &NormalLayout::counters(args.peers.peer_bases[threadIdx.x])->head[rank][channel];
-      device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(lane_base + published));
+      device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(context.lane_base + published));
     }
     __syncthreads();  // the next batch's progress is not published before it is read
   }
   if (with_queues && lane_is_peer && warp == 0)
-    counters->consumed[lane][channel] = lane_base + consumed[lane];
+    counters->consumed[lane][channel] = context.lane_base + consumed[lane];
 }
 
 // Block 2c sends the rows received on channel c back to their sources, block 2c + 1 reduces channel c's
