@@ -104,8 +104,8 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     args.host.counts[1 + num_ranks + le] = aligned;
   }
   // The host spins on the ready word, not on the launch.
+  // The release is cumulative over the block's count writes that bar.sync ordered before it.
   if (args.host.ready != nullptr) {
-    __threadfence_system();
     __syncthreads();
     if (threadIdx.x == 0) device::st_release_sys(args.host.ready, args.host.ready_value);
   }

@@ -14,9 +14,9 @@ namespace epx::kernels {
 // an operation reads op_count & 1 before the operation's barrier (parity_before_barrier).
 __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
   auto* local = NormalLayout::control(peers.local_base);
-  __syncthreads();
   const int target = local->barrier_count + 1;
-  __threadfence_system();
+  // The block's earlier writes (and what it acquired from other blocks) precede each signal's release in
+  // causality order (bar.sync, then release at system scope), so no separate system fence is needed.
   __syncthreads();
   if (threadIdx.x < peers.num_ranks) {
     auto* remote = NormalLayout::control(peers.peer_bases[threadIdx.x]);
@@ -24,13 +24,12 @@ __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
     const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
     device::wait_at_least(&local->barrier_signal[threadIdx.x], target, ctx, threadIdx.x, WaitPhase::kBarrier);
   }
+  // Each peer's writes before its signal were acquired by one thread; bar.sync extends them to the block.
   __syncthreads();
   if (threadIdx.x == 0) {
     local->barrier_count = target;
     local->op_count += 1;
   }
-  __threadfence_system();
-  __syncthreads();
 }
 
 __device__ __forceinline__ int parity_before_barrier(const PeerContext& peers) {
