@@ -21,6 +21,11 @@ void validate_config(const Config& config) {
             config.num_max_rdma_chunked_send_tokens, "must be >= 1");
   EPX_CHECK(config.num_max_rdma_chunked_recv_tokens >= 1, "num_max_rdma_chunked_recv_tokens",
             config.num_max_rdma_chunked_recv_tokens, "must be >= 1");
+  EPX_CHECK(config.num_max_rdma_chunked_send_tokens <= config.num_max_rdma_chunked_recv_tokens,
+            "num_max_rdma_chunked_send_tokens", config.num_max_rdma_chunked_send_tokens,
+            detail::concat("must be <= num_max_rdma_chunked_recv_tokens (",
+                           config.num_max_rdma_chunked_recv_tokens, ")")
+                .c_str());
 }
 
 void validate_normal_shape(const NormalShape& shape) {
@@ -62,13 +67,6 @@ size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Con
 
 size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {
   return normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, *this);
-}
-
-size_t Config::get_rdma_buffer_size_hint(size_t /*hidden_bytes*/, int num_ranks) const {
-  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
-  EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks,
-            "must be <= 8: normal mode across NVLink domains is not implemented");
-  return 0;
 }
 
 }  // namespace epx
