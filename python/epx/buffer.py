@@ -222,25 +222,29 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, *, previous_event: Any = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
-        """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map."""
+        """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map; when the
+        group spans nodes, also tokens per node (num_tokens_per_rdma_rank, a token counted once per node)."""
         t = torch()
         check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2)
         num_tokens, num_topk = topk_idx.shape
         compute_stream = current_stream()
         order = self._order(previous_event, async_finish)
+        num_nodes = self.get_num_rdma_ranks()
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
             per_rank = t.empty(self.num_ranks, dtype=t.int32, device=self.device)
+            per_node = t.empty(num_nodes, dtype=t.int32, device=self.device) if num_nodes > 1 else None
             per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=self.device)
             in_rank = t.empty(num_tokens, self.num_ranks, dtype=t.bool, device=self.device)
         out = _epx.DispatchLayoutOutput()
         out.num_tokens_per_rank = pointer(per_rank)
         out.num_tokens_per_expert = pointer(per_expert)
         out.is_token_in_rank = pointer(in_rank)
+        out.num_tokens_per_rdma_rank = pointer(per_node)
         event = _epx.get_dispatch_layout(self.runtime, pointer(topk_idx), num_tokens, num_topk, num_experts, out,
                                          order)
-        overlap = self._finish(event, [topk_idx], [per_rank, per_expert, in_rank], async_finish,
-                               allocate_on_comm_stream, compute_stream)
-        return DispatchLayout(per_rank, None, per_expert, in_rank, overlap)
+        outputs = [per_rank, per_expert, in_rank] + ([per_node] if per_node is not None else [])
+        overlap = self._finish(event, [topk_idx], outputs, async_finish, allocate_on_comm_stream, compute_stream)
+        return DispatchLayout(per_rank, per_node, per_expert, in_rank, overlap)
 
     def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
                  topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,
