@@ -73,9 +73,11 @@ class Buffer:
             budget and chunk sizes) from then on; calls without one use the current config.
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
             a timeout raises EpxError naming the rank, peer and phase.
-        ranks_per_node: ranks per NVLink node (0: all ranks). Fewer splits the group into nodes of consecutive
-            ranks; low-latency traffic between nodes goes through NVSHMEM (epx.WITH_NVSHMEM). On one host
-            this makes virtual nodes. The environment's EPX_RANKS_PER_NODE overrides it.
+        ranks_per_node: ranks per NVLink node (0: detect: the ranks of one host whose GPUs reach each other
+            form a node, so one host is one node). A smaller value (it must divide the detected size) splits
+            the group into nodes of consecutive ranks; low-latency traffic between nodes goes through NVSHMEM
+            (epx.WITH_NVSHMEM). On one host this makes virtual nodes. The environment's EPX_RANKS_PER_NODE
+            overrides it; every rank must end up with the same value.
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -143,7 +145,7 @@ class Buffer:
         return self.runtime.num_rdma_bytes
 
     # DeepEP's runtime queries (deep_ep.Buffer.runtime is this object). DeepEP's "RDMA ranks" are the nodes:
-    # groups of ranks_per_node consecutive ranks (EPX_RANKS_PER_NODE / ranks_per_node; all ranks by default).
+    # groups of ranks_per_node consecutive ranks (EPX_RANKS_PER_NODE / ranks_per_node, else one per host).
 
     def get_num_rdma_ranks(self) -> int:
         """Nodes the group spans: 1 within one NVLink node."""
