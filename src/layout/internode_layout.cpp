@@ -1,6 +1,7 @@
 #include "epx/layout/internode_layout.hpp"
 
 #include "epx/error.hpp"
+#include "layout/layout_checks.hpp"
 
 namespace epx {
 
@@ -18,19 +19,14 @@ void validate_node_split(int num_ranks, int ranks_per_node, const char* name) {
 }
 
 void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_bytes) {
-  const size_t needed = layout.total_bytes();
-  EPX_CHECK(needed <= buffer_bytes, "num_rdma_bytes", buffer_bytes,
-            detail::concat(
-                "must be >= ", needed, " for this call (", layout.num_nodes, " nodes, ", layout.num_channels,
-                " channels, ", layout.queue_tokens, " tokens per queue, ", layout.record_bytes,
-                "-byte records); size it with Config::get_rdma_buffer_size_hint for the configs used")
-                .c_str());
+  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_rdma_bytes",
+                           detail::concat(layout.num_nodes, " nodes"), layout.num_channels,
+                           layout.queue_tokens, layout.record_bytes, "Config::get_rdma_buffer_size_hint");
 }
 
 size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node,
                                        const Config& config) {
-  EPX_CHECK(hidden_bytes > 0, "hidden_bytes", hidden_bytes, "must be > 0");
-  EPX_CHECK(hidden_bytes % 16 == 0, "hidden_bytes", hidden_bytes, "must be a multiple of 16");
+  detail::check_hidden_bytes(hidden_bytes);
   EPX_CHECK(num_ranks <= kMaxInternodeRanks, "num_ranks", num_ranks, "must be <= 64");
   validate_node_split(num_ranks, ranks_per_node);
   validate_config(config);

@@ -1,8 +1,9 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
+#include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <set>
 #include <string>
 #include <vector>
 
@@ -17,13 +18,20 @@ using epx::InternodeRecord;
 using epx::NodeMap;
 using epx::NormalShape;
 
-std::string message_of(const std::function<void()>& call) {
+// Passes when `call` throws an epx::Error whose message contains `needle` ("" : when it throws nothing).
+void expect_message(const std::function<void()>& call, const std::string& needle) {
+  std::string message;
   try {
     call();
   } catch (const epx::Error& error) {
-    return error.message();
+    message = error.message();
   }
-  return "";
+  if (needle.empty()) {
+    EXPECT_EQ(message, "");
+  } else {
+    EXPECT_NE(message.find(needle), std::string::npos)
+        << "expected '" << needle << "' in '" << message << "'";
+  }
 }
 
 TEST(InternodeLayout, NodeMapNamesNodesLocalRanksAndRails) {
@@ -49,87 +57,78 @@ TEST(InternodeLayout, NodeMapNamesNodesLocalRanksAndRails) {
 }
 
 TEST(InternodeLayout, NodeSplitRulesNameTheArgument) {
-  EXPECT_EQ(message_of([] { epx::validate_node_split(16, 8); }), "");
-  EXPECT_EQ(message_of([] { epx::validate_node_split(4, 1); }), "");
-  EXPECT_EQ(message_of([] { epx::validate_node_split(16, 16); }),
-            "");  // one node: its size is not limited here
-  EXPECT_NE(message_of([] {
-              epx::validate_node_split(8, 3);
-            }).find("invalid ranks_per_node = 3: must divide num_ranks (8): nodes are equal blocks"),
-            std::string::npos);
-  EXPECT_NE(message_of([] {
-              epx::validate_node_split(32, 16, "EPX_RANKS_PER_NODE");
-            }).find("invalid EPX_RANKS_PER_NODE = 16: must be <= 8 when the group spans nodes (32 ranks)"),
-            std::string::npos);
-  EXPECT_NE(
-      message_of([] { epx::validate_node_split(4, 0); }).find("invalid ranks_per_node = 0: must be >= 1"),
-      std::string::npos);
+  expect_message([] { epx::validate_node_split(16, 8); }, "");
+  expect_message([] { epx::validate_node_split(4, 1); }, "");
+  expect_message([] { epx::validate_node_split(16, 16); }, "");  // one node: its size is not limited here
+  expect_message([] { epx::validate_node_split(8, 3); },
+                 "invalid ranks_per_node = 3: must divide num_ranks (8): nodes are equal blocks");
+  expect_message([] { epx::validate_node_split(32, 16, "EPX_RANKS_PER_NODE"); },
+                 "invalid EPX_RANKS_PER_NODE = 16: must be <= 8 when the group spans nodes (32 ranks)");
+  expect_message([] { epx::validate_node_split(4, 0); }, "invalid ranks_per_node = 0: must be >= 1");
 }
 
+// An internode record is the normal-mode record with the rank mask after the source index, padded to 16.
 TEST(InternodeLayout, RecordCarriesTheNodeRankMaskAfterTheNormalFields) {
-  const NormalShape bf16{16, 256, 7168, 7168 * 2, 0, 8};
-  const InternodeRecord dispatch = InternodeRecord::dispatch(bf16);
-  EXPECT_EQ(dispatch.normal.src_idx_offset(), 14336u + 64);
-  EXPECT_EQ(dispatch.rank_mask_offset(), 14336u + 68);
-  EXPECT_EQ(dispatch.bytes(), 14416u);  // 14336 + 72, padded to 16
-  const InternodeRecord fp8 = InternodeRecord::dispatch(NormalShape{16, 256, 7168, 7168, 56, 8});
-  EXPECT_EQ(fp8.rank_mask_offset(), 7168u + 56 * 4 + 64 + 4);
-  EXPECT_EQ(fp8.bytes() % 16, 0u);
-  const InternodeRecord combine = InternodeRecord::combine(7168, 8);
-  EXPECT_FALSE(combine.with_rank_mask);
-  EXPECT_EQ(combine.bytes(), 14336u + 32);
   const InternodeRecord largest = InternodeRecord::largest(7168 * 2);
   EXPECT_EQ(largest.bytes(), 14480u);  // 14336 + 16 ids + 16 weights + source index + rank mask
-  for (int topk : {0, 1, 8, epx::kMaxTopk}) {
-    EXPECT_LE(InternodeRecord::dispatch(NormalShape{16, 256, 7168, 7168 * 2, 0, topk}).bytes(),
-              largest.bytes());
-    EXPECT_LE(InternodeRecord::dispatch(NormalShape{16, 256, 7168, 7168, 56, topk}).bytes(), largest.bytes());
-    EXPECT_LE(InternodeRecord::combine(7168, topk).bytes(), largest.bytes());
+  for (const int row_bytes : {7168 * 2, 7168}) {
+    for (const int topk : {0, 1, 8, epx::kMaxTopk}) {
+      const NormalShape shape{16, 256, 7168, row_bytes, row_bytes == 7168 ? 56 : 0, topk};
+      const InternodeRecord record = InternodeRecord::dispatch(shape);
+      const epx::NormalRecord normal = epx::NormalRecord::dispatch(shape);
+      EXPECT_EQ(record.rank_mask_offset(), normal.src_idx_offset() + 4);
+      EXPECT_EQ(record.bytes(), epx::align_up(normal.src_idx_offset() + 8, 16));
+      EXPECT_LE(record.bytes(), largest.bytes()) << row_bytes << " bytes, top-" << topk;
+      const InternodeRecord combine = InternodeRecord::combine(7168, topk);
+      EXPECT_EQ(combine.bytes(), epx::NormalRecord::combine(7168, topk).bytes());  // no mask going back
+    }
   }
+  EXPECT_EQ(InternodeRecord::dispatch(NormalShape{16, 256, 7168, 7168 * 2, 0, 8}).bytes(), 14416u);
 }
 
-TEST(InternodeLayout, SendRingsAndQueuesAreDisjointAndInsideTheBuffer) {
+// Every send ring and receive queue record of every (own node, peer node, channel, entry) tiles the area
+// after the fixed head exactly once, record after record; entry e and e + Q share a slot.
+TEST(InternodeLayout, SendRingsAndQueuesTileTheBufferAfterTheHead) {
   Config config;
   config.num_sms = 6;  // 3 channels
   config.num_max_rdma_chunked_recv_tokens = 5;
-  const int num_nodes = 4;
+  const int num_nodes = 4, queue_tokens = 5;
   const InternodeLayout layout =
       InternodeLayout::of(num_nodes, config, InternodeRecord::dispatch(NormalShape{8, 64, 256, 512, 0, 4}));
-  EXPECT_EQ(layout.num_channels, 3);
-  EXPECT_EQ(layout.queue_tokens, 5);
-  EXPECT_EQ(layout.total_bytes(),
-            InternodeLayout::kQueuesOffset + 2 * size_t(num_nodes - 1) * 3 * 5 * layout.record_bytes);
+  ASSERT_EQ(layout.num_channels, 3);
+  ASSERT_EQ(layout.queue_tokens, queue_tokens);
+  const size_t num_records = 2 * size_t(num_nodes - 1) * 3 * queue_tokens;
+  EXPECT_EQ(layout.total_bytes(), InternodeLayout::kQueuesOffset + num_records * layout.record_bytes);
   std::vector<char> buffer(layout.total_bytes());
   char* base = buffer.data();
   for (int own = 0; own < num_nodes; ++own) {
-    std::set<size_t> offsets;
+    std::vector<size_t> offsets;
     for (int peer = 0; peer < num_nodes; ++peer) {
-      if (peer == own) continue;
-      for (int c = 0; c < layout.num_channels; ++c) {
-        for (uint32_t entry = 0; entry < 5; ++entry) {
-          for (char* record : {layout.send_record(base, peer, own, c, entry),
-                               layout.recv_record(base, peer, own, c, entry)}) {
-            const size_t offset = record - base;
-            EXPECT_GE(offset, InternodeLayout::kQueuesOffset);
-            EXPECT_LE(offset + layout.record_bytes, layout.total_bytes());
-            EXPECT_EQ(offset % 16, 0u);
-            EXPECT_TRUE(offsets.insert(offset).second) << "record used twice";
-          }
-          // Entry e and e + Q share a slot.
-          EXPECT_EQ(layout.recv_record(base, peer, own, c, entry + 5),
+      for (int c = 0; peer != own && c < layout.num_channels; ++c) {
+        for (uint32_t entry = 0; entry < uint32_t(queue_tokens); ++entry) {
+          offsets.push_back(layout.send_record(base, peer, own, c, entry) - base);
+          offsets.push_back(layout.recv_record(base, peer, own, c, entry) - base);
+          EXPECT_EQ(layout.recv_record(base, peer, own, c, entry + queue_tokens),
                     layout.recv_record(base, peer, own, c, entry));
-          EXPECT_EQ(layout.send_record(base, peer, own, c, entry + 5),
+          EXPECT_EQ(layout.send_record(base, peer, own, c, entry + queue_tokens),
                     layout.send_record(base, peer, own, c, entry));
         }
       }
     }
-    EXPECT_EQ(offsets.size(), 2 * size_t(num_nodes - 1) * 3 * 5);
+    std::sort(offsets.begin(), offsets.end());
+    ASSERT_EQ(offsets.size(), num_records);
+    for (size_t i = 0; i < num_records; ++i)
+      ASSERT_EQ(offsets[i], InternodeLayout::kQueuesOffset + i * layout.record_bytes) << "node " << own;
   }
-  // The fixed areas keep their size whatever the call: counters and notify counts at stable addresses.
+  // The head keeps its size whatever the call: counters and notify counts stay at stable addresses.
   EXPECT_EQ(sizeof(InternodeLayout::Control), 400u);
-  EXPECT_EQ(InternodeLayout::kCountersOffset, 512u);
+  EXPECT_EQ(offsetof(InternodeLayout::Head, counters), 512u);
   EXPECT_EQ(sizeof(InternodeLayout::QueueCounters), 4u * epx::kMaxRdmaNodes * epx::kMaxChannels * 8);
+  EXPECT_EQ(offsetof(InternodeLayout::Head, notify) % 128, 0u);
   EXPECT_EQ(InternodeLayout::kQueuesOffset, 180736u);
+  EXPECT_EQ(static_cast<void*>(&InternodeLayout::head(base)->notify[1]),
+            static_cast<void*>(base + offsetof(InternodeLayout::Head, notify) +
+                               sizeof(InternodeLayout::NotifyHalf)));
 }
 
 // Pinned hints, as docs/ARCHITECTURE.md lists them: hidden 7168, 2 and 4 nodes of 8, DeepEP's recommended
@@ -164,47 +163,32 @@ TEST(InternodeLayout, SizeHintDependsOnTheConfigNotOnTokens) {
 
 TEST(InternodeLayout, SizeHintAndFitErrorsNameTheArgument) {
   const Config config;
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2, 12);
-            }).find("invalid num_ranks = 12: must be a multiple of 8 above 8 ranks"),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2, 8, 3);
-            }).find("invalid ranks_per_node = 3: must divide num_ranks (8)"),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2, 32, 16);
-            }).find("invalid ranks_per_node = 16: must be <= 8 when the group spans nodes"),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2, 32, 1);
-            }).find("invalid ranks_per_node = 1: must give at most 16 nodes"),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2 + 2, 16);
-            }).find("invalid hidden_bytes = 14338: must be a multiple of 16"),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              config.get_rdma_buffer_size_hint(7168 * 2, 16, -1);
-            }).find("invalid ranks_per_node = -1: must be >= 0"),
-            std::string::npos);
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 12); },
+                 "invalid num_ranks = 12: must be a multiple of 8 above 8 ranks");
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 8, 3); },
+                 "invalid ranks_per_node = 3: must divide num_ranks (8)");
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 32, 16); },
+                 "invalid ranks_per_node = 16: must be <= 8 when the group spans nodes");
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 32, 1); },
+                 "invalid ranks_per_node = 1: must give at most 16 nodes");
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2 + 2, 16); },
+                 "invalid hidden_bytes = 14338: must be a multiple of 16");
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 16, -1); },
+                 "invalid ranks_per_node = -1: must be >= 0");
   Config bad = config;
   bad.num_max_rdma_chunked_send_tokens = 300;
-  EXPECT_NE(message_of([&] { epx::validate_config(bad); })
-                .find("invalid num_max_rdma_chunked_send_tokens = 300: must be <= "
-                      "num_max_rdma_chunked_recv_tokens (256)"),
-            std::string::npos);
+  expect_message(
+      [&] { epx::validate_config(bad); },
+      "invalid num_max_rdma_chunked_send_tokens = 300: must be <= num_max_rdma_chunked_recv_tokens (256)");
 
   const InternodeLayout layout = InternodeLayout::of(2, config, InternodeRecord::largest(7168 * 2));
-  EXPECT_EQ(message_of([&] { epx::check_internode_layout_fits(layout, layout.total_bytes()); }), "");
-  EXPECT_NE(message_of([&] {
-              epx::check_internode_layout_fits(layout, layout.total_bytes() - 1);
-            }).find("invalid num_rdma_bytes = "),
-            std::string::npos);
-  EXPECT_NE(message_of([&] {
-              epx::check_internode_layout_fits(layout, 0);
-            }).find("size it with Config::get_rdma_buffer_size_hint"),
-            std::string::npos);
+  expect_message([&] { epx::check_internode_layout_fits(layout, layout.total_bytes()); }, "");
+  expect_message(
+      [&] { epx::check_internode_layout_fits(layout, layout.total_bytes() - 1); },
+      "invalid num_rdma_bytes = " + std::to_string(layout.total_bytes() - 1) +
+          ": must be >= " + std::to_string(layout.total_bytes()) +
+          " for this call (2 nodes, 10 channels, 256 tokens per queue, 14480-byte records); size it "
+          "with Config::get_rdma_buffer_size_hint");
 }
 
 }  // namespace

@@ -4,8 +4,8 @@
 #include <string>
 #include <vector>
 
+#include "cpu/bf16_values.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
 #include "epx/reference/internode.hpp"
 #include "epx/reference/layout.hpp"
 #include "epx/reference/normal.hpp"
@@ -17,17 +17,8 @@ namespace {
 
 using namespace epx::reference;
 
-std::vector<uint16_t> bf16_values(const std::vector<float>& values) {
-  std::vector<uint16_t> bits;
-  for (float v : values) bits.push_back(epx::float_to_bf16(v));
-  return bits;
-}
-
-std::vector<float> float_values(const std::vector<uint16_t>& bits) {
-  std::vector<float> values;
-  for (uint16_t b : bits) values.push_back(epx::bf16_to_float(b));
-  return values;
-}
+using epx::test::bf16_values;
+using epx::test::float_values;
 
 void expect_same_outputs(const NormalDispatchResult& got, const NormalDispatchResult& want) {
   ASSERT_EQ(got.ranks.size(), want.ranks.size());

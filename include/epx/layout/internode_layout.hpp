@@ -81,9 +81,9 @@ struct InternodeRecord {
 // (nvshmemx_signal_op, nvshmem_putmem_signal_nbi) update 64-bit words: a put followed by its tail update is
 // one put-with-signal. Send ring slot e mod Q may be rewritten once the destination consumed entry e - Q.
 //
-//   Control           barrier and "previous call done" signals from the rail peers, this rank's counts
-//   QueueCounters     tail / head per (peer node, channel), and this rank's own running counts
-//   NotifyHalf x 2    count exchange of dispatch, double-buffered like NormalLayout's
+//   Head: Control        barrier and "previous call done" signals from the rail peers, this rank's counts
+//         QueueCounters  tail / head per (peer node, channel), and this rank's own running counts
+//         NotifyHalf x 2 count exchange of dispatch, double-buffered like NormalLayout's
 //   send rings        [N - 1 destination nodes][C channels][Q records]
 //   receive queues    [N - 1 source nodes][C channels][Q records]
 struct InternodeLayout {
@@ -117,11 +117,13 @@ struct InternodeLayout {
     int expert_counts[kMaxExperts];                        // [src * L + le]: its tokens for my local expert
   };
 
-  static constexpr size_t kControlOffset = 0;
-  static constexpr size_t kCountersOffset = align_up(sizeof(Control), kNormalAlign);
-  static constexpr size_t kNotifyOffset = kCountersOffset + align_up(sizeof(QueueCounters), kNormalAlign);
-  static constexpr size_t kNotifyHalfBytes = align_up(sizeof(NotifyHalf), kNormalAlign);
-  static constexpr size_t kQueuesOffset = kNotifyOffset + 2 * kNotifyHalfBytes;
+  // The fixed areas, each 128-byte aligned, at the start of the buffer; the queues follow.
+  struct Head {
+    alignas(kNormalAlign) Control control;
+    alignas(kNormalAlign) QueueCounters counters;
+    alignas(kNormalAlign) NotifyHalf notify[2];
+  };
+  static constexpr size_t kQueuesOffset = align_up(sizeof(Head), kNormalAlign);
 
   EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
   // Queues in each direction (send rings, receive queues).
@@ -129,14 +131,7 @@ struct InternodeLayout {
   EPX_HD size_t recv_queues_offset() const { return kQueuesOffset + num_queues() * queue_bytes(); }
   EPX_HD size_t total_bytes() const { return kQueuesOffset + 2 * num_queues() * queue_bytes(); }
 
-  EPX_HD static Control* control(void* base) { return reinterpret_cast<Control*>(base); }
-  EPX_HD static QueueCounters* counters(void* base) {
-    return reinterpret_cast<QueueCounters*>(static_cast<char*>(base) + kCountersOffset);
-  }
-  EPX_HD static NotifyHalf* notify(void* base, int parity) {
-    return reinterpret_cast<NotifyHalf*>(static_cast<char*>(base) + kNotifyOffset +
-                                         parity * kNotifyHalfBytes);
-  }
+  EPX_HD static Head* head(void* base) { return static_cast<Head*>(base); }
   // Index of `peer_node` among the other nodes of a rank on `own_node` (no queue to its own node).
   EPX_HD static int node_slot(int peer_node, int own_node) {
     return peer_node < own_node ? peer_node : peer_node - 1;
