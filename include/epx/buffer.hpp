@@ -14,15 +14,19 @@ namespace epx {
 struct WaitTimeoutRecord;
 
 struct BufferOptions {
-  size_t num_nvl_bytes = 0;   // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
-  size_t num_rdma_bytes = 0;  // low-latency buffer per rank (see get_low_latency_rdma_size_hint)
+  size_t num_nvl_bytes = 0;  // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
+  // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
+  // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).
+  size_t num_rdma_bytes = 0;
   bool low_latency_mode = false;
   int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
   double wait_timeout_s = 30.0;  // bound of every device-side wait (env EPX_WAIT_TIMEOUT_S overrides)
-  // Ranks per NVLink node; 0 = all ranks (one node). Fewer than num_ranks splits the group into nodes of
-  // consecutive ranks whose low-latency traffic to other nodes goes through NVSHMEM (needs the NVSHMEM
-  // transport). On one host this makes virtual nodes (e.g. 4 GPUs as 2 x 2), which is how the multi-node
-  // path is tested without a NIC. Env EPX_RANKS_PER_NODE overrides.
+  // Ranks per NVLink node; 0 = detect: ranks on one host whose GPUs reach each other (NVLink / P2P) form a
+  // node (every rank, when the group runs on one host). Nodes must be equal blocks of consecutive ranks, at
+  // most 8 ranks when there are several; every rank must end up with the same value (checked: all raise the
+  // same error otherwise). Several nodes: low-latency traffic to other nodes goes through NVSHMEM (needs the
+  // NVSHMEM transport). A value below the detected node size makes virtual nodes (e.g. 4 GPUs of one host as
+  // 2 x 2), which is how the multi-node path is tested without a NIC. Env EPX_RANKS_PER_NODE overrides.
   int ranks_per_node = 0;
 };
 
@@ -69,7 +73,8 @@ class Buffer {
   size_t num_nvl_bytes() const;
   void* const* nvl_peer_bases_device() const;
 
-  // Ranks per NVLink node (num_ranks for one node); the low-latency buffer reaches other nodes by NVSHMEM.
+  // Ranks per NVLink node (num_ranks for one node), the same on every rank; the low-latency buffer reaches
+  // other nodes by NVSHMEM.
   int ranks_per_node() const;
   bool spans_nodes() const;
 

@@ -15,8 +15,12 @@ struct Config {
   // Tokens one queue holds: every (source, destination, channel) with source != destination has one, in the
   // destination's NVLink buffer. The NVLink buffer grows with it, never with the batch.
   int num_max_nvl_chunked_recv_tokens = 256;
-  // Kept for DeepEP callers; used by normal mode across nodes (not implemented: such groups are refused).
+  // Normal mode across nodes (epx/layout/internode_layout.hpp): most tokens a sender puts into a network
+  // queue before it publishes them to the receiving node (one put-with-signal per chunk) ...
   int num_max_rdma_chunked_send_tokens = 6;
+  // ... and tokens one network queue holds: every (source node, destination node, channel) has one, in the
+  // symmetric buffer of the receiving rail peer (plus a send ring of the same size at the sender). The
+  // symmetric buffer grows with it, never with the batch.
   int num_max_rdma_chunked_recv_tokens = 256;
 
   int num_channels() const { return num_sms / 2 > 1 ? num_sms / 2 : 1; }
@@ -25,12 +29,16 @@ struct Config {
   // (hidden * 2 for BF16; FP8 rows with their scales are smaller), up to 16 top-k, on `num_ranks` ranks. It
   // does not depend on the number of tokens.
   size_t get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const;
-  // 0 within one NVLink domain (up to 8 ranks); larger groups are refused (normal mode across nodes is not
-  // implemented).
-  size_t get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks) const;
+  // Symmetric (NVSHMEM) bytes per rank that normal-mode calls across nodes with this config need
+  // (BufferOptions::num_rdma_bytes; a Buffer that also serves low-latency calls takes the larger of this and
+  // get_low_latency_rdma_size_hint). Nodes of `ranks_per_node` ranks; 0 means DeepEP's convention: one node
+  // up to 8 ranks, nodes of 8 above. 0 when the group is one node. It does not depend on the number of
+  // tokens.
+  size_t get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node = 0) const;
 };
 
-// Throws epx::Error naming the first field that breaks a rule (>= 1; send chunk <= queue tokens).
+// Throws epx::Error naming the first field that breaks a rule (>= 1; send chunk <= queue tokens, for the
+// NVLink and the network queues).
 void validate_config(const Config& config);
 
 }  // namespace epx

@@ -26,9 +26,13 @@ struct DispatchLayoutOutput {
   int* num_tokens_per_rank;    // [R]
   int* num_tokens_per_expert;  // [E]
   bool* is_token_in_rank;      // [T, R]
+  // Optional: [R / Buffer::ranks_per_node()] tokens per node (a token counts once per node; DeepEP's
+  // num_tokens_per_rdma_rank), or nullptr when not wanted.
+  int* num_tokens_per_rdma_rank = nullptr;
 };
 
-// Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map.
+// Tokens per rank (a token counts once per rank), per expert, per node (when asked), and the token-in-rank
+// map.
 // Ids outside [-1, E) are ignored by the kernel and reported by the next dispatch_notify.
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
                           int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order);

@@ -73,9 +73,11 @@ class Buffer:
             budget and chunk sizes) from then on; calls without one use the current config.
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
             a timeout raises EpxError naming the rank, peer and phase.
-        ranks_per_node: ranks per NVLink node (0: all ranks). Fewer splits the group into nodes of consecutive
-            ranks; low-latency traffic between nodes goes through NVSHMEM (epx.WITH_NVSHMEM). On one host
-            this makes virtual nodes. The environment's EPX_RANKS_PER_NODE overrides it.
+        ranks_per_node: ranks per NVLink node (0: detect: the ranks of one host whose GPUs reach each other
+            form a node, so one host is one node). A smaller value (it must divide the detected size) splits
+            the group into nodes of consecutive ranks; low-latency traffic between nodes goes through NVSHMEM
+            (epx.WITH_NVSHMEM). On one host this makes virtual nodes. The environment's EPX_RANKS_PER_NODE
+            overrides it; every rank must end up with the same value.
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -143,7 +145,7 @@ class Buffer:
         return self.runtime.num_rdma_bytes
 
     # DeepEP's runtime queries (deep_ep.Buffer.runtime is this object). DeepEP's "RDMA ranks" are the nodes:
-    # groups of ranks_per_node consecutive ranks (EPX_RANKS_PER_NODE / ranks_per_node; all ranks by default).
+    # groups of ranks_per_node consecutive ranks (EPX_RANKS_PER_NODE / ranks_per_node, else one per host).
 
     def get_num_rdma_ranks(self) -> int:
         """Nodes the group spans: 1 within one NVLink node."""
@@ -222,25 +224,29 @@ class Buffer:
 
     def get_dispatch_layout(self, topk_idx: Any, num_experts: int, *, previous_event: Any = None,
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
-        """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map."""
+        """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map; when the
+        group spans nodes, also tokens per node (num_tokens_per_rdma_rank, a token counted once per node)."""
         t = torch()
         check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2)
         num_tokens, num_topk = topk_idx.shape
         compute_stream = current_stream()
         order = self._order(previous_event, async_finish)
+        num_nodes = self.get_num_rdma_ranks()
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
             per_rank = t.empty(self.num_ranks, dtype=t.int32, device=self.device)
+            per_node = t.empty(num_nodes, dtype=t.int32, device=self.device) if num_nodes > 1 else None
             per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=self.device)
             in_rank = t.empty(num_tokens, self.num_ranks, dtype=t.bool, device=self.device)
         out = _epx.DispatchLayoutOutput()
         out.num_tokens_per_rank = pointer(per_rank)
         out.num_tokens_per_expert = pointer(per_expert)
         out.is_token_in_rank = pointer(in_rank)
+        out.num_tokens_per_rdma_rank = pointer(per_node)
         event = _epx.get_dispatch_layout(self.runtime, pointer(topk_idx), num_tokens, num_topk, num_experts, out,
                                          order)
-        overlap = self._finish(event, [topk_idx], [per_rank, per_expert, in_rank], async_finish,
-                               allocate_on_comm_stream, compute_stream)
-        return DispatchLayout(per_rank, None, per_expert, in_rank, overlap)
+        outputs = [per_rank, per_expert, in_rank] + ([per_node] if per_node is not None else [])
+        overlap = self._finish(event, [topk_idx], outputs, async_finish, allocate_on_comm_stream, compute_stream)
+        return DispatchLayout(per_rank, per_node, per_expert, in_rank, overlap)
 
     def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
                  topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,

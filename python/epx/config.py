@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ._ext import _epx
-from ._util import EpxError, check
+from ._util import check
 
 
 class Config:
@@ -20,11 +20,15 @@ class Config:
       them to the receiver (one release per chunk).
     - ``num_max_nvl_chunked_recv_tokens``: the records one queue holds (its capacity). The NVLink buffer grows
       with it and with ``num_sms``, never with the number of tokens.
-    - ``num_max_rdma_chunked_send_tokens`` / ``num_max_rdma_chunked_recv_tokens``: for normal mode across
-      nodes, which is not implemented (groups of more than 8 ranks are refused); kept for DeepEP callers.
+    - ``num_max_rdma_chunked_send_tokens``: normal mode across nodes: the most records a sender puts into a
+      network queue before it publishes them to the receiving node (one put with signal per chunk).
+    - ``num_max_rdma_chunked_recv_tokens``: the records one network queue holds, one queue per (source node,
+      destination node, channel) in the receiving rank's symmetric buffer. That buffer grows with it and with
+      ``num_sms``, never with the number of tokens.
 
     Rules (checked when the config is built, by the size hints and when a call uses it; EpxError names the
-    field): every field >= 1, send chunk <= queue tokens, at most 128 channels (num_sms <= 257).
+    field): every field >= 1, send chunk <= queue tokens (NVLink and network), at most 128 channels
+    (num_sms <= 257).
 
     A Buffer's NVLink memory must hold the queues of every config its calls use: size it with the largest
     ``get_nvl_buffer_size_hint`` of those configs. A call whose queues do not fit raises EpxError naming the
@@ -64,15 +68,14 @@ class Config:
         of 128. It grows with num_sms and the queue tokens and does not depend on the number of tokens."""
         return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, self.to_native())
 
-    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int) -> int:
-        """RDMA buffer bytes per rank for normal mode: 0 within one NVLink domain (up to 8 ranks)."""
-        check(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1")
-        if num_ranks <= _epx.MAX_NVL_RANKS:
-            return 0
-        raise EpxError(
-            f"invalid num_ranks = {num_ranks}: normal mode across NVLink domains (more than "
-            f"{_epx.MAX_NVL_RANKS} ranks) is not implemented yet"
-        )
+    def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, ranks_per_node: int = 0) -> int:
+        """Symmetric (NVSHMEM) buffer bytes per rank that normal-mode calls across nodes with this config need,
+        for rows of up to hidden_bytes with up to 16 top-k: a send ring and a receive queue of
+        num_max_rdma_chunked_recv_tokens records per (other node, channel), plus fixed control and notify
+        areas; a multiple of 128, independent of the number of tokens. Nodes are ranks_per_node consecutive
+        ranks (0: DeepEP's convention, one node up to 8 ranks and nodes of 8 above); 0 within one node. A
+        Buffer that also serves low-latency calls takes the larger of this and get_low_latency_rdma_size_hint."""
+        return self.to_native().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node)
 
     def __repr__(self) -> str:
         fields = ", ".join(f"{name}={getattr(self, name)}" for name in self.__slots__)

@@ -74,6 +74,15 @@ def dispatch_layout(topk_idx: np.ndarray, num_experts: int,
     return layout.num_tokens_per_rank, layout.num_tokens_per_expert, in_rank
 
 
+def tokens_per_node(topk_idx: np.ndarray, num_experts: int, num_ranks: int, ranks_per_node: int) -> np.ndarray:
+    """num_tokens_per_rdma_rank int32 [num_ranks / ranks_per_node] of one rank's top-k ids [T, K]: tokens with
+    at least one expert on each node (once per node); empty when the ranks form one node."""
+    ids = np.ascontiguousarray(topk_idx, dtype=np.int64)
+    num_tokens, num_topk = ids.shape
+    return native.get_dispatch_layout(ids.reshape(-1), num_tokens, num_topk, num_experts, num_ranks,
+                                      ranks_per_node).num_tokens_per_rdma_rank
+
+
 # ---- Normal mode ----
 
 
@@ -147,10 +156,12 @@ def normal_dispatch(inputs: Sequence[NormalRankInput], *, num_ranks: int, num_ex
 
 
 def normal_combine(handle: Any, x: Sequence[np.ndarray], *, topk_weights: Optional[Sequence[np.ndarray]] = None,
-                   bias0: Optional[Sequence[np.ndarray]] = None, bias1: Optional[Sequence[np.ndarray]] = None
-                   ) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
+                   bias0: Optional[Sequence[np.ndarray]] = None, bias1: Optional[Sequence[np.ndarray]] = None,
+                   ranks_per_node: Optional[int] = None) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
     """Normal-mode combine: per rank (combined_x BF16 bits [T, H], combined_topk_weights [T, K] or None).
-    x[r] is rank r's [rows, H] BF16 bits in its dispatch output order."""
+    x[r] is rank r's [rows, H] BF16 bits in its dispatch output order. With ranks_per_node, the reduction
+    order across nodes of that many ranks (epx/reference/internode.hpp: each node's partial rounded to BF16
+    once, then the nodes in order, then the biases)."""
     num_topk = np.asarray(topk_weights[0]).shape[1] if topk_weights is not None else 0
     num_biases = (bias0 is not None) + (bias1 is not None)
     params = native.NormalCombineParams(num_topk=num_topk, num_biases=num_biases)
@@ -165,7 +176,9 @@ def normal_combine(handle: Any, x: Sequence[np.ndarray], *, topk_weights: Option
             item.bias1 = np.asarray(bias1[r]).reshape(-1)
         native_inputs.append(item)
     outputs = []
-    for r, out in enumerate(native.normal_combine(handle, params, native_inputs)):
+    combined = native.normal_combine(handle, params, native_inputs) if ranks_per_node is None else \
+        native.internode_combine(handle, ranks_per_node, params, native_inputs)
+    for r, out in enumerate(combined):
         tokens = handle.num_tokens[r]
         weights = out.combined_topk_weights.reshape(tokens, num_topk) if num_topk > 0 else None
         outputs.append((out.combined_x.reshape(tokens, handle.hidden), weights))

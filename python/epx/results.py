@@ -13,7 +13,7 @@ class DispatchLayout:
     """What get_dispatch_layout computes for this rank's tokens."""
 
     num_tokens_per_rank: Any  # int32 [R]: tokens with at least one expert on rank r (once per rank)
-    num_tokens_per_rdma_rank: Optional[Any]  # None within one NVLink domain
+    num_tokens_per_rdma_rank: Optional[Any]  # int32 [nodes]: tokens per node (once per node); None within one node
     num_tokens_per_expert: Any  # int32 [E]
     is_token_in_rank: Any  # bool [T, R]
     event: EventOverlap

@@ -143,7 +143,11 @@ void bind_config(py::module_& m) {
            "up "
            "to 16 top-k); independent of the token count.")
       .def("get_rdma_buffer_size_hint", &Config::get_rdma_buffer_size_hint, py::arg("hidden_bytes"),
-           py::arg("num_ranks"), "0 within one NVLink domain (up to 8 ranks); larger groups raise EpxError.")
+           py::arg("num_ranks"), py::arg("ranks_per_node") = 0,
+           "Symmetric-buffer bytes per rank for normal-mode calls across nodes with this config (nodes of "
+           "ranks_per_node ranks; 0: one node up to 8 ranks, nodes of 8 above); 0 within one node. "
+           "Independent "
+           "of the token count.")
       .def("__eq__",
            [](const Config& a, const Config& b) {
              return a.num_sms == b.num_sms &&

@@ -11,6 +11,7 @@
 
 #include "binding.hpp"
 #include "epx/error.hpp"
+#include "epx/reference/internode.hpp"
 #include "epx/reference/layout.hpp"
 #include "epx/reference/low_latency.hpp"
 #include "epx/reference/normal.hpp"
@@ -64,15 +65,18 @@ void bind_layout(py::module_& m) {
   def_vector(layout, "num_tokens_per_rank", &ref::DispatchLayout::num_tokens_per_rank);
   def_vector(layout, "num_tokens_per_expert", &ref::DispatchLayout::num_tokens_per_expert);
   def_vector(layout, "is_token_in_rank", &ref::DispatchLayout::is_token_in_rank);
+  def_vector(layout, "num_tokens_per_rdma_rank", &ref::DispatchLayout::num_tokens_per_rdma_rank);
   m.def(
       "get_dispatch_layout",
-      [](const InArray<int64_t>& topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks) {
+      [](const InArray<int64_t>& topk_idx, int num_tokens, int num_topk, int num_experts, int num_ranks,
+         int ranks_per_node) {
         EPX_CHECK(static_cast<size_t>(topk_idx.size()) == size_t(num_tokens) * num_topk, "topk_idx size",
                   topk_idx.size(), "must be num_tokens * num_topk");
-        return ref::get_dispatch_layout(topk_idx.data(), num_tokens, num_topk, num_experts, num_ranks);
+        return ref::get_dispatch_layout(topk_idx.data(), num_tokens, num_topk, num_experts, num_ranks,
+                                        ranks_per_node);
       },
       py::arg("topk_idx"), py::arg("num_tokens"), py::arg("num_topk"), py::arg("num_experts"),
-      py::arg("num_ranks"));
+      py::arg("num_ranks"), py::arg("ranks_per_node") = 0);
   m.def(
       "check_topk_idx",
       [](const InArray<int64_t>& topk_idx, int num_tokens, int num_topk, int num_experts) {
@@ -154,6 +158,8 @@ void bind_normal(py::module_& m) {
   def_vector(combine_out, "combined_x", &COut::combined_x);
   def_vector(combine_out, "combined_topk_weights", &COut::combined_topk_weights);
   m.def("normal_combine", &ref::normal_combine, py::arg("handle"), py::arg("params"), py::arg("inputs"));
+  m.def("internode_combine", &ref::internode_combine, py::arg("handle"), py::arg("ranks_per_node"),
+        py::arg("params"), py::arg("inputs"));
 }
 
 void bind_low_latency(py::module_& m) {

@@ -137,6 +137,7 @@ void bind_normal(py::module_& m) {
   def_pointer(layout_out, "num_tokens_per_rank", &DispatchLayoutOutput::num_tokens_per_rank);
   def_pointer(layout_out, "num_tokens_per_expert", &DispatchLayoutOutput::num_tokens_per_expert);
   def_pointer(layout_out, "is_token_in_rank", &DispatchLayoutOutput::is_token_in_rank);
+  def_pointer(layout_out, "num_tokens_per_rdma_rank", &DispatchLayoutOutput::num_tokens_per_rdma_rank);
   m.def(
       "get_dispatch_layout",
       [](PyBuffer& buffer, uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts,

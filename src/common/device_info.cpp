@@ -4,6 +4,8 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include "common/cuda_check.hpp"
+
 namespace epx {
 
 int visible_gpu_count() {
@@ -18,6 +20,24 @@ int visible_gpu_count() {
   int status = 0;
   if (waitpid(child, &status, 0) != child || !WIFEXITED(status)) return 0;
   return WEXITSTATUS(status);
+}
+
+std::string device_pci_bus_id(int device) {
+  char bus_id[32] = {};
+  EPX_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device));
+  return bus_id;
+}
+
+bool device_reaches(int device, const std::string& peer_bus_id) {
+  int peer_device = -1;
+  if (cudaDeviceGetByPCIBusId(&peer_device, peer_bus_id.c_str()) != cudaSuccess) {
+    (void)cudaGetLastError();  // not visible here: not an error
+    return true;
+  }
+  if (peer_device == device) return true;
+  int can_access = 0;
+  EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));
+  return can_access != 0;
 }
 
 }  // namespace epx

@@ -26,6 +26,8 @@ struct LayoutArgs {
   int* num_tokens_per_expert;
   bool* is_token_in_rank;
   int* invalid_id_flag;  // host-mapped: set to 1 + the first bad id's token index when an id is out of range
+  int ranks_per_node;    // nodes are blocks of this many consecutive ranks
+  int* num_tokens_per_rdma_rank;  // [num_ranks / ranks_per_node] tokens per node (once per node), or nullptr
 };
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 

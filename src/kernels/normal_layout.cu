@@ -1,4 +1,5 @@
 #include "common/cuda_check.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
 
@@ -8,20 +9,29 @@ namespace {
 
 constexpr int kLayoutThreads = 256;
 
+// Nodes counted per token: num_ranks / ranks_per_node when the caller asked for num_tokens_per_rdma_rank.
+__host__ __device__ int layout_num_nodes(const LayoutArgs& args) {
+  return args.num_tokens_per_rdma_rank != nullptr ? args.num_ranks / args.ranks_per_node : 0;
+}
+
 // One thread per token. Counts go through shared-memory histograms first so the global atomics are one per
-// (block, rank/expert) instead of one per token. Counts are order-independent, so results are deterministic.
+// (block, rank/expert/node) instead of one per token. Counts are order-independent, so results are
+// deterministic.
 __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args) {
-  extern __shared__ int shared_counts[];  // [num_ranks + num_experts]
+  extern __shared__ int shared_counts[];  // [num_ranks + num_experts + num_nodes]
+  const int num_nodes = layout_num_nodes(args);
+  const int num_counts = args.num_ranks + args.num_experts + num_nodes;
   int* rank_counts = shared_counts;
   int* expert_counts = shared_counts + args.num_ranks;
-  for (int i = threadIdx.x; i < args.num_ranks + args.num_experts; i += blockDim.x) shared_counts[i] = 0;
+  int* node_counts = expert_counts + args.num_experts;
+  for (int i = threadIdx.x; i < num_counts; i += blockDim.x) shared_counts[i] = 0;
   __syncthreads();
 
   const int token_idx = blockIdx.x * blockDim.x + threadIdx.x;
   if (token_idx < args.num_tokens) {
     const int experts_per_rank = args.num_experts / args.num_ranks;
     const int64_t* ids = args.topk_idx + static_cast<size_t>(token_idx) * args.num_topk;
-    uint32_t rank_mask = 0;
+    uint64_t rank_mask = 0;  // up to 64 ranks (the Buffer's limit)
     for (int k = 0; k < args.num_topk; ++k) {
       const int64_t expert = ids[k];
       if (expert == -1) continue;
@@ -33,21 +43,27 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args)
       for (int j = 0; j < k; ++j) repeated |= ids[j] == expert;
       if (repeated) continue;
       atomicAdd(&expert_counts[expert], 1);
-      rank_mask |= 1u << (expert / experts_per_rank);
+      rank_mask |= uint64_t{1} << (expert / experts_per_rank);
     }
     for (int r = 0; r < args.num_ranks; ++r) {
       const bool in_rank = (rank_mask >> r) & 1u;
       args.is_token_in_rank[static_cast<size_t>(token_idx) * args.num_ranks + r] = in_rank;
       if (in_rank) atomicAdd(&rank_counts[r], 1);
     }
+    const NodeMap nodes{args.num_ranks, args.ranks_per_node};
+    for (int n = 0; n < num_nodes; ++n) {
+      if (nodes.local_mask(rank_mask, n) != 0) atomicAdd(&node_counts[n], 1);
+    }
   }
   __syncthreads();
-  for (int i = threadIdx.x; i < args.num_ranks + args.num_experts; i += blockDim.x) {
+  for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
     if (shared_counts[i] == 0) continue;
     if (i < args.num_ranks) {
       atomicAdd(&args.num_tokens_per_rank[i], shared_counts[i]);
-    } else {
+    } else if (i < args.num_ranks + args.num_experts) {
       atomicAdd(&args.num_tokens_per_expert[i - args.num_ranks], shared_counts[i]);
+    } else {
+      atomicAdd(&args.num_tokens_per_rdma_rank[i - args.num_ranks - args.num_experts], shared_counts[i]);
     }
   }
 }
@@ -59,9 +75,13 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
   if (args.num_experts > 0) {
     EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0, sizeof(int) * args.num_experts, stream));
   }
+  const int num_nodes = layout_num_nodes(args);
+  if (num_nodes > 0) {
+    EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
+  }
   if (args.num_tokens == 0) return;
   const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
-  const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts);
+  const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts + num_nodes);
   layout_kernel<<<blocks, kLayoutThreads, shared_bytes, stream>>>(args);
   EPX_CUDA_CHECK_LAUNCH();
 }

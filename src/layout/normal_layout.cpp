@@ -1,6 +1,7 @@
 #include "epx/layout/normal_layout.hpp"
 
 #include "epx/error.hpp"
+#include "layout/layout_checks.hpp"
 
 namespace epx {
 
@@ -21,6 +22,11 @@ void validate_config(const Config& config) {
             config.num_max_rdma_chunked_send_tokens, "must be >= 1");
   EPX_CHECK(config.num_max_rdma_chunked_recv_tokens >= 1, "num_max_rdma_chunked_recv_tokens",
             config.num_max_rdma_chunked_recv_tokens, "must be >= 1");
+  EPX_CHECK(config.num_max_rdma_chunked_send_tokens <= config.num_max_rdma_chunked_recv_tokens,
+            "num_max_rdma_chunked_send_tokens", config.num_max_rdma_chunked_send_tokens,
+            detail::concat("must be <= num_max_rdma_chunked_recv_tokens (",
+                           config.num_max_rdma_chunked_recv_tokens, ")")
+                .c_str());
 }
 
 void validate_normal_shape(const NormalShape& shape) {
@@ -41,18 +47,13 @@ void validate_normal_shape(const NormalShape& shape) {
 }
 
 void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes) {
-  const size_t needed = layout.total_bytes();
-  EPX_CHECK(needed <= buffer_bytes, "num_nvl_bytes", buffer_bytes,
-            detail::concat(
-                "must be >= ", needed, " for this call (", layout.num_ranks, " ranks, ", layout.num_channels,
-                " channels, ", layout.queue_tokens, " tokens per queue, ", layout.record_bytes,
-                "-byte records); size it with Config::get_nvl_buffer_size_hint for the configs used")
-                .c_str());
+  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_nvl_bytes",
+                           detail::concat(layout.num_ranks, " ranks"), layout.num_channels,
+                           layout.queue_tokens, layout.record_bytes, "Config::get_nvl_buffer_size_hint");
 }
 
 size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config) {
-  EPX_CHECK(hidden_bytes > 0, "hidden_bytes", hidden_bytes, "must be > 0");
-  EPX_CHECK(hidden_bytes % 16 == 0, "hidden_bytes", hidden_bytes, "must be a multiple of 16");
+  detail::check_hidden_bytes(hidden_bytes);
   EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
   EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks, "must be <= 8 (ranks of one NVLink domain)");
   validate_config(config);
@@ -62,13 +63,6 @@ size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Con
 
 size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {
   return normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, *this);
-}
-
-size_t Config::get_rdma_buffer_size_hint(size_t /*hidden_bytes*/, int num_ranks) const {
-  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
-  EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks,
-            "must be <= 8: normal mode across NVLink domains is not implemented");
-  return 0;
 }
 
 }  // namespace epx

@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
+#include "epx/layout/internode_layout.hpp"
 
 namespace epx::reference {
 
@@ -19,8 +20,11 @@ void check_topk_idx(const int64_t* topk_idx, int num_tokens, int num_topk, int n
 }
 
 DispatchLayout get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int num_topk, int num_experts,
-                                   int num_ranks) {
+                                   int num_ranks, int ranks_per_node) {
   EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+  EPX_CHECK(ranks_per_node >= 0, "ranks_per_node", ranks_per_node, "must be >= 0 (0: one node)");
+  const NodeMap nodes{num_ranks, ranks_per_node == 0 ? num_ranks : ranks_per_node};
+  validate_node_split(num_ranks, nodes.ranks_per_node);
   EPX_CHECK(num_experts >= 1, "num_experts", num_experts, "must be >= 1");
   EPX_CHECK(num_experts % num_ranks == 0, "num_experts", num_experts, "must be a multiple of num_ranks");
   check_topk_idx(topk_idx, num_tokens, num_topk, num_experts);
@@ -33,6 +37,7 @@ DispatchLayout get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int 
   layout.num_tokens_per_rank.assign(num_ranks, 0);
   layout.num_tokens_per_expert.assign(num_experts, 0);
   layout.is_token_in_rank.assign(static_cast<size_t>(num_tokens) * num_ranks, 0);
+  if (nodes.spans_nodes()) layout.num_tokens_per_rdma_rank.assign(nodes.num_nodes(), 0);
 
   for (int t = 0; t < num_tokens; ++t) {
     const int64_t* ids = topk_idx + static_cast<size_t>(t) * num_topk;
@@ -47,6 +52,12 @@ DispatchLayout get_dispatch_layout(const int64_t* topk_idx, int num_tokens, int 
       in_rank[expert / experts_per_rank] = 1;
     }
     for (int r = 0; r < num_ranks; ++r) layout.num_tokens_per_rank[r] += in_rank[r];
+    for (int n = 0; n < static_cast<int>(layout.num_tokens_per_rdma_rank.size()); ++n) {
+      bool in_node = false;
+      for (int r = n * nodes.ranks_per_node; r < (n + 1) * nodes.ranks_per_node; ++r)
+        in_node = in_node || in_rank[r];
+      layout.num_tokens_per_rdma_rank[n] += in_node;
+    }
   }
   return layout;
 }

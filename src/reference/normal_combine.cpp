@@ -3,13 +3,16 @@
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/reference/normal.hpp"
+#include "reference/combine_by_groups.hpp"
 
 namespace epx::reference {
 
+namespace detail {
+
 namespace {
 
-void check_inputs(const NormalHandle& handle, const NormalCombineParams& params,
-                  const std::vector<NormalCombineRankInput>& inputs) {
+void check_combine_inputs(const NormalHandle& handle, const NormalCombineParams& params,
+                          const std::vector<NormalCombineRankInput>& inputs) {
   EPX_CHECK(params.num_topk >= 0, "num_topk", params.num_topk, "must be >= 0");
   EPX_CHECK(params.num_biases >= 0, "num_biases", params.num_biases, "must be 0, 1 or 2");
   EPX_CHECK(params.num_biases <= 2, "num_biases", params.num_biases, "must be 0, 1 or 2");
@@ -43,17 +46,18 @@ void add_bf16_row(const uint16_t* row, int hidden, float* acc) {
 
 }  // namespace
 
-std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
-                                                    const NormalCombineParams& params,
-                                                    const std::vector<NormalCombineRankInput>& inputs) {
-  check_inputs(handle, params, inputs);
+std::vector<NormalCombineRankOutput> combine_by_groups(const NormalHandle& handle,
+                                                       const NormalCombineParams& params,
+                                                       const std::vector<NormalCombineRankInput>& inputs,
+                                                       int ranks_per_group, bool round_partials) {
+  check_combine_inputs(handle, params, inputs);
   const int num_ranks = handle.num_ranks;
   const int hidden = handle.hidden;
   const int num_topk = params.num_topk;
 
   std::vector<NormalCombineRankOutput> outputs(num_ranks);
-  std::vector<float> acc(hidden);
-  std::vector<float> acc_weights(num_topk);
+  std::vector<float> acc(hidden), partial(hidden);
+  std::vector<float> acc_weights(num_topk), partial_weights(num_topk);
   for (int s = 0; s < num_ranks; ++s) {
     const int num_tokens = handle.num_tokens[s];
     NormalCombineRankOutput& out = outputs[s];
@@ -63,13 +67,23 @@ std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
       acc.assign(hidden, 0.0f);
       acc_weights.assign(num_topk, 0.0f);
       const size_t token_row = static_cast<size_t>(t) * hidden;
-      for (int d = 0; d < num_ranks; ++d) {
-        const int row = handle.recv_row[s][static_cast<size_t>(t) * num_ranks + d];
-        if (row < 0) continue;
-        add_bf16_row(&inputs[d].x[static_cast<size_t>(row) * hidden], hidden, acc.data());
-        for (int k = 0; k < num_topk; ++k) {
-          acc_weights[k] += inputs[d].topk_weights[static_cast<size_t>(row) * num_topk + k];
+      for (int first = 0; first < num_ranks; first += ranks_per_group) {
+        partial.assign(hidden, 0.0f);
+        partial_weights.assign(num_topk, 0.0f);
+        bool any = false;
+        for (int d = first; d < first + ranks_per_group; ++d) {
+          const int row = handle.recv_row[s][static_cast<size_t>(t) * num_ranks + d];
+          if (row < 0) continue;
+          any = true;
+          add_bf16_row(&inputs[d].x[static_cast<size_t>(row) * hidden], hidden, partial.data());
+          for (int k = 0; k < num_topk; ++k) {
+            partial_weights[k] += inputs[d].topk_weights[static_cast<size_t>(row) * num_topk + k];
+          }
         }
+        if (!any) continue;
+        for (int c = 0; c < hidden; ++c)
+          acc[c] += round_partials ? bf16_to_float(float_to_bf16(partial[c])) : partial[c];
+        for (int k = 0; k < num_topk; ++k) acc_weights[k] += partial_weights[k];
       }
       if (params.num_biases >= 1) add_bf16_row(&inputs[s].bias0[token_row], hidden, acc.data());
       if (params.num_biases == 2) add_bf16_row(&inputs[s].bias1[token_row], hidden, acc.data());
@@ -79,6 +93,16 @@ std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
     }
   }
   return outputs;
+}
+
+}  // namespace detail
+
+// One group of every rank, unrounded: acc = +0.0f + (+0.0f + x_0 + x_1 + ...) is bit-for-bit the documented
+// +0.0f + x_0 + x_1 + ... (adding the exact partial to +0.0f changes nothing; a partial is never -0.0f).
+std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
+                                                    const NormalCombineParams& params,
+                                                    const std::vector<NormalCombineRankInput>& inputs) {
+  return detail::combine_by_groups(handle, params, inputs, handle.num_ranks, false);
 }
 
 }  // namespace epx::reference

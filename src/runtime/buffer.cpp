@@ -7,7 +7,9 @@
 #include <string>
 #include <vector>
 
+#include "bootstrap/topology.hpp"
 #include "common/cuda_check.hpp"
+#include "common/device_info.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "epx/layout/normal_layout.hpp"
@@ -20,13 +22,27 @@ namespace epx {
 
 namespace {
 
-int ranks_per_node_from_env(int fallback) {
-  const char* text = std::getenv("EPX_RANKS_PER_NODE");
-  if (text == nullptr || *text == '\0') return fallback;
-  char* end = nullptr;
-  const long value = std::strtol(text, &end, 10);
-  EPX_CHECK(end != text && *end == '\0', "EPX_RANKS_PER_NODE", text, "must be an integer");
-  return static_cast<int>(value);
+// The node size every rank agrees on (bootstrap/topology.hpp): EPX_RANKS_PER_NODE, else `option`, else (0)
+// the ranks of this host whose GPUs reach each other. A rank that cannot prepare its part (a malformed
+// variable) still joins the exchange, so every rank raises the same error.
+int agreed_ranks_per_node(Bootstrap& bootstrap, int option, int device) {
+  TopologyRequest request;
+  request.ranks_per_node = option;
+  try {
+    const char* text = std::getenv("EPX_RANKS_PER_NODE");
+    if (text != nullptr && *text != '\0') {
+      request.source = "EPX_RANKS_PER_NODE";
+      char* end = nullptr;
+      const long value = std::strtol(text, &end, 10);
+      EPX_CHECK(end != text && *end == '\0', "EPX_RANKS_PER_NODE", text, "must be an integer");
+      request.ranks_per_node = static_cast<int>(value);
+    }
+    request.location = local_rank_location(device_pci_bus_id(device));
+  } catch (const Error& error) {
+    request.error = error.message();
+  }
+  request.can_reach = [device](const RankLocation& peer) { return device_reaches(device, peer.device_id); };
+  return agree_ranks_per_node(bootstrap, request);
 }
 
 void* const* upload_table(const std::vector<void*>& bases) {
@@ -95,18 +111,14 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.num_ranks = bootstrap.num_ranks();
   EPX_CHECK(s.num_ranks >= 1, "num_ranks", s.num_ranks, "must be >= 1");
   EPX_CHECK(s.num_ranks <= 64, "num_ranks", s.num_ranks, "must be <= 64");
-  const int ranks_per_node = ranks_per_node_from_env(options.ranks_per_node);
-  EPX_CHECK(ranks_per_node >= 0, "ranks_per_node", ranks_per_node, "must be >= 0 (0: all ranks)");
-  s.ranks_per_node = ranks_per_node == 0 ? s.num_ranks : ranks_per_node;
-  EPX_CHECK(s.num_ranks % s.ranks_per_node == 0, "ranks_per_node", s.ranks_per_node,
-            detail::concat("must divide num_ranks (", s.num_ranks, ")").c_str());
+  EPX_CUDA_CHECK(cudaGetDevice(&s.device));
+  s.ranks_per_node = agreed_ranks_per_node(bootstrap, options.ranks_per_node, s.device);
   if (options.num_nvl_bytes > 0) {
     EPX_CHECK(s.num_ranks <= kMaxNvlRanks, "num_ranks", s.num_ranks,
               "must be <= 8 for the normal-mode NVLink buffer (one node)");
     EPX_CHECK(s.ranks_per_node == s.num_ranks, "ranks_per_node", s.ranks_per_node,
               "must be num_ranks with num_nvl_bytes > 0: normal mode across nodes is not implemented yet");
   }
-  EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));

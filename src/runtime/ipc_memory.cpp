@@ -4,6 +4,7 @@
 #include <string>
 
 #include "common/cuda_check.hpp"
+#include "common/device_info.hpp"
 
 namespace epx {
 
@@ -49,17 +50,10 @@ IpcMemory::IpcMemory(Bootstrap& bootstrap, size_t bytes, const char* what)
   if (bytes == 0) return;
   for (int peer = 0; peer < num_ranks; ++peer) {
     if (peer == rank_) continue;
-    int peer_device = -1;
-    if (cudaDeviceGetByPCIBusId(&peer_device, all[peer].pci_bus_id) == cudaSuccess) {
-      int can_access = 1;  // ranks sharing one GPU (a test setup) need no peer access
-      if (peer_device != device) EPX_CUDA_CHECK(cudaDeviceCanAccessPeer(&can_access, device, peer_device));
-      if (!can_access) {
-        release();
-        EPX_FAIL("rank ", rank_, " (GPU ", mine.pci_bus_id, ") cannot reach rank ", peer, " (GPU ",
-                 all[peer].pci_bus_id, ") by NVLink/P2P: all ranks of a node must be peers");
-      }
-    } else {
-      cudaGetLastError();  // the peer's GPU is not visible to this process; IPC may still work
+    if (!device_reaches(device, all[peer].pci_bus_id)) {
+      release();
+      EPX_FAIL("rank ", rank_, " (GPU ", mine.pci_bus_id, ") cannot reach rank ", peer, " (GPU ",
+               all[peer].pci_bus_id, ") by NVLink/P2P: all ranks of a node must be peers");
     }
     const cudaError_t status =
         cudaIpcOpenMemHandle(&bases_[peer], all[peer].handle, cudaIpcMemLazyEnablePeerAccess);

@@ -186,7 +186,9 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
                            out.num_tokens_per_rank,
                            out.num_tokens_per_expert,
                            out.is_token_in_rank,
-                           buffer.host_scratch_device() + kInvalidIdSlot};
+                           buffer.host_scratch_device() + kInvalidIdSlot,
+                           buffer.ranks_per_node(),
+                           out.num_tokens_per_rdma_rank};
   kernels::launch_layout(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

@@ -169,7 +169,7 @@ TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2 + 2, 4), epx::Error);
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2, 9), epx::Error);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 8), 0u);
-  EXPECT_THROW(config.get_rdma_buffer_size_hint(7168 * 2, 16), epx::Error);
+  EXPECT_GT(config.get_rdma_buffer_size_hint(7168 * 2, 16), 0u);  // two nodes of 8: test_internode_layout.cpp
 }
 
 std::string message_of(const std::function<void()>& call) {

@@ -6,6 +6,7 @@
 #include <cstdio>
 #include <vector>
 
+#include "cpu/bf16_values.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/reference/layout.hpp"
@@ -16,17 +17,8 @@ namespace {
 
 using namespace epx::reference;
 
-std::vector<uint16_t> bf16_values(const std::vector<float>& values) {
-  std::vector<uint16_t> bits;
-  for (float v : values) bits.push_back(epx::float_to_bf16(v));
-  return bits;
-}
-
-std::vector<float> float_values(const std::vector<uint16_t>& bits) {
-  std::vector<float> values;
-  for (uint16_t b : bits) values.push_back(epx::bf16_to_float(b));
-  return values;
-}
+using epx::test::bf16_values;
+using epx::test::float_values;
 
 // ---- Hand-checked: 2 ranks, 4 experts (0,1 on rank 0; 2,3 on rank 1), hidden 4, top-2 ----
 

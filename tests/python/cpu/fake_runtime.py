@@ -147,10 +147,15 @@ class FakeBinding:
 
     def get_dispatch_layout(self, runtime, topk_idx, num_tokens, num_topk, num_experts, out, order):
         self.orders.append(order)
-        per_rank, per_expert, in_rank = ref.dispatch_layout(self.host(topk_idx), num_experts, 1)
+        ids = self.host(topk_idx)
+        num_ranks = self.tensor(out.num_tokens_per_rank).numel()  # 1, unless a test makes the group wider
+        per_rank, per_expert, in_rank = ref.dispatch_layout(ids, num_experts, num_ranks)
         write(self.tensor(out.num_tokens_per_rank), per_rank)
         write(self.tensor(out.num_tokens_per_expert), per_expert)
         write(self.tensor(out.is_token_in_rank), in_rank)
+        if out.num_tokens_per_rdma_rank:
+            write(self.tensor(out.num_tokens_per_rdma_rank),
+                  ref.tokens_per_node(ids, num_experts, num_ranks, runtime.ranks_per_node))
         return FakeEvent(order.async_finish)
 
     def dispatch_notify(self, runtime, inp, order, cached):

@@ -64,8 +64,10 @@ def test_config_binding_fields_and_defaults():
     assert config == _epx.Config(num_max_nvl_chunked_recv_tokens=128) and config != _epx.Config()
     assert "num_max_nvl_chunked_recv_tokens=128" in repr(config)
     assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0
-    with pytest.raises(epx.EpxError, match="invalid num_ranks = 16: must be <= 8"):
-        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 16) == config.get_rdma_buffer_size_hint(7168 * 2, 16, 8) > 0
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 4, ranks_per_node=4) == 0
+    with pytest.raises(epx.EpxError, match="invalid ranks_per_node = 3: must divide num_ranks"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 8, 3)
     # epx.Config converts both ways.
     custom = epx.Config(24, 8, 288, 16, 128)
     assert custom.to_native() == _epx.Config(24, 8, 288, 16, 128)

@@ -46,8 +46,13 @@ def test_config_size_hints():
         assert bigger.get_nvl_buffer_size_hint(7168 * 2, 8) > config.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert epx.Config(20, 1, 256).get_nvl_buffer_size_hint(7168 * 2, 8) == config.get_nvl_buffer_size_hint(7168 * 2, 8)
     assert config.get_rdma_buffer_size_hint(7168 * 2, 8) == 0  # one NVLink domain needs no RDMA buffer
-    with pytest.raises(epx.EpxError, match="not implemented"):
-        config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    # Across nodes: the C++ hint (nodes of 8 by default, or ranks_per_node for virtual nodes).
+    two_nodes = config.get_rdma_buffer_size_hint(7168 * 2, 16)
+    assert two_nodes == config.to_native().get_rdma_buffer_size_hint(7168 * 2, 16, 8) > 0
+    assert config.get_rdma_buffer_size_hint(7168 * 2, 4, ranks_per_node=2) == two_nodes
+    assert epx.Config(num_max_rdma_chunked_recv_tokens=512).get_rdma_buffer_size_hint(7168 * 2, 16) > two_nodes
+    with pytest.raises(epx.EpxError, match="invalid num_ranks = 12: must be a multiple of 8 above 8 ranks"):
+        config.get_rdma_buffer_size_hint(7168 * 2, 12)
     with pytest.raises(epx.EpxError, match="invalid hidden_bytes = 7: must be a multiple of 16"):
         config.get_nvl_buffer_size_hint(7, 8)
 

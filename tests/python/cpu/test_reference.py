@@ -120,6 +120,51 @@ def test_normal_combine_sums_copies_and_weights():
         np.testing.assert_array_equal(weights, np.where(inputs[r].topk_idx >= 0, inputs[r].topk_weights, 0))
 
 
+def test_tokens_per_node_counts_a_token_once_per_node():
+    # Experts 0..3 live on ranks 0..3; nodes of 2 ranks: {0, 1} and {2, 3}.
+    ids = np.array([[0, 3], [1, -1], [-1, -1], [2, 1]], dtype=np.int64)
+    assert ref.tokens_per_node(ids, 4, 4, 2).tolist() == [3, 2]
+    assert ref.tokens_per_node(ids, 4, 4, 1).tolist() == [1, 2, 1, 1]  # nodes of one rank: per rank
+    assert ref.tokens_per_node(ids, 4, 4, 4).size == 0  # one node: none (DeepEP returns None there)
+    with pytest.raises(epx.EpxError, match="invalid ranks_per_node = 3: must divide num_ranks"):
+        ref.tokens_per_node(ids, 4, 4, 3)
+
+
+def test_combine_across_nodes_reduces_inside_each_node_first():
+    num_ranks, hidden, num_topk, num_experts = 4, 128, 4, 16
+    num_tokens = [9, 5, 0, 12]
+    inputs = make_normal_inputs(num_ranks, num_tokens, hidden, num_topk, num_experts, seed=4)
+    outputs, handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=hidden)
+    # Uniform expert outputs, so rounding shows.
+    x = [native.random_bf16_tokens(60 + r, o.num_rows, hidden, r, native.TokenValues.UNIFORM, False).reshape(
+        o.num_rows, hidden) for r, o in enumerate(outputs)]
+    bias = [native.random_bf16_tokens(70 + r, num_tokens[r], hidden, r, native.TokenValues.UNIFORM, False).reshape(
+        num_tokens[r], hidden) for r in range(num_ranks)]
+    weights = [o.recv_topk_weights for o in outputs]
+    one_node = ref.normal_combine(handle, x, topk_weights=weights, bias0=bias)
+    # Nodes of one rank: each partial is one BF16 row, nothing rounds early.
+    singles = ref.normal_combine(handle, x, topk_weights=weights, bias0=bias, ranks_per_node=1)
+    pairs = ref.normal_combine(handle, x, topk_weights=weights, bias0=bias, ranks_per_node=2)
+    for r in range(num_ranks):
+        np.testing.assert_array_equal(singles[r][0], one_node[r][0])
+        np.testing.assert_array_equal(pairs[r][1], one_node[r][1])  # weights come back whole
+    # 2 x 2 by hand, in float32: each node's partial rounded to BF16, nodes in order, then the bias.
+    local = num_experts // num_ranks
+    for r in range(num_ranks):
+        for t in range(num_tokens[r]):
+            acc = np.zeros(hidden, dtype=np.float32)
+            for node in range(2):
+                partial = np.zeros(hidden, dtype=np.float32)
+                ranks = [d for d in (2 * node, 2 * node + 1)
+                         if any(e >= 0 and e // local == d for e in inputs[r].topk_idx[t])]
+                for d in ranks:
+                    partial += ref.bf16_to_float(x[d][handle.recv_row[r][t * num_ranks + d]])
+                if ranks:
+                    acc += ref.bf16_to_float(ref.float_to_bf16(partial))
+            acc += ref.bf16_to_float(bias[r][t])
+            np.testing.assert_array_equal(pairs[r][0][t], ref.float_to_bf16(acc))
+
+
 def test_normal_worst_case_rows_are_padded():
     inputs = make_normal_inputs(2, [6, 4], 128, 2, 4, seed=3)
     outputs, _ = ref.normal_dispatch(inputs, num_ranks=2, num_experts=4, hidden=128, num_worst_tokens=10)

@@ -74,6 +74,19 @@ def test_native_dispatch_and_combine(fake):
     assert torch.equal(cached.recv_x, x2[kept]) and cached.recv_topk_idx is None and cached.handle is handle
 
 
+def test_layout_counts_tokens_per_node_when_the_group_spans_nodes(compat):
+    wrapper, _ = compat
+    buffer = wrapper.runtime
+    buffer.num_ranks, buffer.runtime.ranks_per_node = 4, 2  # 2 nodes of 2 ranks (experts 0..3 on ranks 0..3)
+    ids = torch.tensor([[0, 3], [1, -1], [-1, -1], [2, 1]])
+    layout = buffer.get_dispatch_layout(ids, NUM_EXPERTS)
+    per_node = layout.num_tokens_per_rdma_rank
+    assert per_node.dtype == torch.int32 and per_node.tolist() == [3, 2]  # a token counts once per node
+    assert layout.num_tokens_per_rank.tolist() == [1, 2, 1, 1] and layout.is_token_in_rank.shape == (4, 4)
+    per_rank, per_rdma, _, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)  # DeepEP's tuple
+    assert per_rdma.tolist() == [3, 2] and per_rank.tolist() == [1, 2, 1, 1]
+
+
 def test_dispatch_argument_checks(fake):
     buffer, _ = fake
     x, ids, weights = tokens()

@@ -1,0 +1,56 @@
+#include "epx/layout/internode_layout.hpp"
+
+#include "epx/error.hpp"
+#include "layout/layout_checks.hpp"
+
+namespace epx {
+
+void validate_node_split(int num_ranks, int ranks_per_node, const char* name) {
+  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+  EPX_CHECK(ranks_per_node >= 1, name, ranks_per_node, "must be >= 1");
+  EPX_CHECK(
+      num_ranks % ranks_per_node == 0, name, ranks_per_node,
+      detail::concat("must divide num_ranks (", num_ranks, "): nodes are equal blocks of consecutive ranks")
+          .c_str());
+  EPX_CHECK(ranks_per_node == num_ranks || ranks_per_node <= kMaxNvlRanks, name, ranks_per_node,
+            detail::concat("must be <= 8 when the group spans nodes (", num_ranks,
+                           " ranks): a node is one NVLink domain")
+                .c_str());
+}
+
+void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_bytes) {
+  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_rdma_bytes",
+                           detail::concat(layout.num_nodes, " nodes"), layout.num_channels,
+                           layout.queue_tokens, layout.record_bytes, "Config::get_rdma_buffer_size_hint");
+}
+
+size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node,
+                                       const Config& config) {
+  detail::check_hidden_bytes(hidden_bytes);
+  EPX_CHECK(num_ranks <= kMaxInternodeRanks, "num_ranks", num_ranks, "must be <= 64");
+  validate_node_split(num_ranks, ranks_per_node);
+  validate_config(config);
+  const NodeMap nodes{num_ranks, ranks_per_node};
+  if (!nodes.spans_nodes()) return 0;
+  EPX_CHECK(nodes.num_nodes() <= kMaxRdmaNodes, "ranks_per_node", ranks_per_node,
+            detail::concat("must give at most 16 nodes for normal mode across nodes (", num_ranks,
+                           " ranks make ", nodes.num_nodes(), ")")
+                .c_str());
+  const InternodeLayout layout =
+      InternodeLayout::of(nodes.num_nodes(), config, InternodeRecord::largest(hidden_bytes));
+  return align_up(layout.total_bytes(), kNormalAlign);
+}
+
+size_t Config::get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node) const {
+  EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
+  EPX_CHECK(ranks_per_node >= 0, "ranks_per_node", ranks_per_node,
+            "must be >= 0 (0: one node up to 8 ranks, nodes of 8 above)");
+  if (ranks_per_node == 0) {
+    EPX_CHECK(num_ranks <= kMaxNvlRanks || num_ranks % kMaxNvlRanks == 0, "num_ranks", num_ranks,
+              "must be a multiple of 8 above 8 ranks (nodes of 8; pass ranks_per_node for other node sizes)");
+    ranks_per_node = num_ranks <= kMaxNvlRanks ? num_ranks : kMaxNvlRanks;
+  }
+  return internode_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node, *this);
+}
+
+}  // namespace epx
