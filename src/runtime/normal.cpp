@@ -65,6 +65,13 @@ NormalLayout dispatch_layout(const Buffer& buffer, const DispatchHandle::State& 
                           NormalRecord::dispatch(state.shape));
 }
 
+// Rows move with 16-byte accesses and bulk copies, which fault (killing the CUDA context) on a misaligned
+// address: refuse it on the host instead.
+void check_row_alignment(const void* rows, const char* name) {
+  EPX_CHECK(reinterpret_cast<uintptr_t>(rows) % 16 == 0, name, rows,
+            "must be 16-byte aligned (rows move with 16-byte and bulk copies)");
+}
+
 void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool cached) {
   EPX_CHECK(buffer.num_nvl_bytes() > 0, "num_nvl_bytes", buffer.num_nvl_bytes(),
             "must be > 0 for normal-mode dispatch (construct the Buffer with an NVLink buffer)");
@@ -79,6 +86,7 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
     EPX_CHECK(in.x_scales == nullptr, "x_scales", "non-null", "must be null for BF16 tokens");
   }
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null", "must point to [num_tokens, hidden] tokens");
+  check_row_alignment(in.x, "x");
   EPX_CHECK(in.num_topk >= 0, "num_topk", in.num_topk, "must be >= 0");
   EPX_CHECK(in.num_topk <= kMaxTopk, "num_topk", in.num_topk, "must be <= 16");
   // num_topk > 0 means "with top-k" on every rank, even one whose empty tensors have null addresses: the
@@ -298,6 +306,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
             out.recv_topk_weights == nullptr ? "null" : "non-null",
             "must be given together with recv_topk_idx");
+  check_row_alignment(out.recv_x, "recv_x");
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   begin_on_comm_stream(buffer, order);
   kernels::DispatchArgs args{peer_context(buffer),
@@ -331,6 +340,10 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
             "must point to [num_recv_rows, hidden] BF16");
   EPX_CHECK(state.num_tokens == 0 || out.combined_x != nullptr, "combined_x", "null",
             "must point to [num_tokens, hidden] BF16");
+  check_row_alignment(in.x, "x");
+  check_row_alignment(in.bias0, "bias0");
+  check_row_alignment(in.bias1, "bias1");
+  check_row_alignment(out.combined_x, "combined_x");
   // As in dispatch, num_topk > 0 means "with weights" on every rank, whatever the addresses of empty tensors.
   EPX_CHECK(in.num_topk == 0 || in.num_topk == state.num_topk, "num_topk", in.num_topk,
             "must be 0 or the dispatch's top-k");

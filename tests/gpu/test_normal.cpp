@@ -572,6 +572,9 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     bad.x = nullptr;
     expect_error([&] { notify(bad); }, "invalid x = null");
     bad = in;
+    bad.x = x.get<char>() + 8;
+    expect_error([&] { notify(bad); }, "must be 16-byte aligned");
+    bad = in;
     bad.format = kFp8;
     expect_error([&] { notify(bad); }, "invalid x_scales = null: are required for FP8 tokens");
     bad = in;
@@ -600,6 +603,9 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     bad_out.recv_x = nullptr;
     expect_error([&] { epx::dispatch_receive(buffer, plan, in, bad_out, order); }, "invalid recv_x = null");
     bad_out = out;
+    bad_out.recv_x = recv_x.get<char>() + 4;
+    expect_error([&] { epx::dispatch_receive(buffer, plan, in, bad_out, order); }, "invalid recv_x = 0x");
+    bad_out = out;
     bad_out.recv_topk_weights = nullptr;
     expect_error([&] { epx::dispatch_receive(buffer, plan, in, bad_out, order); },
                  "invalid recv_topk_weights = null");
@@ -613,6 +619,18 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     epx::CombineInput bad_comb = comb;
     bad_comb.x = nullptr;
     expect_error([&] { combine(plan.handle, bad_comb, comb_out); }, "invalid x = null");
+    bad_comb = comb;
+    bad_comb.x = expert_x.get<char>() + 2;
+    expect_error([&] { combine(plan.handle, bad_comb, comb_out); }, "must be 16-byte aligned");
+    bad_comb = comb;
+    bad_comb.bias0 = combined.get<char>() + 8;
+    expect_error([&] { combine(plan.handle, bad_comb, comb_out); }, "invalid bias0");
+    expect_error(
+        [&] {
+          combine(plan.handle, comb,
+                  epx::CombineOutput{combined.get<char>() + 8, combined_weights.get<float>()});
+        },
+        "invalid combined_x");
     bad_comb = comb;
     bad_comb.num_topk = K - 1;
     expect_error([&] { combine(plan.handle, bad_comb, comb_out); },
