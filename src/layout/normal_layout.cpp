@@ -5,28 +5,25 @@
 
 namespace epx {
 
+namespace {
+
+// A send chunk and the queue it goes into: both at least one token, the chunk no larger than the queue.
+void check_chunk_pair(int send, const char* send_name, int recv, const char* recv_name) {
+  EPX_CHECK(send >= 1, send_name, send, "must be >= 1");
+  EPX_CHECK(recv >= 1, recv_name, recv, "must be >= 1");
+  EPX_CHECK(send <= recv, send_name, send, detail::concat("must be <= ", recv_name, " (", recv, ")").c_str());
+}
+
+}  // namespace
+
 void validate_config(const Config& config) {
   EPX_CHECK(config.num_sms >= 1, "num_sms", config.num_sms, "must be >= 1");
   EPX_CHECK(config.num_channels() <= kMaxChannels, "num_sms", config.num_sms,
             "must be < 258 (at most 128 channels of two SMs)");
-  EPX_CHECK(config.num_max_nvl_chunked_send_tokens >= 1, "num_max_nvl_chunked_send_tokens",
-            config.num_max_nvl_chunked_send_tokens, "must be >= 1");
-  EPX_CHECK(config.num_max_nvl_chunked_recv_tokens >= 1, "num_max_nvl_chunked_recv_tokens",
-            config.num_max_nvl_chunked_recv_tokens, "must be >= 1");
-  EPX_CHECK(config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens,
-            "num_max_nvl_chunked_send_tokens", config.num_max_nvl_chunked_send_tokens,
-            detail::concat("must be <= num_max_nvl_chunked_recv_tokens (",
-                           config.num_max_nvl_chunked_recv_tokens, ")")
-                .c_str());
-  EPX_CHECK(config.num_max_rdma_chunked_send_tokens >= 1, "num_max_rdma_chunked_send_tokens",
-            config.num_max_rdma_chunked_send_tokens, "must be >= 1");
-  EPX_CHECK(config.num_max_rdma_chunked_recv_tokens >= 1, "num_max_rdma_chunked_recv_tokens",
-            config.num_max_rdma_chunked_recv_tokens, "must be >= 1");
-  EPX_CHECK(config.num_max_rdma_chunked_send_tokens <= config.num_max_rdma_chunked_recv_tokens,
-            "num_max_rdma_chunked_send_tokens", config.num_max_rdma_chunked_send_tokens,
-            detail::concat("must be <= num_max_rdma_chunked_recv_tokens (",
-                           config.num_max_rdma_chunked_recv_tokens, ")")
-                .c_str());
+  check_chunk_pair(config.num_max_nvl_chunked_send_tokens, "num_max_nvl_chunked_send_tokens",
+                   config.num_max_nvl_chunked_recv_tokens, "num_max_nvl_chunked_recv_tokens");
+  check_chunk_pair(config.num_max_rdma_chunked_send_tokens, "num_max_rdma_chunked_send_tokens",
+                   config.num_max_rdma_chunked_recv_tokens, "num_max_rdma_chunked_recv_tokens");
 }
 
 void validate_normal_shape(const NormalShape& shape) {
