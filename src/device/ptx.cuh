@@ -17,6 +17,16 @@ __device__ __forceinline__ void st_release_sys(int* address, int value) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_release_sys_u64(uint64_t* address, uint64_t value) {
+  asm volatile("st.release.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ int ld_relaxed_sys(const int* address) {
   int value;
   asm volatile("ld.relaxed.sys.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");

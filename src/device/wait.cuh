@@ -68,4 +68,34 @@ __device__ __forceinline__ int wait_count_since(const uint32_t* counter, uint32_
   return since(value);
 }
 
+// 64-bit monotonic counters (NVSHMEM signal words): waits until *counter - base >= needed and returns that
+// difference.
+__device__ __forceinline__ int64_t wait_count_since_u64(const uint64_t* counter, uint64_t base,
+                                                        int64_t needed, const WaitContext& ctx, int peer,
+                                                        WaitPhase phase) {
+  uint64_t value = ld_acquire_sys_u64(counter);
+  if (static_cast<int64_t>(value - base) >= needed) return static_cast<int64_t>(value - base);
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    value = ld_acquire_sys_u64(counter);
+    if (static_cast<int64_t>(value - base) >= needed) return static_cast<int64_t>(value - base);
+    const uint64_t waited = global_timer_ns() - start;
+    if (waited > ctx.timeout_ns)
+      report_and_trap(ctx, peer, phase, static_cast<int64_t>(base) + needed, static_cast<int64_t>(value),
+                      waited);
+  }
+}
+
+// A spin that polls several sources without blocking on any of them: restart() whenever something moved,
+// check() after a round in which nothing did; it reports (and traps) once nothing moved for the timeout.
+struct StallClock {
+  uint64_t since = 0;
+  __device__ void restart() { since = global_timer_ns(); }
+  __device__ void check(const WaitContext& ctx, int peer, WaitPhase phase, int64_t expected,
+                        int64_t seen) const {
+    const uint64_t waited = global_timer_ns() - since;
+    if (waited > ctx.timeout_ns) report_and_trap(ctx, peer, phase, expected, seen, waited);
+  }
+};
+
 }  // namespace epx::device

@@ -17,6 +17,9 @@ struct HandleArrays {
   int* recv_channel_offset;   // [R * C + 1]: first received row of (source, channel), source-major
   int* recv_src_idx;          // [rows]
   int* num_recv_tokens_per_expert;  // [L] rounded to expert_alignment
+  // Across nodes only (send_head then holds [T, N]: entry of token t in its channel's stream to node n):
+  int* node_channel_offset = nullptr;  // [N * C + 1]: first record from the rail peer of (node, channel)
+  uint8_t* forward_mask = nullptr;     // [records]: the local ranks each record from a rail peer went to
 };
 
 struct LayoutArgs {

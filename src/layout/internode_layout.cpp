@@ -1,5 +1,7 @@
 #include "epx/layout/internode_layout.hpp"
 
+#include <algorithm>
+
 #include "epx/error.hpp"
 #include "layout/layout_checks.hpp"
 
@@ -22,6 +24,32 @@ void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_by
   detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_rdma_bytes",
                            detail::concat(layout.num_nodes, " nodes"), layout.num_channels,
                            layout.queue_tokens, layout.record_bytes, "Config::get_rdma_buffer_size_hint");
+}
+
+void check_forward_layout_fits(const ForwardLayout& layout, size_t buffer_bytes) {
+  EPX_CHECK(layout.queue_tokens >= 1, "num_max_nvl_chunked_recv_tokens",
+            layout.queue_tokens * layout.num_nodes,
+            detail::concat("must be >= the number of nodes (", layout.num_nodes,
+                           ") across nodes: every source node gets num_max_nvl_chunked_recv_tokens / nodes "
+                           "records of each NVLink queue")
+                .c_str());
+  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_nvl_bytes",
+                           detail::concat(layout.num_nodes, " nodes of ", layout.ranks_per_node, " ranks"),
+                           layout.num_channels, layout.queue_tokens, layout.record_bytes,
+                           "Config::get_nvl_buffer_size_hint");
+}
+
+size_t forward_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config) {
+  size_t most = 0;
+  for (int ranks_per_node = 1; ranks_per_node <= kMaxNvlRanks && ranks_per_node < num_ranks;
+       ++ranks_per_node) {
+    const int num_nodes = num_ranks / ranks_per_node;
+    if (num_ranks % ranks_per_node != 0 || num_nodes > kMaxRdmaNodes) continue;
+    const ForwardLayout layout =
+        ForwardLayout::of(ranks_per_node, num_nodes, config, InternodeRecord::largest(hidden_bytes));
+    most = std::max(most, align_up(layout.total_bytes(), kNormalAlign));
+  }
+  return most;
 }
 
 size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node,

@@ -1,6 +1,9 @@
 #include "epx/layout/normal_layout.hpp"
 
+#include <algorithm>
+
 #include "epx/error.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "layout/layout_checks.hpp"
 
 namespace epx {
@@ -28,8 +31,7 @@ void validate_config(const Config& config) {
 
 void validate_normal_shape(const NormalShape& shape) {
   EPX_CHECK(shape.num_ranks >= 1, "num_ranks", shape.num_ranks, "must be >= 1");
-  EPX_CHECK(shape.num_ranks <= kMaxNvlRanks, "num_ranks", shape.num_ranks,
-            "must be <= 8 (ranks of one NVLink domain)");
+  EPX_CHECK(shape.num_ranks <= kMaxInternodeRanks, "num_ranks", shape.num_ranks, "must be <= 64");
   EPX_CHECK(shape.num_experts >= 0, "num_experts", shape.num_experts, "must be >= 0");
   EPX_CHECK(shape.num_experts <= kMaxExperts, "num_experts", shape.num_experts, "must be <= 4096");
   EPX_CHECK(shape.num_experts % shape.num_ranks == 0, "num_experts", shape.num_experts,
@@ -52,10 +54,14 @@ void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes) {
 size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config) {
   detail::check_hidden_bytes(hidden_bytes);
   EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
-  EPX_CHECK(num_ranks <= kMaxNvlRanks, "num_ranks", num_ranks, "must be <= 8 (ranks of one NVLink domain)");
+  EPX_CHECK(num_ranks <= kMaxInternodeRanks, "num_ranks", num_ranks, "must be <= 64");
   validate_config(config);
+  // Across nodes the buffer holds the forwarding queues; one node's group holds the normal queues. The hint
+  // covers both, so it does not depend on how the ranks split into nodes.
+  const size_t across_nodes = forward_nvl_buffer_size_hint(hidden_bytes, num_ranks, config);
+  if (num_ranks > kMaxNvlRanks) return across_nodes;
   const NormalLayout layout = NormalLayout::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
-  return align_up(layout.total_bytes(), kNormalAlign);
+  return std::max(across_nodes, align_up(layout.total_bytes(), kNormalAlign));
 }
 
 size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {

@@ -12,6 +12,7 @@
 #include "common/device_info.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
@@ -114,10 +115,12 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   s.ranks_per_node = agreed_ranks_per_node(bootstrap, options.ranks_per_node, s.device);
   if (options.num_nvl_bytes > 0) {
-    EPX_CHECK(s.num_ranks <= kMaxNvlRanks, "num_ranks", s.num_ranks,
-              "must be <= 8 for the normal-mode NVLink buffer (one node)");
-    EPX_CHECK(s.ranks_per_node == s.num_ranks, "ranks_per_node", s.ranks_per_node,
-              "must be num_ranks with num_nvl_bytes > 0: normal mode across nodes is not implemented yet");
+    EPX_CHECK(s.ranks_per_node <= kMaxNvlRanks, "num_ranks", s.num_ranks,
+              "must be <= 8 for the normal-mode NVLink buffer on one node (nodes of up to 8 ranks beyond)");
+    EPX_CHECK(s.num_ranks / s.ranks_per_node < kMaxRdmaNodes, "ranks_per_node", s.ranks_per_node,
+              detail::concat("must give at most ", kMaxRdmaNodes - 1, " nodes for normal mode across nodes (",
+                             s.num_ranks, " ranks make ", s.num_ranks / s.ranks_per_node, ")")
+                  .c_str());
   }
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
@@ -152,7 +155,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     std::fill_n(s.host_scratch, kHostScratchInts, 0);
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
-    s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer");
+    s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer", s.ranks_per_node);
     s.nvl_table = upload_table(s.nvl->bases());
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.rdma_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);

@@ -17,16 +17,18 @@ struct DispatchHandle::State {
   int num_recv_rows = 0;  // rows of the outputs
   int num_worst_tokens = 0;
   int expert_alignment = 1;
-  std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode
+  int num_nodes = 1;                   // > 1: the group spans nodes (normal mode across nodes)
+  int num_forward_records = 0;         // across nodes: records this rank forwards (the size of forward_mask)
+  std::vector<int> num_recv_per_rank;  // host copy; empty in worst-case mode
   std::vector<int> num_recv_tokens_per_expert;  // host copy; empty in worst-case mode
   kernels::HandleArrays arrays{};
   std::shared_ptr<void> routing_memory;  // owns every array but recv_src_idx, freed on the comm stream
-  std::shared_ptr<void> rows_memory;     // owns recv_src_idx
+  std::shared_ptr<void> rows_memory;     // owns recv_src_idx (and forward_mask)
 
   // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
   void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
                         int num_local_experts);
-  // Allocates recv_src_idx for `num_rows` rows.
+  // Allocates recv_src_idx for `num_rows` rows (and, across nodes, forward_mask).
   void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows);
 };
 

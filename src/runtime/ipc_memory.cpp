@@ -19,7 +19,7 @@ struct IpcAnnouncement {
 
 }  // namespace
 
-IpcMemory::IpcMemory(Bootstrap& bootstrap, size_t bytes, const char* what)
+IpcMemory::IpcMemory(Bootstrap& bootstrap, size_t bytes, const char* what, int ranks_per_node)
     : rank_(bootstrap.rank()), bytes_(bytes) {
   const int num_ranks = bootstrap.num_ranks();
   int device = 0;
@@ -48,8 +48,9 @@ IpcMemory::IpcMemory(Bootstrap& bootstrap, size_t bytes, const char* what)
     }
   }
   if (bytes == 0) return;
+  const int node_size = ranks_per_node > 0 ? ranks_per_node : num_ranks;
   for (int peer = 0; peer < num_ranks; ++peer) {
-    if (peer == rank_) continue;
+    if (peer == rank_ || peer / node_size != rank_ / node_size) continue;
     if (!device_reaches(device, all[peer].pci_bus_id)) {
       release();
       EPX_FAIL("rank ", rank_, " (GPU ", mine.pci_bus_id, ") cannot reach rank ", peer, " (GPU ",

@@ -7,7 +7,9 @@
 
 #include "common/cuda_check.hpp"
 #include "epx/error.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/stream_order.hpp"
@@ -65,6 +67,29 @@ NormalLayout dispatch_layout(const Buffer& buffer, const DispatchHandle::State& 
                           NormalRecord::dispatch(state.shape));
 }
 
+// Across nodes: the queues of a call with records of `record`, in the symmetric and the NVLink buffer. Both
+// must fit before anything is launched.
+struct InternodeLayouts {
+  InternodeLayout rdma;
+  ForwardLayout nvl;
+};
+InternodeLayouts internode_layouts(const Buffer& buffer, const DispatchHandle::State& state,
+                                   const InternodeRecord& record) {
+  const Config config = queue_config(buffer, state);
+  const NodeMap nodes{buffer.num_ranks(), buffer.ranks_per_node()};
+  InternodeLayouts layouts{InternodeLayout::of(nodes.num_nodes(), config, record),
+                           ForwardLayout::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
+  EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
+            "must be > 0 for normal mode across nodes (size it with Config::get_rdma_buffer_size_hint)");
+  check_internode_layout_fits(layouts.rdma, buffer.num_rdma_bytes());
+  check_forward_layout_fits(layouts.nvl, buffer.num_nvl_bytes());
+  return layouts;
+}
+
+kernels::InternodeContext internode_context(const Buffer& buffer) {
+  return {peer_context(buffer), buffer.rdma_buffer(), NodeMap{buffer.num_ranks(), buffer.ranks_per_node()}};
+}
+
 // Rows move with 16-byte accesses and bulk copies, which fault (killing the CUDA context) on a misaligned
 // address: refuse it on the host instead.
 void check_row_alignment(const void* rows, const char* name) {
@@ -103,6 +128,8 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.num_topk == 0 || in.num_experts > 0, "num_experts", in.num_experts, "must be > 0 with top-k");
   EPX_CHECK(in.expert_alignment >= 1, "expert_alignment", in.expert_alignment, "must be >= 1");
   EPX_CHECK(in.num_worst_tokens >= 0, "num_worst_tokens", in.num_worst_tokens, "must be >= 0");
+  EPX_CHECK(in.num_worst_tokens == 0 || !buffer.spans_nodes(), "num_worst_tokens", in.num_worst_tokens,
+            "must be 0 across nodes (the CPU-sync-free mode needs one node, as in DeepEP)");
   if (!cached) {
     EPX_CHECK(in.num_tokens == 0 || in.is_token_in_rank != nullptr, "is_token_in_rank", "null",
               "is required without a cached handle");
@@ -156,21 +183,28 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
                                              int num_local_experts) {
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
+  const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
-                      std::max(num_local_experts, 1);
+                      std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0);
   routing_memory = allocate_on_stream(stream, pool, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
   arrays.num_recv_tokens_per_expert =
       arrays.recv_channel_offset + static_cast<size_t>(num_ranks) * num_channels + 1;
-  arrays.is_token_in_rank =
-      reinterpret_cast<uint8_t*>(arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1));
+  int* end = arrays.num_recv_tokens_per_expert + std::max(num_local_experts, 1);
+  if (num_nodes > 1) {
+    arrays.node_channel_offset = end;
+    end += node_cells;
+  }
+  arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(end);
 }
 
 void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
                                           int num_rows) {
-  rows_memory = allocate_on_stream(stream, pool, sizeof(int) * std::max(num_rows, 1));
+  const size_t row_bytes = sizeof(int) * std::max(num_rows, 1);
+  rows_memory = allocate_on_stream(stream, pool, row_bytes + std::max(num_forward_records, 1));
   arrays.recv_src_idx = static_cast<int*>(rows_memory.get());
+  arrays.forward_mask = num_nodes > 1 ? static_cast<uint8_t*>(rows_memory.get()) + row_bytes : nullptr;
 }
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
@@ -213,9 +247,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   validate_normal_shape(shape);
   // The host reads 1 + R + L counts from the mapped scratch, below the ready and invalid-id slots.
   const int num_local_experts = in.num_experts / num_ranks;
-  EPX_CHECK(num_local_experts < kReadySlot - 1 - num_ranks, "num_experts", in.num_experts,
-            detail::concat("must be < ", (kReadySlot - 1 - num_ranks) * num_ranks, " (",
-                           kReadySlot - 2 - num_ranks, " local experts per rank)")
+  EPX_CHECK(num_local_experts < kReadySlot - 2 - num_ranks, "num_experts", in.num_experts,
+            detail::concat("must be < ", (kReadySlot - 2 - num_ranks) * num_ranks, " (",
+                           kReadySlot - 3 - num_ranks, " local experts per rank)")
                 .c_str());
 
   std::shared_ptr<DispatchHandle::State> state;
@@ -232,10 +266,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_tokens = in.num_tokens;
     state->num_worst_tokens = in.num_worst_tokens;
     state->expert_alignment = in.expert_alignment;
+    state->num_nodes = buffer.num_ranks() / buffer.ranks_per_node();
   }
   state->shape = shape;
   // The queues this dispatch needs must fit before anything is launched.
-  check_normal_layout_fits(dispatch_layout(buffer, *state), buffer.num_nvl_bytes());
+  if (state->num_nodes > 1) {
+    internode_layouts(buffer, *state, InternodeRecord::dispatch(shape));
+  } else {
+    check_normal_layout_fits(dispatch_layout(buffer, *state), buffer.num_nvl_bytes());
+  }
   state->format = in.format;
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
@@ -262,7 +301,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     notify.host.ready = buffer.host_scratch_device() + kReadySlot;
     notify.host.ready_value = buffer.host_scratch()[kReadySlot] + 1;
   }
-  kernels::launch_dispatch_notify(notify, stream);
+  if (state->num_nodes > 1) {
+    const kernels::InternodeNotifyArgs args{
+        internode_context(buffer),    notify.num_channels, notify.is_token_in_rank,
+        notify.num_tokens_per_expert, notify.num_tokens,   notify.num_experts,
+        notify.expert_alignment,      notify.handle,       notify.host};
+    kernels::launch_internode_notify(args, stream);
+  } else {
+    kernels::launch_dispatch_notify(notify, stream);
+  }
 
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
@@ -279,6 +326,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     } else {
       state->num_recv_tokens_per_expert.clear();
     }
+    if (state->num_nodes > 1) state->num_forward_records = counts[1 + num_ranks + num_local_experts];
     const int invalid = buffer.host_scratch()[kInvalidIdSlot];
     EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
               "must be -1 or in [0, num_experts)");
@@ -309,6 +357,31 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   check_row_alignment(out.recv_x, "recv_x");
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   begin_on_comm_stream(buffer, order);
+  if (state.num_nodes > 1) {
+    const InternodeRecord record = InternodeRecord::dispatch(state.shape);
+    const InternodeLayouts layouts = internode_layouts(buffer, state, record);
+    const Config& config = buffer.config();
+    const kernels::InternodeDispatchArgs args{internode_context(buffer),
+                                              layouts.rdma,
+                                              layouts.nvl,
+                                              record,
+                                              state.num_tokens,
+                                              state.shape.num_experts,
+                                              config.num_max_rdma_chunked_send_tokens,
+                                              config.num_max_nvl_chunked_send_tokens,
+                                              state.arrays.is_token_in_rank,
+                                              in.x,
+                                              in.x_scales,
+                                              in.topk_idx,
+                                              in.topk_weights,
+                                              state.arrays,
+                                              out.recv_x,
+                                              out.recv_x_scales,
+                                              out.recv_topk_idx,
+                                              out.recv_topk_weights};
+    kernels::launch_internode_dispatch(args, buffer.comm_stream());
+    return end_on_comm_stream(buffer, order);
+  }
   kernels::DispatchArgs args{peer_context(buffer),
                              dispatch_layout(buffer, state),
                              NormalRecord::dispatch(state.shape),
@@ -354,6 +427,28 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   EPX_CHECK(out.combined_topk_weights == nullptr || in.num_topk > 0, "topk_weights", "null",
             "are needed to produce combined_topk_weights");
   const int hidden = state.shape.hidden;
+  if (state.num_nodes > 1) {
+    const InternodeRecord record = InternodeRecord::combine(hidden, in.num_topk);
+    const InternodeLayouts layouts = internode_layouts(buffer, state, record);
+    begin_on_comm_stream(buffer, order);
+    const Config& config = buffer.config();
+    const kernels::InternodeCombineArgs args{internode_context(buffer),
+                                             layouts.rdma,
+                                             layouts.nvl,
+                                             record,
+                                             state.num_tokens,
+                                             config.num_max_rdma_chunked_send_tokens,
+                                             config.num_max_nvl_chunked_send_tokens,
+                                             state.arrays,
+                                             in.x,
+                                             in.topk_weights,
+                                             in.bias0,
+                                             in.bias1,
+                                             out.combined_x,
+                                             out.combined_topk_weights};
+    kernels::launch_internode_combine(args, buffer.comm_stream());
+    return end_on_comm_stream(buffer, order);
+  }
   const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
   const NormalLayout layout = NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state), record);
   check_normal_layout_fits(layout, buffer.num_nvl_bytes());

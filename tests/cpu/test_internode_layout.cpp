@@ -97,19 +97,20 @@ TEST(InternodeLayout, SendRingsAndQueuesTileTheBufferAfterTheHead) {
       InternodeLayout::of(num_nodes, config, InternodeRecord::dispatch(NormalShape{8, 64, 256, 512, 0, 4}));
   ASSERT_EQ(layout.num_channels, 3);
   ASSERT_EQ(layout.queue_tokens, queue_tokens);
-  const size_t num_records = 2 * size_t(num_nodes - 1) * 3 * queue_tokens;
+  const size_t num_records = (2 * size_t(num_nodes) - 1) * 3 * queue_tokens;
   EXPECT_EQ(layout.total_bytes(), InternodeLayout::kQueuesOffset + num_records * layout.record_bytes);
   std::vector<char> buffer(layout.total_bytes());
   char* base = buffer.data();
   for (int own = 0; own < num_nodes; ++own) {
     std::vector<size_t> offsets;
     for (int peer = 0; peer < num_nodes; ++peer) {
-      for (int c = 0; peer != own && c < layout.num_channels; ++c) {
-        for (uint32_t entry = 0; entry < uint32_t(queue_tokens); ++entry) {
+      for (int c = 0; c < layout.num_channels; ++c) {
+        for (uint64_t entry = 0; entry < uint64_t(queue_tokens); ++entry) {
+          offsets.push_back(layout.recv_record(base, peer, c, entry) - base);
+          EXPECT_EQ(layout.recv_record(base, peer, c, entry + queue_tokens),
+                    layout.recv_record(base, peer, c, entry));
+          if (peer == own) continue;  // no ring towards the own node
           offsets.push_back(layout.send_record(base, peer, own, c, entry) - base);
-          offsets.push_back(layout.recv_record(base, peer, own, c, entry) - base);
-          EXPECT_EQ(layout.recv_record(base, peer, own, c, entry + queue_tokens),
-                    layout.recv_record(base, peer, own, c, entry));
           EXPECT_EQ(layout.send_record(base, peer, own, c, entry + queue_tokens),
                     layout.send_record(base, peer, own, c, entry));
         }
@@ -121,11 +122,11 @@ TEST(InternodeLayout, SendRingsAndQueuesTileTheBufferAfterTheHead) {
       ASSERT_EQ(offsets[i], InternodeLayout::kQueuesOffset + i * layout.record_bytes) << "node " << own;
   }
   // The head keeps its size whatever the call: counters and notify counts stay at stable addresses.
-  EXPECT_EQ(sizeof(InternodeLayout::Control), 400u);
-  EXPECT_EQ(offsetof(InternodeLayout::Head, counters), 512u);
+  EXPECT_EQ(sizeof(InternodeLayout::Control), 776u);
+  EXPECT_EQ(offsetof(InternodeLayout::Head, counters), 896u);
   EXPECT_EQ(sizeof(InternodeLayout::QueueCounters), 4u * epx::kMaxRdmaNodes * epx::kMaxChannels * 8);
   EXPECT_EQ(offsetof(InternodeLayout::Head, notify) % 128, 0u);
-  EXPECT_EQ(InternodeLayout::kQueuesOffset, 180736u);
+  EXPECT_EQ(InternodeLayout::kQueuesOffset, 312192u);
   EXPECT_EQ(static_cast<void*>(&InternodeLayout::head(base)->notify[1]),
             static_cast<void*>(base + offsetof(InternodeLayout::Head, notify) +
                                sizeof(InternodeLayout::NotifyHalf)));
@@ -137,9 +138,9 @@ TEST(InternodeLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   Config config;
   config.num_max_rdma_chunked_recv_tokens = 128;
   const size_t record = 14480;
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 180736u + 2 * 1 * 10 * 128 * record);
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 37249536u);
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 32), 111387136u);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 312192u + 3 * 10 * 128 * record);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 55915392u);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 32), 130052992u);
   // Two arguments: DeepEP's convention (one node up to 8 ranks, nodes of 8 above).
   for (int ranks : {1, 2, 4, 8}) EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, ranks), 0u);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16),
@@ -155,7 +156,7 @@ TEST(InternodeLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   // More channels or deeper queues need more.
   Config wide = config;
   wide.num_sms = 24;
-  EXPECT_EQ(wide.get_rdma_buffer_size_hint(7168 * 2, 16), 180736u + 2 * 12 * 128 * record);
+  EXPECT_EQ(wide.get_rdma_buffer_size_hint(7168 * 2, 16), 312192u + 3 * 12 * 128 * record);
   Config deep = config;
   deep.num_max_rdma_chunked_recv_tokens = 256;
   EXPECT_GT(deep.get_rdma_buffer_size_hint(7168 * 2, 16), config.get_rdma_buffer_size_hint(7168 * 2, 16));

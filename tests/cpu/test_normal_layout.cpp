@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "epx/error.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 
 namespace {
@@ -167,7 +168,14 @@ TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   deep.num_max_nvl_chunked_recv_tokens = 512;
   EXPECT_GT(deep.get_nvl_buffer_size_hint(7168 * 2, 4), config.get_nvl_buffer_size_hint(7168 * 2, 4));
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2 + 2, 4), epx::Error);
-  EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2, 9), epx::Error);
+  EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2, 65), epx::Error);
+  // Across nodes the NVLink buffer holds the forwarding queues: (L - 1) N C (Q / N) records for the largest
+  // node split, here nodes of 8.
+  const epx::ForwardLayout forward =
+      epx::ForwardLayout::of(8, 2, config, epx::InternodeRecord::largest(7168 * 2));
+  EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 16), epx::align_up(forward.total_bytes(), 128));
+  EXPECT_EQ(forward.total_bytes(),
+            epx::ForwardLayout::kQueuesOffset + size_t(7) * 2 * 10 * 128 * forward.record_bytes);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 8), 0u);
   EXPECT_GT(config.get_rdma_buffer_size_hint(7168 * 2, 16), 0u);  // two nodes of 8: test_internode_layout.cpp
 }
@@ -210,7 +218,7 @@ TEST(NormalLayout, ShapeChecksNameTheArgument) {
   const auto shape_message = [](const NormalShape& shape) {
     return message_of([&] { epx::validate_normal_shape(shape); });
   };
-  EXPECT_NE(shape_message(NormalShape{9, 256, 7168, 14336, 0, 8}).find("num_ranks = 9"), std::string::npos);
+  EXPECT_NE(shape_message(NormalShape{65, 260, 7168, 14336, 0, 8}).find("num_ranks = 65"), std::string::npos);
   EXPECT_NE(shape_message(NormalShape{4, 250, 7168, 14336, 0, 8}).find("num_experts = 250"),
             std::string::npos);
   EXPECT_NE(shape_message(NormalShape{4, 256, 7164, 14328, 0, 8}).find("hidden = 7164"), std::string::npos);

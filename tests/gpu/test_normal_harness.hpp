@@ -29,6 +29,7 @@
 
 #include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
+#include "epx/reference/internode.hpp"
 #include "epx/reference/layout.hpp"
 #include "epx/reference/normal.hpp"
 #include "test_low_latency_harness.hpp"  // DeviceArray, fail
@@ -86,7 +87,14 @@ struct NormalCase {
   // Queue settings of every call (Config's num_max_nvl_chunked_send_tokens / _recv_tokens).
   int chunk_tokens = Config{}.num_max_nvl_chunked_send_tokens;
   int queue_tokens = Config{}.num_max_nvl_chunked_recv_tokens;
+  // Across nodes: nodes of this many ranks (0: one node), and the network queue settings
+  // (num_max_rdma_chunked_send_tokens / _recv_tokens).
+  int ranks_per_node = 0;
+  int rdma_chunk_tokens = Config{}.num_max_rdma_chunked_send_tokens;
+  int rdma_queue_tokens = Config{}.num_max_rdma_chunked_recv_tokens;
   uint64_t seed = 1;
+
+  bool spans_nodes() const { return ranks_per_node > 0 && ranks_per_node < num_ranks; }
 };
 
 // The config of the iterations that use `num_sms` SMs.
@@ -95,6 +103,8 @@ inline Config normal_config(const NormalCase& c, int num_sms) {
   config.num_sms = num_sms;
   config.num_max_nvl_chunked_send_tokens = c.chunk_tokens;
   config.num_max_nvl_chunked_recv_tokens = c.queue_tokens;
+  config.num_max_rdma_chunked_send_tokens = c.rdma_chunk_tokens;
+  config.num_max_rdma_chunked_recv_tokens = c.rdma_queue_tokens;
   return config;
 }
 
@@ -104,6 +114,15 @@ inline size_t normal_buffer_bytes(const NormalCase& c) {
   const int hidden = c.buffer_hidden > 0 ? c.buffer_hidden : c.hidden;
   const int num_sms = *std::max_element(c.num_sms.begin(), c.num_sms.end());
   return normal_config(c, num_sms).get_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks);
+}
+
+// Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
+inline size_t normal_rdma_buffer_bytes(const NormalCase& c) {
+  if (!c.spans_nodes()) return 0;
+  const int hidden = c.buffer_hidden > 0 ? c.buffer_hidden : c.hidden;
+  const int num_sms = *std::max_element(c.num_sms.begin(), c.num_sms.end());
+  return normal_config(c, num_sms)
+      .get_rdma_buffer_size_hint(size_t(hidden) * 2, c.num_ranks, c.ranks_per_node);
 }
 
 template <typename T>
@@ -361,8 +380,11 @@ inline NormalExpected expect_normal(const NormalCase& c, const NormalStep& s) {
       in.bias1 =
           reference::random_bf16_tokens(s.seed * 6151 + d, s.num_tokens[d], H, d, c.combine_values, false);
   }
-  e.combined = reference::normal_combine(e.dispatched.handle, {s.combine_weights ? K : 0, s.num_biases},
-                                         e.combine_inputs);
+  const reference::NormalCombineParams combine_params{s.combine_weights ? K : 0, s.num_biases};
+  e.combined = c.spans_nodes()
+                   ? reference::internode_combine(e.dispatched.handle, c.ranks_per_node, combine_params,
+                                                  e.combine_inputs)
+                   : reference::normal_combine(e.dispatched.handle, combine_params, e.combine_inputs);
   return e;
 }
 
@@ -387,6 +409,8 @@ class NormalRunner {
   NormalRunner(const NormalCase& c, Bootstrap& bootstrap) : c_(c), rank_(bootstrap.rank()) {
     BufferOptions options;
     options.num_nvl_bytes = normal_buffer_bytes(c);
+    options.num_rdma_bytes = normal_rdma_buffer_bytes(c);
+    options.ranks_per_node = c.ranks_per_node;
     options.wait_timeout_s = 20.0;
     owned_buffer_ = std::make_unique<Buffer>(bootstrap, options);
     buffer_ = owned_buffer_.get();

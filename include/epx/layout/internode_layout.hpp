@@ -70,22 +70,26 @@ struct InternodeRecord {
 //
 // NOTES: as in NormalLayout, tokens stream through bounded queues, so the size depends on (nodes, channels,
 // queue tokens, record bytes), never on the batch. Rank s of node m talks over the network only to its rail
-// peers: for every other node n and channel c it owns a send ring (records staged for n: NVSHMEM puts must
-// read from the symmetric heap) and a receive queue (records from its rail peer on n), each of
-// Q = num_max_rdma_chunked_recv_tokens records. Tokens for the rank's own node never cross the network, so
-// there is no queue for it. Dispatch and combine use the same queues in opposite directions.
+// peers: for every node n and channel c it owns a receive queue (records from its rail peer on n) of
+// Q = num_max_rdma_chunked_recv_tokens records, and for every other node a send ring of Q records (records
+// staged for n: network puts read from the symmetric heap). Its own node's queue is written in place (no
+// put), so that node needs no ring. Dispatch and combine use the same queues in opposite directions: dispatch
+// records travel from a token's source to the rail peers that forward it, combine partial sums back.
 //
 // Flow control is NormalLayout's: a monotonic tail in the owner's buffer (records the source put) and a
 // monotonic head in the source's buffer (records the owner consumed), counts taken as differences from the
-// call's start, entry e in slot e mod Q. The counters are uint64_t because NVSHMEM's signal operations
-// (nvshmemx_signal_op, nvshmem_putmem_signal_nbi) update 64-bit words: a put followed by its tail update is
-// one put-with-signal. Send ring slot e mod Q may be rewritten once the destination consumed entry e - Q.
+// call's start, entry e in slot e mod Q. The counters are uint64_t NVSHMEM signal words, always advanced by
+// NVSHMEM_SIGNAL_ADD (a put followed by its tail update is one put-with-signal): additions commute, so
+// signals that land out of order still leave the right count. Send ring slot e mod Q may be rewritten once
+// the destination consumed entry e - Q (consuming it implies the put that carried it completed).
 //
-//   Head: Control        barrier and "previous call done" signals from the rail peers, this rank's counts
+//   Head: Control        "previous call done" signals from the rail peers, notify arrival signals, counts
 //         QueueCounters  tail / head per (peer node, channel), and this rank's own running counts
-//         NotifyHalf x 2 count exchange of dispatch, double-buffered like NormalLayout's
+//         NotifyHalf x 2 the count exchange: one message per source rank (double-buffered by the parity of
+//                        the notify sequence: a fast rank may write notify n+1 while a slow one reads n)
+//         NotifySend     this rank's outgoing messages, staged for the puts
 //   send rings        [N - 1 destination nodes][C channels][Q records]
-//   receive queues    [N - 1 source nodes][C channels][Q records]
+//   receive queues    [N source nodes][C channels][Q records]
 struct InternodeLayout {
   int num_nodes;
   int num_channels;
@@ -93,59 +97,79 @@ struct InternodeLayout {
   int record_bytes;  // of this call's records
 
   struct Control {
-    uint64_t barrier_signal[kMaxRdmaNodes];  // put by the rail peer on node n: barriers it has entered
-    uint64_t done_signal[kMaxRdmaNodes];     // put by the rail peer on node n: its finished launches
-    uint64_t barrier_count;                  // barriers this rank has entered
-    uint64_t calls_done;                     // dispatch / combine launches this rank finished
-    int op_count;                            // notifies started; its parity picks the notify half
-    int launch_arrivals;                     // blocks of the running launch that finished
-    int pad[30];
+    uint64_t done_signal[kMaxRdmaNodes];         // added by the rail peer on node n: its finished launches
+    uint64_t notify_signal[kMaxInternodeRanks];  // added by rank s: notifies whose message s delivered here
+    uint64_t calls_done;                         // dispatch / combine launches this rank finished
+    int op_count;                                // notifies started (the sequence of the last one)
+    int launch_arrivals;                         // blocks of the running launch that finished
+    int notify_arrivals;                         // channel blocks of the running notify that staged counts
+    int pad[29];
   };
-  static_assert(sizeof(Control) == sizeof(uint64_t) * (2 * kMaxRdmaNodes + 2) + sizeof(int) * 32,
+  static_assert(sizeof(Control) ==
+                    sizeof(uint64_t) * (kMaxRdmaNodes + kMaxInternodeRanks + 1) + sizeof(int) * 32,
                 "Control must keep its size (adjust pad)");
 
   struct QueueCounters {
-    uint64_t tail[kMaxRdmaNodes][kMaxChannels];  // [src node][c], put by the rail peer: records it wrote
-    uint64_t head[kMaxRdmaNodes][kMaxChannels];  // [dst node][c], put by the rail peer: records it consumed
+    uint64_t tail[kMaxRdmaNodes][kMaxChannels];  // [src node][c], added by the rail peer: records it put
+    uint64_t head[kMaxRdmaNodes][kMaxChannels];  // [dst node][c], added by the rail peer: records consumed
     uint64_t sent[kMaxRdmaNodes][kMaxChannels];  // [dst node][c], own: records put to that node so far
     uint64_t consumed[kMaxRdmaNodes][kMaxChannels];  // [src node][c], own: records consumed from it so far
   };
 
-  struct NotifyHalf {
-    int rank_channel_counts[kMaxInternodeRanks][kMaxChannels];  // [src rank][c]: tokens it sends me in c
-    int node_channel_counts[kMaxRdmaNodes][kMaxChannels];  // [src node][c]: records its rail peer puts to me
-    int expert_counts[kMaxExperts];                        // [src * L + le]: its tokens for my local expert
+  // The count exchange. Source s's message to rank r: the tokens of each channel s sends to r, the tokens of
+  // each channel s sends to r's node (its forwarder, when r is s's rail peer, needs them), and its tokens for
+  // each of r's local experts. Message i sits at i * message_stride(R) ints.
+  struct NotifyMessageView {
+    int* rank_channel_counts;  // [C]
+    int* node_channel_counts;  // [C]
+    int* expert_counts;        // [E / R]
   };
+  static constexpr int kNotifyInts = kMaxInternodeRanks * 2 * kMaxChannels + kMaxExperts;
+  struct NotifyHalf {
+    int messages[kNotifyInts];  // [source rank]
+  };
+  struct NotifySend {
+    int messages[kNotifyInts];  // [destination rank]
+  };
+  EPX_HD static int message_stride(int num_ranks) { return 2 * kMaxChannels + kMaxExperts / num_ranks; }
+  // Ints of a message with `num_channels` channels and `num_local_experts` experts per rank.
+  EPX_HD static int message_ints(int num_channels, int num_local_experts) {
+    return 2 * num_channels + num_local_experts;
+  }
+  EPX_HD static NotifyMessageView message(int* messages, int index, int num_ranks, int num_channels) {
+    int* m = messages + size_t(index) * message_stride(num_ranks);
+    return {m, m + num_channels, m + 2 * num_channels};
+  }
 
   // The fixed areas, each 128-byte aligned, at the start of the buffer; the queues follow.
   struct Head {
     alignas(kNormalAlign) Control control;
     alignas(kNormalAlign) QueueCounters counters;
     alignas(kNormalAlign) NotifyHalf notify[2];
+    alignas(kNormalAlign) NotifySend send;
   };
   static constexpr size_t kQueuesOffset = align_up(sizeof(Head), kNormalAlign);
 
   EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
-  // Queues in each direction (send rings, receive queues).
-  EPX_HD size_t num_queues() const { return size_t(num_nodes - 1) * num_channels; }
-  EPX_HD size_t recv_queues_offset() const { return kQueuesOffset + num_queues() * queue_bytes(); }
-  EPX_HD size_t total_bytes() const { return kQueuesOffset + 2 * num_queues() * queue_bytes(); }
+  EPX_HD size_t num_send_rings() const { return size_t(num_nodes - 1) * num_channels; }
+  EPX_HD size_t num_recv_queues() const { return size_t(num_nodes) * num_channels; }
+  EPX_HD size_t recv_queues_offset() const { return kQueuesOffset + num_send_rings() * queue_bytes(); }
+  EPX_HD size_t total_bytes() const { return recv_queues_offset() + num_recv_queues() * queue_bytes(); }
 
   EPX_HD static Head* head(void* base) { return static_cast<Head*>(base); }
-  // Index of `peer_node` among the other nodes of a rank on `own_node` (no queue to its own node).
+  // Index of `peer_node` among the other nodes of a rank on `own_node` (no ring to its own node).
   EPX_HD static int node_slot(int peer_node, int own_node) {
     return peer_node < own_node ? peer_node : peer_node - 1;
   }
   // In the buffer at `base` of a rank on `own_node`: the send ring record of entry `entry` (counted from the
-  // start of this call) towards `dst_node` on `channel`.
-  EPX_HD char* send_record(void* base, int dst_node, int own_node, int channel, uint32_t entry) const {
+  // start of this call) towards `dst_node` != own_node on `channel`.
+  EPX_HD char* send_record(void* base, int dst_node, int own_node, int channel, uint64_t entry) const {
     return static_cast<char*>(base) + kQueuesOffset +
            record_offset(node_slot(dst_node, own_node), channel, entry);
   }
-  // ... and the receive queue record of entry `entry` from `src_node` on `channel`.
-  EPX_HD char* recv_record(void* base, int src_node, int own_node, int channel, uint32_t entry) const {
-    return static_cast<char*>(base) + recv_queues_offset() +
-           record_offset(node_slot(src_node, own_node), channel, entry);
+  // ... and the receive queue record of entry `entry` from `src_node` (own node included) on `channel`.
+  EPX_HD char* recv_record(void* base, int src_node, int channel, uint64_t entry) const {
+    return static_cast<char*>(base) + recv_queues_offset() + record_offset(src_node, channel, entry);
   }
 
   // The layout of a call with `config` (its channels and num_max_rdma_chunked_recv_tokens) and records of
@@ -156,11 +180,75 @@ struct InternodeLayout {
   }
 
  private:
-  EPX_HD size_t record_offset(int slot, int channel, uint32_t entry) const {
+  EPX_HD size_t record_offset(int slot, int channel, uint64_t entry) const {
     return (size_t(slot) * num_channels + channel) * queue_bytes() +
-           size_t(queue_slot(entry, queue_tokens)) * record_bytes;
+           size_t(entry % static_cast<uint64_t>(queue_tokens)) * record_bytes;
   }
 };
+
+// Layout of one rank's NVLink buffer for normal mode across nodes: the queues through which a forwarder
+// (the rail peer that received a token from the network) hands it to the ranks of its node, and through
+// which those ranks return their rows in combine.
+//
+// NOTES: the NVLink queue from forwarder f to rank l is split into one sub-queue per source node m of
+// Q / N records (Q = num_max_nvl_chunked_recv_tokens): sub-queue (f -> l, m, c) carries exactly the rows
+// that rank (m, local f) sends l on channel c, in token order, so l places them without any routing
+// information, and streams from different source nodes never wait for each other (a full sub-queue stalls
+// only its own source node). Combine sends rows back through the same sub-queues (l -> f, m, c), in the
+// order l received them. Counters are NormalLayout's (uint32, monotonic, differences from the call's
+// start), per (local peer, source node, channel).
+//
+//   Control        "previous call done" signals of the node's ranks
+//   QueueCounters  tail / head per (local peer, source node, channel), and own running counts
+//   queues         [L - 1 local writers][N source nodes][C channels][Q / N records]
+struct ForwardLayout {
+  int ranks_per_node;  // L
+  int num_nodes;       // N
+  int num_channels;
+  int queue_tokens;  // Q / N: records one sub-queue holds
+  int record_bytes;
+
+  struct Control {
+    int done_signal[kMaxNvlRanks];  // written by local rank l: the launches it finished
+    int pad[32 - kMaxNvlRanks];
+  };
+  struct QueueCounters {
+    uint32_t tail[kMaxNvlRanks][kMaxRdmaNodes][kMaxChannels];      // [writer][m][c]: records it wrote to me
+    uint32_t head[kMaxNvlRanks][kMaxRdmaNodes][kMaxChannels];      // [reader][m][c]: my records it consumed
+    uint32_t sent[kMaxNvlRanks][kMaxRdmaNodes][kMaxChannels];      // own: records written to reader so far
+    uint32_t consumed[kMaxNvlRanks][kMaxRdmaNodes][kMaxChannels];  // own: records consumed from writer
+  };
+  struct Head {
+    alignas(kNormalAlign) Control control;
+    alignas(kNormalAlign) QueueCounters counters;
+  };
+  static constexpr size_t kQueuesOffset = align_up(sizeof(Head), kNormalAlign);
+
+  EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
+  EPX_HD size_t total_bytes() const {
+    return kQueuesOffset + size_t(ranks_per_node - 1) * num_nodes * num_channels * queue_bytes();
+  }
+  EPX_HD static Head* head(void* base) { return static_cast<Head*>(base); }
+  // In the buffer of local rank `owner`: entry `entry` of the sub-queue from local rank `writer` != owner for
+  // source node `node` on `channel`.
+  EPX_HD char* record(void* owner_base, int writer, int owner, int node, int channel, uint32_t entry) const {
+    const int slot = writer < owner ? writer : writer - 1;
+    const size_t queue_idx = (size_t(slot) * num_nodes + node) * num_channels + channel;
+    return static_cast<char*>(owner_base) + kQueuesOffset + queue_idx * queue_bytes() +
+           size_t(queue_slot(entry, queue_tokens)) * record_bytes;
+  }
+
+  // The layout of a call with `config` on nodes of `ranks_per_node` ranks; Q / N rounds down.
+  static ForwardLayout of(int ranks_per_node, int num_nodes, const Config& config,
+                          const InternodeRecord& record) {
+    return {ranks_per_node, num_nodes, config.num_channels(),
+            config.num_max_nvl_chunked_recv_tokens / num_nodes, static_cast<int>(record.bytes())};
+  }
+};
+
+// Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
+// (num_nvl_bytes), or when its sub-queues would hold no record (num_max_nvl_chunked_recv_tokens < nodes).
+void check_forward_layout_fits(const ForwardLayout& layout, size_t buffer_bytes);
 
 // Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
 // (num_rdma_bytes).
@@ -169,6 +257,11 @@ void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_by
 // Symmetric-buffer bytes per rank for normal mode across nodes with `config` (what
 // Config::get_rdma_buffer_size_hint returns): 2 (N - 1) C Q records of the largest record for `hidden_bytes`
 // plus the fixed control, counter and notify areas, a multiple of 128; 0 when the group is one node.
+// NVLink bytes per rank the forwarding queues need with `config` on `num_ranks` ranks for rows of up to
+// `hidden_bytes`, whatever the node size (the largest over every split into nodes of at most 8); 0 when no
+// split into several nodes exists.
+size_t forward_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config);
+
 size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node,
                                        const Config& config = Config{});
 

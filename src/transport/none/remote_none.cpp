@@ -1,6 +1,7 @@
 // Stand-ins for the NVSHMEM transport where EPX was built without it: multi-node low-latency groups are
 // refused with a clear error instead of failing to link.
 #include "epx/error.hpp"
+#include "kernels/internode_kernels.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "runtime/remote_memory.hpp"
 
@@ -30,6 +31,16 @@ void launch_low_latency_combine_remote(const LowLatencyCombineArgs&, cudaStream_
 }
 void launch_low_latency_clean_remote(const LowLatencyCleanArgs&, cudaStream_t) {
   no_nvshmem("clean_low_latency_buffer across nodes");
+}
+
+void launch_internode_notify(const InternodeNotifyArgs&, cudaStream_t) {
+  no_nvshmem("normal-mode dispatch across nodes");
+}
+void launch_internode_dispatch(const InternodeDispatchArgs&, cudaStream_t) {
+  no_nvshmem("normal-mode dispatch across nodes");
+}
+void launch_internode_combine(const InternodeCombineArgs&, cudaStream_t) {
+  no_nvshmem("normal-mode combine across nodes");
 }
 
 }  // namespace kernels

@@ -47,3 +47,5 @@ void preload_low_latency_remote_kernels() {
 }
 
 }  // namespace epx::transport::nvshmem
+
+#include "transport/nvshmem/internode_nvshmem.cuh"

@@ -3,6 +3,7 @@
 
 #include "epx/error.hpp"
 #include "runtime/remote_memory.hpp"
+#include "transport/nvshmem/internode_nvshmem.hpp"
 #include "transport/nvshmem/low_latency_nvshmem.hpp"
 #include "transport/nvshmem/nvshmem_heap.hpp"
 
@@ -12,6 +13,7 @@ RemoteMemory allocate_remote_memory(Bootstrap& bootstrap, size_t bytes, int rank
   EPX_CHECK(ranks_per_node >= 1, "ranks_per_node", ranks_per_node, "must be >= 1");
   auto heap = std::make_shared<transport::nvshmem::NvshmemHeap>(bootstrap, bytes);
   transport::nvshmem::preload_low_latency_remote_kernels();
+  transport::nvshmem::preload_internode_kernels();
   RemoteMemory memory;
   memory.local = heap->base();
   memory.bytes = heap->bytes();

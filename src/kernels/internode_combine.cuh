@@ -1,0 +1,351 @@
+#pragma once
+
+#include <cuda_bf16.h>
+
+#include "kernels/internode_common.cuh"
+
+// Combine across nodes: the reverse of dispatch. Every channel has two blocks:
+//   even: NVLink senders, one group per local rank f: the rows f forwarded to this rank, returned through the
+//         sub-queues (this rank -> f, source node) in the order they came; and the final reducer: for each of
+//         this rank's tokens, the partial sums of the nodes that received it, in node order, plus the biases;
+//   odd:  node reducers, one group per source node m: for each record this rank forwarded from m, the rows
+//         of the local ranks it went to (ascending) summed in float, rounded once to BF16 (a node's partial),
+//         put back to m's rail peer (own node: into own receive queue).
+// The reduction order is reference::internode_combine's, so results are bit-exact.
+namespace epx::kernels::internode {
+
+constexpr int kCombineThreads = 1024;
+constexpr int kCombineWarps = kCombineThreads / 32;
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
+  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const float2 f = __bfloat1622float2(pairs[i]);
+    acc[2 * i] += f.x;
+    acc[2 * i + 1] += f.y;
+  }
+}
+
+__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
+  int4 out;
+  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
+#pragma unroll
+  for (int h = 0; h < 4; ++h) pairs[h] = __floats2bfloat162_rn(acc[2 * h], acc[2 * h + 1]);
+  return out;
+}
+
+// ---- NVLink send: the rows local rank `dst` forwarded to this rank, back to it, per source node. ----
+__device__ void return_rows(const InternodeCombineArgs& args, int channel, int dst, const WarpGroup& group,
+                            int* shared, uint64_t calls) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
+  const int num_channels = args.rdma.num_channels;
+  const int me = own_local(context);
+  const NormalRecord& r = args.record.normal;
+  auto* my_nvl = nvl_counters(context.peers.local_base);
+  void* dst_base = nvl_base(context, dst);
+  const device::WaitContext wait = wait_context(context);
+  if (group.leader()) wait_local_peer_ready(context, dst, calls);
+  group.sync();
+  int pushed[kMaxRdmaNodes];
+  int done_nodes = 0;
+  for (int m = 0; m < num_nodes; ++m) {
+    pushed[m] = 0;
+    const int cell = (m * nodes.ranks_per_node + dst) * num_channels + channel;
+    if (args.handle.recv_channel_offset[cell + 1] == args.handle.recv_channel_offset[cell]) ++done_nodes;
+  }
+  device::StallClock stall;
+  stall.restart();
+  while (done_nodes < num_nodes) {
+    bool moved = false;
+    for (int m = 0; m < num_nodes; ++m) {
+      const int cell = (m * nodes.ranks_per_node + dst) * num_channels + channel;
+      const int row0 = args.handle.recv_channel_offset[cell];
+      const int count = args.handle.recv_channel_offset[cell + 1] - row0;
+      if (pushed[m] == count) continue;
+      const uint32_t base = my_nvl->sent[dst][m][channel];
+      if (group.leader()) {
+        const int consumed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
+                                             reinterpret_cast<const int*>(&my_nvl->head[dst][m][channel]))),
+                                         base);
+        *shared = min(min(queue_room(pushed[m], consumed, args.nvl.queue_tokens), args.nvl_chunk_tokens),
+                      count - pushed[m]);
+      }
+      group.sync();
+      const int take = *shared;
+      group.sync();
+      if (take <= 0) continue;
+      for (int k = group.warp; k < take; k += group.num_warps) {
+        const int row = row0 + pushed[m] + k;
+        char* record = args.nvl.record(dst_base, me, dst, m, channel, base + pushed[m] + k);
+        warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(row) * r.x_bytes,
+                         r.x_bytes, group.lane);
+        if (group.lane < r.num_topk_weights) {
+          reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
+              args.topk_weights[static_cast<size_t>(row) * r.num_topk_weights + group.lane];
+        }
+      }
+      group.sync();
+      pushed[m] += take;
+      if (pushed[m] == count) ++done_nodes;
+      if (group.leader()) {
+        device::st_release_sys(reinterpret_cast<int*>(&nvl_counters(dst_base)->tail[me][m][channel]),
+                               static_cast<int>(base + pushed[m]));
+      }
+      moved = true;
+    }
+    if (moved) {
+      stall.restart();
+    } else if (group.leader()) {
+      stall.check(wait, own_node(context) * nodes.ranks_per_node + dst, WaitPhase::kCombineSend, 0,
+                  done_nodes);
+    }
+  }
+  if (group.leader()) {
+    for (int m = 0; m < num_nodes; ++m) my_nvl->sent[dst][m][channel] += pushed[m];
+  }
+}
+
+// ---- Node reduce: this rank's forwarded records from source node `node`, reduced over the local ranks. ----
+template <typename Remote>
+__device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, int node,
+                                const WarpGroup& group, int* shared, uint64_t calls) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_channels = args.rdma.num_channels;
+  const int me = own_local(context);
+  const int own = own_node(context);
+  const int lane = group.lane;
+  const NormalRecord& r = args.record.normal;
+  const int num_topk = r.num_topk_weights;
+  const int dst_rank = nodes.rail_peer(context.peers.rank, node);
+  InternodeLayout::Head* head = rdma_head(context);
+  auto* my_nvl = nvl_counters(context.peers.local_base);
+  const device::WaitContext wait = wait_context(context);
+  const int first = args.handle.node_channel_offset[node * num_channels + channel];
+  const int count = args.handle.node_channel_offset[node * num_channels + channel + 1] - first;
+  const uint64_t base = head->counters.sent[node][channel];
+  if (node != own && group.leader()) wait_rail_peer_ready(context, node, calls);
+  group.sync();
+  const int self_row0 =
+      args.handle.recv_channel_offset[(node * nodes.ranks_per_node + me) * num_channels + channel];
+  int self_taken = 0;
+  int got[kMaxNvlRanks];
+  for (int l = 0; l < kMaxNvlRanks; ++l) got[l] = 0;
+  const int num_vectors = r.x_bytes / 16;
+  for (int done = 0; done < count;) {
+    if (group.leader()) {
+      const int64_t consumed = device::wait_count_since_u64(&head->counters.head[node][channel], base,
+                                                            done - args.rdma.queue_tokens + 1, wait, dst_rank,
+                                                            WaitPhase::kCombineSend);
+      *shared = min(min(min(queue_room(done, static_cast<int>(consumed), args.rdma.queue_tokens),
+                            args.rdma_chunk_tokens),
+                        count - done),
+                    32);
+    }
+    group.sync();
+    const int take = *shared;
+    group.sync();
+    const uint32_t lane_mask = lane < take ? args.handle.forward_mask[first + done + lane] : 0u;
+    for (int i = group.warp; i < take; i += group.num_warps) {
+      const uint32_t mask = __shfl_sync(~0u, lane_mask, i);
+      // Where record i's row sits for each local rank: after the batch's earlier records that rank had.
+      int entry[kMaxNvlRanks];
+      for (int l = 0; l < nodes.ranks_per_node; ++l) {
+        const unsigned with_l = __ballot_sync(~0u, (lane_mask >> l) & 1u);
+        entry[l] = __popc(with_l & lanes_below(i));
+        if (lane == 0 && l != me && ((mask >> l) & 1u)) {
+          device::wait_count_since(&my_nvl->tail[l][node][channel], my_nvl->consumed[l][node][channel],
+                                   got[l] + entry[l] + 1, wait, own * nodes.ranks_per_node + l,
+                                   WaitPhase::kCombineReduce);
+        }
+      }
+      __syncwarp();
+      const auto row_of = [&](int l) -> const char* {
+        if (l == me) {
+          return static_cast<const char*>(args.x) +
+                 static_cast<size_t>(self_row0 + self_taken + entry[l]) * r.x_bytes;
+        }
+        return args.nvl.record(context.peers.local_base, l, me, node, channel,
+                               my_nvl->consumed[l][node][channel] + got[l] + entry[l]);
+      };
+      const uint64_t position = base + done + i;
+      char* out = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
+                              : args.rdma.send_record(context.rdma_base, node, own, channel, position);
+      for (int v = lane; v < num_vectors; v += 32) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int l = 0; l < nodes.ranks_per_node; ++l) {
+          if ((mask >> l) & 1u) add_bf16x8(acc, device::ld_v4(reinterpret_cast<const int4*>(row_of(l)) + v));
+        }
+        reinterpret_cast<int4*>(out)[v] = round_bf16x8(acc);
+      }
+      if (lane < num_topk) {
+        float weight = 0.0f;
+        for (int l = 0; l < nodes.ranks_per_node; ++l) {
+          if (!((mask >> l) & 1u)) continue;
+          if (l == me) {
+            weight +=
+                args.topk_weights[static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane];
+          } else {
+            weight += reinterpret_cast<const volatile float*>(row_of(l) + r.topk_weights_offset())[lane];
+          }
+        }
+        reinterpret_cast<float*>(out + r.topk_weights_offset())[lane] = weight;
+      }
+    }
+    __threadfence();
+    group.sync();
+    if (node == own) {
+      if (group.leader()) device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
+    } else if (group.warp == 0) {
+      put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + done, take,
+                             &head->counters.tail[own][channel], dst_rank);
+    }
+    for (int l = 0; l < nodes.ranks_per_node; ++l) {
+      const int used = __popc(__ballot_sync(~0u, (lane_mask >> l) & 1u));
+      if (l == me) {
+        self_taken += used;
+        continue;
+      }
+      got[l] += used;
+      if (used > 0 && group.leader()) {
+        device::st_release_sys(
+            reinterpret_cast<int*>(&nvl_counters(nvl_base(context, l))->head[me][node][channel]),
+            static_cast<int>(my_nvl->consumed[l][node][channel] + got[l]));
+      }
+    }
+    done += take;
+  }
+  group.sync();
+  if (group.leader()) {
+    head->counters.sent[node][channel] = base + count;
+    for (int l = 0; l < nodes.ranks_per_node; ++l) {
+      if (l != me) my_nvl->consumed[l][node][channel] += got[l];
+    }
+  }
+}
+
+// ---- Final reduce: each token's node partials in node order, then the biases, one rounding. ----
+template <typename Remote>
+__device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, const WarpGroup& group,
+                              unsigned* batch_end) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
+  const int own = own_node(context);
+  const int lane = group.lane;
+  const NormalRecord& r = args.record.normal;
+  const int num_topk = r.num_topk_weights;
+  InternodeLayout::Head* head = rdma_head(context);
+  const device::WaitContext wait = wait_context(context);
+  const TokenRange range = channel_token_range(args.num_tokens, args.rdma.num_channels, channel);
+  const int batch = min(group.num_warps, args.rdma.queue_tokens);
+  const int num_vectors = r.x_bytes / 16;
+  unsigned released[kMaxRdmaNodes];
+  for (int n = 0; n < kMaxRdmaNodes; ++n) released[n] = 0;
+  if (group.leader()) {
+    for (int n = 0; n < kMaxRdmaNodes; ++n) batch_end[n] = 0;
+  }
+  group.sync();
+  for (int t0 = range.begin; t0 < range.end; t0 += batch) {
+    const int t = t0 + group.warp;
+    if (group.warp < batch && t < range.end) {
+      int entry[kMaxRdmaNodes];
+      for (int n = 0; n < num_nodes; ++n) {
+        entry[n] = args.handle.send_head[static_cast<size_t>(t) * num_nodes + n];
+        if (entry[n] >= 0 && lane == 0) {
+          device::wait_count_since_u64(&head->counters.tail[n][channel], head->counters.consumed[n][channel],
+                                       entry[n] + 1, wait, nodes.rail_peer(context.peers.rank, n),
+                                       WaitPhase::kCombineReduce);
+          atomicMax(&batch_end[n], static_cast<unsigned>(entry[n] + 1));
+        }
+      }
+      __syncwarp();
+      const auto partial = [&](int n) {
+        return args.rdma.recv_record(context.rdma_base, n, channel,
+                                     head->counters.consumed[n][channel] + entry[n]);
+      };
+      for (int v = lane; v < num_vectors; v += 32) {
+        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        for (int n = 0; n < num_nodes; ++n) {
+          if (entry[n] >= 0) add_bf16x8(acc, device::ld_v4(reinterpret_cast<const int4*>(partial(n)) + v));
+        }
+        const size_t offset = static_cast<size_t>(t) * num_vectors + v;
+        if (args.bias0 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias0)[offset]);
+        if (args.bias1 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias1)[offset]);
+        static_cast<int4*>(args.combined_x)[offset] = round_bf16x8(acc);
+      }
+      if (args.combined_topk_weights != nullptr && lane < num_topk) {
+        float weight = 0.0f;
+        for (int n = 0; n < num_nodes; ++n) {
+          if (entry[n] >= 0)
+            weight += reinterpret_cast<const volatile float*>(partial(n) + r.topk_weights_offset())[lane];
+        }
+        args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = weight;
+      }
+    }
+    group.sync();
+    if (group.leader()) {
+      for (int n = 0; n < num_nodes; ++n) {
+        const unsigned end = *reinterpret_cast<volatile unsigned*>(&batch_end[n]);
+        if (end > released[n]) {
+          Remote::signal_add(&head->counters.head[own][channel], end - released[n],
+                             nodes.rail_peer(context.peers.rank, n));
+          released[n] = end;
+        }
+      }
+    }
+    group.sync();
+  }
+  if (group.leader()) {
+    for (int n = 0; n < num_nodes; ++n) {
+      released[n] = *reinterpret_cast<volatile unsigned*>(&batch_end[n]);
+      head->counters.consumed[n][channel] += released[n];
+    }
+  }
+}
+
+template <typename Remote>
+__global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCombineArgs args) {
+  __shared__ int group_values[kMaxRdmaNodes];
+  __shared__ unsigned batch_end[kMaxRdmaNodes];
+  const InternodeContext& context = args.context;
+  const uint64_t calls = calls_before(context);
+  const int channel = blockIdx.x / 2;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int num_nodes = context.nodes.num_nodes();
+  const int ranks_per_node = context.nodes.ranks_per_node;
+  if (blockIdx.x % 2 == 0) {
+    constexpr int kHalf = kCombineWarps / 2;
+    if (warp < kHalf) {
+      const int warps_per_rank = kHalf / ranks_per_node;
+      const int local = warp / warps_per_rank;
+      if (local < ranks_per_node && local != own_local(context)) {
+        const WarpGroup group{local, warp % warps_per_rank, warps_per_rank, lane};
+        return_rows(args, channel, local, group, &group_values[local], calls);
+      }
+    } else {
+      const WarpGroup group{ranks_per_node, warp - kHalf, kHalf, lane};
+      reduce_tokens<Remote>(args, channel, group, batch_end);
+    }
+  } else {
+    const int warps_per_node = kCombineWarps / num_nodes;
+    const int node = warp / warps_per_node;
+    if (node < num_nodes) {
+      const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
+      reduce_for_node<Remote>(args, channel, node, group, &group_values[node], calls);
+    }
+  }
+  finish_launch<Remote>(context, calls);
+}
+
+template <typename Remote>
+void launch_combine_with(const InternodeCombineArgs& args, cudaStream_t stream) {
+  combine_kernel<Remote><<<2 * args.rdma.num_channels, kCombineThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels::internode

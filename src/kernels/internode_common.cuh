@@ -1,0 +1,151 @@
+#pragma once
+
+#include <cstdint>
+
+#include "common/cuda_check.hpp"
+#include "device/ptx.cuh"
+#include "device/wait.cuh"
+#include "kernels/internode_kernels.hpp"
+#include "kernels/normal_queue.cuh"
+#include "kernels/warp_copy.cuh"
+
+// What the kernels of normal mode across nodes share. They reach the network through `Remote`, a transport
+// policy (the NVSHMEM one lives in transport/nvshmem):
+//   put_signal_warp(dst, src, bytes, signal, add, rank)  warp-collective, non-blocking put of [src, src +
+//   bytes)
+//                    of this rank's symmetric buffer to symmetric address `dst` on `rank`, then adds `add` to
+//                    the uint64 signal word `signal` there once the data landed; ordered after every earlier
+//                    put of the calling thread to `rank` (the policy fences)
+//   signal_add(signal, add, rank)   one thread: adds `add` to `rank`'s uint64 word at symmetric `signal`
+//   quiet()                         every operation this thread issued is complete
+// Symmetric addresses are this rank's addresses of the place (the same offset is valid on every rank).
+namespace epx::kernels::internode {
+
+__device__ __forceinline__ device::WaitContext wait_context(const InternodeContext& context) {
+  return {context.peers.timeout_record, context.peers.rank, context.peers.timeout_ns};
+}
+
+__device__ __forceinline__ InternodeLayout::Head* rdma_head(const InternodeContext& context) {
+  return InternodeLayout::head(context.rdma_base);
+}
+
+__device__ __forceinline__ int own_node(const InternodeContext& context) {
+  return context.nodes.node_of(context.peers.rank);
+}
+__device__ __forceinline__ int own_local(const InternodeContext& context) {
+  return context.nodes.local_rank(context.peers.rank);
+}
+// The NVLink buffer of local rank `local` of this rank's node.
+__device__ __forceinline__ void* nvl_base(const InternodeContext& context, int local) {
+  return context.peers.peer_bases[own_node(context) * context.nodes.ranks_per_node + local];
+}
+__device__ __forceinline__ ForwardLayout::QueueCounters* nvl_counters(void* base) {
+  return &ForwardLayout::head(base)->counters;
+}
+
+// Dispatch and combine launches this rank finished before the running one (read by every block at its start).
+__device__ __forceinline__ uint64_t calls_before(const InternodeContext& context) {
+  return *reinterpret_cast<volatile uint64_t*>(&rdma_head(context)->control.calls_done);
+}
+
+// Called by every thread of every block at its end: the last block counts the call as done and tells the
+// node's ranks (over NVLink) and the rail peers (over the network), which may then write into this rank's
+// queues with the next call's layout.
+template <typename Remote>
+__device__ __forceinline__ void finish_launch(const InternodeContext& context, uint64_t calls) {
+  __shared__ bool is_last;
+  auto* control = &rdma_head(context)->control;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    Remote::quiet();  // this block's puts and signals are complete before "done" is
+    __threadfence_system();
+    is_last = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+  }
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence_system();
+  if (threadIdx.x == 0) {
+    control->launch_arrivals = 0;
+    control->calls_done = calls + 1;
+  }
+  const NodeMap& nodes = context.nodes;
+  const int t = threadIdx.x;
+  if (t < nodes.ranks_per_node && t != own_local(context)) {
+    device::st_release_sys(
+        &ForwardLayout::head(nvl_base(context, t))->control.done_signal[own_local(context)],
+        static_cast<int>(calls + 1));
+  }
+  const int node = t - 32;  // a second warp signals the rail peers
+  if (node >= 0 && node < nodes.num_nodes() && node != own_node(context)) {
+    Remote::signal_add(&control->done_signal[own_node(context)], 1,
+                       nodes.rail_peer(context.peers.rank, node));
+    Remote::quiet();
+  }
+}
+
+// Waits until local rank `local` finished every launch before this one (then nothing of an earlier call is
+// still unread in its NVLink queues).
+__device__ __forceinline__ void wait_local_peer_ready(const InternodeContext& context, int local,
+                                                      uint64_t calls) {
+  device::wait_at_least(&ForwardLayout::head(context.peers.local_base)->control.done_signal[local],
+                        static_cast<int>(calls), wait_context(context),
+                        own_node(context) * context.nodes.ranks_per_node + local, WaitPhase::kPreviousCall);
+}
+
+// ... and rail peer on `node` likewise for its network queues.
+__device__ __forceinline__ void wait_rail_peer_ready(const InternodeContext& context, int node,
+                                                     uint64_t calls) {
+  device::wait_count_since_u64(&rdma_head(context)->control.done_signal[node], 0, static_cast<int64_t>(calls),
+                               wait_context(context), context.nodes.rail_peer(context.peers.rank, node),
+                               WaitPhase::kPreviousCall);
+}
+
+__device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
+  const int local = global_expert - rank * experts_per_rank;
+  return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
+}
+
+// Output row `row` of dispatch from a queue record (which peers rewrite while the kernel runs, so it is read
+// coherently): the token row, its scales, its top-k as local expert ids (-1 and weight 0 elsewhere), its
+// source index. One warp.
+__device__ __forceinline__ void write_row_from_record(const InternodeDispatchArgs& args, int row,
+                                                      const char* record, int lane) {
+  const NormalRecord& r = args.record.normal;
+  warp_copy<true>(static_cast<char*>(args.recv_x) + static_cast<size_t>(row) * r.x_bytes, record, r.x_bytes,
+                  lane);
+  const auto* scales = reinterpret_cast<const volatile float*>(record + r.scales_offset());
+  for (int g = lane; g < r.num_scales; g += 32)
+    args.recv_x_scales[static_cast<size_t>(row) * r.num_scales + g] = scales[g];
+  const int num_topk = r.num_topk_idx;
+  if (args.recv_topk_idx != nullptr && lane < num_topk) {
+    const int experts_per_rank = args.num_experts / args.context.peers.num_ranks;
+    const int global = reinterpret_cast<const volatile int*>(record + r.topk_idx_offset())[lane];
+    const float weight = reinterpret_cast<const volatile float*>(record + r.topk_weights_offset())[lane];
+    const int local = to_local_expert(global, args.context.peers.rank, experts_per_rank);
+    args.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
+    args.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? weight : 0.0f;
+  }
+  if (lane == 31)
+    args.handle.recv_src_idx[row] = *reinterpret_cast<const volatile int*>(record + r.src_idx_offset());
+}
+
+// Publishes the group's records [first, first + count) of a send ring to the same slots of the rail peer's
+// receive queue (split where the ring wraps), each piece with a put-with-signal adding its size to `tail`.
+// Called by one whole warp.
+template <typename Remote>
+__device__ __forceinline__ void put_ring_range(const InternodeLayout& layout, void* rdma_base, int dst_node,
+                                               int own_node_idx, int channel, uint64_t first, int count,
+                                               uint64_t* tail, int dst_rank) {
+  while (count > 0) {
+    const int slot = static_cast<int>(first % static_cast<uint64_t>(layout.queue_tokens));
+    const int piece = min(count, layout.queue_tokens - slot);
+    const char* src = layout.send_record(rdma_base, dst_node, own_node_idx, channel, first);
+    char* dst = layout.recv_record(rdma_base, own_node_idx, channel, first);
+    Remote::put_signal_warp(dst, src, static_cast<size_t>(piece) * layout.record_bytes, tail,
+                            static_cast<uint64_t>(piece), dst_rank);
+    first += piece;
+    count -= piece;
+  }
+}
+
+}  // namespace epx::kernels::internode

@@ -1,0 +1,375 @@
+#pragma once
+
+#include "kernels/internode_common.cuh"
+
+// Dispatch across nodes. Every channel has two blocks:
+//   even: network senders, one warp group per destination node: the channel's tokens for that node, in token
+//         order, as records (row, scales, top-k, source index, the node's local ranks that need the token)
+//         into the send ring, then put to the rail peer there (own node: straight into own receive queue);
+//   odd:  forwarders, one group per local rank l of this node: every record from every source node's rail
+//         peer, and those for l go into the NVLink sub-queue (this rank -> l, source node) or, for l = this
+//         rank, straight into the outputs; and receivers, one group per local rank f: the rows forwarded by
+//         f, copied from the sub-queues into their final rows.
+// Forwarders and receivers poll their sources round-robin and never block on one of them, and every
+// sub-queue carries one source rank's rows in token order, so streams never wait for each other.
+namespace epx::kernels::internode {
+
+constexpr int kThreads = 1024;
+constexpr int kWarps = kThreads / 32;
+constexpr int kHalfWarps = kWarps / 2;
+
+// ---- Network send: the channel's tokens for `node`, a chunk at a time. ----
+template <typename Remote>
+__device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int node, const WarpGroup& group,
+                             int* shared, uint64_t calls) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_ranks = context.peers.num_ranks;
+  const int own = own_node(context);
+  const int dst_rank = nodes.rail_peer(context.peers.rank, node);
+  const int lane = group.lane;
+  InternodeLayout::Head* head = rdma_head(context);
+  const uint64_t base = head->counters.sent[node][channel];
+  const device::WaitContext wait = wait_context(context);
+  if (node != own && group.leader()) wait_rail_peer_ready(context, node, calls);
+  group.sync();
+  const TokenRange range = channel_token_range(args.num_tokens, args.rdma.num_channels, channel);
+  const NormalRecord& r = args.record.normal;
+  const int queue_tokens = args.rdma.queue_tokens;
+  int pushed = 0;
+  int window = 0;
+  for (int t0 = range.begin; t0 < range.end;) {
+    if (group.leader()) {
+      const int64_t consumed =
+          device::wait_count_since_u64(&head->counters.head[node][channel], base, pushed - queue_tokens + 1,
+                                       wait, dst_rank, WaitPhase::kDispatchSend);
+      *shared = min(min(queue_room(pushed, static_cast<int>(consumed), queue_tokens), args.rdma_chunk_tokens),
+                    range.end - t0);
+    }
+    group.sync();
+    const int granted = *shared;
+    group.sync();
+    int taken = 0;
+    while (taken < granted && t0 < range.end) {
+      const int t = t0 + lane;
+      uint32_t local_mask = 0;
+      if (t < range.end) {
+        const uint8_t* flags =
+            args.is_token_in_rank + static_cast<size_t>(t) * num_ranks + node * nodes.ranks_per_node;
+        for (int l = 0; l < nodes.ranks_per_node; ++l) local_mask |= (flags[l] != 0 ? 1u : 0u) << l;
+      }
+      unsigned mask = __ballot_sync(~0u, local_mask != 0);
+      int width = 32;
+      const int room = granted - taken;
+      if (__popc(mask) > room) {
+        unsigned last = mask;
+        for (int i = 1; i < room; ++i) last &= last - 1;
+        width = __ffs(last);
+        mask &= width == 32 ? ~0u : (1u << width) - 1u;
+      }
+      if (window % group.num_warps == group.warp && lane < width && t < range.end) {
+        args.handle.send_head[static_cast<size_t>(t) * nodes.num_nodes() + node] =
+            (mask >> lane) & 1u ? pushed + taken + __popc(mask & lanes_below(lane)) : -1;
+      }
+      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+        const int bit = __ffs(todo) - 1;
+        const int entry = taken + __popc(mask & lanes_below(bit));
+        if (entry % group.num_warps != group.warp) continue;
+        const int token = t0 + bit;
+        const uint64_t position = base + pushed + entry;
+        char* record = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
+                                   : args.rdma.send_record(context.rdma_base, node, own, channel, position);
+        warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
+                         r.x_bytes, lane);
+        auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
+        for (int g = lane; g < r.num_scales; g += 32)
+          scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
+        if (lane < r.num_topk_idx) {
+          const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
+          reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(args.topk_idx[k]);
+          reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] =
+              args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
+        }
+        const uint32_t token_mask = __shfl_sync(~0u, local_mask, bit);
+        if (lane == 0) {
+          *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
+          *reinterpret_cast<uint32_t*>(record + args.record.rank_mask_offset()) = token_mask;
+        }
+      }
+      taken += __popc(mask);
+      t0 += width;
+      ++window;
+    }
+    __threadfence();  // the records are complete before the put that reads them
+    group.sync();
+    if (taken > 0) {
+      if (node == own) {
+        if (group.leader())
+          device::st_release_sys_u64(&head->counters.tail[own][channel], base + pushed + taken);
+      } else if (group.warp == 0) {
+        put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + pushed, taken,
+                               &head->counters.tail[own][channel], dst_rank);
+      }
+    }
+    pushed += taken;
+  }
+  if (group.leader()) head->counters.sent[node][channel] = base + pushed;
+}
+
+// What the forwarder groups of a block share about one source node's stream.
+struct ForwardShared {
+  int progress[kMaxNvlRanks][kMaxRdmaNodes];   // records of node m each group has passed
+  unsigned long long released[kMaxRdmaNodes];  // records of node m whose slots were given back
+  int values[kMaxNvlRanks];                    // one per group, for QueueEnd-style sharing
+};
+
+// ---- Forward: every record from every source node, those for local rank `dst` onwards. ----
+template <typename Remote>
+__device__ void forward_to(const InternodeDispatchArgs& args, int channel, int dst, const WarpGroup& group,
+                           ForwardShared& shared, uint64_t calls) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
+  const int num_channels = args.rdma.num_channels;
+  const int me = own_local(context);
+  const int own = own_node(context);
+  const int lane = group.lane;
+  const bool to_self = dst == me;
+  InternodeLayout::Head* head = rdma_head(context);
+  void* dst_base = nvl_base(context, dst);
+  auto* my_nvl = nvl_counters(context.peers.local_base);
+  const device::WaitContext wait = wait_context(context);
+  if (!to_self && group.leader()) wait_local_peer_ready(context, dst, calls);
+  group.sync();
+
+  int progress[kMaxRdmaNodes];
+  int sent[kMaxRdmaNodes];  // rows handed to dst (or, to_self, written) per source node
+  int done_nodes = 0;
+  for (int m = 0; m < num_nodes; ++m) {
+    progress[m] = 0;
+    sent[m] = 0;
+    if (args.handle.node_channel_offset[m * num_channels + channel + 1] ==
+        args.handle.node_channel_offset[m * num_channels + channel])
+      ++done_nodes;
+  }
+  device::StallClock stall;
+  stall.restart();
+  while (done_nodes < num_nodes) {
+    bool moved = false;
+    for (int m = 0; m < num_nodes; ++m) {
+      const int first_record = args.handle.node_channel_offset[m * num_channels + channel];
+      const int count = args.handle.node_channel_offset[m * num_channels + channel + 1] - first_record;
+      if (progress[m] == count) continue;
+      const uint64_t rdma_base_count = head->counters.consumed[m][channel];
+      const uint32_t nvl_base_count = my_nvl->sent[dst][m][channel];
+      if (group.leader()) {
+        const int landed = static_cast<int>(
+            static_cast<int64_t>(device::ld_acquire_sys_u64(&head->counters.tail[m][channel]) -
+                                 rdma_base_count) -
+            progress[m]);
+        int room = 32;
+        if (!to_self) {
+          const int consumed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
+                                               reinterpret_cast<const int*>(&my_nvl->head[dst][m][channel]))),
+                                           nvl_base_count);
+          room = queue_room(sent[m], consumed, args.nvl.queue_tokens);
+        }
+        shared.values[group.group] = room > 0 ? min(landed, 32) : 0;
+        shared.values[group.group] |= min(room, 32) << 16;
+      }
+      group.sync();
+      const int packed = shared.values[group.group];
+      group.sync();
+      const int available = packed & 0xffff;
+      const int room = packed >> 16;
+      if (available == 0) continue;
+      // Which of the next records go to dst, cut after the room-th one.
+      const uint64_t position = rdma_base_count + progress[m] + lane;
+      const char* record = args.rdma.recv_record(context.rdma_base, m, channel, position);
+      const uint32_t record_mask =
+          lane < available
+              ? *reinterpret_cast<const volatile uint32_t*>(record + args.record.rank_mask_offset())
+              : 0u;
+      unsigned mask = __ballot_sync(~0u, (record_mask >> dst) & 1u);
+      int width = available;
+      if (__popc(mask) > room) {
+        unsigned last = mask;
+        for (int i = 1; i < room; ++i) last &= last - 1;
+        width = __ffs(last);
+        mask &= width == 32 ? ~0u : (1u << width) - 1u;
+      }
+      if (dst == 0 && group.warp == 0 && lane < width)
+        args.handle.forward_mask[first_record + progress[m] + lane] = static_cast<uint8_t>(record_mask);
+      const int src_rank = m * nodes.ranks_per_node + me;
+      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+        const int bit = __ffs(todo) - 1;
+        const int entry = __popc(mask & lanes_below(bit));
+        if (entry % group.num_warps != group.warp) continue;
+        const char* source =
+            args.rdma.recv_record(context.rdma_base, m, channel, rdma_base_count + progress[m] + bit);
+        if (to_self) {
+          const int row =
+              args.handle.recv_channel_offset[src_rank * num_channels + channel] + sent[m] + entry;
+          write_row_from_record(args, row, source, lane);
+        } else {
+          char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
+          warp_copy<true>(target, source, args.record.bytes(), lane);
+        }
+      }
+      group.sync();
+      const int taken = __popc(mask);
+      sent[m] += taken;
+      progress[m] += width;
+      if (progress[m] == count) ++done_nodes;
+      if (group.leader()) {
+        if (!to_self && taken > 0) {
+          device::st_release_sys(reinterpret_cast<int*>(&nvl_counters(dst_base)->tail[me][m][channel]),
+                                 static_cast<int>(nvl_base_count + sent[m]));
+        }
+        // Give the records back to the source once every group passed them.
+        volatile int* group_progress = &shared.progress[0][m];
+        group_progress[dst * kMaxRdmaNodes] = progress[m];
+        __threadfence_block();
+        int passed = progress[m];
+        for (int g = 0; g < nodes.ranks_per_node; ++g)
+          passed = min(passed, group_progress[g * kMaxRdmaNodes]);
+        const unsigned long long before =
+            atomicMax(&shared.released[m], static_cast<unsigned long long>(passed));
+        if (static_cast<unsigned long long>(passed) > before) {
+          Remote::signal_add(&head->counters.head[own][channel], passed - before,
+                             nodes.rail_peer(context.peers.rank, m));
+        }
+      }
+      moved = true;
+    }
+    if (moved) {
+      stall.restart();
+    } else if (group.leader()) {
+      stall.check(wait, -1, WaitPhase::kDispatchReceive, 0, done_nodes);
+    }
+  }
+  if (!to_self && group.leader()) {
+    for (int m = 0; m < num_nodes; ++m) my_nvl->sent[dst][m][channel] += sent[m];
+  }
+}
+
+// ---- Receive: the rows local rank `src` forwarded, from its sub-queues into their final rows. ----
+__device__ void receive_from(const InternodeDispatchArgs& args, int channel, int src, const WarpGroup& group,
+                             int* shared) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
+  const int num_channels = args.rdma.num_channels;
+  const int me = own_local(context);
+  auto* my_nvl = nvl_counters(context.peers.local_base);
+  void* src_base = nvl_base(context, src);
+  const device::WaitContext wait = wait_context(context);
+  int got[kMaxRdmaNodes];
+  int done_nodes = 0;
+  for (int m = 0; m < num_nodes; ++m) {
+    got[m] = 0;
+    const int cell = (m * nodes.ranks_per_node + src) * num_channels + channel;
+    if (args.handle.recv_channel_offset[cell + 1] == args.handle.recv_channel_offset[cell]) ++done_nodes;
+  }
+  device::StallClock stall;
+  stall.restart();
+  while (done_nodes < num_nodes) {
+    bool moved = false;
+    for (int m = 0; m < num_nodes; ++m) {
+      const int cell = (m * nodes.ranks_per_node + src) * num_channels + channel;
+      const int row0 = args.handle.recv_channel_offset[cell];
+      const int count = args.handle.recv_channel_offset[cell + 1] - row0;
+      if (got[m] == count) continue;
+      const uint32_t base = my_nvl->consumed[src][m][channel];
+      if (group.leader()) {
+        const int landed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
+                                           reinterpret_cast<const int*>(&my_nvl->tail[src][m][channel]))),
+                                       base);
+        *shared = min(landed, count) - got[m];
+      }
+      group.sync();
+      const int ready = *shared;
+      group.sync();
+      if (ready == 0) continue;
+      for (int j = group.warp; j < ready; j += group.num_warps) {
+        const char* record =
+            args.nvl.record(context.peers.local_base, src, me, m, channel, base + got[m] + j);
+        write_row_from_record(args, row0 + got[m] + j, record, group.lane);
+      }
+      group.sync();
+      got[m] += ready;
+      if (got[m] == count) ++done_nodes;
+      if (group.leader()) {
+        device::st_release_sys(reinterpret_cast<int*>(&nvl_counters(src_base)->head[me][m][channel]),
+                               static_cast<int>(base + got[m]));
+      }
+      moved = true;
+    }
+    if (moved) {
+      stall.restart();
+    } else if (group.leader()) {
+      stall.check(wait, own_node(context) * nodes.ranks_per_node + src, WaitPhase::kDispatchReceive, 0,
+                  done_nodes);
+    }
+  }
+  if (group.leader()) {
+    for (int m = 0; m < num_nodes; ++m) my_nvl->consumed[src][m][channel] += got[m];
+  }
+}
+
+template <typename Remote>
+__global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatchArgs args) {
+  __shared__ ForwardShared forward_shared;
+  __shared__ int group_values[kMaxRdmaNodes];
+  const InternodeContext& context = args.context;
+  const uint64_t calls = calls_before(context);
+  const int channel = blockIdx.x / 2;
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int num_nodes = context.nodes.num_nodes();
+  const int ranks_per_node = context.nodes.ranks_per_node;
+  if (threadIdx.x < kMaxNvlRanks * kMaxRdmaNodes) (&forward_shared.progress[0][0])[threadIdx.x] = 0;
+  if (threadIdx.x < kMaxRdmaNodes) forward_shared.released[threadIdx.x] = 0;
+  __syncthreads();
+  if (blockIdx.x % 2 == 0) {
+    const int warps_per_node = kWarps / num_nodes;
+    const int node = warp / warps_per_node;
+    if (node < num_nodes) {
+      const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
+      send_to_node<Remote>(args, channel, node, group, &group_values[node], calls);
+    }
+  } else {
+    const int warps_per_rank = kHalfWarps / ranks_per_node;
+    const int half_warp = warp % kHalfWarps;
+    const int local = half_warp / warps_per_rank;
+    if (local < ranks_per_node) {
+      if (warp < kHalfWarps) {
+        const WarpGroup group{local, half_warp % warps_per_rank, warps_per_rank, lane};
+        forward_to<Remote>(args, channel, local, group, forward_shared, calls);
+      } else if (local != own_local(context)) {
+        // Named barriers 1..L serve the forwarders, L + 1 .. 2L - 1 the receivers (at most 15).
+        const int slot = local < own_local(context) ? local : local - 1;
+        const WarpGroup group{ranks_per_node + slot, half_warp % warps_per_rank, warps_per_rank, lane};
+        receive_from(args, channel, local, group, &group_values[local]);
+      }
+    }
+  }
+  __syncthreads();
+  if (blockIdx.x % 2 == 1 && threadIdx.x == 0) {
+    // Every group passed every record (and gave it back); the stream's consumed count moves on.
+    for (int m = 0; m < num_nodes; ++m) {
+      const int count = args.handle.node_channel_offset[m * args.rdma.num_channels + channel + 1] -
+                        args.handle.node_channel_offset[m * args.rdma.num_channels + channel];
+      rdma_head(context)->counters.consumed[m][channel] += count;
+    }
+  }
+  finish_launch<Remote>(context, calls);
+}
+
+template <typename Remote>
+void launch_dispatch_with(const InternodeDispatchArgs& args, cudaStream_t stream) {
+  dispatch_kernel<Remote><<<2 * args.rdma.num_channels, kThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels::internode

@@ -1,0 +1,78 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "epx/layout/internode_layout.hpp"
+#include "kernels/normal_kernels.hpp"
+
+// Launchers of normal mode across nodes (layouts: InternodeLayout for the symmetric buffer, ForwardLayout for
+// the NVLink buffer). The kernels need the NVSHMEM transport; without it the launchers throw.
+namespace epx::kernels {
+
+// Where a rank stands: its NVLink peers (PeerContext over the NVLink buffers; nullptr outside its node), its
+// symmetric buffer (the same offsets are valid on every rank) and the node split.
+struct InternodeContext {
+  PeerContext peers;
+  void* rdma_base;
+  NodeMap nodes;
+};
+
+// Host-mapped counts of the internode notify: HostCounts' [0] rows, [1 + r] rows from source r,
+// [1 + R + le] aligned rows of local expert le, then [1 + R + L] the records this rank forwards.
+struct InternodeNotifyArgs {
+  InternodeContext context;
+  int num_channels;
+  const uint8_t* is_token_in_rank;   // [T, R]
+  const int* num_tokens_per_expert;  // [E] or nullptr
+  int num_tokens;
+  int num_experts;
+  int expert_alignment;
+  HandleArrays
+      handle;  // is_token_in_rank (copy), recv_channel_offset, node_channel_offset, per-expert counts
+  HostCounts host;
+};
+void launch_internode_notify(const InternodeNotifyArgs& args, cudaStream_t stream);
+
+struct InternodeDispatchArgs {
+  InternodeContext context;
+  InternodeLayout rdma;
+  ForwardLayout nvl;
+  InternodeRecord record;
+  int num_tokens;
+  int num_experts;
+  int rdma_chunk_tokens;  // records per put-with-signal
+  int nvl_chunk_tokens;   // unused by dispatch's forwarders (they publish what they took), kept for symmetry
+  const uint8_t* is_token_in_rank;  // [T, R]
+  const void* x;
+  const float* x_scales;
+  const int64_t* topk_idx;
+  const float* topk_weights;
+  HandleArrays handle;
+  void* recv_x;
+  float* recv_x_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+};
+void launch_internode_dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
+
+struct InternodeCombineArgs {
+  InternodeContext context;
+  InternodeLayout rdma;
+  ForwardLayout nvl;
+  InternodeRecord record;  // combine records: BF16 row and the top-k weights (num_topk_weights: 0 = none)
+  int num_tokens;
+  int rdma_chunk_tokens;
+  int nvl_chunk_tokens;
+  HandleArrays handle;
+  const void* x;  // [rows, hidden] BF16
+  const float* topk_weights;
+  const void* bias0;
+  const void* bias1;
+  void* combined_x;
+  float* combined_topk_weights;
+};
+void launch_internode_combine(const InternodeCombineArgs& args, cudaStream_t stream);
+
+}  // namespace epx::kernels

@@ -1,0 +1,179 @@
+#pragma once
+
+#include <cub/block/block_scan.cuh>
+
+#include "kernels/internode_common.cuh"
+
+// The count exchange of normal mode across nodes. Blocks 1..C count what their channel sends to each rank and
+// each node and stage it in this rank's NotifySend; block 0 stages the per-expert counts, puts one message to
+// every rank (put-with-signal: the signal lands after the message) and waits for everyone's message to it.
+// No barrier: a rank can be at most one notify ahead of another (the dispatch between two notifies waits for
+// every rank it exchanges rows with), and the halves alternate by sequence parity.
+namespace epx::kernels::internode {
+
+constexpr int kNotifyThreads = 1024;
+constexpr int kScanItems = kMaxInternodeRanks * kMaxChannels / kNotifyThreads;  // cells per thread
+
+__device__ void count_channel(const InternodeNotifyArgs& args, int channel) {
+  __shared__ int rank_counts[kMaxInternodeRanks];
+  __shared__ int node_counts[kMaxRdmaNodes];
+  const InternodeContext& context = args.context;
+  const int num_ranks = context.peers.num_ranks;
+  const int ranks_per_node = context.nodes.ranks_per_node;
+  if (threadIdx.x < kMaxInternodeRanks) rank_counts[threadIdx.x] = 0;
+  if (threadIdx.x < kMaxRdmaNodes) node_counts[threadIdx.x] = 0;
+  __syncthreads();
+  const TokenRange range = channel_token_range(args.num_tokens, args.num_channels, channel);
+  const bool copy_map = args.handle.is_token_in_rank != args.is_token_in_rank;
+  for (int t = range.begin + threadIdx.x; t < range.end; t += kNotifyThreads) {
+    uint32_t nodes = 0;
+    for (int r = 0; r < num_ranks; ++r) {
+      const size_t cell = static_cast<size_t>(t) * num_ranks + r;
+      const uint8_t flag = args.is_token_in_rank[cell] != 0;
+      if (copy_map) args.handle.is_token_in_rank[cell] = flag;
+      if (flag) {
+        atomicAdd(&rank_counts[r], 1);
+        nodes |= 1u << (r / ranks_per_node);
+      }
+    }
+    for (; nodes != 0; nodes &= nodes - 1) atomicAdd(&node_counts[__ffs(nodes) - 1], 1);
+  }
+  __syncthreads();
+  int* send = rdma_head(context)->send.messages;
+  if (threadIdx.x < num_ranks) {
+    const int r = threadIdx.x;
+    const InternodeLayout::NotifyMessageView message =
+        InternodeLayout::message(send, r, num_ranks, args.num_channels);
+    message.rank_channel_counts[channel] = rank_counts[r];
+    message.node_channel_counts[channel] = node_counts[r / ranks_per_node];
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    atomicAdd(&rdma_head(context)->control.notify_arrivals, 1);
+  }
+}
+
+template <typename Remote>
+__device__ void exchange_counts(const InternodeNotifyArgs& args) {
+  using BlockScan = cub::BlockScan<int, kNotifyThreads>;
+  __shared__ typename BlockScan::TempStorage scan_storage;
+  __shared__ int sequence;
+  const InternodeContext& context = args.context;
+  const int num_ranks = context.peers.num_ranks;
+  const int rank = context.peers.rank;
+  const int num_channels = args.num_channels;
+  const int experts_per_rank = args.num_experts / num_ranks;
+  const device::WaitContext wait = wait_context(context);
+  InternodeLayout::Head* head = rdma_head(context);
+  if (threadIdx.x == 0) sequence = *reinterpret_cast<volatile int*>(&head->control.op_count) + 1;
+  for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
+    InternodeLayout::message(head->send.messages, e / experts_per_rank, num_ranks, num_channels)
+        .expert_counts[e % experts_per_rank] =
+        args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
+  }
+  if (threadIdx.x == 0) {
+    device::wait_at_least(&head->control.notify_arrivals, num_channels, wait, rank,
+                          WaitPhase::kDispatchNotify);
+    head->control.notify_arrivals = 0;
+    __threadfence();
+  }
+  __syncthreads();
+  const int parity = sequence & 1;
+  const int stride = InternodeLayout::message_stride(num_ranks);
+  const size_t message_bytes = sizeof(int) * InternodeLayout::message_ints(num_channels, experts_per_rank);
+  const int warp = threadIdx.x / 32;
+  for (int dst = warp; dst < num_ranks; dst += kNotifyThreads / 32) {
+    Remote::put_signal_warp(head->notify[parity].messages + size_t(rank) * stride,
+                            head->send.messages + size_t(dst) * stride, message_bytes,
+                            &head->control.notify_signal[rank], 1, dst);
+  }
+  if (threadIdx.x % 32 == 0) Remote::quiet();
+  if (threadIdx.x < num_ranks) {
+    device::wait_count_since_u64(&head->control.notify_signal[threadIdx.x], 0, sequence, wait, threadIdx.x,
+                                 WaitPhase::kDispatchNotify);
+  }
+  __syncthreads();
+
+  // Received rows: offsets per (source, channel), source-major.
+  int* arrived = head->notify[parity].messages;
+  const auto count_at = [&](int cell) {
+    const int src = cell / num_channels;
+    return src < num_ranks ? *reinterpret_cast<volatile int*>(
+                                 &InternodeLayout::message(arrived, src, num_ranks, num_channels)
+                                      .rank_channel_counts[cell % num_channels])
+                           : 0;
+  };
+  int items[kScanItems];
+  for (int i = 0; i < kScanItems; ++i) items[i] = count_at(threadIdx.x * kScanItems + i);
+  int total_rows = 0;
+  BlockScan(scan_storage).ExclusiveSum(items, items, total_rows);
+  for (int i = 0; i < kScanItems; ++i) {
+    const int cell = threadIdx.x * kScanItems + i;
+    if (cell < num_ranks * num_channels) args.handle.recv_channel_offset[cell] = items[i];
+  }
+  if (threadIdx.x == 0) args.handle.recv_channel_offset[num_ranks * num_channels] = total_rows;
+  __syncthreads();
+
+  // Forwarded records: offsets per (source node, channel), from each node's rail peer.
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
+  const auto node_count_at = [&](int cell) {
+    const int node = cell / num_channels;
+    if (node >= num_nodes) return 0;
+    const int src = nodes.rail_peer(rank, node);
+    return *reinterpret_cast<volatile int*>(&InternodeLayout::message(arrived, src, num_ranks, num_channels)
+                                                 .node_channel_counts[cell % num_channels]);
+  };
+  constexpr int kNodeItems = kMaxRdmaNodes * kMaxChannels / kNotifyThreads;
+  int node_items[kNodeItems];
+  for (int i = 0; i < kNodeItems; ++i) node_items[i] = node_count_at(threadIdx.x * kNodeItems + i);
+  int total_records = 0;
+  BlockScan(scan_storage).ExclusiveSum(node_items, node_items, total_records);
+  for (int i = 0; i < kNodeItems; ++i) {
+    const int cell = threadIdx.x * kNodeItems + i;
+    if (cell < num_nodes * num_channels) args.handle.node_channel_offset[cell] = node_items[i];
+  }
+  if (threadIdx.x == 0) {
+    args.handle.node_channel_offset[num_nodes * num_channels] = total_records;
+    args.host.counts[0] = total_rows;
+    args.host.counts[1 + num_ranks + experts_per_rank] = total_records;
+  }
+  if (threadIdx.x < num_ranks) {
+    int sum = 0;
+    for (int c = 0; c < num_channels; ++c) sum += count_at(threadIdx.x * num_channels + c);
+    args.host.counts[1 + threadIdx.x] = sum;
+  }
+  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
+    int sum = 0;
+    for (int s = 0; s < num_ranks; ++s)
+      sum += *reinterpret_cast<volatile int*>(
+          &InternodeLayout::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
+    const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
+    args.handle.num_recv_tokens_per_expert[le] = aligned;
+    args.host.counts[1 + num_ranks + le] = aligned;
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    head->control.op_count = sequence;
+    // The release is cumulative over the block's count writes that bar.sync ordered before it.
+    if (args.host.ready != nullptr) device::st_release_sys(args.host.ready, args.host.ready_value);
+  }
+}
+
+template <typename Remote>
+__global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(InternodeNotifyArgs args) {
+  if (blockIdx.x == 0) {
+    exchange_counts<Remote>(args);
+  } else {
+    count_channel(args, blockIdx.x - 1);
+  }
+}
+
+template <typename Remote>
+void launch_notify_with(const InternodeNotifyArgs& args, cudaStream_t stream) {
+  notify_kernel<Remote><<<1 + args.num_channels, kNotifyThreads, 0, stream>>>(args);
+  EPX_CUDA_CHECK_LAUNCH();
+}
+
+}  // namespace epx::kernels::internode
