@@ -5,8 +5,9 @@ unchanged).
 Same names, signatures, defaults and return tuples as DeepEP's ``deep_ep`` module (Buffer, Config,
 EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a caller may notice:
 
-- Handles are opaque EPX objects, not tuples of tensors; pass them back as DeepEP code does.
-- Any hidden size that is a multiple of 8 (128 for FP8 and low-latency mode) and any top-k up to 16 work.
+- Handles are DeepEP's tuples, with placeholders where EPX keeps no equivalent (deep_ep_handles.py says which).
+- Any hidden size whose rows are a multiple of 16 bytes (128 channels in low-latency mode) and any top-k up to 16
+  work; FP8 scales of any strides and columns, int32 topk_idx, and a combine hidden other than the dispatch's.
 - Config means what DeepEP's does: num_sms / 2 channels; num_max_nvl_chunked_send_tokens records per published
   chunk; num_max_nvl_chunked_recv_tokens records per queue (one per source, destination and channel). So
   Config.get_nvl_buffer_size_hint grows with num_sms and the queue tokens, never with the number of tokens,
