@@ -40,7 +40,10 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
 struct DispatchInput {
   const void* x = nullptr;  // [T, hidden] BF16, or FP8 e4m3 bytes
   TokenFormat format = TokenFormat::kBf16;
-  const float* x_scales = nullptr;  // FP8 only: [T, hidden/128]
+  // FP8 only: [T, num_scales] 4-byte words, moved as raw bits (float32 scales per 128 channels, UE8M0 bytes
+  // packed four to an int32, one scale per token: whatever the caller's consumer reads).
+  const float* x_scales = nullptr;
+  int num_scales = 0;  // FP8 only: scale words per token; 0 means hidden / 128
   int num_tokens = 0;
   int hidden = 0;
   const int64_t* topk_idx = nullptr;  // [T, K] or nullptr (then recv top-k outputs are not produced)
@@ -69,6 +72,15 @@ class DispatchHandle {
   const int* recv_src_idx_device() const;
   // Rows received from each source rank ([R], host); empty in worst-case mode.
   const std::vector<int>& num_recv_per_rank() const;
+  // Channels the dispatch split its tokens into (Config::num_channels() of its config).
+  int num_channels() const;
+  // Device arrays, written by the dispatch on the comm stream (read them in stream order after it):
+  // [R * C + 1] first received row of each (source rank, channel), source-major, then the row count;
+  const int* recv_channel_offset_device() const;
+  // [T, R] position of token t in its channel's stream to rank r, -1 where it was not sent;
+  const int* send_head_device() const;
+  // [T, R] 0/1 bytes: whether token t went to rank r.
+  const uint8_t* is_token_in_rank_device() const;
 
  private:
   std::shared_ptr<State> state_;
@@ -84,7 +96,7 @@ struct DispatchPlan {
 
 struct DispatchOutput {
   void* recv_x = nullptr;              // [rows, hidden] same format as the input
-  float* recv_x_scales = nullptr;      // FP8 only: [rows, hidden/128]
+  float* recv_x_scales = nullptr;      // FP8 only: [rows, num_scales] words
   int64_t* recv_topk_idx = nullptr;    // [rows, K] local expert ids, -1 elsewhere (only with top-k input)
   float* recv_topk_weights = nullptr;  // [rows, K]
 };
@@ -103,10 +115,13 @@ struct CombineInput {
   int num_topk = 0;
   const void* bias0 = nullptr;  // [T, hidden] BF16 or nullptr
   const void* bias1 = nullptr;
+  // Channels of x's rows; 0 means the dispatch's. It may differ from the dispatch's (as DeepEP allows, e.g.
+  // experts whose output width is not their input's): the handle fixes only which rows go where.
+  int hidden = 0;
 };
 
 struct CombineOutput {
-  void* combined_x = nullptr;              // [T, hidden] BF16
+  void* combined_x = nullptr;              // [T, hidden] BF16 (the combine's hidden)
   float* combined_topk_weights = nullptr;  // [T, K] (when topk_weights given)
 };
 

@@ -30,8 +30,10 @@ from .results import (
     LowLatencyHandle,
     RecvHook,
 )
+from .tokens import as_topk_idx, split_tokens
 
-Tokens = Union[Any, Tuple[Any, Any]]  # BF16 [T, H], or (float8_e4m3fn [T, H], float32 scales [T, H/128])
+# BF16 [T, H] (or any dtype with 16-byte rows, moved as bytes), or (FP8 [T, H], float32 / int32 scales [T, S]).
+Tokens = Union[Any, Tuple[Any, Any]]
 
 
 def group_bootstrap(group: Any) -> Tuple[int, int, Callable[[bytes], List[bytes]], Callable[[], None]]:
@@ -227,7 +229,7 @@ class Buffer:
         """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map; when the
         group spans nodes, also tokens per node (num_tokens_per_rdma_rank, a token counted once per node)."""
         t = torch()
-        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2)
+        topk_idx = as_topk_idx(topk_idx)
         num_tokens, num_topk = topk_idx.shape
         compute_stream = current_stream()
         order = self._order(previous_event, async_finish)
@@ -252,15 +254,22 @@ class Buffer:
                  topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,
                  num_tokens_per_expert: Any = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
-                 allocate_on_comm_stream: bool = False) -> DispatchResult:
+                 allocate_on_comm_stream: bool = False,
+                 after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]] = None) -> DispatchResult:
         """Sends each token once to every rank holding at least one of its experts.
 
         Routing comes from `handle` (cached: the same layout as that dispatch, no top-k outputs), or from
         is_token_in_rank and num_tokens_per_expert (get_dispatch_layout's outputs), computed here from topk_idx
         and num_experts when not given. Rows arrive ordered by source rank, then source token index.
+
+        after_counts(handle), for a dispatch that is not cached, runs once the counts are exchanged, with the
+        comm stream current: torch work it queues (e.g. on handle.recv_channel_offset) is ordered like the
+        receive (covered by the call's event, waited for without async_finish). The tensors it returns, which
+        it allocates on the comm stream, are recorded as used by the caller's stream.
         """
         t = torch()
-        x, x_scales, fp8 = _split_tokens(x)
+        tokens = split_tokens(x)
+        x, x_scales, fp8 = tokens.data, tokens.scales, tokens.fp8
         num_tokens, hidden = x.shape
         compute_stream = current_stream()
         alloc_stream = self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)
@@ -277,7 +286,7 @@ class Buffer:
             num_topk = 0
         else:
             if topk_idx is not None:
-                check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, None))
+                topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, None))
                 num_topk = topk_idx.size(1)
                 check(topk_weights is not None, "topk_weights", None, "are required with topk_idx")
                 check_tensor(topk_weights, "topk_weights", dtype=t.float32, shape=(num_tokens, num_topk))
@@ -307,6 +316,7 @@ class Buffer:
         native_in.x = pointer(x)
         native_in.format = _epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16
         native_in.x_scales = pointer(x_scales)
+        native_in.num_scales = tokens.num_scales
         native_in.num_tokens = num_tokens
         native_in.hidden = hidden
         native_in.topk_idx = pointer(topk_idx)
@@ -325,9 +335,22 @@ class Buffer:
             self._restore_config(previous_config)
             raise
         rows = plan.num_recv_rows
+        per_expert_list = list(plan.num_recv_tokens_per_expert)
+        if cached:
+            new_handle = handle
+        else:
+            new_handle = DispatchHandle(native=plan.handle, buffer_id=id(self), num_tokens=num_tokens,
+                                        num_recv_rows=rows, hidden=hidden, num_experts=num_experts,
+                                        num_topk=num_topk, num_worst_tokens=int(num_worst_tokens),
+                                        num_recv_tokens_per_expert_list=per_expert_list,
+                                        num_ranks=self.num_ranks, _owner=self)
+        derived: Sequence[Any] = ()
+        if after_counts is not None and not cached:
+            with maybe_stream(self.comm_stream):
+                derived = after_counts(new_handle)
         with maybe_stream(alloc_stream):
             recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
-            recv_scales = t.empty(rows, hidden // 128, dtype=t.float32, device=self.device) if fp8 else None
+            recv_scales = t.empty(rows, tokens.num_scales, dtype=x_scales.dtype, device=self.device) if fp8 else None
             recv_idx = recv_weights = None
             if num_topk > 0:
                 recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=self.device)
@@ -339,18 +362,12 @@ class Buffer:
         out.recv_topk_weights = pointer(recv_weights)
         event = _epx.dispatch_receive(self.runtime, plan, native_in, out, order)
 
-        per_expert_list = list(plan.num_recv_tokens_per_expert)
-        if cached:
-            new_handle = handle
-        else:
-            new_handle = DispatchHandle(native=plan.handle, buffer_id=id(self), num_tokens=num_tokens,
-                                        num_recv_rows=rows, hidden=hidden, num_experts=num_experts,
-                                        num_topk=num_topk, num_worst_tokens=int(num_worst_tokens),
-                                        num_recv_tokens_per_expert_list=per_expert_list, _owner=self)
+        record_stream(derived, compute_stream)  # comm-stream tensors the caller reads
         inputs = [x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert]
         outputs = [recv_x, recv_scales, recv_idx, recv_weights]
         overlap = self._finish(event, inputs, outputs, async_finish, allocate_on_comm_stream, compute_stream)
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, new_handle, overlap)
+        return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
+                              new_handle, overlap)
 
     def combine(self, x: Any, handle: DispatchHandle, *, topk_weights: Any = None,
                 bias: Union[None, Any, Tuple[Any, ...]] = None, config: Optional[Config] = None,
@@ -361,8 +378,8 @@ class Buffer:
         t = torch()
         check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__, "must be the handle of a dispatch")
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
-        # A hidden other than the dispatch's would make the kernels read and write past the rows they own.
-        check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, handle.hidden))
+        # x's hidden may differ from the dispatch's (as in DeepEP): the C++ combine sizes its records from it.
+        check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, None))
         hidden = x.size(1)
         num_tokens = handle.num_tokens
         if topk_weights is not None:
@@ -382,6 +399,7 @@ class Buffer:
         native_in.x = pointer(x)
         native_in.topk_weights = pointer(topk_weights)
         native_in.num_topk = 0 if topk_weights is None else topk_weights.size(1)
+        native_in.hidden = hidden
         native_in.bias0 = pointer(biases[0]) if len(biases) > 0 else 0
         native_in.bias1 = pointer(biases[1]) if len(biases) > 1 else 0
         out = _epx.CombineOutput()
@@ -411,7 +429,7 @@ class Buffer:
         t = torch()
         check_tensor(x, "x", dtype=t.bfloat16, ndim=2)
         num_tokens, hidden = x.shape
-        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, None))
+        topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, None))
         native_in = _epx.LowLatencyDispatchInput()
         native_in.x = pointer(x)
         native_in.topk_idx = pointer(topk_idx)
@@ -445,7 +463,8 @@ class Buffer:
         recv_count = t.empty(num_local, dtype=t.int32, device=dev)
         src_info = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
         topk_pos = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
-        layout_range = t.empty(num_local, self.num_ranks, 2, dtype=t.int32, device=dev)
+        # One int64 per (local expert, source): begin << 32 | count, DeepEP's packed recv_layout_range.
+        layout_range = t.empty(num_local, self.num_ranks, dtype=t.int64, device=dev)
         out = _epx.LowLatencyDispatchOutput()
         out.recv_x = pointer(recv_x)
         out.recv_x_scales = pointer(recv_scales)
@@ -483,7 +502,7 @@ class Buffer:
             check_tensor(x, "x", dtype=t.bfloat16, ndim=3,
                          shape=(handle.num_experts // self.num_ranks, num_rows, hidden))
         check(zero_copy or x is not None, "x", None, "is required without zero_copy")
-        check_tensor(topk_idx, "topk_idx", dtype=t.int64, ndim=2, shape=(num_tokens, handle.num_topk))
+        topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, handle.num_topk))
         check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, handle.num_topk))
         if combine_wait_recv_cost_stats is not None:
             check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", dtype=t.int64, ndim=1,
@@ -493,7 +512,9 @@ class Buffer:
         else:
             check_tensor(out, "out", dtype=t.bfloat16, shape=(num_tokens, hidden), ndim=2)
         native_in = _epx.LowLatencyCombineInput()
-        native_in.x = pointer(x)
+        # With zero_copy the rows are already in the Buffer: a caller's x (DeepEP callers pass their own) only
+        # has its shape checked, as DeepEP does.
+        native_in.x = 0 if zero_copy else pointer(x)
         native_in.topk_idx = pointer(topk_idx)
         native_in.topk_weights = pointer(topk_weights)
         native_in.num_tokens = topk_idx.size(0)
@@ -525,23 +546,6 @@ class Buffer:
         shape = (num_local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         num_bytes = 2 * shape[0] * shape[1] * shape[2]
         return device_view(address, num_bytes, torch().bfloat16, shape, self, self.device)
-
-
-def _split_tokens(x: Tokens) -> Tuple[Any, Any, bool]:
-    """(x, scales, is_fp8) of a BF16 tensor or an (FP8, scales) tuple, checked."""
-    t = torch()
-    if isinstance(x, (tuple, list)):
-        check(len(x) == 2, "x", f"a tuple of {len(x)}", "must be a BF16 tensor or an (FP8 x, scales) pair")
-        data, scales = x
-        check_tensor(data, "x[0]", dtype=t.float8_e4m3fn, ndim=2)
-        num_tokens, hidden = data.shape
-        check(hidden % 128 == 0, "hidden", hidden, "must be a multiple of 128 for FP8 tokens")
-        check_tensor(scales, "x[1]", dtype=t.float32, shape=(num_tokens, hidden // 128), ndim=2)
-        return data, scales, True
-    check_tensor(x, "x", ndim=2)
-    check(x.dtype == t.bfloat16, "x.dtype", x.dtype,
-          "must be torch.bfloat16 (or pass an (float8_e4m3fn x, float32 scales) tuple)")
-    return x, None, False
 
 
 def _biases(bias: Any) -> List[Any]:

@@ -35,6 +35,7 @@ class DispatchHandle:
     num_topk: int  # 0 when dispatched without top-k
     num_worst_tokens: int
     num_recv_tokens_per_expert_list: List[int] = field(default_factory=list)
+    num_ranks: int = 0  # R of the Buffer
     # Keeps the Buffer's views (recv_src_idx) valid.
     _owner: Any = field(default=None, repr=False)
 
@@ -43,14 +44,44 @@ class DispatchHandle:
         """Rows received from each source rank (empty in worst-case mode)."""
         return list(self.native.num_recv_per_rank)
 
-    @property
-    def recv_src_idx(self) -> Any:
-        """int32 [N] device view: the source token index of each received row (-1 for padding rows)."""
+    # Device views of the handle's arrays (they keep the handle's memory alive). The dispatch writes them on the
+    # comm stream: read them in stream order after it (after its event with async_finish).
+
+    def _view(self, address: int, dtype_name: str, shape: tuple) -> Any:
         from ._util import device_view, torch
 
-        rows = self.num_recv_rows
-        device = torch().device("cuda", torch().cuda.current_device())
-        return device_view(self.native.recv_src_idx, 4 * rows, torch().int32, (rows,), self.native, device)
+        t = torch()
+        dtype = getattr(t, dtype_name)
+        num_bytes = t.empty((), dtype=dtype).element_size()
+        for extent in shape:
+            num_bytes *= extent
+        device = self._owner.device if self._owner is not None else t.device("cuda", t.cuda.current_device())
+        return device_view(address, num_bytes, dtype, shape, self.native, device)
+
+    @property
+    def recv_src_idx(self) -> Any:
+        """int32 [N]: the source token index of each received row (-1 for padding rows)."""
+        return self._view(self.native.recv_src_idx, "int32", (self.num_recv_rows,))
+
+    @property
+    def num_channels(self) -> int:
+        """Channels (num_sms / 2 of the dispatch's config) its tokens were split into."""
+        return self.native.num_channels
+
+    @property
+    def recv_channel_offset(self) -> Any:
+        """int32 [R * C + 1]: first received row of each (source rank, channel), source-major; last: the rows."""
+        return self._view(self.native.recv_channel_offset, "int32", (self.num_ranks * self.num_channels + 1,))
+
+    @property
+    def send_head(self) -> Any:
+        """int32 [T, R]: position of token t in its channel's stream to rank r, -1 where it was not sent."""
+        return self._view(self.native.send_head, "int32", (self.num_tokens, self.num_ranks))
+
+    @property
+    def is_token_in_rank(self) -> Any:
+        """bool [T, R]: whether token t went to rank r."""
+        return self._view(self.native.is_token_in_rank, "bool", (self.num_tokens, self.num_ranks))
 
 
 @dataclass
@@ -58,7 +89,7 @@ class DispatchResult:
     """Output of a normal-mode dispatch. recv_x has the input's format: BF16, or FP8 with recv_x_scales."""
 
     recv_x: Any  # [N, H]
-    recv_x_scales: Optional[Any]  # float32 [N, H / 128] for FP8 input, else None
+    recv_x_scales: Optional[Any]  # FP8 input: [N, S] of the input scales' dtype and columns, else None
     recv_topk_idx: Optional[Any]  # int64 [N, K] local expert ids, -1 elsewhere (None in cached mode)
     recv_topk_weights: Optional[Any]  # float32 [N, K], 0 where recv_topk_idx is -1
     num_recv_tokens_per_expert_list: List[int]  # [L], aligned to expert_alignment; empty in worst-case mode
@@ -100,7 +131,7 @@ class LowLatencyHandle:
     buffer_id: int
     recv_src_info: Any  # int32 [L, R*M]
     recv_topk_pos: Any  # int32 [L, R*M]
-    recv_layout_range: Any  # int32 [L, R, 2]: (begin, count) of each source's rows in each expert block
+    recv_layout_range: Any  # int64 [L, R]: begin << 32 | count of each source's rows in each expert block
     num_max_dispatch_tokens_per_rank: int
     hidden: int
     num_experts: int

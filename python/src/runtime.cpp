@@ -155,6 +155,7 @@ void bind_normal(py::module_& m) {
       .def_readwrite("format", &DispatchInput::format)
       .def_readwrite("num_tokens", &DispatchInput::num_tokens)
       .def_readwrite("hidden", &DispatchInput::hidden)
+      .def_readwrite("num_scales", &DispatchInput::num_scales)
       .def_readwrite("num_topk", &DispatchInput::num_topk)
       .def_readwrite("num_experts", &DispatchInput::num_experts)
       .def_readwrite("expert_alignment", &DispatchInput::expert_alignment)
@@ -174,7 +175,18 @@ void bind_normal(py::module_& m) {
       .def_property_readonly(
           "recv_src_idx",
           [](const DispatchHandle& self) { return reinterpret_cast<uintptr_t>(self.recv_src_idx_device()); })
-      .def_property_readonly("num_recv_per_rank", &DispatchHandle::num_recv_per_rank);
+      .def_property_readonly("num_recv_per_rank", &DispatchHandle::num_recv_per_rank)
+      .def_property_readonly("num_channels", &DispatchHandle::num_channels)
+      .def_property_readonly("recv_channel_offset",
+                             [](const DispatchHandle& self) {
+                               return reinterpret_cast<uintptr_t>(self.recv_channel_offset_device());
+                             })
+      .def_property_readonly(
+          "send_head",
+          [](const DispatchHandle& self) { return reinterpret_cast<uintptr_t>(self.send_head_device()); })
+      .def_property_readonly("is_token_in_rank", [](const DispatchHandle& self) {
+        return reinterpret_cast<uintptr_t>(self.is_token_in_rank_device());
+      });
 
   py::class_<DispatchPlan>(m, "DispatchPlan")
       .def_readonly("num_recv_rows", &DispatchPlan::num_recv_rows)
@@ -205,7 +217,9 @@ void bind_normal(py::module_& m) {
       py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"));
 
   py::class_<CombineInput> combine_in(m, "CombineInput");
-  combine_in.def(py::init<>()).def_readwrite("num_topk", &CombineInput::num_topk);
+  combine_in.def(py::init<>())
+      .def_readwrite("num_topk", &CombineInput::num_topk)
+      .def_readwrite("hidden", &CombineInput::hidden);
   def_pointer(combine_in, "x", &CombineInput::x);
   def_pointer(combine_in, "topk_weights", &CombineInput::topk_weights);
   def_pointer(combine_in, "bias0", &CombineInput::bias0);

@@ -306,7 +306,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   if (blockIdx.x == 0) {
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
       const int expert_begin = prefix[p / num_ranks * num_ranks];
-      args.recv_range[p] = LowLatencyRange{prefix[p] - expert_begin, prefix[p + 1] - prefix[p]};
+      args.recv_range[p] =
+          LowLatencyRange{.count = prefix[p + 1] - prefix[p], .begin = prefix[p] - expert_begin};
     }
     for (int le = threadIdx.x; le < layout.num_local_experts(); le += kNumThreads) {
       const int count = prefix[(le + 1) * num_ranks] - prefix[le * num_ranks];

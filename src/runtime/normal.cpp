@@ -104,11 +104,18 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.hidden > 0, "hidden", in.hidden, "must be > 0");
   EPX_CHECK(in.hidden % 8 == 0, "hidden", in.hidden, "must be a multiple of 8");
   if (in.format == TokenFormat::kFp8) {
-    EPX_CHECK(in.hidden % 128 == 0, "hidden", in.hidden, "must be a multiple of 128 for FP8 tokens");
+    // FP8 rows move with 16-byte accesses; the scales are opaque words, so only their default count
+    // (one per 128 channels) needs hidden to be a multiple of 128.
+    EPX_CHECK(in.hidden % 16 == 0, "hidden", in.hidden,
+              "must be a multiple of 16 for FP8 tokens (16-byte rows)");
+    EPX_CHECK(in.num_scales >= 0, "num_scales", in.num_scales, "must be >= 0 (0: hidden / 128)");
+    EPX_CHECK(in.num_scales > 0 || in.hidden % 128 == 0, "hidden", in.hidden,
+              "must be a multiple of 128 for FP8 tokens with the default num_scales = hidden / 128");
     EPX_CHECK(in.num_tokens == 0 || in.x_scales != nullptr, "x_scales", "null",
               "are required for FP8 tokens");
   } else {
     EPX_CHECK(in.x_scales == nullptr, "x_scales", "non-null", "must be null for BF16 tokens");
+    EPX_CHECK(in.num_scales == 0, "num_scales", in.num_scales, "must be 0 for BF16 tokens");
   }
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null", "must point to [num_tokens, hidden] tokens");
   check_row_alignment(in.x, "x");
@@ -156,6 +163,18 @@ const int* DispatchHandle::recv_src_idx_device() const {
 }
 const std::vector<int>& DispatchHandle::num_recv_per_rank() const {
   return state().num_recv_per_rank;
+}
+int DispatchHandle::num_channels() const {
+  return state().num_channels;
+}
+const int* DispatchHandle::recv_channel_offset_device() const {
+  return state().arrays.recv_channel_offset;
+}
+const int* DispatchHandle::send_head_device() const {
+  return state().arrays.send_head;
+}
+const uint8_t* DispatchHandle::is_token_in_rank_device() const {
+  return state().arrays.is_token_in_rank;
 }
 
 namespace {
@@ -241,9 +260,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
   const bool fp8 = in.format == TokenFormat::kFp8;
-  const NormalShape shape{
-      num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2, fp8 ? in.hidden / 128 : 0,
-      in.num_topk};
+  const int num_scales = !fp8 ? 0 : in.num_scales > 0 ? in.num_scales : in.hidden / 128;
+  const NormalShape shape{num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2,
+                          num_scales, in.num_topk};
   validate_normal_shape(shape);
   // The host reads 1 + R + L counts from the mapped scratch, below the ready and invalid-id slots.
   const int num_local_experts = in.num_experts / num_ranks;
@@ -345,6 +364,10 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
             "must equal the format given to dispatch_notify (pass the same input)");
   EPX_CHECK(in.hidden == state.shape.hidden, "hidden", in.hidden,
             "must equal the hidden size given to dispatch_notify (pass the same input)");
+  const int num_scales =
+      in.format == TokenFormat::kFp8 && in.num_scales == 0 ? in.hidden / 128 : in.num_scales;
+  EPX_CHECK(num_scales == state.shape.num_scales, "num_scales", in.num_scales,
+            "must equal the num_scales given to dispatch_notify (pass the same input)");
   EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
             "must point to the plan's num_recv_rows rows");
   EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
@@ -426,7 +449,11 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
             "null", "must point to [num_recv_rows, num_topk] weights when num_topk > 0");
   EPX_CHECK(out.combined_topk_weights == nullptr || in.num_topk > 0, "topk_weights", "null",
             "are needed to produce combined_topk_weights");
-  const int hidden = state.shape.hidden;
+  // The handle fixes which rows go where, not their width: x may be narrower or wider than the dispatch's
+  // tokens, and the combine's queue records are sized for it (checked against the buffer just below).
+  EPX_CHECK(in.hidden >= 0, "hidden", in.hidden, "must be >= 0 (0: the dispatch's hidden)");
+  const int hidden = in.hidden > 0 ? in.hidden : state.shape.hidden;
+  EPX_CHECK(hidden % 8 == 0, "hidden", hidden, "must be a multiple of 8 (16-byte BF16 rows)");
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::combine(hidden, in.num_topk);
     const InternodeLayouts layouts = internode_layouts(buffer, state, record);

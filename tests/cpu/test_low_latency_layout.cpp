@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstring>
 #include <set>
 #include <string>
 #include <utility>
@@ -250,3 +251,12 @@ TEST(LowLatencyLayout, RejectsBadShapes) {
 }
 
 }  // namespace
+
+// deep_ep callers decode recv_layout_range as int64 begin << 32 | count: EPX's ranges are that int64.
+TEST(LowLatencyLayout, RangeReadsAsDeepEpPackedInt64) {
+  const epx::LowLatencyRange range{.count = 7, .begin = 300};
+  int64_t packed = 0;
+  std::memcpy(&packed, &range, sizeof(packed));
+  EXPECT_EQ(packed >> 32, 300);
+  EXPECT_EQ(packed & 0xffffffff, 7);
+}

@@ -20,10 +20,14 @@ enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
 constexpr int kNumLowLatencyOps = 2;
 
 // Rows of local expert le received from source rank s: rows [begin, begin + count) of le's block of R*M rows.
+// NOTES: count comes first so that, on the little-endian GPU and host, the pair read as one int64 is
+// begin << 32 | count: DeepEP's recv_layout_range, which callers and tests of deep_ep decode.
 struct LowLatencyRange {
-  int begin;
   int count;
+  int begin;
 };
+static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
+              "a range is one int64 (DeepEP's packed layout range)");
 
 // Layout of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
 // the local buffer and the peers' mappings with it (all ranks use the same shape, so offsets agree).

@@ -5,8 +5,9 @@ unchanged).
 Same names, signatures, defaults and return tuples as DeepEP's ``deep_ep`` module (Buffer, Config,
 EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a caller may notice:
 
-- Handles are opaque EPX objects, not tuples of tensors; pass them back as DeepEP code does.
-- Any hidden size that is a multiple of 8 (128 for FP8 and low-latency mode) and any top-k up to 16 work.
+- Handles are DeepEP's tuples, with placeholders where EPX keeps no equivalent (deep_ep_handles.py says which).
+- Any hidden size whose rows are a multiple of 16 bytes (128 channels in low-latency mode) and any top-k up to 16
+  work; FP8 scales of any strides and columns, int32 topk_idx, and a combine hidden other than the dispatch's.
 - Config means what DeepEP's does: num_sms / 2 channels; num_max_nvl_chunked_send_tokens records per published
   chunk; num_max_nvl_chunked_recv_tokens records per queue (one per source, destination and channel). So
   Config.get_nvl_buffer_size_hint grows with num_sms and the queue tokens, never with the number of tokens,
@@ -33,6 +34,7 @@ from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
 from ..event import EventHandle, EventOverlap
 from .._ext import _epx
 from .._util import EpxError, check
+from .deep_ep_handles import NormalHandleBuilder, low_latency_handle, low_latency_handle_tuple, normal_handle
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "EpxError"]  # and topk_idx_t (see __getattr__)
 
@@ -202,29 +204,31 @@ class Buffer:
         config = self._default_config(_DISPATCH_CONFIGS, self.get_dispatch_config) if config is None else config
         is_fp8 = isinstance(x, tuple)
         if handle is not None:
-            result = self._live().dispatch(x, handle=handle, topk_idx=topk_idx, topk_weights=topk_weights,
+            result = self._live().dispatch(x, handle=normal_handle(handle), topk_idx=topk_idx,
+                                           topk_weights=topk_weights,
                                            expert_alignment=expert_alignment, config=config,
                                            previous_event=previous_event, async_finish=async_finish,
                                            allocate_on_comm_stream=allocate_on_comm_stream)
             recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
             return recv_x, None, None, None, None, result.event
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
+        builder = NormalHandleBuilder(self.rank)
         result = self._live().dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        is_token_in_rank=is_token_in_rank,
                                        num_tokens_per_expert=num_tokens_per_expert,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                        config=config, previous_event=previous_event, async_finish=async_finish,
-                                       allocate_on_comm_stream=allocate_on_comm_stream)
+                                       allocate_on_comm_stream=allocate_on_comm_stream, after_counts=builder)
         recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                result.handle, result.event)
+                builder.tuple_for(result.handle), result.event)
 
     def combine(self, x: Any, handle: Any, topk_weights: Optional[Any] = None,
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
         config = self._default_config(_COMBINE_CONFIGS, self.get_combine_config) if config is None else config
-        result = self._live().combine(x, handle, topk_weights=topk_weights, bias=bias, config=config,
+        result = self._live().combine(x, normal_handle(handle), topk_weights=topk_weights, bias=bias, config=config,
                                       previous_event=previous_event, async_finish=async_finish,
                                       allocate_on_comm_stream=allocate_on_comm_stream)
         return result.combined_x, result.combined_topk_weights, result.event
@@ -246,17 +250,17 @@ class Buffer:
             dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale,
             use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook)
         recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv_x, result.recv_count, result.handle, result.event, result.hook
+        return recv_x, result.recv_count, low_latency_handle_tuple(result.handle), result.event, result.hook
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[Any] = None, combine_wait_recv_cost_stats: Optional[Any] = None
                             ) -> Tuple[Any, EventOverlap, Optional[Callable]]:
         result = self._live().low_latency_combine(
-            x, topk_idx, topk_weights, handle, use_logfmt=use_logfmt, zero_copy=zero_copy,
+            x, topk_idx, topk_weights, low_latency_handle(handle), use_logfmt=use_logfmt, zero_copy=zero_copy,
             async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
             combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
         return result.combined_x, result.event, result.hook
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
-        return self._live().get_next_low_latency_combine_buffer(handle)
+        return self._live().get_next_low_latency_combine_buffer(low_latency_handle(handle))

@@ -164,11 +164,13 @@ class FakeBinding:
         item = ref.NormalRankInput()
         x = self.tensor(inp.x)
         if fp8:
-            item.x_fp8, item.x_scales = ref.fp8_bytes(x), self.host(inp.x_scales)
+            # The kernels move scale words without reading them (dispatch_receive gathers them): the reference
+            # gets placeholders of its one layout, [T, hidden / 128] floats.
+            item.x_fp8, item.x_scales = ref.fp8_bytes(x), np.zeros((inp.num_tokens, inp.hidden // 128), np.float32)
         else:
             item.x = ref.bf16_bits(x)
         if cached is not None:
-            item.is_token_in_rank = cached.is_token_in_rank
+            item.is_token_in_rank = cached.in_rank
         elif inp.topk_idx:
             item.topk_idx, item.topk_weights = self.host(inp.topk_idx), self.host(inp.topk_weights)
         else:
@@ -178,10 +180,38 @@ class FakeBinding:
                                               num_worst_tokens=inp.num_worst_tokens)
         in_rank = ref.dispatch_layout(item.topk_idx, inp.num_experts, 1)[2] if item.topk_idx is not None \
             else item.is_token_in_rank
-        native = Struct(reference=handle, output=outputs[0], is_token_in_rank=in_rank,
+        native = Struct(reference=handle, output=outputs[0], in_rank=in_rank,
                         num_recv_per_rank=list(outputs[0].num_recv_tokens_per_rank))
+        self.add_handle_arrays(native, np.asarray(in_rank, dtype=bool).reshape(-1), runtime.config.num_sms // 2,
+                               outputs[0].recv_src_token_idx)
         return Struct(num_recv_rows=outputs[0].num_rows,
                       num_recv_tokens_per_expert=outputs[0].num_recv_tokens_per_expert_list, handle=native)
+
+    def add_handle_arrays(self, native, in_rank, num_channels, recv_src_idx):
+        """The device arrays of a C++ handle, for one rank: channel c carries tokens [c * ceil(T / C), ...)."""
+        import torch
+
+        num_tokens = len(in_rank)
+        per_channel = -(-num_tokens // num_channels) if num_tokens else 0
+        kept_before = np.concatenate([[0], np.cumsum(in_rank)]).astype(np.int32)
+        begins = [min(c * per_channel, num_tokens) for c in range(num_channels)] + [num_tokens]
+        offsets = kept_before[begins]
+        send_head = np.full((num_tokens, 1), -1, dtype=np.int32)
+        for token in np.flatnonzero(in_rank):
+            channel = token // per_channel
+            send_head[token, 0] = kept_before[token] - kept_before[begins[channel]]
+        arrays = {"recv_channel_offset": torch.from_numpy(offsets),
+                  "send_head": torch.from_numpy(send_head),
+                  "is_token_in_rank": torch.from_numpy(in_rank.astype(np.uint8).reshape(num_tokens, 1)),
+                  "recv_src_idx": torch.from_numpy(np.asarray(recv_src_idx, dtype=np.int32).copy())}
+        native.arrays = arrays  # keeps them alive
+        native.num_channels = num_channels
+        for name, tensor in arrays.items():
+            setattr(native, name, self.pointer(tensor))
+
+    def device_view(self, address, num_bytes, dtype, shape, owner, device):
+        """Stands in for epx._util.device_view over the CPU tensors the fake handles own."""
+        return self.registry[address].view(dtype).view(shape)
 
     def dispatch_receive(self, runtime, plan, inp, out, order):
         import torch
@@ -189,7 +219,9 @@ class FakeBinding:
         expected = plan.handle.output
         if inp.format == "fp8":
             write(self.tensor(out.recv_x).view(torch.uint8), expected.recv_x_fp8)
-            write(self.tensor(out.recv_x_scales), expected.recv_x_scales)
+            source = np.asarray(expected.recv_src_token_idx)
+            scales = self.host(inp.x_scales)[np.maximum(source, 0)]
+            write(self.tensor(out.recv_x_scales), np.where((source >= 0)[:, None], scales, 0).astype(scales.dtype))
         else:
             write_bf16(self.tensor(out.recv_x), expected.recv_x)
         if out.recv_topk_idx:
@@ -274,6 +306,7 @@ def install(monkeypatch):
 
     import epx._util as util
     import epx.buffer as buffer_module
+    import epx.tokens as tokens_module
 
     binding = FakeBinding()
     stream = SimpleNamespace(cuda_stream=0)
@@ -282,7 +315,10 @@ def install(monkeypatch):
     monkeypatch.setattr(buffer_module, "pointer", binding.pointer)
     monkeypatch.setattr(buffer_module, "current_stream", lambda: stream)
     monkeypatch.setattr(util, "current_stream", lambda: stream)
-    monkeypatch.setattr(buffer_module, "check_tensor", lambda *a, **k: real_check(*a, **{**k, "cuda": False}))
+    monkeypatch.setattr(util, "device_view", binding.device_view)
+    cpu_check = lambda *a, **k: real_check(*a, **{**k, "cuda": False})  # noqa: E731
+    monkeypatch.setattr(buffer_module, "check_tensor", cpu_check)
+    monkeypatch.setattr(tokens_module, "check_tensor", cpu_check)
     monkeypatch.setattr(buffer_module, "record_stream", lambda tensors, stream: None)
     buffer = object.__new__(buffer_module.Buffer)
     buffer.runtime = FakeRuntime()
