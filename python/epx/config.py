@@ -70,9 +70,9 @@ class Config:
 
     def get_rdma_buffer_size_hint(self, hidden_bytes: int, num_ranks: int, ranks_per_node: int = 0) -> int:
         """Symmetric (NVSHMEM) buffer bytes per rank that normal-mode calls across nodes with this config need,
-        for rows of up to hidden_bytes with up to 16 top-k: a send ring and a receive queue of
-        num_max_rdma_chunked_recv_tokens records per (other node, channel), plus fixed control and notify
-        areas; a multiple of 128, independent of the number of tokens. Nodes are ranks_per_node consecutive
+        for rows of up to hidden_bytes with up to 16 top-k: a receive queue of num_max_rdma_chunked_recv_tokens
+        records per (node, channel) and a send ring as large per (other node, channel), plus fixed control and
+        notify areas; a multiple of 128, independent of the number of tokens. Nodes are ranks_per_node consecutive
         ranks (0: DeepEP's convention, one node up to 8 ranks and nodes of 8 above); 0 within one node. A
         Buffer that also serves low-latency calls takes the larger of this and get_low_latency_rdma_size_hint."""
         return self.to_native().get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node)

@@ -1,0 +1,78 @@
+"""Normal mode across nodes through epx.compat.deep_ep, on virtual nodes (EPX_RANKS_PER_NODE below the group
+size; ranks may share one GPU): the layout's per-node counts, BF16 and FP8 dispatch, combine with weights and
+biases in the across-nodes reduction order, the cached handle. Bit-exact against the CPU reference."""
+
+import os
+
+import numpy as np
+import pytest
+
+from dist_util import run
+from test_normal import HIDDEN, check_dispatch, make_inputs, random_rows, to_device
+
+
+def nodes_worker(rank, num_ranks, group, ranks_per_node, seed):
+    os.environ["EPX_RANKS_PER_NODE"] = str(ranks_per_node)
+    import torch
+
+    import epx.compat.deep_ep as deep_ep
+    import epx.reference as ref
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 8 * num_ranks
+    config = deep_ep.Config()
+    buffer = deep_ep.Buffer(group, num_nvl_bytes=config.get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
+                            num_rdma_bytes=config.get_rdma_buffer_size_hint(HIDDEN * 2, num_ranks, ranks_per_node),
+                            explicitly_destroy=True)
+    assert buffer.runtime.get_num_rdma_ranks() == num_ranks // ranks_per_node
+
+    inputs = make_inputs(num_ranks, num_experts, seed)
+    x, topk_idx, topk_weights = to_device(inputs[rank], device)
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+    exp_rank, _, exp_in_rank = ref.dispatch_layout(inputs[rank].topk_idx, num_experts, num_ranks)
+    np.testing.assert_array_equal(per_rank.cpu().numpy(), exp_rank)
+    nodes = exp_in_rank.reshape(len(exp_in_rank), num_ranks // ranks_per_node, ranks_per_node).any(axis=2)
+    np.testing.assert_array_equal(per_rdma.cpu().numpy(), nodes.sum(axis=0))
+
+    outputs, ref_handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
+                                              expert_alignment=4)
+    recv_x, recv_idx, recv_w, counts, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4)
+    check_dispatch(outputs[rank], recv_x, recv_idx, recv_w, counts)
+
+    expert_out = [random_rows(seed * 7 + d, outputs[d].num_rows, d) for d in range(num_ranks)]
+    bias0 = [random_rows(seed * 11 + r, len(inputs[r].topk_idx), r) for r in range(num_ranks)]
+    expected = ref.normal_combine(ref_handle, expert_out, topk_weights=[o.recv_topk_weights for o in outputs],
+                                  bias0=bias0, ranks_per_node=ranks_per_node)[rank]
+    combined, combined_w, _ = buffer.combine(ref.to_torch_bf16(expert_out[rank], device), handle, topk_weights=recv_w,
+                                             bias=ref.to_torch_bf16(bias0[rank], device))
+    np.testing.assert_array_equal(ref.bf16_bits(combined), expected[0])
+    np.testing.assert_array_equal(combined_w.cpu().numpy(), expected[1])
+
+    # Cached handle: new tokens, the same routing.
+    fresh = make_inputs(num_ranks, num_experts, seed)
+    for r, item in enumerate(fresh):
+        item.x = random_rows(seed * 19 + r, len(item.topk_idx), r)
+    cached_outputs, _ = ref.normal_dispatch(fresh, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
+    result = buffer.dispatch(ref.to_torch_bf16(fresh[rank].x, device), handle=handle)
+    check_dispatch(cached_outputs[rank], result[0], None, None, None)
+
+    # FP8 with scales.
+    fp8_inputs = make_inputs(num_ranks, num_experts, seed + 1, fp8=True)
+    fp8_outputs, _ = ref.normal_dispatch(fp8_inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
+                                         fp8=True)
+    fx, fidx, fw = to_device(fp8_inputs[rank], device)
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(fidx, num_experts)
+    recv_x, recv_idx, recv_w, counts, _, _ = buffer.dispatch(
+        fx, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=fidx, topk_weights=fw)
+    check_dispatch(fp8_outputs[rank], recv_x, recv_idx, recv_w, counts)
+
+    torch.cuda.synchronize()
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks,ranks_per_node", [(2, 1), (4, 2), (4, 1)], ids=["2x1", "2x2", "4x1"])
+def test_normal_mode_across_nodes(num_ranks, ranks_per_node):
+    run(nodes_worker, num_ranks, ranks_per_node, 5)
