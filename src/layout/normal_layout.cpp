@@ -1,7 +1,5 @@
 #include "epx/layout/normal_layout.hpp"
 
-#include <algorithm>
-
 #include "epx/error.hpp"
 #include "epx/layout/internode_layout.hpp"
 #include "layout/layout_checks.hpp"
@@ -56,12 +54,11 @@ size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Con
   EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
   EPX_CHECK(num_ranks <= kMaxInternodeRanks, "num_ranks", num_ranks, "must be <= 64");
   validate_config(config);
-  // Across nodes the buffer holds the forwarding queues; one node's group holds the normal queues. The hint
-  // covers both, so it does not depend on how the ranks split into nodes.
-  const size_t across_nodes = forward_nvl_buffer_size_hint(hidden_bytes, num_ranks, config);
-  if (num_ranks > kMaxNvlRanks) return across_nodes;
+  // DeepEP's convention: one node up to 8 ranks (the normal queues), nodes beyond (the forwarding queues).
+  // Virtual nodes on up to 8 ranks need less than one node's queues, so this hint covers them too.
+  if (num_ranks > kMaxNvlRanks) return forward_nvl_buffer_size_hint(hidden_bytes, num_ranks, config);
   const NormalLayout layout = NormalLayout::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
-  return std::max(across_nodes, align_up(layout.total_bytes(), kNormalAlign));
+  return align_up(layout.total_bytes(), kNormalAlign);
 }
 
 size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {

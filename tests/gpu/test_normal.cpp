@@ -550,7 +550,7 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     bad.format = kFp8;
     bad.x_scales = scales.get<float>();
     bad.hidden = 200;
-    expect_error([&] { notify(bad); }, "invalid hidden = 200: must be a multiple of 128 for FP8 tokens");
+    expect_error([&] { notify(bad); }, "invalid hidden = 200: must be a multiple of 16 for FP8 tokens");
     bad = in;
     bad.hidden = 100;
     expect_error([&] { notify(bad); }, "invalid hidden = 100: must be a multiple of 8");

@@ -290,8 +290,8 @@ def test_size_hint_errors_name_argument_value_and_rule():
         epx.get_low_latency_rdma_size_hint(128, 128, 4, 10)
     with pytest.raises(epx.EpxError, match="invalid num_max_dispatch_tokens_per_rank = 0: must be > 0"):
         epx.get_low_latency_rdma_size_hint(0, 128, 4, 8)
-    with pytest.raises(epx.EpxError, match="invalid num_ranks = 9: must be <= 8"):
-        epx.normal_nvl_buffer_size_hint(256, 9)
+    with pytest.raises(epx.EpxError, match="invalid num_ranks = 65: must be <= 64"):
+        epx.normal_nvl_buffer_size_hint(256, 65)
     with pytest.raises(epx.EpxError, match="invalid hidden_bytes = 100: must be a multiple of 16"):
         epx.normal_nvl_buffer_size_hint(100, 2)
     with pytest.raises(epx.EpxError, match="invalid num_topk = 17: must be <= 16"):
