@@ -45,7 +45,8 @@ void print_help() {
       "  --json-file PATH                also write the JSON lines to PATH\n"
       "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
-      "LogFMT).\n");
+      "LogFMT).\n"
+      "Method, bytes and JSON fields: docs/BENCHMARKS.md; plots: python -m epx.plot FILE.json\n");
 }
 
 // An integer flag value; the error names the flag.

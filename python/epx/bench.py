@@ -51,7 +51,7 @@ COPY_ENGINE_BYTES = 32 << 20
 LL_INPUT_SETS = 4  # timed low-latency calls rotate through these so no two consecutive calls see the same x
 PROG = "python -m epx.bench"
 
-# ---- Byte counts (TARGETS.md) ----
+# ---- Byte counts (docs/BENCHMARKS.md) ----
 
 
 def normal_row_bytes(hidden: int, fp8: bool) -> float:
@@ -161,8 +161,9 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, allow_abbrev=False,
         description="EPX dispatch/combine through epx.Buffer on every visible GPU (one process per GPU), with "
                     "NCCL all-to-all moving the same bytes in the same run; the numbers of the C++ epx-bench.",
-        epilog="Bytes (TARGETS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch; "
-               "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 LogFMT).")
+        epilog="Bytes (docs/BENCHMARKS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 "
+               "dispatch; low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | "
+               "1.25H + H/32 LogFMT).")
     p.add_argument("--mode", choices=("normal", "low-latency", "all"), default="all", help="what to run (default all)")
     p.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: all visible)")
     p.add_argument("--tokens", type=int, default=4096, help="normal mode: tokens per rank (default 4096)")

@@ -1,6 +1,6 @@
-"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of TARGETS.md,
-the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit without GPUs, and
-(with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
+"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of
+docs/BENCHMARKS.md, the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit
+without GPUs, and (with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
 
 import multiprocessing
 import os
@@ -59,7 +59,7 @@ def test_hidden_multiple_of_128_only_for_normal_mode():
     assert bench.parse_args(["--mode", "low-latency", "--hidden", "7000"]).hidden == 7000
 
 
-# ---- Bytes (TARGETS.md) ----
+# ---- Bytes (docs/BENCHMARKS.md) ----
 
 
 def test_normal_bytes():
