@@ -18,7 +18,6 @@ struct BufferOptions {
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
   // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).
   size_t num_rdma_bytes = 0;
-  bool low_latency_mode = false;
   int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
   double wait_timeout_s = 30.0;  // bound of every device-side wait (env EPX_WAIT_TIMEOUT_S overrides)
   // Ranks per NVLink node; 0 = detect: ranks on one host whose GPUs reach each other (NVLink / P2P) form a
