@@ -1,6 +1,7 @@
 # CUDA part of EPX: the runtime (Buffer, transports) and the kernels, one library.
-# sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.
-# Set before enable_language(CUDA), which would otherwise take nvcc's default (sm_75 for CUDA 13).
+# Hopper: the kernels use sm_90 instructions (cp.async.bulk copies, mbarrier transaction counts,
+# fence.proxy.async) and none of the 90a-only ones (wgmma, setmaxnreg); 90a is the target the measurements
+# used. Set before enable_language(CUDA), which would otherwise take nvcc's default (sm_75 for CUDA 13).
 if(NOT CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 90a)
 endif()
