@@ -14,6 +14,8 @@
 #include "bench_report.hpp"
 #include "cpu_reference_run.hpp"
 #include "epx/error.hpp"
+#include "epx/formats/fp8.hpp"
+#include "epx/layout/normal_layout.hpp"
 
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -74,12 +76,13 @@ std::vector<int> parse_list(const std::string& flag, const std::string& text) {
 // The rules every run shares (GPU or CPU reference), so a bad value fails the same way everywhere.
 void validate(const BenchOptions& o) {
   EPX_CHECK(o.num_ranks >= 0, "--ranks", o.num_ranks, "must be >= 1");
-  EPX_CHECK(o.num_ranks <= 8, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
+  EPX_CHECK(o.num_ranks <= epx::kMaxNvlRanks, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
   EPX_CHECK(o.num_tokens >= 0, "--tokens", o.num_tokens, "must be >= 0");
   EPX_CHECK(o.hidden > 0, "--hidden", o.hidden, "must be > 0");
-  EPX_CHECK(o.hidden % 128 == 0, "--hidden", o.hidden, "must be a multiple of 128 (FP8 is benchmarked)");
+  EPX_CHECK(o.hidden % epx::kFp8GroupSize == 0, "--hidden", o.hidden,
+            "must be a multiple of 128 (FP8 is benchmarked)");
   EPX_CHECK(o.num_topk >= 1, "--topk", o.num_topk, "must be >= 1");
-  EPX_CHECK(o.num_topk <= 16, "--topk", o.num_topk, "must be <= 16");
+  EPX_CHECK(o.num_topk <= epx::kMaxTopk, "--topk", o.num_topk, "must be <= 16");
   EPX_CHECK(o.num_experts >= o.num_topk, "--experts", o.num_experts, "must be >= --topk");
   for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
   EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");

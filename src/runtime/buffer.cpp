@@ -12,6 +12,7 @@
 #include "common/device_info.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
+#include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/ipc_memory.hpp"
@@ -45,10 +46,11 @@ int agreed_ranks_per_node(Bootstrap& bootstrap, int option, int device) {
   return agree_ranks_per_node(bootstrap, request);
 }
 
+// A device table of the peers' bases, with room for the largest group (unused entries are nullptr).
 void* const* upload_table(const std::vector<void*>& bases) {
   void** table = nullptr;
-  EPX_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * kMaxNvlRanks * 8));
-  EPX_CUDA_CHECK(cudaMemset(table, 0, sizeof(void*) * kMaxNvlRanks * 8));
+  EPX_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * kMaxLowLatencyRanks));
+  EPX_CUDA_CHECK(cudaMemset(table, 0, sizeof(void*) * kMaxLowLatencyRanks));
   if (!bases.empty()) {
     EPX_CUDA_CHECK(cudaMemcpy(table, bases.data(), sizeof(void*) * bases.size(), cudaMemcpyHostToDevice));
   }
@@ -110,7 +112,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.rank = bootstrap.rank();
   s.num_ranks = bootstrap.num_ranks();
   EPX_CHECK(s.num_ranks >= 1, "num_ranks", s.num_ranks, "must be >= 1");
-  EPX_CHECK(s.num_ranks <= 64, "num_ranks", s.num_ranks, "must be <= 64");
+  EPX_CHECK(s.num_ranks <= kMaxLowLatencyRanks, "num_ranks", s.num_ranks, "must be <= 64");
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   s.ranks_per_node = agreed_ranks_per_node(bootstrap, options.ranks_per_node, s.device);
   if (options.num_nvl_bytes > 0) {
