@@ -15,6 +15,7 @@
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
+#include "runtime/buffer_access.hpp"
 #include "runtime/ipc_memory.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
@@ -81,6 +82,7 @@ struct Buffer::State {
   WaitTimeoutRecord* timeout_record_device = nullptr;
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
+  std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
 
   void free_local() noexcept {
     if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
@@ -126,6 +128,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
   try {
     set_num_sms(options.num_sms);
+    s.low_latency = std::make_shared<LowLatencyState>();
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));
     kernels::preload_all_kernels();
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
     for (cudaEvent_t& event : s.ordering_events)
@@ -181,7 +186,6 @@ Buffer::~Buffer() {
 
 void Buffer::destroy() {
   if (state_ == nullptr) return;
-  forget_low_latency_state(*this);
   std::unique_ptr<State> state = std::move(state_);
   // Every rank must be done touching peers' memory before anyone unmaps or frees it.
   cudaStreamSynchronize(state->comm_stream);
@@ -223,9 +227,6 @@ cudaStream_t Buffer::comm_stream() const {
 }
 cudaMemPool_t Buffer::handle_memory_pool() const {
   return live().handle_pool;
-}
-cudaEvent_t Buffer::ordering_event(int which) const {
-  return live().ordering_events[which];
 }
 std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
   return live().comm_stream_owner;
@@ -273,9 +274,6 @@ size_t Buffer::num_rdma_bytes() const {
   const State& s = live();
   return s.rdma_remote ? s.rdma_remote->bytes : s.rdma->bytes();
 }
-void* const* Buffer::rdma_peer_bases_device() const {
-  return live().rdma_table;
-}
 WaitTimeoutRecord* Buffer::timeout_record_device() const {
   return live().timeout_record_device;
 }
@@ -287,6 +285,16 @@ int* Buffer::host_scratch_device() const {
 }
 Bootstrap& Buffer::bootstrap() const {
   return *live().bootstrap;
+}
+
+std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {
+  return buffer.live().low_latency;
+}
+void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
+  return buffer.live().rdma_table;
+}
+cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
+  return buffer.live().ordering_events[which];
 }
 
 void Buffer::check_timeout() const {
