@@ -89,6 +89,11 @@ void validate(const BenchOptions& o) {
   EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
   EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
             "must be >= 0 (0: one node)");
+  // Nodes are equal blocks of ranks (without --ranks, the Buffer checks it against the GPU count).
+  if (o.num_ranks > 0 && o.ll_ranks_per_node > 0) {
+    EPX_CHECK(o.num_ranks % o.ll_ranks_per_node == 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
+              "must divide --ranks");
+  }
   EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
   EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
 }
