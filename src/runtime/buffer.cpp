@@ -16,9 +16,9 @@
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/buffer_access.hpp"
-#include "runtime/ipc_memory.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
+#include "transport/cuda_ipc/ipc_memory.hpp"
 
 namespace epx {
 
