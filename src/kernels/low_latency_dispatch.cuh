@@ -231,7 +231,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
                                    static_cast<int>(cast_e4m3x4(values + 12, scale.inv_scale)));
       for (int d = 0; d < num_dsts; ++d) {
         char* msg = small.dst_msgs[d];
-        *reinterpret_cast<int4*>(msg + group * 128 + sub * 16) = codes;
+        *reinterpret_cast<int4*>(msg + group * kFp8GroupSize + sub * 16) = codes;  // 1-byte codes
         if (sub == 0)
           reinterpret_cast<float*>(msg + layout.dispatch_msg_scales_offset())[group] = scale.scale;
       }
