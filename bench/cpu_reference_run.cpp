@@ -285,18 +285,19 @@ void print_table(const CpuReferenceBenchShape& shape, const std::vector<BenchRow
       shape.num_ranks, shape.num_tokens, shape.hidden, shape.num_topk, shape.num_experts, shape.ll_num_tokens,
       shape.num_topk, shape.ll_num_experts);
   out << line;
-  std::snprintf(line, sizeof(line), "%-22s %-6s %12s %14s %16s %12s %9s\n", "op", "format", "rows/sel.",
+  // Every count column is per rank (the mean over ranks), as in the GPU report; the JSON adds the totals.
+  std::snprintf(line, sizeof(line), "%-22s %-6s %14s %14s %16s %12s %9s\n", "op", "format", "rows per rank",
                 "bytes/unit", "MB per rank", "CPU ms", "verified");
   out << line;
   for (const BenchRow& row : rows) {
-    std::snprintf(line, sizeof(line), "%-22s %-6s %12lld %14.1f %16.2f %12.1f %9s\n", row.op.c_str(),
-                  row.format.c_str(), row.units, row.bytes_per_unit,
+    std::snprintf(line, sizeof(line), "%-22s %-6s %14.1f %14.1f %16.2f %12.1f %9s\n", row.op.c_str(),
+                  row.format.c_str(), static_cast<double>(row.units) / shape.num_ranks, row.bytes_per_unit,
                   row.total_bytes() / shape.num_ranks / 1e6, row.cpu_ms, row.verified ? "yes" : "NO");
     out << line;
   }
   out << "bytes: normal = rows each rank receives (one copy per destination rank) x (2H bf16 | H + 4H/128 "
-         "fp8); "
-         "low-latency = valid (token, expert) selections x (H + H/32 + 16 fp8 | 2H bf16)\n";
+         "fp8); low-latency = valid (token, expert) selections x (H + H/32 + 16 fp8 | 2H bf16) "
+         "(docs/BENCHMARKS.md)\n";
 }
 
 void print_json(const CpuReferenceBenchShape& shape, const std::vector<BenchRow>& rows, bool all_verified,

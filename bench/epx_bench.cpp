@@ -14,6 +14,8 @@
 #include "bench_report.hpp"
 #include "cpu_reference_run.hpp"
 #include "epx/error.hpp"
+#include "epx/formats/fp8.hpp"
+#include "epx/layout/normal_layout.hpp"
 
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>
@@ -45,7 +47,8 @@ void print_help() {
       "  --json-file PATH                also write the JSON lines to PATH\n"
       "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
-      "LogFMT).\n");
+      "LogFMT).\n"
+      "Method, bytes and JSON fields: docs/BENCHMARKS.md; plots: python -m epx.plot FILE.json\n");
 }
 
 // An integer flag value; the error names the flag.
@@ -73,18 +76,24 @@ std::vector<int> parse_list(const std::string& flag, const std::string& text) {
 // The rules every run shares (GPU or CPU reference), so a bad value fails the same way everywhere.
 void validate(const BenchOptions& o) {
   EPX_CHECK(o.num_ranks >= 0, "--ranks", o.num_ranks, "must be >= 1");
-  EPX_CHECK(o.num_ranks <= 8, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
+  EPX_CHECK(o.num_ranks <= epx::kMaxNvlRanks, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
   EPX_CHECK(o.num_tokens >= 0, "--tokens", o.num_tokens, "must be >= 0");
   EPX_CHECK(o.hidden > 0, "--hidden", o.hidden, "must be > 0");
-  EPX_CHECK(o.hidden % 128 == 0, "--hidden", o.hidden, "must be a multiple of 128 (FP8 is benchmarked)");
+  EPX_CHECK(o.hidden % epx::kFp8GroupSize == 0, "--hidden", o.hidden,
+            "must be a multiple of 128 (FP8 is benchmarked)");
   EPX_CHECK(o.num_topk >= 1, "--topk", o.num_topk, "must be >= 1");
-  EPX_CHECK(o.num_topk <= 16, "--topk", o.num_topk, "must be <= 16");
+  EPX_CHECK(o.num_topk <= epx::kMaxTopk, "--topk", o.num_topk, "must be <= 16");
   EPX_CHECK(o.num_experts >= o.num_topk, "--experts", o.num_experts, "must be >= --topk");
   for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
   EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
   EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
   EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
             "must be >= 0 (0: one node)");
+  // Nodes are equal blocks of ranks (without --ranks, the Buffer checks it against the GPU count).
+  if (o.num_ranks > 0 && o.ll_ranks_per_node > 0) {
+    EPX_CHECK(o.num_ranks % o.ll_ranks_per_node == 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
+              "must divide --ranks");
+  }
   EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
   EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
 }

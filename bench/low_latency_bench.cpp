@@ -145,7 +145,6 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   BufferOptions buffer_options;
   buffer_options.num_rdma_bytes =
       get_low_latency_rdma_size_hint(s.num_tokens, s.hidden, s.num_ranks, s.num_experts);
-  buffer_options.low_latency_mode = true;
   buffer_options.ranks_per_node = o.ll_ranks_per_node;
   Buffer buffer(bootstrap, buffer_options);
   cudaStream_t stream = nullptr;

@@ -13,6 +13,7 @@
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
+#include "epx/formats/fp8.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
 #include "epx/reference/test_data.hpp"
@@ -64,7 +65,7 @@ RankData make_rank_data(const BenchOptions& o, int rank, uint32_t salt) {
   }
   std::mt19937 rng(salt * 131 + rank);
   std::uniform_real_distribution<float> unit(0.5f, 2.0f);
-  d.scales.resize(size_t(o.num_tokens) * (o.hidden / 128));
+  d.scales.resize(size_t(o.num_tokens) * (o.hidden / kFp8GroupSize));
   for (auto& s : d.scales) s = unit(rng);
   d.topk_idx = reference::random_topk_idx(salt * 131 + rank, o.num_tokens, o.num_topk, o.num_experts);
   d.topk_weights.resize(d.topk_idx.size());
@@ -90,14 +91,14 @@ struct Workspace {
   Workspace(const BenchOptions& o, int num_ranks)
       : x_bf16(size_t(o.num_tokens) * o.hidden),
         x_fp8(size_t(o.num_tokens) * o.hidden),
-        scales(size_t(o.num_tokens) * (o.hidden / 128)),
+        scales(size_t(o.num_tokens) * (o.hidden / kFp8GroupSize)),
         topk_idx(size_t(o.num_tokens) * o.num_topk),
         topk_weights(size_t(o.num_tokens) * o.num_topk),
         num_tokens_per_rank(num_ranks),
         num_tokens_per_expert(o.num_experts),
         is_token_in_rank(size_t(o.num_tokens) * num_ranks),
         recv_x(size_t(num_ranks) * o.num_tokens * o.hidden),
-        recv_scales(size_t(num_ranks) * o.num_tokens * (o.hidden / 128)),
+        recv_scales(size_t(num_ranks) * o.num_tokens * (o.hidden / kFp8GroupSize)),
         recv_topk_weights(size_t(num_ranks) * o.num_tokens * o.num_topk),
         recv_topk_idx(size_t(num_ranks) * o.num_tokens * o.num_topk),
         combined(size_t(o.num_tokens) * o.hidden),
@@ -204,7 +205,7 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
 
 std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions& o) {
   const int rank = bootstrap.rank(), num_ranks = bootstrap.num_ranks();
-  EPX_CHECK(o.hidden % 128 == 0, "hidden", o.hidden,
+  EPX_CHECK(o.hidden % kFp8GroupSize == 0, "hidden", o.hidden,
             "must be a multiple of 128 (FP8 dispatch is benchmarked)");
   BufferOptions buffer_options;
   // Sized for the widest SM budget of the sweep (the default queue sizes); the size does not depend on
@@ -295,7 +296,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     const std::vector<int> send_rows = ws.num_tokens_per_rank.download(num_ranks);
     const std::vector<int>& recv_rows = plan.handle.num_recv_per_rank();
     for (bool bf16 : {true, false}) {
-      const size_t row_bytes = bf16 ? size_t(o.hidden) * 2 : size_t(o.hidden) + 4 * (o.hidden / 128);
+      const size_t row_bytes =
+          bf16 ? size_t(o.hidden) * 2 : size_t(o.hidden) + 4 * (o.hidden / kFp8GroupSize);
       std::vector<size_t> send_bytes(num_ranks), recv_bytes(num_ranks);
       size_t total_send = 0;
       for (int r = 0; r < num_ranks; ++r) {

@@ -1,6 +1,7 @@
 # CUDA part of EPX: the runtime (Buffer, transports) and the kernels, one library.
-# sm_90a: Hopper-only instructions (TMA bulk copies, mbarrier transaction counts) are used by kernels.
-# Set before enable_language(CUDA), which would otherwise take nvcc's default (sm_75 for CUDA 13).
+# Hopper: the kernels use sm_90 instructions (cp.async.bulk copies, mbarrier transaction counts,
+# fence.proxy.async) and none of the 90a-only ones (wgmma, setmaxnreg); 90a is the target the measurements
+# used. Set before enable_language(CUDA), which would otherwise take nvcc's default (sm_75 for CUDA 13).
 if(NOT CMAKE_CUDA_ARCHITECTURES)
   set(CMAKE_CUDA_ARCHITECTURES 90a)
 endif()
@@ -18,7 +19,8 @@ epx_python_wheel_dir(_epx_nccl_wheel nvidia.nccl)
 find_path(EPX_NCCL_INCLUDE_DIR nccl.h HINTS ${_epx_nccl_wheel}/include ${CUDAToolkit_INCLUDE_DIRS})
 find_library(EPX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_epx_nccl_wheel}/lib ${CUDAToolkit_LIBRARY_DIR})
 
-file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS src/common/*.cpp src/runtime/*.cpp src/kernels/*.cu)
+file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS src/common/*.cpp src/runtime/*.cpp src/kernels/*.cu
+     src/transport/cuda_ipc/*.cpp)
 add_library(epx_cuda STATIC ${EPX_CUDA_SOURCES})
 target_include_directories(epx_cuda PUBLIC ${PROJECT_SOURCE_DIR}/include PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # No libcuda link: CI and dev machines have no driver; driver entry points come via cudaGetDriverEntryPoint.

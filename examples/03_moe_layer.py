@@ -162,6 +162,9 @@ def main():
     parser.add_argument("--top-k", type=int, default=4)
     parser.add_argument("--lr", type=float, default=0.1)
     args = parser.parse_args()
+    if torch.cuda.device_count() == 0:
+        print("no GPU found: this example needs 2 to 4 GPUs", file=sys.stderr)
+        return 77  # the C++ examples' "no GPU" status
     if args.num_gpus < 2:
         print(f"needs at least 2 GPUs ({torch.cuda.device_count()} visible)", file=sys.stderr)
         return 1

@@ -54,8 +54,12 @@ std::vector<T> download(const T* device, size_t count) {
   return host;
 }
 
+// Exit status of an example that found no GPU (the "skipped" status of automake and CTest).
+constexpr int kNoGpuExitCode = 77;
+
 // Runs rank_main(bootstrap) in one process per rank, rank r on GPU r % GPUs (argv[1] ranks, default 2), and
-// prints the launcher's summary. rank_main returns 0 when its checks passed.
+// prints the launcher's summary. rank_main returns 0 when its checks passed. Without a GPU it prints
+// "no GPU found" once and returns kNoGpuExitCode.
 inline int launch(int argc, char** argv, const std::function<int(epx::Bootstrap&)>& rank_main) {
   epx::LocalLaunchOptions options;
   options.num_ranks = argc > 1 ? std::atoi(argv[1]) : 2;
@@ -64,13 +68,18 @@ inline int launch(int argc, char** argv, const std::function<int(epx::Bootstrap&
     int num_gpus = 0;
     const cudaError_t status = cudaGetDeviceCount(&num_gpus);
     if (status != cudaSuccess || num_gpus == 0) {
-      std::fprintf(stderr, "rank %d: no GPU found (cudaGetDeviceCount: %s); this example needs a GPU\n",
-                   bootstrap.rank(), status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
-      return 1;
+      if (bootstrap.rank() == 0) {
+        std::fprintf(stderr, "no GPU found (cudaGetDeviceCount: %s): this example needs a GPU\n",
+                     status != cudaSuccess ? cudaGetErrorString(status) : "0 devices");
+      }
+      return kNoGpuExitCode;
     }
     check_cuda(cudaSetDevice(bootstrap.rank() % num_gpus), "cudaSetDevice");
     return rank_main(bootstrap);
   });
+  bool no_gpu = !result.exit_codes.empty();
+  for (int code : result.exit_codes) no_gpu = no_gpu && code == kNoGpuExitCode;
+  if (no_gpu) return kNoGpuExitCode;
   std::printf("%s\n", result.summary().c_str());
   return result.ok() ? 0 : 1;
 }

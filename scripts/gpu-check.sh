@@ -4,7 +4,7 @@
 # Environment knobs:
 #   GPU_TESTS      gtest filter of the GPU tests (default: all; "-" skips them)
 #   PY_TESTS       "-" skips the Python GPU tests and the example
-#   BENCH_ARGS     epx-bench flags (default: the TARGETS.md shapes; "skip" skips the benchmark)
+#   BENCH_ARGS     epx-bench flags (default: the shapes of docs/BENCHMARKS.md; "skip" skips the benchmark)
 #   TEST_TIMEOUT / BENCH_TIMEOUT  seconds before the stage is killed (default 300 / 240)
 #   EPX_TEST_RANKS_PER_GPU  N ranks share each GPU in the tests (logic of larger groups on fewer GPUs; slow)
 #   EPX_BUILD_DIR  build folder (default build-gpu/); when it already holds the binaries and EPX_REBUILD is

@@ -18,7 +18,6 @@ struct BufferOptions {
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
   // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).
   size_t num_rdma_bytes = 0;
-  bool low_latency_mode = false;
   int num_sms = 20;              // SM budget of the normal-mode kernels (DeepEP's Buffer.num_sms default)
   double wait_timeout_s = 30.0;  // bound of every device-side wait (env EPX_WAIT_TIMEOUT_S overrides)
   // Ranks per NVLink node; 0 = detect: ranks on one host whose GPUs reach each other (NVLink / P2P) form a
@@ -52,10 +51,6 @@ class Buffer {
   // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
   // it.
   std::shared_ptr<CUstream_st> comm_stream_shared() const;
-  // Two events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
-  // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
-  // event as recorded at that moment, so re-recording it later is safe.
-  cudaEvent_t ordering_event(int which) const;
   // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
   cudaMemPool_t handle_memory_pool() const;
 
@@ -78,11 +73,9 @@ class Buffer {
   int ranks_per_node() const;
   bool spans_nodes() const;
 
-  // Low-latency memory, likewise (nullptr entries for ranks outside this rank's node: NVSHMEM puts reach
-  // them).
+  // Low-latency memory of this rank.
   void* rdma_buffer() const;
   size_t num_rdma_bytes() const;
-  void* const* rdma_peer_bases_device() const;
 
   // Host-mapped record kernels write before trapping on a timeout; check_timeout() throws epx::Error with
   // its description if one was written (call it when a sync reports a failed launch).
@@ -100,6 +93,7 @@ class Buffer {
   Bootstrap& bootstrap() const;
 
  private:
+  friend struct BufferAccess;  // the runtime's internal access (src/runtime/buffer_access.hpp)
   struct State;
   std::unique_ptr<State> state_;
   const State& live() const;

@@ -6,6 +6,14 @@
 
 namespace epx {
 
+// How an operation is ordered against the caller's stream (DeepEP's previous_event / async_finish); every
+// normal and low-latency call takes one.
+struct StreamOrder {
+  cudaStream_t compute_stream = nullptr;  // the caller's stream
+  cudaEvent_t previous_event = nullptr;   // if set, the comm stream waits for it instead of compute_stream
+  bool async_finish = false;              // true: return an event; false: compute_stream waits for the op
+};
+
 // A CUDA event shared by copies, destroyed with the last one. Empty when an operation finished synchronously.
 class Event {
  public:

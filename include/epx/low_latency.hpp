@@ -9,7 +9,6 @@
 #include "epx/buffer.hpp"
 #include "epx/event.hpp"
 #include "epx/layout/low_latency_layout.hpp"
-#include "epx/normal.hpp"
 
 // Low-latency (decode) mode on raw device pointers: dispatch into the fixed per-expert layout [L, R*M, H] and
 // the weighted combine back, through the Buffer's low-latency memory (size it with

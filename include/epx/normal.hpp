@@ -15,13 +15,6 @@ namespace epx {
 
 enum class TokenFormat { kBf16, kFp8 };
 
-// How an operation is ordered against the caller's stream (DeepEP's previous_event / async_finish).
-struct StreamOrder {
-  cudaStream_t compute_stream = nullptr;  // the caller's stream
-  cudaEvent_t previous_event = nullptr;   // if set, the comm stream waits for it instead of compute_stream
-  bool async_finish = false;              // true: return an event; false: compute_stream waits for the op
-};
-
 struct DispatchLayoutOutput {
   int* num_tokens_per_rank;    // [R]
   int* num_tokens_per_expert;  // [E]

@@ -50,8 +50,9 @@ L2_FLUSH_BYTES = 256 << 20
 COPY_ENGINE_BYTES = 32 << 20
 LL_INPUT_SETS = 4  # timed low-latency calls rotate through these so no two consecutive calls see the same x
 PROG = "python -m epx.bench"
+MAX_TOPK = 16  # epx.MAX_TOPK (kMaxTopk); a CPU test checks they agree, so parsing flags needs no binding
 
-# ---- Byte counts (TARGETS.md) ----
+# ---- Byte counts (docs/BENCHMARKS.md) ----
 
 
 def normal_row_bytes(hidden: int, fp8: bool) -> float:
@@ -161,10 +162,11 @@ def build_parser() -> argparse.ArgumentParser:
         prog=PROG, allow_abbrev=False,
         description="EPX dispatch/combine through epx.Buffer on every visible GPU (one process per GPU), with "
                     "NCCL all-to-all moving the same bytes in the same run; the numbers of the C++ epx-bench.",
-        epilog="Bytes (TARGETS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch; "
-               "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 LogFMT).")
+        epilog="Bytes (docs/BENCHMARKS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 "
+               "dispatch; low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | "
+               "1.25H + H/32 LogFMT).")
     p.add_argument("--mode", choices=("normal", "low-latency", "all"), default="all", help="what to run (default all)")
-    p.add_argument("--ranks", type=int, default=0, help="GPUs to use (default: all visible)")
+    p.add_argument("--ranks", type=int, default=None, help="GPUs to use (default: all visible)")
     p.add_argument("--tokens", type=int, default=4096, help="normal mode: tokens per rank (default 4096)")
     p.add_argument("--hidden", type=int, default=7168, help="hidden size, both modes (default 7168)")
     p.add_argument("--topk", type=int, default=8, help="experts per token, both modes (default 8)")
@@ -194,8 +196,15 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for name in ("tokens", "hidden", "topk", "experts", "ll_tokens", "ll_experts", "iters"):
         if getattr(o, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(o, name)})")
-    if o.warmup < 0 or o.ranks < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0:
-        p.error("--warmup, --ranks, --launch-ahead-us and --ll-ranks-per-node must be >= 0")
+    if o.ranks is not None and o.ranks < 1:
+        p.error(f"--ranks must be >= 1 (got {o.ranks})")
+    o.ranks = o.ranks or 0  # 0: every visible GPU
+    if o.topk > MAX_TOPK:
+        p.error(f"--topk must be <= {MAX_TOPK} (got {o.topk})")
+    if o.warmup < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0:
+        p.error("--warmup, --launch-ahead-us and --ll-ranks-per-node must be >= 0")
+    if o.ranks > 0 and o.ll_ranks_per_node > 0 and o.ranks % o.ll_ranks_per_node != 0:
+        p.error(f"--ll-ranks-per-node {o.ll_ranks_per_node} must divide --ranks {o.ranks}")
     if o.mode != "low-latency" and o.hidden % 128 != 0:
         p.error(f"--hidden {o.hidden} must be a multiple of 128 (FP8 dispatch is benchmarked)")
     return o
@@ -833,18 +842,20 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
     os.environ.update(NVLINK_ENV)  # before any rank starts (and before NCCL / NVSHMEM read them)
     import epx
 
+    # With --json, stdout carries JSON only: why nothing ran goes to stderr.
+    note = sys.stderr if o.json else sys.stdout
     if not epx.WITH_CUDA:
-        print(f"{PROG}: epx was built without CUDA (EPX_WITH_CUDA=OFF): nothing to measure", flush=True)
+        print(f"{PROG}: epx was built without CUDA (EPX_WITH_CUDA=OFF): nothing to measure", file=note, flush=True)
         return 0
     import importlib.util
 
     if importlib.util.find_spec("torch") is None:
-        print(f"{PROG}: needs torch (with CUDA); it is not installed: nothing to measure", flush=True)
+        print(f"{PROG}: needs torch (with CUDA); it is not installed: nothing to measure", file=note, flush=True)
         return 0
     num_gpus = visible_gpus()
     if num_gpus == 0:
         print(f"{PROG}: no CUDA GPU visible: nothing to measure (the C++ epx-bench runs the CPU reference "
-              "without GPUs)", flush=True)
+              "without GPUs)", file=note, flush=True)
         return 0
     num_ranks = o.ranks if o.ranks > 0 else num_gpus
     if num_ranks > num_gpus:

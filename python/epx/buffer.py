@@ -70,7 +70,8 @@ class Buffer:
         num_nvl_bytes: normal-mode NVLink buffer bytes: the largest Config.get_nvl_buffer_size_hint of the
             configs its calls use (it does not depend on the number of tokens).
         num_rdma_bytes: low-latency buffer bytes (see get_low_latency_rdma_size_hint).
-        low_latency_mode: whether the buffer serves low-latency calls.
+        low_latency_mode: kept as the attribute of that name (DeepEP's signature); any Buffer with
+            num_rdma_bytes > 0 serves low-latency calls, so the runtime does not need it.
         num_sms: SM budget of the normal-mode kernels. A call given a Config makes it the Buffer's config (SM
             budget and chunk sizes) from then on; calls without one use the current config.
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
@@ -102,8 +103,8 @@ class Buffer:
         self.group = group
         self.device = t.device("cuda", t.cuda.current_device())  # also initialises torch's CUDA context
         options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
-                                     low_latency_mode=bool(low_latency_mode), num_sms=int(num_sms),
-                                     wait_timeout_s=float(wait_timeout_s), ranks_per_node=int(ranks_per_node))
+                                     num_sms=int(num_sms), wait_timeout_s=float(wait_timeout_s),
+                                     ranks_per_node=int(ranks_per_node))
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
         self.rank = rank
         self.num_ranks = num_ranks

@@ -49,7 +49,7 @@ from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 PROG = "python -m epx.plot"
 NORMAL = "normal"
 LOW_LATENCY = "low-latency"
-# The byte counts behind GB/s (epx-bench --help, TARGETS.md), for figures whose JSON has no header saying it.
+# The byte counts behind GB/s (epx-bench --help, docs/BENCHMARKS.md), for figures whose JSON has no header saying it.
 BYTES_DEFINITION = {
     NORMAL: "GB/s = bytes a rank receives / time: rows received x (2H BF16 | H + 4H/128 FP8); combine counted as "
             "BF16 dispatch",

@@ -42,16 +42,18 @@ cudaStream_t stream_of(uintptr_t handle) {
 void bind_buffer(py::module_& m) {
   py::class_<BufferOptions> options(m, "BufferOptions");
   options
-      .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, bool low_latency_mode, int num_sms,
-                       double wait_timeout_s, int ranks_per_node) {
-             return BufferOptions{num_nvl_bytes, num_rdma_bytes, low_latency_mode,
-                                  num_sms,       wait_timeout_s, ranks_per_node};
+      .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, int num_sms, double wait_timeout_s,
+                       int ranks_per_node) {
+             return BufferOptions{.num_nvl_bytes = num_nvl_bytes,
+                                  .num_rdma_bytes = num_rdma_bytes,
+                                  .num_sms = num_sms,
+                                  .wait_timeout_s = wait_timeout_s,
+                                  .ranks_per_node = ranks_per_node};
            }),
-           py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("low_latency_mode") = false,
-           py::arg("num_sms") = 20, py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0)
+           py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_sms") = 20,
+           py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
-      .def_readwrite("low_latency_mode", &BufferOptions::low_latency_mode)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
       .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s)
       .def_readwrite("ranks_per_node", &BufferOptions::ranks_per_node);

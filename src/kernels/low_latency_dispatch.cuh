@@ -133,7 +133,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
                             layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
                       : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
       const int token = entry / args.num_topk;
-      list[slot] = (token << 4) | (entry % args.num_topk);
+      list[slot] = pack_recv_index_entry(token, entry % args.num_topk);
     }
     __syncwarp();
     if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
@@ -231,7 +231,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
                                    static_cast<int>(cast_e4m3x4(values + 12, scale.inv_scale)));
       for (int d = 0; d < num_dsts; ++d) {
         char* msg = small.dst_msgs[d];
-        *reinterpret_cast<int4*>(msg + group * 128 + sub * 16) = codes;
+        *reinterpret_cast<int4*>(msg + group * kFp8GroupSize + sub * 16) = codes;  // 1-byte codes
         if (sub == 0)
           reinterpret_cast<float*>(msg + layout.dispatch_msg_scales_offset())[group] = scale.scale;
       }
@@ -329,13 +329,13 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     const int entry =
         __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
                (j - prefix[pair]));
-    const int token = entry >> 4;
+    const int token = recv_index_entry_token(entry);
     deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
                 local_expert, row, lane);
     if (lane == 0) {
       const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
       args.recv_src_info[row_idx] = token;
-      args.recv_topk_pos[row_idx] = entry & 15;
+      args.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }
   }
   finish_receive(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses);

@@ -1,6 +1,7 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
+#include "epx/formats/fp8.hpp"
 #include "epx/formats/ue8m0.hpp"
 #include "epx/reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
@@ -8,7 +9,7 @@
 namespace epx::reference {
 
 int ll_num_ue8m0_words(int hidden) {
-  return ue8m0_num_words(hidden / 128);
+  return ue8m0_num_words(hidden / kFp8GroupSize);
 }
 
 std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& params,

@@ -13,11 +13,13 @@
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "epx/layout/internode_layout.hpp"
+#include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
-#include "runtime/ipc_memory.hpp"
+#include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
+#include "transport/cuda_ipc/ipc_memory.hpp"
 
 namespace epx {
 
@@ -46,10 +48,11 @@ int agreed_ranks_per_node(Bootstrap& bootstrap, int option, int device) {
   return agree_ranks_per_node(bootstrap, request);
 }
 
+// A device table of the peers' bases, with room for the largest group (unused entries are nullptr).
 void* const* upload_table(const std::vector<void*>& bases) {
   void** table = nullptr;
-  EPX_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * kMaxNvlRanks * 8));
-  EPX_CUDA_CHECK(cudaMemset(table, 0, sizeof(void*) * kMaxNvlRanks * 8));
+  EPX_CUDA_CHECK(cudaMalloc(&table, sizeof(void*) * kMaxLowLatencyRanks));
+  EPX_CUDA_CHECK(cudaMemset(table, 0, sizeof(void*) * kMaxLowLatencyRanks));
   if (!bases.empty()) {
     EPX_CUDA_CHECK(cudaMemcpy(table, bases.data(), sizeof(void*) * bases.size(), cudaMemcpyHostToDevice));
   }
@@ -80,6 +83,7 @@ struct Buffer::State {
   WaitTimeoutRecord* timeout_record_device = nullptr;
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
+  std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
 
   void free_local() noexcept {
     if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
@@ -111,7 +115,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.rank = bootstrap.rank();
   s.num_ranks = bootstrap.num_ranks();
   EPX_CHECK(s.num_ranks >= 1, "num_ranks", s.num_ranks, "must be >= 1");
-  EPX_CHECK(s.num_ranks <= 64, "num_ranks", s.num_ranks, "must be <= 64");
+  EPX_CHECK(s.num_ranks <= kMaxLowLatencyRanks, "num_ranks", s.num_ranks, "must be <= 64");
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   s.ranks_per_node = agreed_ranks_per_node(bootstrap, options.ranks_per_node, s.device);
   if (options.num_nvl_bytes > 0) {
@@ -127,6 +131,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
   try {
     set_num_sms(options.num_sms);
+    s.low_latency = std::make_shared<LowLatencyState>();
+    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
+                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));
     kernels::preload_all_kernels();
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
     for (cudaEvent_t& event : s.ordering_events)
@@ -182,7 +189,6 @@ Buffer::~Buffer() {
 
 void Buffer::destroy() {
   if (state_ == nullptr) return;
-  forget_low_latency_state(*this);
   std::unique_ptr<State> state = std::move(state_);
   // Every rank must be done touching peers' memory before anyone unmaps or frees it.
   cudaStreamSynchronize(state->comm_stream);
@@ -224,9 +230,6 @@ cudaStream_t Buffer::comm_stream() const {
 }
 cudaMemPool_t Buffer::handle_memory_pool() const {
   return live().handle_pool;
-}
-cudaEvent_t Buffer::ordering_event(int which) const {
-  return live().ordering_events[which];
 }
 std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
   return live().comm_stream_owner;
@@ -274,9 +277,6 @@ size_t Buffer::num_rdma_bytes() const {
   const State& s = live();
   return s.rdma_remote ? s.rdma_remote->bytes : s.rdma->bytes();
 }
-void* const* Buffer::rdma_peer_bases_device() const {
-  return live().rdma_table;
-}
 WaitTimeoutRecord* Buffer::timeout_record_device() const {
   return live().timeout_record_device;
 }
@@ -288,6 +288,16 @@ int* Buffer::host_scratch_device() const {
 }
 Bootstrap& Buffer::bootstrap() const {
   return *live().bootstrap;
+}
+
+std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {
+  return buffer.live().low_latency;
+}
+void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
+  return buffer.live().rdma_table;
+}
+cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
+  return buffer.live().ordering_events[which];
 }
 
 void Buffer::check_timeout() const {

@@ -6,6 +6,7 @@
 #include "epx/error.hpp"
 #include "epx/formats/ue8m0.hpp"
 #include "kernels/low_latency_kernels.hpp"
+#include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/stream_order.hpp"
 
@@ -29,9 +30,12 @@ LowLatencyLayout layout_for(const Buffer& buffer, int num_max_tokens, int hidden
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
-  return kernels::PeerContext{
-      buffer.rdma_peer_bases_device(), buffer.rdma_buffer(),    buffer.rank(), buffer.num_ranks(),
-      buffer.timeout_record_device(),  buffer.wait_timeout_ns()};
+  return kernels::PeerContext{BufferAccess::rdma_peer_bases_device(buffer),
+                              buffer.rdma_buffer(),
+                              buffer.rank(),
+                              buffer.num_ranks(),
+                              buffer.timeout_record_device(),
+                              buffer.wait_timeout_ns()};
 }
 
 void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, const int64_t* topk_idx) {
@@ -75,7 +79,7 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
 template <typename Args, typename Launch>
 std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool return_recv_hook,
                                            const StreamOrder& order, Launch launch) {
-  const std::shared_ptr<LowLatencyState> state = low_latency_state(buffer);
+  const std::shared_ptr<LowLatencyState> state = BufferAccess::low_latency_state(buffer);
   const uint64_t call = state->num_calls;
   args.half = static_cast<int>(call & 1);
   check_low_latency_half_free(*state, args.half);
@@ -124,7 +128,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
                                               const LowLatencyDispatchOutput& out, const StreamOrder& order) {
   const LowLatencyLayout layout =
       layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
-  validate_dispatch(buffer, in, out, layout, *low_latency_state(buffer), order);
+  validate_dispatch(buffer, in, out, layout, *BufferAccess::low_latency_state(buffer), order);
 
   kernels::LowLatencyDispatchArgs args{};
   args.peers = peer_context(buffer);
@@ -225,7 +229,7 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
     kernels::launch_low_latency_clean(args, buffer.comm_stream());
   }
   end_on_comm_stream(buffer, order);
-  LowLatencyState& state = *low_latency_state(buffer);
+  LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
   state.num_calls = 0;
   state.pending_call[0] = state.pending_call[1] = 0;
 }

@@ -1,10 +1,7 @@
 #include "runtime/low_latency_state.hpp"
 
-#include <map>
-#include <mutex>
 #include <utility>
 
-#include "common/cuda_check.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -16,42 +13,6 @@ struct LowLatencyRecvHook::State {
   std::function<void(cudaStream_t)> launch_receive;
   bool done = false;
 };
-
-namespace {
-
-struct RegistryEntry {
-  void* rdma_base = nullptr;
-  size_t rdma_bytes = 0;
-  std::shared_ptr<LowLatencyState> state;
-};
-
-std::mutex registry_mutex;
-std::map<const Buffer*, RegistryEntry>& registry() {
-  static std::map<const Buffer*, RegistryEntry> entries;
-  return entries;
-}
-
-}  // namespace
-
-std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer) {
-  void* const rdma_base = buffer.rdma_buffer();
-  const size_t rdma_bytes = buffer.num_rdma_bytes();
-  const std::lock_guard<std::mutex> lock(registry_mutex);
-  RegistryEntry& entry = registry()[&buffer];
-  if (entry.state == nullptr || entry.rdma_base != rdma_base || entry.rdma_bytes != rdma_bytes) {
-    entry.rdma_base = rdma_base;
-    entry.rdma_bytes = rdma_bytes;
-    entry.state = std::make_shared<LowLatencyState>();
-    EPX_CUDA_CHECK(cudaDeviceGetAttribute(&entry.state->max_smem_bytes,
-                                          cudaDevAttrMaxSharedMemoryPerBlockOptin, buffer.device()));
-  }
-  return entry.state;
-}
-
-void forget_low_latency_state(const Buffer& buffer) {
-  const std::lock_guard<std::mutex> lock(registry_mutex);
-  registry().erase(&buffer);
-}
 
 void check_low_latency_half_free(const LowLatencyState& state, int half) {
   const uint64_t pending = state.pending_call[half];

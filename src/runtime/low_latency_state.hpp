@@ -6,24 +6,18 @@
 #include <functional>
 #include <memory>
 
-#include "epx/buffer.hpp"
 #include "epx/low_latency.hpp"
 
 namespace epx {
 
-// Host side of the low-latency protocol of one Buffer: which half the next call uses and which halves still
-// wait for a receive hook. The device side (monotonic signals) lives in the buffer's control area.
+// Host side of the low-latency protocol of one Buffer (BufferAccess::low_latency_state): which half the next
+// call uses and which halves still wait for a receive hook. The device side (monotonic signals) lives in the
+// buffer's control area.
 struct LowLatencyState {
   uint64_t num_calls = 0;             // low-latency calls issued; call n uses half n & 1
   uint64_t pending_call[2] = {0, 0};  // 1 + the call whose receive has not run on that half, 0 = none
   int max_smem_bytes = 0;             // the device's opt-in shared memory per block
 };
-
-// The state of `buffer` (created on first use), kept in a registry keyed by the Buffer's address; the Buffer
-// drops its entry when it is destroyed (forget_low_latency_state), so a later Buffer at the same address
-// starts afresh.
-std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);
-void forget_low_latency_state(const Buffer& buffer);
 
 // Marks `half` busy until the returned hook runs `launch_receive`.
 LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state, uint64_t call, int half,

@@ -1,6 +1,7 @@
 #include "runtime/stream_order.hpp"
 
 #include "common/cuda_check.hpp"
+#include "runtime/buffer_access.hpp"
 
 namespace epx {
 
@@ -8,16 +9,16 @@ void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
   if (order.previous_event != nullptr) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), order.previous_event, 0));
   } else if (order.compute_stream != buffer.comm_stream()) {
-    EPX_CUDA_CHECK(cudaEventRecord(buffer.ordering_event(0), order.compute_stream));
-    EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), buffer.ordering_event(0), 0));
+    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 0), order.compute_stream));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), BufferAccess::ordering_event(buffer, 0), 0));
   }
 }
 
 Event end_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
   if (order.async_finish) return Event::record(buffer.comm_stream());  // the caller's own event
   if (order.compute_stream != buffer.comm_stream()) {
-    EPX_CUDA_CHECK(cudaEventRecord(buffer.ordering_event(1), buffer.comm_stream()));
-    EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, buffer.ordering_event(1), 0));
+    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 1), buffer.comm_stream()));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, BufferAccess::ordering_event(buffer, 1), 0));
   }
   return Event{};
 }

@@ -2,7 +2,6 @@
 
 #include "epx/buffer.hpp"
 #include "epx/event.hpp"
-#include "epx/normal.hpp"
 
 namespace epx {
 

@@ -250,6 +250,18 @@ TEST(LowLatencyLayout, RejectsBadShapes) {
   EXPECT_NO_THROW(LowLatencyLayout(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
 }
 
+// The index-list entry round-trips every (token, top-k position) the layout allows, at both extremes.
+TEST(LowLatencyLayout, IndexEntryKeepsTokenAndTopkPosition) {
+  for (int token : {0, 1, 4095, epx::kMaxLowLatencyTokensPerRank - 1}) {
+    for (int topk_pos = 0; topk_pos < epx::kMaxTopk; ++topk_pos) {
+      const int entry = epx::pack_recv_index_entry(token, topk_pos);
+      EXPECT_GE(entry, 0) << "token " << token << " top-k position " << topk_pos;
+      EXPECT_EQ(epx::recv_index_entry_token(entry), token);
+      EXPECT_EQ(epx::recv_index_entry_topk_pos(entry), topk_pos);
+    }
+  }
+}
+
 }  // namespace
 
 // deep_ep callers decode recv_layout_range as int64 begin << 32 | count: EPX's ranges are that int64.

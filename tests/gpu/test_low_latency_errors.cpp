@@ -31,7 +31,6 @@ TEST(LowLatencyErrors, RejectedCallsLeaveTheBufferUsable) {
     c.use_fp8 = true;
     epx::BufferOptions options;
     options.num_rdma_bytes = epx::get_low_latency_rdma_size_hint(8, 256, 1, 4);
-    options.low_latency_mode = true;
     options.wait_timeout_s = 20.0;
     epx::Buffer buffer(bootstrap, options);
 

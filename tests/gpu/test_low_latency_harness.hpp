@@ -180,7 +180,6 @@ class LowLatencyRunner {
     BufferOptions options;
     options.num_rdma_bytes =
         get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
-    options.low_latency_mode = true;
     options.wait_timeout_s = 20.0;
     options.ranks_per_node = c.ranks_per_node;
     owned_buffer_ = std::make_unique<Buffer>(bootstrap, options);

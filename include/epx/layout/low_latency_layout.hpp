@@ -5,6 +5,7 @@
 
 #include "epx/common/host_device.hpp"
 #include "epx/error.hpp"
+#include "epx/formats/fp8.hpp"
 #include "epx/formats/logfmt.hpp"
 #include "epx/layout/normal_layout.hpp"
 
@@ -14,6 +15,24 @@ constexpr int kMaxLowLatencyRanks = 64;               // the Buffer's limit
 constexpr int kMaxLowLatencyTokensPerRank = 1 << 16;  // keeps R*M rows and packed index entries in int
 constexpr size_t kLowLatencyAlign = 128;              // every region starts on a cache line
 constexpr size_t kLowLatencySizeHintAlign = size_t(2) << 20;  // size hints are whole 2 MiB pages
+// FP8 scales and LogFMT metadata both cover groups of this many channels, so one group count serves both.
+constexpr int kLowLatencyGroupSize = kFp8GroupSize;
+static_assert(kLogfmtGroupSize == kLowLatencyGroupSize, "FP8 and LogFMT groups must coincide");
+
+// An entry of the dispatch index lists: the source token index above kRecvIndexTopkBits bits of its top-k
+// position, so one int names both the message slot and the combine slot the expert output returns to.
+constexpr int kRecvIndexTopkBits = 4;
+static_assert(kMaxTopk <= (1 << kRecvIndexTopkBits), "every top-k position must fit the entry's low bits");
+static_assert(kMaxLowLatencyTokensPerRank <= (INT32_MAX >> kRecvIndexTopkBits), "token indices must fit");
+EPX_HD constexpr int pack_recv_index_entry(int token, int topk_pos) {
+  return (token << kRecvIndexTopkBits) | topk_pos;
+}
+EPX_HD constexpr int recv_index_entry_token(int entry) {
+  return entry >> kRecvIndexTopkBits;
+}
+EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
+  return entry & ((1 << kRecvIndexTopkBits) - 1);
+}
 
 // The two operations that talk through the low-latency buffer; each has its own signals in each half.
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
@@ -51,11 +70,11 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 //   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
 //   per half h in {0, 1}:
 //     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
-//     dispatch_recv_index[L][R][M]   their (token << 4 | top-k position), ascending token order
+//     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
-//     combine_recv_slots[M][16]      expert outputs returned for (token, top-k position)
+//     combine_recv_slots[M][kMaxTopk] expert outputs returned for (token, top-k position)
 struct LowLatencyLayout {
   int num_max_tokens;  // M: tokens per rank per call at most
   int hidden;          // H
@@ -74,7 +93,8 @@ struct LowLatencyLayout {
     EPX_CHECK(num_max_tokens <= kMaxLowLatencyTokensPerRank, "num_max_dispatch_tokens_per_rank",
               num_max_tokens, "must be <= 65536");
     EPX_CHECK(hidden > 0, "hidden", hidden, "must be > 0");
-    EPX_CHECK(hidden % 128 == 0, "hidden", hidden, "must be a multiple of 128 (the FP8/LogFMT group size)");
+    EPX_CHECK(hidden % kLowLatencyGroupSize == 0, "hidden", hidden,
+              "must be a multiple of 128 (the FP8/LogFMT group size)");
     EPX_CHECK(num_ranks >= 1, "num_ranks", num_ranks, "must be >= 1");
     EPX_CHECK(num_ranks <= kMaxLowLatencyRanks, "num_ranks", num_ranks, "must be <= 64");
     EPX_CHECK(num_experts > 0, "num_experts", num_experts, "must be > 0");
@@ -85,7 +105,8 @@ struct LowLatencyLayout {
 
   // ---- Shape ----
   EPX_HD int num_local_experts() const { return num_experts / num_ranks; }
-  EPX_HD int num_groups() const { return hidden / 128; }  // FP8 scale / LogFMT groups per row
+  // FP8 scale / LogFMT groups per row.
+  EPX_HD int num_groups() const { return hidden / kLowLatencyGroupSize; }
   EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M
 
   // One dispatched token: BF16 row, or FP8 row followed by its float scales (the largest of the two).

@@ -1,6 +1,6 @@
-"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of TARGETS.md,
-the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit without GPUs, and
-(with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
+"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of
+docs/BENCHMARKS.md, the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit
+without GPUs, and (with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
 
 import multiprocessing
 import os
@@ -44,6 +44,9 @@ def test_every_flag():
     (["--iters", "0"], "--iters must be >= 1"),
     (["--warmup", "-1"], "must be >= 0"),
     (["--hidden", "7000"], "multiple of 128"),
+    (["--topk", "40"], "--topk must be <= 16"),
+    (["--ranks", "0"], "--ranks must be >= 1"),
+    (["--ranks", "4", "--ll-ranks-per-node", "3"], "must divide --ranks 4"),
     (["--unknown"], "unrecognized arguments"),
     (["--tok", "5"], "unrecognized arguments"),  # no abbreviations: flags are spelled as epx-bench's
     (["--tokens"], "expected one argument"),
@@ -55,11 +58,17 @@ def test_bad_flags_exit_2(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_max_topk_is_the_binding_s():
+    import epx
+
+    assert bench.MAX_TOPK == epx.MAX_TOPK
+
+
 def test_hidden_multiple_of_128_only_for_normal_mode():
     assert bench.parse_args(["--mode", "low-latency", "--hidden", "7000"]).hidden == 7000
 
 
-# ---- Bytes (TARGETS.md) ----
+# ---- Bytes (docs/BENCHMARKS.md) ----
 
 
 def test_normal_bytes():
@@ -177,6 +186,9 @@ def test_main_without_gpus_exits_0(monkeypatch, capsys):
     monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
     assert bench.main(["--iters", "3"]) == 0
     assert "nothing to measure" in capsys.readouterr().out
+    assert bench.main(["--json"]) == 0  # stdout carries JSON only
+    out, err = capsys.readouterr()
+    assert out == "" and "nothing to measure" in err
     assert {name: os.environ[name] for name in bench.NVLINK_ENV} == {
         "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 

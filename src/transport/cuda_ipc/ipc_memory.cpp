@@ -1,4 +1,4 @@
-#include "runtime/ipc_memory.hpp"
+#include "transport/cuda_ipc/ipc_memory.hpp"
 
 #include <cstring>
 #include <string>

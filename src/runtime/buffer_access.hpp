@@ -1,0 +1,29 @@
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <memory>
+
+#include "epx/buffer.hpp"
+
+namespace epx {
+
+struct LowLatencyState;
+
+// What the runtime's free functions need of a Buffer beyond its public API: state and device tables they
+// share with the Buffer but that users never touch. Only src/runtime includes this header; Buffer names it
+// its friend, so these reach the Buffer's private state (and throw after destroy(), as the API does).
+struct BufferAccess {
+  // The host side of the low-latency protocol (which half the next call uses, pending hooks). Created with
+  // the Buffer and dropped by destroy(), so a new Buffer, even at the same address, starts afresh.
+  static std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);
+  // Device array [kMaxLowLatencyRanks] of every rank's low-latency buffer as seen from this GPU (nullptr for
+  // ranks outside this rank's node: NVSHMEM puts reach those).
+  static void* const* rdma_peer_bases_device(const Buffer& buffer);
+  // Two events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
+  // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
+  // event as recorded at that moment, so re-recording it later is safe.
+  static cudaEvent_t ordering_event(const Buffer& buffer, int which);
+};
+
+}  // namespace epx
