@@ -27,6 +27,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
 #include "epx/reference/internode.hpp"
@@ -113,7 +114,13 @@ inline Config normal_config(const NormalCase& c, int num_sms) {
 inline size_t normal_buffer_bytes(const NormalCase& c) {
   const int hidden = c.buffer_hidden > 0 ? c.buffer_hidden : c.hidden;
   const int num_sms = *std::max_element(c.num_sms.begin(), c.num_sms.end());
-  return normal_config(c, num_sms).get_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks);
+  const Config config = normal_config(c, num_sms);
+  const size_t hint = config.get_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks);
+  if (!c.spans_nodes()) return hint;
+  // Virtual nodes with tiny queues may need more than one node's hint: the forwarding queues' fixed counters.
+  const ForwardLayout forward = ForwardLayout::of(c.ranks_per_node, c.num_ranks / c.ranks_per_node, config,
+                                                  InternodeRecord::largest(size_t(hidden) * 2));
+  return std::max(hint, forward.total_bytes());
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).

@@ -174,7 +174,7 @@ def normal_worker(rank, num_ranks, group, seed):
 
     # ---- Argument errors raise EpxError with the rule, and the buffer keeps working ----
     with pytest.raises(epx.EpxError, match="x.shape"):  # other dtypes move as raw rows of 16-byte multiples
-        buffer.dispatch(x.float()[:, :3], topk_idx=topk_idx, topk_weights=topk_weights)
+        buffer.dispatch(x.float()[:, :3].contiguous(), topk_idx=topk_idx, topk_weights=topk_weights)
     with pytest.raises(epx.EpxError, match="x.shape"):
         buffer.combine(torch.zeros(outputs[rank].num_rows + 1, HIDDEN, dtype=torch.bfloat16, device=device), handle)
     with pytest.raises(epx.EpxError, match="low-latency"):  # no low-latency buffer: the C++ check
