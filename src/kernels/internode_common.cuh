@@ -100,11 +100,6 @@ __device__ __forceinline__ void wait_rail_peer_ready(const InternodeContext& con
                                WaitPhase::kPreviousCall);
 }
 
-__device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
-  const int local = global_expert - rank * experts_per_rank;
-  return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
-}
-
 // Output row `row` of dispatch from a queue record (which peers rewrite while the kernel runs, so it is read
 // coherently): the token row, its scales, its top-k as local expert ids (-1 and weight 0 elsewhere), its
 // source index. One warp.

@@ -79,22 +79,9 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
         const uint64_t position = base + pushed + entry;
         char* record = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
                                    : args.rdma.send_record(context.rdma_base, node, own, channel, position);
-        warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
-                         r.x_bytes, lane);
-        auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
-        for (int g = lane; g < r.num_scales; g += 32)
-          scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
-        if (lane < r.num_topk_idx) {
-          const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
-          reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(args.topk_idx[k]);
-          reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] =
-              args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
-        }
+        write_token_record(record, r, args.x, args.x_scales, args.topk_idx, args.topk_weights, token, lane);
         const uint32_t token_mask = __shfl_sync(~0u, local_mask, bit);
-        if (lane == 0) {
-          *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
-          *reinterpret_cast<uint32_t*>(record + args.record.rank_mask_offset()) = token_mask;
-        }
+        if (lane == 0) *reinterpret_cast<uint32_t*>(record + args.record.rank_mask_offset()) = token_mask;
       }
       taken += __popc(mask);
       t0 += width;

@@ -9,11 +9,6 @@ namespace epx::kernels {
 
 namespace {
 
-__device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
-  const int local = global_expert - rank * experts_per_rank;
-  return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
-}
-
 // Writes output row `row`: the token row from `x_row` (a bulk copy driven by the copier's lane), its scales,
 // its top-k as this rank's local expert ids (-1 and weight 0 for other ranks' experts) and its source index.
 // `kFromQueue`: the inputs lie in a queue record that peers rewrite while the kernel runs, so they are read
@@ -53,18 +48,7 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
   if (lane == 0)
     device::bulk_prefetch_l2(static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
                              r.x_bytes);
-  warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
-                   r.x_bytes, lane);
-  auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
-  for (int g = lane; g < r.num_scales; g += 32)
-    scales[g] = args.x_scales[static_cast<size_t>(token) * r.num_scales + g];
-  if (lane < r.num_topk_idx) {
-    const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
-    reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(args.topk_idx[k]);
-    reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] =
-        args.topk_weights != nullptr ? args.topk_weights[k] : 0.0f;
-  }
-  if (lane == 0) *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
+  write_token_record(record, r, args.x, args.x_scales, args.topk_idx, args.topk_weights, token, lane);
 }
 
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
