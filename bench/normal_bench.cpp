@@ -132,10 +132,11 @@ struct Workspace {
   }
 };
 
+// A dispatch as epx.Buffer.dispatch makes it: the receive goes out with the count exchange.
 DispatchPlan dispatch(Buffer& buffer, const DispatchInput& in, const DispatchOutput& out,
                       cudaStream_t stream) {
   const StreamOrder order{stream, nullptr, false};
-  DispatchPlan plan = dispatch_notify(buffer, in, order);
+  DispatchPlan plan = dispatch_notify(buffer, in, order, nullptr, DispatchOverlap::kLaunchReceive);
   dispatch_receive(buffer, plan, in, out, order);
   return plan;
 }

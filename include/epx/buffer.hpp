@@ -86,7 +86,7 @@ class Buffer {
 
   // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
   // without a copy once the stream reached that point. kHostScratchInts ints.
-  static constexpr int kHostScratchInts = 4096;
+  static constexpr int kHostScratchInts = 16384;
   int* host_scratch() const;         // host address
   int* host_scratch_device() const;  // the same memory as seen by the device
 

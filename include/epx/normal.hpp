@@ -94,13 +94,31 @@ struct DispatchOutput {
   float* recv_topk_weights = nullptr;  // [rows, K]
 };
 
-// Step 1: stage the tokens and exchange counts. Synchronizes with the host unless num_worst_tokens > 0 or
-// a cached handle is given (then the counts are already known).
+// Which step launches the receive of a dispatch whose host waits for the counts.
+enum class DispatchOverlap {
+  // dispatch_receive launches it, after whatever the caller queued in between (e.g. clearing the outputs).
+  kNone,
+  // dispatch_notify launches it right after the count exchange, before the host waits: senders fill the
+  // peers' queues while the counts travel to the host, and the receive writes rows as soon as
+  // dispatch_receive hands it the outputs (through host-mapped memory; nothing is launched then). The caller
+  // must call dispatch_receive next, with the same input, and queue no GPU work on the outputs in between
+  // (allocating them is fine). A notify of the same Buffer before that cancels the receive (it drains its
+  // queues and writes nothing). Ignored with a cached handle, in worst-case mode and across nodes.
+  kLaunchReceive,
+};
+
+// Step 1: exchange the counts. Synchronizes with the host unless num_worst_tokens > 0 or a cached handle is
+// given (then the counts are already known).
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& input, const StreamOrder& order,
-                             const DispatchHandle* cached = nullptr);
+                             const DispatchHandle* cached = nullptr,
+                             DispatchOverlap overlap = DispatchOverlap::kNone);
 // Step 2: receive the rows into caller-allocated outputs (sized by the plan).
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& input,
                        const DispatchOutput& out, const StreamOrder& order);
+// Instead of step 2, when the caller will not receive (e.g. allocating the outputs failed): a receive that
+// dispatch_notify launched drains its queues, writing nothing, so the peers' calls complete. A no-op for any
+// other plan.
+void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan);
 
 struct CombineInput {
   const void* x = nullptr;              // [rows, hidden] BF16, rows in the dispatch output order

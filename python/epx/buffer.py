@@ -330,8 +330,11 @@ class Buffer:
         native_in.num_worst_tokens = int(num_worst_tokens)
         order = self._order(previous_event, async_finish)
 
+        # The receive goes out with the count exchange (before the host waits for the counts) unless
+        # after_counts queues work that must come first; nothing but allocations happens in between.
+        overlap = _epx.DispatchOverlap.NONE if after_counts is not None else _epx.DispatchOverlap.LAUNCH_RECEIVE
         try:
-            plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None)
+            plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None, overlap)
         except Exception:
             self._restore_config(previous_config)
             raise
@@ -349,13 +352,18 @@ class Buffer:
         if after_counts is not None and not cached:
             with maybe_stream(self.comm_stream):
                 derived = after_counts(new_handle)
-        with maybe_stream(alloc_stream):
-            recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
-            recv_scales = t.empty(rows, tokens.num_scales, dtype=x_scales.dtype, device=self.device) if fp8 else None
-            recv_idx = recv_weights = None
-            if num_topk > 0:
-                recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=self.device)
-                recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=self.device)
+        try:
+            with maybe_stream(alloc_stream):
+                recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
+                recv_scales = (t.empty(rows, tokens.num_scales, dtype=x_scales.dtype, device=self.device)
+                               if fp8 else None)
+                recv_idx = recv_weights = None
+                if num_topk > 0:
+                    recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=self.device)
+                    recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=self.device)
+        except BaseException:
+            _epx.dispatch_cancel(self.runtime, plan)  # the launched receive drains instead of waiting
+            raise
         out = _epx.DispatchOutput()
         out.recv_x = pointer(recv_x)
         out.recv_x_scales = pointer(recv_scales)

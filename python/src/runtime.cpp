@@ -202,14 +202,25 @@ void bind_normal(py::module_& m) {
   def_pointer(out, "recv_topk_idx", &DispatchOutput::recv_topk_idx);
   def_pointer(out, "recv_topk_weights", &DispatchOutput::recv_topk_weights);
 
+  py::enum_<DispatchOverlap>(m, "DispatchOverlap")
+      .value("NONE", DispatchOverlap::kNone)
+      .value("LAUNCH_RECEIVE", DispatchOverlap::kLaunchReceive);
   m.def(
       "dispatch_notify",
       [](PyBuffer& buffer, const DispatchInput& input, const StreamOrder& order,
-         std::optional<DispatchHandle> cached) {
-        return call_without_gil(
-            [&] { return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr); });
+         std::optional<DispatchHandle> cached, DispatchOverlap overlap) {
+        return call_without_gil([&] {
+          return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr, overlap);
+        });
       },
-      py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none());
+      py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none(),
+      py::arg("overlap") = DispatchOverlap::kNone);
+  m.def(
+      "dispatch_cancel",
+      [](PyBuffer& buffer, const DispatchPlan& plan) {
+        call_without_gil([&] { dispatch_cancel(buffer.get(), plan); });
+      },
+      py::arg("buffer"), py::arg("plan"));
   m.def(
       "dispatch_receive",
       [](PyBuffer& buffer, const DispatchPlan& plan, const DispatchInput& input, const DispatchOutput& output,

@@ -30,6 +30,8 @@ const char* wait_phase_name(WaitPhase phase) {
       return "combine send (room in the peer's queue)";
     case WaitPhase::kPreviousCall:
       return "the peer's previous normal-mode call";
+    case WaitPhase::kDispatchOutputs:
+      return "dispatch receive (waiting for this rank's host to call dispatch_receive with the outputs)";
   }
   return "unknown phase";
 }

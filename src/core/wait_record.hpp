@@ -19,6 +19,7 @@ enum class WaitPhase : int32_t {
   kDispatchSend = 8,   // normal dispatch: waiting for room in a peer's queue
   kCombineSend = 9,    // normal combine: likewise
   kPreviousCall = 10,  // normal mode: waiting for a peer to finish its previous dispatch or combine
+  kDispatchOutputs = 11,  // normal dispatch: a receive launched early, waiting for the host's output pointers
 };
 
 const char* wait_phase_name(WaitPhase phase);

@@ -33,6 +33,18 @@ __device__ __forceinline__ int ld_relaxed_sys(const int* address) {
   return value;
 }
 
+// One 64-bit word read or written whole (single-copy atomic when 8-byte aligned), with no ordering: for
+// words that carry their own validity (tagged counts).
+__device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* address) {
+  uint64_t value;
+  asm volatile("ld.relaxed.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* address, uint64_t value) {
+  asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
 __device__ __forceinline__ int atomic_add_release_sys(int* address, int value) {
   int old;
   asm volatile("atom.release.sys.global.add.s32 %0, [%1], %2;"

@@ -4,6 +4,7 @@
 
 #include "core/wait_record.hpp"
 #include "device/ptx.cuh"
+#include "epx/common/tagged_word.hpp"
 
 namespace epx::device {
 
@@ -83,6 +84,21 @@ __device__ __forceinline__ int64_t wait_count_since_u64(const uint64_t* counter,
     if (waited > ctx.timeout_ns)
       report_and_trap(ctx, peer, phase, static_cast<int64_t>(base) + needed, static_cast<int64_t>(value),
                       waited);
+  }
+}
+
+// Tagged words (pack_tagged): waits until the word at `address` carries `sequence` and returns its value.
+// The value travels in the word the tag does, so a relaxed load suffices.
+__device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t sequence, const WaitContext& ctx,
+                                           int peer, WaitPhase phase) {
+  uint64_t word = ld_relaxed_sys_u64(address);
+  if (tagged_sequence(word) == sequence) return tagged_value(word);
+  const uint64_t start = global_timer_ns();
+  while (true) {
+    word = ld_relaxed_sys_u64(address);
+    if (tagged_sequence(word) == sequence) return tagged_value(word);
+    const uint64_t waited = global_timer_ns() - start;
+    if (waited > ctx.timeout_ns) report_and_trap(ctx, peer, phase, sequence, tagged_sequence(word), waited);
   }
 }
 

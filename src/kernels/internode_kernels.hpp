@@ -19,8 +19,8 @@ struct InternodeContext {
   NodeMap nodes;
 };
 
-// Host-mapped counts of the internode notify: HostCounts' [0] rows, [1 + r] rows from source r,
-// [1 + R + le] aligned rows of local expert le, then [1 + R + L] the records this rank forwards.
+// Host-mapped counts of the internode notify: HostCounts at HostCountIndex (rows, rows per source, aligned
+// rows per local expert, the invalid-id flag, and the records this rank forwards).
 struct InternodeNotifyArgs {
   InternodeContext context;
   int num_channels;
@@ -32,6 +32,7 @@ struct InternodeNotifyArgs {
   HandleArrays
       handle;  // is_token_in_rank (copy), recv_channel_offset, node_channel_offset, per-expert counts
   HostCounts host;
+  const int* invalid_id;  // host-mapped flag of the layout kernel, republished with the counts
 };
 void launch_internode_notify(const InternodeNotifyArgs& args, cudaStream_t stream);
 

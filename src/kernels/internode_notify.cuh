@@ -2,6 +2,7 @@
 
 #include <cub/block/block_scan.cuh>
 
+#include "kernels/host_counts.cuh"
 #include "kernels/internode_common.cuh"
 
 // The count exchange of normal mode across nodes. Blocks 1..C count what their channel sends to each rank and
@@ -65,6 +66,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   const int num_channels = args.num_channels;
   const int experts_per_rank = args.num_experts / num_ranks;
   const device::WaitContext wait = wait_context(context);
+  const HostCountIndex index{num_ranks, experts_per_rank};
   InternodeLayout::Head* head = rdma_head(context);
   if (threadIdx.x == 0) sequence = *reinterpret_cast<volatile int*>(&head->control.op_count) + 1;
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
@@ -136,13 +138,15 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   }
   if (threadIdx.x == 0) {
     args.handle.node_channel_offset[num_nodes * num_channels] = total_records;
-    args.host.counts[0] = total_rows;
-    args.host.counts[1 + num_ranks + experts_per_rank] = total_records;
+    publish_host_count(args.host, index.rows(), total_rows);
+    publish_host_count(args.host, index.forward_records(), total_records);
+    publish_host_count(args.host, index.invalid_id(),
+                       args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
   }
   if (threadIdx.x < num_ranks) {
     int sum = 0;
     for (int c = 0; c < num_channels; ++c) sum += count_at(threadIdx.x * num_channels + c);
-    args.host.counts[1 + threadIdx.x] = sum;
+    publish_host_count(args.host, index.rows_from(threadIdx.x), sum);
   }
   for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
     int sum = 0;
@@ -151,14 +155,10 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
           &InternodeLayout::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
     const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     args.handle.num_recv_tokens_per_expert[le] = aligned;
-    args.host.counts[1 + num_ranks + le] = aligned;
+    publish_host_count(args.host, index.expert(le), aligned);
   }
   __syncthreads();
-  if (threadIdx.x == 0) {
-    head->control.op_count = sequence;
-    // The release is cumulative over the block's count writes that bar.sync ordered before it.
-    if (args.host.ready != nullptr) device::st_release_sys(args.host.ready, args.host.ready_value);
-  }
+  if (threadIdx.x == 0) head->control.op_count = sequence;
 }
 
 template <typename Remote>

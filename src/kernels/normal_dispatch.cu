@@ -9,26 +9,53 @@ namespace epx::kernels {
 
 namespace {
 
+// Where received rows go. Known at launch, or published by the host once it allocated them (a receive
+// launched before the host waited for the counts); `cancelled`: nowhere (rows are consumed and dropped).
+struct RowOutputs {
+  void* recv_x;
+  float* recv_x_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  bool cancelled;
+};
+
+// Called by one thread: the outputs of this launch, once the host published them when it had to.
+__device__ RowOutputs row_outputs(const DispatchArgs& args) {
+  if (args.published == nullptr) {
+    return {args.recv_x, args.recv_x_scales, args.recv_topk_idx, args.recv_topk_weights,
+            args.handle.recv_src_idx, false};
+  }
+  const uint32_t sequence = args.published_sequence;
+  device::wait_until(
+      reinterpret_cast<const int*>(&args.published->sequence),
+      [sequence](int value) { return static_cast<uint32_t>(value) == sequence; }, sequence,
+      wait_context(args.peers), args.peers.rank, WaitPhase::kDispatchOutputs);
+  // The acquire above orders these reads after the sequence; the host wrote the fields before it.
+  const volatile PublishedOutputs& p = *args.published;
+  return {p.recv_x, p.recv_x_scales, p.recv_topk_idx, p.recv_topk_weights, p.recv_src_idx, p.cancelled != 0};
+}
+
 // Writes output row `row`: the token row from `x_row` (a bulk copy driven by the copier's lane), its scales,
 // its top-k as this rank's local expert ids (-1 and weight 0 for other ranks' experts) and its source index.
 // `kFromQueue`: the inputs lie in a queue record that peers rewrite while the kernel runs, so they are read
 // coherently.
 template <bool kFromQueue>
-__device__ __forceinline__ void write_row(const DispatchArgs& args, int row, const char* x_row,
-                                          const float* scales, const int* topk_idx32,
+__device__ __forceinline__ void write_row(const DispatchArgs& args, const RowOutputs& out, int row,
+                                          const char* x_row, const float* scales, const int* topk_idx32,
                                           const int64_t* topk_idx64, const float* weights, int src_idx,
                                           int lane, TmaRowCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
-  if (copier.driver()) copier.copy(static_cast<char*>(args.recv_x) + row * row_bytes, x_row, row_bytes);
+  if (copier.driver()) copier.copy(static_cast<char*>(out.recv_x) + row * row_bytes, x_row, row_bytes);
   // The small fields go to lanes 1.., so lane 0 keeps the bulk copies flowing.
   const int num_scales = args.record.num_scales;
   for (int g = lane - 1; g >= 0 && g < num_scales; g += 31) {
-    args.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
+    out.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
         kFromQueue ? *reinterpret_cast<const volatile float*>(scales + g) : scales[g];
   }
   const int num_topk = args.record.num_topk_idx;
   const int k = lane - 1;
-  if (args.recv_topk_idx != nullptr && k >= 0 && k < num_topk) {
+  if (out.recv_topk_idx != nullptr && k >= 0 && k < num_topk) {
     const int experts_per_rank = args.num_experts / args.peers.num_ranks;
     const int global =
         kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + k) : static_cast<int>(topk_idx64[k]);
@@ -36,10 +63,10 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, int row, con
                          : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + k)
                                             : weights[k];
     const int local = to_local_expert(global, args.peers.rank, experts_per_rank);
-    args.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = local;
-    args.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = local >= 0 ? weight : 0.0f;
+    out.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = local;
+    out.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = local >= 0 ? weight : 0.0f;
   }
-  if (lane == 31) args.handle.recv_src_idx[row] = src_idx;
+  if (lane == 31) out.recv_src_idx[row] = src_idx;
 }
 
 // Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
@@ -54,8 +81,8 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
 // spread over two blocks) takes every num_workers-th row; all of them scan the whole channel, so they agree
 // on every row's position. ----
-__device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker, int num_workers, int lane,
-                              TmaRowCopier& copier) {
+__device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, int channel, int worker,
+                              int num_workers, int lane, TmaRowCopier& copier) {
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
@@ -81,7 +108,7 @@ __device__ void copy_own_rows(const DispatchArgs& args, int channel, int worker,
       if (entry % num_workers != worker) continue;
       const int token = t0 + bit;
       const size_t k = static_cast<size_t>(token) * num_topk;
-      write_row<false>(args, row0 + entry,
+      write_row<false>(args, out, row0 + entry,
                        static_cast<const char*>(args.x) + static_cast<size_t>(token) * args.record.x_bytes,
                        args.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
                        args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k,
@@ -138,8 +165,8 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 }
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
-__device__ void receive_tokens(const DispatchArgs& args, int channel, int src, const WarpGroup& group,
-                               int* shared, TmaRowCopier& copier) {
+__device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, int channel, int src,
+                               const WarpGroup& group, int* shared, TmaRowCopier& copier) {
   const int index = src * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
@@ -150,10 +177,10 @@ __device__ void receive_tokens(const DispatchArgs& args, int channel, int src, c
     // The records were written by a peer and published to this rank's generic proxy; the bulk copies read
     // through the async proxy.
     if (copier.driver()) device::fence_proxy_async();
-    for (int j = group.warp; j < ready; j += group.num_warps) {
+    for (int j = group.warp; j < ready && !out.cancelled; j += group.num_warps) {
       const char* record = queue.record(j);
       write_row<true>(
-          args, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
+          args, out, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
           reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
           reinterpret_cast<const float*>(record + r.topk_weights_offset()),
           *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
@@ -180,9 +207,11 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 }
 
 // Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
-// the rows this rank keeps. With one rank there are no queues and both blocks copy.
+// the rows this rank keeps. With one rank there are no queues and both blocks copy. Only blocks that write
+// rows wait for published outputs: senders start as soon as the launch does.
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
+  __shared__ RowOutputs outputs;
   extern __shared__ TmaWarpStage tma_stages[];  // [kQueueWarps]
   const int calls = calls_before(args.peers);
   const int channel = blockIdx.x / 2;
@@ -192,9 +221,15 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   TmaRowCopier copier(&tma_stages[warp], lane == 0);
+  const bool writes_rows = !is_sender || num_ranks == 1;
+  if (writes_rows) {
+    if (threadIdx.x == 0) outputs = row_outputs(args);
+    __syncthreads();
+  }
 
   if (num_ranks == 1) {
-    copy_own_rows(args, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane, copier);
+    if (!outputs.cancelled)
+      copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane, copier);
   } else if (is_sender) {
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
     const int peer_idx = warp / warps_per_peer;
@@ -206,13 +241,14 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     const int warps_per_rank = kQueueWarps / num_ranks;
     const int src = warp / warps_per_rank;
     if (src == rank) {
-      copy_own_rows(args, channel, warp % warps_per_rank, warps_per_rank, lane, copier);
+      if (!outputs.cancelled)
+        copy_own_rows(args, outputs, channel, warp % warps_per_rank, warps_per_rank, lane, copier);
     } else if (src < num_ranks) {
       const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
-      receive_tokens(args, channel, src, group, &group_values[src], copier);
+      receive_tokens(args, outputs, channel, src, group, &group_values[src], copier);
     }
   }
-  if (!is_sender) mark_padding_rows(args, channel);
+  if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);
   copier.finish();
   finish_launch(args.peers, calls);
 }

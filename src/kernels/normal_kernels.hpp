@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "epx/common/host_device.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/peer_context.hpp"
 
@@ -34,16 +35,40 @@ struct LayoutArgs {
 };
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
-// Host-mapped counts notify publishes: [0] rows, [1 + r] rows from source r, [1 + R + le] aligned rows of
-// local expert le.
+// Host-mapped counts notify publishes as tagged words (pack_tagged with `sequence`): [0] rows, [1 + r] rows
+// from source r, [1 + R + le] aligned rows of local expert le, then what the path adds (HostCountIndex).
+// The host waits until every word it reads carries the sequence: no flag or fence orders them.
 struct HostCounts {
-  int* counts;
-  int* ready;  // nullptr, or set to ready_value once counts are written
-  int ready_value;
+  uint64_t* words;  // nullptr: nobody waits (worst-case mode)
+  uint32_t sequence;
+};
+struct HostCountIndex {
+  int num_ranks, num_local_experts;
+  EPX_HD int rows() const { return 0; }
+  EPX_HD int rows_from(int src) const { return 1 + src; }
+  EPX_HD int expert(int le) const { return 1 + num_ranks + le; }
+  EPX_HD int invalid_id() const { return 1 + num_ranks + num_local_experts; }       // 1 + token, or 0
+  EPX_HD int forward_records() const { return 2 + num_ranks + num_local_experts; }  // across nodes
+  EPX_HD int count() const { return 3 + num_ranks + num_local_experts; }
+};
+
+// The outputs of a receive launched before the host knew the row count (dispatch_notify with
+// DispatchOverlap::kLaunchReceive): the host writes the pointers into host-mapped memory once it allocated
+// them, then `sequence` (x86 stores become visible in order); the kernel's blocks that write rows wait
+// for it. `cancelled`: the host gave up (e.g. rejected outputs): rows are consumed but written nowhere.
+struct PublishedOutputs {
+  void* recv_x;
+  float* recv_x_scales;
+  int64_t* recv_topk_idx;
+  float* recv_topk_weights;
+  int* recv_src_idx;
+  int cancelled;
+  uint32_t sequence;  // written last
 };
 
 struct NotifyArgs {
   PeerContext peers;
+  uint32_t sequence;  // of this notify, the same on every rank (pack_tagged)
   int num_channels;
   const uint8_t* is_token_in_rank;   // [T, R] (bool bytes)
   const int* num_tokens_per_expert;  // [E] or nullptr
@@ -53,9 +78,11 @@ struct NotifyArgs {
   int num_worst_tokens;  // 0 or the row capacity of the outputs
   HandleArrays handle;   // is_token_in_rank (copy), recv_channel_offset, num_recv_tokens_per_expert
   HostCounts host;
+  const int* invalid_id;  // host-mapped flag of the layout kernel, republished with the counts
 };
-// The count exchange: one block per channel counts what it will send to each rank; one block exchanges
-// those and the per-expert counts. Constant cost in T apart from the per-channel counting.
+// The count exchange: one block per channel counts what it will send to each rank and posts the counts as
+// tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost
+// in T apart from the per-channel counting.
 void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
 
 struct DispatchArgs {
@@ -76,6 +103,9 @@ struct DispatchArgs {
   float* recv_x_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
+  // Non-null: the outputs above (and handle.recv_src_idx) are not known yet; they arrive here.
+  const PublishedOutputs* published = nullptr;
+  uint32_t published_sequence = 0;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

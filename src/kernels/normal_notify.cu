@@ -2,8 +2,9 @@
 #include <cub/block/block_scan.cuh>
 
 #include "common/cuda_check.hpp"
+#include "device/wait.cuh"
+#include "kernels/host_counts.cuh"
 #include "kernels/normal_kernels.hpp"
-#include "kernels/nvl_barrier.cuh"
 #include "kernels/preload.hpp"
 
 namespace epx::kernels {
@@ -13,17 +14,17 @@ namespace {
 constexpr int kNotifyThreads = 1024;
 static_assert(kMaxNvlRanks * kMaxChannels <= kNotifyThreads, "one thread per (source, channel) in the scan");
 
+// NOTES: every count crosses as a tagged word (pack_tagged with the notify's sequence) into the half of the
+// receiver's notify area that the sequence's parity picks. The receiver polls each word until it carries
+// this sequence, so the exchange needs no barrier, no acknowledgement and no fence: the value is in the
+// word that says it is current.
+
 // ---- Channel blocks: how many of the channel's tokens go to each rank, posted into that rank's notify area.
-// The block acknowledges with a release once its stores are issued; the exchange block waits for every
-// acknowledgement before the barrier, and only the barrier advances op_count, so the parity read here is the
-// operation's.
 // ----
 __device__ void count_channel(const NotifyArgs& args, int channel) {
   using BlockReduce = cub::BlockReduce<int, kNotifyThreads>;
   __shared__ typename BlockReduce::TempStorage reduce_storage;
-  __shared__ int parity;
   const int num_ranks = args.peers.num_ranks;
-  if (threadIdx.x == 0) parity = parity_before_barrier(args.peers);
   const TokenRange range = channel_token_range(args.num_tokens, args.num_channels, channel);
   const bool copy_map = args.handle.is_token_in_rank != args.is_token_in_rank;
   int counts[kMaxNvlRanks] = {};
@@ -37,22 +38,19 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
       if (copy_map) args.handle.is_token_in_rank[cell] = flag;
     }
   }
-  __syncthreads();
   for (int r = 0; r < num_ranks; ++r) {
     const int total = BlockReduce(reduce_storage).Sum(counts[r]);
     if (threadIdx.x == 0) {
-      NormalLayout::notify(args.peers.peer_bases[r], parity)->channel_counts[args.peers.rank][channel] =
-          total;
+      auto* half = NormalLayout::notify(args.peers.peer_bases[r], args.sequence);
+      device::st_relaxed_sys_u64(&half->channel_counts[args.peers.rank][channel],
+                                 pack_tagged(args.sequence, total));
     }
-    __syncthreads();
+    __syncthreads();  // the reduce storage is reused
   }
-  // Thread 0 wrote every count above, so its release orders them before the acknowledgement.
-  if (threadIdx.x == 0)
-    device::atomic_add_release_sys(&NormalLayout::control(args.peers.local_base)->parity_acks, 1);
 }
 
-// ---- Exchange block: per-expert counts out, barrier, then what arrives from whom: the received-row offsets
-// per (source, channel) and the per-expert counts, to the handle and to host-mapped memory. ----
+// ---- Exchange block: per-expert counts out, then what arrives from whom: the received-row offsets per
+// (source, channel) and the per-expert counts, to the handle and to the host. ----
 __device__ void exchange_counts(const NotifyArgs& args) {
   using BlockScan = cub::BlockScan<int, kNotifyThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
@@ -61,26 +59,25 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   const int rank = args.peers.rank;
   const int num_channels = args.num_channels;
   const int experts_per_rank = args.num_experts / num_ranks;
-  const int parity = parity_before_barrier(args.peers);
+  const uint32_t sequence = args.sequence;
   const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
+  const HostCountIndex index{num_ranks, experts_per_rank};
 
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
-    NormalLayout::notify(args.peers.peer_bases[dst], parity)
-        ->expert_counts[rank * experts_per_rank + e % experts_per_rank] =
-        args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
+    const int count = args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
+    device::st_relaxed_sys_u64(
+        &NormalLayout::notify(args.peers.peer_bases[dst], sequence)
+             ->expert_counts[rank * experts_per_rank + e % experts_per_rank],
+        pack_tagged(sequence, count));
   }
-  if (threadIdx.x == 0) {
-    auto* control = NormalLayout::control(args.peers.local_base);
-    device::wait_at_least(&control->parity_acks, num_channels, ctx, rank, WaitPhase::kDispatchNotify);
-    control->parity_acks = 0;
-  }
-  nvl_barrier_block(args.peers);
 
-  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, parity);
+  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, sequence);
   const int cell = threadIdx.x;  // (source, channel), source-major
   const int src = cell / num_channels;
-  const int count = src < num_ranks ? arrived->channel_counts[src][cell % num_channels] : 0;
+  const int count = src < num_ranks ? device::wait_tagged(&arrived->channel_counts[src][cell % num_channels],
+                                                          sequence, ctx, src, WaitPhase::kDispatchNotify)
+                                    : 0;
   int offset = 0, total = 0;
   BlockScan(scan_storage).ExclusiveSum(count, offset, total);
   if (src < num_ranks) args.handle.recv_channel_offset[cell] = offset;
@@ -90,24 +87,23 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   if (src < num_ranks) atomicAdd(&source_totals[src], count);
   __syncthreads();
   if (threadIdx.x == 0) {
-    args.host.counts[0] = total;
+    publish_host_count(args.host, index.rows(), total);
+    publish_host_count(args.host, index.invalid_id(),
+                       args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
     if (args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
       device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
     }
   }
-  if (threadIdx.x < num_ranks) args.host.counts[1 + threadIdx.x] = source_totals[threadIdx.x];
+  if (threadIdx.x < num_ranks) publish_host_count(args.host, index.rows_from(threadIdx.x), source_totals[threadIdx.x]);
   for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
     int sum = 0;
-    for (int s = 0; s < num_ranks; ++s) sum += arrived->expert_counts[s * experts_per_rank + le];
+    for (int s = 0; s < num_ranks; ++s) {
+      sum += device::wait_tagged(&arrived->expert_counts[s * experts_per_rank + le], sequence, ctx, s,
+                                 WaitPhase::kDispatchNotify);
+    }
     const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     args.handle.num_recv_tokens_per_expert[le] = aligned;
-    args.host.counts[1 + num_ranks + le] = aligned;
-  }
-  // The host spins on the ready word, not on the launch.
-  // The release is cumulative over the block's count writes that bar.sync ordered before it.
-  if (args.host.ready != nullptr) {
-    __syncthreads();
-    if (threadIdx.x == 0) device::st_release_sys(args.host.ready, args.host.ready_value);
+    publish_host_count(args.host, index.expert(le), aligned);
   }
 }
 

@@ -6,36 +6,41 @@
 #include <cstdint>
 
 #include "common/cuda_check.hpp"
+#include "epx/common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/dispatch_handle_state.hpp"
+#include "runtime/normal_host_scratch.hpp"
 #include "runtime/stream_order.hpp"
 
 namespace epx {
 
 namespace {
 
-// Host scratch slots (ints of Buffer::host_scratch).
-constexpr int kCountsSlot = 0;  // [0] rows, [1 + r] rows from source r, [1 + R + le] per local expert
-constexpr int kInvalidIdSlot = Buffer::kHostScratchInts - 1;  // 1 + token index of an out-of-range expert id
-constexpr int kReadySlot = Buffer::kHostScratchInts - 2;  // notify's sequence number once counts are written
-
-// Spins until notify published this call's counts (the ready word reaches `expected`), without waiting for
-// the rest of its launch (the stage). Bounded like the device waits; a failed launch raises its error.
-void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
-  const volatile int* ready = buffer.host_scratch() + kReadySlot;
+// Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
+// carries `sequence` (no flag: each word says itself whether it is current), and returns their values.
+// Bounded like the device waits; a failed launch raises its error.
+std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence, int num_words) {
+  const volatile uint64_t* words = normal_host_scratch(buffer).counts;
+  std::vector<int> values(num_words);
+  int done = 0;  // words [0, done) carry the sequence
   const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spin = 0; *ready != expected; ++spin) {
+  for (uint64_t spin = 0;; ++spin) {
+    for (; done < num_words; ++done) {
+      const uint64_t word = words[done];
+      if (tagged_sequence(word) != sequence) break;
+      values[done] = tagged_value(word);
+    }
+    if (done == num_words) break;
     if (spin % 1024 != 1023) continue;
     const cudaError_t status = cudaStreamQuery(stream);
     if (status != cudaSuccess && status != cudaErrorNotReady) buffer.synchronize(stream);  // raises
-    if (status == cudaSuccess && *ready != expected) {
-      EPX_FAIL("rank ", buffer.rank(),
-               ": dispatch notify finished without publishing its counts (ready word ", *ready, ", expected ",
-               expected, ")");
+    if (status == cudaSuccess && tagged_sequence(words[done]) != sequence) {
+      EPX_FAIL("rank ", buffer.rank(), ": dispatch notify finished without publishing count ", done,
+               " (sequence ", tagged_sequence(words[done]), ", expected ", sequence, ")");
     }
     const auto waited =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
@@ -45,7 +50,7 @@ void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
                "dispatch)");
     }
   }
-  std::atomic_thread_fence(std::memory_order_acquire);
+  return values;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
@@ -238,7 +243,8 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
   EPX_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null",
             "must point to [num_tokens, num_topk] ids");
   begin_on_comm_stream(buffer, order);
-  buffer.host_scratch()[kInvalidIdSlot] = 0;
+  NormalHostScratch& scratch = normal_host_scratch(buffer);
+  scratch.invalid_id = 0;
   kernels::LayoutArgs args{topk_idx,
                            num_tokens,
                            num_topk,
@@ -247,15 +253,60 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
                            out.num_tokens_per_rank,
                            out.num_tokens_per_expert,
                            out.is_token_in_rank,
-                           buffer.host_scratch_device() + kInvalidIdSlot,
+                           device_address(buffer, &scratch.invalid_id),
                            buffer.ranks_per_node(),
                            out.num_tokens_per_rdma_rank};
   kernels::launch_layout(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
 
+namespace {
+
+// The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
+// outputs the host publishes there later.
+kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
+                                    const DispatchInput& in, const DispatchOutput& out) {
+  return kernels::DispatchArgs{peer_context(buffer),
+                               dispatch_layout(buffer, state),
+                               NormalRecord::dispatch(state.shape),
+                               state.num_tokens,
+                               state.shape.num_experts,
+                               buffer.config().num_max_nvl_chunked_send_tokens,
+                               state.arrays.is_token_in_rank,
+                               in.x,
+                               in.x_scales,
+                               in.topk_idx,
+                               in.topk_weights,
+                               state.arrays,
+                               state.num_recv_rows,
+                               out.recv_x,
+                               out.recv_x_scales,
+                               out.recv_topk_idx,
+                               out.recv_topk_weights};
+}
+
+// Tells a receive launched by dispatch_notify where its rows go (cancelled: nowhere, it only drains its
+// queues). The fields are written before the sequence; x86 stores become visible in program order, and the
+// kernel reads the sequence with acquire before the fields.
+void publish_outputs(const Buffer& buffer, const DispatchOutput& out, int* recv_src_idx, bool cancelled) {
+  NormalHostScratch& scratch = normal_host_scratch(buffer);
+  if (scratch.pending_receive == 0) return;
+  kernels::PublishedOutputs& p = scratch.outputs;
+  p.recv_x = out.recv_x;
+  p.recv_x_scales = out.recv_x_scales;
+  p.recv_topk_idx = out.recv_topk_idx;
+  p.recv_topk_weights = out.recv_topk_weights;
+  p.recv_src_idx = recv_src_idx;
+  p.cancelled = cancelled ? 1 : 0;
+  std::atomic_thread_fence(std::memory_order_release);
+  *static_cast<volatile uint32_t*>(&p.sequence) = scratch.pending_receive;
+  scratch.pending_receive = 0;
+}
+
+}  // namespace
+
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
-                             const DispatchHandle* cached) {
+                             const DispatchHandle* cached, DispatchOverlap overlap) {
   const bool is_cached = cached != nullptr && cached->valid();
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
@@ -264,11 +315,11 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const NormalShape shape{num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2,
                           num_scales, in.num_topk};
   validate_normal_shape(shape);
-  // The host reads 1 + R + L counts from the mapped scratch, below the ready and invalid-id slots.
   const int num_local_experts = in.num_experts / num_ranks;
-  EPX_CHECK(num_local_experts < kReadySlot - 2 - num_ranks, "num_experts", in.num_experts,
-            detail::concat("must be < ", (kReadySlot - 2 - num_ranks) * num_ranks, " (",
-                           kReadySlot - 3 - num_ranks, " local experts per rank)")
+  const kernels::HostCountIndex count_index{num_ranks, num_local_experts};
+  EPX_CHECK(count_index.count() <= NormalHostScratch::kMaxCountWords, "num_experts", in.num_experts,
+            detail::concat("must leave at most ", NormalHostScratch::kMaxCountWords - 3 - num_ranks,
+                           " local experts per rank (the host-mapped counts)")
                 .c_str());
 
   std::shared_ptr<DispatchHandle::State> state;
@@ -288,6 +339,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_nodes = buffer.num_ranks() / buffer.ranks_per_node();
   }
   state->shape = shape;
+  state->launched_receive = false;
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
     internode_layouts(buffer, *state, InternodeRecord::dispatch(shape));
@@ -298,86 +350,130 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
+  // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
+  publish_outputs(buffer, DispatchOutput{}, nullptr, true);
   // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
   if (is_cached) return plan_of(std::move(state));
   begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
+  NormalHostScratch& scratch = normal_host_scratch(buffer);
   state->allocate_routing(buffer.comm_stream_shared(), buffer.handle_memory_pool(), num_local_experts);
   const bool host_waits = state->num_worst_tokens == 0;
-  kernels::NotifyArgs notify{peer_context(buffer),
-                             state->num_channels,
-                             reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                             in.num_tokens_per_expert,
-                             in.num_tokens,
-                             in.num_experts,
-                             state->expert_alignment,
-                             state->num_worst_tokens,
-                             state->arrays,
-                             {buffer.host_scratch_device() + kCountsSlot, nullptr, 0}};
-  if (host_waits) {
-    // Every earlier waiting dispatch published its value and was waited for: the next one is one more.
-    notify.host.ready = buffer.host_scratch_device() + kReadySlot;
-    notify.host.ready_value = buffer.host_scratch()[kReadySlot] + 1;
-  }
+  // Every rank makes the same notifies, so every rank gives this one the same sequence.
+  scratch.notify_sequence = next_sequence(scratch.notify_sequence);
+  const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
+                                 scratch.notify_sequence};
+  const int* invalid_id = device_address(buffer, &scratch.invalid_id);
   if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{
-        internode_context(buffer),    notify.num_channels, notify.is_token_in_rank,
-        notify.num_tokens_per_expert, notify.num_tokens,   notify.num_experts,
-        notify.expert_alignment,      notify.handle,       notify.host};
+    const kernels::InternodeNotifyArgs args{internode_context(buffer), state->num_channels,
+                                            reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                                            in.num_tokens_per_expert,  in.num_tokens,
+                                            in.num_experts,            state->expert_alignment,
+                                            state->arrays,             host,
+                                            invalid_id};
     kernels::launch_internode_notify(args, stream);
   } else {
-    kernels::launch_dispatch_notify(notify, stream);
+    const kernels::NotifyArgs args{peer_context(buffer),
+                                   scratch.notify_sequence,
+                                   state->num_channels,
+                                   reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                                   in.num_tokens_per_expert,
+                                   in.num_tokens,
+                                   in.num_experts,
+                                   state->expert_alignment,
+                                   state->num_worst_tokens,
+                                   state->arrays,
+                                   host,
+                                   invalid_id};
+    kernels::launch_dispatch_notify(args, stream);
   }
-
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
-  } else {
-    // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
-    wait_for_counts(buffer, stream, notify.host.ready_value);
-    const int* counts = buffer.host_scratch() + kCountsSlot;
-    state->num_recv_rows = counts[0];
-    state->num_recv_per_rank.assign(counts + 1, counts + 1 + num_ranks);
-    // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
-    if (in.num_tokens_per_expert != nullptr) {
-      state->num_recv_tokens_per_expert.assign(counts + 1 + num_ranks,
-                                               counts + 1 + num_ranks + num_local_experts);
-    } else {
-      state->num_recv_tokens_per_expert.clear();
-    }
-    if (state->num_nodes > 1) state->num_forward_records = counts[1 + num_ranks + num_local_experts];
-    const int invalid = buffer.host_scratch()[kInvalidIdSlot];
-    EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
-              "must be -1 or in [0, num_experts)");
+    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
+    return plan_of(std::move(state));
   }
+
+  // The receive goes out before the host waits: senders fill the peers' queues while the counts travel to
+  // the host, and the receivers wait for the outputs dispatch_receive publishes.
+  if (overlap == DispatchOverlap::kLaunchReceive && state->num_nodes == 1) {
+    kernels::DispatchArgs args = dispatch_args(buffer, *state, in, DispatchOutput{});
+    args.published = device_address(buffer, &scratch.outputs);
+    args.published_sequence = scratch.notify_sequence;
+    kernels::launch_dispatch(args, stream);
+    scratch.pending_receive = scratch.notify_sequence;
+    state->launched_receive = true;
+  }
+  // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
+  std::vector<int> counts;
+  try {
+    counts = wait_for_counts(buffer, stream, scratch.notify_sequence,
+                             state->num_nodes > 1 ? count_index.count() : count_index.count() - 1);
+  } catch (...) {
+    publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+    throw;
+  }
+  state->num_recv_rows = counts[count_index.rows()];
+  state->num_recv_per_rank.assign(counts.begin() + count_index.rows_from(0),
+                                  counts.begin() + count_index.rows_from(num_ranks));
+  // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
+  if (in.num_tokens_per_expert != nullptr) {
+    state->num_recv_tokens_per_expert.assign(counts.begin() + count_index.expert(0),
+                                             counts.begin() + count_index.expert(num_local_experts));
+  } else {
+    state->num_recv_tokens_per_expert.clear();
+  }
+  if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
   state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
+  const int invalid = counts[count_index.invalid_id()];
+  if (invalid != 0) publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+  EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
+            "must be -1 or in [0, num_experts)");
   return plan_of(std::move(state));
+}
+
+void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
+  if (plan.handle.valid() && plan.handle.state().launched_receive)
+    publish_outputs(buffer, DispatchOutput{}, nullptr, true);
 }
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
-  EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
-            "must equal the num_tokens given to dispatch_notify (pass the same input)");
-  EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
-            "must equal the format given to dispatch_notify (pass the same input)");
-  EPX_CHECK(in.hidden == state.shape.hidden, "hidden", in.hidden,
-            "must equal the hidden size given to dispatch_notify (pass the same input)");
-  const int num_scales =
-      in.format == TokenFormat::kFp8 && in.num_scales == 0 ? in.hidden / 128 : in.num_scales;
-  EPX_CHECK(num_scales == state.shape.num_scales, "num_scales", in.num_scales,
-            "must equal the num_scales given to dispatch_notify (pass the same input)");
-  EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
-            "must point to the plan's num_recv_rows rows");
-  EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
-            "null", "are required for FP8 tokens");
-  EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
-            "needs a dispatch with topk_idx");
-  EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
-            out.recv_topk_weights == nullptr ? "null" : "non-null",
-            "must be given together with recv_topk_idx");
-  check_row_alignment(out.recv_x, "recv_x");
+  const bool launched = state.launched_receive;
+  // A receive dispatch_notify launched waits for these outputs: a rejected call lets it drain instead.
+  try {
+    EPX_CHECK(!launched || normal_host_scratch(buffer).pending_receive != 0, "plan", "already received",
+              "its receive was launched by dispatch_notify and must be received once, before the next notify");
+    EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
+              "must equal the num_tokens given to dispatch_notify (pass the same input)");
+    EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
+              "must equal the format given to dispatch_notify (pass the same input)");
+    EPX_CHECK(in.hidden == state.shape.hidden, "hidden", in.hidden,
+              "must equal the hidden size given to dispatch_notify (pass the same input)");
+    const int num_scales =
+        in.format == TokenFormat::kFp8 && in.num_scales == 0 ? in.hidden / 128 : in.num_scales;
+    EPX_CHECK(num_scales == state.shape.num_scales, "num_scales", in.num_scales,
+              "must equal the num_scales given to dispatch_notify (pass the same input)");
+    EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
+              "must point to the plan's num_recv_rows rows");
+    EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr,
+              "recv_x_scales", "null", "are required for FP8 tokens");
+    EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
+              "needs a dispatch with topk_idx");
+    EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
+              out.recv_topk_weights == nullptr ? "null" : "non-null",
+              "must be given together with recv_topk_idx");
+    check_row_alignment(out.recv_x, "recv_x");
+  } catch (...) {
+    if (launched) publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+    throw;
+  }
+  if (launched) {
+    publish_outputs(buffer, out, state.arrays.recv_src_idx, false);
+    return end_on_comm_stream(buffer, order);
+  }
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   begin_on_comm_stream(buffer, order);
   if (state.num_nodes > 1) {
@@ -405,24 +501,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
-  kernels::DispatchArgs args{peer_context(buffer),
-                             dispatch_layout(buffer, state),
-                             NormalRecord::dispatch(state.shape),
-                             state.num_tokens,
-                             state.shape.num_experts,
-                             buffer.config().num_max_nvl_chunked_send_tokens,
-                             state.arrays.is_token_in_rank,
-                             in.x,
-                             in.x_scales,
-                             in.topk_idx,
-                             in.topk_weights,
-                             state.arrays,
-                             rows,
-                             out.recv_x,
-                             out.recv_x_scales,
-                             out.recv_topk_idx,
-                             out.recv_topk_weights};
-  kernels::launch_dispatch(args, buffer.comm_stream());
+  kernels::launch_dispatch(dispatch_args(buffer, state, in, out), buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
 

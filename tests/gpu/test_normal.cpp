@@ -611,6 +611,20 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
                  "invalid recv_topk_weights = null");
     epx::dispatch_receive(buffer, plan, in, out, order);
 
+    // A receive launched by dispatch_notify: rejected outputs let it drain (the plan is then spent), a notify
+    // cancels an earlier one nobody received, and the calls after both work.
+    const auto notify_launching = [&] {
+      return epx::dispatch_notify(buffer, in, order, nullptr, epx::DispatchOverlap::kLaunchReceive);
+    };
+    const epx::DispatchPlan drained = notify_launching();
+    bad_out = out;
+    bad_out.recv_x = recv_x.get<char>() + 4;
+    expect_error([&] { epx::dispatch_receive(buffer, drained, in, bad_out, order); }, "invalid recv_x = 0x");
+    expect_error([&] { epx::dispatch_receive(buffer, drained, in, out, order); },
+                 "invalid plan = already received");
+    notify_launching();  // never received: the next notify cancels it
+    epx::dispatch_receive(buffer, notify_launching(), in, out, order);
+
     // combine arguments.
     const epx::CombineInput comb{expert_x.get(), recv_weights.get<float>(), K, nullptr, nullptr};
     const epx::CombineOutput comb_out{combined.get(), combined_weights.get<float>()};

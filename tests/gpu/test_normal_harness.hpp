@@ -77,6 +77,8 @@ struct NormalCase {
   std::vector<int> num_biases{1};
   std::vector<bool> combine_weights{true};  // with top-k: the combine also reduces [rows, K] weights
   std::vector<NormalOrder> orders{NormalOrder::kSync};
+  // true: dispatch_notify launches the receive before its host wait (DispatchOverlap::kLaunchReceive).
+  std::vector<bool> launch_receive{true, false};
   // In iterations where no call may wait for the device (worst-case rows, or previous-event order), hold the
   // caller's stream at a host callback while the calls are issued: a call that waits makes the gate time out,
   // which is reported, instead of hanging the test.
@@ -218,6 +220,7 @@ struct NormalStep {
   int num_biases = 0;
   bool combine_weights = false;  // only with top-k: a dispatch without it has no weights to combine
   NormalOrder order = NormalOrder::kSync;
+  bool launch_receive = false;
   bool gated = false;
 
   bool fp8() const { return format == TokenFormat::kFp8; }
@@ -259,6 +262,7 @@ inline NormalStep normal_step(const NormalCase& c, int iteration) {
   s.num_biases = cyclic_at(c.num_biases, i);
   s.combine_weights = s.with_topk() && cyclic_at(c.combine_weights, i);
   s.order = cyclic_at(c.orders, i);
+  s.launch_receive = cyclic_at(c.launch_receive, i);
   s.gated = c.gate_caller_stream && (s.num_worst_tokens > 0 || s.order == NormalOrder::kPreviousEvent);
   return s;
 }
@@ -272,6 +276,7 @@ inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
       << s.expert_alignment;
   if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
   if (s.cached) out << ", cached re-dispatch";
+  if (s.launch_receive) out << ", receive launched by notify";
   out << ", " << s.num_sms << " SMs, " << s.num_biases << " biases" << (s.combine_weights ? ", weights" : "")
       << ", " << kOrders[static_cast<int>(s.order)] << ", tokens [";
   for (size_t r = 0; r < s.num_tokens.size(); ++r) out << (r > 0 ? " " : "") << s.num_tokens[r];
@@ -621,7 +626,8 @@ class NormalRunner {
              "get_dispatch_layout");
 
     const DispatchInput in = dispatch_input(s, slot, false);
-    slot.plan = dispatch_notify(*buffer_, in, order_for(s));
+    slot.plan = dispatch_notify(*buffer_, in, order_for(s), nullptr,
+                                s.launch_receive ? DispatchOverlap::kLaunchReceive : DispatchOverlap::kNone);
     check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
     const DispatchOutput out{slot.recv_x.get(), slot.recv_x_scales.get<float>(),
                              slot.recv_topk_idx.get<int64_t>(), slot.recv_topk_weights.get<float>()};

@@ -4,6 +4,7 @@
 #include <cstdint>
 
 #include "epx/common/host_device.hpp"
+#include "epx/common/tagged_word.hpp"
 #include "epx/config.hpp"
 
 namespace epx {
@@ -96,10 +97,11 @@ struct NormalRecord {
 // count at the end of a call and starts the next call from it, so no call resets anything. A rank's traffic
 // to itself never enters a queue.
 //
-//   Control           barrier signals, the notify operation counter, launch arrivals, "calls done" signals
+//   Control           launch arrivals, "calls done" signals
 //   QueueCounters     tail / head per (peer, channel), and this rank's own running counts
-//   NotifyHalf x 2    count exchange of dispatch (double-buffered by the parity of op_count: a fast rank may
-//                     write notify n+1 while a slow one still reads notify n)
+//   NotifyHalf x 2    count exchange of dispatch, as tagged words (pack_tagged), double-buffered by the
+//                     parity of the notify's sequence: a fast rank may write notify n+1 while a slow one still
+//                     reads notify n, but never n+2 (that needs the slow rank's n+1 counts)
 //   queues            [R - 1 sources][C channels][Q records] of this call's record size
 //
 // A call's queues are carved for its own shape, so before a source writes into a peer's queues it waits
@@ -112,14 +114,10 @@ struct NormalLayout {
   int record_bytes;  // of this call's records
 
   struct Control {
-    int barrier_signal[kMaxNvlRanks];  // written by peer r: the number of barriers r has entered
-    int barrier_count;                 // barriers this rank has entered
-    int op_count;                      // notifies started; its parity picks the notify half
-    int parity_acks;                   // notify blocks that read op_count (the barrier waits for them)
-    int calls_done;                    // dispatch / combine launches this rank finished
-    int launch_arrivals;               // blocks of the running dispatch / combine launch that finished
-    int done_signal[kMaxNvlRanks];     // written by peer r: r's calls_done
-    int pad[32 - 2 * kMaxNvlRanks - 5];
+    int calls_done;                 // dispatch / combine launches this rank finished
+    int launch_arrivals;            // blocks of the running dispatch / combine launch that finished
+    int done_signal[kMaxNvlRanks];  // written by peer r: r's calls_done
+    int pad[32 - kMaxNvlRanks - 2];
   };
   static_assert(sizeof(Control) == sizeof(int) * 32, "Control must stay 32 ints (adjust pad)");
 
@@ -130,9 +128,9 @@ struct NormalLayout {
     uint32_t consumed[kMaxNvlRanks][kMaxChannels];  // [src][c], own: records consumed from src so far
   };
 
-  struct NotifyHalf {
-    int channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
-    int expert_counts[kMaxExperts];                  // [src * L + le], written by src: its tokens for my le
+  struct NotifyHalf {  // tagged words (pack_tagged)
+    uint64_t channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
+    uint64_t expert_counts[kMaxExperts];                  // [src * L + le], written by src: its tokens for my le
   };
 
   static constexpr size_t kControlOffset = 0;
@@ -150,9 +148,10 @@ struct NormalLayout {
   EPX_HD static QueueCounters* counters(void* base) {
     return reinterpret_cast<QueueCounters*>(static_cast<char*>(base) + kCountersOffset);
   }
-  EPX_HD static NotifyHalf* notify(void* base, int parity) {
+  // The half notify `sequence` uses.
+  EPX_HD static NotifyHalf* notify(void* base, uint32_t sequence) {
     return reinterpret_cast<NotifyHalf*>(static_cast<char*>(base) + kNotifyOffset +
-                                         parity * kNotifyHalfBytes);
+                                         (sequence & 1u) * kNotifyHalfBytes);
   }
   // Queue index of `src` in `owner`'s buffer: owners keep no queue from themselves.
   EPX_HD static int source_slot(int src, int owner) { return src < owner ? src : src - 1; }

@@ -114,6 +114,7 @@ class FakeBinding:
     WITH_CUDA = True
     WITH_NVSHMEM = False
     TokenFormat = SimpleNamespace(BF16="bf16", FP8="fp8")
+    DispatchOverlap = SimpleNamespace(NONE="none", LAUNCH_RECEIVE="launch receive")
     StreamOrder = Struct
     DispatchLayoutOutput = Struct
     DispatchInput = Struct
@@ -127,6 +128,8 @@ class FakeBinding:
     def __init__(self):
         self.registry = {}
         self.orders = []
+        self.overlaps = []
+        self.cancelled = 0
         self.cleaned = 0
 
     def pointer(self, tensor):
@@ -158,8 +161,9 @@ class FakeBinding:
                   ref.tokens_per_node(ids, num_experts, num_ranks, runtime.ranks_per_node))
         return FakeEvent(order.async_finish)
 
-    def dispatch_notify(self, runtime, inp, order, cached):
+    def dispatch_notify(self, runtime, inp, order, cached, overlap="none"):
         self.orders.append(order)
+        self.overlaps.append(overlap)
         fp8 = inp.format == "fp8"
         item = ref.NormalRankInput()
         x = self.tensor(inp.x)
@@ -212,6 +216,9 @@ class FakeBinding:
     def device_view(self, address, num_bytes, dtype, shape, owner, device):
         """Stands in for epx._util.device_view over the CPU tensors the fake handles own."""
         return self.registry[address].view(dtype).view(shape)
+
+    def dispatch_cancel(self, runtime, plan):
+        self.cancelled += 1
 
     def dispatch_receive(self, runtime, plan, inp, out, order):
         import torch

@@ -74,6 +74,31 @@ def test_native_dispatch_and_combine(fake):
     assert torch.equal(cached.recv_x, x2[kept]) and cached.recv_topk_idx is None and cached.handle is handle
 
 
+def test_dispatch_launches_the_receive_with_the_count_exchange(fake, monkeypatch):
+    buffer, binding = fake
+    x, ids, weights = tokens()
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, after_counts=lambda h: [])
+    # after_counts queues work that must precede the receive: then dispatch_receive launches it.
+    assert binding.overlaps == [binding.DispatchOverlap.LAUNCH_RECEIVE, binding.DispatchOverlap.NONE]
+
+    # Outputs that cannot be allocated: the launched receive is cancelled (it drains) and the error surfaces.
+    def no_memory(*args, **kwargs):
+        raise MemoryError("no memory for recv_x")
+
+    real_notify = binding.dispatch_notify
+
+    def notify_then_run_out_of_memory(*args):
+        plan = real_notify(*args)
+        monkeypatch.setattr(torch, "empty", no_memory)
+        return plan
+
+    monkeypatch.setattr(binding, "dispatch_notify", notify_then_run_out_of_memory)
+    with pytest.raises(MemoryError):
+        buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    assert binding.cancelled == 1
+
+
 def test_layout_counts_tokens_per_node_when_the_group_spans_nodes(compat):
     wrapper, _ = compat
     buffer = wrapper.runtime

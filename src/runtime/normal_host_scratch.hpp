@@ -1,0 +1,40 @@
+#pragma once
+
+#include <cstdint>
+
+#include "epx/buffer.hpp"
+#include "epx/layout/internode_layout.hpp"
+#include "kernels/normal_kernels.hpp"
+
+namespace epx {
+
+// What normal mode keeps in the Buffer's host-mapped scratch (Buffer::host_scratch): the one place its
+// slots are carved.
+struct NormalHostScratch {
+  // Tagged counts of the last notify (HostCountIndex), written by the device.
+  static constexpr int kMaxCountWords = 3 + kMaxInternodeRanks + kMaxExperts;
+  uint64_t counts[kMaxCountWords];
+  // Output pointers of a receive launched before the counts were known, written by the host.
+  kernels::PublishedOutputs outputs;
+  // 1 + the token index of an out-of-range expert id, written by the layout kernel (0: none).
+  int invalid_id;
+  // Host only: the sequence of the last notify (the same on every rank: notifies are collective).
+  uint32_t notify_sequence;
+  // Host only: the sequence of a receive launched by dispatch_notify whose outputs are not published yet.
+  uint32_t pending_receive;
+};
+static_assert(sizeof(NormalHostScratch) <= sizeof(int) * Buffer::kHostScratchInts,
+              "Buffer::kHostScratchInts must hold NormalHostScratch");
+
+inline NormalHostScratch& normal_host_scratch(const Buffer& buffer) {
+  return *reinterpret_cast<NormalHostScratch*>(buffer.host_scratch());
+}
+
+// The device's address of `field`, a member of the Buffer's NormalHostScratch.
+template <typename T>
+T* device_address(const Buffer& buffer, T* field) {
+  const auto offset = reinterpret_cast<char*>(field) - reinterpret_cast<char*>(buffer.host_scratch());
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(buffer.host_scratch_device()) + offset);
+}
+
+}  // namespace epx
