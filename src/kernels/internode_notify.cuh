@@ -140,8 +140,9 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     args.handle.node_channel_offset[num_nodes * num_channels] = total_records;
     publish_host_count(args.host, index.rows(), total_rows);
     publish_host_count(args.host, index.forward_records(), total_records);
-    publish_host_count(args.host, index.invalid_id(),
-                       args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
+    publish_host_count(
+        args.host, index.invalid_id(),
+        args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
   }
   if (threadIdx.x < num_ranks) {
     int sum = 0;
@@ -158,6 +159,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     publish_host_count(args.host, index.expert(le), aligned);
   }
   __syncthreads();
+  flush_host_counts(args.host);
   if (threadIdx.x == 0) head->control.op_count = sequence;
 }
 

@@ -9,6 +9,11 @@ namespace epx::kernels {
 
 namespace {
 
+// Whole-row pieces (a 7,168-channel BF16 row is two): fewer, larger bulk copies moved rows ~5 % faster than
+// 3 KiB pieces in a 24-SM copy test on H200 (4,096 rows of 14,336 bytes: 58.0 vs 61.2 us).
+using DispatchStage = TmaStage<2, 7168>;
+using DispatchCopier = TmaRowCopier<DispatchStage>;
+
 // Where received rows go. Known at launch, or published by the host once it allocated them (a receive
 // launched before the host waited for the counts); `cancelled`: nowhere (rows are consumed and dropped).
 struct RowOutputs {
@@ -23,8 +28,9 @@ struct RowOutputs {
 // Called by one thread: the outputs of this launch, once the host published them when it had to.
 __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   if (args.published == nullptr) {
-    return {args.recv_x, args.recv_x_scales, args.recv_topk_idx, args.recv_topk_weights,
-            args.handle.recv_src_idx, false};
+    return {
+        args.recv_x, args.recv_x_scales, args.recv_topk_idx, args.recv_topk_weights, args.handle.recv_src_idx,
+        false};
   }
   const uint32_t sequence = args.published_sequence;
   device::wait_until(
@@ -44,7 +50,7 @@ template <bool kFromQueue>
 __device__ __forceinline__ void write_row(const DispatchArgs& args, const RowOutputs& out, int row,
                                           const char* x_row, const float* scales, const int* topk_idx32,
                                           const int64_t* topk_idx64, const float* weights, int src_idx,
-                                          int lane, TmaRowCopier& copier) {
+                                          int lane, DispatchCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
   if (copier.driver()) copier.copy(static_cast<char*>(out.recv_x) + row * row_bytes, x_row, row_bytes);
   // The small fields go to lanes 1.., so lane 0 keeps the bulk copies flowing.
@@ -82,7 +88,7 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
 // spread over two blocks) takes every num_workers-th row; all of them scan the whole channel, so they agree
 // on every row's position. ----
 __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, int channel, int worker,
-                              int num_workers, int lane, TmaRowCopier& copier) {
+                              int num_workers, int lane, DispatchCopier& copier) {
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
   const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
@@ -166,7 +172,7 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
 __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, int channel, int src,
-                               const WarpGroup& group, int* shared, TmaRowCopier& copier) {
+                               const WarpGroup& group, int* shared, DispatchCopier& copier) {
   const int index = src * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
@@ -212,7 +218,7 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ RowOutputs outputs;
-  extern __shared__ TmaWarpStage tma_stages[];  // [kQueueWarps]
+  extern __shared__ DispatchStage tma_stages[];  // [kQueueWarps]
   const int calls = calls_before(args.peers);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
@@ -220,7 +226,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   const int rank = args.peers.rank;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
-  TmaRowCopier copier(&tma_stages[warp], lane == 0);
+  DispatchCopier copier(&tma_stages[warp], lane == 0);
   const bool writes_rows = !is_sender || num_ranks == 1;
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
@@ -229,7 +235,8 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 
   if (num_ranks == 1) {
     if (!outputs.cancelled)
-      copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane, copier);
+      copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane,
+                    copier);
   } else if (is_sender) {
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
     const int peer_idx = warp / warps_per_peer;
@@ -255,7 +262,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 
 }  // namespace
 
-constexpr size_t kDispatchSharedBytes = sizeof(TmaWarpStage) * kQueueWarps;
+constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
   dispatch_kernel<<<2 * args.layout.num_channels, kQueueThreads, kDispatchSharedBytes, stream>>>(args);

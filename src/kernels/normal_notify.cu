@@ -66,11 +66,15 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
     const int count = args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
-    device::st_relaxed_sys_u64(
-        &NormalLayout::notify(args.peers.peer_bases[dst], sequence)
-             ->expert_counts[rank * experts_per_rank + e % experts_per_rank],
-        pack_tagged(sequence, count));
+    device::st_relaxed_sys_u64(&NormalLayout::notify(args.peers.peer_bases[dst], sequence)
+                                    ->expert_counts[rank * experts_per_rank + e % experts_per_rank],
+                               pack_tagged(sequence, count));
   }
+
+  // The layout kernel's flag lies in host memory: its read overlaps the wait for the counts.
+  __shared__ int invalid_id;
+  if (threadIdx.x == kNotifyThreads - 1)
+    invalid_id = args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0;
 
   const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, sequence);
   const int cell = threadIdx.x;  // (source, channel), source-major
@@ -88,13 +92,13 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   __syncthreads();
   if (threadIdx.x == 0) {
     publish_host_count(args.host, index.rows(), total);
-    publish_host_count(args.host, index.invalid_id(),
-                       args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
+    publish_host_count(args.host, index.invalid_id(), invalid_id);
     if (args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
       device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
     }
   }
-  if (threadIdx.x < num_ranks) publish_host_count(args.host, index.rows_from(threadIdx.x), source_totals[threadIdx.x]);
+  if (threadIdx.x < num_ranks)
+    publish_host_count(args.host, index.rows_from(threadIdx.x), source_totals[threadIdx.x]);
   for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
     int sum = 0;
     for (int s = 0; s < num_ranks; ++s) {
@@ -105,6 +109,7 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     args.handle.num_recv_tokens_per_expert[le] = aligned;
     publish_host_count(args.host, index.expert(le), aligned);
   }
+  flush_host_counts(args.host);
 }
 
 // Block 0 exchanges, blocks 1..C count their channel.

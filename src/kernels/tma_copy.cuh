@@ -6,14 +6,19 @@
 
 namespace epx::kernels {
 
-// A warp's staging: kTmaBuffers pieces of kTmaPieceBytes in shared memory, one mbarrier each.
+// A warp's staging: kBuffers pieces of kPieceBytes in shared memory, one mbarrier each.
+template <int kBuffers, int kPieceBytes>
+struct TmaStage {
+  static constexpr int kNumBuffers = kBuffers;
+  static constexpr int kBytes = kPieceBytes;
+  alignas(128) char pieces[kBuffers][kPieceBytes];
+  uint64_t barriers[kBuffers];
+};
+
+// The combine's reducer staging: small pieces, so a warp's lanes add one piece while three more load.
 constexpr int kTmaBuffers = 4;
 constexpr int kTmaPieceBytes = 3072;
-
-struct TmaWarpStage {
-  alignas(128) char pieces[kTmaBuffers][kTmaPieceBytes];
-  uint64_t barriers[kTmaBuffers];
-};
+using TmaWarpStage = TmaStage<kTmaBuffers, kTmaPieceBytes>;
 
 // Copies rows global -> shared -> global with bulk copies, driven by one lane of a warp (the others stay
 // free for the rows' small fields). Rows are cut into pieces that stream through the buffers in order:
@@ -22,10 +27,15 @@ struct TmaWarpStage {
 // NOTES: copy() may return before its pieces landed. wait_loads() returns once every source byte was read
 // (call it before a source may be overwritten, e.g. before a queue slot is released); finish() also waits
 // for the stores, and must run before the block exits.
+template <typename Stage>
 class TmaRowCopier {
  public:
+  static constexpr int kTmaBuffers = Stage::kNumBuffers;
+  static constexpr int kTmaPieceBytes = Stage::kBytes;
+  static_assert(kTmaBuffers >= 2 && kTmaBuffers <= 4, "wait_store_read has a case per possible count");
+
   // Every lane of the warp may construct it; only `driver` (one lane) initialises, copies and finishes.
-  __device__ TmaRowCopier(TmaWarpStage* stage, bool driver) : stage_(stage), driver_(driver) {
+  __device__ TmaRowCopier(Stage* stage, bool driver) : stage_(stage), driver_(driver) {
     if (!driver_) return;
     for (int b = 0; b < kTmaBuffers; ++b) device::mbarrier_init(&stage_->barriers[b], 1);
   }
@@ -73,7 +83,6 @@ class TmaRowCopier {
   // Until at most `newer` bulk stores (those issued after the one that last used the buffer) still read
   // shared memory.
   __device__ static void wait_store_read(uint32_t newer) {
-    static_assert(kTmaBuffers == 4, "one case per possible count");
     switch (newer) {
       case 0:
         device::bulk_store_wait_read<0>();
@@ -90,7 +99,7 @@ class TmaRowCopier {
     }
   }
 
-  TmaWarpStage* stage_;
+  Stage* stage_;
   bool driver_;
   uint32_t issued_ = 0;  // pieces whose load was issued
   uint32_t stored_ = 0;  // pieces whose store was issued (always in load order)

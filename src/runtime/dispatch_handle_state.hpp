@@ -17,10 +17,10 @@ struct DispatchHandle::State {
   int num_recv_rows = 0;  // rows of the outputs
   int num_worst_tokens = 0;
   int expert_alignment = 1;
-  int num_nodes = 1;                   // > 1: the group spans nodes (normal mode across nodes)
-  int num_forward_records = 0;         // across nodes: records this rank forwards (the size of forward_mask)
-  bool launched_receive = false;       // dispatch_notify launched the receive (DispatchOverlap::kLaunchReceive)
-  std::vector<int> num_recv_per_rank;  // host copy; empty in worst-case mode
+  int num_nodes = 1;              // > 1: the group spans nodes (normal mode across nodes)
+  int num_forward_records = 0;    // across nodes: records this rank forwards (the size of forward_mask)
+  bool launched_receive = false;  // dispatch_notify launched the receive (DispatchOverlap::kLaunchReceive)
+  std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode
   std::vector<int> num_recv_tokens_per_expert;  // host copy; empty in worst-case mode
   kernels::HandleArrays arrays{};
   std::shared_ptr<void> routing_memory;  // owns every array but recv_src_idx, freed on the comm stream

@@ -23,7 +23,8 @@ namespace {
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
 // carries `sequence` (no flag: each word says itself whether it is current), and returns their values.
 // Bounded like the device waits; a failed launch raises its error.
-std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence, int num_words) {
+std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence,
+                                 int num_words) {
   const volatile uint64_t* words = normal_host_scratch(buffer).counts;
   std::vector<int> values(num_words);
   int done = 0;  // words [0, done) carry the sequence
@@ -366,11 +367,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
   if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{internode_context(buffer), state->num_channels,
+    const kernels::InternodeNotifyArgs args{internode_context(buffer),
+                                            state->num_channels,
                                             reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                                            in.num_tokens_per_expert,  in.num_tokens,
-                                            in.num_experts,            state->expert_alignment,
-                                            state->arrays,             host,
+                                            in.num_tokens_per_expert,
+                                            in.num_tokens,
+                                            in.num_experts,
+                                            state->expert_alignment,
+                                            state->arrays,
+                                            host,
                                             invalid_id};
     kernels::launch_internode_notify(args, stream);
   } else {
@@ -444,8 +449,9 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   const bool launched = state.launched_receive;
   // A receive dispatch_notify launched waits for these outputs: a rejected call lets it drain instead.
   try {
-    EPX_CHECK(!launched || normal_host_scratch(buffer).pending_receive != 0, "plan", "already received",
-              "its receive was launched by dispatch_notify and must be received once, before the next notify");
+    EPX_CHECK(
+        !launched || normal_host_scratch(buffer).pending_receive != 0, "plan", "already received",
+        "its receive was launched by dispatch_notify and must be received once, before the next notify");
     EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
               "must equal the num_tokens given to dispatch_notify (pass the same input)");
     EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
@@ -458,8 +464,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
               "must equal the num_scales given to dispatch_notify (pass the same input)");
     EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
               "must point to the plan's num_recv_rows rows");
-    EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr,
-              "recv_x_scales", "null", "are required for FP8 tokens");
+    EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
+              "null", "are required for FP8 tokens");
     EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
               "needs a dispatch with topk_idx");
     EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
