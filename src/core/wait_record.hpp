@@ -15,10 +15,10 @@ enum class WaitPhase : int32_t {
   kCombineReduce = 4,    // normal combine: waiting for peers' returned rows
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
-  kCapacity = 7,       // a count exceeded what the caller sized for (e.g. num_worst_tokens)
-  kDispatchSend = 8,   // normal dispatch: waiting for room in a peer's queue
-  kCombineSend = 9,    // normal combine: likewise
-  kPreviousCall = 10,  // normal mode: waiting for a peer to finish its previous dispatch or combine
+  kCapacity = 7,          // a count exceeded what the caller sized for (e.g. num_worst_tokens)
+  kDispatchSend = 8,      // normal dispatch: waiting for room in a peer's queue
+  kCombineSend = 9,       // normal combine: likewise
+  kPreviousCall = 10,     // normal mode: waiting for a peer to finish its previous dispatch or combine
   kDispatchOutputs = 11,  // normal dispatch: a receive launched early, waiting for the host's output pointers
 };
 
