@@ -100,8 +100,8 @@ struct NormalRecord {
 //   Control           launch arrivals, "calls done" signals
 //   QueueCounters     tail / head per (peer, channel), and this rank's own running counts
 //   NotifyHalf x 2    count exchange of dispatch, as tagged words (pack_tagged), double-buffered by the
-//                     parity of the notify's sequence: a fast rank may write notify n+1 while a slow one still
-//                     reads notify n, but never n+2 (that needs the slow rank's n+1 counts)
+//                     parity of the notify's sequence: a fast rank may write notify n+1 while a slow one
+//                     still reads notify n, but never n+2 (that needs the slow rank's n+1 counts)
 //   queues            [R - 1 sources][C channels][Q records] of this call's record size
 //
 // A call's queues are carved for its own shape, so before a source writes into a peer's queues it waits
@@ -128,9 +128,9 @@ struct NormalLayout {
     uint32_t consumed[kMaxNvlRanks][kMaxChannels];  // [src][c], own: records consumed from src so far
   };
 
-  struct NotifyHalf {  // tagged words (pack_tagged)
+  struct NotifyHalf {                                     // tagged words (pack_tagged)
     uint64_t channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
-    uint64_t expert_counts[kMaxExperts];                  // [src * L + le], written by src: its tokens for my le
+    uint64_t expert_counts[kMaxExperts];  // [src * L + le], written by src: its tokens for my le
   };
 
   static constexpr size_t kControlOffset = 0;
