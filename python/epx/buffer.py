@@ -256,7 +256,8 @@ class Buffer:
                  num_tokens_per_expert: Any = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False,
-                 after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]] = None) -> DispatchResult:
+                 after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]] = None,
+                 launch_receive: bool = False) -> DispatchResult:
         """Sends each token once to every rank holding at least one of its experts.
 
         Routing comes from `handle` (cached: the same layout as that dispatch, no top-k outputs), or from
@@ -267,6 +268,10 @@ class Buffer:
         comm stream current: torch work it queues (e.g. on handle.recv_channel_offset) is ordered like the
         receive (covered by the call's event, waited for without async_finish). The tensors it returns, which
         it allocates on the comm stream, are recorded as used by the caller's stream.
+
+        launch_receive=True launches the receive with the count exchange, before the host waits for the counts
+        (DispatchOverlap::kLaunchReceive in C++): senders fill the peers' queues meanwhile. Ignored with
+        after_counts, a cached handle or num_worst_tokens.
         """
         t = torch()
         tokens = split_tokens(x)
@@ -330,9 +335,11 @@ class Buffer:
         native_in.num_worst_tokens = int(num_worst_tokens)
         order = self._order(previous_event, async_finish)
 
-        # The receive goes out with the count exchange (before the host waits for the counts) unless
-        # after_counts queues work that must come first; nothing but allocations happens in between.
-        overlap = _epx.DispatchOverlap.NONE if after_counts is not None else _epx.DispatchOverlap.LAUNCH_RECEIVE
+        # launch_receive: the receive goes out with the count exchange, before the host waits for the counts
+        # (only allocations happen in between; after_counts queues work that must come first, so it rules
+        # this out). Off by default: on one H200 the kernel sees the host's output pointers 10-50 us late.
+        overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launch_receive and after_counts is None \
+            else _epx.DispatchOverlap.NONE
         try:
             plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None, overlap)
         except Exception:

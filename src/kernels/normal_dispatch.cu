@@ -9,9 +9,9 @@ namespace epx::kernels {
 
 namespace {
 
-// Whole-row pieces (a 7,168-channel BF16 row is two): fewer, larger bulk copies moved rows ~5 % faster than
-// 3 KiB pieces in a 24-SM copy test on H200 (4,096 rows of 14,336 bytes: 58.0 vs 61.2 us).
-using DispatchStage = TmaStage<2, 7168>;
+// Pieces of 3 KiB, four per warp. Two 7 KiB pieces per warp moved FP8 rows (7,168 bytes) ~10 % faster on
+// H200 at 24 SMs but BF16 rows (14,336 bytes) up to 10 % slower (epx-bench, 4,096 and 16,384 tokens, 1 rank).
+using DispatchStage = TmaWarpStage;
 using DispatchCopier = TmaRowCopier<DispatchStage>;
 
 // Where received rows go. Known at launch, or published by the host once it allocated them (a receive

@@ -74,13 +74,16 @@ def test_native_dispatch_and_combine(fake):
     assert torch.equal(cached.recv_x, x2[kept]) and cached.recv_topk_idx is None and cached.handle is handle
 
 
-def test_dispatch_launches_the_receive_with_the_count_exchange(fake, monkeypatch):
+def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure(fake, monkeypatch):
     buffer, binding = fake
     x, ids, weights = tokens()
     buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
-    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, after_counts=lambda h: [])
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True)
     # after_counts queues work that must precede the receive: then dispatch_receive launches it.
-    assert binding.overlaps == [binding.DispatchOverlap.LAUNCH_RECEIVE, binding.DispatchOverlap.NONE]
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True,
+                    after_counts=lambda h: [])
+    none, launch = binding.DispatchOverlap.NONE, binding.DispatchOverlap.LAUNCH_RECEIVE
+    assert binding.overlaps == [none, launch, none]
 
     # Outputs that cannot be allocated: the launched receive is cancelled (it drains) and the error surfaces.
     def no_memory(*args, **kwargs):
@@ -95,7 +98,7 @@ def test_dispatch_launches_the_receive_with_the_count_exchange(fake, monkeypatch
 
     monkeypatch.setattr(binding, "dispatch_notify", notify_then_run_out_of_memory)
     with pytest.raises(MemoryError):
-        buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+        buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True)
     assert binding.cancelled == 1
 
 
