@@ -15,6 +15,8 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
   call that uses those configs (for DeepEP's recommended configs the hint is below DeepEP's). The RDMA chunk
   sizes are kept for callers (normal mode across nodes is not implemented). Config rules are EPX's: send chunk
   <= queue tokens, at most 128 channels.
+- A call whose rows do not fit its config's queues in num_nvl_bytes (a Buffer sized for FP8 rows combining BF16,
+  as SGLang's is) runs with the longest queues that fit; EpxError only when not even one-record queues fit.
 - get_dispatch_config / get_combine_config list DeepEP v1.2.1's rank counts and raise EpxError for others (DeepEP
   asserts). dispatch / combine without a config in a group of another size use Config(Buffer.num_sms) where
   DeepEP would assert.
