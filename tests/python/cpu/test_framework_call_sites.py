@@ -195,6 +195,10 @@ def test_sglang_sequence(wrapper):
     """The DeepEP token dispatcher: normal mode with Buffer.capture() events and allocation on the comm stream,
     expert_alignment=128; then low latency after clean_low_latency_buffer, keywords for combine."""
     wrapper, binding = wrapper
+    # --deepep-config: the normal-mode configs as JSON objects, built by keyword.
+    fields = dict(num_sms=24, num_max_nvl_chunked_send_tokens=6, num_max_nvl_chunked_recv_tokens=256,
+                  num_max_rdma_chunked_send_tokens=6, num_max_rdma_chunked_recv_tokens=128)
+    assert deep_ep.Config(**fields) == deep_ep.Config(24, 6, 256, 6, 128)
     x, ids, weights = tokens()
     previous_event = wrapper.capture()
     per_rank, per_rdma, per_expert, in_rank, previous_event = wrapper.get_dispatch_layout(
