@@ -3,7 +3,8 @@ results). DeepEP V1's interface is in epx.compat.deep_ep, a thin layer over this
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Sequence, Tuple, Union
+import contextlib
+from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ._ext import _epx
 from ._util import (
@@ -190,6 +191,22 @@ class Buffer:
         return _epx.StreamOrder(compute_stream=current_stream().cuda_stream,
                                 previous_event=event_handle(previous_event), async_finish=bool(async_finish))
 
+    def _input_copies(self, previous_event: Any) -> Any:
+        """Where the layer's own copies of inputs (column-major FP8 scales made contiguous, int32 top-k ids
+        widened) run. Without previous_event the call orders the comm stream after the current stream, so copies
+        made there are ordered. With one, the comm stream waits for that event only (DeepEP's rule), and a copy
+        queued on the current stream after the event would race the kernels: the copies then run on the comm
+        stream, after the event."""
+        if event_handle(previous_event) == 0:
+            return contextlib.nullcontext()
+        return self._on_comm_stream_after(previous_event)
+
+    @contextlib.contextmanager
+    def _on_comm_stream_after(self, previous_event: Any) -> Iterator[None]:
+        with maybe_stream(self.comm_stream):
+            EventOverlap(getattr(previous_event, "event", previous_event)).current_stream_wait()
+            yield
+
     def _alloc_stream(self, previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> Any:
         if not allocate_on_comm_stream:
             return None
@@ -230,7 +247,8 @@ class Buffer:
         """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map; when the
         group spans nodes, also tokens per node (num_tokens_per_rdma_rank, a token counted once per node)."""
         t = torch()
-        topk_idx = as_topk_idx(topk_idx)
+        with self._input_copies(previous_event):
+            topk_idx = as_topk_idx(topk_idx)
         num_tokens, num_topk = topk_idx.shape
         compute_stream = current_stream()
         order = self._order(previous_event, async_finish)
@@ -274,7 +292,10 @@ class Buffer:
         after_counts, a cached handle or num_worst_tokens.
         """
         t = torch()
-        tokens = split_tokens(x)
+        with self._input_copies(previous_event):
+            tokens = split_tokens(x)
+            if handle is None and topk_idx is not None:
+                topk_idx = as_topk_idx(topk_idx, shape=(tokens.data.size(0), None))
         x, x_scales, fp8 = tokens.data, tokens.scales, tokens.fp8
         num_tokens, hidden = x.shape
         compute_stream = current_stream()

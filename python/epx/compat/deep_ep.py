@@ -15,6 +15,8 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
   call that uses those configs (for DeepEP's recommended configs the hint is below DeepEP's). The RDMA chunk
   sizes are kept for callers (normal mode across nodes is not implemented). Config rules are EPX's: send chunk
   <= queue tokens, at most 128 channels.
+- A call whose rows do not fit its config's queues in num_nvl_bytes (a Buffer sized for FP8 rows combining BF16,
+  as SGLang's is) runs with the longest queues that fit; EpxError only when not even one-record queues fit.
 - get_dispatch_config / get_combine_config list DeepEP v1.2.1's rank counts and raise EpxError for others (DeepEP
   asserts). dispatch / combine without a config in a group of another size use Config(Buffer.num_sms) where
   DeepEP would assert.
@@ -71,6 +73,18 @@ def _recommended_config(table: dict, num_ranks: int, kind: str) -> Config:
           f"DeepEP has no recommended {kind} config for this many ranks (it lists {sorted(table)}); pass a "
           "Config explicitly")
     return Config(Buffer.num_sms, *table[num_ranks])
+
+
+def _row_bytes(x: Any) -> Optional[int]:
+    """Bytes of one row of a call's tokens with their FP8 scales (what a queue record holds besides top-k data),
+    or None for what is not a token tensor (the call then names the argument's error)."""
+    data, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+    if getattr(data, "dim", None) is None or data.dim() != 2:
+        return None
+    row_bytes = data.size(1) * data.element_size()
+    if getattr(scales, "dim", None) is not None:
+        row_bytes += (scales.size(-1) if scales.dim() == 2 else 1) * scales.element_size()
+    return row_bytes
 
 
 def _comm_bootstrap(comm: Any) -> Tuple[int, int, Callable[[bytes], List[bytes]], Callable[[], None]]:
@@ -160,6 +174,37 @@ class Buffer:
         # Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there).
         return recommended(self.group_size) if self.group_size in table else Config(Buffer.num_sms)
 
+    def _config_that_fits(self, config: Config, row_bytes: Optional[int]) -> Config:
+        """`config`, or a copy with shorter NVLink queues when its queues for records of rows of `row_bytes` do not
+        fit the Buffer's NVLink memory.
+
+        DeepEP callers size that memory for one row size and also move other ones: SGLang sizes it for its
+        dispatch dtype (hidden bytes of FP8 rows) and combines BF16 rows, twice as wide. Such a call runs with the
+        longest queues that fit (num_max_nvl_chunked_recv_tokens lowered, the send chunk no larger): the same
+        results, more round trips. When not even one-record queues fit, the config is returned unchanged and the
+        call raises EpxError naming the bytes it needs."""
+        runtime = self._live()
+        available = runtime.num_nvl_bytes
+        if row_bytes is None or available <= 0:
+            return config
+        row_bytes = -(-max(int(row_bytes), 16) // 16) * 16
+        num_ranks = runtime.num_ranks
+
+        def shortened(queue_tokens: int) -> Config:
+            return Config(config.num_sms, min(config.num_max_nvl_chunked_send_tokens, queue_tokens), queue_tokens,
+                          config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+        if config.get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
+            return config
+        low, high = 0, config.num_max_nvl_chunked_recv_tokens - 1  # the longest queue that fits lies in [low, high]
+        while low < high:
+            middle = (low + high + 1) // 2
+            if shortened(middle).get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
+                low = middle
+            else:
+                high = middle - 1
+        return shortened(low) if low >= 1 else config
+
     # ---- Life cycle ----
 
     def _live(self) -> _EpxBuffer:
@@ -203,6 +248,7 @@ class Buffer:
                  ) -> Tuple[Union[Tuple[Any, Any], Any], Optional[Any], Optional[Any], List[int], Any, EventOverlap]:
         config = self._default_config(_DISPATCH_CONFIGS, self.get_dispatch_config) if config is None else config
         is_fp8 = isinstance(x, tuple)
+        config = self._config_that_fits(config, _row_bytes(x))
         if handle is not None:
             result = self._live().dispatch(x, handle=normal_handle(handle), topk_idx=topk_idx,
                                            topk_weights=topk_weights,
@@ -228,6 +274,7 @@ class Buffer:
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
         config = self._default_config(_COMBINE_CONFIGS, self.get_combine_config) if config is None else config
+        config = self._config_that_fits(config, _row_bytes(x))
         result = self._live().combine(x, normal_handle(handle), topk_weights=topk_weights, bias=bias, config=config,
                                       previous_event=previous_event, async_finish=async_finish,
                                       allocate_on_comm_stream=allocate_on_comm_stream)
