@@ -275,7 +275,7 @@ class Buffer:
                  config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False,
                  after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]] = None,
-                 launch_receive: bool = False) -> DispatchResult:
+                 launch_receive: bool = True) -> DispatchResult:
         """Sends each token once to every rank holding at least one of its experts.
 
         Routing comes from `handle` (cached: the same layout as that dispatch, no top-k outputs), or from
@@ -287,9 +287,9 @@ class Buffer:
         receive (covered by the call's event, waited for without async_finish). The tensors it returns, which
         it allocates on the comm stream, are recorded as used by the caller's stream.
 
-        launch_receive=True launches the receive with the count exchange, before the host waits for the counts
-        (DispatchOverlap::kLaunchReceive in C++): senders fill the peers' queues meanwhile. Ignored with
-        after_counts, a cached handle or num_worst_tokens.
+        launch_receive (default) launches the receive with the count exchange, before the host waits for the
+        counts (DispatchOverlap::kLaunchReceive in C++): senders fill the peers' queues meanwhile. Ignored with
+        after_counts, a cached handle or num_worst_tokens; False launches it once the outputs exist.
         """
         t = torch()
         with self._input_copies(previous_event):
@@ -358,7 +358,7 @@ class Buffer:
 
         # launch_receive: the receive goes out with the count exchange, before the host waits for the counts
         # (only allocations happen in between; after_counts queues work that must come first, so it rules
-        # this out). Off by default: on one H200 the kernel sees the host's output pointers 10-50 us late.
+        # this out).
         overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launch_receive and after_counts is None \
             else _epx.DispatchOverlap.NONE
         try:

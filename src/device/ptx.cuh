@@ -17,6 +17,16 @@ __device__ __forceinline__ void st_release_sys(int* address, int value) {
   asm volatile("st.release.sys.global.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
+__device__ __forceinline__ int ld_acquire_gpu(const int* address) {
+  int value;
+  asm volatile("ld.acquire.gpu.global.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
+__device__ __forceinline__ void st_release_gpu(int* address, int value) {
+  asm volatile("st.release.gpu.global.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t ld_acquire_sys_u64(const uint64_t* address) {
   uint64_t value;
   asm volatile("ld.acquire.sys.global.u64 %0, [%1];" : "=l"(value) : "l"(address) : "memory");

@@ -33,20 +33,36 @@ __device__ __forceinline__ void report_and_trap(const WaitContext& ctx, int peer
   __trap();
 }
 
-// The one spin-wait of EPX: spins with acquire loads of `address` until done(value), bounded by
+// The one spin-wait of EPX: spins with `load` (an acquire load) of `address` until done(value), bounded by
 // ctx.timeout_ns; on timeout reports `expected` and the value seen. Returns the value that ended it.
-template <typename Done>
-__device__ __forceinline__ int wait_until(const int* address, Done done, int64_t expected,
-                                          const WaitContext& ctx, int peer, WaitPhase phase) {
-  int value = ld_acquire_sys(address);
+template <typename Load, typename Done>
+__device__ __forceinline__ int wait_until_loaded(Load load, const int* address, Done done, int64_t expected,
+                                                 const WaitContext& ctx, int peer, WaitPhase phase) {
+  int value = load(address);
   if (done(value)) return value;
   const uint64_t start = global_timer_ns();
   while (true) {
-    value = ld_acquire_sys(address);
+    value = load(address);
     if (done(value)) return value;
     const uint64_t waited = global_timer_ns() - start;
     if (waited > ctx.timeout_ns) report_and_trap(ctx, peer, phase, expected, value, waited);
   }
+}
+
+// For words written by peers or the host: system-scope acquire loads.
+template <typename Done>
+__device__ __forceinline__ int wait_until(const int* address, Done done, int64_t expected,
+                                          const WaitContext& ctx, int peer, WaitPhase phase) {
+  return wait_until_loaded([](const int* a) { return ld_acquire_sys(a); }, address, done, expected, ctx, peer,
+                           phase);
+}
+
+// For words this GPU's own blocks write: gpu-scope acquire loads, served by L2 without system traffic.
+template <typename Done>
+__device__ __forceinline__ int wait_until_gpu(const int* address, Done done, int64_t expected,
+                                              const WaitContext& ctx, int peer, WaitPhase phase) {
+  return wait_until_loaded([](const int* a) { return ld_acquire_gpu(a); }, address, done, expected, ctx, peer,
+                           phase);
 }
 
 // Waits until *address >= expected. Returns the value seen.

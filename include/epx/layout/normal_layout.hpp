@@ -117,7 +117,12 @@ struct NormalLayout {
     int calls_done;                 // dispatch / combine launches this rank finished
     int launch_arrivals;            // blocks of the running dispatch / combine launch that finished
     int done_signal[kMaxNvlRanks];  // written by peer r: r's calls_done
-    int pad[32 - kMaxNvlRanks - 2];
+    // A receive launched before its outputs were known: one block copies the outputs the host published
+    // into this device-memory mirror (pointers, cancelled flag, then the sequence) for the others.
+    uint64_t outputs_mirror[5];
+    int outputs_cancelled;
+    uint32_t outputs_sequence;
+    int pad[32 - kMaxNvlRanks - 2 - 12];
   };
   static_assert(sizeof(Control) == sizeof(int) * 32, "Control must stay 32 ints (adjust pad)");
 

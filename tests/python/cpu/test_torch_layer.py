@@ -77,8 +77,8 @@ def test_native_dispatch_and_combine(fake):
 def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure(fake, monkeypatch):
     buffer, binding = fake
     x, ids, weights = tokens()
+    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=False)
     buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
-    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True)
     # after_counts queues work that must precede the receive: then dispatch_receive launches it.
     buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True,
                     after_counts=lambda h: [])
