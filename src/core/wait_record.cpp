@@ -2,6 +2,7 @@
 
 #include <cstdio>
 
+#include "core/abort_word.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -30,11 +31,32 @@ const char* wait_phase_name(WaitPhase phase) {
       return "combine send (room in the peer's queue)";
     case WaitPhase::kPreviousCall:
       return "the peer's previous normal-mode call";
+    case WaitPhase::kLowLatencyDispatchSend:
+      return "low-latency dispatch send";
+    case WaitPhase::kLowLatencyCombineSend:
+      return "low-latency combine send";
   }
   return "unknown phase";
 }
 
+namespace {
+
+std::string describe_released(const WaitTimeoutRecord& record) {
+  const auto phase = static_cast<WaitPhase>(record.phase);
+  const std::string cause = describe_abort_cause(decode_abort_word(record.abort_word));
+  if (record.peer < 0) {
+    return detail::concat("rank ", record.rank, " skipped ", wait_phase_name(phase),
+                          ": the group was aborted: ", cause);
+  }
+  return detail::concat("rank ", record.rank, " stopped waiting for peer ", record.peer, " in ",
+                        wait_phase_name(phase), " (expected >= ", record.expected, ", saw ", record.seen,
+                        "): the group was aborted: ", cause);
+}
+
+}  // namespace
+
 std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
+  if (record.abort_word != 0) return describe_released(record);
   const auto phase = static_cast<WaitPhase>(record.phase);
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%.1f", static_cast<double>(record.waited_ns) * 1e-9);
@@ -45,6 +67,19 @@ std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
   return detail::concat("rank ", record.rank, " timed out after ", seconds, " s waiting for peer ",
                         record.peer, " in ", wait_phase_name(phase), ": expected >= ", record.expected,
                         ", saw ", record.seen);
+}
+
+std::string describe_abort_cause(const AbortCause& cause) {
+  if (cause.phase == WaitPhase::kCapacity) {
+    return detail::concat("rank ", cause.rank, " exceeded its capacity (num_worst_tokens)");
+  }
+  return detail::concat("rank ", cause.rank, " timed out waiting for peer ", cause.peer, " in ",
+                        wait_phase_name(cause.phase));
+}
+
+std::string describe_abort_word(int rank, int32_t word) {
+  return detail::concat("rank ", rank,
+                        ": the group was aborted: ", describe_abort_cause(decode_abort_word(word)));
 }
 
 }  // namespace epx

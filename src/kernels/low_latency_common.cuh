@@ -6,6 +6,7 @@
 #include "device/wait.cuh"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/low_latency_transport.cuh"
+#include "kernels/wait_context.cuh"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
 // (local expert, source rank) bookkeeping that turns a flat row index into a row of one expert's block.
@@ -57,22 +58,25 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   }
 }
 
-// Every block waits until all sources published `expected`; block 0 adds the waited time per source.
-__device__ __forceinline__ void wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
+// Every block waits until all sources published `expected`; block 0 adds the waited time per source. True
+// (for the whole block) when every flag arrived; false when a wait was abandoned (the group is aborted), and
+// then nothing the sources were to write may be read.
+__device__ __forceinline__ bool wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
                                                  int half, LowLatencyOp op, int expected, WaitPhase phase,
                                                  int64_t* wait_cost_stats) {
   const uint64_t start = device::global_timer_ns();
-  const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+  const device::WaitContext ctx = wait_context(peers);
+  bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    device::wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)), expected, ctx, src,
-                          phase);
+    arrived &= device::try_wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)),
+                                         expected, ctx, src, phase);
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
                 static_cast<unsigned long long>(device::global_timer_ns() - start));
     }
   }
   // The waiting threads' acquires extend to the whole block through the barrier.
-  __syncthreads();
+  return __syncthreads_and(arrived) != 0;
 }
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which

@@ -185,6 +185,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   __shared__ int group_values[kMaxNvlRanks];
   extern __shared__ TmaWarpStage tma_stages[];  // [kQueueWarps]
   const int calls = calls_before(args.peers);
+  // After an aborted notify (worst-case mode launches this without the host's look at the counts) the
+  // offsets may be anything: write nothing.
+  if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kDispatchReceive)) return;
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;

@@ -62,7 +62,7 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   const int num_channels = args.num_channels;
   const int experts_per_rank = args.num_experts / num_ranks;
   const int parity = parity_before_barrier(args.peers);
-  const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
+  const device::WaitContext ctx = wait_context(args.peers);
 
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
@@ -92,7 +92,8 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   if (threadIdx.x == 0) {
     args.host.counts[0] = total;
     if (args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
-      device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
+      // The dispatch that follows sees the abort at its start and writes nothing.
+      device::raise_abort(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
     }
   }
   if (threadIdx.x < num_ranks) args.host.counts[1 + threadIdx.x] = source_totals[threadIdx.x];

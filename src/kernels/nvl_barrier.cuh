@@ -2,6 +2,7 @@
 
 #include "device/wait.cuh"
 #include "kernels/normal_kernels.hpp"
+#include "kernels/wait_context.cuh"
 
 namespace epx::kernels {
 
@@ -21,7 +22,7 @@ __device__ __forceinline__ void nvl_barrier_block(const PeerContext& peers) {
   if (threadIdx.x < peers.num_ranks) {
     auto* remote = NormalLayout::control(peers.peer_bases[threadIdx.x]);
     device::st_release_sys(&remote->barrier_signal[peers.rank], target);
-    const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+    const device::WaitContext ctx = wait_context(peers);
     device::wait_at_least(&local->barrier_signal[threadIdx.x], target, ctx, threadIdx.x, WaitPhase::kBarrier);
   }
   // Each peer's writes before its signal were acquired by one thread; bar.sync extends them to the block.

@@ -11,6 +11,7 @@
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/stream_order.hpp"
 
@@ -46,12 +47,17 @@ void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);
+  buffer.check_timeout();  // an aborted notify publishes its counts too; they mean nothing then
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
-  return kernels::PeerContext{
-      buffer.nvl_peer_bases_device(), buffer.nvl_buffer(),     buffer.rank(), buffer.num_ranks(),
-      buffer.timeout_record_device(), buffer.wait_timeout_ns()};
+  return kernels::PeerContext{buffer.nvl_peer_bases_device(),
+                              buffer.nvl_buffer(),
+                              buffer.rank(),
+                              buffer.num_ranks(),
+                              buffer.timeout_record_device(),
+                              buffer.wait_timeout_ns(),
+                              BufferAccess::abort_words(buffer)};
 }
 
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
@@ -228,6 +234,7 @@ void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& st
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
                           int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
   EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
   EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16");
@@ -256,6 +263,7 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
 
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
                              const DispatchHandle* cached) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const bool is_cached = cached != nullptr && cached->valid();
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
@@ -356,6 +364,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
   EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
@@ -428,6 +437,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
 
 Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& in, const CombineOutput& out,
               const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   EPX_CHECK(handle.valid(), "handle", "empty", "must come from dispatch_notify");
   const auto& state = handle.state();
   EPX_CHECK(state.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
