@@ -114,8 +114,30 @@ class Buffer:
     # ---- Life cycle and properties ----
 
     def destroy(self) -> None:
-        """Frees the buffers now (collective). Calls after it raise EpxError."""
+        """Frees the buffers now (collective). Calls after it raise EpxError. After an abort it meets no peer
+        (peers may be gone): it frees this rank's memory and returns."""
         self.runtime.destroy()
+
+    # ---- Failures (docs/RELIABILITY.md) ----
+
+    def check(self) -> None:
+        """Raises EpxError (rank, peer, phase, expected and seen values) when a device wait of this rank, or
+        of a peer, gave up. Call it after a torch.cuda.synchronize() or an event sync: calls that return before
+        their kernels finish report a failure only at the next EPX call or here. Once raised, every call
+        raises the same error until reset() or destroy()."""
+        self.runtime.check()
+
+    @property
+    def is_aborted(self) -> bool:
+        """True once a failure was raised; calls are refused until reset() or destroy()."""
+        return bool(self.runtime.is_aborted)
+
+    def reset(self) -> None:
+        """Collective (every rank calls it): after an abort, waits for this rank's kernels (every wait is
+        bounded), clears the abort and re-synchronizes both buffers' queue counters and signals. The Buffer
+        then runs calls again (hooks of earlier low-latency calls become stale). The CUDA context and the
+        caller's tensors were never lost."""
+        self.runtime.reset()
 
     @property
     def is_destroyed(self) -> bool:

@@ -97,6 +97,15 @@ void bind_buffer(py::module_& m) {
                              [](const PyBuffer& self) { return self.get().num_rdma_bytes(); })
       .def("check_timeout", [](const PyBuffer& self) { self.get().check_timeout(); })
       .def(
+          "check", [](const PyBuffer& self) { call_without_gil([&] { self.get().check(); }); },
+          "Raises EpxError when a device wait of this rank or of a peer gave up (after a torch or event "
+          "sync).")
+      .def_property_readonly("is_aborted", [](const PyBuffer& self) { return self.get().is_aborted(); })
+      // Collective through the bootstrap callbacks: keeps the GIL, as construction does.
+      .def(
+          "reset", [](PyBuffer& self) { self.get().reset(); },
+          "Collective: clears an abort and re-synchronizes both buffers; the Buffer runs calls again.")
+      .def(
           "synchronize",
           [](const PyBuffer& self, uintptr_t stream) {
             call_without_gil([&] { self.get().synchronize(stream_of(stream)); });

@@ -24,6 +24,13 @@ constexpr int kCountsSlot = 0;  // [0] rows, [1 + r] rows from source r, [1 + R 
 constexpr int kInvalidIdSlot = Buffer::kHostScratchInts - 1;  // 1 + token index of an out-of-range expert id
 constexpr int kReadySlot = Buffer::kHostScratchInts - 2;  // notify's sequence number once counts are written
 
+// The host's bound on notify's counts: the device's bound plus a grace second. The device gives up first and
+// publishes its counts with a record naming the peer; the host bound only catches a notify that never ran.
+uint64_t host_bound_ns(uint64_t device_bound_ns) {
+  constexpr uint64_t kGraceNs = 1'000'000'000;
+  return device_bound_ns > UINT64_MAX - kGraceNs ? UINT64_MAX : device_bound_ns + kGraceNs;
+}
+
 // Spins until notify published this call's counts (the ready word reaches `expected`), without waiting for
 // the rest of its launch (the stage). Bounded like the device waits; a failed launch raises its error.
 void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
@@ -40,7 +47,8 @@ void wait_for_counts(const Buffer& buffer, cudaStream_t stream, int expected) {
     }
     const auto waited =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    if (static_cast<uint64_t>(waited.count()) > buffer.wait_timeout_ns()) {
+    if (static_cast<uint64_t>(waited.count()) > host_bound_ns(buffer.wait_timeout_ns())) {
+      buffer.check_timeout();  // the device's own report names the peer; prefer it
       EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9,
                " s waiting for dispatch notify's counts (phase dispatch notify; a peer may not have called "
                "dispatch)");
