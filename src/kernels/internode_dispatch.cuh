@@ -198,9 +198,12 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
         const char* source =
             args.rdma.recv_record(context.rdma_base, m, channel, rdma_base_count + progress[m] + bit);
         if (to_self) {
-          const int row =
-              args.handle.recv_channel_offset[src_rank * num_channels + channel] + sent[m] + entry;
-          write_row_from_record(args, row, source, lane);
+          const int cell = src_rank * num_channels + channel;
+          const int row = args.handle.recv_channel_offset[cell] + sent[m] + entry;
+          // NOTES: a rail peer whose room wait was abandoned (an abort of its node, which does not reach this
+          // one) may have overwritten unread records, so the masks may select more rows than this source
+          // sends: never write past its rows.
+          if (row < args.handle.recv_channel_offset[cell + 1]) write_row_from_record(args, row, source, lane);
         } else {
           char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
           warp_copy<true>(target, source, args.record.bytes(), lane);
