@@ -3,6 +3,7 @@
 #include <cstdint>
 #include <string>
 
+#include "core/shape_fingerprint.hpp"
 #include "core/wait_record.hpp"
 #include "epx/common/host_device.hpp"
 
@@ -41,6 +42,28 @@ EPX_HD AbortCause decode_abort_word(int32_t word) {
   cause.phase = static_cast<WaitPhase>((word >> 16) & 0xff);
   return cause;
 }
+
+// The small allocation every rank of a node maps (Buffer: "abort words"): the abort word, then the shape
+// fingerprints peers post (core/shape_fingerprint.hpp), one slot per sender so no two ranks write the same.
+struct AbortLayout {
+  static constexpr int kMaxRanks = 64;  // kMaxLowLatencyRanks
+  static constexpr size_t kWordOffset = 0;
+  // [2 notify parities][src]: normal-mode dispatch notify.
+  static constexpr size_t kNormalShapesOffset = 128;
+  // [2 halves][2 ops][src]: low-latency dispatch and combine.
+  static constexpr size_t kLowLatencyShapesOffset =
+      kNormalShapesOffset + sizeof(ShapeFingerprint) * 2 * kMaxRanks;
+  static constexpr size_t kBytes = kLowLatencyShapesOffset + sizeof(ShapeFingerprint) * 4 * kMaxRanks;
+
+  EPX_HD static ShapeFingerprint* normal_shape(void* base, int parity, int src) {
+    return reinterpret_cast<ShapeFingerprint*>(static_cast<char*>(base) + kNormalShapesOffset) +
+           parity * kMaxRanks + src;
+  }
+  EPX_HD static ShapeFingerprint* low_latency_shape(void* base, int half, int op, int src) {
+    return reinterpret_cast<ShapeFingerprint*>(static_cast<char*>(base) + kLowLatencyShapesOffset) +
+           (half * 2 + op) * kMaxRanks + src;
+  }
+};
 
 // Where a kernel finds the abort words: its own rank's, and every rank's as mapped on this GPU.
 struct AbortWords {

@@ -3,6 +3,7 @@
 #include <cstdio>
 
 #include "core/abort_word.hpp"
+#include "core/shape_fingerprint.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -35,6 +36,8 @@ const char* wait_phase_name(WaitPhase phase) {
       return "low-latency dispatch send";
     case WaitPhase::kLowLatencyCombineSend:
       return "low-latency combine send";
+    case WaitPhase::kShapeMismatch:
+      return "shape check";
   }
   return "unknown phase";
 }
@@ -64,6 +67,11 @@ std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
     return detail::concat("rank ", record.rank, ": capacity exceeded for data from peer ", record.peer,
                           ": needed ", record.seen, " rows, room for ", record.expected);
   }
+  if (phase == WaitPhase::kShapeMismatch) {
+    return detail::concat("rank ", record.rank, ": peer ", record.peer, " called with ",
+                          shape_field_name(record.detail), " = ", record.seen, ", this rank with ",
+                          record.expected, " (every rank must pass the same shapes and config)");
+  }
   return detail::concat("rank ", record.rank, " timed out after ", seconds, " s waiting for peer ",
                         record.peer, " in ", wait_phase_name(phase), ": expected >= ", record.expected,
                         ", saw ", record.seen);
@@ -73,6 +81,9 @@ std::string describe_abort_cause(const AbortCause& cause) {
   if (cause.phase == WaitPhase::kCapacity) {
     return detail::concat("rank ", cause.rank, " exceeded its capacity (num_worst_tokens)");
   }
+  if (cause.phase == WaitPhase::kShapeMismatch) {
+    return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
+  }
   return detail::concat("rank ", cause.rank, " timed out waiting for peer ", cause.peer, " in ",
                         wait_phase_name(cause.phase));
 }
@@ -80,6 +91,30 @@ std::string describe_abort_cause(const AbortCause& cause) {
 std::string describe_abort_word(int rank, int32_t word) {
   return detail::concat("rank ", rank,
                         ": the group was aborted: ", describe_abort_cause(decode_abort_word(word)));
+}
+
+const char* shape_field_name(int field) {
+  switch (static_cast<ShapeField>(field)) {
+    case ShapeField::kHidden:
+      return "hidden";
+    case ShapeField::kRowBytes:
+      return "row bytes (hidden and format)";
+    case ShapeField::kNumScales:
+      return "num_scales";
+    case ShapeField::kNumTopk:
+      return "num_topk";
+    case ShapeField::kNumExperts:
+      return "num_experts";
+    case ShapeField::kNumChannels:
+      return "channels (num_sms / 2)";
+    case ShapeField::kQueueTokens:
+      return "num_max_nvl_chunked_recv_tokens";
+    case ShapeField::kMaxTokens:
+      return "num_max_dispatch_tokens_per_rank";
+    case ShapeField::kFormat:
+      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt)";
+  }
+  return "?";
 }
 
 }  // namespace epx

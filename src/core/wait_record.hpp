@@ -21,6 +21,7 @@ enum class WaitPhase : int32_t {
   kPreviousCall = 10,            // normal mode: waiting for a peer to finish its previous dispatch or combine
   kLowLatencyDispatchSend = 11,  // low latency: the send phase (only skipped, never waits)
   kLowLatencyCombineSend = 12,
+  kShapeMismatch = 13,  // not a wait: a peer's shape fingerprint differs (core/shape_fingerprint.hpp)
 };
 
 const char* wait_phase_name(WaitPhase phase);
@@ -36,7 +37,7 @@ struct WaitTimeoutRecord {
   // 0: this rank's own wait gave up. Else the abort word this rank saw (another rank gave up first) and
   // `peer`/`phase` say where this rank was when it stopped (peer -1: at the start of a kernel).
   int32_t abort_word;
-  int32_t reserved;
+  int32_t detail;  // kShapeMismatch: the ShapeField that differs (expected: this rank's value, seen: peer's)
 };
 
 // "rank 1 timed out after 10.0 s waiting for peer 3 in barrier: expected >= 7, saw 6", or, for a rank

@@ -28,7 +28,7 @@ __device__ __forceinline__ int32_t read_abort_word(const WaitContext& ctx) {
 // Writes the record unless another waiter of this rank already did (the first one explains the failure).
 inline __device__ __noinline__ void write_wait_record(const WaitContext& ctx, int peer, WaitPhase phase,
                                                       int64_t expected, int64_t seen, uint64_t waited_ns,
-                                                      int32_t abort_word) {
+                                                      int32_t abort_word, int32_t detail = 0) {
   if (atomicCAS(&ctx.record->flag, 0, -1) != 0) return;
   ctx.record->rank = ctx.rank;
   ctx.record->peer = peer;
@@ -37,20 +37,21 @@ inline __device__ __noinline__ void write_wait_record(const WaitContext& ctx, in
   ctx.record->seen = seen;
   ctx.record->waited_ns = static_cast<int64_t>(waited_ns);
   ctx.record->abort_word = abort_word;
+  ctx.record->detail = detail;
   __threadfence_system();
   atomicExch(&ctx.record->flag, 1);
   __threadfence_system();
 }
 
-// This rank gives up (a timeout, or a capacity error): records why, then raises the abort word here and in
-// every peer of the NVLink node, so every bounded wait of the group stops. The caller returns afterwards;
-// nothing traps, so the CUDA context survives.
-// NOTES: the record is written before the word, so a waiter of this rank that sees the word finds the
-// record taken and the host reports this cause, not a released waiter's. Ranks on other nodes are not
-// reached: they give up by their own bounds.
+// This rank gives up (a timeout, a capacity error, a peer's shapes that differ): records why, then raises the
+// abort word here and in every peer of the NVLink node, so every bounded wait of the group stops. The caller
+// returns afterwards; nothing traps, so the CUDA context survives. NOTES: the record is written before the
+// word, so a waiter of this rank that sees the word finds the record taken and the host reports this cause,
+// not a released waiter's. Ranks on other nodes are not reached: they give up by their own bounds.
 inline __device__ __noinline__ void raise_abort(const WaitContext& ctx, int peer, WaitPhase phase,
-                                                int64_t expected, int64_t seen, uint64_t waited_ns) {
-  write_wait_record(ctx, peer, phase, expected, seen, waited_ns, 0);
+                                                int64_t expected, int64_t seen, uint64_t waited_ns,
+                                                int32_t detail = 0) {
+  write_wait_record(ctx, peer, phase, expected, seen, waited_ns, 0, detail);
   const int32_t word = encode_abort_word(ctx.rank, peer, phase);
   if (atomicCAS_system(ctx.abort.local, 0, word) != 0) return;  // the group is aborted already
   for (int r = 0; r < ctx.abort.num_ranks; ++r) {
@@ -91,6 +92,10 @@ __device__ __forceinline__ bool spin_until(const int* address, Done done, int64_
     if (spin % kAbortPollSpins == kAbortPollSpins - 1) {
       const int32_t word = read_abort_word(ctx);
       if (word != 0) {
+        // A value published before the abort was raised still counts (the abort's fence orders it first).
+        __threadfence_system();
+        value = ld_acquire_sys(address);
+        if (done(value)) return true;
         note_abort(ctx, peer, phase, expected, value, word);
         return false;
       }
@@ -156,6 +161,9 @@ __device__ __forceinline__ bool spin_count_since_u64(const uint64_t* counter, ui
     if (spin % kAbortPollSpins == kAbortPollSpins - 1) {
       const int32_t word = read_abort_word(ctx);
       if (word != 0) {
+        __threadfence_system();  // as in spin_until
+        value = ld_acquire_sys_u64(counter);
+        if (static_cast<int64_t>(value - base) >= needed) return true;
         note_abort(ctx, peer, phase, expected, static_cast<int64_t>(value), word);
         return false;
       }

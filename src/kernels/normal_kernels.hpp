@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/shape_fingerprint.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/peer_context.hpp"
 
@@ -53,6 +54,7 @@ struct NotifyArgs {
   int num_worst_tokens;  // 0 or the row capacity of the outputs
   HandleArrays handle;   // is_token_in_rank (copy), recv_channel_offset, num_recv_tokens_per_expert
   HostCounts host;
+  ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
 };
 // The count exchange: one block per channel counts what it will send to each rank; one block exchanges
 // those and the per-expert counts. Constant cost in T apart from the per-channel counting.

@@ -5,6 +5,7 @@
 #include "kernels/normal_kernels.hpp"
 #include "kernels/nvl_barrier.cuh"
 #include "kernels/preload.hpp"
+#include "kernels/shape_check.cuh"
 
 namespace epx::kernels {
 
@@ -75,7 +76,13 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     device::wait_at_least(&control->parity_acks, num_channels, ctx, rank, WaitPhase::kDispatchNotify);
     control->parity_acks = 0;
   }
+  // The shape fingerprint travels with the counts: the barrier publishes it too.
+  if (threadIdx.x < num_ranks && args.peers.abort.peers[threadIdx.x] != nullptr)
+    post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], parity, rank), args.shape);
   nvl_barrier_block(args.peers);
+  if (threadIdx.x < num_ranks && threadIdx.x != rank)
+    check_shape(ctx, threadIdx.x, args.shape,
+                AbortLayout::normal_shape(args.peers.abort.local, parity, threadIdx.x));
 
   const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, parity);
   const int cell = threadIdx.x;  // (source, channel), source-major

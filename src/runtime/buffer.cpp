@@ -62,8 +62,9 @@ void* const* upload_table(const std::vector<void*>& bases) {
   return table;
 }
 
-// Bytes of the abort-word allocation (one word used; a whole line so nothing else shares it).
-constexpr size_t kAbortBytes = 128;
+// Bytes of the abort-word allocation: the word and the shape fingerprints (AbortLayout).
+constexpr size_t kAbortBytes = AbortLayout::kBytes;
+static_assert(AbortLayout::kMaxRanks == kMaxLowLatencyRanks, "one fingerprint slot per rank");
 
 }  // namespace
 
@@ -181,7 +182,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
     s.low_latency->buffer = this;
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.probe_stream, cudaStreamNonBlocking));
-    s.abort_memory.emplace(bootstrap, kAbortBytes, "abort word", s.ranks_per_node);
+    s.abort_memory.emplace(bootstrap, kAbortBytes, "abort words", s.ranks_per_node);
     s.abort_table = upload_table(s.abort_memory->bases());
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer", s.ranks_per_node);
     s.nvl_table = upload_table(s.nvl->bases());

@@ -68,6 +68,20 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::abort_words(buffer)};
 }
 
+// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
+// queues' config.
+ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config) {
+  int32_t values[kNumShapeFields] = {};
+  values[static_cast<int>(ShapeField::kHidden)] = shape.hidden;
+  values[static_cast<int>(ShapeField::kRowBytes)] = shape.x_row_bytes;
+  values[static_cast<int>(ShapeField::kNumScales)] = shape.num_scales;
+  values[static_cast<int>(ShapeField::kNumTopk)] = shape.num_topk;
+  values[static_cast<int>(ShapeField::kNumExperts)] = shape.num_experts;
+  values[static_cast<int>(ShapeField::kNumChannels)] = config.num_channels();
+  values[static_cast<int>(ShapeField::kQueueTokens)] = config.num_max_nvl_chunked_recv_tokens;
+  return make_shape_fingerprint(values);
+}
+
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
 // dispatch that made the handle did, whatever the SM budget is now.
 Config queue_config(const Buffer& buffer, const DispatchHandle::State& state) {
@@ -330,7 +344,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                              state->expert_alignment,
                              state->num_worst_tokens,
                              state->arrays,
-                             {buffer.host_scratch_device() + kCountsSlot, nullptr, 0}};
+                             {buffer.host_scratch_device() + kCountsSlot, nullptr, 0},
+                             normal_shape_fingerprint(shape, queue_config(buffer, *state))};
   if (host_waits) {
     // Every earlier waiting dispatch published its value and was waited for: the next one is one more.
     notify.host.ready = buffer.host_scratch_device() + kReadySlot;

@@ -5,6 +5,7 @@
 
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
+#include "core/shape_fingerprint.hpp"
 #include "core/wait_record.hpp"
 #include "epx/error.hpp"
 
@@ -36,7 +37,7 @@ epx::WaitTimeoutRecord timeout_record() {
 TEST(AbortWord, RoundTripsEveryRankPeerAndPhase) {
   for (int rank = 0; rank < 64; ++rank) {
     for (int peer = -1; peer < 64; ++peer) {
-      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kLowLatencyCombineSend); ++phase) {
+      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kShapeMismatch); ++phase) {
         const int32_t word = epx::encode_abort_word(rank, peer, static_cast<WaitPhase>(phase));
         ASSERT_TRUE(epx::abort_word_is_set(word));
         const epx::AbortCause cause = epx::decode_abort_word(word);
@@ -111,6 +112,45 @@ TEST(AbortState, APeersAbortWordAlsoAborts) {
   EXPECT_EQ(error_of([&] { state.observe_abort_word(1, epx::encode_abort_word(0, 1, WaitPhase::kBarrier)); }),
             "rank 1: the group was aborted: rank 0 timed out waiting for peer 1 in barrier");
   EXPECT_TRUE(state.aborted());
+}
+
+}  // namespace
+
+namespace {
+
+epx::ShapeFingerprint fingerprint_with(int field, int32_t value) {
+  int32_t values[epx::kNumShapeFields] = {2048, 4096, 0, 8, 256, 10, 256, 0, 0};
+  values[field] = value;
+  return epx::make_shape_fingerprint(values);
+}
+
+TEST(ShapeFingerprint, EveryFieldChangesTheHashAndIsNamed) {
+  const epx::ShapeFingerprint base = fingerprint_with(0, 2048);
+  EXPECT_NE(base.hash, 0);
+  for (int field = 0; field < epx::kNumShapeFields; ++field) {
+    const epx::ShapeFingerprint other = fingerprint_with(field, base.values[field] + 1);
+    EXPECT_NE(other.hash, base.hash) << epx::shape_field_name(field);
+    EXPECT_EQ(epx::first_differing_field(base, other), field);
+    EXPECT_STRNE(epx::shape_field_name(field), "?");
+  }
+  EXPECT_EQ(epx::first_differing_field(base, fingerprint_with(0, 2048)), -1);
+}
+
+TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
+  epx::WaitTimeoutRecord record{};
+  record.flag = 1;
+  record.rank = 0;
+  record.peer = 1;
+  record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
+  record.expected = 2048;
+  record.seen = 4096;
+  record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
+  EXPECT_EQ(
+      epx::describe_wait_timeout(record),
+      "rank 0: peer 1 called with hidden = 4096, this rank with 2048 (every rank must pass the same shapes "
+      "and config)");
+  EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(0, 1, WaitPhase::kShapeMismatch)),
+            "rank 2: the group was aborted: rank 0 found that peer 1 called with other shapes");
 }
 
 }  // namespace

@@ -130,6 +130,9 @@ class FaultCalls {
   FaultCalls(const FaultCalls&) = delete;
   FaultCalls& operator=(const FaultCalls&) = delete;
 
+  // Hidden size of this rank's normal-mode tokens (the shape check's tests change it on one rank).
+  void set_hidden(int hidden) { normal_.hidden = hidden; }
+
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
     const epx::StreamOrder order{stream_, nullptr, false};
@@ -301,6 +304,36 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
   buffer->destroy();
 }
 
+// One rank dispatches tokens of another hidden size: every rank's dispatch must raise the shape check's
+// error (no timeout: the fingerprints travel with the counts), then reset() and checked calls.
+void run_shape_mismatch(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  const auto start = std::chrono::steady_clock::now();
+  {
+    FaultCalls calls(buffer, num_ranks);
+    if (rank == num_ranks - 1) calls.set_hidden(128);
+    std::string error;
+    try {
+      calls.run(Fault::kCombine, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+    // Each rank finds the mismatch itself, or (with more ranks) is released by one that did first.
+    if (!contains_any(error, {"called with hidden = ", "called with other shapes"}))
+      throw std::runtime_error("rank " + std::to_string(rank) + ": no shape error, got: '" + error + "'");
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (seconds > kWaitTimeoutS)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": the shape check took " +
+                             std::to_string(seconds) + " s (it must not wait for a timeout)");
+  expect_context_alive(rank);
+  buffer.reset();
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+}
+
 void run_fault_group(Fault fault, bool rebuild) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
@@ -329,6 +362,10 @@ TEST(Faults, NotifySkippedThenRebuild) {
 }
 TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
   run_fault_group(Fault::kLowLatencyDispatch, true);
+}
+TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap); });
 }
 
 }  // namespace
