@@ -293,12 +293,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if (aborted) return;
   if (args.phases & kLowLatencySend) {
     send_expert_outputs<Remote>(args, prefix, small.warp_sums);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+                          args.shape);
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).
     if (wait_all_sources(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-                         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats)) {
+                         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape)) {
       reduce_tokens(args, small);
     }
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);

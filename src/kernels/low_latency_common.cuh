@@ -6,6 +6,7 @@
 #include "device/wait.cuh"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/low_latency_transport.cuh"
+#include "kernels/shape_check.cuh"
 #include "kernels/wait_context.cuh"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
@@ -43,8 +44,11 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // flag, so the receiver's acquire of the flag orders every data store and put of every block before its
 // reads.
 template <typename Remote>
+// The shape fingerprint goes into the destination's abort-words allocation (NVLink peers only) before the
+// flag.
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
-                                              int half, LowLatencyOp op, int value) {
+                                              int half, LowLatencyOp op, int value,
+                                              const ShapeFingerprint& shape) {
   Remote::quiet();
   __threadfence_system();
   __syncthreads();
@@ -52,6 +56,11 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
     if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
       atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
+      if (peers.abort.peers[dst] != nullptr) {
+        post_shape(
+            AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+            shape);
+      }
       __threadfence_system();
       signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);
     }
@@ -59,17 +68,23 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
 }
 
 // Every block waits until all sources published `expected`; block 0 adds the waited time per source. True
-// (for the whole block) when every flag arrived; false when a wait was abandoned (the group is aborted), and
+// (for the whole block) when every flag arrived with this rank's shape fingerprint (NVLink peers); false when
+// a wait was abandoned (the group is aborted) or a source's shapes differ (then this rank aborts it), and
 // then nothing the sources were to write may be read.
 __device__ __forceinline__ bool wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
                                                  int half, LowLatencyOp op, int expected, WaitPhase phase,
-                                                 int64_t* wait_cost_stats) {
+                                                 int64_t* wait_cost_stats, const ShapeFingerprint& shape) {
   const uint64_t start = device::global_timer_ns();
   const device::WaitContext ctx = wait_context(peers);
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    arrived &= device::try_wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)),
-                                         expected, ctx, src, phase);
+    bool ok = device::try_wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)),
+                                        expected, ctx, src, phase);
+    if (ok && peers.abort.peers[src] != nullptr) {
+      ok = check_shape(ctx, src, shape,
+                       AbortLayout::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
+    }
+    arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
                 static_cast<unsigned long long>(device::global_timer_ns() - start));

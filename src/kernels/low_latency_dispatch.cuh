@@ -298,7 +298,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
   const bool arrived =
       !aborted && wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats);
+                                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape);
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
   const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
@@ -358,7 +358,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
   if ((args.phases & kLowLatencySend) && !aborted) {
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large);
     send_tokens<Remote>(args, small);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
+                          args.shape);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses, aborted);
 }

@@ -39,6 +39,17 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::abort_words(buffer)};
 }
 
+// What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
+// the layout's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
+ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyLayout& layout, int format) {
+  int32_t values[kNumShapeFields] = {};
+  values[static_cast<int>(ShapeField::kHidden)] = layout.hidden;
+  values[static_cast<int>(ShapeField::kNumExperts)] = layout.num_experts;
+  values[static_cast<int>(ShapeField::kMaxTokens)] = layout.num_max_tokens;
+  values[static_cast<int>(ShapeField::kFormat)] = format;
+  return make_shape_fingerprint(values);
+}
+
 void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, const int64_t* topk_idx) {
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
   EPX_CHECK(num_tokens <= layout.num_max_tokens, "num_tokens", num_tokens,
@@ -150,6 +161,8 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.recv_range = out.recv_layout_range;
   args.cumulative_local_expert_recv_stats = in.cumulative_local_expert_recv_stats;
   args.wait_recv_cost_stats = in.dispatch_wait_recv_cost_stats;
+  args.shape = low_latency_shape_fingerprint(
+      layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) | (in.use_ue8m0 ? 4 : 0));
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_dispatch_remote
                                                   : kernels::launch_low_latency_dispatch);
@@ -215,6 +228,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.num_topk = in.num_topk;
   args.out = combined_x;
   args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
+  args.shape = low_latency_shape_fingerprint(layout, in.use_logfmt ? 8 : 0);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_combine_remote
                                                   : kernels::launch_low_latency_combine);

@@ -132,6 +132,7 @@ class FaultCalls {
 
   // Hidden size of this rank's normal-mode tokens (the shape check's tests change it on one rank).
   void set_hidden(int hidden) { normal_.hidden = hidden; }
+  void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
 
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
@@ -304,9 +305,10 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
   buffer->destroy();
 }
 
-// One rank dispatches tokens of another hidden size: every rank's dispatch must raise the shape check's
-// error (no timeout: the fingerprints travel with the counts), then reset() and checked calls.
-void run_shape_mismatch(epx::Bootstrap& bootstrap) {
+// One rank dispatches tokens of another hidden size (normal mode, or low latency): every rank's dispatch
+// must raise the shape check's error (no timeout: the fingerprints travel with the counts and the flags),
+// then reset() and checked calls.
+void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
   epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
@@ -314,10 +316,13 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap) {
   const auto start = std::chrono::steady_clock::now();
   {
     FaultCalls calls(buffer, num_ranks);
-    if (rank == num_ranks - 1) calls.set_hidden(128);
+    if (rank == num_ranks - 1) {
+      calls.set_hidden(128);
+      calls.set_low_latency_hidden(128);
+    }
     std::string error;
     try {
-      calls.run(Fault::kCombine, false);
+      calls.run(low_latency ? Fault::kLowLatencyCombine : Fault::kCombine, false);
     } catch (const epx::Error& caught) {
       error = caught.message();
     }
@@ -365,7 +370,11 @@ TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
-  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap); });
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, false); });
+}
+TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, true); });
 }
 
 }  // namespace
