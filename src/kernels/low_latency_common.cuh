@@ -42,10 +42,9 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
 // arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
 // flag, so the receiver's acquire of the flag orders every data store and put of every block before its
-// reads.
+// reads. The shape fingerprint goes into the destination's abort-words allocation (NVLink peers only)
+// before that fence, so the flag publishes it too.
 template <typename Remote>
-// The shape fingerprint goes into the destination's abort-words allocation (NVLink peers only) before the
-// flag.
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value,
                                               const ShapeFingerprint& shape) {
