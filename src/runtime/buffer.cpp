@@ -354,6 +354,7 @@ WaitTimeoutRecord read_record(const WaitTimeoutRecord& mapped) {
   copy.seen = fields.seen;
   copy.waited_ns = fields.waited_ns;
   copy.abort_word = fields.abort_word;
+  copy.detail = fields.detail;
   return copy;
 }
 
