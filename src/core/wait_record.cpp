@@ -1,5 +1,6 @@
 #include "core/wait_record.hpp"
 
+#include <atomic>
 #include <cstdio>
 
 #include "core/abort_word.hpp"
@@ -91,6 +92,23 @@ std::string describe_abort_cause(const AbortCause& cause) {
 std::string describe_abort_word(int rank, int32_t word) {
   return detail::concat("rank ", rank,
                         ": the group was aborted: ", describe_abort_cause(decode_abort_word(word)));
+}
+
+WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped) {
+  WaitTimeoutRecord copy{};
+  copy.flag = reinterpret_cast<const volatile int32_t&>(mapped.flag);
+  if (copy.flag != 1) return WaitTimeoutRecord{};
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const auto& fields = reinterpret_cast<const volatile WaitTimeoutRecord&>(mapped);
+  copy.rank = fields.rank;
+  copy.peer = fields.peer;
+  copy.phase = fields.phase;
+  copy.expected = fields.expected;
+  copy.seen = fields.seen;
+  copy.waited_ns = fields.waited_ns;
+  copy.abort_word = fields.abort_word;
+  copy.detail = fields.detail;
+  return copy;
 }
 
 const char* shape_field_name(int field) {

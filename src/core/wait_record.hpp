@@ -44,4 +44,9 @@ struct WaitTimeoutRecord {
 // released by another rank's abort, where it stopped and what the first rank reported.
 std::string describe_wait_timeout(const WaitTimeoutRecord& record);
 
+// A consistent copy of a record that kernels may be writing (host-mapped): the flag is written last, after a
+// system fence, so the other fields are complete once it reads 1; a copy whose flag is not 1 holds nothing
+// else.
+WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped);
+
 }  // namespace epx

@@ -1,7 +1,6 @@
 #include "epx/buffer.hpp"
 
 #include <algorithm>
-#include <atomic>
 #include <cstdlib>
 #include <memory>
 #include <optional>
@@ -337,29 +336,6 @@ AbortWords BufferAccess::abort_words(const Buffer& buffer) {
                     s.num_ranks};
 }
 
-namespace {
-
-// A consistent copy of the host-mapped record: the flag is written last (after a system fence), so the other
-// fields are complete once it reads 1.
-WaitTimeoutRecord read_record(const WaitTimeoutRecord& mapped) {
-  WaitTimeoutRecord copy{};
-  copy.flag = reinterpret_cast<const volatile int32_t&>(mapped.flag);
-  if (copy.flag != 1) return copy;
-  std::atomic_thread_fence(std::memory_order_acquire);
-  const auto& fields = reinterpret_cast<const volatile WaitTimeoutRecord&>(mapped);
-  copy.rank = fields.rank;
-  copy.peer = fields.peer;
-  copy.phase = fields.phase;
-  copy.expected = fields.expected;
-  copy.seen = fields.seen;
-  copy.waited_ns = fields.waited_ns;
-  copy.abort_word = fields.abort_word;
-  copy.detail = fields.detail;
-  return copy;
-}
-
-}  // namespace
-
 int32_t Buffer::read_abort_word() const {
   const State& s = live();
   int32_t word = 0;
@@ -371,7 +347,7 @@ int32_t Buffer::read_abort_word() const {
 
 bool Buffer::group_aborted() const {
   const State& s = live();
-  if (s.abort_state.aborted() || read_record(*s.timeout_record).flag == 1) return true;
+  if (s.abort_state.aborted() || snapshot_wait_record(*s.timeout_record).flag == 1) return true;
   try {
     return abort_word_is_set(read_abort_word());
   } catch (const Error&) {
@@ -381,7 +357,7 @@ bool Buffer::group_aborted() const {
 
 void Buffer::check_timeout() const {
   const State& s = live();
-  s.abort_state.observe_record(read_record(*s.timeout_record));
+  s.abort_state.observe_record(snapshot_wait_record(*s.timeout_record));
 }
 
 void Buffer::check() const {

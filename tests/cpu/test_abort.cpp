@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cstring>
 #include <functional>
 #include <string>
 
@@ -151,6 +152,29 @@ TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
       "and config)");
   EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(0, 1, WaitPhase::kShapeMismatch)),
             "rank 2: the group was aborted: rank 0 found that peer 1 called with other shapes");
+}
+
+}  // namespace
+
+namespace {
+
+TEST(WaitRecord, SnapshotCopiesEveryFieldOnceTheFlagIsSet) {
+  epx::WaitTimeoutRecord record{};
+  record.rank = 3;
+  record.peer = 1;
+  record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
+  record.expected = 256;
+  record.seen = 128;
+  record.waited_ns = 42;
+  record.abort_word = epx::encode_abort_word(2, 1, WaitPhase::kBarrier);
+  record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
+  // Not set yet: the snapshot holds nothing (a half-written record is never read).
+  const epx::WaitTimeoutRecord before = epx::snapshot_wait_record(record);
+  EXPECT_EQ(before.flag, 0);
+  EXPECT_EQ(before.rank, 0);
+  record.flag = 1;
+  const epx::WaitTimeoutRecord copy = epx::snapshot_wait_record(record);
+  EXPECT_EQ(std::memcmp(&copy, &record, sizeof(record)), 0);
 }
 
 }  // namespace
