@@ -177,27 +177,8 @@ class FaultCalls {
       epx::clean_low_latency_buffer(buffer_, ll_.num_max_tokens, ll_.hidden, ll_.num_experts, order);
     buffer_.synchronize(stream_);
     if (fault == Fault::kClean) return;
-    epx::LowLatencyDispatchInput in;
-    in.x = x_.get();
-    in.topk_idx = topk_idx_.get<int64_t>();
-    in.num_tokens = ll_.num_max_tokens;
-    in.num_topk = ll_.num_topk;
-    in.hidden = ll_.hidden;
-    in.num_max_dispatch_tokens_per_rank = ll_.num_max_tokens;
-    in.num_experts = ll_.num_experts;
-    in.use_fp8 = false;
-    const epx::LowLatencyDispatchSizes sizes = epx::low_latency_dispatch_sizes(buffer_, in);
-    ll_recv_x_ = DeviceArray(sizes.recv_x_bytes);
-    ll_count_ = DeviceArray(sizes.recv_count_bytes);
-    ll_info_ = DeviceArray(sizes.recv_src_info_bytes);
-    ll_pos_ = DeviceArray(sizes.recv_src_info_bytes);
-    ll_range_ = DeviceArray(sizes.recv_layout_range_bytes);
     if (skip && fault == Fault::kLowLatencyDispatch) return;
-    const epx::LowLatencyDispatchResult dispatched =
-        epx::low_latency_dispatch(buffer_, in,
-                                  {ll_recv_x_.get(), nullptr, ll_count_.get<int>(), ll_info_.get<int>(),
-                                   ll_pos_.get<int>(), ll_range_.get<epx::LowLatencyRange>()},
-                                  order);
+    const epx::LowLatencyDispatchResult dispatched = low_latency_dispatch(false);
     buffer_.synchronize(stream_);
     if (skip && fault == Fault::kLowLatencyCombine) return;
     ll_out_ = DeviceArray(size_t(ll_.num_max_tokens) * ll_.hidden * 2);
@@ -210,6 +191,35 @@ class FaultCalls {
     epx::low_latency_combine(buffer_, dispatched.handle, combine_in, ll_out_.get(), order);
     buffer_.synchronize(stream_);
   }
+
+  // A low-latency dispatch of this rank's tokens (the receive deferred to the returned hook when
+  // `return_recv_hook`), into outputs every call shares.
+  epx::LowLatencyDispatchResult low_latency_dispatch(bool return_recv_hook) {
+    epx::LowLatencyDispatchInput in;
+    in.x = x_.get();
+    in.topk_idx = topk_idx_.get<int64_t>();
+    in.num_tokens = ll_.num_max_tokens;
+    in.num_topk = ll_.num_topk;
+    in.hidden = ll_.hidden;
+    in.num_max_dispatch_tokens_per_rank = ll_.num_max_tokens;
+    in.num_experts = ll_.num_experts;
+    in.use_fp8 = false;
+    in.return_recv_hook = return_recv_hook;
+    if (ll_recv_x_.bytes() == 0) {
+      const epx::LowLatencyDispatchSizes sizes = epx::low_latency_dispatch_sizes(buffer_, in);
+      ll_recv_x_ = DeviceArray(sizes.recv_x_bytes);
+      ll_count_ = DeviceArray(sizes.recv_count_bytes);
+      ll_info_ = DeviceArray(sizes.recv_src_info_bytes);
+      ll_pos_ = DeviceArray(sizes.recv_src_info_bytes);
+      ll_range_ = DeviceArray(sizes.recv_layout_range_bytes);
+    }
+    return epx::low_latency_dispatch(buffer_, in,
+                                     {ll_recv_x_.get(), nullptr, ll_count_.get<int>(), ll_info_.get<int>(),
+                                      ll_pos_.get<int>(), ll_range_.get<epx::LowLatencyRange>()},
+                                     {stream_, nullptr, false});
+  }
+
+  cudaStream_t stream() const { return stream_; }
 
   void run(Fault fault, bool skip) {
     const bool is_normal =
@@ -339,6 +349,43 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
+// Receive hooks: after an abort a pending hook refuses with the abort's message; after reset() it is stale;
+// after destroy() it refuses to launch on freed memory.
+void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  const int victim = num_ranks - 1;
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  FaultCalls calls(buffer, num_ranks);
+  calls.low_latency(Fault::kClean, false);
+  const epx::LowLatencyDispatchResult pending = calls.low_latency_dispatch(true);  // every rank: sent
+  if (rank != victim) {
+    // The victim never sends this second call: its receive gives up.
+    std::string error;
+    try {
+      calls.low_latency_dispatch(false);
+      buffer.synchronize(calls.stream());
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+    if (error.find("peer " + std::to_string(victim) + " in low-latency dispatch receive") ==
+        std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(rank) + ": unexpected error: '" + error + "'");
+    expect_error([&] { pending.hook(calls.stream()); }, error);
+  }
+  bootstrap.barrier();
+  if (rank == victim) {
+    expect_error([&] { buffer.check(); }, "the group was aborted");
+    expect_error([&] { pending.hook(calls.stream()); }, "the group was aborted");
+  }
+  buffer.reset();
+  expect_error([&] { pending.hook(calls.stream()); }, "is stale");
+  const epx::LowLatencyDispatchResult orphan = calls.low_latency_dispatch(true);
+  buffer.destroy();
+  expect_error([&] { orphan.hook(calls.stream()); }, "after its Buffer was destroyed");
+}
+
 void run_fault_group(Fault fault, bool rebuild) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
@@ -367,6 +414,10 @@ TEST(Faults, NotifySkippedThenRebuild) {
 }
 TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
   run_fault_group(Fault::kLowLatencyDispatch, true);
+}
+TEST(Faults, HooksAfterAbortResetAndDestroyAreRefused) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_hooks_after_abort(bootstrap); });
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
