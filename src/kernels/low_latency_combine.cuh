@@ -292,9 +292,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv);
   if (aborted) return;
   if (args.phases & kLowLatencySend) {
+    post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape);
     send_expert_outputs<Remote>(args, prefix, small.warp_sums);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-                          args.shape);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1);
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).

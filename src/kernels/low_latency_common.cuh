@@ -42,12 +42,10 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
 // arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
 // flag, so the receiver's acquire of the flag orders every data store and put of every block before its
-// reads. The shape fingerprint goes into the destination's abort-words allocation (NVLink peers only)
-// before that fence, so the flag publishes it too.
+// reads (the shape fingerprints post_shapes wrote at the start of the send phase included).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
-                                              int half, LowLatencyOp op, int value,
-                                              const ShapeFingerprint& shape) {
+                                              int half, LowLatencyOp op, int value) {
   Remote::quiet();
   __threadfence_system();
   __syncthreads();
@@ -55,14 +53,22 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
     if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
       atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
-      if (peers.abort.peers[dst] != nullptr) {
-        post_shape(
-            AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
-            shape);
-      }
       __threadfence_system();
       signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);
     }
+  }
+}
+
+// Called at the start of a send phase: block 0 writes this rank's shape fingerprint into every NVLink
+// destination's abort-words allocation, early, so the stores are long complete when publish_sends fences
+// before the flag (they add nothing to the flag's latency).
+__device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, LowLatencyOp op,
+                                            const ShapeFingerprint& shape) {
+  if (blockIdx.x != 0) return;
+  for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
+    if (peers.abort.peers[dst] == nullptr) continue;
+    post_shape(AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+               shape);
   }
 }
 

@@ -356,10 +356,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
       wait_context(args.peers), args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend
                                                               : WaitPhase::kLowLatencyDispatchRecv);
   if ((args.phases & kLowLatencySend) && !aborted) {
+    post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large);
     send_tokens<Remote>(args, small);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                          args.shape);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses, aborted);
 }
