@@ -65,6 +65,10 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   const int parity = parity_before_barrier(args.peers);
   const device::WaitContext ctx = wait_context(args.peers);
 
+  // The shape fingerprint travels with the counts (first, so its stores overlap the counts'): the barrier
+  // publishes it too, and every rank compares every peer's after it.
+  if (threadIdx.x < num_ranks && args.peers.abort.peers[threadIdx.x] != nullptr)
+    post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], parity, rank), args.shape);
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
     NormalLayout::notify(args.peers.peer_bases[dst], parity)
@@ -76,9 +80,6 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     device::wait_at_least(&control->parity_acks, num_channels, ctx, rank, WaitPhase::kDispatchNotify);
     control->parity_acks = 0;
   }
-  // The shape fingerprint travels with the counts: the barrier publishes it too.
-  if (threadIdx.x < num_ranks && args.peers.abort.peers[threadIdx.x] != nullptr)
-    post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], parity, rank), args.shape);
   nvl_barrier_block(args.peers);
   if (threadIdx.x < num_ranks && threadIdx.x != rank)
     check_shape(ctx, threadIdx.x, args.shape,
