@@ -7,6 +7,8 @@
 
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
 #include <algorithm>
 #include <chrono>
 #include <memory>
@@ -87,7 +89,10 @@ epx::test::LowLatencyCase low_latency_case(int num_ranks) {
   return c;
 }
 
+// Buffer options with the short bound. EPX_WAIT_TIMEOUT_S overrides BufferOptions::wait_timeout_s (and the
+// GPU scripts set it): each rank process (forked by the launcher) sets it to the test's bound.
 epx::BufferOptions fault_buffer_options(int num_ranks) {
+  setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kWaitTimeoutS).c_str(), 1);
   const epx::test::LowLatencyCase ll = low_latency_case(num_ranks);
   epx::BufferOptions options;
   options.num_nvl_bytes = epx::test::normal_buffer_bytes(normal_case(num_ranks));

@@ -72,11 +72,14 @@ def test_skipped_low_latency_dispatch_is_reported_and_recovered(num_ranks):
 def skipped_notify_worker(rank, num_ranks, group):
     """Normal mode through epx.Buffer: the last rank skips a dispatch; the others' dispatch raises (its host
     wait for the counts reads the record); after reset() a dispatch + combine round trip runs."""
+    import os
+
     import torch
     import torch.distributed as dist
 
     import epx
 
+    os.environ["EPX_WAIT_TIMEOUT_S"] = str(WAIT_TIMEOUT_S)  # it overrides wait_timeout_s (the GPU scripts set it)
     device = torch.device("cuda", torch.cuda.current_device())
     hidden, num_experts, num_tokens = 256, 4 * num_ranks, 32
     config = epx.Config()
