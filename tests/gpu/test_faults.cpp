@@ -198,8 +198,8 @@ class FaultCalls {
   }
 
   // A low-latency dispatch of this rank's tokens (the receive deferred to the returned hook when
-  // `return_recv_hook`), into outputs every call shares.
-  epx::LowLatencyDispatchResult low_latency_dispatch(bool return_recv_hook) {
+  // `return_recv_hook`; with `async_finish`, an event to wait on), into outputs every call shares.
+  epx::LowLatencyDispatchResult low_latency_dispatch(bool return_recv_hook, bool async_finish = false) {
     epx::LowLatencyDispatchInput in;
     in.x = x_.get();
     in.topk_idx = topk_idx_.get<int64_t>();
@@ -221,7 +221,7 @@ class FaultCalls {
     return epx::low_latency_dispatch(buffer_, in,
                                      {ll_recv_x_.get(), nullptr, ll_count_.get<int>(), ll_info_.get<int>(),
                                       ll_pos_.get<int>(), ll_range_.get<epx::LowLatencyRange>()},
-                                     {stream_, nullptr, false});
+                                     {stream_, nullptr, async_finish});
   }
 
   cudaStream_t stream() const { return stream_; }
@@ -354,8 +354,9 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
-// Receive hooks: after an abort a pending hook refuses with the abort's message; after reset() it is stale;
-// after destroy() it refuses to launch on freed memory.
+// Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
+// the abort a pending hook refuses with its message; after reset() the hook is stale; after destroy() it
+// refuses to launch on freed memory.
 void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
@@ -366,11 +367,10 @@ void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
   calls.low_latency(Fault::kClean, false);
   const epx::LowLatencyDispatchResult pending = calls.low_latency_dispatch(true);  // every rank: sent
   if (rank != victim) {
-    // The victim never sends this second call: its receive gives up.
+    // The victim never sends this second call: its receive gives up, and the call's event says so.
     std::string error;
     try {
-      calls.low_latency_dispatch(false);
-      buffer.synchronize(calls.stream());
+      calls.low_latency_dispatch(false, true).event.synchronize();
     } catch (const epx::Error& caught) {
       error = caught.message();
     }
