@@ -81,7 +81,7 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     control->parity_acks = 0;
   }
   nvl_barrier_block(args.peers);
-  if (threadIdx.x < num_ranks && threadIdx.x != rank)
+  if (threadIdx.x < num_ranks && threadIdx.x != rank && args.peers.abort.peers[threadIdx.x] != nullptr)
     check_shape(ctx, threadIdx.x, args.shape,
                 AbortLayout::normal_shape(args.peers.abort.local, parity, threadIdx.x));
 
