@@ -138,6 +138,8 @@ class FaultCalls {
   // Hidden size of this rank's normal-mode tokens (the shape check's tests change it on one rank).
   void set_hidden(int hidden) { normal_.hidden = hidden; }
   void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
+  // > 0: normal-mode dispatch in worst-case mode (no host wait) with outputs of this many rows.
+  void set_num_worst_tokens(int rows) { num_worst_tokens_ = rows; }
 
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
@@ -156,6 +158,7 @@ class FaultCalls {
     in.num_experts = normal_.num_experts;
     in.is_token_in_rank = in_rank_.get<bool>();
     in.num_tokens_per_expert = per_expert_.get<int>();
+    in.num_worst_tokens = num_worst_tokens_;
     const epx::DispatchPlan plan = epx::dispatch_notify(buffer_, in, order);
     const size_t rows = plan.num_recv_rows;
     recv_x_ = DeviceArray(rows * normal_.hidden * 2);
@@ -241,6 +244,7 @@ class FaultCalls {
   epx::test::NormalCase normal_;
   epx::test::LowLatencyCase ll_;
   cudaStream_t stream_ = nullptr;
+  int num_worst_tokens_ = 0;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -354,6 +358,33 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
+// Worst-case mode: rank 0's outputs are too small for what it receives. Its notify reports the capacity
+// error and aborts the group (no trap); its dispatch writes nothing; every other rank's dispatch stops and
+// names rank 0's cause. Then reset() and checked calls.
+void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  std::string error;
+  {
+    FaultCalls calls(buffer, num_ranks);
+    calls.set_num_worst_tokens(rank == 0 ? 1 : 48 * num_ranks);
+    try {
+      calls.run(Fault::kCombine, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+  }
+  const std::string want = rank == 0 ? "capacity exceeded" : "rank 0 exceeded its capacity";
+  if (error.find(want) == std::string::npos)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
+                             "'");
+  expect_context_alive(rank);
+  buffer.reset();
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+}
+
 // Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
 // the abort a pending hook refuses with its message; after reset() the hook is stale; after destroy() it
 // refuses to launch on freed memory.
@@ -423,6 +454,10 @@ TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
 TEST(Faults, HooksAfterAbortResetAndDestroyAreRefused) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_hooks_after_abort(bootstrap); });
+}
+TEST(Faults, CapacityExceededAbortsEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_capacity_exceeded(bootstrap); });
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
