@@ -27,6 +27,10 @@ struct BufferOptions {
   // NVSHMEM transport). A value below the detected node size makes virtual nodes (e.g. 4 GPUs of one host as
   // 2 x 2), which is how the multi-node path is tested without a NIC. Env EPX_RANKS_PER_NODE overrides.
   int ranks_per_node = 0;
+  // The stream the Buffer's calls run on, borrowed (it must outlive the Buffer and every call's outputs), or
+  // nullptr: the Buffer makes its own. Frameworks pass a stream of their own pool (epx.Buffer passes
+  // torch's), so tensors recorded on it stay safe to free after destroy().
+  cudaStream_t comm_stream = nullptr;
 };
 
 // One per rank, constructed collectively by all ranks of a node on the current CUDA device.
@@ -39,7 +43,9 @@ class Buffer {
   Buffer(const Buffer&) = delete;
   Buffer& operator=(const Buffer&) = delete;
 
-  // Frees everything now (collective: every rank must call it). Calls after destroy() throw.
+  // Frees everything now (collective: every rank must call it). Calls after destroy() throw. An aborted
+  // Buffer (or one whose abort word is set) leaves without the teardown barrier and without the collective
+  // free of memory reached through NVSHMEM (kept until the process ends), so a missing peer cannot hang it.
   void destroy();
   bool is_destroyed() const;
 
@@ -77,11 +83,25 @@ class Buffer {
   void* rdma_buffer() const;
   size_t num_rdma_bytes() const;
 
-  // Host-mapped record kernels write before trapping on a timeout; check_timeout() throws epx::Error with
-  // its description if one was written (call it when a sync reports a failed launch).
+  // ---- Failures (docs/RELIABILITY.md) ----
+  // A device wait that gives up writes a record into host-mapped memory, raises the group's abort word (so
+  // every wait of every rank stops) and returns; the CUDA context survives. Once the host sees a record or
+  // the abort word, the Buffer is aborted: every call throws epx::Error with the same message (rank, peer,
+  // phase, expected and seen values) until reset() or destroy().
   WaitTimeoutRecord* timeout_record_device() const;
+  // Throws epx::Error when the Buffer is aborted or a record was written (cheap: reads host memory). Every
+  // entry point calls it.
   void check_timeout() const;
-  // Synchronizes `stream`; on failure throws epx::Error with the timeout record if any, else the CUDA error.
+  // check_timeout(), and also this rank's abort word (a peer's failure that no wait of this rank saw yet);
+  // call it after a torch or event sync. Takes a small device-to-host copy on a private stream.
+  void check() const;
+  bool is_aborted() const;
+  // Collective (every rank calls it), bounded: waits for this rank's kernels (every wait returns once the
+  // group is aborted), meets every rank, clears the abort words, the record and the protocol state of both
+  // buffers (queue counters, barrier and low-latency signals), and meets again. The Buffer then runs calls
+  // again; receive hooks of earlier low-latency calls become stale. Throws if the CUDA context is lost.
+  void reset();
+  // Synchronizes `stream`, then throws epx::Error with the timeout record if any, else the CUDA error.
   void synchronize(cudaStream_t stream) const;
 
   // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
@@ -97,6 +117,8 @@ class Buffer {
   struct State;
   std::unique_ptr<State> state_;
   const State& live() const;
+  int32_t read_abort_word() const;  // this rank's abort word (a device-to-host copy)
+  bool group_aborted() const;       // aborted, a record written, or the abort word set
 };
 
 }  // namespace epx

@@ -2,6 +2,7 @@
 
 #include <cuda_runtime.h>
 
+#include <functional>
 #include <memory>
 
 namespace epx {
@@ -18,7 +19,9 @@ struct StreamOrder {
 class Event {
  public:
   Event() = default;
-  static Event record(cudaStream_t stream);
+  // `on_synchronized` (optional) runs after every synchronize(), before a CUDA error is raised: an event an
+  // EPX call returns raises its Buffer's failure there (Buffer::check_timeout), naming rank, peer and phase.
+  static Event record(cudaStream_t stream, std::function<void()> on_synchronized = {});
   bool valid() const { return event_ != nullptr; }
   cudaEvent_t get() const { return event_.get(); }
   void wait_on(cudaStream_t stream) const;  // makes `stream` wait for this event
@@ -26,6 +29,7 @@ class Event {
 
  private:
   std::shared_ptr<CUevent_st> event_;
+  std::function<void()> on_synchronized_;
 };
 
 }  // namespace epx

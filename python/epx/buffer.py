@@ -103,20 +103,44 @@ class Buffer:
         rank, num_ranks, all_gather, barrier = bootstrap
         self.group = group
         self.device = t.device("cuda", t.cuda.current_device())  # also initialises torch's CUDA context
+        # A stream of torch's pool (never destroyed, as DeepEP's): outputs recorded on it stay safe to free
+        # after destroy().
+        self.comm_stream = t.cuda.Stream(device=self.device)
         options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
                                      num_sms=int(num_sms), wait_timeout_s=float(wait_timeout_s),
-                                     ranks_per_node=int(ranks_per_node))
+                                     ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream)
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
         self.rank = rank
         self.num_ranks = num_ranks
         self.low_latency_mode = bool(low_latency_mode)
-        self.comm_stream = t.cuda.ExternalStream(self.runtime.comm_stream, device=self.device)
 
     # ---- Life cycle and properties ----
 
     def destroy(self) -> None:
-        """Frees the buffers now (collective). Calls after it raise EpxError."""
+        """Frees the buffers now (collective). Calls after it raise EpxError. After an abort it meets no peer
+        (peers may be gone): it frees this rank's memory and returns."""
         self.runtime.destroy()
+
+    # ---- Failures (docs/RELIABILITY.md) ----
+
+    def check(self) -> None:
+        """Raises EpxError (rank, peer, phase, expected and seen values) when a device wait of this rank, or
+        of a peer, gave up. Call it after a torch.cuda.synchronize() or an event sync: calls that return before
+        their kernels finish report a failure only at the next EPX call or here. Once raised, every call
+        raises the same error until reset() or destroy()."""
+        self.runtime.check()
+
+    @property
+    def is_aborted(self) -> bool:
+        """True once a failure was raised; calls are refused until reset() or destroy()."""
+        return bool(self.runtime.is_aborted)
+
+    def reset(self) -> None:
+        """Collective (every rank calls it): after an abort, waits for this rank's kernels (every wait is
+        bounded), clears the abort and re-synchronizes both buffers' queue counters and signals. The Buffer
+        then runs calls again (hooks of earlier low-latency calls become stale). The CUDA context and the
+        caller's tensors were never lost."""
+        self.runtime.reset()
 
     @property
     def is_destroyed(self) -> bool:

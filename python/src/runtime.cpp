@@ -43,15 +43,16 @@ void bind_buffer(py::module_& m) {
   py::class_<BufferOptions> options(m, "BufferOptions");
   options
       .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, int num_sms, double wait_timeout_s,
-                       int ranks_per_node) {
+                       int ranks_per_node, uintptr_t comm_stream) {
              return BufferOptions{.num_nvl_bytes = num_nvl_bytes,
                                   .num_rdma_bytes = num_rdma_bytes,
                                   .num_sms = num_sms,
                                   .wait_timeout_s = wait_timeout_s,
-                                  .ranks_per_node = ranks_per_node};
+                                  .ranks_per_node = ranks_per_node,
+                                  .comm_stream = reinterpret_cast<cudaStream_t>(comm_stream)};
            }),
            py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_sms") = 20,
-           py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0)
+           py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0, py::arg("comm_stream") = 0)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
@@ -96,6 +97,15 @@ void bind_buffer(py::module_& m) {
       .def_property_readonly("num_rdma_bytes",
                              [](const PyBuffer& self) { return self.get().num_rdma_bytes(); })
       .def("check_timeout", [](const PyBuffer& self) { self.get().check_timeout(); })
+      .def(
+          "check", [](const PyBuffer& self) { call_without_gil([&] { self.get().check(); }); },
+          "Raises EpxError when a device wait of this rank or of a peer gave up (after a torch or event "
+          "sync).")
+      .def_property_readonly("is_aborted", [](const PyBuffer& self) { return self.get().is_aborted(); })
+      // Collective through the bootstrap callbacks: keeps the GIL, as construction does.
+      .def(
+          "reset", [](PyBuffer& self) { self.get().reset(); },
+          "Collective: clears an abort and re-synchronizes both buffers; the Buffer runs calls again.")
       .def(
           "synchronize",
           [](const PyBuffer& self, uintptr_t stream) {

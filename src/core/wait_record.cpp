@@ -1,7 +1,10 @@
 #include "core/wait_record.hpp"
 
+#include <atomic>
 #include <cstdio>
 
+#include "core/abort_word.hpp"
+#include "core/shape_fingerprint.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -30,13 +33,36 @@ const char* wait_phase_name(WaitPhase phase) {
       return "combine send (room in the peer's queue)";
     case WaitPhase::kPreviousCall:
       return "the peer's previous normal-mode call";
+    case WaitPhase::kLowLatencyDispatchSend:
+      return "low-latency dispatch send";
+    case WaitPhase::kLowLatencyCombineSend:
+      return "low-latency combine send";
+    case WaitPhase::kShapeMismatch:
+      return "shape check";
     case WaitPhase::kDispatchOutputs:
       return "dispatch receive (waiting for this rank's host to call dispatch_receive with the outputs)";
   }
   return "unknown phase";
 }
 
+namespace {
+
+std::string describe_released(const WaitTimeoutRecord& record) {
+  const auto phase = static_cast<WaitPhase>(record.phase);
+  const std::string cause = describe_abort_cause(decode_abort_word(record.abort_word));
+  if (record.peer < 0) {
+    return detail::concat("rank ", record.rank, " skipped ", wait_phase_name(phase),
+                          ": the group was aborted: ", cause);
+  }
+  return detail::concat("rank ", record.rank, " stopped waiting for peer ", record.peer, " in ",
+                        wait_phase_name(phase), " (expected >= ", record.expected, ", saw ", record.seen,
+                        "): the group was aborted: ", cause);
+}
+
+}  // namespace
+
 std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
+  if (record.abort_word != 0) return describe_released(record);
   const auto phase = static_cast<WaitPhase>(record.phase);
   char seconds[32];
   std::snprintf(seconds, sizeof(seconds), "%.1f", static_cast<double>(record.waited_ns) * 1e-9);
@@ -44,9 +70,71 @@ std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
     return detail::concat("rank ", record.rank, ": capacity exceeded for data from peer ", record.peer,
                           ": needed ", record.seen, " rows, room for ", record.expected);
   }
+  if (phase == WaitPhase::kShapeMismatch) {
+    return detail::concat("rank ", record.rank, ": peer ", record.peer, " called with ",
+                          shape_field_name(record.detail), " = ", record.seen, ", this rank with ",
+                          record.expected, " (every rank must pass the same shapes and config)");
+  }
   return detail::concat("rank ", record.rank, " timed out after ", seconds, " s waiting for peer ",
                         record.peer, " in ", wait_phase_name(phase), ": expected >= ", record.expected,
                         ", saw ", record.seen);
+}
+
+std::string describe_abort_cause(const AbortCause& cause) {
+  if (cause.phase == WaitPhase::kCapacity) {
+    return detail::concat("rank ", cause.rank, " exceeded its capacity (num_worst_tokens)");
+  }
+  if (cause.phase == WaitPhase::kShapeMismatch) {
+    return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
+  }
+  return detail::concat("rank ", cause.rank, " timed out waiting for peer ", cause.peer, " in ",
+                        wait_phase_name(cause.phase));
+}
+
+std::string describe_abort_word(int rank, int32_t word) {
+  return detail::concat("rank ", rank,
+                        ": the group was aborted: ", describe_abort_cause(decode_abort_word(word)));
+}
+
+WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped) {
+  WaitTimeoutRecord copy{};
+  copy.flag = reinterpret_cast<const volatile int32_t&>(mapped.flag);
+  if (copy.flag != 1) return WaitTimeoutRecord{};
+  std::atomic_thread_fence(std::memory_order_acquire);
+  const auto& fields = reinterpret_cast<const volatile WaitTimeoutRecord&>(mapped);
+  copy.rank = fields.rank;
+  copy.peer = fields.peer;
+  copy.phase = fields.phase;
+  copy.expected = fields.expected;
+  copy.seen = fields.seen;
+  copy.waited_ns = fields.waited_ns;
+  copy.abort_word = fields.abort_word;
+  copy.detail = fields.detail;
+  return copy;
+}
+
+const char* shape_field_name(int field) {
+  switch (static_cast<ShapeField>(field)) {
+    case ShapeField::kHidden:
+      return "hidden";
+    case ShapeField::kRowBytes:
+      return "row bytes (hidden and format)";
+    case ShapeField::kNumScales:
+      return "num_scales";
+    case ShapeField::kNumTopk:
+      return "num_topk";
+    case ShapeField::kNumExperts:
+      return "num_experts";
+    case ShapeField::kNumChannels:
+      return "channels (num_sms / 2)";
+    case ShapeField::kQueueTokens:
+      return "num_max_nvl_chunked_recv_tokens";
+    case ShapeField::kMaxTokens:
+      return "num_max_dispatch_tokens_per_rank";
+    case ShapeField::kFormat:
+      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt)";
+  }
+  return "?";
 }
 
 }  // namespace epx

@@ -5,8 +5,8 @@
 
 namespace epx {
 
-// Where a device-side wait gave up. Kernels write one WaitTimeoutRecord into host-mapped memory before they
-// trap, so the host can still read it after the CUDA context has failed.
+// Where a device-side wait gave up. Kernels write one WaitTimeoutRecord into host-mapped memory, raise the
+// abort word (core/abort_word.hpp) and return; the host reads the record at its next check.
 enum class WaitPhase : int32_t {
   kNone = 0,
   kBarrier = 1,          // ranks meeting at an NVLink barrier
@@ -15,11 +15,14 @@ enum class WaitPhase : int32_t {
   kCombineReduce = 4,    // normal combine: waiting for peers' returned rows
   kLowLatencyDispatchRecv = 5,
   kLowLatencyCombineRecv = 6,
-  kCapacity = 7,          // a count exceeded what the caller sized for (e.g. num_worst_tokens)
-  kDispatchSend = 8,      // normal dispatch: waiting for room in a peer's queue
-  kCombineSend = 9,       // normal combine: likewise
-  kPreviousCall = 10,     // normal mode: waiting for a peer to finish its previous dispatch or combine
-  kDispatchOutputs = 11,  // normal dispatch: a receive launched early, waiting for the host's output pointers
+  kCapacity = 7,                 // a count exceeded what the caller sized for (e.g. num_worst_tokens)
+  kDispatchSend = 8,             // normal dispatch: waiting for room in a peer's queue
+  kCombineSend = 9,              // normal combine: likewise
+  kPreviousCall = 10,            // normal mode: waiting for a peer to finish its previous dispatch or combine
+  kLowLatencyDispatchSend = 11,  // low latency: the send phase (only skipped, never waits)
+  kLowLatencyCombineSend = 12,
+  kShapeMismatch = 13,    // not a wait: a peer's shape fingerprint differs (core/shape_fingerprint.hpp)
+  kDispatchOutputs = 14,  // normal dispatch: a receive launched early, waiting for the host's output pointers
 };
 
 const char* wait_phase_name(WaitPhase phase);
@@ -32,9 +35,19 @@ struct WaitTimeoutRecord {
   int64_t expected;
   int64_t seen;
   int64_t waited_ns;
+  // 0: this rank's own wait gave up. Else the abort word this rank saw (another rank gave up first) and
+  // `peer`/`phase` say where this rank was when it stopped (peer -1: at the start of a kernel).
+  int32_t abort_word;
+  int32_t detail;  // kShapeMismatch: the ShapeField that differs (expected: this rank's value, seen: peer's)
 };
 
-// "rank 1 timed out after 10.0 s waiting for peer 3 in barrier: expected >= 7, saw 6".
+// "rank 1 timed out after 10.0 s waiting for peer 3 in barrier: expected >= 7, saw 6", or, for a rank
+// released by another rank's abort, where it stopped and what the first rank reported.
 std::string describe_wait_timeout(const WaitTimeoutRecord& record);
+
+// A consistent copy of a record that kernels may be writing (host-mapped): the flag is written last, after a
+// system fence, so the other fields are complete once it reads 1; a copy whose flag is not 1 holds nothing
+// else.
+WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped);
 
 }  // namespace epx

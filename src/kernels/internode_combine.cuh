@@ -58,6 +58,7 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
   }
   device::StallClock stall;
   stall.restart();
+  bool stop = false;  // the leader's: the group was aborted, leave the loop
   while (done_nodes < num_nodes) {
     bool moved = false;
     for (int m = 0; m < num_nodes; ++m) {
@@ -70,12 +71,15 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
         const int consumed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
                                              reinterpret_cast<const int*>(&my_nvl->head[dst][m][channel]))),
                                          base);
-        *shared = min(min(queue_room(pushed[m], consumed, args.nvl.queue_tokens), args.nvl_chunk_tokens),
-                      count - pushed[m]);
+        *shared =
+            stop ? kStopPolling
+                 : min(min(queue_room(pushed[m], consumed, args.nvl.queue_tokens), args.nvl_chunk_tokens),
+                       count - pushed[m]);
       }
       group.sync();
       const int take = *shared;
       group.sync();
+      if (take == kStopPolling) return;
       if (take <= 0) continue;
       for (int k = group.warp; k < take; k += group.num_warps) {
         const int row = row0 + pushed[m] + k;
@@ -99,8 +103,8 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      stall.check(wait, own_node(context) * nodes.ranks_per_node + dst, WaitPhase::kCombineSend, 0,
-                  done_nodes);
+      stop = stall.check(wait, own_node(context) * nodes.ranks_per_node + dst, WaitPhase::kCombineSend, 0,
+                         done_nodes);
     }
   }
   if (group.leader()) {
@@ -313,6 +317,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
   __shared__ unsigned batch_end[kMaxRdmaNodes];
   const InternodeContext& context = args.context;
   const uint64_t calls = calls_before(context);
+  // A combine after an aborted dispatch must not trust the handle it left.
+  if (device::block_sees_abort(wait_context(context), WaitPhase::kCombineReduce)) return;
   const int channel = blockIdx.x / 2;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;

@@ -22,8 +22,12 @@
 namespace epx::kernels::internode {
 
 __device__ __forceinline__ device::WaitContext wait_context(const InternodeContext& context) {
-  return {context.peers.timeout_record, context.peers.rank, context.peers.timeout_ns};
+  return {context.peers.timeout_record, context.peers.rank, context.peers.timeout_ns, context.peers.abort};
 }
+
+// What a polling group's leader shares instead of a count once its StallClock said stop (an abort): every
+// warp of the group leaves the loop, reading nothing more that peers were to write.
+constexpr int kStopPolling = -0x7fffffff - 1;
 
 __device__ __forceinline__ InternodeLayout::Head* rdma_head(const InternodeContext& context) {
   return InternodeLayout::head(context.rdma_base);

@@ -141,6 +141,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   }
   device::StallClock stall;
   stall.restart();
+  bool stop = false;  // the leader's: the group was aborted, leave the loop
   while (done_nodes < num_nodes) {
     bool moved = false;
     for (int m = 0; m < num_nodes; ++m) {
@@ -163,10 +164,12 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
         }
         shared.values[group.group] = room > 0 ? min(landed, 32) : 0;
         shared.values[group.group] |= min(room, 32) << 16;
+        if (stop) shared.values[group.group] = kStopPolling;
       }
       group.sync();
       const int packed = shared.values[group.group];
       group.sync();
+      if (packed == kStopPolling) return;
       const int available = packed & 0xffff;
       const int room = packed >> 16;
       if (available == 0) continue;
@@ -195,9 +198,12 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
         const char* source =
             args.rdma.recv_record(context.rdma_base, m, channel, rdma_base_count + progress[m] + bit);
         if (to_self) {
-          const int row =
-              args.handle.recv_channel_offset[src_rank * num_channels + channel] + sent[m] + entry;
-          write_row_from_record(args, row, source, lane);
+          const int cell = src_rank * num_channels + channel;
+          const int row = args.handle.recv_channel_offset[cell] + sent[m] + entry;
+          // NOTES: a rail peer whose room wait was abandoned (an abort of its node, which does not reach this
+          // one) may have overwritten unread records, so the masks may select more rows than this source
+          // sends: never write past its rows.
+          if (row < args.handle.recv_channel_offset[cell + 1]) write_row_from_record(args, row, source, lane);
         } else {
           char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
           warp_copy<true>(target, source, args.record.bytes(), lane);
@@ -232,7 +238,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      stall.check(wait, -1, WaitPhase::kDispatchReceive, 0, done_nodes);
+      stop = stall.check(wait, -1, WaitPhase::kDispatchReceive, 0, done_nodes);
     }
   }
   if (!to_self && group.leader()) {
@@ -260,6 +266,7 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
   }
   device::StallClock stall;
   stall.restart();
+  bool stop = false;  // the leader's: the group was aborted, leave the loop
   while (done_nodes < num_nodes) {
     bool moved = false;
     for (int m = 0; m < num_nodes; ++m) {
@@ -272,11 +279,12 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
         const int landed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
                                            reinterpret_cast<const int*>(&my_nvl->tail[src][m][channel]))),
                                        base);
-        *shared = min(landed, count) - got[m];
+        *shared = stop ? kStopPolling : min(landed, count) - got[m];
       }
       group.sync();
       const int ready = *shared;
       group.sync();
+      if (ready == kStopPolling) return;
       if (ready == 0) continue;
       for (int j = group.warp; j < ready; j += group.num_warps) {
         const char* record =
@@ -295,8 +303,8 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      stall.check(wait, own_node(context) * nodes.ranks_per_node + src, WaitPhase::kDispatchReceive, 0,
-                  done_nodes);
+      stop = stall.check(wait, own_node(context) * nodes.ranks_per_node + src, WaitPhase::kDispatchReceive, 0,
+                         done_nodes);
     }
   }
   if (group.leader()) {
@@ -310,6 +318,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
   __shared__ int group_values[kMaxRdmaNodes];
   const InternodeContext& context = args.context;
   const uint64_t calls = calls_before(context);
+  // A dispatch after an aborted notify must not trust the offsets it left.
+  if (device::block_sees_abort(wait_context(context), WaitPhase::kDispatchReceive)) return;
   const int channel = blockIdx.x / 2;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;

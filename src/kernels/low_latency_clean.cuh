@@ -30,7 +30,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
   const int target = __ldcg(local_at<int>(peers, layout.barrier_count_offset())) + 1;
   if (threadIdx.x < peers.num_ranks) {
     signal_rank<Remote>(peers, threadIdx.x, layout.barrier_signal_offset(peers.rank), target);
-    const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+    const device::WaitContext ctx = wait_context(peers);
     device::wait_at_least(local_at<int>(peers, layout.barrier_signal_offset(threadIdx.x)), target, ctx,
                           threadIdx.x, WaitPhase::kBarrier);
   }

@@ -287,14 +287,22 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
+  // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing.
+  const bool aborted = device::block_sees_abort(
+      wait_context(args.peers),
+      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv);
+  if (aborted) return;
   if (args.phases & kLowLatencySend) {
+    post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape);
     send_expert_outputs<Remote>(args, prefix, small.warp_sums);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1);
   }
   if (args.phases & kLowLatencyRecv) {
-    wait_all_sources(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-                     WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats);
-    reduce_tokens(args, small);
+    // An abandoned wait leaves the slots unread (the output is not written).
+    if (wait_all_sources(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+                         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape)) {
+      reduce_tokens(args, small);
+    }
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
   }
 }

@@ -6,6 +6,8 @@
 #include "device/wait.cuh"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/low_latency_transport.cuh"
+#include "kernels/shape_check.cuh"
+#include "kernels/wait_context.cuh"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
 // (local expert, source rank) bookkeeping that turns a flat row index into a row of one expert's block.
@@ -40,7 +42,7 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
 // arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
 // flag, so the receiver's acquire of the flag orders every data store and put of every block before its
-// reads.
+// reads (the shape fingerprints post_shapes wrote at the start of the send phase included).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value) {
@@ -57,22 +59,44 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   }
 }
 
-// Every block waits until all sources published `expected`; block 0 adds the waited time per source.
-__device__ __forceinline__ void wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
+// Called at the start of a send phase: block 0 writes this rank's shape fingerprint into every NVLink
+// destination's abort-words allocation, early, so the stores are long complete when publish_sends fences
+// before the flag (they add nothing to the flag's latency).
+__device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, LowLatencyOp op,
+                                            const ShapeFingerprint& shape) {
+  if (blockIdx.x != 0) return;
+  for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
+    if (peers.abort.peers[dst] == nullptr) continue;
+    post_shape(AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+               shape);
+  }
+}
+
+// Every block waits until all sources published `expected`; block 0 adds the waited time per source. True
+// (for the whole block) when every flag arrived with this rank's shape fingerprint (NVLink peers); false when
+// a wait was abandoned (the group is aborted) or a source's shapes differ (then this rank aborts it), and
+// then nothing the sources were to write may be read.
+__device__ __forceinline__ bool wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
                                                  int half, LowLatencyOp op, int expected, WaitPhase phase,
-                                                 int64_t* wait_cost_stats) {
+                                                 int64_t* wait_cost_stats, const ShapeFingerprint& shape) {
   const uint64_t start = device::global_timer_ns();
-  const device::WaitContext ctx{peers.timeout_record, peers.rank, peers.timeout_ns};
+  const device::WaitContext ctx = wait_context(peers);
+  bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    device::wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)), expected, ctx, src,
-                          phase);
+    bool ok = device::try_wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)),
+                                        expected, ctx, src, phase);
+    if (ok && peers.abort.peers[src] != nullptr) {
+      ok = check_shape(ctx, src, shape,
+                       AbortLayout::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
+    }
+    arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
                 static_cast<unsigned long long>(device::global_timer_ns() - start));
     }
   }
   // The waiting threads' acquires extend to the whole block through the barrier.
-  __syncthreads();
+  return __syncthreads_and(arrived) != 0;
 }
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which

@@ -288,18 +288,21 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   }
 }
 
-__device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, int* warp_sums,
-                               int num_uses) {
+// `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
+// receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read).
+__device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, int* warp_sums, int num_uses,
+                               bool aborted) {
   const LowLatencyLayout& layout = args.layout;
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats);
+  const bool arrived =
+      !aborted && wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
+                                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape);
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
   const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = __ldcg(counts + p);
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = arrived ? __ldcg(counts + p) : 0;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
 
@@ -349,12 +352,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
-  if (args.phases & kLowLatencySend) {
+  // Once the group is aborted nothing is sent, and the receive reports empty results.
+  const bool aborted = device::block_sees_abort(
+      wait_context(args.peers), args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend
+                                                              : WaitPhase::kLowLatencyDispatchRecv);
+  if ((args.phases & kLowLatencySend) && !aborted) {
+    post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large);
     send_tokens<Remote>(args, small);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1);
   }
-  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses);
+  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses, aborted);
 }
 
 template <typename Remote>

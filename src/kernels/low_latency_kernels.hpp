@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/shape_fingerprint.hpp"
 #include "epx/layout/low_latency_layout.hpp"
 #include "kernels/peer_context.hpp"
 
@@ -40,6 +41,7 @@ struct LowLatencyDispatchArgs {
   LowLatencyRange* recv_range;              // [L, R]
   int* cumulative_local_expert_recv_stats;  // [L] or nullptr: += received rows
   int64_t* wait_recv_cost_stats;            // [R] or nullptr: += ns the receive waited for each source
+  ShapeFingerprint shape;                   // posted with the receive flags, compared by every receiver
 };
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 // Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
@@ -67,6 +69,7 @@ struct LowLatencyCombineArgs {
   int num_topk;
   void* out;                      // [T, H] BF16
   int64_t* wait_recv_cost_stats;  // [R] or nullptr
+  ShapeFingerprint shape;         // posted with the receive flags, compared by every receiver
 };
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 

@@ -341,6 +341,8 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   __shared__ int group_values[kMaxNvlRanks];
   extern __shared__ TmaWarpStage stages[];  // [kQueueWarps], reducer blocks only
   const int calls = calls_before(args.peers);
+  // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
+  if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kCombineReduce)) return;
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;

@@ -36,11 +36,17 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
         false};
   }
   const uint32_t sequence = args.published_sequence;
+  const device::WaitContext ctx = wait_context(args.peers);
   auto* control = NormalLayout::control(args.peers.local_base);
   const auto is_this_call = [sequence](int value) { return static_cast<uint32_t>(value) == sequence; };
+  const auto as_seen = [](int value) { return static_cast<int64_t>(value); };
+  // A wait abandoned (timeout, abort) counts as cancelled: the pointers are then not this call's.
   if (blockIdx.x == 1) {
-    device::wait_until(reinterpret_cast<const int*>(&args.published->sequence), is_this_call, sequence,
-                       wait_context(args.peers), args.peers.rank, WaitPhase::kDispatchOutputs);
+    const int* host_sequence = reinterpret_cast<const int*>(&args.published->sequence);
+    int value = device::ld_acquire_sys(host_sequence);
+    const bool arrived =
+        is_this_call(value) || device::spin_until(host_sequence, is_this_call, sequence, ctx, args.peers.rank,
+                                                  WaitPhase::kDispatchOutputs, value);
     // The acquire above orders these reads after the sequence; the host wrote the fields before it.
     const volatile PublishedOutputs& p = *args.published;
     control->outputs_mirror[0] = reinterpret_cast<uint64_t>(p.recv_x);
@@ -48,11 +54,17 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
     control->outputs_mirror[2] = reinterpret_cast<uint64_t>(p.recv_topk_idx);
     control->outputs_mirror[3] = reinterpret_cast<uint64_t>(p.recv_topk_weights);
     control->outputs_mirror[4] = reinterpret_cast<uint64_t>(p.recv_src_idx);
-    control->outputs_cancelled = p.cancelled;
+    control->outputs_cancelled = arrived ? p.cancelled : 1;
     device::st_release_gpu(reinterpret_cast<int*>(&control->outputs_sequence), static_cast<int>(sequence));
   } else {
-    device::wait_until_gpu(reinterpret_cast<const int*>(&control->outputs_sequence), is_this_call, sequence,
-                           wait_context(args.peers), args.peers.rank, WaitPhase::kDispatchOutputs);
+    const int* mirror_sequence = reinterpret_cast<const int*>(&control->outputs_sequence);
+    int value = device::ld_acquire_gpu(mirror_sequence);
+    const bool arrived =
+        is_this_call(value) ||
+        device::spin_until_loaded([mirror_sequence] { return device::ld_acquire_gpu(mirror_sequence); },
+                                  is_this_call, as_seen, sequence, ctx, args.peers.rank,
+                                  WaitPhase::kDispatchOutputs, value);
+    if (!arrived) return {nullptr, nullptr, nullptr, nullptr, nullptr, true};
   }
   const volatile uint64_t* m = control->outputs_mirror;
   return {reinterpret_cast<void*>(m[0]),
@@ -241,6 +253,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   __shared__ RowOutputs outputs;
   extern __shared__ DispatchStage tma_stages[];  // [kQueueWarps]
   const int calls = calls_before(args.peers);
+  // After an aborted notify (worst-case mode launches this without the host's look at the counts) the
+  // offsets may be anything: write nothing.
+  if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kDispatchReceive)) return;
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;

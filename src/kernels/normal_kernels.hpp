@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "core/shape_fingerprint.hpp"
 #include "epx/common/host_device.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/peer_context.hpp"
@@ -78,7 +79,8 @@ struct NotifyArgs {
   int num_worst_tokens;  // 0 or the row capacity of the outputs
   HandleArrays handle;   // is_token_in_rank (copy), recv_channel_offset, num_recv_tokens_per_expert
   HostCounts host;
-  const int* invalid_id;  // host-mapped flag of the layout kernel, republished with the counts
+  const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
+  ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
 };
 // The count exchange: one block per channel counts what it will send to each rank and posts the counts as
 // tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost

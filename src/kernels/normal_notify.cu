@@ -6,6 +6,8 @@
 #include "kernels/host_counts.cuh"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
+#include "kernels/shape_check.cuh"
+#include "kernels/wait_context.cuh"
 
 namespace epx::kernels {
 
@@ -60,8 +62,20 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   const int num_channels = args.num_channels;
   const int experts_per_rank = args.num_experts / num_ranks;
   const uint32_t sequence = args.sequence;
-  const device::WaitContext ctx{args.peers.timeout_record, rank, args.peers.timeout_ns};
+  const device::WaitContext ctx = wait_context(args.peers);
   const HostCountIndex index{num_ranks, experts_per_rank};
+
+  // The shape fingerprint goes first: its values into the peer's abort-words slot, then its hash as a tagged
+  // word whose release orders the values before it. Every rank checks every peer's before it waits for any
+  // count, since counts of another shape may never come (other channels): a mismatch aborts the group.
+  if (threadIdx.x < num_ranks) {
+    if (args.peers.abort.peers[threadIdx.x] != nullptr)
+      post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], sequence & 1u, rank),
+                 args.shape);
+    device::st_release_sys_u64(
+        &NormalLayout::notify(args.peers.peer_bases[threadIdx.x], sequence)->shape_hash[rank],
+        pack_tagged(sequence, args.shape.hash));
+  }
 
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     const int dst = e / experts_per_rank;
@@ -77,6 +91,15 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     invalid_id = args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0;
 
   const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, sequence);
+  if (threadIdx.x < num_ranks && threadIdx.x != rank) {
+    const int hash = device::wait_tagged(&arrived->shape_hash[threadIdx.x], sequence, ctx, threadIdx.x,
+                                         WaitPhase::kDispatchNotify);
+    if (hash != args.shape.hash && args.peers.abort.peers[threadIdx.x] != nullptr) {
+      __threadfence_system();  // the values were released before the hash
+      check_shape(ctx, threadIdx.x, args.shape,
+                  AbortLayout::normal_shape(args.peers.abort.local, sequence & 1u, threadIdx.x));
+    }
+  }
   const int cell = threadIdx.x;  // (source, channel), source-major
   const int src = cell / num_channels;
   const int count = src < num_ranks ? device::wait_tagged(&arrived->channel_counts[src][cell % num_channels],
@@ -94,7 +117,8 @@ __device__ void exchange_counts(const NotifyArgs& args) {
     publish_host_count(args.host, index.rows(), total);
     publish_host_count(args.host, index.invalid_id(), invalid_id);
     if (args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
-      device::report_and_trap(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
+      // The dispatch that follows sees the abort at its start and writes nothing.
+      device::raise_abort(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
     }
   }
   if (threadIdx.x < num_ranks)

@@ -5,6 +5,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "kernels/normal_kernels.hpp"
+#include "kernels/wait_context.cuh"
 #include "kernels/warp_copy.cuh"
 
 // The queues of normal-mode dispatch and combine (layout and invariants: NormalLayout). Every launch has 2C
@@ -28,10 +29,6 @@ struct WarpGroup {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
   }
 };
-
-__device__ __forceinline__ device::WaitContext wait_context(const PeerContext& peers) {
-  return {peers.timeout_record, peers.rank, peers.timeout_ns};
-}
 
 // Dispatch and combine launches this rank finished before the running one. Every block reads it at its start;
 // finish_launch advances it only after every block arrived, so all blocks see the same value.

@@ -2,6 +2,7 @@
 
 #include <cstdint>
 
+#include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 
 namespace epx::kernels {
@@ -14,6 +15,7 @@ struct PeerContext {
   int num_ranks;
   WaitTimeoutRecord* timeout_record;
   uint64_t timeout_ns;
+  AbortWords abort;  // every bounded wait stops once the group is aborted (core/abort_word.hpp)
 };
 
 }  // namespace epx::kernels

@@ -10,6 +10,8 @@
 #include "bootstrap/topology.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_info.hpp"
+#include "core/abort_state.hpp"
+#include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "epx/layout/internode_layout.hpp"
@@ -59,6 +61,10 @@ void* const* upload_table(const std::vector<void*>& bases) {
   return table;
 }
 
+// Bytes of the abort-word allocation: the word and the shape fingerprints (AbortLayout).
+constexpr size_t kAbortBytes = AbortLayout::kBytes;
+static_assert(AbortLayout::kMaxRanks == kMaxLowLatencyRanks, "one fingerprint slot per rank");
+
 }  // namespace
 
 struct Buffer::State {
@@ -84,14 +90,24 @@ struct Buffer::State {
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
   std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
+  std::optional<IpcMemory> abort_memory;         // this rank's abort word, mapped into the node's ranks
+  void* const* abort_table = nullptr;   // device [kMaxLowLatencyRanks]: every rank's word (nullptr: off node)
+  cudaStream_t probe_stream = nullptr;  // check() reads the abort word on it, behind nothing else
+  mutable AbortState abort_state;
 
-  void free_local() noexcept {
+  // Frees this rank's resources. `collective`: also the memory whose free is collective (NVSHMEM); without
+  // it (an aborted group, whose peers may never come) that memory is kept until the process ends.
+  void free_local(bool collective = true) noexcept {
     if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
     if (nvl) nvl->release();
     if (rdma) rdma->release();
-    rdma_remote.reset();  // collective free of the NVSHMEM allocation
+    if (abort_memory) abort_memory->release();
+    if (rdma_remote && !collective) new std::shared_ptr<void>(std::move(rdma_remote->owner));  // kept
+    rdma_remote.reset();  // collective free of the NVSHMEM allocation (unless kept above)
     if (nvl_table != nullptr) cudaFree(const_cast<void**>(nvl_table));
     if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
+    if (abort_table != nullptr) cudaFree(const_cast<void**>(abort_table));
+    if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (timeout_record != nullptr) cudaFreeHost(timeout_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
     // Allocations still out (handles alive) keep the pool's memory until they are freed.
@@ -102,7 +118,8 @@ struct Buffer::State {
       event = nullptr;
     }
     comm_stream_owner.reset();  // destroyed once no handle holds it any more
-    nvl_table = rdma_table = nullptr;
+    nvl_table = rdma_table = abort_table = nullptr;
+    probe_stream = nullptr;
     timeout_record = nullptr;
     host_scratch = nullptr;
     comm_stream = nullptr;
@@ -135,7 +152,12 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));
     kernels::preload_all_kernels();
-    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
+    const bool own_stream = options.comm_stream == nullptr;
+    if (own_stream) {
+      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.comm_stream, cudaStreamNonBlocking));
+    } else {
+      s.comm_stream = options.comm_stream;
+    }
     for (cudaEvent_t& event : s.ordering_events)
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     // Handles allocate their arrays from this pool on the comm stream. It keeps freed memory instead of
@@ -148,9 +170,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     EPX_CUDA_CHECK(cudaMemPoolCreate(&s.handle_pool, &pool_props));
     uint64_t keep_all = UINT64_MAX;
     EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
-    s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [](cudaStream_t stream) {
+    s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [own_stream](cudaStream_t stream) {
       cudaStreamSynchronize(stream);
-      cudaStreamDestroy(stream);
+      if (own_stream) cudaStreamDestroy(stream);
     });
     EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.timeout_record), sizeof(WaitTimeoutRecord),
                                  cudaHostAllocMapped));
@@ -162,6 +184,10 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     std::fill_n(s.host_scratch, kHostScratchInts, 0);
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
+    s.low_latency->buffer = this;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.probe_stream, cudaStreamNonBlocking));
+    s.abort_memory.emplace(bootstrap, kAbortBytes, "abort words", s.ranks_per_node);
+    s.abort_table = upload_table(s.abort_memory->bases());
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer", s.ranks_per_node);
     s.nvl_table = upload_table(s.nvl->bases());
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
@@ -189,10 +215,20 @@ Buffer::~Buffer() {
 
 void Buffer::destroy() {
   if (state_ == nullptr) return;
-  std::unique_ptr<State> state = std::move(state_);
-  // Every rank must be done touching peers' memory before anyone unmaps or frees it.
-  cudaStreamSynchronize(state->comm_stream);
+  // Hooks still held run no more (they would launch on freed memory).
+  if (state_->low_latency) state_->low_latency->buffer = nullptr;
+  // This rank's kernels end (every wait is bounded, and stops at once in an aborted group).
+  cudaStreamSynchronize(state_->comm_stream);
   cudaDeviceSynchronize();
+  const bool aborted = group_aborted();
+  std::unique_ptr<State> state = std::move(state_);
+  if (aborted) {
+    // Peers may be gone or may never call destroy: no barrier, no collective free. Peers that still run
+    // kernels map this rank's memory through their own IPC mappings, which keep it alive until they unmap.
+    state->free_local(false);
+    return;
+  }
+  // Every rank must be done touching peers' memory before anyone unmaps or frees it.
   std::string barrier_error;
   try {
     state->bootstrap->barrier();
@@ -299,16 +335,70 @@ void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
 cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
   return buffer.live().ordering_events[which];
 }
+AbortWords BufferAccess::abort_words(const Buffer& buffer) {
+  const Buffer::State& s = buffer.live();
+  return AbortWords{static_cast<int*>(s.abort_memory->local()), reinterpret_cast<int* const*>(s.abort_table),
+                    s.num_ranks};
+}
+
+int32_t Buffer::read_abort_word() const {
+  const State& s = live();
+  int32_t word = 0;
+  EPX_CUDA_CHECK(
+      cudaMemcpyAsync(&word, s.abort_memory->local(), sizeof(word), cudaMemcpyDeviceToHost, s.probe_stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(s.probe_stream));
+  return word;
+}
+
+bool Buffer::group_aborted() const {
+  const State& s = live();
+  if (s.abort_state.aborted() || snapshot_wait_record(*s.timeout_record).flag == 1) return true;
+  try {
+    return abort_word_is_set(read_abort_word());
+  } catch (const Error&) {
+    return true;  // the device can not even be read: do nothing collective
+  }
+}
 
 void Buffer::check_timeout() const {
-  const WaitTimeoutRecord& record = *live().timeout_record;
-  if (reinterpret_cast<const volatile int32_t&>(record.flag) == 1) EPX_FAIL(describe_wait_timeout(record));
+  const State& s = live();
+  s.abort_state.observe_record(snapshot_wait_record(*s.timeout_record));
+}
+
+void Buffer::check() const {
+  check_timeout();
+  live().abort_state.observe_abort_word(rank(), read_abort_word());
+}
+
+bool Buffer::is_aborted() const {
+  return live().abort_state.aborted();
+}
+
+void Buffer::reset() {
+  live();  // throws after destroy()
+  State& s = *state_;
+  // 1. This rank's kernels end: every wait is bounded and stops at once in an aborted group.
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  // 2. Every rank's kernels ended, so nobody writes into a peer's buffer any more.
+  s.bootstrap->barrier();
+  // 3. This rank's protocol state from scratch, as after construction: abort word, both buffers (queue
+  //    counters, barrier and done signals, low-latency flags and counts), the record, the host's half index.
+  EPX_CUDA_CHECK(cudaMemset(s.abort_memory->local(), 0, kAbortBytes));
+  if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
+  if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(rdma_buffer(), 0, num_rdma_bytes()));
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  *s.timeout_record = WaitTimeoutRecord{};
+  s.low_latency->num_calls = 0;
+  s.low_latency->pending_call[0] = s.low_latency->pending_call[1] = 0;
+  // 4. No rank starts a call before every rank is clean.
+  s.bootstrap->barrier();
+  s.abort_state.reset();
 }
 
 void Buffer::synchronize(cudaStream_t stream) const {
   const cudaError_t status = cudaStreamSynchronize(stream);
-  if (status == cudaSuccess) return;
   check_timeout();
+  if (status == cudaSuccess) return;
   EPX_FAIL("rank ", rank(), ": a communication kernel failed: ", cudaGetErrorName(status), ": ",
            cudaGetErrorString(status));
 }

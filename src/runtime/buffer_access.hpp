@@ -4,6 +4,7 @@
 
 #include <memory>
 
+#include "core/abort_word.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
@@ -24,6 +25,8 @@ struct BufferAccess {
   // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
   // event as recorded at that moment, so re-recording it later is safe.
   static cudaEvent_t ordering_event(const Buffer& buffer, int which);
+  // The abort words kernels poll and raise (core/abort_word.hpp), device pointers.
+  static AbortWords abort_words(const Buffer& buffer);
 };
 
 }  // namespace epx

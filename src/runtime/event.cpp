@@ -1,14 +1,17 @@
 #include "epx/event.hpp"
 
+#include <utility>
+
 #include "common/cuda_check.hpp"
 
 namespace epx {
 
-Event Event::record(cudaStream_t stream) {
+Event Event::record(cudaStream_t stream, std::function<void()> on_synchronized) {
   cudaEvent_t raw = nullptr;
   EPX_CUDA_CHECK(cudaEventCreateWithFlags(&raw, cudaEventDisableTiming));
   Event event;
   event.event_ = std::shared_ptr<CUevent_st>(raw, [](cudaEvent_t e) { cudaEventDestroy(e); });
+  event.on_synchronized_ = std::move(on_synchronized);
   EPX_CUDA_CHECK(cudaEventRecord(raw, stream));
   return event;
 }
@@ -18,7 +21,10 @@ void Event::wait_on(cudaStream_t stream) const {
 }
 
 void Event::synchronize() const {
-  if (event_) EPX_CUDA_CHECK(cudaEventSynchronize(event_.get()));
+  if (!event_) return;
+  const cudaError_t status = cudaEventSynchronize(event_.get());
+  if (on_synchronized_) on_synchronized_();
+  EPX_CUDA_CHECK(status);
 }
 
 }  // namespace epx

@@ -35,7 +35,19 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               buffer.rank(),
                               buffer.num_ranks(),
                               buffer.timeout_record_device(),
-                              buffer.wait_timeout_ns()};
+                              buffer.wait_timeout_ns(),
+                              BufferAccess::abort_words(buffer)};
+}
+
+// What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
+// the layout's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
+ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyLayout& layout, int format) {
+  int32_t values[kNumShapeFields] = {};
+  values[static_cast<int>(ShapeField::kHidden)] = layout.hidden;
+  values[static_cast<int>(ShapeField::kNumExperts)] = layout.num_experts;
+  values[static_cast<int>(ShapeField::kMaxTokens)] = layout.num_max_tokens;
+  values[static_cast<int>(ShapeField::kFormat)] = format;
+  return make_shape_fingerprint(values);
 }
 
 void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, const int64_t* topk_idx) {
@@ -126,6 +138,7 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
 
 LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& in,
                                               const LowLatencyDispatchOutput& out, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const LowLatencyLayout layout =
       layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
   validate_dispatch(buffer, in, out, layout, *BufferAccess::low_latency_state(buffer), order);
@@ -148,6 +161,8 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.recv_range = out.recv_layout_range;
   args.cumulative_local_expert_recv_stats = in.cumulative_local_expert_recv_stats;
   args.wait_recv_cost_stats = in.dispatch_wait_recv_cost_stats;
+  args.shape = low_latency_shape_fingerprint(
+      layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) | (in.use_ue8m0 ? 4 : 0));
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_dispatch_remote
                                                   : kernels::launch_low_latency_dispatch);
@@ -170,6 +185,7 @@ void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHand
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
                                             const LowLatencyCombineInput& in, void* combined_x,
                                             const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const LowLatencyLayout layout =
       layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
   check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
@@ -212,6 +228,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.num_topk = in.num_topk;
   args.out = combined_x;
   args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
+  args.shape = low_latency_shape_fingerprint(layout, in.use_logfmt ? 8 : 0);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_combine_remote
                                                   : kernels::launch_low_latency_combine);
@@ -220,6 +237,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 
 void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
                               int num_experts, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
   const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout};

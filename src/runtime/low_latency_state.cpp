@@ -2,6 +2,7 @@
 
 #include <utility>
 
+#include "epx/buffer.hpp"
 #include "epx/error.hpp"
 
 namespace epx {
@@ -42,9 +43,13 @@ void LowLatencyRecvHook::operator()(cudaStream_t stream) const {
   EPX_CHECK(state_ != nullptr, "hook", "empty", "must come from a call with return_recv_hook");
   EPX_CHECK(!state_->done, "hook", "already run", "a receive hook runs once");
   LowLatencyState& owner = *state_->owner;
+  if (owner.buffer == nullptr) {
+    EPX_FAIL("the receive hook of low-latency call #", state_->call, " runs after its Buffer was destroyed");
+  }
+  owner.buffer->check_timeout();  // an aborted Buffer launches nothing
   if (owner.pending_call[state_->half] != state_->call + 1) {
     EPX_FAIL("the receive hook of low-latency call #", state_->call,
-             " is stale: clean_low_latency_buffer() was called after it");
+             " is stale: clean_low_latency_buffer() or reset() was called after it");
   }
   state_->launch_receive(stream);
   state_->done = true;

@@ -17,6 +17,7 @@ struct LowLatencyState {
   uint64_t num_calls = 0;             // low-latency calls issued; call n uses half n & 1
   uint64_t pending_call[2] = {0, 0};  // 1 + the call whose receive has not run on that half, 0 = none
   int max_smem_bytes = 0;             // the device's opt-in shared memory per block
+  const Buffer* buffer = nullptr;     // the owner until destroy(): hooks check it before they launch
 };
 
 // Marks `half` busy until the returned hook runs `launch_receive`.

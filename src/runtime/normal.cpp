@@ -12,6 +12,7 @@
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/normal_host_scratch.hpp"
 #include "runtime/stream_order.hpp"
@@ -19,6 +20,13 @@
 namespace epx {
 
 namespace {
+
+// The host's bound on notify's counts: the device's bound plus a grace second. The device gives up first and
+// publishes its counts with a record naming the peer; the host bound only catches a notify that never ran.
+uint64_t host_bound_ns(uint64_t device_bound_ns) {
+  constexpr uint64_t kGraceNs = 1'000'000'000;
+  return device_bound_ns > UINT64_MAX - kGraceNs ? UINT64_MAX : device_bound_ns + kGraceNs;
+}
 
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
 // carries `sequence` (no flag: each word says itself whether it is current), and returns their values.
@@ -45,19 +53,40 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
     }
     const auto waited =
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    if (static_cast<uint64_t>(waited.count()) > buffer.wait_timeout_ns()) {
+    if (static_cast<uint64_t>(waited.count()) > host_bound_ns(buffer.wait_timeout_ns())) {
+      buffer.check_timeout();  // the device's own report names the peer; prefer it
       EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9,
                " s waiting for dispatch notify's counts (phase dispatch notify; a peer may not have called "
                "dispatch)");
     }
   }
+  std::atomic_thread_fence(std::memory_order_acquire);
+  buffer.check_timeout();  // an aborted notify publishes its counts too; they mean nothing then
   return values;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
-  return kernels::PeerContext{
-      buffer.nvl_peer_bases_device(), buffer.nvl_buffer(),     buffer.rank(), buffer.num_ranks(),
-      buffer.timeout_record_device(), buffer.wait_timeout_ns()};
+  return kernels::PeerContext{buffer.nvl_peer_bases_device(),
+                              buffer.nvl_buffer(),
+                              buffer.rank(),
+                              buffer.num_ranks(),
+                              buffer.timeout_record_device(),
+                              buffer.wait_timeout_ns(),
+                              BufferAccess::abort_words(buffer)};
+}
+
+// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
+// queues' config.
+ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config) {
+  int32_t values[kNumShapeFields] = {};
+  values[static_cast<int>(ShapeField::kHidden)] = shape.hidden;
+  values[static_cast<int>(ShapeField::kRowBytes)] = shape.x_row_bytes;
+  values[static_cast<int>(ShapeField::kNumScales)] = shape.num_scales;
+  values[static_cast<int>(ShapeField::kNumTopk)] = shape.num_topk;
+  values[static_cast<int>(ShapeField::kNumExperts)] = shape.num_experts;
+  values[static_cast<int>(ShapeField::kNumChannels)] = config.num_channels();
+  values[static_cast<int>(ShapeField::kQueueTokens)] = config.num_max_nvl_chunked_recv_tokens;
+  return make_shape_fingerprint(values);
 }
 
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
@@ -234,6 +263,7 @@ void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& st
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
                           int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
   EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
   EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16");
@@ -308,6 +338,7 @@ void publish_outputs(const Buffer& buffer, const DispatchOutput& out, int* recv_
 
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
                              const DispatchHandle* cached, DispatchOverlap overlap) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const bool is_cached = cached != nullptr && cached->valid();
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
@@ -390,7 +421,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                    state->num_worst_tokens,
                                    state->arrays,
                                    host,
-                                   invalid_id};
+                                   invalid_id,
+                                   normal_shape_fingerprint(shape, queue_config(buffer, *state))};
     kernels::launch_dispatch_notify(args, stream);
   }
   if (!host_waits) {
@@ -444,6 +476,7 @@ void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
   const bool launched = state.launched_receive;
@@ -513,6 +546,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
 
 Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& in, const CombineOutput& out,
               const StreamOrder& order) {
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
   EPX_CHECK(handle.valid(), "handle", "empty", "must come from dispatch_notify");
   const auto& state = handle.state();
   EPX_CHECK(state.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",

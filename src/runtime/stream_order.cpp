@@ -2,6 +2,7 @@
 
 #include "common/cuda_check.hpp"
 #include "runtime/buffer_access.hpp"
+#include "runtime/low_latency_state.hpp"
 
 namespace epx {
 
@@ -15,7 +16,13 @@ void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
 }
 
 Event end_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
-  if (order.async_finish) return Event::record(buffer.comm_stream());  // the caller's own event
+  if (order.async_finish) {
+    // The caller's own event; its synchronize() raises the Buffer's failure. The shared state outlives the
+    // Buffer and forgets it at destroy().
+    return Event::record(buffer.comm_stream(), [state = BufferAccess::low_latency_state(buffer)] {
+      if (state->buffer != nullptr) state->buffer->check_timeout();
+    });
+  }
   if (order.compute_stream != buffer.comm_stream()) {
     EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 1), buffer.comm_stream()));
     EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, BufferAccess::ordering_event(buffer, 1), 0));

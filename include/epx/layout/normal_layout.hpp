@@ -136,6 +136,7 @@ struct NormalLayout {
   struct NotifyHalf {                                     // tagged words (pack_tagged)
     uint64_t channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
     uint64_t expert_counts[kMaxExperts];  // [src * L + le], written by src: its tokens for my le
+    uint64_t shape_hash[kMaxNvlRanks];    // [src], written by src: the hash of its shape fingerprint
   };
 
   static constexpr size_t kControlOffset = 0;

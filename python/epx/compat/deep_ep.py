@@ -219,6 +219,16 @@ class Buffer:
         self._live().destroy()
         self.runtime = None
 
+    # ---- Failures (EPX additions; DeepEP has none) ----
+
+    def check(self) -> None:
+        """Raises EpxError naming rank, peer and phase when a device wait gave up (see epx.Buffer.check)."""
+        self._live().check()
+
+    def reset(self) -> None:
+        """Collective: recovers an aborted Buffer (see epx.Buffer.reset)."""
+        self._live().reset()
+
     def get_comm_stream(self) -> Any:
         return self._live().comm_stream
 

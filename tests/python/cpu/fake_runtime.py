@@ -94,6 +94,25 @@ class FakeRuntime:
     def destroy(self):
         self.is_destroyed = True
 
+    # The failure protocol of _epx.Buffer: fail() plays a device wait that gave up.
+    failure = None
+    resets = 0
+
+    def fail(self, message):
+        self.failure = message
+
+    @property
+    def is_aborted(self):
+        return self.failure is not None
+
+    def check(self):
+        if self.failure is not None:
+            raise epx.EpxError(self.failure)
+
+    def reset(self):
+        self.failure = None
+        self.resets += 1
+
 
 def write_bf16(tensor, bits):
     import torch

@@ -375,3 +375,22 @@ def test_autograd_one_rank_matches_dense(fake):
     assert close(experts_d.grad.float(), experts_r.grad.float())
     # Tokens routed nowhere get no gradient from the experts.
     assert bool((x.grad[2] == 0).all())
+
+
+def test_check_and_reset_reach_the_runtime(fake, compat):
+    buffer, binding = fake
+    buffer.check()
+    assert not buffer.is_aborted
+    message = "rank 0 timed out after 1.0 s waiting for peer 1 in barrier: expected >= 2, saw 1"
+    buffer.runtime.fail(message)
+    with pytest.raises(epx.EpxError, match="peer 1 in barrier"):
+        buffer.check()
+    assert buffer.is_aborted
+    wrapper, _ = compat
+    with pytest.raises(epx.EpxError, match="peer 1 in barrier"):
+        wrapper.check()
+    wrapper.reset()
+    assert not buffer.is_aborted and buffer.runtime.resets == 1
+    buffer.check()
+    buffer.reset()
+    assert buffer.runtime.resets == 2

@@ -1,0 +1,180 @@
+#include <gtest/gtest.h>
+
+#include <cstring>
+#include <functional>
+#include <string>
+
+#include "core/abort_state.hpp"
+#include "core/abort_word.hpp"
+#include "core/shape_fingerprint.hpp"
+#include "core/wait_record.hpp"
+#include "epx/error.hpp"
+
+namespace {
+
+using epx::WaitPhase;
+
+std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const epx::Error& error) {
+    return error.message();
+  }
+  return "";
+}
+
+epx::WaitTimeoutRecord timeout_record() {
+  epx::WaitTimeoutRecord record{};
+  record.flag = 1;
+  record.rank = 0;
+  record.peer = 1;
+  record.phase = static_cast<int32_t>(WaitPhase::kBarrier);
+  record.expected = 7;
+  record.seen = 6;
+  record.waited_ns = 1'000'000'000;
+  return record;
+}
+
+TEST(AbortWord, RoundTripsEveryRankPeerAndPhase) {
+  for (int rank = 0; rank < 64; ++rank) {
+    for (int peer = -1; peer < 64; ++peer) {
+      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kShapeMismatch); ++phase) {
+        const int32_t word = epx::encode_abort_word(rank, peer, static_cast<WaitPhase>(phase));
+        ASSERT_TRUE(epx::abort_word_is_set(word));
+        const epx::AbortCause cause = epx::decode_abort_word(word);
+        ASSERT_EQ(cause.rank, rank);
+        ASSERT_EQ(cause.peer, peer);
+        ASSERT_EQ(cause.phase, static_cast<WaitPhase>(phase));
+      }
+    }
+  }
+  EXPECT_FALSE(epx::abort_word_is_set(0));
+}
+
+TEST(AbortWord, DescribesTheRankThatGaveUp) {
+  EXPECT_EQ(epx::describe_abort_word(3, epx::encode_abort_word(2, 1, WaitPhase::kBarrier)),
+            "rank 3: the group was aborted: rank 2 timed out waiting for peer 1 in barrier");
+  EXPECT_EQ(epx::describe_abort_word(0, epx::encode_abort_word(1, -1, WaitPhase::kCapacity)),
+            "rank 0: the group was aborted: rank 1 exceeded its capacity (num_worst_tokens)");
+}
+
+TEST(WaitRecord, OwnTimeoutNamesRankPeerPhaseAndValues) {
+  EXPECT_EQ(epx::describe_wait_timeout(timeout_record()),
+            "rank 0 timed out after 1.0 s waiting for peer 1 in barrier: expected >= 7, saw 6");
+}
+
+TEST(WaitRecord, ReleasedWaitNamesWhereItStoppedAndTheFirstCause) {
+  epx::WaitTimeoutRecord record = timeout_record();
+  record.rank = 3;
+  record.peer = 2;
+  record.phase = static_cast<int32_t>(WaitPhase::kDispatchReceive);
+  record.abort_word = epx::encode_abort_word(2, 1, WaitPhase::kBarrier);
+  EXPECT_EQ(epx::describe_wait_timeout(record),
+            "rank 3 stopped waiting for peer 2 in dispatch receive (expected >= 7, saw 6): the group was "
+            "aborted: rank 2 timed out waiting for peer 1 in barrier");
+  record.peer = -1;
+  EXPECT_EQ(epx::describe_wait_timeout(record),
+            "rank 3 skipped dispatch receive: the group was aborted: rank 2 timed out waiting for peer 1 in "
+            "barrier");
+}
+
+TEST(WaitRecord, CapacityNamesRowsNeededAndRoom) {
+  epx::WaitTimeoutRecord record{};
+  record.flag = 1;
+  record.peer = -1;
+  record.phase = static_cast<int32_t>(WaitPhase::kCapacity);
+  record.expected = 64;
+  record.seen = 70;
+  EXPECT_EQ(epx::describe_wait_timeout(record),
+            "rank 0: capacity exceeded for data from peer -1: needed 70 rows, room for 64");
+}
+
+TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {
+  epx::AbortState state;
+  EXPECT_FALSE(state.aborted());
+  EXPECT_NO_THROW(state.observe_record(epx::WaitTimeoutRecord{}));
+  EXPECT_NO_THROW(state.observe_abort_word(0, 0));
+  const std::string first = error_of([&] { state.observe_record(timeout_record()); });
+  EXPECT_EQ(first, "rank 0 timed out after 1.0 s waiting for peer 1 in barrier: expected >= 7, saw 6");
+  EXPECT_TRUE(state.aborted());
+  // Later observations, and any later call, raise the first message.
+  EXPECT_EQ(error_of([&] { state.throw_if_aborted(); }), first);
+  EXPECT_EQ(
+      error_of([&] { state.observe_abort_word(0, epx::encode_abort_word(3, 2, WaitPhase::kCombineReduce)); }),
+      first);
+  EXPECT_EQ(error_of([&] { state.observe_record(epx::WaitTimeoutRecord{}); }), first);
+  state.reset();
+  EXPECT_FALSE(state.aborted());
+  EXPECT_NO_THROW(state.throw_if_aborted());
+}
+
+TEST(AbortState, APeersAbortWordAlsoAborts) {
+  epx::AbortState state;
+  EXPECT_EQ(error_of([&] { state.observe_abort_word(1, epx::encode_abort_word(0, 1, WaitPhase::kBarrier)); }),
+            "rank 1: the group was aborted: rank 0 timed out waiting for peer 1 in barrier");
+  EXPECT_TRUE(state.aborted());
+}
+
+}  // namespace
+
+namespace {
+
+epx::ShapeFingerprint fingerprint_with(int field, int32_t value) {
+  int32_t values[epx::kNumShapeFields] = {2048, 4096, 0, 8, 256, 10, 256, 0, 0};
+  values[field] = value;
+  return epx::make_shape_fingerprint(values);
+}
+
+TEST(ShapeFingerprint, EveryFieldChangesTheHashAndIsNamed) {
+  const epx::ShapeFingerprint base = fingerprint_with(0, 2048);
+  EXPECT_NE(base.hash, 0);
+  for (int field = 0; field < epx::kNumShapeFields; ++field) {
+    const epx::ShapeFingerprint other = fingerprint_with(field, base.values[field] + 1);
+    EXPECT_NE(other.hash, base.hash) << epx::shape_field_name(field);
+    EXPECT_EQ(epx::first_differing_field(base, other), field);
+    EXPECT_STRNE(epx::shape_field_name(field), "?");
+  }
+  EXPECT_EQ(epx::first_differing_field(base, fingerprint_with(0, 2048)), -1);
+}
+
+TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
+  epx::WaitTimeoutRecord record{};
+  record.flag = 1;
+  record.rank = 0;
+  record.peer = 1;
+  record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
+  record.expected = 2048;
+  record.seen = 4096;
+  record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
+  EXPECT_EQ(
+      epx::describe_wait_timeout(record),
+      "rank 0: peer 1 called with hidden = 4096, this rank with 2048 (every rank must pass the same shapes "
+      "and config)");
+  EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(0, 1, WaitPhase::kShapeMismatch)),
+            "rank 2: the group was aborted: rank 0 found that peer 1 called with other shapes");
+}
+
+}  // namespace
+
+namespace {
+
+TEST(WaitRecord, SnapshotCopiesEveryFieldOnceTheFlagIsSet) {
+  epx::WaitTimeoutRecord record{};
+  record.rank = 3;
+  record.peer = 1;
+  record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
+  record.expected = 256;
+  record.seen = 128;
+  record.waited_ns = 42;
+  record.abort_word = epx::encode_abort_word(2, 1, WaitPhase::kBarrier);
+  record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
+  // Not set yet: the snapshot holds nothing (a half-written record is never read).
+  const epx::WaitTimeoutRecord before = epx::snapshot_wait_record(record);
+  EXPECT_EQ(before.flag, 0);
+  EXPECT_EQ(before.rank, 0);
+  record.flag = 1;
+  const epx::WaitTimeoutRecord copy = epx::snapshot_wait_record(record);
+  EXPECT_EQ(std::memcmp(&copy, &record, sizeof(record)), 0);
+}
+
+}  // namespace

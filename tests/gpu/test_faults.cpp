@@ -1,0 +1,471 @@
+// The fault matrix (docs/RELIABILITY.md, section 4): with a short wait bound, one rank skips one call; every
+// other rank must get an epx::Error naming the missing peer and the phase within the bound + 1 s, nobody
+// hangs, every CUDA context survives, and after a collective reset() (or destroy() and a new Buffer) a
+// correct dispatch and combine, checked against the CPU reference, run in both modes.
+//
+// Runs with any number of ranks the machine can start; on one GPU: EPX_TEST_RANKS_PER_GPU=2 (or 4).
+
+#include <gtest/gtest.h>
+
+#include <stdlib.h>
+
+#include <algorithm>
+#include <chrono>
+#include <memory>
+#include <stdexcept>
+#include <string>
+#include <vector>
+
+#include "epx/error.hpp"
+#include "epx/low_latency.hpp"
+#include "epx/normal.hpp"
+#include "expect_error.hpp"
+#include "run_ranks.hpp"
+#include "test_low_latency_harness.hpp"
+#include "test_normal_harness.hpp"
+
+namespace {
+
+using epx::test::DeviceArray;
+using epx::test::expect_error;
+
+constexpr double kWaitTimeoutS = 1.0;
+
+enum class Fault { kNotify, kDispatchReceive, kCombine, kLowLatencyDispatch, kLowLatencyCombine, kClean };
+
+const char* fault_name(Fault fault) {
+  switch (fault) {
+    case Fault::kNotify:
+      return "notify";
+    case Fault::kDispatchReceive:
+      return "dispatch receive";
+    case Fault::kCombine:
+      return "combine";
+    case Fault::kLowLatencyDispatch:
+      return "low-latency dispatch";
+    case Fault::kLowLatencyCombine:
+      return "low-latency combine";
+    case Fault::kClean:
+      return "clean";
+  }
+  return "?";
+}
+
+// The phase the waiting ranks report: the kernel phase they wait in when `fault` skips a call.
+std::vector<std::string> expected_phases(Fault fault) {
+  switch (fault) {
+    case Fault::kNotify:
+    case Fault::kClean:
+      return {"in barrier"};
+    case Fault::kDispatchReceive:
+      return {"in dispatch receive", "in dispatch send"};
+    case Fault::kCombine:
+      return {"in combine reduce", "in combine send"};
+    case Fault::kLowLatencyDispatch:
+      return {"in low-latency dispatch receive"};
+    case Fault::kLowLatencyCombine:
+      return {"in low-latency combine receive"};
+  }
+  return {};
+}
+
+epx::test::NormalCase normal_case(int num_ranks) {
+  epx::test::NormalCase c;
+  c.num_ranks = num_ranks;
+  c.hidden = 256;
+  c.num_experts = 4 * num_ranks;
+  c.num_topk = 2;
+  c.num_tokens = {48};
+  return c;
+}
+
+epx::test::LowLatencyCase low_latency_case(int num_ranks) {
+  epx::test::LowLatencyCase c;
+  c.num_ranks = num_ranks;
+  c.num_max_tokens = 16;
+  c.hidden = 256;
+  c.num_experts = 4 * num_ranks;
+  c.num_topk = 2;
+  return c;
+}
+
+// Buffer options with the short bound. EPX_WAIT_TIMEOUT_S overrides BufferOptions::wait_timeout_s (and the
+// GPU scripts set it): each rank process (forked by the launcher) sets it to the test's bound.
+epx::BufferOptions fault_buffer_options(int num_ranks) {
+  setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kWaitTimeoutS).c_str(), 1);
+  const epx::test::LowLatencyCase ll = low_latency_case(num_ranks);
+  epx::BufferOptions options;
+  options.num_nvl_bytes = epx::test::normal_buffer_bytes(normal_case(num_ranks));
+  options.num_rdma_bytes =
+      epx::get_low_latency_rdma_size_hint(ll.num_max_tokens, ll.hidden, num_ranks, ll.num_experts);
+  options.wait_timeout_s = kWaitTimeoutS;
+  return options;
+}
+
+// Correct calls of both modes on `buffer`, checked bit-exactly against the reference.
+void run_checked_calls(const epx::test::NormalCase& normal, const epx::test::LowLatencyCase& low_latency,
+                       epx::Buffer& buffer) {
+  epx::test::NormalRunner(normal, buffer).run();
+  epx::test::LowLatencyRunner(low_latency, buffer).run();
+}
+
+// Inputs of the raw calls a fault interrupts: T tokens, token t to experts t % E and (t + 1) % E, so every
+// rank receives rows from every rank.
+class FaultCalls {
+ public:
+  FaultCalls(epx::Buffer& buffer, int num_ranks)
+      : buffer_(buffer), normal_(normal_case(num_ranks)), ll_(low_latency_case(num_ranks)) {
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
+    const int T = normal_.num_tokens[0];
+    const int K = normal_.num_topk;
+    std::vector<int64_t> ids(size_t(T) * K);
+    for (int t = 0; t < T; ++t)
+      for (int k = 0; k < K; ++k) ids[size_t(t) * K + k] = (t + k) % normal_.num_experts;
+    x_ = DeviceArray(size_t(T) * normal_.hidden * 2);
+    topk_idx_ = DeviceArray(ids.size() * sizeof(int64_t));
+    topk_idx_.upload(ids, stream_);
+    weights_ = DeviceArray(ids.size() * sizeof(float));
+    weights_.upload(std::vector<float>(ids.size(), 0.5f), stream_);
+    per_rank_ = DeviceArray(num_ranks * sizeof(int));
+    per_expert_ = DeviceArray(normal_.num_experts * sizeof(int));
+    in_rank_ = DeviceArray(size_t(T) * num_ranks);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+  }
+  ~FaultCalls() { cudaStreamDestroy(stream_); }
+  FaultCalls(const FaultCalls&) = delete;
+  FaultCalls& operator=(const FaultCalls&) = delete;
+
+  // Hidden size of this rank's normal-mode tokens (the shape check's tests change it on one rank).
+  void set_hidden(int hidden) { normal_.hidden = hidden; }
+  void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
+  // > 0: normal-mode dispatch in worst-case mode (no host wait) with outputs of this many rows.
+  void set_num_worst_tokens(int rows) { num_worst_tokens_ = rows; }
+
+  // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
+  void normal(Fault fault, bool skip) {
+    const epx::StreamOrder order{stream_, nullptr, false};
+    epx::get_dispatch_layout(buffer_, topk_idx_.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
+                             normal_.num_experts,
+                             {per_rank_.get<int>(), per_expert_.get<int>(), in_rank_.get<bool>()}, order);
+    if (skip && fault == Fault::kNotify) return;
+    epx::DispatchInput in;
+    in.x = x_.get();
+    in.num_tokens = normal_.num_tokens[0];
+    in.hidden = normal_.hidden;
+    in.topk_idx = topk_idx_.get<int64_t>();
+    in.topk_weights = weights_.get<float>();
+    in.num_topk = normal_.num_topk;
+    in.num_experts = normal_.num_experts;
+    in.is_token_in_rank = in_rank_.get<bool>();
+    in.num_tokens_per_expert = per_expert_.get<int>();
+    in.num_worst_tokens = num_worst_tokens_;
+    const epx::DispatchPlan plan = epx::dispatch_notify(buffer_, in, order);
+    const size_t rows = plan.num_recv_rows;
+    recv_x_ = DeviceArray(rows * normal_.hidden * 2);
+    recv_idx_ = DeviceArray(rows * normal_.num_topk * sizeof(int64_t));
+    recv_weights_ = DeviceArray(rows * normal_.num_topk * sizeof(float));
+    if (skip && fault == Fault::kDispatchReceive) return;
+    epx::dispatch_receive(buffer_, plan, in,
+                          {recv_x_.get(), nullptr, recv_idx_.get<int64_t>(), recv_weights_.get<float>()},
+                          order);
+    buffer_.synchronize(stream_);
+    if (skip && fault == Fault::kCombine) return;
+    combined_ = DeviceArray(size_t(in.num_tokens) * normal_.hidden * 2);
+    epx::CombineInput combine_in;
+    combine_in.x = recv_x_.get();
+    epx::combine(buffer_, plan.handle, combine_in, {combined_.get(), nullptr}, order);
+    buffer_.synchronize(stream_);
+  }
+
+  // The low-latency calls up to `fault` (with a clean first); this rank skips the call of `fault` when
+  // `skip`.
+  void low_latency(Fault fault, bool skip) {
+    const epx::StreamOrder order{stream_, nullptr, false};
+    if (!(skip && fault == Fault::kClean))
+      epx::clean_low_latency_buffer(buffer_, ll_.num_max_tokens, ll_.hidden, ll_.num_experts, order);
+    buffer_.synchronize(stream_);
+    if (fault == Fault::kClean) return;
+    if (skip && fault == Fault::kLowLatencyDispatch) return;
+    const epx::LowLatencyDispatchResult dispatched = low_latency_dispatch(false);
+    buffer_.synchronize(stream_);
+    if (skip && fault == Fault::kLowLatencyCombine) return;
+    ll_out_ = DeviceArray(size_t(ll_.num_max_tokens) * ll_.hidden * 2);
+    epx::LowLatencyCombineInput combine_in;
+    combine_in.x = ll_recv_x_.get();
+    combine_in.topk_idx = topk_idx_.get<int64_t>();
+    combine_in.topk_weights = weights_.get<float>();
+    combine_in.num_tokens = ll_.num_max_tokens;
+    combine_in.num_topk = ll_.num_topk;
+    epx::low_latency_combine(buffer_, dispatched.handle, combine_in, ll_out_.get(), order);
+    buffer_.synchronize(stream_);
+  }
+
+  // A low-latency dispatch of this rank's tokens (the receive deferred to the returned hook when
+  // `return_recv_hook`; with `async_finish`, an event to wait on), into outputs every call shares.
+  epx::LowLatencyDispatchResult low_latency_dispatch(bool return_recv_hook, bool async_finish = false) {
+    epx::LowLatencyDispatchInput in;
+    in.x = x_.get();
+    in.topk_idx = topk_idx_.get<int64_t>();
+    in.num_tokens = ll_.num_max_tokens;
+    in.num_topk = ll_.num_topk;
+    in.hidden = ll_.hidden;
+    in.num_max_dispatch_tokens_per_rank = ll_.num_max_tokens;
+    in.num_experts = ll_.num_experts;
+    in.use_fp8 = false;
+    in.return_recv_hook = return_recv_hook;
+    if (ll_recv_x_.bytes() == 0) {
+      const epx::LowLatencyDispatchSizes sizes = epx::low_latency_dispatch_sizes(buffer_, in);
+      ll_recv_x_ = DeviceArray(sizes.recv_x_bytes);
+      ll_count_ = DeviceArray(sizes.recv_count_bytes);
+      ll_info_ = DeviceArray(sizes.recv_src_info_bytes);
+      ll_pos_ = DeviceArray(sizes.recv_src_info_bytes);
+      ll_range_ = DeviceArray(sizes.recv_layout_range_bytes);
+    }
+    return epx::low_latency_dispatch(buffer_, in,
+                                     {ll_recv_x_.get(), nullptr, ll_count_.get<int>(), ll_info_.get<int>(),
+                                      ll_pos_.get<int>(), ll_range_.get<epx::LowLatencyRange>()},
+                                     {stream_, nullptr, async_finish});
+  }
+
+  cudaStream_t stream() const { return stream_; }
+
+  void run(Fault fault, bool skip) {
+    const bool is_normal =
+        fault == Fault::kNotify || fault == Fault::kDispatchReceive || fault == Fault::kCombine;
+    if (is_normal) {
+      normal(fault, skip);
+    } else {
+      low_latency(fault, skip);
+    }
+  }
+
+ private:
+  epx::Buffer& buffer_;
+  epx::test::NormalCase normal_;
+  epx::test::LowLatencyCase ll_;
+  cudaStream_t stream_ = nullptr;
+  int num_worst_tokens_ = 0;
+  DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
+  DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
+  DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
+};
+
+// The CUDA context still works: allocate, write, synchronize.
+void expect_context_alive(int rank) {
+  void* memory = nullptr;
+  const cudaError_t status = cudaMalloc(&memory, 1 << 20);
+  if (status != cudaSuccess)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": cudaMalloc after the fault failed");
+  EPX_CUDA_CHECK(cudaMemset(memory, 1, 1 << 20));
+  EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  EPX_CUDA_CHECK(cudaFree(memory));
+}
+
+bool contains_any(const std::string& text, const std::vector<std::string>& needles) {
+  for (const std::string& needle : needles)
+    if (text.find(needle) != std::string::npos) return true;
+  return false;
+}
+
+// One rank (the last) skips the call of `fault`; the others must see the error, then everybody recovers.
+void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  const int victim = num_ranks - 1;
+  const bool skip = rank == victim;
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  // A good round trip in both modes first: the fault hits a Buffer in use.
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    FaultCalls calls(*buffer, num_ranks);
+    try {
+      calls.run(fault, skip);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const std::string where = std::string("rank ") + std::to_string(rank) + ", fault " + fault_name(fault);
+  if (skip) {
+    if (!error.empty()) throw std::runtime_error(where + ": the skipping rank got an error: " + error);
+  } else {
+    if (error.empty())
+      throw std::runtime_error(where + ": no error although peer " + std::to_string(victim) +
+                               " skipped the call");
+    if (error.find("peer " + std::to_string(victim)) == std::string::npos ||
+        !contains_any(error, expected_phases(fault)))
+      throw std::runtime_error(where + ": the error names neither the peer nor the phase: " + error);
+    if (seconds > kWaitTimeoutS + 1.0)
+      throw std::runtime_error(where + ": the error took " + std::to_string(seconds) + " s: " + error);
+    // The Buffer stays aborted with the same message.
+    expect_error([&] { buffer->check_timeout(); }, error);
+    expect_error([&] { buffer->check(); }, error);
+    if (!buffer->is_aborted()) throw std::runtime_error(where + ": the Buffer is not aborted");
+  }
+  bootstrap.barrier();  // every waiting rank saw its error: the victim's abort word is set
+  if (skip) expect_error([&] { buffer->check(); }, "the group was aborted");
+  expect_context_alive(rank);
+  // Every call on an aborted Buffer is refused.
+  expect_error([&] { FaultCalls(*buffer, num_ranks).run(fault, false); }, skip ? "aborted" : error);
+
+  if (rebuild) {
+    buffer->destroy();
+    buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  } else {
+    buffer->reset();
+    if (buffer->is_aborted()) throw std::runtime_error(where + ": still aborted after reset()");
+  }
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  // The interrupted sequence itself runs again, with every rank.
+  FaultCalls(*buffer, num_ranks).run(fault, false);
+  buffer->destroy();
+}
+
+// One rank dispatches tokens of another hidden size (normal mode, or low latency): every rank's dispatch
+// must raise the shape check's error (no timeout: the fingerprints travel with the counts and the flags),
+// then reset() and checked calls.
+void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  const auto start = std::chrono::steady_clock::now();
+  {
+    FaultCalls calls(buffer, num_ranks);
+    if (rank == num_ranks - 1) {
+      calls.set_hidden(128);
+      calls.set_low_latency_hidden(128);
+    }
+    std::string error;
+    try {
+      calls.run(low_latency ? Fault::kLowLatencyCombine : Fault::kCombine, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+    // Each rank finds the mismatch itself, or (with more ranks) is released by one that did first.
+    if (!contains_any(error, {"called with hidden = ", "called with other shapes"}))
+      throw std::runtime_error("rank " + std::to_string(rank) + ": no shape error, got: '" + error + "'");
+  }
+  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  if (seconds > kWaitTimeoutS)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": the shape check took " +
+                             std::to_string(seconds) + " s (it must not wait for a timeout)");
+  expect_context_alive(rank);
+  buffer.reset();
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+}
+
+// Worst-case mode: rank 0's outputs are too small for what it receives. Its notify reports the capacity
+// error and aborts the group (no trap); its dispatch writes nothing; every other rank's dispatch stops and
+// names rank 0's cause. Then reset() and checked calls.
+void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  std::string error;
+  {
+    FaultCalls calls(buffer, num_ranks);
+    calls.set_num_worst_tokens(rank == 0 ? 1 : 48 * num_ranks);
+    try {
+      calls.run(Fault::kCombine, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+  }
+  const std::string want = rank == 0 ? "capacity exceeded" : "rank 0 exceeded its capacity";
+  if (error.find(want) == std::string::npos)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
+                             "'");
+  expect_context_alive(rank);
+  buffer.reset();
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+}
+
+// Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
+// the abort a pending hook refuses with its message; after reset() the hook is stale; after destroy() it
+// refuses to launch on freed memory.
+void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  const int victim = num_ranks - 1;
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  FaultCalls calls(buffer, num_ranks);
+  calls.low_latency(Fault::kClean, false);
+  const epx::LowLatencyDispatchResult pending = calls.low_latency_dispatch(true);  // every rank: sent
+  if (rank != victim) {
+    // The victim never sends this second call: its receive gives up, and the call's event says so.
+    std::string error;
+    try {
+      calls.low_latency_dispatch(false, true).event.synchronize();
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+    if (error.find("peer " + std::to_string(victim) + " in low-latency dispatch receive") ==
+        std::string::npos)
+      throw std::runtime_error("rank " + std::to_string(rank) + ": unexpected error: '" + error + "'");
+    expect_error([&] { pending.hook(calls.stream()); }, error);
+  }
+  bootstrap.barrier();
+  if (rank == victim) {
+    expect_error([&] { buffer.check(); }, "the group was aborted");
+    expect_error([&] { pending.hook(calls.stream()); }, "the group was aborted");
+  }
+  buffer.reset();
+  expect_error([&] { pending.hook(calls.stream()); }, "is stale");
+  const epx::LowLatencyDispatchResult orphan = calls.low_latency_dispatch(true);
+  buffer.destroy();
+  expect_error([&] { orphan.hook(calls.stream()); }, "after its Buffer was destroyed");
+}
+
+void run_fault_group(Fault fault, bool rebuild) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
+}
+
+TEST(Faults, NotifySkippedThenReset) {
+  run_fault_group(Fault::kNotify, false);
+}
+TEST(Faults, DispatchReceiveSkippedThenReset) {
+  run_fault_group(Fault::kDispatchReceive, false);
+}
+TEST(Faults, CombineSkippedThenReset) {
+  run_fault_group(Fault::kCombine, false);
+}
+TEST(Faults, LowLatencyDispatchSkippedThenReset) {
+  run_fault_group(Fault::kLowLatencyDispatch, false);
+}
+TEST(Faults, LowLatencyCombineSkippedThenReset) {
+  run_fault_group(Fault::kLowLatencyCombine, false);
+}
+TEST(Faults, CleanSkippedThenReset) {
+  run_fault_group(Fault::kClean, false);
+}
+TEST(Faults, NotifySkippedThenRebuild) {
+  run_fault_group(Fault::kNotify, true);
+}
+TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
+  run_fault_group(Fault::kLowLatencyDispatch, true);
+}
+TEST(Faults, HooksAfterAbortResetAndDestroyAreRefused) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_hooks_after_abort(bootstrap); });
+}
+TEST(Faults, CapacityExceededAbortsEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_capacity_exceeded(bootstrap); });
+}
+TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, false); });
+}
+TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, true); });
+}
+
+}  // namespace
