@@ -55,6 +55,7 @@ const char* fault_name(Fault fault) {
 std::vector<std::string> expected_phases(Fault fault) {
   switch (fault) {
     case Fault::kNotify:
+      return {"in dispatch notify"};
     case Fault::kClean:
       return {"in barrier"};
     case Fault::kDispatchReceive:

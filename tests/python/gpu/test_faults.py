@@ -104,7 +104,7 @@ def skipped_notify_worker(rank, num_ranks, group):
     victim = num_ranks - 1
     if rank != victim:
         start = time.monotonic()
-        with pytest.raises(epx.EpxError, match=f"peer {victim} in barrier"):
+        with pytest.raises(epx.EpxError, match=f"peer {victim} in dispatch notify"):
             buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
         assert time.monotonic() - start < WAIT_TIMEOUT_S + 1.0
     dist.barrier()
