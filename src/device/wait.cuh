@@ -27,7 +27,7 @@ __device__ __forceinline__ int32_t read_abort_word(const WaitContext& ctx) {
 }
 
 // Writes the record unless another waiter of this rank already did (the first one explains the failure).
-inline __device__ __noinline__ void write_wait_record(const WaitContext& ctx, int peer, WaitPhase phase,
+__device__ __forceinline__ void write_wait_record(const WaitContext& ctx, int peer, WaitPhase phase,
                                                       int64_t expected, int64_t seen, uint64_t waited_ns,
                                                       int32_t abort_word, int32_t detail = 0) {
   if (atomicCAS(&ctx.record->flag, 0, -1) != 0) return;
@@ -49,7 +49,7 @@ inline __device__ __noinline__ void write_wait_record(const WaitContext& ctx, in
 // returns afterwards; nothing traps, so the CUDA context survives. NOTES: the record is written before the
 // word, so a waiter of this rank that sees the word finds the record taken and the host reports this cause,
 // not a released waiter's. Ranks on other nodes are not reached: they give up by their own bounds.
-inline __device__ __noinline__ void raise_abort(const WaitContext& ctx, int peer, WaitPhase phase,
+__device__ __forceinline__ void raise_abort(const WaitContext& ctx, int peer, WaitPhase phase,
                                                 int64_t expected, int64_t seen, uint64_t waited_ns,
                                                 int32_t detail = 0) {
   write_wait_record(ctx, peer, phase, expected, seen, waited_ns, 0, detail);

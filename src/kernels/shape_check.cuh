@@ -18,7 +18,7 @@ __device__ __forceinline__ void post_shape(ShapeFingerprint* slot, const ShapeFi
 }
 
 // The slow part of check_shape: names the field and gives up.
-inline __device__ __noinline__ void report_shape_mismatch(const device::WaitContext& ctx, int peer,
+__device__ __forceinline__ void report_shape_mismatch(const device::WaitContext& ctx, int peer,
                                                           const ShapeFingerprint& mine,
                                                           const volatile ShapeFingerprint* theirs) {
   ShapeFingerprint copy{};

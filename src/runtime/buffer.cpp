@@ -388,6 +388,9 @@ void Buffer::reset() {
   if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(rdma_buffer(), 0, num_rdma_bytes()));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
   *s.timeout_record = WaitTimeoutRecord{};
+  // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that
+  // skipped a notify is one behind the others otherwise), with no receive pending.
+  std::fill_n(s.host_scratch, kHostScratchInts, 0);
   s.low_latency->num_calls = 0;
   s.low_latency->pending_call[0] = s.low_latency->pending_call[1] = 0;
   // 4. No rank starts a call before every rank is clean.
