@@ -28,8 +28,8 @@ __device__ __forceinline__ int32_t read_abort_word(const WaitContext& ctx) {
 
 // Writes the record unless another waiter of this rank already did (the first one explains the failure).
 __device__ __forceinline__ void write_wait_record(const WaitContext& ctx, int peer, WaitPhase phase,
-                                                      int64_t expected, int64_t seen, uint64_t waited_ns,
-                                                      int32_t abort_word, int32_t detail = 0) {
+                                                  int64_t expected, int64_t seen, uint64_t waited_ns,
+                                                  int32_t abort_word, int32_t detail = 0) {
   if (atomicCAS(&ctx.record->flag, 0, -1) != 0) return;
   ctx.record->rank = ctx.rank;
   ctx.record->peer = peer;
@@ -50,8 +50,8 @@ __device__ __forceinline__ void write_wait_record(const WaitContext& ctx, int pe
 // word, so a waiter of this rank that sees the word finds the record taken and the host reports this cause,
 // not a released waiter's. Ranks on other nodes are not reached: they give up by their own bounds.
 __device__ __forceinline__ void raise_abort(const WaitContext& ctx, int peer, WaitPhase phase,
-                                                int64_t expected, int64_t seen, uint64_t waited_ns,
-                                                int32_t detail = 0) {
+                                            int64_t expected, int64_t seen, uint64_t waited_ns,
+                                            int32_t detail = 0) {
   write_wait_record(ctx, peer, phase, expected, seen, waited_ns, 0, detail);
   const int32_t word = encode_abort_word(ctx.rank, peer, phase);
   if (atomicCAS_system(ctx.abort.local, 0, word) != 0) return;  // the group is aborted already

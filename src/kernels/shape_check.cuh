@@ -19,8 +19,8 @@ __device__ __forceinline__ void post_shape(ShapeFingerprint* slot, const ShapeFi
 
 // The slow part of check_shape: names the field and gives up.
 __device__ __forceinline__ void report_shape_mismatch(const device::WaitContext& ctx, int peer,
-                                                          const ShapeFingerprint& mine,
-                                                          const volatile ShapeFingerprint* theirs) {
+                                                      const ShapeFingerprint& mine,
+                                                      const volatile ShapeFingerprint* theirs) {
   ShapeFingerprint copy{};
   copy.hash = theirs->hash;
   for (int i = 0; i < kNumShapeFields; ++i) copy.values[i] = theirs->values[i];
