@@ -354,3 +354,24 @@ def install(monkeypatch):
     buffer.comm_stream = None
     buffer.low_latency_mode = True
     return buffer, binding
+
+
+def deep_ep_wrapper(buffer):
+    """A deep_ep.Buffer over the fake epx.Buffer `buffer`, without its constructor's collectives."""
+    import epx.compat.deep_ep as deep_ep
+
+    wrapper = object.__new__(deep_ep.Buffer)
+    wrapper.rank, wrapper.group_size, wrapper.group = 0, 1, None
+    wrapper.explicitly_destroy = True
+    wrapper.runtime = buffer
+    return wrapper
+
+
+def sample_tokens(hidden, num_topk, num_tokens=6, seed=0):
+    """BF16 tokens [T, hidden], top-2 ids over 4 experts (with -1s, one token routed nowhere) and weights."""
+    import torch
+
+    x = ref.native.random_bf16_tokens(seed, num_tokens, hidden, 0).reshape(num_tokens, hidden)
+    ids = np.array([[0, 1], [2, -1], [-1, -1], [3, 0], [1, 2], [-1, 3]], dtype=np.int64)[:num_tokens]
+    weights = ref.native.random_topk_weights(seed, num_tokens, num_topk).reshape(num_tokens, num_topk)
+    return ref.to_torch_bf16(x), torch.from_numpy(ids), torch.from_numpy(weights)

@@ -7,15 +7,13 @@ torch."""
 
 import contextlib
 
-import numpy as np
 import pytest
 
 torch = pytest.importorskip("torch")
 
 import epx.buffer as buffer_module  # noqa: E402
 import epx.compat.deep_ep as deep_ep  # noqa: E402
-import epx.reference as ref  # noqa: E402
-from fake_runtime import FakeEvent, install  # noqa: E402
+from fake_runtime import deep_ep_wrapper, sample_tokens, FakeEvent, install  # noqa: E402
 
 HIDDEN = 512
 NUM_EXPERTS = 4
@@ -29,19 +27,13 @@ def wrapper(monkeypatch):
 
     buffer, binding = install(monkeypatch)
     monkeypatch.setattr(event_module, "_record_on_current_stream", lambda: FakeEvent(True))  # EventHandle()
-    wrapper = object.__new__(deep_ep.Buffer)
-    wrapper.rank, wrapper.group_size, wrapper.group = 0, 1, None
-    wrapper.explicitly_destroy = True
+    wrapper = deep_ep_wrapper(buffer)
     wrapper.low_latency_mode = True
-    wrapper.runtime = buffer
     return wrapper, binding
 
 
 def tokens(num_tokens=6, seed=0):
-    x = ref.native.random_bf16_tokens(seed, num_tokens, HIDDEN, 0).reshape(num_tokens, HIDDEN)
-    ids = np.array([[0, 1], [2, -1], [-1, -1], [3, 0], [1, 2], [-1, 3]], dtype=np.int64)[:num_tokens]
-    weights = ref.native.random_topk_weights(seed, num_tokens, NUM_TOPK).reshape(num_tokens, NUM_TOPK)
-    return ref.to_torch_bf16(x), torch.from_numpy(ids), torch.from_numpy(weights)
+    return sample_tokens(HIDDEN, NUM_TOPK, num_tokens, seed)
 
 
 SENT = torch.tensor([True, True, False, True, True, True])  # token 2 picked no expert

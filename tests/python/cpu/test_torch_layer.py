@@ -11,7 +11,7 @@ import epx  # noqa: E402
 import epx.compat.deep_ep as deep_ep  # noqa: E402
 import epx.reference as ref  # noqa: E402
 import epx.training as training  # noqa: E402
-from fake_runtime import install  # noqa: E402
+from fake_runtime import deep_ep_wrapper, sample_tokens, install  # noqa: E402
 
 HIDDEN = 256
 NUM_EXPERTS = 4
@@ -26,18 +26,12 @@ def fake(monkeypatch):
 @pytest.fixture
 def compat(fake):
     buffer, binding = fake
-    wrapper = object.__new__(deep_ep.Buffer)
-    wrapper.rank, wrapper.group_size, wrapper.group = 0, 1, None
-    wrapper.explicitly_destroy = True
-    wrapper.runtime = buffer
+    wrapper = deep_ep_wrapper(buffer)
     return wrapper, binding
 
 
 def tokens(num_tokens=6, seed=0):
-    x = ref.native.random_bf16_tokens(seed, num_tokens, HIDDEN, 0).reshape(num_tokens, HIDDEN)
-    ids = np.array([[0, 1], [2, -1], [-1, -1], [3, 0], [1, 2], [-1, 3]], dtype=np.int64)[:num_tokens]
-    weights = ref.native.random_topk_weights(seed, num_tokens, NUM_TOPK).reshape(num_tokens, NUM_TOPK)
-    return ref.to_torch_bf16(x), torch.from_numpy(ids), torch.from_numpy(weights)
+    return sample_tokens(HIDDEN, NUM_TOPK, num_tokens, seed)
 
 
 def test_native_dispatch_and_combine(fake):

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 from dist_util import gpu_counts, run
+from megatron_util import import_fused_a2a
 
 HIDDEN = 1024
 NUM_TOPK = 4
@@ -21,19 +22,6 @@ EXPERTS_PER_RANK = 8
 SEED = 7
 # (async_finish, allocate_on_comm_stream) as Megatron's flex dispatcher passes them.
 MODES = [(False, False), (True, False), (True, True)]
-
-
-def import_fused_a2a():
-    """megatron.core.transformer.moe.fused_a2a, or a skip naming why it is not importable."""
-    try:
-        import megatron.core.transformer.moe.fused_a2a as fused_a2a
-    except Exception as error:  # ImportError, or megatron-core failing to load with this torch
-        pytest.skip(f"megatron-core is not importable ({type(error).__name__}: {error}); install its wheel "
-                    "(pip install megatron-core) to run Megatron's fused_a2a on EPX")
-    # Without `from deep_ep import Buffer` / `from deep_ep.utils import EventHandle, EventOverlap` Megatron sets
-    # HAVE_DEEP_EP = False and fused_dispatch is None.
-    assert fused_a2a.HAVE_DEEP_EP, "megatron-core could not import EPX's deep_ep"
-    return fused_a2a
 
 
 def small_integers(seed, shape):
