@@ -45,6 +45,33 @@ void run_cases_on_one_buffer(const std::vector<NormalCase>& cases) {
   });
 }
 
+// A Buffer on the caller's stream runs its calls there and leaves the stream alive after destroy() (outputs
+// recorded on it, as torch records them, can still be freed).
+TEST(Normal, BorrowedCommStream) {
+  const NormalCase c = [] {
+    NormalCase c;
+    c.num_tokens = {100, 37};
+    c.num_iterations = 2;
+    return c;
+  }();
+  run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    cudaStream_t stream = nullptr;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+    epx::BufferOptions options;
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    options.wait_timeout_s = 20.0;
+    options.comm_stream = stream;
+    {
+      epx::Buffer buffer(bootstrap, options);
+      if (buffer.comm_stream() != stream) throw std::runtime_error("the Buffer did not take the given stream");
+      epx::test::NormalRunner(c, buffer).run();
+      buffer.destroy();
+    }
+    EPX_CUDA_CHECK(cudaStreamQuery(stream));  // still a valid stream
+    EPX_CUDA_CHECK(cudaStreamDestroy(stream));
+  });
+}
+
 // 333 tokens: odd, and more than one block's worth of warps in every copy kernel.
 NormalCase small_case(int num_ranks) {
   NormalCase c;
@@ -623,6 +650,7 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     expect_error([&] { epx::dispatch_receive(buffer, drained, in, out, order); },
                  "invalid plan = already received");
     notify_launching();  // never received: the next notify cancels it
+    epx::dispatch_cancel(buffer, notify_launching());  // the caller gives up (e.g. no memory for outputs)
     epx::dispatch_receive(buffer, notify_launching(), in, out, order);
 
     // combine arguments.
