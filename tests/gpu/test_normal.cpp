@@ -63,7 +63,8 @@ TEST(Normal, BorrowedCommStream) {
     options.comm_stream = stream;
     {
       epx::Buffer buffer(bootstrap, options);
-      if (buffer.comm_stream() != stream) throw std::runtime_error("the Buffer did not take the given stream");
+      if (buffer.comm_stream() != stream)
+        throw std::runtime_error("the Buffer did not take the given stream");
       epx::test::NormalRunner(c, buffer).run();
       buffer.destroy();
     }
@@ -649,7 +650,7 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     expect_error([&] { epx::dispatch_receive(buffer, drained, in, bad_out, order); }, "invalid recv_x = 0x");
     expect_error([&] { epx::dispatch_receive(buffer, drained, in, out, order); },
                  "invalid plan = already received");
-    notify_launching();  // never received: the next notify cancels it
+    notify_launching();                                // never received: the next notify cancels it
     epx::dispatch_cancel(buffer, notify_launching());  // the caller gives up (e.g. no memory for outputs)
     epx::dispatch_receive(buffer, notify_launching(), in, out, order);
 
