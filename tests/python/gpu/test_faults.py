@@ -13,11 +13,26 @@ from test_low_latency import HIDDEN, MAX_TOKENS, Case, World, one_round
 WAIT_TIMEOUT_S = 1.0
 
 
+def victim_learns_and_all_reset(buffer, rank, victim, device):
+    """After the others saw their errors: the rank that skipped the call learns of the abort from check(),
+    torch's CUDA context survived on every rank, and a collective reset() recovers the Buffer."""
+    import torch
+    import torch.distributed as dist
+
+    import epx
+
+    dist.barrier()
+    if rank == victim:
+        with pytest.raises(epx.EpxError, match="the group was aborted"):
+            buffer.check()
+    assert (torch.ones(1, device=device) + 1).item() == 2
+    buffer.reset()
+
+
 def skipped_dispatch_worker(rank, num_ranks, group):
     import os
 
     import torch
-    import torch.distributed as dist
 
     import epx
     import epx.compat.deep_ep as deep_ep
@@ -47,16 +62,7 @@ def skipped_dispatch_worker(rank, num_ranks, group):
             buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
         assert again.value.message == raised.value.message
         assert buffer.runtime.is_aborted
-    dist.barrier()
-    if rank == victim:
-        with pytest.raises(epx.EpxError, match="the group was aborted"):
-            buffer.check()
-
-    # ---- torch's CUDA context survived ----
-    assert (torch.ones(1, device=device) + 1).item() == 2
-
-    # ---- Recovery: a collective reset, then a checked round on the same Buffer ----
-    buffer.reset()
+    victim_learns_and_all_reset(buffer, rank, victim, device)
     assert not buffer.runtime.is_aborted
     buffer.check()
     one_round(buffer, World(num_ranks, num_experts, 7, case), rank, num_experts, case, device)
@@ -75,7 +81,6 @@ def skipped_notify_worker(rank, num_ranks, group):
     import os
 
     import torch
-    import torch.distributed as dist
 
     import epx
 
@@ -107,12 +112,7 @@ def skipped_notify_worker(rank, num_ranks, group):
         with pytest.raises(epx.EpxError, match=f"peer {victim} in dispatch notify"):
             buffer.dispatch(x, topk_idx=topk_idx, topk_weights=weights, num_experts=num_experts)
         assert time.monotonic() - start < WAIT_TIMEOUT_S + 1.0
-    dist.barrier()
-    if rank == victim:
-        with pytest.raises(epx.EpxError, match="the group was aborted"):
-            buffer.check()
-    assert (torch.ones(1, device=device) + 1).item() == 2
-    buffer.reset()
+    victim_learns_and_all_reset(buffer, rank, victim, device)
     round_trip()
     buffer.destroy()
 
