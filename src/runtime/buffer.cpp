@@ -170,6 +170,11 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     EPX_CUDA_CHECK(cudaMemPoolCreate(&s.handle_pool, &pool_props));
     uint64_t keep_all = UINT64_MAX;
     EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+    // An allocation on the private stream (allocate_rows of a receive already launched) must never wait for
+    // the comm stream, whose kernel may be waiting for that very allocation.
+    int no_internal_dependencies = 0;
+    EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolReuseAllowInternalDependencies,
+                                           &no_internal_dependencies));
     s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [own_stream](cudaStream_t stream) {
       cudaStreamSynchronize(stream);
       if (own_stream) cudaStreamDestroy(stream);
@@ -335,6 +340,10 @@ void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
 cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
   return buffer.live().ordering_events[which];
 }
+cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
+  return buffer.live().probe_stream;
+}
+
 AbortWords BufferAccess::abort_words(const Buffer& buffer) {
   const Buffer::State& s = buffer.live();
   return AbortWords{static_cast<int*>(s.abort_memory->local()), reinterpret_cast<int* const*>(s.abort_table),

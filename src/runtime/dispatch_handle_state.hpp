@@ -29,8 +29,10 @@ struct DispatchHandle::State {
   // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
   void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
                         int num_local_experts);
-  // Allocates recv_src_idx for `num_rows` rows (and, across nodes, forward_mask).
-  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows);
+  // Allocates recv_src_idx for `num_rows` rows (and, across nodes, forward_mask); `complete_on`: see
+  // allocate_on_stream in normal.cpp (a receive launched before the allocation).
+  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows,
+                     cudaStream_t complete_on = nullptr);
 };
 
 }  // namespace epx

@@ -214,11 +214,19 @@ const uint8_t* DispatchHandle::is_token_in_rank_device() const {
 
 namespace {
 
-// `bytes` from the Buffer's handle pool, ordered on `stream`, freed on it with the last owner.
+// `bytes` from the Buffer's handle pool, ordered on `stream`, freed on it with the last owner. With
+// `complete_on` (a private, otherwise idle stream) the allocation is made there and waited for instead: then
+// it is valid for any work, even a kernel the comm stream already runs (a launched receive), which a
+// stream-ordered allocation behind that kernel would not be.
 std::shared_ptr<void> allocate_on_stream(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                                         size_t bytes) {
+                                         size_t bytes, cudaStream_t complete_on = nullptr) {
   void* raw = nullptr;
-  EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
+  if (complete_on != nullptr) {
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, complete_on));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(complete_on));
+  } else {
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
+  }
   return std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
 }
 
@@ -254,9 +262,9 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
 }
 
 void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                                          int num_rows) {
+                                          int num_rows, cudaStream_t complete_on) {
   const size_t row_bytes = sizeof(int) * std::max(num_rows, 1);
-  rows_memory = allocate_on_stream(stream, pool, row_bytes + std::max(num_forward_records, 1));
+  rows_memory = allocate_on_stream(stream, pool, row_bytes + std::max(num_forward_records, 1), complete_on);
   arrays.recv_src_idx = static_cast<int*>(rows_memory.get());
   arrays.forward_mask = num_nodes > 1 ? static_cast<uint8_t*>(rows_memory.get()) + row_bytes : nullptr;
 }
@@ -461,7 +469,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_recv_tokens_per_expert.clear();
   }
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
-  state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
+  state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows,
+                       state->launched_receive ? BufferAccess::private_stream(buffer) : nullptr);
   const int invalid = counts[count_index.invalid_id()];
   if (invalid != 0) publish_outputs(buffer, DispatchOutput{}, nullptr, true);
   EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
