@@ -94,6 +94,7 @@ struct Buffer::State {
   void* const* abort_table = nullptr;   // device [kMaxLowLatencyRanks]: every rank's word (nullptr: off node)
   cudaStream_t probe_stream = nullptr;  // check() reads the abort word on it, behind nothing else
   mutable AbortState abort_state;
+  mutable ExclusiveUse exclusive_use;
 
   // Frees this rank's resources. `collective`: also the memory whose free is collective (NVSHMEM); without
   // it (an aborted group, whose peers may never come) that memory is kept until the process ends.
@@ -340,6 +341,12 @@ void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
 cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
   return buffer.live().ordering_events[which];
 }
+ExclusiveUse::Claim BufferAccess::enter_call(const Buffer& buffer, const char* call) {
+  const Buffer::State& s = buffer.live();
+  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  return s.exclusive_use.claim(call, s.rank);
+}
+
 cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
   return buffer.live().probe_stream;
 }

@@ -5,6 +5,7 @@
 #include <memory>
 
 #include "core/abort_word.hpp"
+#include "core/exclusive_use.hpp"
 #include "epx/buffer.hpp"
 
 namespace epx {
@@ -30,6 +31,9 @@ struct BufferAccess {
   // A private stream with nothing queued behind other work: host-synchronous small steps (check()'s read of
   // the abort word, allocations a running kernel must see complete) go there.
   static cudaStream_t private_stream(const Buffer& buffer);
+  // The start of every call: refuses an aborted Buffer (check_timeout), then claims the Buffer for this
+  // thread until the returned claim ends (core/exclusive_use.hpp); `call` names the call in errors.
+  static ExclusiveUse::Claim enter_call(const Buffer& buffer, const char* call);
 };
 
 }  // namespace epx

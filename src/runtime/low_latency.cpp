@@ -138,7 +138,7 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
 
 LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& in,
                                               const LowLatencyDispatchOutput& out, const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_dispatch");
   const LowLatencyLayout layout =
       layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
   validate_dispatch(buffer, in, out, layout, *BufferAccess::low_latency_state(buffer), order);
@@ -185,7 +185,7 @@ void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHand
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
                                             const LowLatencyCombineInput& in, void* combined_x,
                                             const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_combine");
   const LowLatencyLayout layout =
       layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
   check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
@@ -237,7 +237,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 
 void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
                               int num_experts, const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "clean_low_latency_buffer");
   const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
   const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout};

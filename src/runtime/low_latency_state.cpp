@@ -4,6 +4,7 @@
 
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
+#include "runtime/buffer_access.hpp"
 
 namespace epx {
 
@@ -46,7 +47,7 @@ void LowLatencyRecvHook::operator()(cudaStream_t stream) const {
   if (owner.buffer == nullptr) {
     EPX_FAIL("the receive hook of low-latency call #", state_->call, " runs after its Buffer was destroyed");
   }
-  owner.buffer->check_timeout();  // an aborted Buffer launches nothing
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(*owner.buffer, "a low-latency receive hook");
   if (owner.pending_call[state_->half] != state_->call + 1) {
     EPX_FAIL("the receive hook of low-latency call #", state_->call,
              " is stale: clean_low_latency_buffer() or reset() was called after it");

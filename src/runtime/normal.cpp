@@ -271,7 +271,7 @@ void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& st
 
 Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
                           int num_experts, const DispatchLayoutOutput& out, const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "get_dispatch_layout");
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
   EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
   EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16");
@@ -346,7 +346,7 @@ void publish_outputs(const Buffer& buffer, const DispatchOutput& out, int* recv_
 
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
                              const DispatchHandle* cached, DispatchOverlap overlap) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_notify");
   const bool is_cached = cached != nullptr && cached->valid();
   validate_dispatch_input(buffer, in, is_cached);
   const int num_ranks = buffer.num_ranks();
@@ -485,7 +485,7 @@ void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_receive");
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
   const bool launched = state.launched_receive;
@@ -555,7 +555,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
 
 Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& in, const CombineOutput& out,
               const StreamOrder& order) {
-  buffer.check_timeout();  // an aborted Buffer refuses every call until reset()
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "combine");
   EPX_CHECK(handle.valid(), "handle", "empty", "must come from dispatch_notify");
   const auto& state = handle.state();
   EPX_CHECK(state.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
