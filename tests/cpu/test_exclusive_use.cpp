@@ -7,6 +7,17 @@
 
 namespace {
 
+// Whether another thread can claim `use` now.
+bool another_thread_can_claim(epx::ExclusiveUse& use) {
+  bool claimed = false;
+  std::thread other([&] {
+    const epx::ExclusiveUse::Claim claim = use.claim("combine", 0);
+    claimed = true;
+  });
+  other.join();
+  return claimed;
+}
+
 // A second thread inside a call is refused with an error naming the call; the owner may nest claims, and
 // once every claim ended another thread may call.
 TEST(ExclusiveUse, SecondThreadIsRefusedOwnerMayNest) {
@@ -26,13 +37,7 @@ TEST(ExclusiveUse, SecondThreadIsRefusedOwnerMayNest) {
     EXPECT_NE(refused.find("rank 3: combine called while another thread is inside a call"), std::string::npos)
         << refused;
   }
-  bool claimed = false;
-  std::thread later([&] {
-    const epx::ExclusiveUse::Claim claim = use.claim("combine", 3);
-    claimed = true;
-  });
-  later.join();
-  EXPECT_TRUE(claimed);
+  EXPECT_TRUE(another_thread_can_claim(use));
 }
 
 // A claim ends when its call throws, so the next call of the thread (or of another) still works.
@@ -43,13 +48,7 @@ TEST(ExclusiveUse, ClaimEndsWhenTheCallThrows) {
     EPX_FAIL("a rejected argument");
   } catch (const epx::Error&) {
   }
-  bool claimed = false;
-  std::thread other([&] {
-    const epx::ExclusiveUse::Claim claim = use.claim("combine", 0);
-    claimed = true;
-  });
-  other.join();
-  EXPECT_TRUE(claimed);
+  EXPECT_TRUE(another_thread_can_claim(use));
 }
 
 }  // namespace
