@@ -38,7 +38,8 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // Host-mapped counts notify publishes as tagged words (pack_tagged with `sequence`): [0] rows, [1 + r] rows
 // from source r, [1 + R + le] aligned rows of local expert le, then what the path adds (HostCountIndex).
-// The host waits until every word it reads carries the sequence: no flag or fence orders them.
+// The host waits until every word it reads carries the sequence: no flag orders them (the kernel's closing
+// fence only pushes them out of the GPU's caches sooner).
 struct HostCounts {
   uint64_t* words;  // nullptr: nobody waits (worst-case mode)
   uint32_t sequence;
@@ -50,7 +51,10 @@ struct HostCountIndex {
   EPX_HD int expert(int le) const { return 1 + num_ranks + le; }
   EPX_HD int invalid_id() const { return 1 + num_ranks + num_local_experts; }       // 1 + token, or 0
   EPX_HD int forward_records() const { return 2 + num_ranks + num_local_experts; }  // across nodes
-  EPX_HD int count() const { return 3 + num_ranks + num_local_experts; }
+  // Words a notify publishes: up to the invalid-id flag, or up to the forwarded records across nodes.
+  EPX_HD int num_words(bool across_nodes) const {
+    return (across_nodes ? forward_records() : invalid_id()) + 1;
+  }
 };
 
 // The outputs of a receive launched before the host knew the row count (dispatch_notify with

@@ -324,12 +324,14 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
                                out.recv_topk_weights};
 }
 
-// Tells a receive launched by dispatch_notify where its rows go (cancelled: nowhere, it only drains its
-// queues). The fields are written before the sequence; x86 stores become visible in program order, and the
-// kernel reads the sequence with acquire before the fields.
-void publish_outputs(const Buffer& buffer, const DispatchOutput& out, int* recv_src_idx, bool cancelled) {
+// Tells the receive dispatch_notify launched with `sequence` where its rows go (cancelled: nowhere, it only
+// drains its queues), if that receive still waits; a no-op otherwise, so a spent or stale plan can never hand
+// its outputs to a later call's receive. The fields are written before the sequence; x86 stores become
+// visible in program order, and the kernel reads the sequence with acquire before the fields.
+void publish_outputs(const Buffer& buffer, uint32_t sequence, const DispatchOutput& out, int* recv_src_idx,
+                     bool cancelled) {
   NormalHostScratch& scratch = normal_host_scratch(buffer);
-  if (scratch.pending_receive == 0) return;
+  if (sequence == 0 || scratch.pending_receive != sequence) return;
   kernels::PublishedOutputs& p = scratch.outputs;
   p.recv_x = out.recv_x;
   p.recv_x_scales = out.recv_x_scales;
@@ -338,8 +340,13 @@ void publish_outputs(const Buffer& buffer, const DispatchOutput& out, int* recv_
   p.recv_src_idx = recv_src_idx;
   p.cancelled = cancelled ? 1 : 0;
   std::atomic_thread_fence(std::memory_order_release);
-  *static_cast<volatile uint32_t*>(&p.sequence) = scratch.pending_receive;
+  *static_cast<volatile uint32_t*>(&p.sequence) = sequence;
   scratch.pending_receive = 0;
+}
+
+// The receive launched with `sequence`, if it still waits, drains its queues and writes nothing.
+void cancel_receive(const Buffer& buffer, uint32_t sequence) {
+  publish_outputs(buffer, sequence, DispatchOutput{}, nullptr, true);
 }
 
 }  // namespace
@@ -357,7 +364,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   validate_normal_shape(shape);
   const int num_local_experts = in.num_experts / num_ranks;
   const kernels::HostCountIndex count_index{num_ranks, num_local_experts};
-  EPX_CHECK(count_index.count() <= NormalHostScratch::kMaxCountWords, "num_experts", in.num_experts,
+  EPX_CHECK(count_index.num_words(true) <= NormalHostScratch::kMaxCountWords, "num_experts", in.num_experts,
             detail::concat("must leave at most ", NormalHostScratch::kMaxCountWords - 3 - num_ranks,
                            " local experts per rank (the host-mapped counts)")
                 .c_str());
@@ -379,7 +386,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_nodes = buffer.num_ranks() / buffer.ranks_per_node();
   }
   state->shape = shape;
-  state->launched_receive = false;
+  state->launched_receive = 0;
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
     internode_layouts(buffer, *state, InternodeRecord::dispatch(shape));
@@ -391,7 +398,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
   // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
-  publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+  cancel_receive(buffer, normal_host_scratch(buffer).pending_receive);
   // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
   if (is_cached) return plan_of(std::move(state));
   begin_on_comm_stream(buffer, order);
@@ -447,15 +454,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     args.published_sequence = scratch.notify_sequence;
     kernels::launch_dispatch(args, stream);
     scratch.pending_receive = scratch.notify_sequence;
-    state->launched_receive = true;
+    state->launched_receive = scratch.notify_sequence;
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
   try {
-    counts = wait_for_counts(buffer, stream, scratch.notify_sequence,
-                             state->num_nodes > 1 ? count_index.count() : count_index.count() - 1);
+    counts =
+        wait_for_counts(buffer, stream, scratch.notify_sequence, count_index.num_words(state->num_nodes > 1));
   } catch (...) {
-    publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+    cancel_receive(buffer, state->launched_receive);
     throw;
   }
   state->num_recv_rows = counts[count_index.rows()];
@@ -470,17 +477,17 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
   state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows,
-                       state->launched_receive ? BufferAccess::private_stream(buffer) : nullptr);
+                       state->launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr);
   const int invalid = counts[count_index.invalid_id()];
-  if (invalid != 0) publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+  if (invalid != 0) cancel_receive(buffer, state->launched_receive);
   EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
             "must be -1 or in [0, num_experts)");
   return plan_of(std::move(state));
 }
 
+// No enter_call: it runs on error paths (an aborted Buffer, a failed allocation) and must not raise there.
 void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
-  if (plan.handle.valid() && plan.handle.state().launched_receive)
-    publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+  if (plan.handle.valid()) cancel_receive(buffer, plan.handle.state().launched_receive);
 }
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
@@ -488,11 +495,11 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_receive");
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
-  const bool launched = state.launched_receive;
+  const uint32_t launched = state.launched_receive;
   // A receive dispatch_notify launched waits for these outputs: a rejected call lets it drain instead.
   try {
     EPX_CHECK(
-        !launched || normal_host_scratch(buffer).pending_receive != 0, "plan", "already received",
+        launched == 0 || normal_host_scratch(buffer).pending_receive == launched, "plan", "already received",
         "its receive was launched by dispatch_notify and must be received once, before the next notify");
     EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
               "must equal the num_tokens given to dispatch_notify (pass the same input)");
@@ -515,11 +522,11 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
               "must be given together with recv_topk_idx");
     check_row_alignment(out.recv_x, "recv_x");
   } catch (...) {
-    if (launched) publish_outputs(buffer, DispatchOutput{}, nullptr, true);
+    cancel_receive(buffer, launched);
     throw;
   }
-  if (launched) {
-    publish_outputs(buffer, out, state.arrays.recv_src_idx, false);
+  if (launched != 0) {
+    publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, false);
     return end_on_comm_stream(buffer, order);
   }
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.

@@ -652,7 +652,11 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
                  "invalid plan = already received");
     notify_launching();                                // never received: the next notify cancels it
     epx::dispatch_cancel(buffer, notify_launching());  // the caller gives up (e.g. no memory for outputs)
-    epx::dispatch_receive(buffer, notify_launching(), in, out, order);
+    // A spent plan never hands its outputs to a later notify's receive, which still receives its own.
+    const epx::DispatchPlan later = notify_launching();
+    expect_error([&] { epx::dispatch_receive(buffer, drained, in, out, order); },
+                 "invalid plan = already received");
+    epx::dispatch_receive(buffer, later, in, out, order);
 
     // combine arguments.
     const epx::CombineInput comb{expert_x.get(), recv_weights.get<float>(), K, nullptr, nullptr};
