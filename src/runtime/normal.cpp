@@ -398,13 +398,13 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
   // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
-  cancel_receive(buffer, normal_host_scratch(buffer).pending_receive);
+  NormalHostScratch& scratch = normal_host_scratch(buffer);
+  cancel_receive(buffer, scratch.pending_receive);
   // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
   if (is_cached) return plan_of(std::move(state));
   begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
-  NormalHostScratch& scratch = normal_host_scratch(buffer);
   state->allocate_routing(buffer.comm_stream_shared(), buffer.handle_memory_pool(), num_local_experts);
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
