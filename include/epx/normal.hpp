@@ -103,7 +103,9 @@ enum class DispatchOverlap {
   // dispatch_receive hands it the outputs (through host-mapped memory; nothing is launched then). The caller
   // must call dispatch_receive next, with the same input, and queue no GPU work on the outputs in between
   // (allocating them is fine). A notify of the same Buffer before that cancels the receive (it drains its
-  // queues and writes nothing). Ignored with a cached handle, in worst-case mode and across nodes.
+  // queues and writes nothing). Ignored with a cached handle, in worst-case mode, across nodes and when the
+  // environment sets EPX_LAUNCH_RECEIVE=0 (for compute-sanitizer's memcheck, which checks a kernel's
+  // accesses against the allocations made before its launch).
   kLaunchReceive,
 };
 

@@ -19,7 +19,9 @@ struct DispatchHandle::State {
   int expert_alignment = 1;
   int num_nodes = 1;              // > 1: the group spans nodes (normal mode across nodes)
   int num_forward_records = 0;    // across nodes: records this rank forwards (the size of forward_mask)
-  bool launched_receive = false;  // dispatch_notify launched the receive (DispatchOverlap::kLaunchReceive)
+  // The sequence of the notify that launched the receive (DispatchOverlap::kLaunchReceive), 0: none. Outputs
+  // go only to the receive of this sequence, so a spent or stale plan cannot feed a later notify's receive.
+  uint32_t launched_receive = 0;
   std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode
   std::vector<int> num_recv_tokens_per_expert;  // host copy; empty in worst-case mode
   kernels::HandleArrays arrays{};
