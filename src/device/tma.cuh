@@ -78,6 +78,24 @@ __device__ __forceinline__ void bulk_store_wait_read() {
   asm volatile("cp.async.bulk.wait_group.read %0;" ::"n"(N) : "memory");
 }
 
+// Until at most `newer` of this thread's bulk stores still read shared memory (3 or more: 3).
+__device__ __forceinline__ void bulk_store_wait_read_at_most(uint32_t newer) {
+  switch (newer) {
+    case 0:
+      bulk_store_wait_read<0>();
+      break;
+    case 1:
+      bulk_store_wait_read<1>();
+      break;
+    case 2:
+      bulk_store_wait_read<2>();
+      break;
+    default:
+      bulk_store_wait_read<3>();
+      break;
+  }
+}
+
 // Until every bulk store of this thread completed.
 __device__ __forceinline__ void bulk_store_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");

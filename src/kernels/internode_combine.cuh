@@ -2,6 +2,7 @@
 
 #include <cuda_bf16.h>
 
+#include "kernels/bf16x8.cuh"
 #include "kernels/internode_common.cuh"
 
 // Combine across nodes: the reverse of dispatch. Every channel has two blocks:
@@ -16,24 +17,6 @@ namespace epx::kernels::internode {
 
 constexpr int kCombineThreads = 1024;
 constexpr int kCombineWarps = kCombineThreads / 32;
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
-  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
-
-__device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
-  int4 out;
-  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int h = 0; h < 4; ++h) pairs[h] = __floats2bfloat162_rn(acc[2 * h], acc[2 * h + 1]);
-  return out;
-}
 
 // ---- NVLink send: the rows local rank `dst` forwarded to this rank, back to it, per source node. ----
 __device__ void return_rows(const InternodeCombineArgs& args, int channel, int dst, const WarpGroup& group,
@@ -179,7 +162,8 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
       char* out = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
                               : args.rdma.send_record(context.rdma_base, node, own, channel, position);
       for (int v = lane; v < num_vectors; v += 32) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[8];
+        start_sum(acc);
         for (int l = 0; l < nodes.ranks_per_node; ++l) {
           if ((mask >> l) & 1u) add_bf16x8(acc, device::ld_v4(reinterpret_cast<const int4*>(row_of(l)) + v));
         }
@@ -271,15 +255,18 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
         return args.rdma.recv_record(context.rdma_base, n, channel,
                                      head->counters.consumed[n][channel] + entry[n]);
       };
+      bool any_source = args.bias0 != nullptr || args.bias1 != nullptr;
+      for (int n = 0; n < num_nodes; ++n) any_source |= entry[n] >= 0;
       for (int v = lane; v < num_vectors; v += 32) {
-        float acc[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+        float acc[8];
+        start_sum(acc);
         for (int n = 0; n < num_nodes; ++n) {
           if (entry[n] >= 0) add_bf16x8(acc, device::ld_v4(reinterpret_cast<const int4*>(partial(n)) + v));
         }
         const size_t offset = static_cast<size_t>(t) * num_vectors + v;
         if (args.bias0 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias0)[offset]);
         if (args.bias1 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias1)[offset]);
-        static_cast<int4*>(args.combined_x)[offset] = round_bf16x8(acc);
+        static_cast<int4*>(args.combined_x)[offset] = any_source ? round_bf16x8(acc) : int4{0, 0, 0, 0};
       }
       if (args.combined_topk_weights != nullptr && lane < num_topk) {
         float weight = 0.0f;

@@ -71,10 +71,10 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
         args.handle.send_head[static_cast<size_t>(t) * nodes.num_nodes() + node] =
             (mask >> lane) & 1u ? pushed + taken + __popc(mask & lanes_below(lane)) : -1;
       }
-      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
+           todo &= todo - 1) {
         const int bit = __ffs(todo) - 1;
         const int entry = taken + __popc(mask & lanes_below(bit));
-        if (entry % group.num_warps != group.warp) continue;
         const int token = t0 + bit;
         const uint64_t position = base + pushed + entry;
         char* record = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
@@ -191,10 +191,10 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
       if (dst == 0 && group.warp == 0 && lane < width)
         args.handle.forward_mask[first_record + progress[m] + lane] = static_cast<uint8_t>(record_mask);
       const int src_rank = m * nodes.ranks_per_node + me;
-      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      for (unsigned todo = worker_tokens(mask, 0, group.warp, group.num_warps, lane); todo != 0;
+           todo &= todo - 1) {
         const int bit = __ffs(todo) - 1;
         const int entry = __popc(mask & lanes_below(bit));
-        if (entry % group.num_warps != group.warp) continue;
         const char* source =
             args.rdma.recv_record(context.rdma_base, m, channel, rdma_base_count + progress[m] + bit);
         if (to_self) {

@@ -2,6 +2,7 @@
 
 #include "common/cuda_check.hpp"
 #include "device/tma.cuh"
+#include "kernels/bf16x8.cuh"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
@@ -41,16 +42,6 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   queue.finish();
 }
 
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
-  const auto* pairs = reinterpret_cast<const __nv_bfloat162*>(&packed);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    const float2 f = __bfloat1622float2(pairs[i]);
-    acc[2 * i] += f.x;
-    acc[2 * i + 1] += f.y;
-  }
-}
-
 // Where rank r's copy of the token lies: this rank's own copy in the combine input, a peer's in the queue.
 __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, int entry, int channel,
                                                 int own_row0) {
@@ -63,11 +54,7 @@ __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, 
 // Output chunk c of token t: the sum, rounded once to BF16.
 __device__ __forceinline__ void store_chunk(const CombineArgs& args, int t, int c, int num_chunks,
                                             const float (&acc)[8]) {
-  int4 out;
-  auto* pairs = reinterpret_cast<__nv_bfloat162*>(&out);
-#pragma unroll
-  for (int h = 0; h < 4; ++h) pairs[h] = __floats2bfloat162_rn(acc[2 * h], acc[2 * h + 1]);
-  static_cast<int4*>(args.combined_x)[static_cast<size_t>(t) * num_chunks + c] = out;
+  static_cast<int4*>(args.combined_x)[static_cast<size_t>(t) * num_chunks + c] = round_bf16x8(acc);
 }
 
 // Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
@@ -163,8 +150,25 @@ class WarpReducer {
         ++item;
         __syncwarp();
       }
-      for (int piece = 0; num_sources > 0 && piece < num_pieces_; ++piece) {
-        float acc[kChunksPerLane][8] = {};
+      // One source: the sum is that row bit for bit, so each landed piece goes straight back out with a bulk
+      // store, and the lanes do no arithmetic.
+      for (int piece = 0; num_sources == 1 && piece < num_pieces_; ++piece, ++item) {
+        issue_next();
+        const int b = item % kTmaBuffers;
+        device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
+        parities_ ^= 1u << b;
+        if (c_.lane == 0) {
+          const int offset = piece * kTmaPieceBytes;
+          device::bulk_store(static_cast<char*>(c_.args.combined_x) + static_cast<size_t>(t) * row_bytes_ + offset,
+                             buffers_.pieces[b], min(kTmaPieceBytes, row_bytes_ - offset));
+          store_of_buffer_[b] = ++stores_;
+        }
+        __syncwarp();
+      }
+      for (int piece = 0; num_sources > 1 && piece < num_pieces_; ++piece) {
+        float acc[kChunksPerLane][8];
+#pragma unroll
+        for (int u = 0; u < kChunksPerLane; ++u) start_sum(acc[u]);
         const int first = piece * kPieceChunks;
         for (int source = 0; source < num_sources; ++source, ++item) {
           issue_next();  // into the buffer every lane finished reading last item
@@ -188,6 +192,11 @@ class WarpReducer {
       store_topk_weights(t, copies, weights);
       if (c_.lane_is_peer && entry >= 0) atomicMax(&consumed[c_.lane], entry + 1);
     }
+    if (c_.lane == 0 && stores_ != 0) {
+      device::bulk_store_wait_all();  // the rows are written before the block moves on (or exits)
+      for (int b = 0; b < kTmaBuffers; ++b) store_of_buffer_[b] = 0;
+      stores_ = 0;
+    }
   }
 
  private:
@@ -207,6 +216,10 @@ class WarpReducer {
     if (c_.lane == 0) {
       const int offset = issue_piece_ * kTmaPieceBytes;
       const int bytes = min(kTmaPieceBytes, row_bytes_ - offset);
+      if (store_of_buffer_[b] != 0) {  // a bulk store read this buffer last: it must be done reading
+        device::bulk_store_wait_read_at_most(stores_ - store_of_buffer_[b]);
+        store_of_buffer_[b] = 0;
+      }
       device::fence_proxy_async_shared();  // the lanes' reads of this buffer come before the copy's writes
       device::mbarrier_expect_bytes(&buffers_.barriers[b], bytes);
       device::bulk_load(buffers_.pieces[b], row + offset, bytes, &buffers_.barriers[b]);
@@ -275,6 +288,10 @@ class WarpReducer {
   int* entry_ring_;  // [kRing][32]: each lane's entry of the tokens the loads started
   int row_bytes_ = 0, num_chunks_ = 0, num_pieces_ = 0;
   uint32_t parities_ = 0;  // the phase each buffer's barrier waits for next
+  // Lane 0: bulk stores issued in this batch, and for each buffer the number of the store that read it last
+  // (0: none pending).
+  uint32_t stores_ = 0;
+  uint32_t store_of_buffer_[kTmaBuffers] = {};
   WarpTokens tokens_{};
   int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
   int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;

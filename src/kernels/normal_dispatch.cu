@@ -141,10 +141,9 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
       args.handle.send_head[static_cast<size_t>(t) * num_ranks + rank] =
           in ? count + __popc(mask & lanes_below(lane)) : -1;
     }
-    for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+    for (unsigned todo = worker_tokens(mask, count, worker, num_workers, lane); todo != 0; todo &= todo - 1) {
       const int bit = __ffs(todo) - 1;
       const int entry = count + __popc(mask & lanes_below(bit));
-      if (entry % num_workers != worker) continue;
       const int token = t0 + bit;
       const size_t k = static_cast<size_t>(token) * num_topk;
       write_row<false>(args, out, row0 + entry,
@@ -189,10 +188,10 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
         args.handle.send_head[static_cast<size_t>(t) * num_ranks + dst] =
             sent ? queue.pushed + taken + __popc(mask & lanes_below(lane)) : -1;
       }
-      for (unsigned todo = mask; todo != 0; todo &= todo - 1) {
+      for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
+           todo &= todo - 1) {
         const int bit = __ffs(todo) - 1;
-        const int entry = taken + __popc(mask & lanes_below(bit));
-        if (entry % group.num_warps == group.warp) write_record(args, queue.record(entry), t0 + bit, lane);
+        write_record(args, queue.record(taken + __popc(mask & lanes_below(bit))), t0 + bit, lane);
       }
       taken += __popc(mask);
       t0 += width;

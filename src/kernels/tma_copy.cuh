@@ -32,7 +32,7 @@ class TmaRowCopier {
  public:
   static constexpr int kTmaBuffers = Stage::kNumBuffers;
   static constexpr int kTmaPieceBytes = Stage::kBytes;
-  static_assert(kTmaBuffers >= 2 && kTmaBuffers <= 4, "wait_store_read has a case per possible count");
+  static_assert(kTmaBuffers >= 2 && kTmaBuffers <= 4, "bulk_store_wait_read_at_most waits for up to 3");
 
   // Every lane of the warp may construct it; only `driver` (one lane) initialises, copies and finishes.
   __device__ TmaRowCopier(Stage* stage, bool driver) : stage_(stage), driver_(driver) {
@@ -63,7 +63,8 @@ class TmaRowCopier {
     // Keep one buffer's store issued ahead of its reuse, so the wait below rarely blocks.
     if (issued_ - stored_ >= kTmaBuffers - 1) retire();
     const int buffer = issued_ % kTmaBuffers;
-    if (issued_ >= kTmaBuffers) wait_store_read(stored_ + kTmaBuffers - 1 - issued_);
+    // The store that last read this buffer, and those issued after it: at most those after it may still read.
+    if (issued_ >= kTmaBuffers) device::bulk_store_wait_read_at_most(stored_ + kTmaBuffers - 1 - issued_);
     dst_[buffer] = dst;
     bytes_[buffer] = bytes;
     device::mbarrier_expect_bytes(&stage_->barriers[buffer], bytes);
@@ -78,25 +79,6 @@ class TmaRowCopier {
     parities_ ^= 1u << buffer;
     device::bulk_store(dst_[buffer], stage_->pieces[buffer], bytes_[buffer]);
     ++stored_;
-  }
-
-  // Until at most `newer` bulk stores (those issued after the one that last used the buffer) still read
-  // shared memory.
-  __device__ static void wait_store_read(uint32_t newer) {
-    switch (newer) {
-      case 0:
-        device::bulk_store_wait_read<0>();
-        break;
-      case 1:
-        device::bulk_store_wait_read<1>();
-        break;
-      case 2:
-        device::bulk_store_wait_read<2>();
-        break;
-      default:
-        device::bulk_store_wait_read<3>();
-        break;
-    }
   }
 
   Stage* stage_;

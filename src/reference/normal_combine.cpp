@@ -1,4 +1,6 @@
+#include <algorithm>
 #include <cstddef>
+#include <cstdint>
 
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
@@ -64,17 +66,21 @@ std::vector<NormalCombineRankOutput> combine_by_groups(const NormalHandle& handl
     out.combined_x.resize(static_cast<size_t>(num_tokens) * hidden);
     out.combined_topk_weights.resize(static_cast<size_t>(num_tokens) * num_topk);
     for (int t = 0; t < num_tokens; ++t) {
-      acc.assign(hidden, 0.0f);
+      acc.assign(hidden, kSumStart);
       acc_weights.assign(num_topk, 0.0f);
       const size_t token_row = static_cast<size_t>(t) * hidden;
+      const uint16_t* only_source = nullptr;  // the token's one source, while it has exactly one
+      int num_sources = 0;
+      const auto count_source = [&](const uint16_t* row) { only_source = ++num_sources == 1 ? row : nullptr; };
       for (int first = 0; first < num_ranks; first += ranks_per_group) {
-        partial.assign(hidden, 0.0f);
+        partial.assign(hidden, kSumStart);
         partial_weights.assign(num_topk, 0.0f);
         bool any = false;
         for (int d = first; d < first + ranks_per_group; ++d) {
           const int row = handle.recv_row[s][static_cast<size_t>(t) * num_ranks + d];
           if (row < 0) continue;
           any = true;
+          count_source(&inputs[d].x[static_cast<size_t>(row) * hidden]);
           add_bf16_row(&inputs[d].x[static_cast<size_t>(row) * hidden], hidden, partial.data());
           for (int k = 0; k < num_topk; ++k) {
             partial_weights[k] += inputs[d].topk_weights[static_cast<size_t>(row) * num_topk + k];
@@ -85,9 +91,22 @@ std::vector<NormalCombineRankOutput> combine_by_groups(const NormalHandle& handl
           acc[c] += round_partials ? bf16_to_float(float_to_bf16(partial[c])) : partial[c];
         for (int k = 0; k < num_topk; ++k) acc_weights[k] += partial_weights[k];
       }
-      if (params.num_biases >= 1) add_bf16_row(&inputs[s].bias0[token_row], hidden, acc.data());
-      if (params.num_biases == 2) add_bf16_row(&inputs[s].bias1[token_row], hidden, acc.data());
-      for (int c = 0; c < hidden; ++c) out.combined_x[token_row + c] = float_to_bf16(acc[c]);
+      if (params.num_biases >= 1) {
+        count_source(&inputs[s].bias0[token_row]);
+        add_bf16_row(&inputs[s].bias0[token_row], hidden, acc.data());
+      }
+      if (params.num_biases == 2) {
+        count_source(&inputs[s].bias1[token_row]);
+        add_bf16_row(&inputs[s].bias1[token_row], hidden, acc.data());
+      }
+      uint16_t* combined = &out.combined_x[token_row];
+      if (num_sources == 0) {
+        std::fill(combined, combined + hidden, uint16_t{0});  // +0.0
+      } else if (only_source != nullptr && !round_partials) {
+        std::copy(only_source, only_source + hidden, combined);  // bit for bit, NaN payloads included
+      } else {
+        for (int c = 0; c < hidden; ++c) combined[c] = float_to_bf16(acc[c]);
+      }
       for (int k = 0; k < num_topk; ++k)
         out.combined_topk_weights[static_cast<size_t>(t) * num_topk + k] = acc_weights[k];
     }
@@ -97,8 +116,8 @@ std::vector<NormalCombineRankOutput> combine_by_groups(const NormalHandle& handl
 
 }  // namespace detail
 
-// One group of every rank, unrounded: acc = +0.0f + (+0.0f + x_0 + x_1 + ...) is bit-for-bit the documented
-// +0.0f + x_0 + x_1 + ... (adding the exact partial to +0.0f changes nothing; a partial is never -0.0f).
+// One group of every rank, unrounded: acc = -0.0f + (-0.0f + x_0 + x_1 + ...) is bit-for-bit the documented
+// -0.0f + x_0 + x_1 + ... (-0.0f is the identity of float addition).
 std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
                                                     const NormalCombineParams& params,
                                                     const std::vector<NormalCombineRankInput>& inputs) {

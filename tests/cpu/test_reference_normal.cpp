@@ -106,6 +106,39 @@ TEST(ReferenceNormal, HandCheckedCombineWithBias) {
             (std::vector<float>{-2.25, -4.25, -6.25, -8.25, 0.75, 1.75, 2.75, 3.75}));
 }
 
+// Sums start at -0.0f (the identity of float addition): a token with one source is that source bit for
+// bit (a lone -0.0 and NaN payloads included), -0.0 + -0.0 stays -0.0, and a token with no source is +0.0.
+TEST(ReferenceNormal, CombineSignedZerosAndSingleSources) {
+  NormalDispatchParams params = small_params();
+  params.hidden = 2;
+  std::vector<NormalDispatchRankInput> inputs(2);
+  // Rank 0: token 0 to rank 0 only, token 1 to both ranks, token 2 nowhere.
+  inputs[0].num_tokens = 3;
+  inputs[0].x = std::vector<uint16_t>(6, 0);
+  inputs[0].topk_idx = {0, -1, 1, 2, -1, -1};
+  inputs[0].topk_weights = {1, 0, 1, 1, 0, 0};
+  inputs[1].num_tokens = 0;
+  const NormalDispatchResult dispatch = normal_dispatch(params, inputs);
+  std::vector<NormalCombineRankInput> combine_inputs(2);
+  const uint16_t kNegZero = 0x8000, kNanPayload = 0x7FA5, kSignalingNan = 0xFF81;
+  // Rank 0 holds tokens 0 and 1 (rows 0, 1); rank 1 holds token 1 (row 0).
+  combine_inputs[0].x = {kNegZero, kNanPayload, kNegZero, kSignalingNan};
+  combine_inputs[1].x = {kNegZero, epx::float_to_bf16(1.0f)};
+  std::vector<NormalCombineRankOutput> out = normal_combine(dispatch.handle, NormalCombineParams{0, 0},
+                                                            combine_inputs);
+  EXPECT_EQ(out[0].combined_x[0], kNegZero);     // one source: -0.0 stays
+  EXPECT_EQ(out[0].combined_x[1], kNanPayload);  // one source: the NaN's payload stays
+  EXPECT_EQ(out[0].combined_x[2], kNegZero);     // -0.0 + -0.0
+  EXPECT_EQ(out[0].combined_x[4], 0u);           // no source: +0.0
+  EXPECT_EQ(out[0].combined_x[5], 0u);
+
+  // With one bias, the token sent nowhere has one source: the bias row, bit for bit.
+  combine_inputs[0].bias0 = {0, 0, 0, 0, kNegZero, kSignalingNan};
+  out = normal_combine(dispatch.handle, NormalCombineParams{0, 1}, combine_inputs);
+  EXPECT_EQ(out[0].combined_x[4], kNegZero);
+  EXPECT_EQ(out[0].combined_x[5], kSignalingNan);
+}
+
 TEST(ReferenceNormal, CombineAccumulatesInFloatThenRoundsOnce) {
   // 256 + 1 + 1: BF16 cannot hold 257 but float can, so rounding after each add would give 256 twice
   // (ties to even), while one rounding at the end gives 258.

@@ -34,9 +34,10 @@ InternodeDispatchResult internode_dispatch(const NormalDispatchParams& params, i
 
 // For each original token t of rank s, in float32:
 //   for each node n ascending that received the token:
-//     partial = +0.0f; for each rank d of n ascending that received it: partial += float(x_d[row])
-//     acc += float(round_to_nearest_even_bf16(partial))      (acc starts at +0.0f)
+//     partial = -0.0f; for each rank d of n ascending that received it: partial += float(x_d[row])
+//     acc += float(round_to_nearest_even_bf16(partial))      (acc starts at -0.0f)
 //   acc += float(bias0[t]); acc += float(bias1[t]); combined_x = round_to_nearest_even_bf16(acc)
+// (-0.0f is the identity of float addition; a token with no source at all is +0.0.)
 // Every node's partial is rounded once, the token's own node included: it is the BF16 row a node's forwarder
 // returns (over the network for the other nodes). No weights are applied. combined_topk_weights likewise:
 // +0.0f + each node's float partial (+0.0f + the weights of its ranks, ascending), in node order, unrounded.

@@ -100,11 +100,13 @@ struct NormalCombineRankOutput {
 };
 
 // For each original token, in float32:
-//   acc = +0.0f; for each destination d ascending that received the token: acc += float(x_d[row]);
+//   acc = -0.0f; for each destination d ascending that received the token: acc += float(x_d[row]);
 //   acc += float(bias0[t]); acc += float(bias1[t]); combined_x = round_to_nearest_even_bf16(acc)
-// (no weights applied). combined_topk_weights[t][k] = +0.0f + the received weights of every such d,
-// ascending; this gives back the original weight of each kept expert (0 where the id was -1). Tokens sent
-// nowhere get the biases alone (zeros without bias).
+// (no weights applied). -0.0f is the identity of float addition, so the sum is exactly its terms added left
+// to right; a token with exactly one source (one copy, or no copy and one bias) is that source bit for bit
+// (NaN payloads included), and a token with none (sent nowhere, no bias) is +0.0.
+// combined_topk_weights[t][k] = +0.0f + the received weights of every such d, ascending; this gives back the
+// original weight of each kept expert (0 where the id was -1).
 std::vector<NormalCombineRankOutput> normal_combine(const NormalHandle& handle,
                                                     const NormalCombineParams& params,
                                                     const std::vector<NormalCombineRankInput>& inputs);
