@@ -144,7 +144,8 @@ def format_rows(rank_rows: Sequence[Sequence[BenchRow]], as_json: bool, header: 
                 f'"num_ranks":{num_ranks},"mean_us":{mean_us:.2f},"slowest_us":{slowest_us:.2f},'
                 f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f},{net}"header":{json.dumps(header)}}}')
         else:
-            line = f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} {min_gbps:12.1f}"
+            line = (f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} "
+                    f"{min_gbps:12.1f}")
             if across_nodes:
                 line += f" {mean_net:12.1f} {min_net:12.1f}"
             lines.append(line)
