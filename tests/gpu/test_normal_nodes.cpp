@@ -162,13 +162,13 @@ TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
     bad.num_max_rdma_chunked_recv_tokens = config.num_max_rdma_chunked_recv_tokens * 64;
     buffer.set_config(bad);
     expect_error(notify,
-                 "invalid num_rdma_bytes = " + std::to_string(options.num_rdma_bytes) + ": must be >= ");
+                 "invalid num_rdma_bytes = " + std::to_string(buffer.num_rdma_bytes()) + ": must be >= ");
     if (c.ranks_per_node > 1) {  // nodes of one rank forward nothing over NVLink
       bad = config;
       bad.num_max_nvl_chunked_recv_tokens = config.num_max_nvl_chunked_recv_tokens * 64;
       buffer.set_config(bad);
       expect_error(notify,
-                   "invalid num_nvl_bytes = " + std::to_string(options.num_nvl_bytes) + ": must be >= ");
+                   "invalid num_nvl_bytes = " + std::to_string(buffer.num_nvl_bytes()) + ": must be >= ");
     }
     buffer.set_config(config);
     epx::test::NormalRunner(c, buffer).run();
