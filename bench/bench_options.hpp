@@ -3,6 +3,10 @@
 #include <string>
 #include <vector>
 
+#include "epx/error.hpp"
+#include "epx/formats/fp8.hpp"
+#include "epx/layout/normal_layout.hpp"
+
 namespace epx::bench {
 
 struct BenchOptions {
@@ -13,6 +17,9 @@ struct BenchOptions {
   int num_topk = 8;
   int num_experts = 256;
   std::vector<int> num_sms = {24};
+  // Normal mode: 0 = one node; fewer than the ranks: virtual nodes of this many ranks, so dispatch and
+  // combine take the path across nodes (NVSHMEM between the nodes, NVLink forwarding inside them).
+  int ranks_per_node = 0;
   int ll_num_tokens = 128;
   int ll_num_experts = 288;
   int ll_ranks_per_node = 0;  // 0: one node; fewer than the ranks: virtual nodes joined by NVSHMEM
@@ -21,5 +28,44 @@ struct BenchOptions {
   bool json = false;
   unsigned seed = 1;
 };
+
+// Nodes are equal blocks of ranks: a ranks-per-node `flag` of `value` (0: one node) must divide `num_ranks`
+// (`ranks_from` says where that count came from, for the message: "--ranks" or "the visible GPUs").
+inline void check_ranks_per_node(const char* flag, int value, int num_ranks, const char* ranks_from) {
+  if (value <= 0 || num_ranks <= 0) return;
+  EPX_CHECK(num_ranks % value == 0, flag, value,
+            detail::concat("must divide ", ranks_from, " (", num_ranks, "): nodes are equal blocks of ranks")
+                .c_str());
+}
+
+// The rules every run shares (GPU or CPU reference), so a bad value fails the same way everywhere. Without
+// --ranks, run_gpus checks the ranks-per-node flags against the number of visible GPUs.
+inline void validate_options(const BenchOptions& o) {
+  EPX_CHECK(o.num_ranks >= 0, "--ranks", o.num_ranks, "must be >= 1");
+  EPX_CHECK(o.num_ranks <= kMaxNvlRanks, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
+  EPX_CHECK(o.num_tokens >= 0, "--tokens", o.num_tokens, "must be >= 0");
+  EPX_CHECK(o.hidden > 0, "--hidden", o.hidden, "must be > 0");
+  EPX_CHECK(o.hidden % kFp8GroupSize == 0, "--hidden", o.hidden,
+            "must be a multiple of 128 (FP8 is benchmarked)");
+  EPX_CHECK(o.num_topk >= 1, "--topk", o.num_topk, "must be >= 1");
+  EPX_CHECK(o.num_topk <= kMaxTopk, "--topk", o.num_topk, "must be <= 16");
+  EPX_CHECK(o.num_experts >= o.num_topk, "--experts", o.num_experts, "must be >= --topk");
+  for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
+  EPX_CHECK(o.ranks_per_node >= 0, "--ranks-per-node", o.ranks_per_node, "must be >= 0 (0: one node)");
+  check_ranks_per_node("--ranks-per-node", o.ranks_per_node, o.num_ranks, "--ranks");
+  EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
+  EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
+  EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
+            "must be >= 0 (0: one node)");
+  check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, o.num_ranks, "--ranks");
+  EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
+  EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
+}
+
+// Normal mode's nodes: ranks_per_node when it splits `num_ranks` into several nodes, else num_ranks (one
+// node).
+inline int normal_ranks_per_node(const BenchOptions& o, int num_ranks) {
+  return o.ranks_per_node > 0 && o.ranks_per_node < num_ranks ? o.ranks_per_node : num_ranks;
+}
 
 }  // namespace epx::bench

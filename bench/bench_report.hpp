@@ -12,11 +12,16 @@ struct BenchRow {
   int num_sms = 0;
   double time_us = 0;
   double bytes = 0;  // counted as docs/BENCHMARKS.md says for the op (epx/bench_bytes.hpp)
+  // Across nodes: the bytes that cross between nodes (internode_network_rows x row bytes); 0 within a node.
+  double network_bytes = 0;
   double gbps() const { return time_us > 0 ? bytes / (time_us * 1e3) : 0; }
+  double network_gbps() const { return time_us > 0 ? network_bytes / (time_us * 1e3) : 0; }
 };
 
 // Writes rows averaged over ranks (rank_rows[r] = rank r's rows, same order on every rank) to `out` as a
-// table under `header`, or as JSON lines tagged with `mode`.
+// table under `header`, or as JSON lines tagged with `mode`. When a row carries network bytes (a run across
+// nodes), the table adds the network GB/s (mean over ranks and of the slowest rank) and the JSON lines
+// `net_gbps_mean` / `net_gbps_min`.
 void print_rows(const std::vector<std::vector<BenchRow>>& rank_rows, std::FILE* out, bool json,
                 const std::string& header, const std::string& mode);
 

@@ -328,7 +328,8 @@ int run_cpu_reference_bench(const CpuReferenceBenchShape& shape, bool json, std:
   if (!json) {
     out << "epx-bench: NO GPU found — ran the CPU reference on " << shape.num_ranks
         << " simulated ranks; timings below are CPU times of the reference and mean nothing for GPU "
-           "performance (--num-sms, --warmup, --iters and --ll-ranks-per-node apply to GPU runs only)\n";
+           "performance (--num-sms, --warmup, --iters, --ranks-per-node and --ll-ranks-per-node apply to GPU "
+           "runs only)\n";
   }
   std::vector<BenchRow> rows;
   try {

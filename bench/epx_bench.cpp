@@ -30,6 +30,7 @@
 namespace {
 
 using epx::bench::BenchOptions;
+using epx::bench::validate_options;
 
 void print_help() {
   std::printf(
@@ -38,6 +39,11 @@ void print_help() {
       "  --ranks N                       GPUs to use (default: all visible)\n"
       "  --tokens T --hidden H --topk K --experts E   normal-mode shape (default 4096 7168 8 256)\n"
       "  --num-sms a,b,c                 SM budgets of the normal kernels (default 24)\n"
+      "  --ranks-per-node N              normal-mode ranks per node: fewer than --ranks makes virtual nodes, "
+      "so\n"
+      "                                  dispatch/combine take the path across nodes (NVSHMEM between "
+      "them);\n"
+      "                                  must divide --ranks (default: one node)\n"
       "  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)\n"
       "  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes\n"
       "                                  whose traffic between them goes through NVSHMEM (default: one "
@@ -45,7 +51,8 @@ void print_help() {
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
-      "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;\n"
+      "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch; across nodes\n"
+      "also network bytes = each token once per other node it goes to x the same row bytes;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
       "LogFMT).\n"
       "Method, bytes and JSON fields: docs/BENCHMARKS.md; plots: python -m epx.plot FILE.json\n");
@@ -71,31 +78,6 @@ std::vector<int> parse_list(const std::string& flag, const std::string& text) {
   while (std::getline(stream, item, ',')) values.push_back(parse_int(flag, item));
   EPX_CHECK(!values.empty(), flag.c_str(), text, "must list at least one value");
   return values;
-}
-
-// The rules every run shares (GPU or CPU reference), so a bad value fails the same way everywhere.
-void validate(const BenchOptions& o) {
-  EPX_CHECK(o.num_ranks >= 0, "--ranks", o.num_ranks, "must be >= 1");
-  EPX_CHECK(o.num_ranks <= epx::kMaxNvlRanks, "--ranks", o.num_ranks, "must be <= 8 (one NVLink domain)");
-  EPX_CHECK(o.num_tokens >= 0, "--tokens", o.num_tokens, "must be >= 0");
-  EPX_CHECK(o.hidden > 0, "--hidden", o.hidden, "must be > 0");
-  EPX_CHECK(o.hidden % epx::kFp8GroupSize == 0, "--hidden", o.hidden,
-            "must be a multiple of 128 (FP8 is benchmarked)");
-  EPX_CHECK(o.num_topk >= 1, "--topk", o.num_topk, "must be >= 1");
-  EPX_CHECK(o.num_topk <= epx::kMaxTopk, "--topk", o.num_topk, "must be <= 16");
-  EPX_CHECK(o.num_experts >= o.num_topk, "--experts", o.num_experts, "must be >= --topk");
-  for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
-  EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
-  EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
-  EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
-            "must be >= 0 (0: one node)");
-  // Nodes are equal blocks of ranks (without --ranks, the Buffer checks it against the GPU count).
-  if (o.num_ranks > 0 && o.ll_ranks_per_node > 0) {
-    EPX_CHECK(o.num_ranks % o.ll_ranks_per_node == 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
-              "must divide --ranks");
-  }
-  EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
-  EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
 }
 
 // Returns false when the program should stop (help printed).
@@ -126,6 +108,8 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.num_experts = parse_int(flag, value());
     } else if (flag == "--num-sms") {
       o.num_sms = parse_list(flag, value());
+    } else if (flag == "--ranks-per-node") {
+      o.ranks_per_node = parse_int(flag, value());
     } else if (flag == "--ll-tokens") {
       o.ll_num_tokens = parse_int(flag, value());
     } else if (flag == "--ll-experts") {
@@ -144,7 +128,7 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       EPX_FAIL("unknown flag ", flag, " (see --help)");
     }
   }
-  validate(o);
+  validate_options(o);
   return true;
 }
 
@@ -172,18 +156,21 @@ int run_cpu_reference(const BenchOptions& o, const std::string& json_path) {
 // Rows of every rank, gathered: rank_rows[r][i] is rank r's row i (times and bytes differ per rank).
 std::vector<std::vector<epx::bench::BenchRow>> gather_rows(epx::Bootstrap& bootstrap,
                                                            const std::vector<epx::bench::BenchRow>& mine) {
+  constexpr size_t kValuesPerRow = 3;
   std::vector<double> values;
   for (const auto& row : mine) {
     values.push_back(row.time_us);
     values.push_back(row.bytes);
+    values.push_back(row.network_bytes);
   }
   const std::vector<std::byte> gathered = bootstrap.all_gather(values.data(), sizeof(double) * values.size());
   std::vector<std::vector<epx::bench::BenchRow>> all(bootstrap.num_ranks(), mine);
   for (int r = 0; r < bootstrap.num_ranks(); ++r) {
     const auto* theirs = reinterpret_cast<const double*>(gathered.data()) + r * values.size();
     for (size_t i = 0; i < mine.size(); ++i) {
-      all[r][i].time_us = theirs[2 * i];
-      all[r][i].bytes = theirs[2 * i + 1];
+      all[r][i].time_us = theirs[kValuesPerRow * i];
+      all[r][i].bytes = theirs[kValuesPerRow * i + 1];
+      all[r][i].network_bytes = theirs[kValuesPerRow * i + 2];
     }
   }
   return all;
@@ -198,6 +185,11 @@ void report(const std::vector<std::vector<epx::bench::BenchRow>>& rows, const Be
 int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) {
   const int num_ranks = o.num_ranks > 0 ? o.num_ranks : num_gpus;
   EPX_CHECK(num_ranks <= num_gpus, "--ranks", num_ranks, "must be <= the number of visible GPUs");
+  if (o.num_ranks == 0) {
+    epx::bench::check_ranks_per_node("--ranks-per-node", o.ranks_per_node, num_ranks, "the visible GPUs");
+    epx::bench::check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, num_ranks,
+                                     "the visible GPUs");
+  }
   epx::LocalLaunchOptions launch;
   launch.num_ranks = num_ranks;
   launch.timeout = std::chrono::milliseconds(600000);
@@ -217,9 +209,16 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
     if (o.mode != "low-latency") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_normal_bench(bootstrap, o));
       std::ostringstream header;
-      header << "normal mode: " << num_ranks << " ranks, " << o.num_tokens << " tokens/rank, hidden "
-             << o.hidden << ", top-" << o.num_topk << " of " << o.num_experts
-             << " experts (GB/s = rows received x row bytes / time; verified before timing)";
+      const int ranks_per_node = epx::bench::normal_ranks_per_node(o, num_ranks);
+      header << "normal mode: " << num_ranks << " ranks";
+      if (ranks_per_node < num_ranks)
+        header << " (" << num_ranks / ranks_per_node << " nodes of " << ranks_per_node
+               << ", NVSHMEM between them)";
+      header << ", " << o.num_tokens << " tokens/rank, hidden " << o.hidden << ", top-" << o.num_topk
+             << " of " << o.num_experts << " experts (GB/s = rows received x row bytes / time";
+      if (ranks_per_node < num_ranks)
+        header << "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time";
+      header << "; verified before timing)";
       if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal");
     }
     if (o.mode != "normal") {

@@ -81,6 +81,7 @@ struct Workspace {
   DeviceArray<int64_t> topk_idx;
   DeviceArray<float> topk_weights;
   DeviceArray<int> num_tokens_per_rank, num_tokens_per_expert;
+  DeviceArray<int> num_tokens_per_node;  // across nodes: get_dispatch_layout's num_tokens_per_rdma_rank
   DeviceArray<bool> is_token_in_rank;
   DeviceArray<uint16_t> recv_x;  // also holds FP8 rows
   DeviceArray<float> recv_scales, recv_topk_weights;
@@ -88,7 +89,7 @@ struct Workspace {
   DeviceArray<uint16_t> combined;
   DeviceArray<float> combined_weights;
 
-  Workspace(const BenchOptions& o, int num_ranks)
+  Workspace(const BenchOptions& o, int num_ranks, int num_nodes)
       : x_bf16(size_t(o.num_tokens) * o.hidden),
         x_fp8(size_t(o.num_tokens) * o.hidden),
         scales(size_t(o.num_tokens) * (o.hidden / kFp8GroupSize)),
@@ -96,6 +97,7 @@ struct Workspace {
         topk_weights(size_t(o.num_tokens) * o.num_topk),
         num_tokens_per_rank(num_ranks),
         num_tokens_per_expert(o.num_experts),
+        num_tokens_per_node(num_nodes),
         is_token_in_rank(size_t(o.num_tokens) * num_ranks),
         recv_x(size_t(num_ranks) * o.num_tokens * o.hidden),
         recv_scales(size_t(num_ranks) * o.num_tokens * (o.hidden / kFp8GroupSize)),
@@ -141,7 +143,9 @@ DispatchPlan dispatch(Buffer& buffer, const DispatchInput& in, const DispatchOut
 }
 
 // Every received row holds the source's token, checked from the source rank and index the handle records;
-// the identity combine returns each token times the number of ranks it went to.
+// the identity combine returns each token times the number of ranks it went to (across nodes: the sum over
+// the nodes it went to of its copies there, each node's partial rounded to BF16, as
+// reference::internode_combine orders it; with one node that is one rounding of token x copies).
 void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, const RankData& mine,
                       uint32_t salt, TokenFormat format, cudaStream_t stream) {
   const int rank = buffer.rank();
@@ -183,16 +187,26 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<uint16_t> combined = ws.combined.download(size_t(o.num_tokens) * o.hidden);
   const int num_local = o.num_experts / buffer.num_ranks();
+  const int ranks_per_node = buffer.ranks_per_node();
+  const int num_nodes = buffer.num_ranks() / ranks_per_node;
+  std::vector<int> node_copies(num_nodes);
   for (int t = 0; t < o.num_tokens; ++t) {
     int copies = 0;
+    std::fill(node_copies.begin(), node_copies.end(), 0);
     for (int r = 0; r < buffer.num_ranks(); ++r) {
       bool chosen = false;
       for (int k = 0; k < o.num_topk; ++k)
         chosen |= mine.topk_idx[size_t(t) * o.num_topk + k] / num_local == r;
       copies += chosen;
+      node_copies[r / ranks_per_node] += chosen;
     }
     for (int c = 0; c < o.hidden; ++c) {
-      const uint16_t want = float_to_bf16(bf16_to_float(mine.x_bf16[size_t(t) * o.hidden + c]) * copies);
+      const float x = bf16_to_float(mine.x_bf16[size_t(t) * o.hidden + c]);
+      float sum = 0.0f;
+      for (int n = 0; n < num_nodes; ++n) {
+        if (node_copies[n] > 0) sum += bf16_to_float(float_to_bf16(x * node_copies[n]));
+      }
+      const uint16_t want = float_to_bf16(sum);
       if (combined[size_t(t) * o.hidden + c] != want) {
         EPX_FAIL("rank ", rank, ": combined token ", t, " channel ", c, " is ",
                  combined[size_t(t) * o.hidden + c], ", expected ", want, " (", copies, " copies)");
@@ -208,15 +222,24 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   EPX_CHECK(o.hidden % kFp8GroupSize == 0, "hidden", o.hidden,
             "must be a multiple of 128 (FP8 dispatch is benchmarked)");
   BufferOptions buffer_options;
-  // Sized for the widest SM budget of the sweep (the default queue sizes); the size does not depend on
-  // tokens.
+  const int ranks_per_node = normal_ranks_per_node(o, num_ranks);
+  const int num_nodes = num_ranks / ranks_per_node;
+  const bool across_nodes = num_nodes > 1;
+  // Sized for the widest SM budget of the sweep or of the checks (the default queue sizes); the size does not
+  // depend on tokens. Across nodes: the network queues in the symmetric buffer; the NVLink hint of up to 8
+  // ranks also covers the forwarding queues of any split into virtual nodes.
   Config widest;
-  widest.num_sms = *std::max_element(o.num_sms.begin(), o.num_sms.end());
-  buffer_options.num_nvl_bytes = widest.get_nvl_buffer_size_hint(size_t(o.hidden) * 2, num_ranks);
+  widest.num_sms = std::max(buffer_options.num_sms, *std::max_element(o.num_sms.begin(), o.num_sms.end()));
+  const size_t hidden_bytes = size_t(o.hidden) * 2;
+  buffer_options.num_nvl_bytes = widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks);
+  if (across_nodes) {
+    buffer_options.ranks_per_node = ranks_per_node;
+    buffer_options.num_rdma_bytes = widest.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node);
+  }
   Buffer buffer(bootstrap, buffer_options);
   cudaStream_t stream = nullptr;
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-  Workspace ws(o, num_ranks);
+  Workspace ws(o, num_ranks, num_nodes);
 
   // Correctness first, on two fresh input sets, then keep the last one for timing.
   RankData mine;
@@ -225,7 +248,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     ws.upload(mine);
     get_dispatch_layout(buffer, ws.topk_idx.get(), o.num_tokens, o.num_topk, o.num_experts,
                         DispatchLayoutOutput{ws.num_tokens_per_rank.get(), ws.num_tokens_per_expert.get(),
-                                             ws.is_token_in_rank.get()},
+                                             ws.is_token_in_rank.get(),
+                                             across_nodes ? ws.num_tokens_per_node.get() : nullptr},
                         StreamOrder{stream, nullptr, false});
     check_round_trip(buffer, ws, o, mine, salt, TokenFormat::kBf16, stream);
     check_round_trip(buffer, ws, o, mine, salt, TokenFormat::kFp8, stream);
@@ -237,6 +261,14 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   const double rows = plan.num_recv_rows;
   const double bf16_bytes = rows * normal_row_bytes(o.hidden, false);
   const double fp8_bytes = rows * normal_row_bytes(o.hidden, true);
+  // Across nodes: what crosses between nodes (sent in dispatch, received back in combine).
+  double network_rows = 0;
+  if (across_nodes) {
+    const std::vector<int> per_node = ws.num_tokens_per_node.download(num_nodes);
+    network_rows = internode_network_rows(per_node.data(), num_nodes, rank / ranks_per_node);
+  }
+  const double bf16_network_bytes = network_rows * normal_row_bytes(o.hidden, false);
+  const double fp8_network_bytes = network_rows * normal_row_bytes(o.hidden, true);
 
   L2Flusher flusher;
   auto flush = [&] { flusher.flush(stream); };
@@ -254,49 +286,58 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       const double us =
           median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] { dispatch(buffer, in, dout, stream); });
       const bool bf16 = format == TokenFormat::kBf16;
-      out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, bf16 ? bf16_bytes : fp8_bytes});
+      const double nvl_bytes = bf16 ? bf16_bytes : fp8_bytes;
+      const double network_bytes = bf16 ? bf16_network_bytes : fp8_network_bytes;
+      out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, nvl_bytes, network_bytes});
       // The first step alone (count exchange and host sync): the rest of the time moves the rows.
       const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
         dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
       });
       out.push_back({bf16 ? "  of which notify (BF16)" : "  of which notify (FP8)", sms, notify_us, 0});
-      // The receive launched with the count exchange, its outputs handed over through host-mapped memory.
-      const double launched_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-        dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive);
-      });
-      out.push_back({bf16 ? "dispatch BF16 receive with notify" : "dispatch FP8 receive with notify", sms,
-                     launched_us, bf16 ? bf16_bytes : fp8_bytes});
+      // The receive launched with the count exchange, its outputs handed over through host-mapped memory
+      // (within one node: across nodes the receive always follows the host's wait).
+      if (!across_nodes) {
+        const double launched_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+          dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive);
+        });
+        out.push_back({bf16 ? "dispatch BF16 receive with notify" : "dispatch FP8 receive with notify", sms,
+                       launched_us, nvl_bytes});
+      }
       // Cached: the layout of a previous call, no count exchange and no host sync.
       const double cached_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
         const StreamOrder order{stream, nullptr, false};
         DispatchPlan again = dispatch_notify(buffer, in, order, &sms_plan.handle);
         dispatch_receive(buffer, again, in, dout, order);
       });
-      out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, cached_us,
-                     bf16 ? bf16_bytes : fp8_bytes});
+      out.push_back(
+          {bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, cached_us, nvl_bytes, network_bytes});
     }
     const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
     const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
     const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
       combine(buffer, sms_plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
     });
-    out.push_back({"combine BF16", sms, us, bf16_bytes});
+    out.push_back({"combine BF16", sms, us, bf16_bytes, bf16_network_bytes});
   }
 
-  // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer.
-  if (num_ranks > 1) {
+  // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer. The
+  // next rank of the own node: across nodes the NVLink buffer is mapped among a node's ranks only.
+  if (ranks_per_node > 1) {
     std::vector<void*> peer_bases(num_ranks);
     EPX_CUDA_CHECK(cudaMemcpy(peer_bases.data(), buffer.nvl_peer_bases_device(), sizeof(void*) * num_ranks,
                               cudaMemcpyDeviceToHost));
     const size_t bytes = std::min<size_t>(size_t(32) << 20, buffer.num_nvl_bytes());
-    const void* peer = peer_bases[(rank + 1) % num_ranks];
+    const int node_start = rank / ranks_per_node * ranks_per_node;
+    const void* peer = peer_bases[node_start + (rank - node_start + 1) % ranks_per_node];
     const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
       EPX_CUDA_CHECK(cudaMemcpyAsync(ws.recv_x.get(), peer, bytes, cudaMemcpyDeviceToDevice, stream));
     });
     out.push_back({"copy engine: read next rank", 0, us, static_cast<double>(bytes)});
   }
 
-  // NCCL moving the same rows, already permuted per destination (send counts from the layout).
+  // NCCL moving the same rows, already permuted per destination (send counts from the layout). Across nodes
+  // it sends a row once per destination rank, not once per node; its network GB/s counts EPX's network bytes
+  // (the work both do) over its time, so the two rates compare as the times do.
   NcclAllToAll nccl(bootstrap);
   if (nccl.available()) {
     const std::vector<int> send_rows = ws.num_tokens_per_rank.download(num_ranks);
@@ -317,7 +358,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         nccl.run(send.get(), send_bytes, ws.recv_x.get(), recv_bytes, stream);
       });
       out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0, us,
-                     bf16 ? bf16_bytes : fp8_bytes});
+                     bf16 ? bf16_bytes : fp8_bytes, bf16 ? bf16_network_bytes : fp8_network_bytes});
     }
   }
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));

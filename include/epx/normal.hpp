@@ -70,10 +70,23 @@ class DispatchHandle {
   // Device arrays, written by the dispatch on the comm stream (read them in stream order after it):
   // [R * C + 1] first received row of each (source rank, channel), source-major, then the row count;
   const int* recv_channel_offset_device() const;
-  // [T, R] position of token t in its channel's stream to rank r, -1 where it was not sent;
+  // [T, R] position of token t in its channel's stream to rank r, -1 where it was not sent (across nodes
+  // [T, N]: its entry in its channel's stream to node n, -1 where it went to none of n's ranks);
   const int* send_head_device() const;
   // [T, R] 0/1 bytes: whether token t went to rank r.
   const uint8_t* is_token_in_rank_device() const;
+
+  // Across nodes (src/runtime/dispatch_handle_nodes.cpp). Nodes the dispatch spanned (1 within one node).
+  int num_nodes() const;
+  // Records this rank forwards over NVLink as the rail peer of their sources (those of its own node
+  // included): what the network queues delivered to it. 0 within one node.
+  int num_forward_records() const;
+  // [N * C + 1] first of those records from each (source node, channel), node-major, then their count;
+  // nullptr within one node.
+  const int* node_channel_offset_device() const;
+  // [num_forward_records] bitmask of the local ranks each record went to (bit l: local rank l); nullptr
+  // within one node.
+  const uint8_t* forward_mask_device() const;
 
  private:
   std::shared_ptr<State> state_;

@@ -68,6 +68,14 @@ def normal_bytes(num_recv_rows: int, hidden: int, fp8: bool) -> float:
     return num_recv_rows * normal_row_bytes(hidden, fp8)
 
 
+def network_rows(num_tokens_per_node: Sequence[int], own_node: int) -> float:
+    """Normal mode across nodes: rows a rank sends over the network in a dispatch (and receives back in the
+    combine): each token once per node other than its own that holds one of its experts, however many ranks of
+    that node need it. num_tokens_per_node: get_dispatch_layout's num_tokens_per_rdma_rank (the formula of
+    epx/bench_bytes.hpp, internode_network_rows)."""
+    return float(sum(count for node, count in enumerate(num_tokens_per_node) if node != own_node))
+
+
 def ll_selection_bytes(hidden: int, fmt: str) -> float:
     """Bytes of one valid (token, expert) selection in low-latency mode, fmt one of fp8, bf16, logfmt (the
     formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
@@ -99,41 +107,64 @@ class BenchRow:
     num_sms: int
     time_us: float
     bytes: float
+    network_bytes: float = 0.0  # across nodes: bytes that cross between nodes (network_rows x row bytes)
 
     def gbps(self) -> float:
         return self.bytes / (self.time_us * 1e3) if self.time_us > 0 else 0.0
 
+    def network_gbps(self) -> float:
+        return self.network_bytes / (self.time_us * 1e3) if self.time_us > 0 else 0.0
+
 
 def format_rows(rank_rows: Sequence[Sequence[BenchRow]], as_json: bool, header: str, mode: str) -> List[str]:
     """Lines of epx-bench's report: rank_rows[r] are rank r's rows (same ops in the same order on every rank),
-    averaged over ranks into a table under `header`, or one JSON object per op tagged with `mode`."""
+    averaged over ranks into a table under `header`, or one JSON object per op tagged with `mode`. A run across
+    nodes (a row with network bytes) adds the network GB/s: two table columns, JSON net_gbps_mean / net_gbps_min."""
     if not rank_rows:
         return []
     num_ranks = len(rank_rows)
+    across_nodes = any(row.network_bytes > 0 for rows in rank_rows for row in rows)
     lines = []
     if not as_json:
         lines.append("")
         lines.append(header)
-        lines.append(f"{'op':<34} {'SMs':>5} {'mean us':>12} {'slowest us':>12} {'GB/s (mean)':>12} {'GB/s (min)':>12}")
+        columns = f"{'op':<34} {'SMs':>5} {'mean us':>12} {'slowest us':>12} {'GB/s (mean)':>12} {'GB/s (min)':>12}"
+        lines.append(columns + (f" {'net GB/s':>12} {'net (min)':>12}" if across_nodes else ""))
     for i, row in enumerate(rank_rows[0]):
         times = [rows[i].time_us for rows in rank_rows]
         rates = [rows[i].gbps() for rows in rank_rows]
+        net_rates = [rows[i].network_gbps() for rows in rank_rows]
         mean_us, slowest_us = sum(times) / num_ranks, max(times)
         mean_gbps, min_gbps = sum(rates) / num_ranks, min(rates)
+        mean_net, min_net = sum(net_rates) / num_ranks, min(net_rates)
         if as_json:
+            net = f'"net_gbps_mean":{mean_net:.2f},"net_gbps_min":{min_net:.2f},' if across_nodes else ""
             lines.append(
                 f'{{"mode":{json.dumps(mode)},"op":{json.dumps(row.op)},"num_sms":{row.num_sms},'
                 f'"num_ranks":{num_ranks},"mean_us":{mean_us:.2f},"slowest_us":{slowest_us:.2f},'
-                f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f},"header":{json.dumps(header)}}}')
+                f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f},{net}"header":{json.dumps(header)}}}')
         else:
-            lines.append(f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} "
-                         f"{min_gbps:12.1f}")
+            line = (f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} "
+                    f"{min_gbps:12.1f}")
+            if across_nodes:
+                line += f" {mean_net:12.1f} {min_net:12.1f}"
+            lines.append(line)
     return lines
 
 
+def normal_ranks_per_node(o: argparse.Namespace, num_ranks: int) -> int:
+    """Normal mode's node size: --ranks-per-node when it splits the ranks into several nodes, else num_ranks."""
+    return o.ranks_per_node if 0 < o.ranks_per_node < num_ranks else num_ranks
+
+
 def normal_header(o: argparse.Namespace, num_ranks: int) -> str:
-    return (f"normal mode: {num_ranks} ranks, {o.tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} of "
-            f"{o.experts} experts (GB/s = rows received x row bytes / time; verified before timing)")
+    ranks_per_node = normal_ranks_per_node(o, num_ranks)
+    nodes, net = "", ""
+    if ranks_per_node < num_ranks:
+        nodes = f" ({num_ranks // ranks_per_node} nodes of {ranks_per_node}, NVSHMEM between them)"
+        net = "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time"
+    return (f"normal mode: {num_ranks} ranks{nodes}, {o.tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} of "
+            f"{o.experts} experts (GB/s = rows received x row bytes / time{net}; verified before timing)")
 
 
 def low_latency_header(o: argparse.Namespace, num_ranks: int) -> str:
@@ -173,6 +204,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--experts", type=int, default=256, help="normal mode: experts (default 256)")
     p.add_argument("--num-sms", type=_int_list, default=[24], metavar="A,B,...",
                    help="SM budgets of the normal kernels (default 24)")
+    p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
+                   help="normal-mode ranks per node: fewer than --ranks makes virtual nodes, so dispatch/combine take "
+                        "the path across nodes (NVSHMEM between them); must divide --ranks (default: one node)")
     p.add_argument("--ll-tokens", type=int, default=128, help="low-latency tokens per rank (default 128)")
     p.add_argument("--ll-experts", type=int, default=288, help="low-latency experts (default 288)")
     p.add_argument("--ll-ranks-per-node", type=int, default=0, metavar="N",
@@ -201,10 +235,11 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     o.ranks = o.ranks or 0  # 0: every visible GPU
     if o.topk > MAX_TOPK:
         p.error(f"--topk must be <= {MAX_TOPK} (got {o.topk})")
-    if o.warmup < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0:
-        p.error("--warmup, --launch-ahead-us and --ll-ranks-per-node must be >= 0")
-    if o.ranks > 0 and o.ll_ranks_per_node > 0 and o.ranks % o.ll_ranks_per_node != 0:
-        p.error(f"--ll-ranks-per-node {o.ll_ranks_per_node} must divide --ranks {o.ranks}")
+    if o.warmup < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0 or o.ranks_per_node < 0:
+        p.error("--warmup, --launch-ahead-us, --ranks-per-node and --ll-ranks-per-node must be >= 0")
+    for flag, value in (("--ranks-per-node", o.ranks_per_node), ("--ll-ranks-per-node", o.ll_ranks_per_node)):
+        if o.ranks > 0 and value > 0 and o.ranks % value != 0:
+            p.error(f"{flag} {value} must divide --ranks {o.ranks} (nodes are equal blocks of ranks)")
     if o.mode != "low-latency" and o.hidden % 128 != 0:
         p.error(f"--hidden {o.hidden} must be a multiple of 128 (FP8 dispatch is benchmarked)")
     return o
@@ -378,10 +413,18 @@ def check_received(torch: Any, o: argparse.Namespace, salt: int, rank: int, num_
 
 
 def check_identity_combine(torch: Any, rank: int, x: Any, topk_idx: Any, num_ranks: int, num_experts: int,
-                           combined: Any) -> None:
-    """The combine of the rows as received returns each token times the number of ranks it went to."""
-    copies = token_ranks(torch, topk_idx, num_ranks, num_experts).sum(1, dtype=torch.float32)
-    want = (x.float() * copies.unsqueeze(1)).to(torch.bfloat16)
+                           combined: Any, ranks_per_node: int = 0) -> None:
+    """The combine of the rows as received returns each token times the number of ranks it went to; across
+    nodes (ranks_per_node < num_ranks) the sum over its nodes of each node's copies rounded to BF16, in node
+    order (reference::internode_combine's order)."""
+    in_rank = token_ranks(torch, topk_idx, num_ranks, num_experts)
+    copies = in_rank.sum(1, dtype=torch.float32)
+    ranks_per_node = ranks_per_node if 0 < ranks_per_node < num_ranks else num_ranks
+    node_copies = in_rank.view(in_rank.size(0), num_ranks // ranks_per_node, ranks_per_node).sum(2, dtype=torch.float32)
+    want = torch.zeros_like(x, dtype=torch.float32)
+    for node in range(node_copies.size(1)):
+        want += (x.float() * node_copies[:, node:node + 1]).to(torch.bfloat16).float()
+    want = want.to(torch.bfloat16)
     got_bits, want_bits = combined.view(torch.int16), want.view(torch.int16)
     if not torch.equal(got_bits, want_bits):
         t, c = (got_bits != want_bits).nonzero()[0].tolist()
@@ -550,7 +593,14 @@ class _Rank:
         # each --num-sms budget (the hint grows with the SMs, never with the tokens).
         configs = [epx.Config()] + [epx.Config(num_sms=sms) for sms in o.num_sms]
         num_nvl_bytes = max(config.get_nvl_buffer_size_hint(o.hidden * 2, num_ranks) for config in configs)
-        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes)
+        # Across nodes (--ranks-per-node): the network queues live in the symmetric buffer.
+        ranks_per_node = normal_ranks_per_node(o, num_ranks)
+        num_rdma_bytes = 0
+        if ranks_per_node < num_ranks:
+            num_rdma_bytes = max(config.get_rdma_buffer_size_hint(o.hidden * 2, num_ranks, ranks_per_node)
+                                 for config in configs)
+        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
+                            ranks_per_node=ranks_per_node if ranks_per_node < num_ranks else 0)
 
         def make(salt: int) -> dict:
             return {f: normal_field(torch, o, salt, rank, f, dev) for f in ("x_bf16", "x_fp8", "scales", "topk",
@@ -580,7 +630,7 @@ class _Rank:
                     combined = buffer.combine(result.recv_x, handle).combined_x
                     self.stream.synchronize()
                     check_identity_combine(torch, rank, mine["x_bf16"], mine["topk"], num_ranks, o.experts,
-                                           combined)
+                                           combined, ranks_per_node)
                 del result, handle
             self.host_barrier.wait()
 
@@ -588,6 +638,10 @@ class _Rank:
         self.stream.synchronize()
         rows = plan.handle.num_recv_rows
         bf16_bytes, fp8_bytes = normal_bytes(rows, o.hidden, False), normal_bytes(rows, o.hidden, True)
+        net_rows = 0.0
+        if layout.num_tokens_per_rdma_rank is not None:
+            net_rows = network_rows(layout.num_tokens_per_rdma_rank.cpu().tolist(), rank // ranks_per_node)
+        bf16_net, fp8_net = normal_bytes(net_rows, o.hidden, False), normal_bytes(net_rows, o.hidden, True)
 
         scratch = torch.empty(L2_FLUSH_BYTES, dtype=torch.uint8, device=dev)
 
@@ -599,9 +653,9 @@ class _Rank:
             buffer.num_sms = sms
             for fp8 in (False, True):
                 x = (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
-                name, nbytes = ("FP8", fp8_bytes) if fp8 else ("BF16", bf16_bytes)
+                name, nbytes, net = ("FP8", fp8_bytes, fp8_net) if fp8 else ("BF16", bf16_bytes, bf16_net)
                 us = self.median_us(f"dispatch {name}", flush, lambda: dispatch(mine, layout, fp8), host_waits=True)
-                out.append(BenchRow(f"dispatch {name}", sms, us, nbytes))
+                out.append(BenchRow(f"dispatch {name}", sms, us, nbytes, net))
                 # The first step alone (stage, count exchange, host sync): the rest of the time is the pull.
                 native_in = _native_dispatch_input(_epx, torch, x, mine["topk"], mine["weights"], o.experts,
                                                    layout.is_token_in_rank, layout.num_tokens_per_expert)
@@ -615,10 +669,10 @@ class _Rank:
                 out.append(BenchRow(f"  of which notify ({name})", sms, us, 0.0))
                 # Cached: the layout of a previous call, no count exchange and no host sync.
                 us = self.median_us(f"dispatch {name} cached", flush, lambda: buffer.dispatch(x, handle=plan.handle))
-                out.append(BenchRow(f"dispatch {name} cached", sms, us, nbytes))
+                out.append(BenchRow(f"dispatch {name} cached", sms, us, nbytes, net))
             us = self.median_us("combine BF16", flush, lambda: buffer.combine(
                 plan.recv_x, plan.handle, topk_weights=plan.recv_topk_weights))
-            out.append(BenchRow("combine BF16", sms, us, bf16_bytes))
+            out.append(BenchRow("combine BF16", sms, us, bf16_bytes, bf16_net))
 
         # The link ceiling: a copy-engine copy of the next rank's memory (no SMs), 32 MiB or the buffer size.
         if num_ranks > 1:
@@ -626,7 +680,8 @@ class _Rank:
             if row is not None:
                 out.append(row)
 
-        # NCCL moving the same rows, already permuted per destination (split sizes from the layout).
+        # NCCL moving the same rows, already permuted per destination (split sizes from the layout). Across nodes
+        # it sends a row once per destination rank; its net GB/s counts EPX's network bytes over its time.
         send_rows = [int(v) for v in layout.num_tokens_per_rank.cpu().tolist()]
         recv_rows = list(plan.handle.num_recv_per_rank)
         for fp8 in (False, True):
@@ -636,7 +691,8 @@ class _Rank:
             name = "FP8" if fp8 else "BF16"
             us = self.median_us(f"NCCL {name}", flush, lambda: self.dist.all_to_all_single(
                 recv, send, recv_rows, send_rows, group=self.world))
-            out.append(BenchRow(f"NCCL all-to-all {name} rows", 0, us, fp8_bytes if fp8 else bf16_bytes))
+            out.append(BenchRow(f"NCCL all-to-all {name} rows", 0, us, fp8_bytes if fp8 else bf16_bytes,
+                                fp8_net if fp8 else bf16_net))
         self.stream.synchronize()
         buffer.destroy()
         return out
@@ -806,7 +862,7 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
                 modes.append(("low-latency", me.run_low_latency, low_latency_header(o, num_ranks)))
             for mode, run, header in modes:
                 rows = run()
-                gathered = me.gather([(r.op, r.num_sms, r.time_us, r.bytes) for r in rows])
+                gathered = me.gather([(r.op, r.num_sms, r.time_us, r.bytes, r.network_bytes) for r in rows])
                 if rank == 0:
                     rank_rows = [[BenchRow(*item) for item in theirs] for theirs in gathered]
                     print("\n".join(format_rows(rank_rows, o.json, header, mode)), flush=True)

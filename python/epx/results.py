@@ -75,8 +75,39 @@ class DispatchHandle:
 
     @property
     def send_head(self) -> Any:
-        """int32 [T, R]: position of token t in its channel's stream to rank r, -1 where it was not sent."""
-        return self._view(self.native.send_head, "int32", (self.num_tokens, self.num_ranks))
+        """int32 [T, R]: position of token t in its channel's stream to rank r, -1 where it was not sent. Across
+        nodes [T, N]: its entry in its channel's stream to node n, -1 where it went to none of n's ranks."""
+        columns = self.num_nodes if self.num_nodes > 1 else self.num_ranks
+        return self._view(self.native.send_head, "int32", (self.num_tokens, columns))
+
+    # Across nodes (num_nodes > 1): what the rail peers delivered to this rank, which it forwards over NVLink.
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes the dispatch spanned (1 within one node)."""
+        return self.native.num_nodes
+
+    @property
+    def num_forward_records(self) -> int:
+        """Across nodes: records this rank forwards as the rail peer of their sources (its own node's included);
+        0 within one node."""
+        return self.native.num_forward_records
+
+    @property
+    def node_channel_offset(self) -> Any:
+        """Across nodes: int32 [N * C + 1], the first of those records from each (source node, channel),
+        node-major, then their count; None within one node."""
+        if self.num_nodes <= 1:
+            return None
+        return self._view(self.native.node_channel_offset, "int32", (self.num_nodes * self.num_channels + 1,))
+
+    @property
+    def forward_mask(self) -> Any:
+        """Across nodes: uint8 [num_forward_records], the local ranks each record went to (bit l: local rank l),
+        written by the dispatch (read it after the call's event); None within one node."""
+        if self.num_nodes <= 1:
+            return None
+        return self._view(self.native.forward_mask, "uint8", (self.num_forward_records,))
 
     @property
     def is_token_in_rank(self) -> Any:

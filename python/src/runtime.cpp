@@ -196,8 +196,18 @@ void bind_normal(py::module_& m) {
       .def_property_readonly(
           "send_head",
           [](const DispatchHandle& self) { return reinterpret_cast<uintptr_t>(self.send_head_device()); })
-      .def_property_readonly("is_token_in_rank", [](const DispatchHandle& self) {
-        return reinterpret_cast<uintptr_t>(self.is_token_in_rank_device());
+      .def_property_readonly("is_token_in_rank",
+                             [](const DispatchHandle& self) {
+                               return reinterpret_cast<uintptr_t>(self.is_token_in_rank_device());
+                             })
+      .def_property_readonly("num_nodes", &DispatchHandle::num_nodes)
+      .def_property_readonly("num_forward_records", &DispatchHandle::num_forward_records)
+      .def_property_readonly("node_channel_offset",
+                             [](const DispatchHandle& self) {
+                               return reinterpret_cast<uintptr_t>(self.node_channel_offset_device());
+                             })
+      .def_property_readonly("forward_mask", [](const DispatchHandle& self) {
+        return reinterpret_cast<uintptr_t>(self.forward_mask_device());
       });
 
   py::class_<DispatchPlan>(m, "DispatchPlan")

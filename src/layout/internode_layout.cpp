@@ -4,6 +4,7 @@
 
 #include "epx/error.hpp"
 #include "layout/layout_checks.hpp"
+#include "layout/normal_nodes.hpp"
 
 namespace epx {
 
@@ -44,7 +45,7 @@ size_t forward_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Co
   for (int ranks_per_node = 1; ranks_per_node <= kMaxNvlRanks && ranks_per_node < num_ranks;
        ++ranks_per_node) {
     const int num_nodes = num_ranks / ranks_per_node;
-    if (num_ranks % ranks_per_node != 0 || num_nodes > kMaxRdmaNodes) continue;
+    if (num_ranks % ranks_per_node != 0 || num_nodes > kMaxNormalNodes) continue;
     const ForwardLayout layout =
         ForwardLayout::of(ranks_per_node, num_nodes, config, InternodeRecord::largest(hidden_bytes));
     most = std::max(most, align_up(layout.total_bytes(), kNormalAlign));
@@ -60,10 +61,7 @@ size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int r
   validate_config(config);
   const NodeMap nodes{num_ranks, ranks_per_node};
   if (!nodes.spans_nodes()) return 0;
-  EPX_CHECK(nodes.num_nodes() <= kMaxRdmaNodes, "ranks_per_node", ranks_per_node,
-            detail::concat("must give at most 16 nodes for normal mode across nodes (", num_ranks,
-                           " ranks make ", nodes.num_nodes(), ")")
-                .c_str());
+  check_normal_node_layout(num_ranks, ranks_per_node);
   const InternodeLayout layout =
       InternodeLayout::of(nodes.num_nodes(), config, InternodeRecord::largest(hidden_bytes));
   return align_up(layout.total_bytes(), kNormalAlign);

@@ -18,6 +18,7 @@
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/preload.hpp"
+#include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
@@ -136,14 +137,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   EPX_CHECK(s.num_ranks <= kMaxLowLatencyRanks, "num_ranks", s.num_ranks, "must be <= 64");
   EPX_CUDA_CHECK(cudaGetDevice(&s.device));
   s.ranks_per_node = agreed_ranks_per_node(bootstrap, options.ranks_per_node, s.device);
-  if (options.num_nvl_bytes > 0) {
-    EPX_CHECK(s.ranks_per_node <= kMaxNvlRanks, "num_ranks", s.num_ranks,
-              "must be <= 8 for the normal-mode NVLink buffer on one node (nodes of up to 8 ranks beyond)");
-    EPX_CHECK(s.num_ranks / s.ranks_per_node < kMaxRdmaNodes, "ranks_per_node", s.ranks_per_node,
-              detail::concat("must give at most ", kMaxRdmaNodes - 1, " nodes for normal mode across nodes (",
-                             s.num_ranks, " ranks make ", s.num_ranks / s.ranks_per_node, ")")
-                  .c_str());
-  }
+  // Normal mode (an NVLink buffer) runs on one node of up to 8 ranks or on up to 15 such nodes: refused
+  // here, before anything is allocated.
+  if (options.num_nvl_bytes > 0) check_normal_node_layout(s.num_ranks, s.ranks_per_node);
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));

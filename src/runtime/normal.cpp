@@ -14,6 +14,7 @@
 #include "epx/layout/normal_layout.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/normal_host_scratch.hpp"
@@ -125,6 +126,7 @@ InternodeLayouts internode_layouts(const Buffer& buffer, const DispatchHandle::S
                                    const InternodeRecord& record) {
   const Config config = queue_config(buffer, state);
   const NodeMap nodes{buffer.num_ranks(), buffer.ranks_per_node()};
+  check_normal_forward_queues(config, nodes.num_nodes());
   InternodeLayouts layouts{InternodeLayout::of(nodes.num_nodes(), config, record),
                            ForwardLayout::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
@@ -183,8 +185,7 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.num_topk == 0 || in.num_experts > 0, "num_experts", in.num_experts, "must be > 0 with top-k");
   EPX_CHECK(in.expert_alignment >= 1, "expert_alignment", in.expert_alignment, "must be >= 1");
   EPX_CHECK(in.num_worst_tokens >= 0, "num_worst_tokens", in.num_worst_tokens, "must be >= 0");
-  EPX_CHECK(in.num_worst_tokens == 0 || !buffer.spans_nodes(), "num_worst_tokens", in.num_worst_tokens,
-            "must be 0 across nodes (the CPU-sync-free mode needs one node, as in DeepEP)");
+  check_normal_dispatch_nodes(buffer.num_ranks() / buffer.ranks_per_node(), in.num_worst_tokens);
   if (!cached) {
     EPX_CHECK(in.num_tokens == 0 || in.is_token_in_rank != nullptr, "is_token_in_rank", "null",
               "is required without a cached handle");

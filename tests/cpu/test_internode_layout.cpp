@@ -171,7 +171,13 @@ TEST(InternodeLayout, SizeHintAndFitErrorsNameTheArgument) {
   expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 32, 16); },
                  "invalid ranks_per_node = 16: must be <= 8 when the group spans nodes");
   expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 32, 1); },
-                 "invalid ranks_per_node = 1: must give at most 16 nodes");
+                 "invalid ranks_per_node = 1: must give at most 15 nodes for normal mode across nodes (32 "
+                 "ranks make 32)");
+  // 16 nodes: one more than the kernels' named barriers serve.
+  expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 64, 4); },
+                 "invalid ranks_per_node = 4: must give at most 15 nodes for normal mode across nodes (64 "
+                 "ranks make 16)");
+  EXPECT_GT(config.get_rdma_buffer_size_hint(7168 * 2, 60, 4), 0u);
   expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2 + 2, 16); },
                  "invalid hidden_bytes = 14338: must be a multiple of 16");
   expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 16, -1); },

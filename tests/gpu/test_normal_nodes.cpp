@@ -7,12 +7,15 @@
 #include <string>
 #include <vector>
 
+#include "expect_error.hpp"
 #include "run_ranks.hpp"
 #include "test_normal_harness.hpp"
 
 namespace {
 
 using epx::TokenFormat;
+using epx::test::DeviceArray;
+using epx::test::expect_error;
 using epx::test::NormalCase;
 using epx::test::NormalRouteBy;
 using epx::test::NormalRouting;
@@ -113,6 +116,63 @@ TEST_P(NormalNodes, SixteenThousandTokens) {
   c.num_sms = {8};
   c.same_inputs = true;
   run_case(c);
+}
+
+// What normal mode cannot run across nodes is refused by dispatch_notify before anything launches, naming the
+// argument, its value and the rule: the worst-case mode, NVLink queues with less than one record per source
+// node, queues that do not fit the symmetric or the NVLink buffer. Every rank makes the same calls; the
+// checked dispatches and combines that follow run on the same Buffer. (Node layouts the Buffer refuses at
+// construction, more than 8 ranks per node or more than 15 nodes: cpu/test_normal_nodes.cpp.)
+TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
+  NormalCase c = node_case(GetParam(), 307);
+  c.num_tokens = {64, 5};
+  c.num_iterations = 2;
+  epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    options.num_rdma_bytes = epx::test::normal_rdma_buffer_bytes(c);
+    options.ranks_per_node = c.ranks_per_node;
+    options.wait_timeout_s = 20.0;
+    epx::Buffer buffer(bootstrap, options);
+    const int num_nodes = c.num_ranks / c.ranks_per_node;
+    const int T = 4, R = c.num_ranks;
+    DeviceArray x(size_t(T) * c.hidden * 2), in_rank(size_t(T) * R), per_expert(size_t(c.num_experts) * 4);
+    epx::DispatchInput in;
+    in.x = x.get();
+    in.num_tokens = T;
+    in.hidden = c.hidden;
+    in.num_experts = c.num_experts;
+    in.is_token_in_rank = in_rank.get<bool>();
+    in.num_tokens_per_expert = per_expert.get<int>();
+    const epx::StreamOrder order{};
+    const auto notify = [&] { epx::dispatch_notify(buffer, in, order); };
+
+    in.num_worst_tokens = T * R;
+    expect_error(notify, "invalid num_worst_tokens = " + std::to_string(T * R) + ": must be 0 across nodes");
+    in.num_worst_tokens = 0;
+
+    const epx::Config config = buffer.config();
+    epx::Config bad = config;
+    bad.num_max_nvl_chunked_send_tokens = 1;
+    bad.num_max_nvl_chunked_recv_tokens = num_nodes - 1;
+    buffer.set_config(bad);
+    expect_error(notify, "invalid num_max_nvl_chunked_recv_tokens = " + std::to_string(num_nodes - 1) +
+                             ": must be >= the number of nodes (" + std::to_string(num_nodes) + ")");
+    bad = config;
+    bad.num_max_rdma_chunked_recv_tokens = config.num_max_rdma_chunked_recv_tokens * 64;
+    buffer.set_config(bad);
+    expect_error(notify,
+                 "invalid num_rdma_bytes = " + std::to_string(buffer.num_rdma_bytes()) + ": must be >= ");
+    if (c.ranks_per_node > 1) {  // nodes of one rank forward nothing over NVLink
+      bad = config;
+      bad.num_max_nvl_chunked_recv_tokens = config.num_max_nvl_chunked_recv_tokens * 64;
+      buffer.set_config(bad);
+      expect_error(notify,
+                   "invalid num_nvl_bytes = " + std::to_string(buffer.num_nvl_bytes()) + ": must be >= ");
+    }
+    buffer.set_config(config);
+    epx::test::NormalRunner(c, buffer).run();
+  });
 }
 
 }  // namespace

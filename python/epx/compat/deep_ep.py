@@ -5,7 +5,8 @@ unchanged).
 Same names, signatures, defaults and return tuples as DeepEP's ``deep_ep`` module (Buffer, Config,
 EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a caller may notice:
 
-- Handles are DeepEP's tuples, with placeholders where EPX keeps no equivalent (deep_ep_handles.py says which).
+- Handles are DeepEP's tuples (intranode, or internode's 10 elements when the Buffer spans nodes), with
+  placeholders where EPX keeps no equivalent (deep_ep_handles.py says which).
 - Any hidden size whose rows are a multiple of 16 bytes (128 channels in low-latency mode) and any top-k up to 16
   work; FP8 scales of any strides and columns, int32 topk_idx, and a combine hidden other than the dispatch's.
 - Config means what DeepEP's does: num_sms / 2 channels; num_max_nvl_chunked_send_tokens records per published
@@ -13,8 +14,8 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
   Config.get_nvl_buffer_size_hint grows with num_sms and the queue tokens, never with the number of tokens,
   and sizing as DeepEP callers do (the largest hint of get_dispatch_config and get_combine_config) fits every
   call that uses those configs (for DeepEP's recommended configs the hint is below DeepEP's). The RDMA chunk
-  sizes are kept for callers (normal mode across nodes is not implemented). Config rules are EPX's: send chunk
-  <= queue tokens, at most 128 channels.
+  sizes size the network queues of normal mode across nodes (Config.get_rdma_buffer_size_hint). Config rules are
+  EPX's: send chunk <= queue tokens, at most 128 channels.
 - A call whose rows do not fit its config's queues in num_nvl_bytes (a Buffer sized for FP8 rows combining BF16,
   as SGLang's is) runs with the longest queues that fit; EpxError only when not even one-record queues fit.
 - get_dispatch_config / get_combine_config list DeepEP v1.2.1's rank counts and raise EpxError for others (DeepEP

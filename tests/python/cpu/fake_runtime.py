@@ -229,6 +229,7 @@ class FakeBinding:
                   "recv_src_idx": torch.from_numpy(np.asarray(recv_src_idx, dtype=np.int32).copy())}
         native.arrays = arrays  # keeps them alive
         native.num_channels = num_channels
+        native.num_nodes, native.num_forward_records = 1, 0  # one rank: one node
         for name, tensor in arrays.items():
             setattr(native, name, self.pointer(tensor))
 

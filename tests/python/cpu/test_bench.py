@@ -47,6 +47,8 @@ def test_every_flag():
     (["--topk", "40"], "--topk must be <= 16"),
     (["--ranks", "0"], "--ranks must be >= 1"),
     (["--ranks", "4", "--ll-ranks-per-node", "3"], "must divide --ranks 4"),
+    (["--ranks", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide --ranks 4"),
+    (["--ranks-per-node", "-1"], "--ranks-per-node and --ll-ranks-per-node must be >= 0"),
     (["--unknown"], "unrecognized arguments"),
     (["--tok", "5"], "unrecognized arguments"),  # no abbreviations: flags are spelled as epx-bench's
     (["--tokens"], "expected one argument"),
@@ -79,6 +81,22 @@ def test_normal_bytes():
     # What NCCL moves per row: the same sizes, as integers.
     assert bench.nccl_row_bytes(7168, fp8=False, low_latency=False) == 14336
     assert bench.nccl_row_bytes(7168, fp8=True, low_latency=False) == 7392
+
+
+def test_network_rows_count_each_token_once_per_other_node():
+    # Tokens per node (get_dispatch_layout's num_tokens_per_rdma_rank): the own node's never cross.
+    assert bench.network_rows([5, 7, 0, 2], own_node=1) == 7.0
+    assert bench.network_rows([5, 7, 0, 2], own_node=0) == 9.0
+    assert bench.network_rows([4], own_node=0) == 0.0
+    assert bench.normal_bytes(bench.network_rows([5, 7], 0), 7168, False) == 7 * 14336
+
+
+def test_ranks_per_node_flag():
+    assert bench.parse_args([]).ranks_per_node == 0
+    o = bench.parse_args(["--ranks", "4", "--ranks-per-node", "2"])
+    assert o.ranks_per_node == 2 and bench.normal_ranks_per_node(o, 4) == 2
+    assert bench.normal_ranks_per_node(bench.parse_args(["--ranks-per-node", "4"]), 4) == 4
+    assert bench.normal_ranks_per_node(bench.parse_args([]), 4) == 4
 
 
 def test_low_latency_bytes():
@@ -139,6 +157,30 @@ def test_headers():
     assert bench.low_latency_header(o, 4) == (
         "low-latency mode: 4 ranks, 128 tokens/rank, hidden 7168, top-8 of 288 experts (GB/s = selections x bytes "
         "per selection / time; verified before timing)")
+
+
+def test_report_across_nodes_adds_the_network_rates():
+    rows = [[bench.BenchRow("dispatch BF16", 24, 800.0, 4e8, 1e8), bench.BenchRow("  of which notify (BF16)", 24,
+                                                                                   50.0, 0.0)],
+            [bench.BenchRow("dispatch BF16", 24, 1000.0, 5e8, 3e8), bench.BenchRow("  of which notify (BF16)", 24,
+                                                                                    70.0, 0.0)]]
+    assert rows[0][0].network_gbps() == 125.0
+    lines = bench.format_rows(rows, False, "h", "normal")
+    assert lines[2].endswith("%12s %12s" % ("net GB/s", "net (min)"))
+    # Mean of the ranks' network GB/s (125 and 300), the smallest.
+    assert lines[3] == "%-34s %5d %12.1f %12.1f %12.1f %12.1f %12.1f %12.1f" % (
+        "dispatch BF16", 24, 900.0, 1000.0, 500.0, 500.0, 212.5, 125.0)
+    import json
+
+    line = json.loads(bench.format_rows(rows, True, "h", "normal")[0])
+    assert (line["net_gbps_mean"], line["net_gbps_min"]) == (212.5, 125.0)
+    # Within one node neither the columns nor the JSON fields appear.
+    assert "net_gbps_mean" not in bench.format_rows(_rank_rows(), True, "h", "normal")[0]
+    o = bench.parse_args(["--ranks-per-node", "2"])
+    assert bench.normal_header(o, 4) == (
+        "normal mode: 4 ranks (2 nodes of 2, NVSHMEM between them), 4096 tokens/rank, hidden 7168, top-8 of 256 "
+        "experts (GB/s = rows received x row bytes / time; net GB/s = rows crossing to other nodes, once per node, x "
+        "row bytes / time; verified before timing)")
 
 
 # ---- Host barrier ----

@@ -77,6 +77,88 @@ def test_handle_tuples_pass_back_even_rebuilt(wrapper):
         wrapper.combine(recv_x, (torch.zeros(1, 1, dtype=torch.int32),) + handle[1:])
 
 
+# ---- Normal-mode handle across nodes ----
+#
+# 4 ranks as 2 nodes of 2, 2 channels, 5 tokens of this rank (rank 0): channel 0 holds tokens 0-2, channel 1
+# tokens 3-4 (ceil(5 / 2) per channel). The counts as the count exchange leaves them: rows received per (source
+# rank, channel) and records forwarded per (source node, channel).
+IN_RANK = [[1, 1, 0, 0], [0, 0, 1, 1], [1, 0, 1, 0], [0, 0, 0, 1], [0, 0, 0, 0]]
+RECV_CHANNEL_OFFSET = [0, 3, 4, 4, 4, 6, 7, 8, 9]  # [R * C + 1]: source 1 sent nothing; 9 rows
+NODE_CHANNEL_OFFSET = [0, 2, 3, 3, 5]  # [N * C + 1]: 5 records forwarded
+SEND_HEAD = [[0, -1], [-1, 0], [1, 1], [-1, 0], [-1, -1]]  # [T, N]
+
+
+def internode_handle(binding):
+    """An epx DispatchHandle across nodes whose arrays are CPU tensors (read through the fake device_view)."""
+    from epx.results import DispatchHandle
+    from fake_runtime import Struct
+
+    arrays = {"recv_channel_offset": torch.tensor(RECV_CHANNEL_OFFSET, dtype=torch.int32),
+              "node_channel_offset": torch.tensor(NODE_CHANNEL_OFFSET, dtype=torch.int32),
+              "is_token_in_rank": torch.tensor(IN_RANK, dtype=torch.uint8),
+              "send_head": torch.tensor(SEND_HEAD, dtype=torch.int32),
+              "forward_mask": torch.tensor([1, 3, 2, 2, 1], dtype=torch.uint8),
+              "recv_src_idx": torch.arange(9, dtype=torch.int32)}
+    native = Struct(arrays=arrays, num_channels=2, num_nodes=2, num_forward_records=5, num_recv_per_rank=[4, 0, 3, 2],
+                    **{name: binding.pointer(tensor) for name, tensor in arrays.items()})
+    return DispatchHandle(native=native, buffer_id=0, num_tokens=5, num_recv_rows=9, hidden=HIDDEN,
+                          num_experts=8, num_topk=0, num_worst_tokens=0, num_ranks=4,
+                          _owner=Struct(device=torch.device("cpu")))
+
+
+def test_internode_handle_is_deep_eps_tuple(monkeypatch):
+    from epx.compat.deep_ep_handles import NormalHandleBuilder, normal_handle
+
+    _, binding = install(monkeypatch)
+    handle = internode_handle(binding)
+    builder = NormalHandleBuilder(rank=0)
+    builder(handle)  # after the count exchange
+    got = builder.tuple_for(handle)
+    assert type(got) is tuple and len(got) == 10
+    (in_rank, rdma_prefix, gbl_prefix, recv_rdma_prefix, recv_rdma_rank_prefix_sum, recv_gbl_prefix,
+     recv_gbl_rank_prefix_sum, recv_src_meta, send_rdma_head, send_nvl_head) = got
+    int32 = torch.int32
+    assert in_rank.dtype == torch.bool and in_rank.int().tolist() == IN_RANK
+    # Send side: tokens of channels 0..c per node (once per node) and per rank.
+    assert rdma_prefix.dtype == int32 and rdma_prefix.tolist() == [[2, 2], [2, 3]]
+    assert gbl_prefix.dtype == int32 and gbl_prefix.tolist() == [[2, 2], [1, 1], [2, 2], [1, 2]]
+    # Receive side, as the rail peer: records per source node, channels 0..c, and per node 0..n.
+    assert recv_rdma_prefix.dtype == int32 and recv_rdma_prefix.tolist() == [[2, 3], [0, 2]]
+    assert recv_rdma_rank_prefix_sum.dtype == int32 and recv_rdma_rank_prefix_sum.tolist() == [3, 5]
+    # Receive side, rows: first row of each (source rank, channel); rows from ranks 0..r.
+    assert recv_gbl_prefix.dtype == int32 and recv_gbl_prefix.tolist() == [[0, 3], [4, 4], [4, 6], [7, 8]]
+    assert recv_gbl_rank_prefix_sum.dtype == int32 and recv_gbl_rank_prefix_sum.tolist() == [4, 4, 7, 9]
+    # Source metadata: 8 bytes per row, the source's node then a -1 placeholder.
+    assert recv_src_meta.dtype == torch.uint8 and recv_src_meta.shape == (9, 8)
+    meta = recv_src_meta.view(int32).view(9, 2)
+    assert meta[:, 0].tolist() == [0, 0, 0, 0, 1, 1, 1, 1, 1] and bool((meta[:, 1] == -1).all())
+    assert send_rdma_head.dtype == int32 and send_rdma_head.tolist() == SEND_HEAD
+    assert send_nvl_head.dtype == int32 and send_nvl_head.shape == (5, 8) and bool((send_nvl_head == -1).all())
+    # As DeepEP's tests read it: the rows of source i end at recv_gbl_rank_prefix_sum[i].
+    begin, sources = 0, []
+    for i in range(4):
+        end = recv_gbl_rank_prefix_sum[i].item()
+        sources += [i] * (end - begin)
+        begin = end
+    assert sources == [0, 0, 0, 0, 2, 2, 2, 3, 3]
+    # It passes back (cached dispatch and combine find EPX's handle), also rebuilt from its tensors.
+    assert normal_handle(got) is handle and normal_handle(tuple(list(got))) is handle
+    assert handle.forward_mask.tolist() == [1, 3, 2, 2, 1]
+    assert handle.node_channel_offset.tolist() == NODE_CHANNEL_OFFSET
+
+
+def test_internode_matrices_without_tokens(monkeypatch):
+    from epx.compat.deep_ep_handles import internode_matrices
+
+    _, binding = install(monkeypatch)
+    handle = internode_handle(binding)
+    handle.native.arrays["is_token_in_rank"] = empty = torch.zeros(0, 4, dtype=torch.uint8)
+    handle.native.is_token_in_rank = binding.pointer(empty)
+    handle.num_tokens = 0
+    rdma_prefix, gbl_prefix, *_ = internode_matrices(handle, 2)
+    assert rdma_prefix.tolist() == [[0, 0], [0, 0]] and gbl_prefix.shape == (4, 2) and not gbl_prefix.any()
+
+
 def test_low_latency_handle_is_deep_eps_tuple(wrapper):
     x, ids, weights = tokens()
     max_tokens = 8

@@ -11,6 +11,51 @@ from dist_util import run
 from test_normal import HIDDEN, check_dispatch, make_inputs, random_rows, to_device
 
 
+def check_internode_handle(handle, expected, in_rank, num_ranks, ranks_per_node, num_channels):
+    """DeepEP's internode handle tuple, read as DeepEP's tests and its internode_dispatch / internode_combine read
+    it (epx.compat.deep_ep_handles documents each element)."""
+    import torch
+
+    num_nodes = num_ranks // ranks_per_node
+    num_tokens = in_rank.size(0)
+    assert type(handle) is tuple and len(handle) == 10
+    (is_token_in_rank, rdma_channel_prefix_matrix, gbl_channel_prefix_matrix, recv_rdma_channel_prefix_matrix,
+     recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix_matrix, recv_gbl_rank_prefix_sum, recv_src_meta,
+     send_rdma_head, send_nvl_head) = handle
+    assert torch.equal(is_token_in_rank, in_rank)
+    # As DeepEP's test_internode.py reads it (handle[-4]): rows of source i end at recv_gbl_rank_prefix_sum[i].
+    recv_gbl_rank_prefix_sum = handle[-4]
+    per_source = list(expected.num_recv_tokens_per_rank)
+    assert recv_gbl_rank_prefix_sum.dtype == torch.int32 and recv_gbl_rank_prefix_sum.shape == (num_ranks,)
+    assert recv_gbl_rank_prefix_sum.tolist() == np.cumsum(per_source).tolist()
+    for name, tensor, shape in (("rdma_channel_prefix_matrix", rdma_channel_prefix_matrix, (num_nodes, num_channels)),
+                                ("gbl_channel_prefix_matrix", gbl_channel_prefix_matrix, (num_ranks, num_channels)),
+                                ("recv_rdma_channel_prefix_matrix", recv_rdma_channel_prefix_matrix,
+                                 (num_nodes, num_channels)),
+                                ("recv_rdma_rank_prefix_sum", recv_rdma_rank_prefix_sum, (num_nodes,)),
+                                ("recv_gbl_channel_prefix_matrix", recv_gbl_channel_prefix_matrix,
+                                 (num_ranks, num_channels)),
+                                ("send_rdma_head", send_rdma_head, (num_tokens, num_nodes)),
+                                ("send_nvl_head", send_nvl_head, (send_nvl_head.size(0), 8))):
+        assert tensor.dtype == torch.int32 and tuple(tensor.shape) == shape, name
+    # Send side: the last channel's prefix is the tokens per rank / per node (a token once per node).
+    in_node = in_rank.view(num_tokens, num_nodes, ranks_per_node).any(2)
+    assert gbl_channel_prefix_matrix[:, -1].tolist() == in_rank.sum(0).tolist()
+    assert rdma_channel_prefix_matrix[:, -1].tolist() == in_node.sum(0).tolist()
+    assert torch.equal(send_rdma_head >= 0, in_node)
+    # Receive side: source r's channels start at the rows of ranks before it; records add up per node.
+    starts = [0] + recv_gbl_rank_prefix_sum.tolist()[:-1]
+    assert recv_gbl_channel_prefix_matrix[:, 0].tolist() == starts
+    assert recv_rdma_rank_prefix_sum[-1].item() == send_nvl_head.size(0)
+    assert torch.equal(recv_rdma_rank_prefix_sum.diff(prepend=recv_rdma_rank_prefix_sum.new_zeros(1)),
+                       recv_rdma_channel_prefix_matrix[:, -1])
+    # recv_src_meta: 8 bytes per row, the source rank's node first.
+    rows = sum(per_source)
+    assert recv_src_meta.dtype == torch.uint8 and tuple(recv_src_meta.shape) == (rows, 8)
+    source_nodes = np.repeat(np.arange(num_ranks) // ranks_per_node, per_source)
+    assert recv_src_meta.view(torch.int32).view(rows, 2)[:, 0].tolist() == source_nodes.tolist()
+
+
 def nodes_worker(rank, num_ranks, group, ranks_per_node, seed):
     os.environ["EPX_RANKS_PER_NODE"] = str(ranks_per_node)
     import torch
@@ -40,6 +85,7 @@ def nodes_worker(rank, num_ranks, group, ranks_per_node, seed):
         x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
         num_tokens_per_expert=per_expert, topk_idx=topk_idx, topk_weights=topk_weights, expert_alignment=4)
     check_dispatch(outputs[rank], recv_x, recv_idx, recv_w, counts)
+    check_internode_handle(handle, outputs[rank], in_rank, num_ranks, ranks_per_node, deep_ep.Buffer.num_sms // 2)
 
     expert_out = [random_rows(seed * 7 + d, outputs[d].num_rows, d) for d in range(num_ranks)]
     bias0 = [random_rows(seed * 11 + r, len(inputs[r].topk_idx), r) for r in range(num_ranks)]
@@ -49,6 +95,11 @@ def nodes_worker(rank, num_ranks, group, ranks_per_node, seed):
                                              bias=ref.to_torch_bf16(bias0[rank], device))
     np.testing.assert_array_equal(ref.bf16_bits(combined), expected[0])
     np.testing.assert_array_equal(combined_w.cpu().numpy(), expected[1])
+
+    # The tuple rebuilt from its tensors passes back too (a framework that stores the elements).
+    again, again_w, _ = buffer.combine(ref.to_torch_bf16(expert_out[rank], device), tuple(list(handle)),
+                                       topk_weights=recv_w, bias=ref.to_torch_bf16(bias0[rank], device))
+    assert torch.equal(again, combined) and torch.equal(again_w, combined_w)
 
     # Cached handle: new tokens, the same routing.
     fresh = make_inputs(num_ranks, num_experts, seed)

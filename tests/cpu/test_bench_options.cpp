@@ -1,0 +1,94 @@
+// epx-bench's option rules (bench/bench_options.hpp) and the network bytes of a run across nodes
+// (epx/bench_bytes.hpp, docs/BENCHMARKS.md): every bad value names its flag, its value and the rule.
+#include <gtest/gtest.h>
+
+#include <cstdint>
+#include <functional>
+#include <string>
+#include <vector>
+
+#include "bench/bench_options.hpp"
+#include "epx/bench_bytes.hpp"
+#include "epx/error.hpp"
+#include "epx/reference/layout.hpp"
+
+namespace {
+
+using epx::bench::BenchOptions;
+
+// The message `call` throws, without the " (failed check: ...)" suffix; "" when it throws nothing.
+std::string error_of(const std::function<void()>& call) {
+  try {
+    call();
+  } catch (const epx::Error& error) {
+    const std::string message = error.message();
+    return message.substr(0, message.find(" (failed check"));
+  }
+  return "";
+}
+
+TEST(BenchOptions, RanksPerNodeMustDivideTheRanks) {
+  BenchOptions o;
+  o.num_ranks = 4;
+  for (int ranks_per_node : {0, 1, 2, 4}) {
+    o.ranks_per_node = ranks_per_node;
+    EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "") << ranks_per_node;
+  }
+  o.ranks_per_node = 3;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }),
+            "invalid --ranks-per-node = 3: must divide --ranks (4): nodes are equal blocks of ranks");
+  o.ranks_per_node = -1;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }),
+            "invalid --ranks-per-node = -1: must be >= 0 (0: one node)");
+  // Without --ranks the count is the visible GPUs', checked when it is known.
+  o.num_ranks = 0;
+  o.ranks_per_node = 3;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "");
+  EXPECT_EQ(
+      error_of([&] { epx::bench::check_ranks_per_node("--ranks-per-node", 3, 8, "the visible GPUs"); }),
+      "invalid --ranks-per-node = 3: must divide the visible GPUs (8): nodes are equal blocks of ranks");
+}
+
+TEST(BenchOptions, LowLatencyNodesFollowTheSameRule) {
+  BenchOptions o;
+  o.num_ranks = 4;
+  o.ll_ranks_per_node = 3;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }),
+            "invalid --ll-ranks-per-node = 3: must divide --ranks (4): nodes are equal blocks of ranks");
+}
+
+TEST(BenchOptions, NormalNodesAreOneNodeUnlessTheFlagSplitsTheRanks) {
+  BenchOptions o;
+  EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 4), 4);
+  o.ranks_per_node = 4;
+  EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 4), 4);
+  o.ranks_per_node = 2;
+  EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 4), 2);
+  o.ranks_per_node = 1;
+  EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 2), 1);
+}
+
+// Each token counts once per other node that holds one of its experts, however many ranks there need it.
+TEST(BenchBytes, NetworkRowsCountEachTokenOncePerOtherNode) {
+  // 4 ranks as 2 nodes of 2, one expert per rank.
+  const std::vector<int64_t> topk_idx = {
+      0,  1,  // token 0: both ranks of node 0 -> no network row for a rank of node 0
+      2,  3,  // token 1: both ranks of node 1 -> one row to node 1 (not two)
+      0,  2,  // token 2: one rank of each node -> one row to node 1
+      -1, 3,  // token 3: rank 3 only -> one row to node 1
+      -1, -1  // token 4: nowhere
+  };
+  const auto layout = epx::reference::get_dispatch_layout(topk_idx.data(), 5, 2, 4, 4, 2);
+  ASSERT_EQ(layout.num_tokens_per_rdma_rank, (std::vector<int>{2, 3}));
+  EXPECT_EQ(epx::internode_network_rows(layout.num_tokens_per_rdma_rank.data(), 2, 0), 3);
+  EXPECT_EQ(epx::internode_network_rows(layout.num_tokens_per_rdma_rank.data(), 2, 1), 2);
+  // Bytes: those rows x the row bytes of the format.
+  EXPECT_EQ(epx::internode_network_rows(layout.num_tokens_per_rdma_rank.data(), 2, 0) *
+                epx::normal_row_bytes(7168, false),
+            3 * 14336.0);
+  // One node: nothing crosses.
+  const int one_node[] = {5};
+  EXPECT_EQ(epx::internode_network_rows(one_node, 1, 0), 0);
+}
+
+}  // namespace
