@@ -71,7 +71,9 @@ std::vector<NormalCombineRankOutput> combine_by_groups(const NormalHandle& handl
       const size_t token_row = static_cast<size_t>(t) * hidden;
       const uint16_t* only_source = nullptr;  // the token's one source, while it has exactly one
       int num_sources = 0;
-      const auto count_source = [&](const uint16_t* row) { only_source = ++num_sources == 1 ? row : nullptr; };
+      const auto count_source = [&](const uint16_t* row) {
+        only_source = ++num_sources == 1 ? row : nullptr;
+      };
       for (int first = 0; first < num_ranks; first += ranks_per_group) {
         partial.assign(hidden, kSumStart);
         partial_weights.assign(num_topk, 0.0f);

@@ -17,8 +17,8 @@ struct DispatchHandle::State {
   int num_recv_rows = 0;  // rows of the outputs
   int num_worst_tokens = 0;
   int expert_alignment = 1;
-  int num_nodes = 1;              // > 1: the group spans nodes (normal mode across nodes)
-  int num_forward_records = 0;    // across nodes: records this rank forwards (the size of forward_mask)
+  int num_nodes = 1;            // > 1: the group spans nodes (normal mode across nodes)
+  int num_forward_records = 0;  // across nodes: records this rank forwards (the size of forward_mask)
   // The sequence of the notify that launched the receive (DispatchOverlap::kLaunchReceive), 0: none. Outputs
   // go only to the receive of this sequence, so a spent or stale plan cannot feed a later notify's receive.
   uint32_t launched_receive = 0;

@@ -124,8 +124,8 @@ TEST(ReferenceNormal, CombineSignedZerosAndSingleSources) {
   // Rank 0 holds tokens 0 and 1 (rows 0, 1); rank 1 holds token 1 (row 0).
   combine_inputs[0].x = {kNegZero, kNanPayload, kNegZero, kSignalingNan};
   combine_inputs[1].x = {kNegZero, epx::float_to_bf16(1.0f)};
-  std::vector<NormalCombineRankOutput> out = normal_combine(dispatch.handle, NormalCombineParams{0, 0},
-                                                            combine_inputs);
+  std::vector<NormalCombineRankOutput> out =
+      normal_combine(dispatch.handle, NormalCombineParams{0, 0}, combine_inputs);
   EXPECT_EQ(out[0].combined_x[0], kNegZero);     // one source: -0.0 stays
   EXPECT_EQ(out[0].combined_x[1], kNanPayload);  // one source: the NaN's payload stays
   EXPECT_EQ(out[0].combined_x[2], kNegZero);     // -0.0 + -0.0
