@@ -150,10 +150,13 @@ class WarpReducer {
         ++item;
         __syncwarp();
       }
-      // One source: the sum is that row bit for bit, so each landed piece goes straight back out with a bulk
-      // store, and the lanes do no arithmetic. The next load goes out after the store: its buffer is the one
-      // the previous piece's store reads, which then had this piece's wait to finish reading.
-      for (int piece = 0; num_sources == 1 && piece < num_pieces_; ++piece, ++item) {
+      // One source in this rank's memory (its own copy, or a bias): the sum is that row bit for bit, so each
+      // landed piece goes straight back out with a bulk store, and the lanes do no arithmetic. (A lone copy
+      // from a peer takes the general path: its token fences, see start_issue_token.) The next load goes out
+      // after the store: its buffer is the one the previous piece's store reads, which then had this piece's
+      // wait to finish reading.
+      const bool straight = num_sources == 1 && (copies & ~(1u << c_.args.peers.rank)) == 0;
+      for (int piece = 0; straight && piece < num_pieces_; ++piece, ++item) {
         const int b = item % kTmaBuffers;
         device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
         parities_ ^= 1u << b;
@@ -167,7 +170,7 @@ class WarpReducer {
         __syncwarp();
         issue_next();
       }
-      for (int piece = 0; num_sources > 1 && piece < num_pieces_; ++piece) {
+      for (int piece = 0; num_sources > 0 && !straight && piece < num_pieces_; ++piece) {
         float acc[kChunksPerLane][8];
 #pragma unroll
         for (int u = 0; u < kChunksPerLane; ++u) start_sum(acc[u]);
@@ -219,9 +222,7 @@ class WarpReducer {
       const int offset = issue_piece_ * kTmaPieceBytes;
       const int bytes = min(kTmaPieceBytes, row_bytes_ - offset);
       if (store_of_buffer_[b] != 0) {
-        // A bulk store read this buffer last (same proxy as the load): it only has to be done reading. No
-        // proxy fence here: one waits for the bulk stores in flight to complete (it made single-source
-        // tokens ~3.5x slower than a plain copy).
+        // A bulk store read this buffer last (same proxy as the load): it only has to be done reading.
         device::bulk_store_wait_read_at_most(stores_ - store_of_buffer_[b]);
         store_of_buffer_[b] = 0;
       } else {
@@ -245,10 +246,10 @@ class WarpReducer {
       device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
                                wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
     }
-    __syncwarp();
     // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
-    // async proxy.
-    if (c_.lane == 0) device::fence_proxy_async();
+    // async proxy. Only tokens with such a copy fence: the fence also waits for this lane's bulk stores in
+    // flight (single-source tokens), which made a 1-rank combine ~3x slower when every token fenced.
+    if (__ballot_sync(~0u, c_.lane_is_peer && entry >= 0) != 0 && c_.lane == 0) device::fence_proxy_async();
     const unsigned copies = __ballot_sync(~0u, entry >= 0);
     entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
     issue_sources_ = c_.num_sources(copies);
