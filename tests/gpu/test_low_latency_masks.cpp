@@ -1,7 +1,7 @@
 // Rank masks in low-latency mode (docs/RELIABILITY.md, section 4): a masked rank sits calls out while the
 // others run without it, bit-exact against the reference with that rank masked; masks change between calls
-// and between CUDA graph replays; with enable_shrink a rank that skips a call is masked by the others' timed-out
-// waits and they finish without it. Runs on one GPU with EPX_TEST_RANKS_PER_GPU=2 (or 4).
+// and between CUDA graph replays; with enable_shrink a rank that skips a call is masked by the others'
+// timed-out waits and they finish without it. Runs on one GPU with EPX_TEST_RANKS_PER_GPU=2 (or 4).
 
 #include <gtest/gtest.h>
 
@@ -132,7 +132,8 @@ void run_mask_calls(epx::Bootstrap& bootstrap) {
   std::vector<int> want(c.num_ranks, 0);
   want[0] = want[last] = 1;
   require(query() == want, rank, "query after masking 0 and the last rank");
-  require(epx::read_low_latency_mask(buffer).masked == ((1ull << last) | 1ull), rank, "read_low_latency_mask");
+  require(epx::read_low_latency_mask(buffer).masked == ((1ull << last) | 1ull), rank,
+          "read_low_latency_mask");
   epx::low_latency_update_mask_buffer(buffer, 0, false, order);
   want[0] = 0;
   require(query() == want, rank, "query after unmasking 0");
@@ -161,7 +162,8 @@ TEST(LowLatencyMasks, MaskCallsTwoRanks) {
 constexpr double kShrinkTimeoutS = 1.0;
 
 void run_shrink(epx::Bootstrap& bootstrap, bool use_hooks) {
-  // EPX_WAIT_TIMEOUT_S overrides the option (the GPU scripts set it): each rank process sets the test's bound.
+  // EPX_WAIT_TIMEOUT_S overrides the option (the GPU scripts set it): each rank process sets the test's
+  // bound.
   setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kShrinkTimeoutS).c_str(), 1);
   LowLatencyCase c = mask_case(bootstrap.num_ranks());
   c.use_fp8 = true;
