@@ -70,14 +70,23 @@ __device__ __forceinline__ void note_abort(const WaitContext& ctx, int peer, Wai
 
 // Called by every thread of a block at the start of a kernel whose inputs may come from an aborted phase:
 // true (for the whole block) when the group was aborted, and the kernel must then skip its work. Records
-// that `phase` was skipped, unless the record already holds a cause.
-__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase) {
+// that `phase` was skipped, unless the record already holds a cause. `before_barrier` runs in thread 0 just
+// before the block's barrier, so what it writes to shared memory is visible to the block afterwards (a load
+// the caller issued earlier in thread 0 overlaps the abort word's).
+template <typename BeforeBarrier>
+__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase,
+                                                 BeforeBarrier before_barrier) {
   int32_t word = 0;
   if (threadIdx.x == 0) {
     word = read_abort_word(ctx);
     if (word != 0) note_abort(ctx, -1, phase, 0, 0, word);
+    before_barrier();
   }
   return __syncthreads_or(word != 0) != 0;
+}
+
+__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase) {
+  return block_sees_abort(ctx, phase, [] {});
 }
 
 // How a wait ended. kTimedOut only comes from waits that do not abort on timeout (rank masks, enable_shrink):

@@ -294,12 +294,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
-  if (threadIdx.x == 0) small.masked = small.left_out = load_rank_mask(args.mask);
-  // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. (The barrier
-  // inside also hands the mask to every thread.)
+  const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
+  // inside also hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
       wait_context(args.peers),
-      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv);
+      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv,
+      [&] { small.masked = small.left_out = mask; });
   if (aborted) return;
   const unsigned long long masked = small.masked;
   if (args.phases & kLowLatencySend) {

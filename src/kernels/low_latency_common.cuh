@@ -33,9 +33,8 @@ __device__ __forceinline__ bool rank_masked(unsigned long long masked, int rank)
   return ((masked >> rank) & 1ull) != 0;
 }
 
-// The mask as this launch sees it. Called by thread 0 of each block at the start of a kernel, before the
-// block's first barrier (one load per block; the barrier hands it to the other threads through shared
-// memory).
+// The mask as this launch sees it. Loaded by thread 0 of each block at the start of a kernel and handed to
+// the other threads through shared memory at the block's first barrier (one load per block).
 __device__ __forceinline__ unsigned long long load_rank_mask(const LowLatencyMaskArgs& mask) {
   return __ldcg(mask.masked);
 }

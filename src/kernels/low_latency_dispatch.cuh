@@ -366,12 +366,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
-  if (threadIdx.x == 0) small.masked = small.left_out = load_rank_mask(args.mask);
-  // Once the group is aborted nothing is sent, and the receive reports empty results. (The barrier inside
-  // also hands the mask to every thread.)
+  const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
+  // hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
-      wait_context(args.peers), args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend
-                                                              : WaitPhase::kLowLatencyDispatchRecv);
+      wait_context(args.peers),
+      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend : WaitPhase::kLowLatencyDispatchRecv,
+      [&] { small.masked = small.left_out = mask; });
   const unsigned long long masked = small.masked;
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape, masked);
