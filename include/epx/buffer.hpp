@@ -31,6 +31,10 @@ struct BufferOptions {
   // nullptr: the Buffer makes its own. Frameworks pass a stream of their own pool (epx.Buffer passes
   // torch's), so tensors recorded on it stay safe to free after destroy().
   cudaStream_t comm_stream = nullptr;
+  // Low-latency mode (DeepEP's enable_shrink): a device wait that times out on a peer masks that peer (see
+  // low_latency_update_mask_buffer) and the call completes without its traffic, instead of aborting the
+  // group. Without it a timeout aborts the group (docs/RELIABILITY.md). Normal mode is not affected.
+  bool enable_shrink = false;
 };
 
 // One per rank, constructed collectively by all ranks of a node on the current CUDA device.
@@ -67,6 +71,7 @@ class Buffer {
   int num_sms() const { return config().num_sms; }
   void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count
   uint64_t wait_timeout_ns() const;
+  bool enable_shrink() const;  // BufferOptions::enable_shrink
 
   // Normal-mode NVLink memory: this rank's base and a device array [num_ranks] of every rank's base as seen
   // from this GPU (own included).

@@ -129,9 +129,36 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 // The BF16 [L, R*M, H] rows the next zero-copy combine with this handle's shape sends from (in the Buffer).
 void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle);
 
-// Resets the low-latency signals of every rank and the host's call sequence (collective; no low-latency
-// call may be in flight). Needed only to recover after an error; shapes may change between calls without it.
+// Resets the low-latency signals of every rank and the host's call sequence (collective over the ranks this
+// rank has not masked; no low-latency call may be in flight). Needed to recover after an error and before an
+// unmasked rank takes part again; shapes may change between calls without it. The rank mask is kept.
 void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
                               int num_experts, const StreamOrder& order);
+
+// ---- Rank masks (DeepEP's low_latency_*_mask_buffer; docs/RELIABILITY.md) ----
+// Each rank keeps its own mask of the group's ranks, in device memory that every low-latency kernel reads
+// when it runs (so a change between CUDA graph replays takes effect at the next replay). A rank masked here
+// is left out of this rank's low-latency calls: dispatch sends nothing to it and does not wait for it (its
+// receive counts are 0), combine sends nothing to it, does not wait for it and leaves its experts'
+// contributions out (like -1 top-k entries), and clean_low_latency_buffer's barrier skips it. With
+// BufferOptions::enable_shrink a wait that times out on a peer masks it. The mask calls are stream ordered
+// like the other calls (on the comm stream after `order`), allocate nothing and can be captured. Every rank
+// that still calls should mask the same ranks; a rank that was masked takes part again after every rank
+// unmasked it and called clean_low_latency_buffer (collective).
+
+// mask = true: masks `rank_to_mask`; false: unmasks it. rank_to_mask in [0, num_ranks).
+void low_latency_update_mask_buffer(Buffer& buffer, int rank_to_mask, bool mask, const StreamOrder& order);
+// Writes int32 [num_ranks] into `mask_status` (device memory): 1 = masked, 0 = not.
+void low_latency_query_mask_buffer(Buffer& buffer, int* mask_status, const StreamOrder& order);
+// Unmasks every rank.
+void low_latency_clean_mask_buffer(Buffer& buffer, const StreamOrder& order);
+
+// The mask as bits (bit r = rank r), read now from the device (host-synchronous, on a private stream: it
+// does not wait for calls in flight; synchronize first). For tests and logs.
+struct LowLatencyMaskBits {
+  uint64_t masked = 0;
+  uint64_t masked_by_timeout = 0;  // masked by a wait that timed out (enable_shrink)
+};
+LowLatencyMaskBits read_low_latency_mask(const Buffer& buffer);
 
 }  // namespace epx

@@ -82,6 +82,9 @@ class Buffer:
             the group into nodes of consecutive ranks; low-latency traffic between nodes goes through NVSHMEM
             (epx.WITH_NVSHMEM). On one host this makes virtual nodes. The environment's EPX_RANKS_PER_NODE
             overrides it; every rank must end up with the same value.
+        enable_shrink: low-latency mode: a device wait that times out on a peer masks that peer (see
+            low_latency_update_mask_buffer) and the call completes without its traffic, instead of aborting
+            the group (DeepEP's enable_shrink).
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -91,7 +94,8 @@ class Buffer:
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
-                 ranks_per_node: int = 0, bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
+                 ranks_per_node: int = 0, enable_shrink: bool = False,
+                 bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
         _require_cuda_runtime()
         t = torch()
         if bootstrap is None:
@@ -108,7 +112,8 @@ class Buffer:
         self.comm_stream = t.cuda.Stream(device=self.device)
         options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
                                      num_sms=int(num_sms), wait_timeout_s=float(wait_timeout_s),
-                                     ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream)
+                                     ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream,
+                                     enable_shrink=bool(enable_shrink))
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
         self.rank = rank
         self.num_ranks = num_ranks
@@ -594,9 +599,47 @@ class Buffer:
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
-        """Resets the low-latency signals of every rank (collective). Needed only to recover after an error."""
+        """Resets the low-latency signals of every rank (collective over the unmasked ranks). Needed to recover
+        after an error, and before a rank that was masked takes part again; the mask is kept."""
         _epx.clean_low_latency_buffer(self.runtime, num_max_dispatch_tokens_per_rank, hidden, num_experts,
                                       self._order(None, False))
+
+    # ---- Rank masks (low-latency mode; docs/RELIABILITY.md) ----
+
+    @property
+    def enable_shrink(self) -> bool:
+        return bool(self.runtime.enable_shrink)
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """mask=True masks rank_to_mask in this rank's low-latency calls (nothing is sent to it, nothing of it
+        is awaited, its experts' contributions are left out of combine); False unmasks it. Stream ordered on
+        the current stream; the kernels read the mask when they run, so it also changes CUDA graph replays."""
+        check(isinstance(rank_to_mask, int) and not isinstance(rank_to_mask, bool), "rank_to_mask",
+              repr(rank_to_mask), "must be an int")
+        _epx.low_latency_update_mask_buffer(self.runtime, rank_to_mask, bool(mask), self._order(None, False))
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Writes the mask into mask_status, torch.int32 [num_ranks]: 1 = masked, 0 = not (a CPU tensor is
+        filled after a synchronizing copy)."""
+        t = torch()
+        check_tensor(mask_status, "mask_status", dtype=t.int32, ndim=1, shape=(self.num_ranks,), cuda=False)
+        if mask_status.is_cuda:
+            _epx.low_latency_query_mask_buffer(self.runtime, pointer(mask_status), self._order(None, False))
+            return
+        status = t.empty(self.num_ranks, dtype=t.int32, device=self.device)
+        _epx.low_latency_query_mask_buffer(self.runtime, pointer(status), self._order(None, False))
+        mask_status.copy_(status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank."""
+        _epx.low_latency_clean_mask_buffer(self.runtime, self._order(None, False))
+
+    def low_latency_masked_ranks(self) -> Tuple[List[int], List[int]]:
+        """(masked ranks, ranks masked by a timed-out wait with enable_shrink), read now from the device
+        (host-synchronous; it does not wait for calls in flight: synchronize first)."""
+        masked, by_timeout = _epx.read_low_latency_mask(self.runtime)
+        return ([r for r in range(self.num_ranks) if masked >> r & 1],
+                [r for r in range(self.num_ranks) if by_timeout >> r & 1])
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
         """The BF16 [L, R*M, H] view (in the Buffer) the next zero-copy combine with this handle sends from."""

@@ -200,10 +200,14 @@ class LowLatencyRankOutput:
 
 
 def low_latency_params(*, num_ranks: int, num_experts: int, hidden: int, num_topk: int,
-                       num_max_dispatch_tokens_per_rank: int) -> Any:
-    return native.LowLatencyParams(num_ranks=num_ranks, num_experts=num_experts, hidden=hidden,
-                                   num_topk=num_topk,
-                                   num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank)
+                       num_max_dispatch_tokens_per_rank: int, masked_ranks: Sequence[int] = ()) -> Any:
+    """masked_ranks: ranks every other rank masked (rank masks): they take no part, their experts receive
+    nothing and combine leaves them out."""
+    params = native.LowLatencyParams(num_ranks=num_ranks, num_experts=num_experts, hidden=hidden,
+                                     num_topk=num_topk,
+                                     num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank)
+    params.masked_ranks = [int(r) for r in masked_ranks]
+    return params
 
 
 def low_latency_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], params: Any, *,

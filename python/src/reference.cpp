@@ -170,7 +170,8 @@ void bind_low_latency(py::module_& m) {
       .def_readwrite("hidden", &ref::LowLatencyParams::hidden)
       .def_readwrite("num_topk", &ref::LowLatencyParams::num_topk)
       .def_readwrite("num_max_dispatch_tokens_per_rank",
-                     &ref::LowLatencyParams::num_max_dispatch_tokens_per_rank);
+                     &ref::LowLatencyParams::num_max_dispatch_tokens_per_rank)
+      .def_readwrite("masked_ranks", &ref::LowLatencyParams::masked_ranks);  // a list (a copy)
 
   py::class_<ref::LowLatencyDispatchOptions> options(m, "LowLatencyDispatchOptions");
   def_kwargs_init(options);

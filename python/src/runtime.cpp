@@ -43,21 +43,24 @@ void bind_buffer(py::module_& m) {
   py::class_<BufferOptions> options(m, "BufferOptions");
   options
       .def(py::init([](size_t num_nvl_bytes, size_t num_rdma_bytes, int num_sms, double wait_timeout_s,
-                       int ranks_per_node, uintptr_t comm_stream) {
+                       int ranks_per_node, uintptr_t comm_stream, bool enable_shrink) {
              return BufferOptions{.num_nvl_bytes = num_nvl_bytes,
                                   .num_rdma_bytes = num_rdma_bytes,
                                   .num_sms = num_sms,
                                   .wait_timeout_s = wait_timeout_s,
                                   .ranks_per_node = ranks_per_node,
-                                  .comm_stream = reinterpret_cast<cudaStream_t>(comm_stream)};
+                                  .comm_stream = reinterpret_cast<cudaStream_t>(comm_stream),
+                                  .enable_shrink = enable_shrink};
            }),
            py::arg("num_nvl_bytes") = 0, py::arg("num_rdma_bytes") = 0, py::arg("num_sms") = 20,
-           py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0, py::arg("comm_stream") = 0)
+           py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0, py::arg("comm_stream") = 0,
+           py::arg("enable_shrink") = false)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
       .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s)
-      .def_readwrite("ranks_per_node", &BufferOptions::ranks_per_node);
+      .def_readwrite("ranks_per_node", &BufferOptions::ranks_per_node)
+      .def_readwrite("enable_shrink", &BufferOptions::enable_shrink);
 
   // Construction and destroy() run collectives through the bootstrap callbacks: they keep the GIL.
   py::class_<PyBuffer>(m, "Buffer")
@@ -87,6 +90,7 @@ void bind_buffer(py::module_& m) {
           "The config of the normal-mode calls (SM budget, send chunk, queue tokens); every call uses it.")
       .def_property_readonly("wait_timeout_ns",
                              [](const PyBuffer& self) { return self.get().wait_timeout_ns(); })
+      .def_property_readonly("enable_shrink", [](const PyBuffer& self) { return self.get().enable_shrink(); })
       .def_property_readonly(
           "nvl_buffer",
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_buffer()); })
@@ -389,6 +393,34 @@ void bind_low_latency(py::module_& m) {
       },
       py::arg("buffer"), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
       py::arg("num_experts"), py::arg("order"));
+
+  // Rank masks (DeepEP's low_latency_*_mask_buffer).
+  m.def(
+      "low_latency_update_mask_buffer",
+      [](PyBuffer& buffer, int rank_to_mask, bool mask, const StreamOrder& order) {
+        call_without_gil([&] { low_latency_update_mask_buffer(buffer.get(), rank_to_mask, mask, order); });
+      },
+      py::arg("buffer"), py::arg("rank_to_mask"), py::arg("mask"), py::arg("order"));
+  m.def(
+      "low_latency_query_mask_buffer",
+      [](PyBuffer& buffer, uintptr_t mask_status, const StreamOrder& order) {
+        call_without_gil(
+            [&] { low_latency_query_mask_buffer(buffer.get(), to_pointer<int*>(mask_status), order); });
+      },
+      py::arg("buffer"), py::arg("mask_status"), py::arg("order"));
+  m.def(
+      "low_latency_clean_mask_buffer",
+      [](PyBuffer& buffer, const StreamOrder& order) {
+        call_without_gil([&] { low_latency_clean_mask_buffer(buffer.get(), order); });
+      },
+      py::arg("buffer"), py::arg("order"));
+  m.def(
+      "read_low_latency_mask",
+      [](const PyBuffer& buffer) {
+        const LowLatencyMaskBits bits = read_low_latency_mask(buffer.get());
+        return py::make_tuple(bits.masked, bits.masked_by_timeout);
+      },
+      py::arg("buffer"), "(masked, masked_by_timeout) bit sets, read now (host-synchronous)");
 }
 
 }  // namespace

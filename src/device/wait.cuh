@@ -70,44 +70,72 @@ __device__ __forceinline__ void note_abort(const WaitContext& ctx, int peer, Wai
 
 // Called by every thread of a block at the start of a kernel whose inputs may come from an aborted phase:
 // true (for the whole block) when the group was aborted, and the kernel must then skip its work. Records
-// that `phase` was skipped, unless the record already holds a cause.
-__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase) {
+// that `phase` was skipped, unless the record already holds a cause. `before_barrier` runs in thread 0 just
+// before the block's barrier, so what it writes to shared memory is visible to the block afterwards (a load
+// the caller issued earlier in thread 0 overlaps the abort word's).
+template <typename BeforeBarrier>
+__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase,
+                                                 BeforeBarrier before_barrier) {
   int32_t word = 0;
   if (threadIdx.x == 0) {
     word = read_abort_word(ctx);
     if (word != 0) note_abort(ctx, -1, phase, 0, 0, word);
+    before_barrier();
   }
   return __syncthreads_or(word != 0) != 0;
 }
 
-// The slow part of every wait, after the first look missed: spins with `load()` until done(value); true then.
-// False when the wait was abandoned: the group is aborted, or the bound ran out (this rank then raises the
-// abort). `value` holds the last value seen; `seen(value)` is what a record reports of it.
+__device__ __forceinline__ bool block_sees_abort(const WaitContext& ctx, WaitPhase phase) {
+  return block_sees_abort(ctx, phase, [] {});
+}
+
+// How a wait ended. kTimedOut only comes from waits that do not abort on timeout (rank masks, enable_shrink):
+// the bound ran out and nothing was recorded or raised; the caller decides (it masks the peer).
+enum class WaitOutcome : int { kArrived, kAborted, kTimedOut };
+
+// What a wait does when its bound runs out.
+enum class OnTimeout : int { kAbortGroup, kGiveUp };
+
+// The slow part of every wait, after the first look missed: spins with `load()` until done(value). Ends
+// kAborted when the group is aborted, and when the bound runs out either raises the abort (kAbortGroup, then
+// kAborted) or gives up quietly (kGiveUp, then kTimedOut). `value` holds the last value seen; `seen(value)`
+// is what a record reports of it.
 template <typename T, typename Load, typename Done, typename Seen>
-__device__ __forceinline__ bool spin_until_loaded(Load load, Done done, Seen seen, int64_t expected,
-                                                  const WaitContext& ctx, int peer, WaitPhase phase,
-                                                  T& value) {
+__device__ __forceinline__ WaitOutcome spin_until_outcome(Load load, Done done, Seen seen, int64_t expected,
+                                                          const WaitContext& ctx, int peer, WaitPhase phase,
+                                                          OnTimeout on_timeout, T& value) {
   const uint64_t start = global_timer_ns();
   for (uint32_t spin = 0;; ++spin) {
     value = load();
-    if (done(value)) return true;
+    if (done(value)) return WaitOutcome::kArrived;
     if (spin % kAbortPollSpins == kAbortPollSpins - 1) {
       const int32_t word = read_abort_word(ctx);
       if (word != 0) {
         // A value published before the abort was raised still counts (the abort's fence orders it first).
         __threadfence_system();
         value = load();
-        if (done(value)) return true;
+        if (done(value)) return WaitOutcome::kArrived;
         note_abort(ctx, peer, phase, expected, seen(value), word);
-        return false;
+        return WaitOutcome::kAborted;
       }
     }
     const uint64_t waited = global_timer_ns() - start;
     if (waited > ctx.timeout_ns) {
+      if (on_timeout == OnTimeout::kGiveUp) return WaitOutcome::kTimedOut;
       raise_abort(ctx, peer, phase, expected, seen(value), waited);
-      return false;
+      return WaitOutcome::kAborted;
     }
   }
+}
+
+// As spin_until_outcome, aborting the group on timeout: true when the value arrived, false when the wait was
+// abandoned (the group is aborted, or the bound ran out and this rank raised the abort).
+template <typename T, typename Load, typename Done, typename Seen>
+__device__ __forceinline__ bool spin_until_loaded(Load load, Done done, Seen seen, int64_t expected,
+                                                  const WaitContext& ctx, int peer, WaitPhase phase,
+                                                  T& value) {
+  return spin_until_outcome(load, done, seen, expected, ctx, peer, phase, OnTimeout::kAbortGroup, value) ==
+         WaitOutcome::kArrived;
 }
 
 template <typename Done>
@@ -169,6 +197,19 @@ __device__ __forceinline__ bool try_wait_at_least(const int* address, int expect
   const auto done = [expected](int value) { return value >= expected; };
   int value = ld_acquire_sys(address);
   return done(value) || spin_until(address, done, expected, ctx, peer, phase, value);
+}
+
+// As try_wait_at_least, but the caller chooses what a timeout does; with OnTimeout::kGiveUp a wait that
+// runs out returns kTimedOut and leaves the group running (rank masks with enable_shrink).
+__device__ __forceinline__ WaitOutcome wait_at_least_outcome(const int* address, int expected,
+                                                             const WaitContext& ctx, int peer,
+                                                             WaitPhase phase, OnTimeout on_timeout) {
+  const auto done = [expected](int value) { return value >= expected; };
+  int value = ld_acquire_sys(address);
+  if (done(value)) return WaitOutcome::kArrived;
+  return spin_until_outcome([address] { return ld_acquire_sys(address); }, done,
+                            [](int v) { return static_cast<int64_t>(v); }, expected, ctx, peer, phase,
+                            on_timeout, value);
 }
 
 // For monotonic counters that may wrap: waits until *counter - base >= needed (unsigned difference) and

@@ -27,12 +27,17 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
   // rank's signal, and a peer sends again only after it saw every rank's signal.
   __threadfence_system();
   __syncthreads();
+  // Masked ranks are left out; with enable_shrink a rank the barrier times out on is masked.
   const int target = __ldcg(local_at<int>(peers, layout.barrier_count_offset())) + 1;
-  if (threadIdx.x < peers.num_ranks) {
-    signal_rank<Remote>(peers, threadIdx.x, layout.barrier_signal_offset(peers.rank), target);
+  const unsigned long long masked = load_rank_mask(args.mask);
+  const int peer = threadIdx.x;
+  if (peer < peers.num_ranks && !rank_masked(masked, peer)) {
+    signal_rank<Remote>(peers, peer, layout.barrier_signal_offset(peers.rank), target);
     const device::WaitContext ctx = wait_context(peers);
-    device::wait_at_least(local_at<int>(peers, layout.barrier_signal_offset(threadIdx.x)), target, ctx,
-                          threadIdx.x, WaitPhase::kBarrier);
+    const device::WaitOutcome outcome = device::wait_at_least_outcome(
+        local_at<int>(peers, layout.barrier_signal_offset(peer)), target, ctx, peer, WaitPhase::kBarrier,
+        args.mask.shrink ? device::OnTimeout::kGiveUp : device::OnTimeout::kAbortGroup);
+    if (outcome == device::WaitOutcome::kTimedOut) mask_timed_out_peer(args.mask, peer);
   }
   __syncthreads();
   if (threadIdx.x == 0) *local_at<int>(peers, layout.barrier_count_offset()) = target;

@@ -28,6 +28,8 @@ struct CombineSmallSmem {
   float weights[kMaxTopk];
   int slot_pos[kMaxTopk];  // top-k position whose slot holds listing k's row, -1 for no expert
   int warp_sums[kNumWarps];
+  unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
+  unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
 };
 
 size_t combine_smem_bytes(const LowLatencyLayout& layout) {
@@ -127,9 +129,10 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
 }
 
 // Rows of every (local expert, source) block, spread over every warp of the grid; each goes to slot
-// (token, first top-k position) of its source rank.
+// (token, first top-k position) of its source rank, unless that rank is masked.
 template <typename Remote>
-__device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums) {
+__device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
+                                    unsigned long long masked) {
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;
@@ -144,6 +147,7 @@ __device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* pref
   for (int j = blockIdx.x * kNumWarps + threadIdx.x / 32; j < total_rows; j += num_grid_warps) {
     const int pair = find_pair(prefix, num_pairs, j);
     const int dst = pair % num_ranks;
+    if (rank_masked(masked, dst)) continue;
     const size_t row_idx =
         size_t(pair / num_ranks) * layout.num_recv_rows() + args.recv_range[pair].begin + (j - prefix[pair]);
     const int token = args.recv_src_info[row_idx];
@@ -205,8 +209,10 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
 }
 
 // Per token (a block each), per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with
-// separate IEEE multiply and add (as the reference writes it), then BF16 round to nearest even.
-__device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small) {
+// separate IEEE multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on
+// ranks in `left_out` count as -1 entries.
+__device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
+                              unsigned long long left_out) {
   const LowLatencyLayout& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_topk = args.num_topk;
@@ -222,7 +228,8 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
         if (k < lane && other == expert) first = k;
       }
       if (lane < num_topk) {
-        small.slot_pos[lane] = expert >= 0 ? first : -1;
+        const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
+        small.slot_pos[lane] = kept ? first : -1;
         small.weights[lane] = args.topk_weights[entry];
       }
     }
@@ -287,22 +294,26 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
-  // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing.
+  const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
+  // inside also hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
       wait_context(args.peers),
-      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv);
+      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv,
+      [&] { small.masked = small.left_out = mask; });
   if (aborted) return;
+  const unsigned long long masked = small.masked;
   if (args.phases & kLowLatencySend) {
-    post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape);
-    send_expert_outputs<Remote>(args, prefix, small.warp_sums);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1);
+    post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape, masked);
+    send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked);
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).
-    if (wait_all_sources(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-                         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape)) {
-      reduce_tokens(args, small);
-    }
+    const SourceWait wait = wait_all_sources(
+        args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+        WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape, args.mask, &small.left_out);
+    if (wait.arrived) reduce_tokens(args, small, wait.left_out);
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
   }
 }

@@ -27,6 +27,40 @@ __device__ __forceinline__ T* peer_at(const PeerContext& peers, int rank, size_t
   return LowLatencyLayout::at<T>(peers.peer_bases[rank], offset);
 }
 
+// ---- Rank masks ----
+
+__device__ __forceinline__ bool rank_masked(unsigned long long masked, int rank) {
+  return ((masked >> rank) & 1ull) != 0;
+}
+
+// The mask as this launch sees it. Loaded by thread 0 of each block at the start of a kernel and handed to
+// the other threads through shared memory at the block's first barrier (one load per block).
+__device__ __forceinline__ unsigned long long load_rank_mask(const LowLatencyMaskArgs& mask) {
+  return __ldcg(mask.masked);
+}
+
+// enable_shrink: every block of a receive must agree on whether it reads source `src`, even when one block's
+// wait timed out while the flag arrived for another. The first block done waiting for the source decides,
+// with a CAS on the source's decision word (+expected: read it, -expected: leave it out; older values belong
+// to earlier operations). Returns the decision.
+__device__ __forceinline__ bool decide_source(int* word, int expected, bool arrived) {
+  const int mine = arrived ? expected : -expected;
+  int seen = __ldcg(word);
+  while (seen != expected && seen != -expected) {  // at most one CAS per block that decides (bounded)
+    const int previous = atomicCAS(word, seen, mine);
+    if (previous == seen) return arrived;
+    seen = previous;
+  }
+  return seen == expected;
+}
+
+// enable_shrink: a wait of this rank timed out on `peer` and the receive left it out. From now on the peer is
+// masked (recorded in masked_by_timeout as well, for the host to report).
+__device__ __forceinline__ void mask_timed_out_peer(const LowLatencyMaskArgs& mask, int peer) {
+  atomicOr(mask.masked_by_timeout, 1ull << peer);
+  atomicOr(mask.masked, 1ull << peer);
+}
+
 // Operations of kind `op` this rank has completely received in `half`. Senders publish this + 1, receivers
 // wait for it: every rank runs the same sequence of operations, so the counts agree.
 // NOTES: it only changes at the very end of a receive phase (finish_receive), after every block of that
@@ -43,13 +77,16 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
 // flag, so the receiver's acquire of the flag orders every data store and put of every block before its
 // reads (the shape fingerprints post_shapes wrote at the start of the send phase included).
+// Masked destinations get nothing (their counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
-                                              int half, LowLatencyOp op, int value) {
+                                              int half, LowLatencyOp op, int value,
+                                              unsigned long long masked) {
   Remote::quiet();
   __threadfence_system();
   __syncthreads();
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
+    if (rank_masked(masked, dst)) continue;
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
     if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
       atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
@@ -63,28 +100,59 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
 // destination's abort-words allocation, early, so the stores are long complete when publish_sends fences
 // before the flag (they add nothing to the flag's latency).
 __device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, LowLatencyOp op,
-                                            const ShapeFingerprint& shape) {
+                                            const ShapeFingerprint& shape, unsigned long long masked) {
   if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
-    if (peers.abort.peers[dst] == nullptr) continue;
+    if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
     post_shape(AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
                shape);
   }
 }
 
-// Every block waits until all sources published `expected`; block 0 adds the waited time per source. True
-// (for the whole block) when every flag arrived with this rank's shape fingerprint (NVLink peers); false when
-// a wait was abandoned (the group is aborted) or a source's shapes differ (then this rank aborts it), and
-// then nothing the sources were to write may be read.
-__device__ __forceinline__ bool wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout,
-                                                 int half, LowLatencyOp op, int expected, WaitPhase phase,
-                                                 int64_t* wait_cost_stats, const ShapeFingerprint& shape) {
+// What a receive's wait for its sources found.
+struct SourceWait {
+  bool arrived;  // every source not left out published `expected` with this rank's shapes
+  // Sources left out (read nothing of them): masked when the kernel started, or (enable_shrink) whose wait
+  // timed out in this receive. The same in every block.
+  unsigned long long left_out;
+};
+
+// Every block waits until every unmasked source published `expected`; block 0 adds the waited time per
+// source. `arrived` is false (for the whole block) when a wait was abandoned (the group is aborted) or a
+// source's shapes differ (then this rank aborts it): nothing the sources were to write may be read then. With
+// enable_shrink a wait that times out leaves its source out instead of aborting (every block agrees through
+// decide_source) and masks it. `left_out` (block shared memory) holds the mask at entry and is complete after
+// the call.
+__device__ __forceinline__ SourceWait
+wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout, int half, LowLatencyOp op,
+                 int expected, WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape,
+                 const LowLatencyMaskArgs& mask, unsigned long long* left_out) {
   const uint64_t start = device::global_timer_ns();
   const device::WaitContext ctx = wait_context(peers);
+  const unsigned long long masked = *left_out;
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    bool ok = device::try_wait_at_least(local_at<int>(peers, layout.recv_flag_offset(half, op, src)),
-                                        expected, ctx, src, phase);
+    if (rank_masked(masked, src)) continue;
+    const int* flag = local_at<int>(peers, layout.recv_flag_offset(half, op, src));
+    bool ok = true;
+    if (!mask.shrink) {
+      ok = device::try_wait_at_least(flag, expected, ctx, src, phase);
+    } else {
+      const device::WaitOutcome outcome =
+          device::wait_at_least_outcome(flag, expected, ctx, src, phase, device::OnTimeout::kGiveUp);
+      ok = outcome == device::WaitOutcome::kArrived;
+      if (outcome != device::WaitOutcome::kAborted) {
+        int* decision = local_at<int>(peers, layout.source_decision_offset(half, op, src));
+        if (decide_source(decision, expected, ok)) {
+          // Another block saw the flag: it is there, this look finds it.
+          if (!ok) ok = device::try_wait_at_least(flag, expected, ctx, src, phase);
+        } else {
+          if (!ok) mask_timed_out_peer(mask, src);  // the block whose wait timed out (not a late flag)
+          atomicOr(left_out, 1ull << src);
+          continue;
+        }
+      }
+    }
     if (ok && peers.abort.peers[src] != nullptr) {
       ok = check_shape(ctx, src, shape,
                        AbortLayout::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
@@ -95,8 +163,9 @@ __device__ __forceinline__ bool wait_all_sources(const PeerContext& peers, const
                 static_cast<unsigned long long>(device::global_timer_ns() - start));
     }
   }
-  // The waiting threads' acquires extend to the whole block through the barrier.
-  return __syncthreads_and(arrived) != 0;
+  // The waiting threads' acquires (and left_out) extend to the whole block through the barrier.
+  const bool all_arrived = __syncthreads_and(arrived) != 0;
+  return SourceWait{all_arrived, *left_out};
 }
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which

@@ -30,6 +30,8 @@ struct DispatchSmallSmem {
   int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
   int num_remote;
   int warp_sums[kNumWarps];
+  unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
+  unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
 };
 
 size_t dispatch_smem_bytes(const LowLatencyLayout& layout) {
@@ -39,6 +41,13 @@ size_t dispatch_smem_bytes(const LowLatencyLayout& layout) {
 }
 
 // ---- Send: routing ----
+
+// The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
+__device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
+                                             unsigned long long masked) {
+  const int expert = first_listed_expert(args.topk_idx, entry, args.num_topk, args.layout.num_experts);
+  return expert >= 0 && rank_masked(masked, expert / args.layout.num_local_experts()) ? -1 : expert;
+}
 
 // Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
 template <typename Remote>
@@ -63,7 +72,7 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
 // every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
-__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked) {
   const LowLatencyLayout& layout = args.layout;
   const int num_experts = layout.num_experts;
   const int num_local = layout.num_local_experts();
@@ -83,9 +92,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
   int cached[kCachedRounds];
   int round = 0;
   for (int base = seg_begin; base < seg_end; base += 32, ++round) {
-    const int expert = base + lane < seg_end
-                           ? first_listed_expert(args.topk_idx, base + lane, args.num_topk, num_experts)
-                           : -1;
+    const int expert = base + lane < seg_end ? routed_expert(args, base + lane, masked) : -1;
 #pragma unroll
     for (int r = 0; r < kCachedRounds; ++r)
       if (r == round) cached[r] = expert;
@@ -103,6 +110,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
       running += count;
     }
     const int dst = expert / num_local;
+    if (rank_masked(masked, dst)) continue;  // nothing goes to a masked rank
     const size_t offset = layout.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
     if (is_direct<Remote>(args.peers, dst)) {
       *peer_at<int>(args.peers, dst, offset) = running;
@@ -121,7 +129,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist) {
       for (int r = 0; r < kCachedRounds; ++r)
         if (r == round) expert = cached[r];
     } else if (entry < seg_end) {
-      expert = first_listed_expert(args.topk_idx, entry, args.num_topk, num_experts);
+      expert = routed_expert(args, entry, masked);
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0) {
@@ -162,7 +170,8 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const int expert = lane < args.num_topk ? expert_at(args.topk_idx, size_t(token) * args.num_topk + lane,
                                                       args.layout.num_experts)
                                           : -1;
-  const int dst = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
+  const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
+  const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   bool first = dst >= 0;
   for (int k = 0; k < args.num_topk; ++k) {
     const int other = __shfl_sync(kFullMask, dst, k);
@@ -289,20 +298,25 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
 }
 
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
-// receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read).
-__device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, int* warp_sums, int num_uses,
-                               bool aborted) {
+// receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
+// out (masked, or timed out with enable_shrink) count 0 rows.
+__device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
+                               int num_uses, bool aborted) {
   const LowLatencyLayout& layout = args.layout;
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  const bool arrived =
-      !aborted && wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                   WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape);
+  const SourceWait wait =
+      aborted ? SourceWait{false, 0ull}
+              : wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
+                                 WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape,
+                                 args.mask, &small.left_out);
+  int* warp_sums = small.warp_sums;
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
   const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = arrived ? __ldcg(counts + p) : 0;
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
+    prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
 
@@ -352,17 +366,21 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
-  // Once the group is aborted nothing is sent, and the receive reports empty results.
+  const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
+  // hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
-      wait_context(args.peers), args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend
-                                                              : WaitPhase::kLowLatencyDispatchRecv);
+      wait_context(args.peers),
+      args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend : WaitPhase::kLowLatencyDispatchRecv,
+      [&] { small.masked = small.left_out = mask; });
+  const unsigned long long masked = small.masked;
   if ((args.phases & kLowLatencySend) && !aborted) {
-    post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape);
-    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large);
+    post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape, masked);
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
     send_tokens<Remote>(args, small);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked);
   }
-  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small.warp_sums, num_uses, aborted);
+  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small, num_uses, aborted);
 }
 
 template <typename Remote>

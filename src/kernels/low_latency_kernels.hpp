@@ -12,6 +12,16 @@
 // Every launch is capturable in a CUDA graph: no allocation, no host synchronisation.
 namespace epx::kernels {
 
+// Rank masks: two words of device memory per Buffer that every low-latency kernel reads when it runs (one
+// load per block at its start), so a mask changed between CUDA graph replays takes effect at the next replay.
+// Bit r of `masked` set: rank r's traffic is skipped (nothing is sent to it, no signal of it is awaited, its
+// receive counts are 0 and combine leaves its experts out like -1 entries).
+struct LowLatencyMaskArgs {
+  unsigned long long* masked = nullptr;
+  unsigned long long* masked_by_timeout = nullptr;  // bit r: a wait of this rank timed out on r and masked it
+  bool shrink = false;  // enable_shrink: a wait that times out on a peer masks it instead of aborting
+};
+
 // Which phases one launch runs. Send-only followed later by receive-only is the receive hook: between the
 // two, no SM is held while the data is in flight.
 enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLatencyBoth = 3 };
@@ -42,6 +52,7 @@ struct LowLatencyDispatchArgs {
   int* cumulative_local_expert_recv_stats;  // [L] or nullptr: += received rows
   int64_t* wait_recv_cost_stats;            // [R] or nullptr: += ns the receive waited for each source
   ShapeFingerprint shape;                   // posted with the receive flags, compared by every receiver
+  LowLatencyMaskArgs mask;
 };
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 // Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
@@ -70,16 +81,32 @@ struct LowLatencyCombineArgs {
   void* out;                      // [T, H] BF16
   int64_t* wait_recv_cost_stats;  // [R] or nullptr
   ShapeFingerprint shape;         // posted with the receive flags, compared by every receiver
+  LowLatencyMaskArgs mask;
 };
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 
 // Resets this rank's signals in both halves, then meets every rank at a barrier, so no peer sends into the
 // buffer before every rank has reset (collective).
+// The barrier leaves masked ranks out (with enable_shrink, a rank it times out on is masked).
 struct LowLatencyCleanArgs {
   PeerContext peers;
   LowLatencyLayout layout;
+  LowLatencyMaskArgs mask;
 };
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream);
+
+// The mask calls (low_latency_update_mask_buffer, ..._query_..., ..._clean_...): one small kernel, stream
+// ordered with the low-latency calls. Atomic on the mask word, since a running kernel with enable_shrink may
+// set bits of it.
+enum class LowLatencyMaskOp : int { kSet, kClear, kCleanAll, kQuery };
+struct LowLatencyMaskUpdateArgs {
+  LowLatencyMaskArgs mask;
+  LowLatencyMaskOp op;
+  int rank;          // kSet / kClear: the rank whose bit changes
+  int num_ranks;     // kQuery: entries of mask_status
+  int* mask_status;  // kQuery: int32 [num_ranks] (device), 1 = masked
+};
+void launch_low_latency_mask_update(const LowLatencyMaskUpdateArgs& args, cudaStream_t stream);
 
 // The same three kernels for groups with ranks outside this rank's NVLink node (other nodes, or virtual
 // nodes): those ranks are reached through the NVSHMEM transport (transport/nvshmem), whose heap must hold

@@ -34,6 +34,7 @@ void preload_normal_combine_kernels();
 void preload_low_latency_dispatch_kernels();
 void preload_low_latency_combine_kernels();
 void preload_low_latency_clean_kernels();
+void preload_low_latency_mask_kernels();
 
 inline void preload_all_kernels() {
   preload_normal_layout_kernels();
@@ -43,6 +44,7 @@ inline void preload_all_kernels() {
   preload_low_latency_dispatch_kernels();
   preload_low_latency_combine_kernels();
   preload_low_latency_clean_kernels();
+  preload_low_latency_mask_kernels();
 }
 
 }  // namespace epx::kernels

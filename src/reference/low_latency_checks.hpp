@@ -19,6 +19,9 @@ inline void check_low_latency_params(const LowLatencyParams& params) {
   EPX_CHECK(params.num_topk >= 1, "num_topk", params.num_topk, "must be >= 1");
   EPX_CHECK(params.num_max_dispatch_tokens_per_rank >= 1, "num_max_dispatch_tokens_per_rank",
             params.num_max_dispatch_tokens_per_rank, "must be >= 1");
+  for (const int rank : params.masked_ranks) {
+    EPX_CHECK(rank >= 0 && rank < params.num_ranks, "masked_ranks[i]", rank, "must be in [0, num_ranks)");
+  }
 }
 
 // Shape and id checks of one rank's tokens and routing.

@@ -68,7 +68,7 @@ std::vector<LowLatencyCombineRankOutput> low_latency_combine(
       for (int k = 0; k < num_topk; ++k) {
         const size_t i = static_cast<size_t>(t) * num_topk + k;
         const int64_t expert = in.topk_idx[i];
-        if (expert < 0) continue;
+        if (expert < 0 || recv_rows[s][i] < 0) continue;  // no expert, or its rank (or this one) is masked
         const int d = static_cast<int>(expert / num_local_experts);
         const int le = static_cast<int>(expert % num_local_experts);
         const size_t flat_row = static_cast<size_t>(le) * num_rows_per_expert + recv_rows[s][i];

@@ -132,9 +132,10 @@ std::vector<LowLatencyDispatchRankOutput> low_latency_dispatch(
         bool repeated = false;
         for (int j = 0; j < k; ++j) repeated = repeated || in.topk_idx[i - k + j] == expert;
         if (repeated) continue;
+        const int row = recv_rows[s][i];
+        if (row < 0) continue;  // the source or the destination is masked
         const int d = static_cast<int>(expert / num_local_experts);
         const int le = static_cast<int>(expert % num_local_experts);
-        const int row = recv_rows[s][i];
         LowLatencyDispatchRankOutput& out = outputs[d];
         const size_t flat_row = static_cast<size_t>(le) * num_rows_per_expert + row;
         out.recv_src_rank[flat_row] = s;

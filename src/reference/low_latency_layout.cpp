@@ -12,6 +12,13 @@ int ll_num_ue8m0_words(int hidden) {
   return ue8m0_num_words(hidden / kFp8GroupSize);
 }
 
+bool ll_is_masked(const LowLatencyParams& params, int rank) {
+  for (const int masked : params.masked_ranks) {
+    if (masked == rank) return true;
+  }
+  return false;
+}
+
 std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& params,
                                                     const std::vector<const int64_t*>& topk_idx_per_rank,
                                                     const std::vector<int>& num_tokens_per_rank) {
@@ -36,11 +43,13 @@ std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& para
     const int64_t* ids = topk_idx_per_rank[s];
     check_topk_idx(ids, num_tokens, num_topk, num_experts);
     rows[s].assign(static_cast<size_t>(num_tokens) * num_topk, -1);
+    if (ll_is_masked(params, s)) continue;  // a masked source sends nothing
     for (int t = 0; t < num_tokens; ++t) {
       const size_t base = static_cast<size_t>(t) * num_topk;
       for (int k = 0; k < num_topk; ++k) {
         const int64_t expert = ids[base + k];
         if (expert < 0) continue;
+        if (ll_is_masked(params, static_cast<int>(expert / (num_experts / num_ranks)))) continue;
         int first = k;
         for (int j = 0; j < k && first == k; ++j) {
           if (ids[base + j] == expert) first = j;

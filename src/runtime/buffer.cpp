@@ -77,6 +77,8 @@ struct Buffer::State {
   Config config;
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
+  bool enable_shrink = false;
+  unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
   cudaEvent_t ordering_events[2] = {nullptr, nullptr};
@@ -109,6 +111,8 @@ struct Buffer::State {
     if (nvl_table != nullptr) cudaFree(const_cast<void**>(nvl_table));
     if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
     if (abort_table != nullptr) cudaFree(const_cast<void**>(abort_table));
+    if (rank_mask != nullptr) cudaFree(rank_mask);
+    rank_mask = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (timeout_record != nullptr) cudaFreeHost(timeout_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
@@ -143,7 +147,10 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
+  s.enable_shrink = options.enable_shrink;
   try {
+    EPX_CUDA_CHECK(cudaMalloc(&s.rank_mask, sizeof(unsigned long long) * 2));
+    EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));
     set_num_sms(options.num_sms);
     s.low_latency = std::make_shared<LowLatencyState>();
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
@@ -278,6 +285,9 @@ const Config& Buffer::config() const {
 uint64_t Buffer::wait_timeout_ns() const {
   return live().wait_timeout_ns;
 }
+bool Buffer::enable_shrink() const {
+  return live().enable_shrink;
+}
 
 void Buffer::set_config(const Config& config) {
   State& s = const_cast<State&>(live());
@@ -353,6 +363,10 @@ AbortWords BufferAccess::abort_words(const Buffer& buffer) {
                     s.num_ranks};
 }
 
+unsigned long long* BufferAccess::rank_mask_words(const Buffer& buffer) {
+  return buffer.live().rank_mask;
+}
+
 int32_t Buffer::read_abort_word() const {
   const State& s = live();
   int32_t word = 0;
@@ -396,6 +410,7 @@ void Buffer::reset() {
   // 3. This rank's protocol state from scratch, as after construction: abort word, both buffers (queue
   //    counters, barrier and done signals, low-latency flags and counts), the record, the host's half index.
   EPX_CUDA_CHECK(cudaMemset(s.abort_memory->local(), 0, kAbortBytes));
+  EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));  // no rank masked
   if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
   if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(rdma_buffer(), 0, num_rdma_bytes()));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());

@@ -28,6 +28,9 @@ struct BufferAccess {
   static cudaEvent_t ordering_event(const Buffer& buffer, int which);
   // The abort words kernels poll and raise (core/abort_word.hpp), device pointers.
   static AbortWords abort_words(const Buffer& buffer);
+  // The rank mask of low-latency mode: device words [0] masked ranks, [1] ranks masked by a timed-out wait
+  // (enable_shrink). Zero after construction and reset().
+  static unsigned long long* rank_mask_words(const Buffer& buffer);
   // A private stream with nothing queued behind other work: host-synchronous small steps (check()'s read of
   // the abort word, allocations a running kernel must see complete) go there.
   static cudaStream_t private_stream(const Buffer& buffer);

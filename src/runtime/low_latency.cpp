@@ -39,6 +39,21 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::abort_words(buffer)};
 }
 
+kernels::LowLatencyMaskArgs mask_args(const Buffer& buffer) {
+  kernels::LowLatencyMaskArgs mask;
+  mask.masked = BufferAccess::rank_mask_words(buffer);
+  mask.masked_by_timeout = mask.masked + 1;
+  mask.shrink = buffer.enable_shrink();
+  return mask;
+}
+
+// Runs one mask kernel on the comm stream, ordered like the other calls.
+void run_mask_op(Buffer& buffer, const kernels::LowLatencyMaskUpdateArgs& args, const StreamOrder& order) {
+  begin_on_comm_stream(buffer, order);
+  kernels::launch_low_latency_mask_update(args, buffer.comm_stream());
+  end_on_comm_stream(buffer, order);
+}
+
 // What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
 // the layout's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
 ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyLayout& layout, int format) {
@@ -163,6 +178,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.wait_recv_cost_stats = in.dispatch_wait_recv_cost_stats;
   args.shape = low_latency_shape_fingerprint(
       layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) | (in.use_ue8m0 ? 4 : 0));
+  args.mask = mask_args(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_dispatch_remote
                                                   : kernels::launch_low_latency_dispatch);
@@ -229,6 +245,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.out = combined_x;
   args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
   args.shape = low_latency_shape_fingerprint(layout, in.use_logfmt ? 8 : 0);
+  args.mask = mask_args(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_combine_remote
                                                   : kernels::launch_low_latency_combine);
@@ -240,7 +257,7 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "clean_low_latency_buffer");
   const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
-  const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout};
+  const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout, mask_args(buffer)};
   if (buffer.spans_nodes()) {
     kernels::launch_low_latency_clean_remote(args, buffer.comm_stream());
   } else {
@@ -250,6 +267,47 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
   LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
   state.num_calls = 0;
   state.pending_call[0] = state.pending_call[1] = 0;
+}
+
+void low_latency_update_mask_buffer(Buffer& buffer, int rank_to_mask, bool mask, const StreamOrder& order) {
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_update_mask_buffer");
+  EPX_CHECK(rank_to_mask >= 0, "rank_to_mask", rank_to_mask, "must be >= 0");
+  EPX_CHECK(rank_to_mask < buffer.num_ranks(), "rank_to_mask", rank_to_mask,
+            detail::concat("must be < num_ranks (", buffer.num_ranks(), ")").c_str());
+  kernels::LowLatencyMaskUpdateArgs args{};
+  args.mask = mask_args(buffer);
+  args.op = mask ? kernels::LowLatencyMaskOp::kSet : kernels::LowLatencyMaskOp::kClear;
+  args.rank = rank_to_mask;
+  run_mask_op(buffer, args, order);
+}
+
+void low_latency_query_mask_buffer(Buffer& buffer, int* mask_status, const StreamOrder& order) {
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_query_mask_buffer");
+  EPX_CHECK(mask_status != nullptr, "mask_status", "null",
+            "must point to [num_ranks] int32 in device memory");
+  kernels::LowLatencyMaskUpdateArgs args{};
+  args.mask = mask_args(buffer);
+  args.op = kernels::LowLatencyMaskOp::kQuery;
+  args.num_ranks = buffer.num_ranks();
+  args.mask_status = mask_status;
+  run_mask_op(buffer, args, order);
+}
+
+void low_latency_clean_mask_buffer(Buffer& buffer, const StreamOrder& order) {
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_clean_mask_buffer");
+  kernels::LowLatencyMaskUpdateArgs args{};
+  args.mask = mask_args(buffer);
+  args.op = kernels::LowLatencyMaskOp::kCleanAll;
+  run_mask_op(buffer, args, order);
+}
+
+LowLatencyMaskBits read_low_latency_mask(const Buffer& buffer) {
+  unsigned long long words[2] = {0, 0};
+  const cudaStream_t stream = BufferAccess::private_stream(buffer);
+  EPX_CUDA_CHECK(cudaMemcpyAsync(words, BufferAccess::rank_mask_words(buffer), sizeof(words),
+                                 cudaMemcpyDeviceToHost, stream));
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  return LowLatencyMaskBits{words[0], words[1]};
 }
 
 }  // namespace epx

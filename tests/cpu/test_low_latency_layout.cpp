@@ -114,6 +114,10 @@ void check_structure(const LowLatencyLayout& layout) {
         expect_inside(regions, "signals" + h, layout.recv_flag_offset(half, op, r), sizeof(int));
         expect_inside(regions, "signals" + h, layout.send_finish_offset(half, op, r), sizeof(int));
       }
+      for (int r = 0; r < layout.num_ranks; ++r) {
+        signal_words.insert(layout.source_decision_offset(half, op, r));
+        expect_inside(regions, "signals" + h, layout.source_decision_offset(half, op, r), sizeof(int));
+      }
       signal_words.insert(layout.num_uses_offset(half, op));
       signal_words.insert(layout.recv_done_offset(half, op));
       expect_inside(regions, "signals" + h, layout.num_uses_offset(half, op), sizeof(int));
@@ -141,7 +145,7 @@ void check_structure(const LowLatencyLayout& layout) {
     EXPECT_EQ(layout.dispatch_recv_index_offset(half, num_local - 1, last_rank) % 4, 0u);
   }
   // Every signal word is distinct across halves, ops and ranks.
-  EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (2 * layout.num_ranks + 2)));
+  EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (3 * layout.num_ranks + 2)));
   // The two halves have the same shape, one half_bytes() apart.
   EXPECT_EQ(layout.half_offset(1) - layout.half_offset(0), layout.half_bytes());
   EXPECT_EQ(layout.total_bytes(), layout.half_offset(0) + 2 * layout.half_bytes());

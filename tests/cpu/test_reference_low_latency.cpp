@@ -409,4 +409,85 @@ TEST(ReferenceLowLatency, LogfmtCombineWithinBound) {
   }
 }
 
+// ---- Rank masks: a masked rank's experts receive nothing, and combine leaves its contribution out ----
+
+TEST(ReferenceLowLatencyMasks, MaskedRankSendsAndReceivesNothing) {
+  LowLatencyDispatchOptions options;
+  options.use_fp8 = false;
+  LowLatencyParams params = small_params();
+  params.masked_ranks = {1};
+  std::vector<std::vector<int>> stats = {{0, 0}, {0, 0}};
+  const auto out = low_latency_dispatch(params, options, small_inputs(), &stats);
+  // Rank 0 keeps only its own tokens: expert 0 <- (0,0); expert 1 <- (0,1). Rank 1's tokens are left out.
+  EXPECT_EQ(out[0].recv_count, (std::vector<int>{1, 1}));
+  EXPECT_EQ(out[0].recv_src_begin, (std::vector<int>{0, 1, 0, 1}));
+  EXPECT_EQ(out[0].recv_src_count, (std::vector<int>{1, 0, 1, 0}));
+  EXPECT_EQ(out[0].recv_src_rank, (std::vector<int>{0, -1, -1, -1, -1, -1, 0, -1, -1, -1, -1, -1}));
+  EXPECT_EQ(out[0].recv_src_token_idx, (std::vector<int>{0, -1, -1, -1, -1, -1, 1, -1, -1, -1, -1, -1}));
+  // The masked rank's experts receive nothing.
+  EXPECT_EQ(out[1].recv_count, (std::vector<int>{0, 0}));
+  EXPECT_EQ(out[1].recv_src_count, (std::vector<int>{0, 0, 0, 0}));
+  EXPECT_EQ(stats, (std::vector<std::vector<int>>{{1, 1}, {0, 0}}));
+
+  const std::vector<std::vector<int64_t>> ids = {small_inputs()[0].topk_idx, small_inputs()[1].topk_idx};
+  const auto rows = low_latency_recv_rows(params, {ids[0].data(), ids[1].data()}, {3, 2});
+  EXPECT_EQ(rows[0], (std::vector<int>{0, -1, 0, -1, -1, -1}));  // entries on rank 1 count as -1
+  EXPECT_EQ(rows[1], (std::vector<int>{-1, -1, -1, -1}));        // the masked source sends nothing
+}
+
+TEST(ReferenceLowLatencyMasks, CombineLeavesTheMaskedRankOut) {
+  LowLatencyDispatchOptions options;
+  options.use_fp8 = false;
+  LowLatencyParams params = small_params();
+  params.masked_ranks = {1};
+  const auto dispatch = low_latency_dispatch(params, options, small_inputs());
+  std::vector<LowLatencyCombineRankInput> inputs(2);
+  const std::vector<LowLatencyDispatchRankInput> tokens = small_inputs();
+  for (int r = 0; r < 2; ++r) {
+    inputs[r].num_tokens = tokens[r].num_tokens;
+    inputs[r].x = dispatch[r].recv_x;  // identity experts
+    inputs[r].topk_idx = tokens[r].topk_idx;
+  }
+  inputs[0].topk_weights = {0.5f, 0.25f, 2.0f, 100.0f, 0.125f, 1.0f};
+  inputs[1].topk_weights = {1.0f, 0.5f, 0.25f, 0.5f};
+  const auto out = low_latency_combine(params, LowLatencyCombineOptions{}, inputs);
+  const auto at = [&](int rank, int t, int c) {
+    return epx::bf16_to_float(out[rank].combined_x[t * kHidden + c]);
+  };
+  EXPECT_EQ(at(0, 0, 3), 0.5f);  // expert 3 (rank 1) left out: 0.5 * 1
+  EXPECT_EQ(at(0, 1, 3), 4.0f);  // 2 * 2
+  EXPECT_EQ(at(0, 2, 3), 0.0f);  // both experts on the masked rank: like two -1 entries
+  EXPECT_EQ(at(1, 0, 3), 0.0f);  // the masked rank takes no part: its outputs are empty
+  EXPECT_EQ(at(1, 1, 3), 0.0f);
+}
+
+// Masking equals rewriting the routing: the masked source with no tokens' routes, entries on masked ranks -1.
+TEST(ReferenceLowLatencyMasks, MaskEqualsRewrittenRouting) {
+  const RandomCase c = kUnbalanced;
+  LowLatencyParams params = params_of(c);
+  params.masked_ranks = {0, 2};
+  const std::vector<LowLatencyDispatchRankInput> inputs = make_inputs(c, 11, TokenValues::kUniform);
+  std::vector<LowLatencyDispatchRankInput> rewritten = inputs;
+  const int num_local = c.num_experts / c.num_ranks;
+  for (int s = 0; s < c.num_ranks; ++s) {
+    for (int64_t& id : rewritten[s].topk_idx) {
+      if (ll_is_masked(params, s) || (id >= 0 && ll_is_masked(params, static_cast<int>(id / num_local))))
+        id = -1;
+    }
+  }
+  LowLatencyDispatchOptions options;
+  options.use_fp8 = false;
+  const auto masked = low_latency_dispatch(params, options, inputs);
+  const auto want = low_latency_dispatch(params_of(c), options, rewritten);
+  for (int d = 0; d < c.num_ranks; ++d) {
+    EXPECT_EQ(masked[d].recv_count, want[d].recv_count) << "rank " << d;
+    EXPECT_EQ(masked[d].recv_src_begin, want[d].recv_src_begin) << "rank " << d;
+    EXPECT_EQ(masked[d].recv_src_rank, want[d].recv_src_rank) << "rank " << d;
+    EXPECT_EQ(masked[d].recv_src_token_idx, want[d].recv_src_token_idx) << "rank " << d;
+    EXPECT_EQ(masked[d].recv_x, want[d].recv_x) << "rank " << d;
+  }
+  params.masked_ranks = {4};
+  EXPECT_THROW(low_latency_dispatch(params, options, inputs), epx::Error);
+}
+
 }  // namespace

@@ -50,6 +50,11 @@ struct LowLatencyCase {
   bool graph = false;           // capture one dispatch + combine, replay it num_iterations times
   int ranks_per_node = 0;       // BufferOptions::ranks_per_node: < num_ranks runs across (virtual) nodes
   uint64_t seed = 1;
+  // Rank masks: masks[i % size] are the ranks masked in iteration i (empty list: none). Before the iteration
+  // every rank masks them (apply_masks) and they sit it out; the others are checked against the reference
+  // with those ranks masked. Iterations run one at a time (batch 1).
+  std::vector<std::vector<int>> masks;
+  bool enable_shrink = false;  // BufferOptions::enable_shrink (of a Buffer the runner makes)
 };
 
 [[noreturn]] inline void fail(int rank, int iteration, const std::string& what) {
@@ -182,6 +187,7 @@ class LowLatencyRunner {
         get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
     options.wait_timeout_s = 20.0;
     options.ranks_per_node = c.ranks_per_node;
+    options.enable_shrink = c.enable_shrink;
     owned_buffer_ = std::make_unique<Buffer>(bootstrap, options);
     buffer_ = owned_buffer_.get();
     init();
@@ -193,13 +199,65 @@ class LowLatencyRunner {
   void run() {
     if (c_.graph) {
       run_graph();
+    } else if (!c_.masks.empty()) {
+      for (int i = 0; i < c_.num_iterations; ++i) {
+        const std::vector<int>& masked = masks_of(i);
+        apply_masks(masked);
+        run_iteration(i, masked, !is_in(masked, rank_));
+      }
     } else {
       for (int first = 0; first < c_.num_iterations; first += c_.batch) run_batch(first);
     }
     if (c_.stats) check_stats();
   }
 
+  // Makes this rank's mask hold exactly `masked` (collective when a rank leaves the mask): masking is a mask
+  // update; unmasking cleans the mask, then clean_low_latency_buffer on every rank (the unmasked rank's
+  // signals are behind), then masks the rest again.
+  void apply_masks(const std::vector<int>& masked) {
+    bool unmasks = false;
+    for (const int r : current_masked_) unmasks |= !is_in(masked, r);
+    if (unmasks) {
+      low_latency_clean_mask_buffer(*buffer_, order());
+      clean_low_latency_buffer(*buffer_, c_.num_max_tokens, c_.hidden, c_.num_experts, order());
+      current_masked_.clear();
+    }
+    for (const int r : masked) {
+      if (!is_in(current_masked_, r)) low_latency_update_mask_buffer(*buffer_, r, true, order());
+    }
+    current_masked_ = masked;
+    buffer_->synchronize(stream_);
+  }
+
+  // One dispatch and combine (seed of `iteration`), checked against the reference with `masked` ranks masked;
+  // with take_part = false this rank only computes the reference (it sits the iteration out).
+  void run_iteration(int iteration, const std::vector<int>& masked, bool take_part) {
+    params_.masked_ranks = masked;
+    Expected e = expect(c_.seed * 1000003 + iteration);
+    if (!take_part) return;
+    Slot s = make_slot();
+    upload_inputs(s, e.inputs);
+    s.dispatch = dispatch(s, e.inputs.num_tokens[rank_], c_.dispatch_hook);
+    if (s.dispatch.hook.valid()) s.dispatch.hook(stream_);
+    const void* x = stage_expert_outputs(s, s.dispatch.handle, e.expert_x[rank_]);
+    s.combine = combine(s, s.dispatch.handle, x, c_.combine_hook);
+    if (s.combine.hook.valid()) s.combine.hook(stream_);
+    buffer_->synchronize(stream_);
+    check(s, e, iteration);
+  }
+
+  Buffer& buffer() { return *buffer_; }
+  cudaStream_t stream() const { return stream_; }
+
  private:
+  static bool is_in(const std::vector<int>& ranks, int rank) {
+    return std::find(ranks.begin(), ranks.end(), rank) != ranks.end();
+  }
+  const std::vector<int>& masks_of(int iteration) const {
+    static const std::vector<int> kNone;
+    return c_.masks.empty() ? kNone : c_.masks[iteration % c_.masks.size()];
+  }
+
   void init() {
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     params_ =
@@ -380,7 +438,12 @@ class LowLatencyRunner {
     EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
 
     for (int i = 0; i < c_.num_iterations; ++i) {
-      Expected e = i == 0 ? std::move(first) : expect(c_.seed * 1000003 + i);
+      // A mask change between replays: the graph's kernels read the mask when they run.
+      const std::vector<int>& masked = masks_of(i);
+      if (!c_.masks.empty()) apply_masks(masked);
+      params_.masked_ranks = masked;
+      Expected e = i == 0 && masked.empty() ? std::move(first) : expect(c_.seed * 1000003 + i);
+      if (is_in(masked, rank_)) continue;  // this rank sits the replay out
       upload_inputs(s, e.inputs);
       // The expert outputs are staged before the replay: the test knows which rows the graph's dispatch
       // will deliver (the reference), so the graph can run dispatch and combine back to back.
@@ -515,6 +578,7 @@ class LowLatencyRunner {
   LowLatencyDispatchSizes sizes_;
   DeviceArray cumulative_, dispatch_wait_, combine_wait_;
   std::vector<std::vector<int>> ref_cumulative_;
+  std::vector<int> current_masked_;  // what apply_masks last left in this rank's mask
 };
 
 }  // namespace epx::test

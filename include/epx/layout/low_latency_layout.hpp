@@ -64,8 +64,8 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 // collectively.
 //
 //   control                          clean-barrier signals, then per half h: recv_flag[op][R],
-//                                    send_finish[op][R], num_uses[op], recv_done[op] (offsets depend on R
-//                                    only)
+//                                    send_finish[op][R], num_uses[op], recv_done[op], source_decision[op][R]
+//                                    (offsets depend on R only)
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
 //   per half h in {0, 1}:
@@ -130,9 +130,9 @@ struct LowLatencyLayout {
   EPX_HD size_t barrier_bytes() const {
     return align_up(sizeof(int) * (size_t(num_ranks) + 1), kLowLatencyAlign);
   }
-  // Per half: recv_flag[op][R], send_finish[op][R], num_uses[op], recv_done[op].
+  // Per half: recv_flag[op][R], send_finish[op][R], num_uses[op], recv_done[op], source_decision[op][R].
   EPX_HD size_t signals_bytes() const {
-    return align_up(sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
+    return align_up(sizeof(int) * (size_t(3 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
                     kLowLatencyAlign);
   }
   EPX_HD size_t signals_offset(int half) const { return barrier_bytes() + size_t(half) * signals_bytes(); }
@@ -218,6 +218,14 @@ struct LowLatencyLayout {
   EPX_HD size_t recv_done_offset(int half, LowLatencyOp op) const {
     return signals_offset(half) + sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks +
                                                  kNumLowLatencyOps + static_cast<int>(op));
+  }
+  // Local, used with enable_shrink only: whether the receive of the running operation of kind `op` reads
+  // source `src_rank` (+expected flag value) or leaves it out (-expected), decided once by the first block
+  // that finished waiting for it, so every block of the receive agrees even when a wait timed out.
+  EPX_HD size_t source_decision_offset(int half, LowLatencyOp op, int src_rank) const {
+    return signals_offset(half) +
+           sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps +
+                          size_t(static_cast<int>(op)) * num_ranks + src_rank);
   }
   EPX_HD size_t dispatch_recv_count_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_counts_rel() +

@@ -19,7 +19,15 @@ struct LowLatencyParams {
   int hidden = 0;                            // H; a multiple of 128 for FP8 and LogFMT
   int num_topk = 0;                          // K >= 1
   int num_max_dispatch_tokens_per_rank = 0;  // M >= 1; every rank needs T <= M
+  // Rank masks: ranks that every other rank has masked (Buffer low-latency masks). A masked rank's traffic is
+  // left out: its tokens reach nobody, its experts receive nothing, and a top-k entry naming one of its
+  // experts counts as -1 in dispatch and combine. A masked rank's own outputs are all empty (it takes no
+  // part in the call). Empty: no rank is masked.
+  std::vector<int> masked_ranks;
 };
+
+// Whether `rank` is in params.masked_ranks.
+bool ll_is_masked(const LowLatencyParams& params, int rank);
 
 struct LowLatencyDispatchOptions {
   bool use_fp8 = true;
@@ -69,7 +77,7 @@ std::vector<LowLatencyDispatchRankOutput> low_latency_dispatch(
 
 // Where each (token, k) of every source rank sits in the receivers' layout, a pure function of the routing:
 // recv_row[s][t * K + k] = row inside the block of local expert (id % L) on rank id / L, or -1 when the id
-// is -1. Duplicate listings share the first listing's row.
+// is -1 or the source or destination rank is masked. Duplicate listings share the first listing's row.
 std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& params,
                                                     const std::vector<const int64_t*>& topk_idx_per_rank,
                                                     const std::vector<int>& num_tokens_per_rank);
@@ -93,7 +101,8 @@ struct LowLatencyCombineRankOutput {
 };
 
 // combined_x[t] = round_to_nearest_even_bf16(acc) with, in float32:
-//   acc = +0.0f; for k = 0 .. K-1 with topk_idx[t][k] != -1: acc += topk_weights[t][k] * v(row of (t, k))
+//   acc = +0.0f; for k = 0 .. K-1 with topk_idx[t][k] != -1 (and its rank unmasked):
+//     acc += topk_weights[t][k] * v(row of (t, k))
 // written as a plain multiply then add (the GPU may fuse them into an FMA: compare with a tolerance).
 // Tokens with no expert get zeros.
 std::vector<LowLatencyCombineRankOutput> low_latency_combine(

@@ -22,8 +22,10 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
   asserts). dispatch / combine without a config in a group of another size use Config(Buffer.num_sms) where
   DeepEP would assert.
 - num_qps_per_rank, allow_nvlink_for_low_latency_mode, allow_mnnvl and use_fabric are accepted and ignored: EPX
-  moves data over NVLink within a node, mapping memory with CUDA IPC. enable_shrink is accepted and stored;
-  the shrink-mode mask calls are not provided.
+  moves data over NVLink within a node, mapping memory with CUDA IPC.
+- enable_shrink is passed to EPX (a low-latency wait that times out on a peer masks that peer instead of
+  aborting). The mask calls (low_latency_update_mask_buffer, _query_, _clean_) work with or without it (DeepEP
+  asserts without it); low_latency_query_mask_buffer also fills a CPU tensor.
 - EventOverlap.current_stream_wait() without an event does nothing (DeepEP asserts).
 - Errors are epx.EpxError (a RuntimeError) naming the argument, its value and the rule, where DeepEP asserts.
 """
@@ -134,7 +136,7 @@ class Buffer:
         self.use_fabric = use_fabric
         self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes, num_rdma_bytes,
                                                          low_latency_mode, num_sms=Buffer.num_sms,
-                                                         bootstrap=bootstrap)
+                                                         enable_shrink=bool(enable_shrink), bootstrap=bootstrap)
 
     # ---- Static helpers ----
 
@@ -322,3 +324,15 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
         return self._live().get_next_low_latency_combine_buffer(low_latency_handle(handle))
+
+    def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
+        """Masks (mask=True) or unmasks rank_to_mask in this rank's low-latency calls."""
+        self._live().low_latency_update_mask_buffer(rank_to_mask, mask)
+
+    def low_latency_query_mask_buffer(self, mask_status: Any) -> None:
+        """Writes the mask into mask_status, torch.int [num_ranks]: 1 = masked."""
+        self._live().low_latency_query_mask_buffer(mask_status)
+
+    def low_latency_clean_mask_buffer(self) -> None:
+        """Unmasks every rank."""
+        self._live().low_latency_clean_mask_buffer()

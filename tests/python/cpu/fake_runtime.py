@@ -67,6 +67,7 @@ class FakeRuntime:
         self.num_rdma_bytes = 1 << 20
         self.is_destroyed = False
         self.ranks_per_node = 1
+        self.enable_shrink = False
         self.device = 0
 
     @property
@@ -325,6 +326,28 @@ class FakeBinding:
 
     def clean_low_latency_buffer(self, runtime, num_max_dispatch_tokens_per_rank, hidden, num_experts, order):
         self.cleaned += 1
+
+    # ---- Rank masks: the bits live here, as in the Buffer's device words ----
+
+    mask = 0
+
+    def low_latency_update_mask_buffer(self, runtime, rank_to_mask, mask, order):
+        self.orders.append(order)
+        bit = 1 << rank_to_mask
+        self.mask = self.mask | bit if mask else self.mask & ~bit
+
+    def low_latency_query_mask_buffer(self, runtime, mask_status, order):
+        self.orders.append(order)
+        status = self.tensor(mask_status)
+        for r in range(status.numel()):
+            status[r] = self.mask >> r & 1
+
+    def low_latency_clean_mask_buffer(self, runtime, order):
+        self.orders.append(order)
+        self.mask = 0
+
+    def read_low_latency_mask(self, runtime):
+        return self.mask, 0
 
 
 def install(monkeypatch):

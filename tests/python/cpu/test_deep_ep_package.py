@@ -150,9 +150,11 @@ def test_pip_installs_the_metadata_distribution(tmp_path):
 class RecordingBuffer:
     """Stands in for epx.Buffer in the compat constructor: records its arguments."""
 
-    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, *, num_sms, bootstrap=None):
+    def __init__(self, group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, *, num_sms, enable_shrink=False,
+                 bootstrap=None):
         self.args = SimpleNamespace(group=group, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                                    low_latency_mode=low_latency_mode, num_sms=num_sms, bootstrap=bootstrap)
+                                    low_latency_mode=low_latency_mode, num_sms=num_sms, enable_shrink=enable_shrink,
+                                    bootstrap=bootstrap)
 
 
 class FakeGroup:
@@ -202,8 +204,10 @@ def test_buffer_over_a_process_group(recording):
     assert args.group is group and args.bootstrap is None  # epx.Buffer bootstraps over the group
     assert (args.num_nvl_bytes, args.num_rdma_bytes, args.low_latency_mode) == (1 << 20, 2 << 20, True)
     assert args.num_sms == deep_ep.Buffer.num_sms
+    assert args.enable_shrink is True  # passed through to epx.Buffer
     defaults = deep_ep.Buffer(group)
     assert not (defaults.explicitly_destroy or defaults.enable_shrink or defaults.use_fabric)
+    assert defaults.runtime.args.enable_shrink is False
     assert (defaults.num_nvl_bytes, defaults.num_rdma_bytes, defaults.low_latency_mode) == (0, 0, False)
 
 

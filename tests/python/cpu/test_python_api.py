@@ -111,6 +111,9 @@ def test_deep_ep_buffer_signatures():
     assert params(B.clean_low_latency_buffer) == [("num_max_dispatch_tokens_per_rank", E), ("hidden", E),
                                                   ("num_experts", E)]
     assert params(B.get_next_low_latency_combine_buffer) == [("handle", E)]
+    assert params(B.low_latency_update_mask_buffer) == [("rank_to_mask", E), ("mask", False)]
+    assert params(B.low_latency_query_mask_buffer) == [("mask_status", E)]
+    assert params(B.low_latency_clean_mask_buffer) == []
     assert params(B.get_low_latency_rdma_size_hint) == [("num_max_dispatch_tokens_per_rank", E), ("hidden", E),
                                                         ("num_ranks", E), ("num_experts", E)]
     for name in ("destroy", "get_comm_stream"):
@@ -118,6 +121,17 @@ def test_deep_ep_buffer_signatures():
     for name in ("set_num_sms", "get_dispatch_config", "get_combine_config", "capture", "is_sm90_compiled",
                  "get_low_latency_rdma_size_hint"):
         assert isinstance(inspect.getattr_static(B, name), staticmethod), name
+
+
+def test_epx_buffer_mask_signatures():
+    B = epx.Buffer
+    assert ("enable_shrink", False) in params(B.__init__)
+    assert inspect.signature(B.__init__).parameters["enable_shrink"].kind is inspect.Parameter.KEYWORD_ONLY
+    assert params(B.low_latency_update_mask_buffer) == [("rank_to_mask", E), ("mask", False)]
+    assert params(B.low_latency_query_mask_buffer) == [("mask_status", E)]
+    assert params(B.low_latency_clean_mask_buffer) == []
+    assert params(B.low_latency_masked_ranks) == []
+    assert isinstance(inspect.getattr_static(B, "enable_shrink"), property)
 
 
 def test_deep_ep_static_helpers():

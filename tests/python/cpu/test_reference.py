@@ -255,3 +255,32 @@ def test_kwargs_constructors_reject_unknown_fields():
         native.NormalDispatchParams(num_ranks=2, no_such_field=1)
     params = native.NormalDispatchParams(num_ranks=2, num_experts=4, hidden=128)
     assert (params.num_ranks, params.num_experts, params.hidden, params.expert_alignment) == (2, 4, 128, 1)
+
+
+def test_low_latency_masked_rank_is_left_out():
+    num_ranks, hidden, num_topk, num_experts, max_tokens = 2, 256, 3, 8, 6
+    params = ref.low_latency_params(num_ranks=num_ranks, num_experts=num_experts, hidden=hidden, num_topk=num_topk,
+                                    num_max_dispatch_tokens_per_rank=max_tokens, masked_ranks=[1])
+    assert list(params.masked_ranks) == [1]
+    num_tokens = [6, 4]
+    xs = [native.random_bf16_tokens(r, num_tokens[r], hidden, r, native.TokenValues.UNIFORM).reshape(-1, hidden)
+          for r in range(num_ranks)]
+    ids = [routing(30 + r, num_tokens[r], num_topk, num_experts) for r in range(num_ranks)]
+    weights = [native.random_topk_weights(40 + r, num_tokens[r], num_topk).reshape(-1, num_topk)
+               for r in range(num_ranks)]
+    local = num_experts // num_ranks
+    received = ref.low_latency_dispatch(xs, ids, params, use_fp8=False)
+    # Rank 0 keeps only its own tokens; the masked rank's experts receive nothing.
+    for le in range(local):
+        expected = [t for t in range(num_tokens[0]) if le in ids[0][t]]
+        assert received[0].recv_count[le] == len(expected)
+        assert list(received[0].recv_src_rank[le, :len(expected)]) == [0] * len(expected)
+    assert list(received[1].recv_count) == [0] * local
+    # Combine: entries on the masked rank count as -1.
+    combined = ref.low_latency_combine([o.recv_x for o in received], ids, weights, params)
+    x = ref.bf16_to_float(xs[0])
+    acc = np.zeros((num_tokens[0], hidden), dtype=np.float32)
+    for k in range(num_topk):
+        kept = (ids[0][:, k:k + 1] >= 0) & (ids[0][:, k:k + 1] < local)
+        acc = np.where(kept, acc + weights[0][:, k:k + 1] * x, acc).astype(np.float32)
+    np.testing.assert_array_equal(combined[0], ref.float_to_bf16(acc))

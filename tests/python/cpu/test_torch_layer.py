@@ -388,3 +388,29 @@ def test_check_and_reset_reach_the_runtime(fake, compat):
     buffer.check()
     buffer.reset()
     assert buffer.runtime.resets == 2
+
+
+def test_rank_mask_calls_reach_the_runtime(compat):
+    wrapper, binding = compat
+    buffer = wrapper.runtime
+    status = torch.full((1,), 7, dtype=torch.int32)
+    wrapper.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0]
+    wrapper.low_latency_update_mask_buffer(0, True)
+    wrapper.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [1] and buffer.low_latency_masked_ranks() == ([0], [])
+    wrapper.low_latency_update_mask_buffer(0)  # DeepEP's default mask=False unmasks
+    wrapper.low_latency_query_mask_buffer(status)
+    assert status.tolist() == [0]
+    buffer.low_latency_update_mask_buffer(0, mask=True)
+    wrapper.low_latency_clean_mask_buffer()
+    assert buffer.low_latency_masked_ranks() == ([], [])
+    assert all(order.async_finish is False for order in binding.orders)
+    assert buffer.enable_shrink is False
+    # Argument checks name the argument, the value and the rule.
+    with pytest.raises(epx.EpxError, match=r"invalid mask_status.dtype = torch.int64: must be torch.int32"):
+        wrapper.low_latency_query_mask_buffer(torch.zeros(1, dtype=torch.int64))
+    with pytest.raises(epx.EpxError, match=r"invalid mask_status.shape = \(2,\): must have size 1"):
+        wrapper.low_latency_query_mask_buffer(torch.zeros(2, dtype=torch.int32))
+    with pytest.raises(epx.EpxError, match="invalid rank_to_mask = '1': must be an int"):
+        wrapper.low_latency_update_mask_buffer("1", True)

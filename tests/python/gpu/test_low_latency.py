@@ -39,12 +39,13 @@ CASES = [
 class World:
     """Every rank's seeded inputs of one iteration and the reference's outputs (each process builds all)."""
 
-    def __init__(self, num_ranks, num_experts, seed, case, stats=None):
+    def __init__(self, num_ranks, num_experts, seed, case, stats=None, masked_ranks=()):
         import epx.reference as ref
 
         native = ref.native
         self.params = ref.low_latency_params(num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
-                                             num_topk=NUM_TOPK, num_max_dispatch_tokens_per_rank=MAX_TOKENS)
+                                             num_topk=NUM_TOPK, num_max_dispatch_tokens_per_rank=MAX_TOKENS,
+                                             masked_ranks=masked_ranks)
         self.num_tokens = [MAX_TOKENS, MAX_TOKENS - 3, 1, 0][:num_ranks] if num_ranks <= 4 else [MAX_TOKENS] * num_ranks
         ids = native.make_unbalanced_routing(seed, self.num_tokens, NUM_TOPK, num_experts, num_ranks)
         self.ids = [ids[r].reshape(-1, NUM_TOPK) for r in range(num_ranks)]
