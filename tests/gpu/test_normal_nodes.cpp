@@ -151,7 +151,9 @@ TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
     expect_error(notify, "invalid num_worst_tokens = " + std::to_string(T * R) + ": must be 0 across nodes");
     in.num_worst_tokens = 0;
 
-    const epx::Config config = buffer.config();
+    // The case's own config (its queues fit the buffer sized for it; the default config's need not).
+    const epx::Config config = epx::test::normal_config(c, c.num_sms.front());
+    buffer.set_config(config);
     epx::Config bad = config;
     bad.num_max_nvl_chunked_send_tokens = 1;
     bad.num_max_nvl_chunked_recv_tokens = num_nodes - 1;
