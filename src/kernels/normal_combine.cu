@@ -150,27 +150,25 @@ class WarpReducer {
         ++item;
         __syncwarp();
       }
-      // One source in this rank's memory (its own copy, or a bias): the sum is that row bit for bit, so each
-      // landed piece goes straight back out with a bulk store, and the lanes do no arithmetic. (A lone copy
-      // from a peer takes the general path: its token fences, see start_issue_token.) The next load goes out
-      // after the store: its buffer is the one the previous piece's store reads, which then had this piece's
-      // wait to finish reading.
-      const bool straight = num_sources == 1 && (copies & ~(1u << c_.args.peers.rank)) == 0;
-      for (int piece = 0; straight && piece < num_pieces_; ++piece, ++item) {
-        const int b = item % kTmaBuffers;
-        device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
-        parities_ ^= 1u << b;
-        if (c_.lane == 0) {
-          const int offset = piece * kTmaPieceBytes;
-          device::bulk_store(
-              static_cast<char*>(c_.args.combined_x) + static_cast<size_t>(t) * row_bytes_ + offset,
-              buffers_.pieces[b], min(kTmaPieceBytes, row_bytes_ - offset));
-          store_of_buffer_[b] = ++stores_;
+      // One source: the sum is that row bit for bit, so its chunks are copied, with no arithmetic.
+      if (num_sources == 1) {
+        for (int piece = 0; piece < num_pieces_; ++piece, ++item) {
+          issue_next();  // into the buffer every lane finished reading last item
+          const int b = item % kTmaBuffers;
+          device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
+          parities_ ^= 1u << b;
+          const auto* landed = reinterpret_cast<const int4*>(buffers_.pieces[b]);
+          auto* out = static_cast<int4*>(c_.args.combined_x) + static_cast<size_t>(t) * num_chunks_;
+          const int first = piece * kPieceChunks;
+#pragma unroll
+          for (int u = 0; u < kChunksPerLane; ++u) {
+            const int chunk = c_.lane + 32 * u;
+            if (first + chunk < num_chunks_) out[first + chunk] = landed[chunk];
+          }
+          __syncwarp();
         }
-        __syncwarp();
-        issue_next();
       }
-      for (int piece = 0; num_sources > 0 && !straight && piece < num_pieces_; ++piece) {
+      for (int piece = 0; num_sources > 1 && piece < num_pieces_; ++piece) {
         float acc[kChunksPerLane][8];
 #pragma unroll
         for (int u = 0; u < kChunksPerLane; ++u) start_sum(acc[u]);
@@ -197,11 +195,6 @@ class WarpReducer {
       store_topk_weights(t, copies, weights);
       if (c_.lane_is_peer && entry >= 0) atomicMax(&consumed[c_.lane], entry + 1);
     }
-    if (c_.lane == 0 && stores_ != 0) {
-      device::bulk_store_wait_all();  // the rows are written before the block moves on (or exits)
-      for (int b = 0; b < kTmaBuffers; ++b) store_of_buffer_[b] = 0;
-      stores_ = 0;
-    }
   }
 
  private:
@@ -221,13 +214,7 @@ class WarpReducer {
     if (c_.lane == 0) {
       const int offset = issue_piece_ * kTmaPieceBytes;
       const int bytes = min(kTmaPieceBytes, row_bytes_ - offset);
-      if (store_of_buffer_[b] != 0) {
-        // A bulk store read this buffer last (same proxy as the load): it only has to be done reading.
-        device::bulk_store_wait_read_at_most(stores_ - store_of_buffer_[b]);
-        store_of_buffer_[b] = 0;
-      } else {
-        device::fence_proxy_async_shared();  // the lanes' reads of this buffer come before the copy's writes
-      }
+      device::fence_proxy_async_shared();  // the lanes' reads of this buffer come before the copy's writes
       device::mbarrier_expect_bytes(&buffers_.barriers[b], bytes);
       device::bulk_load(buffers_.pieces[b], row + offset, bytes, &buffers_.barriers[b]);
     }
@@ -247,8 +234,7 @@ class WarpReducer {
                                wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
     }
     // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
-    // async proxy. Only tokens with such a copy fence: the fence also waits for this lane's bulk stores in
-    // flight (single-source tokens), which made a 1-rank combine ~3x slower when every token fenced.
+    // async proxy. Tokens without such a copy need no fence.
     if (__ballot_sync(~0u, c_.lane_is_peer && entry >= 0) != 0 && c_.lane == 0) device::fence_proxy_async();
     const unsigned copies = __ballot_sync(~0u, entry >= 0);
     entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
@@ -295,10 +281,6 @@ class WarpReducer {
   int* entry_ring_;  // [kRing][32]: each lane's entry of the tokens the loads started
   int row_bytes_ = 0, num_chunks_ = 0, num_pieces_ = 0;
   uint32_t parities_ = 0;  // the phase each buffer's barrier waits for next
-  // Lane 0: bulk stores issued in this batch, and for each buffer the number of the store that read it last
-  // (0: none pending).
-  uint32_t stores_ = 0;
-  uint32_t store_of_buffer_[kTmaBuffers] = {};
   WarpTokens tokens_{};
   int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
   int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;

@@ -27,6 +27,7 @@ struct DispatchHandle::State {
   kernels::HandleArrays arrays{};
   std::shared_ptr<void> routing_memory;  // owns every array but recv_src_idx, freed on the comm stream
   std::shared_ptr<void> rows_memory;     // owns recv_src_idx (and forward_mask)
+  int rows_capacity = 0;                 // rows recv_src_idx has room for (>= num_recv_rows)
 
   // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
   void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,

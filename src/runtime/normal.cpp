@@ -279,6 +279,7 @@ void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& st
                                           int num_rows, cudaStream_t complete_on) {
   const size_t row_bytes = sizeof(int) * std::max(num_rows, 1);
   rows_memory = allocate_on_stream(stream, pool, row_bytes + std::max(num_forward_records, 1), complete_on);
+  rows_capacity = std::max(num_rows, 1);
   arrays.recv_src_idx = static_cast<int*>(rows_memory.get());
   arrays.forward_mask = num_nodes > 1 ? static_cast<uint8_t*>(rows_memory.get()) + row_bytes : nullptr;
 }
@@ -470,6 +471,16 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     scratch.pending_receive = scratch.notify_sequence;
     state->launched_receive = scratch.notify_sequence;
   }
+  // The host waits for the counts next, so it allocates the rows meanwhile (one node: nothing else there
+  // depends on the counts), for as many as the last notify received with room to grow, and again after the
+  // wait only if that was too small.
+  const cudaStream_t rows_stream =
+      state->launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr;
+  const bool rows_before_counts = state->num_nodes == 1;
+  if (rows_before_counts) {
+    const int guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
+    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), guess, rows_stream);
+  }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
   try {
@@ -490,8 +501,11 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->num_recv_tokens_per_expert.clear();
   }
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
-  state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows,
-                       state->launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr);
+  scratch.last_recv_rows = state->num_recv_rows;
+  if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
+    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows,
+                         rows_stream);
+  }
   const int invalid = counts[count_index.invalid_id()];
   if (invalid != 0) cancel_receive(buffer, state->launched_receive);
   EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),

@@ -22,6 +22,8 @@ struct NormalHostScratch {
   uint32_t notify_sequence;
   // Host only: the sequence of a receive launched by dispatch_notify whose outputs are not published yet.
   uint32_t pending_receive;
+  // Host only: the rows the last notify received (sizes the next one's rows allocation before its counts).
+  int last_recv_rows;
 };
 static_assert(sizeof(NormalHostScratch) <= sizeof(int) * Buffer::kHostScratchInts,
               "Buffer::kHostScratchInts must hold NormalHostScratch");
