@@ -51,6 +51,11 @@ class Buffer {
   // Buffer (or one whose abort word is set) leaves without the teardown barrier and without the collective
   // free of memory reached through NVSHMEM (kept until the process ends), so a missing peer cannot hang it.
   void destroy();
+  // Frees this rank's resources without meeting any peer, as destroy() does for an aborted Buffer: no
+  // barrier, and memory reached through NVSHMEM (only a collective can free it) stays until the process ends.
+  // Peers' mappings keep this rank's NVLink memory alive while they still use it. For finalizers and other
+  // paths that cannot know whether the peers are alive or tearing down too; a no-op after destroy().
+  void release() noexcept;
   bool is_destroyed() const;
 
   int rank() const;

@@ -89,7 +89,9 @@ class Buffer:
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
     Every call is collective: all ranks make the same sequence of calls. Call destroy() (collective) to
-    free the memory at a known point; otherwise it is freed, also collectively, when the object is collected.
+    free the memory at a known point. A Buffer collected without destroy() frees only this rank's memory,
+    meeting no peer (a collective from a finalizer could hang); memory reached through NVSHMEM then stays
+    until the process ends.
     """
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,

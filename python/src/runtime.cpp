@@ -28,6 +28,13 @@ class PyBuffer {
       : bootstrap_(std::make_unique<PyBootstrap>(rank, num_ranks, std::move(all_gather), std::move(barrier))),
         buffer_(std::make_unique<Buffer>(*bootstrap_, options)) {}
 
+  // Collected without destroy() (a finalizer, or the interpreter's exit): free this rank's memory without
+  // meeting the peers. A collective here could hang: peers collect their objects at other times, or never.
+  ~PyBuffer() {
+    if (buffer_) buffer_->release();
+  }
+  PyBuffer(const PyBuffer&) = delete;
+  PyBuffer& operator=(const PyBuffer&) = delete;
   Buffer& get() const { return *buffer_; }  // throws on use after destroy (Buffer::live)
 
  private:

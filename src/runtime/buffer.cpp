@@ -229,14 +229,12 @@ void Buffer::destroy() {
   // This rank's kernels end (every wait is bounded, and stops at once in an aborted group).
   cudaStreamSynchronize(state_->comm_stream);
   cudaDeviceSynchronize();
-  const bool aborted = group_aborted();
-  std::unique_ptr<State> state = std::move(state_);
-  if (aborted) {
-    // Peers may be gone or may never call destroy: no barrier, no collective free. Peers that still run
-    // kernels map this rank's memory through their own IPC mappings, which keep it alive until they unmap.
-    state->free_local(false);
+  // Peers may be gone or may never call destroy: no barrier, no collective free.
+  if (group_aborted()) {
+    release();
     return;
   }
+  std::unique_ptr<State> state = std::move(state_);
   // Every rank must be done touching peers' memory before anyone unmaps or frees it.
   std::string barrier_error;
   try {
@@ -247,6 +245,17 @@ void Buffer::destroy() {
   state->free_local();
   if (!barrier_error.empty())
     EPX_FAIL("Buffer::destroy: peers did not reach the teardown barrier: ", barrier_error);
+}
+
+void Buffer::release() noexcept {
+  if (state_ == nullptr) return;
+  if (state_->low_latency) state_->low_latency->buffer = nullptr;
+  cudaStreamSynchronize(state_->comm_stream);
+  cudaDeviceSynchronize();
+  // Peers that still run kernels map this rank's memory through their own IPC mappings, which keep it alive
+  // until they unmap.
+  std::unique_ptr<State> state = std::move(state_);
+  state->free_local(false);
 }
 
 bool Buffer::is_destroyed() const {

@@ -428,6 +428,36 @@ void run_fault_group(Fault fault, bool rebuild) {
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
 }
 
+// release() (what a collected Python Buffer runs) meets no peer: the last rank releases while the others
+// still wait in a bootstrap barrier it never joins, and returns at once; the others then release too, and
+// every rank builds a new Buffer and runs checked calls on it.
+void run_release_meets_no_peer(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  if (rank == num_ranks - 1) {
+    const auto start = std::chrono::steady_clock::now();
+    buffer->release();
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds > kWaitTimeoutS)
+      throw std::runtime_error("release() took " + std::to_string(seconds) + " s: it must meet no peer");
+    if (!buffer->is_destroyed()) throw std::runtime_error("release() left the Buffer usable");
+    expect_error([&] { buffer->rank(); }, "used after destroy()");
+  }
+  bootstrap.barrier();  // the last rank has released before the others do
+  buffer->release();
+  buffer->release();  // a no-op the second time
+  expect_context_alive(rank);
+  epx::Buffer again(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), again);
+}
+
+TEST(Faults, ReleaseMeetsNoPeer) {
+  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_release_meets_no_peer(bootstrap); });
+}
+
 TEST(Faults, NotifySkippedThenReset) {
   run_fault_group(Fault::kNotify, false);
 }

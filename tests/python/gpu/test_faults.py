@@ -120,3 +120,49 @@ def skipped_notify_worker(rank, num_ranks, group):
 @pytest.mark.parametrize("num_ranks", gpu_counts(2))
 def test_skipped_normal_dispatch_is_reported_and_recovered(num_ranks):
     run(skipped_notify_worker, num_ranks)
+
+
+def collected_buffer_worker(rank, num_ranks, group):
+    """A Buffer collected without destroy() (a finalizer) frees this rank's memory without meeting the peers:
+    the last rank's collection returns at once while the others wait in a barrier it has not joined; then
+    every rank builds a new Buffer and runs a round trip on it."""
+    import gc
+
+    import torch
+    import torch.distributed as dist
+
+    import epx
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    hidden, num_experts, num_tokens = 256, 4 * num_ranks, 32
+    num_nvl_bytes = epx.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks)
+    topk_idx = (torch.arange(num_tokens, device=device).unsqueeze(1) + torch.arange(2, device=device)) % num_experts
+    x = torch.ones(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+
+    def round_trip(buffer):
+        result = buffer.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+        combined = buffer.combine(result.recv_x, result.handle).combined_x
+        torch.cuda.synchronize()
+        assert combined.shape == x.shape
+        del result, combined
+
+    buffer = epx.Buffer(group, num_nvl_bytes=num_nvl_bytes, wait_timeout_s=WAIT_TIMEOUT_S)
+    round_trip(buffer)
+    if rank == num_ranks - 1:
+        start = time.monotonic()
+        del buffer
+        gc.collect()
+        assert time.monotonic() - start < WAIT_TIMEOUT_S
+    dist.barrier()
+    if rank != num_ranks - 1:
+        del buffer
+        gc.collect()
+    assert (torch.ones(1, device=device) + 1).item() == 2
+    again = epx.Buffer(group, num_nvl_bytes=num_nvl_bytes, wait_timeout_s=WAIT_TIMEOUT_S)
+    round_trip(again)
+    again.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_collected_buffer_meets_no_peer(num_ranks):
+    run(collected_buffer_worker, num_ranks)
