@@ -157,19 +157,6 @@ __device__ __forceinline__ int wait_until(const int* address, Done done, int64_t
   return spin_until(address, done, expected, ctx, peer, phase, value) ? value : static_cast<int>(expected);
 }
 
-// As wait_until, for words this GPU's own blocks write: gpu-scope acquire loads, served by L2 without system
-// traffic.
-template <typename Done>
-__device__ __forceinline__ int wait_until_gpu(const int* address, Done done, int64_t expected,
-                                              const WaitContext& ctx, int peer, WaitPhase phase) {
-  int value = ld_acquire_gpu(address);
-  if (done(value)) return value;
-  const bool arrived =
-      spin_until_loaded([address] { return ld_acquire_gpu(address); }, done,
-                        [](int v) { return static_cast<int64_t>(v); }, expected, ctx, peer, phase, value);
-  return arrived ? value : static_cast<int>(expected);
-}
-
 // Tagged words (pack_tagged): waits until the word at `address` carries `sequence` and returns its value (0
 // when abandoned). The value travels in the word the tag does, so a relaxed load suffices.
 __device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t sequence, const WaitContext& ctx,
