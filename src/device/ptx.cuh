@@ -55,7 +55,6 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* address, uint64_t v
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
-
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
