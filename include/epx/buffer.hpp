@@ -11,8 +11,6 @@
 
 namespace epx {
 
-struct WaitTimeoutRecord;
-
 struct BufferOptions {
   size_t num_nvl_bytes = 0;  // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
@@ -63,11 +61,6 @@ class Buffer {
   int device() const;
   int num_device_sms() const;  // SMs of the GPU
   cudaStream_t comm_stream() const;
-  // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
-  // it.
-  std::shared_ptr<CUstream_st> comm_stream_shared() const;
-  // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
-  cudaMemPool_t handle_memory_pool() const;
 
   // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as
   // BufferOptions::num_sms.
@@ -98,7 +91,6 @@ class Buffer {
   // every wait of every rank stops) and returns; the CUDA context survives. Once the host sees a record or
   // the abort word, the Buffer is aborted: every call throws epx::Error with the same message (rank, peer,
   // phase, expected and seen values) until reset() or destroy().
-  WaitTimeoutRecord* timeout_record_device() const;
   // Throws epx::Error when the Buffer is aborted or a record was written (cheap: reads host memory). Every
   // entry point calls it.
   void check_timeout() const;
@@ -113,12 +105,6 @@ class Buffer {
   void reset();
   // Synchronizes `stream`, then throws epx::Error with the timeout record if any, else the CUDA error.
   void synchronize(cudaStream_t stream) const;
-
-  // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
-  // without a copy once the stream reached that point. kHostScratchInts ints.
-  static constexpr int kHostScratchInts = 16384;
-  int* host_scratch() const;         // host address
-  int* host_scratch_device() const;  // the same memory as seen by the device
 
   Bootstrap& bootstrap() const;
 

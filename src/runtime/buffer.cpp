@@ -188,9 +188,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     *s.timeout_record = WaitTimeoutRecord{};
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.timeout_record_device), s.timeout_record, 0));
-    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_scratch), sizeof(int) * kHostScratchInts,
-                                 cudaHostAllocMapped));
-    std::fill_n(s.host_scratch, kHostScratchInts, 0);
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_scratch),
+                                 sizeof(int) * BufferAccess::kHostScratchInts, cudaHostAllocMapped));
+    std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);
     EPX_CUDA_CHECK(
         cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.host_scratch_device), s.host_scratch, 0));
     s.low_latency->buffer = this;
@@ -282,12 +282,6 @@ int Buffer::num_device_sms() const {
 cudaStream_t Buffer::comm_stream() const {
   return live().comm_stream;
 }
-cudaMemPool_t Buffer::handle_memory_pool() const {
-  return live().handle_pool;
-}
-std::shared_ptr<CUstream_st> Buffer::comm_stream_shared() const {
-  return live().comm_stream_owner;
-}
 const Config& Buffer::config() const {
   return live().config;
 }
@@ -334,19 +328,25 @@ size_t Buffer::num_rdma_bytes() const {
   const State& s = live();
   return s.rdma_remote ? s.rdma_remote->bytes : s.rdma->bytes();
 }
-WaitTimeoutRecord* Buffer::timeout_record_device() const {
-  return live().timeout_record_device;
-}
-int* Buffer::host_scratch() const {
-  return live().host_scratch;
-}
-int* Buffer::host_scratch_device() const {
-  return live().host_scratch_device;
-}
 Bootstrap& Buffer::bootstrap() const {
   return *live().bootstrap;
 }
 
+int* BufferAccess::host_scratch(const Buffer& buffer) {
+  return buffer.live().host_scratch;
+}
+int* BufferAccess::host_scratch_device(const Buffer& buffer) {
+  return buffer.live().host_scratch_device;
+}
+WaitTimeoutRecord* BufferAccess::timeout_record_device(const Buffer& buffer) {
+  return buffer.live().timeout_record_device;
+}
+std::shared_ptr<CUstream_st> BufferAccess::comm_stream_shared(const Buffer& buffer) {
+  return buffer.live().comm_stream_owner;
+}
+cudaMemPool_t BufferAccess::handle_memory_pool(const Buffer& buffer) {
+  return buffer.live().handle_pool;
+}
 std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {
   return buffer.live().low_latency;
 }
@@ -426,7 +426,7 @@ void Buffer::reset() {
   *s.timeout_record = WaitTimeoutRecord{};
   // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that
   // skipped a notify is one behind the others otherwise), with no receive pending.
-  std::fill_n(s.host_scratch, kHostScratchInts, 0);
+  std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);
   s.low_latency->num_calls = 0;
   s.low_latency->pending_call[0] = s.low_latency->pending_call[1] = 0;
   // 4. No rank starts a call before every rank is clean.

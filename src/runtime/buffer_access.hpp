@@ -11,11 +11,25 @@
 namespace epx {
 
 struct LowLatencyState;
+struct WaitTimeoutRecord;
 
 // What the runtime's free functions need of a Buffer beyond its public API: state and device tables they
 // share with the Buffer but that users never touch. Only src/runtime includes this header; Buffer names it
 // its friend, so these reach the Buffer's private state (and throw after destroy(), as the API does).
 struct BufferAccess {
+  // Host-mapped scratch the kernels publish small results into (e.g. received counts), readable by the host
+  // without a copy once the stream reached that point: kHostScratchInts ints, its host address and the same
+  // memory as the device sees it. Carved by normal_host_scratch.hpp.
+  static constexpr int kHostScratchInts = 16384;
+  static int* host_scratch(const Buffer& buffer);
+  static int* host_scratch_device(const Buffer& buffer);
+  // Where a device wait that gives up writes its record (host-mapped), as the device sees it.
+  static WaitTimeoutRecord* timeout_record_device(const Buffer& buffer);
+  // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
+  // it.
+  static std::shared_ptr<CUstream_st> comm_stream_shared(const Buffer& buffer);
+  // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
+  static cudaMemPool_t handle_memory_pool(const Buffer& buffer);
   // The host side of the low-latency protocol (which half the next call uses, pending hooks). Created with
   // the Buffer and dropped by destroy(), so a new Buffer, even at the same address, starts afresh.
   static std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);

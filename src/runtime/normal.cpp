@@ -84,7 +84,7 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               buffer.nvl_buffer(),
                               buffer.rank(),
                               buffer.num_ranks(),
-                              buffer.timeout_record_device(),
+                              BufferAccess::timeout_record_device(buffer),
                               buffer.wait_timeout_ns(),
                               BufferAccess::abort_words(buffer)};
 }
@@ -420,7 +420,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
-  state->allocate_routing(buffer.comm_stream_shared(), buffer.handle_memory_pool(), num_local_experts);
+  state->allocate_routing(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
+                          num_local_experts);
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   scratch.notify_sequence = next_sequence(scratch.notify_sequence);
@@ -457,7 +458,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
-    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows);
+    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
+                         state->num_recv_rows);
     return plan_of(std::move(state));
   }
 
@@ -479,7 +481,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const bool rows_before_counts = state->num_nodes == 1;
   if (rows_before_counts) {
     const int guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
-    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), guess, rows_stream);
+    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
+                         guess, rows_stream);
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
@@ -503,8 +506,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
   scratch.last_recv_rows = state->num_recv_rows;
   if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
-    state->allocate_rows(buffer.comm_stream_shared(), buffer.handle_memory_pool(), state->num_recv_rows,
-                         rows_stream);
+    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
+                         state->num_recv_rows, rows_stream);
   }
   const int invalid = counts[count_index.invalid_id()];
   if (invalid != 0) cancel_receive(buffer, state->launched_receive);

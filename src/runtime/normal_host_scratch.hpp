@@ -5,10 +5,11 @@
 #include "epx/buffer.hpp"
 #include "epx/layout/internode_layout.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "runtime/buffer_access.hpp"
 
 namespace epx {
 
-// What normal mode keeps in the Buffer's host-mapped scratch (Buffer::host_scratch): the one place its
+// What normal mode keeps in the Buffer's host-mapped scratch (BufferAccess::host_scratch): the one place its
 // slots are carved.
 struct NormalHostScratch {
   // Tagged counts of the last notify (HostCountIndex), written by the device.
@@ -25,18 +26,19 @@ struct NormalHostScratch {
   // Host only: the rows the last notify received (sizes the next one's rows allocation before its counts).
   int last_recv_rows;
 };
-static_assert(sizeof(NormalHostScratch) <= sizeof(int) * Buffer::kHostScratchInts,
-              "Buffer::kHostScratchInts must hold NormalHostScratch");
+static_assert(sizeof(NormalHostScratch) <= sizeof(int) * BufferAccess::kHostScratchInts,
+              "BufferAccess::kHostScratchInts must hold NormalHostScratch");
 
 inline NormalHostScratch& normal_host_scratch(const Buffer& buffer) {
-  return *reinterpret_cast<NormalHostScratch*>(buffer.host_scratch());
+  return *reinterpret_cast<NormalHostScratch*>(BufferAccess::host_scratch(buffer));
 }
 
 // The device's address of `field`, a member of the Buffer's NormalHostScratch.
 template <typename T>
 T* device_address(const Buffer& buffer, T* field) {
-  const auto offset = reinterpret_cast<char*>(field) - reinterpret_cast<char*>(buffer.host_scratch());
-  return reinterpret_cast<T*>(reinterpret_cast<char*>(buffer.host_scratch_device()) + offset);
+  const auto offset =
+      reinterpret_cast<char*>(field) - reinterpret_cast<char*>(BufferAccess::host_scratch(buffer));
+  return reinterpret_cast<T*>(reinterpret_cast<char*>(BufferAccess::host_scratch_device(buffer)) + offset);
 }
 
 }  // namespace epx
