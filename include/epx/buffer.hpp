@@ -115,6 +115,9 @@ class Buffer {
   const State& live() const;
   int32_t read_abort_word() const;  // this rank's abort word (a device-to-host copy)
   bool group_aborted() const;       // aborted, a record written, or the abort word set
+  void
+  stop_local_work() noexcept;  // destroy()'s and release()'s first step: hooks off, this rank's kernels end
+  void free_without_peers() noexcept;  // frees this rank's resources, meeting no peer (NVSHMEM memory kept)
 };
 
 }  // namespace epx

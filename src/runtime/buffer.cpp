@@ -222,16 +222,27 @@ Buffer::~Buffer() {
   }
 }
 
-void Buffer::destroy() {
-  if (state_ == nullptr) return;
+void Buffer::stop_local_work() noexcept {
   // Hooks still held run no more (they would launch on freed memory).
   if (state_->low_latency) state_->low_latency->buffer = nullptr;
   // This rank's kernels end (every wait is bounded, and stops at once in an aborted group).
   cudaStreamSynchronize(state_->comm_stream);
   cudaDeviceSynchronize();
+}
+
+void Buffer::free_without_peers() noexcept {
+  // Peers that still run kernels map this rank's memory through their own IPC mappings, which keep it alive
+  // until they unmap.
+  std::unique_ptr<State> state = std::move(state_);
+  state->free_local(false);
+}
+
+void Buffer::destroy() {
+  if (state_ == nullptr) return;
+  stop_local_work();
   // Peers may be gone or may never call destroy: no barrier, no collective free.
   if (group_aborted()) {
-    release();
+    free_without_peers();
     return;
   }
   std::unique_ptr<State> state = std::move(state_);
@@ -249,13 +260,8 @@ void Buffer::destroy() {
 
 void Buffer::release() noexcept {
   if (state_ == nullptr) return;
-  if (state_->low_latency) state_->low_latency->buffer = nullptr;
-  cudaStreamSynchronize(state_->comm_stream);
-  cudaDeviceSynchronize();
-  // Peers that still run kernels map this rank's memory through their own IPC mappings, which keep it alive
-  // until they unmap.
-  std::unique_ptr<State> state = std::move(state_);
-  state->free_local(false);
+  stop_local_work();
+  free_without_peers();
 }
 
 bool Buffer::is_destroyed() const {

@@ -29,13 +29,12 @@ struct DispatchHandle::State {
   std::shared_ptr<void> rows_memory;     // owns recv_src_idx (and forward_mask)
   int rows_capacity = 0;                 // rows recv_src_idx has room for (>= num_recv_rows)
 
-  // Allocates the routing arrays on `stream` (their sizes do not depend on what arrives).
-  void allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                        int num_local_experts);
-  // Allocates recv_src_idx for `num_rows` rows (and, across nodes, forward_mask); `complete_on`: see
-  // allocate_on_stream in normal.cpp (a receive launched before the allocation).
-  void allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool, int num_rows,
-                     cudaStream_t complete_on = nullptr);
+  // Allocates the routing arrays from `buffer`'s handle pool on its comm stream (their sizes do not depend on
+  // what arrives).
+  void allocate_routing(const Buffer& buffer, int num_local_experts);
+  // Allocates recv_src_idx for `num_rows` rows (and, across nodes, forward_mask) likewise; `complete_on`:
+  // see allocate_on_stream in normal.cpp (a receive launched before the allocation).
+  void allocate_rows(const Buffer& buffer, int num_rows, cudaStream_t complete_on = nullptr);
 };
 
 }  // namespace epx

@@ -228,12 +228,14 @@ const uint8_t* DispatchHandle::is_token_in_rank_device() const {
 
 namespace {
 
-// `bytes` from the Buffer's handle pool, ordered on `stream`, freed on it with the last owner. With
+// `bytes` from the Buffer's handle pool, ordered on its comm stream, freed on it with the last owner. With
 // `complete_on` (a private, otherwise idle stream) the allocation is made there and waited for instead: then
 // it is valid for any work, even a kernel the comm stream already runs (a launched receive), which a
 // stream-ordered allocation behind that kernel would not be.
-std::shared_ptr<void> allocate_on_stream(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                                         size_t bytes, cudaStream_t complete_on = nullptr) {
+std::shared_ptr<void> allocate_on_stream(const Buffer& buffer, size_t bytes,
+                                         cudaStream_t complete_on = nullptr) {
+  const std::shared_ptr<CUstream_st> stream = BufferAccess::comm_stream_shared(buffer);
+  const cudaMemPool_t pool = BufferAccess::handle_memory_pool(buffer);
   void* raw = nullptr;
   if (complete_on != nullptr) {
     EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, complete_on));
@@ -255,14 +257,13 @@ DispatchPlan plan_of(std::shared_ptr<DispatchHandle::State> state) {
 
 }  // namespace
 
-void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                                             int num_local_experts) {
+void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local_experts) {
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
                       std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0);
-  routing_memory = allocate_on_stream(stream, pool, ints * sizeof(int) + cells /*is_token_in_rank*/);
+  routing_memory = allocate_on_stream(buffer, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
   arrays.num_recv_tokens_per_expert =
@@ -275,10 +276,9 @@ void DispatchHandle::State::allocate_routing(const std::shared_ptr<CUstream_st>&
   arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(end);
 }
 
-void DispatchHandle::State::allocate_rows(const std::shared_ptr<CUstream_st>& stream, cudaMemPool_t pool,
-                                          int num_rows, cudaStream_t complete_on) {
+void DispatchHandle::State::allocate_rows(const Buffer& buffer, int num_rows, cudaStream_t complete_on) {
   const size_t row_bytes = sizeof(int) * std::max(num_rows, 1);
-  rows_memory = allocate_on_stream(stream, pool, row_bytes + std::max(num_forward_records, 1), complete_on);
+  rows_memory = allocate_on_stream(buffer, row_bytes + std::max(num_forward_records, 1), complete_on);
   rows_capacity = std::max(num_rows, 1);
   arrays.recv_src_idx = static_cast<int*>(rows_memory.get());
   arrays.forward_mask = num_nodes > 1 ? static_cast<uint8_t*>(rows_memory.get()) + row_bytes : nullptr;
@@ -420,8 +420,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
-  state->allocate_routing(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
-                          num_local_experts);
+  state->allocate_routing(buffer, num_local_experts);
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   scratch.notify_sequence = next_sequence(scratch.notify_sequence);
@@ -458,8 +457,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
-    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
-                         state->num_recv_rows);
+    state->allocate_rows(buffer, state->num_recv_rows);
     return plan_of(std::move(state));
   }
 
@@ -481,8 +479,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const bool rows_before_counts = state->num_nodes == 1;
   if (rows_before_counts) {
     const int guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
-    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
-                         guess, rows_stream);
+    state->allocate_rows(buffer, guess, rows_stream);
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
@@ -506,8 +503,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
   scratch.last_recv_rows = state->num_recv_rows;
   if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
-    state->allocate_rows(BufferAccess::comm_stream_shared(buffer), BufferAccess::handle_memory_pool(buffer),
-                         state->num_recv_rows, rows_stream);
+    state->allocate_rows(buffer, state->num_recv_rows, rows_stream);
   }
   const int invalid = counts[count_index.invalid_id()];
   if (invalid != 0) cancel_receive(buffer, state->launched_receive);
