@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bench/bench_options.hpp"
+#include "cpu/error_message.hpp"
 #include "epx/bench_bytes.hpp"
 #include "epx/error.hpp"
 #include "epx/reference/layout.hpp"
@@ -16,16 +17,7 @@ namespace {
 
 using epx::bench::BenchOptions;
 
-// The message `call` throws, without the " (failed check: ...)" suffix; "" when it throws nothing.
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const epx::Error& error) {
-    const std::string message = error.message();
-    return message.substr(0, message.find(" (failed check"));
-  }
-  return "";
-}
+using epx::test::error_of;
 
 TEST(BenchOptions, RanksPerNodeMustDivideTheRanks) {
   BenchOptions o;

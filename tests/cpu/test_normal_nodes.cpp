@@ -6,22 +6,14 @@
 #include <functional>
 #include <string>
 
+#include "cpu/error_message.hpp"
 #include "epx/error.hpp"
 #include "epx/layout/internode_layout.hpp"
 #include "layout/normal_nodes.hpp"
 
 namespace {
 
-// The message `call` throws, without the " (failed check: ...)" suffix; "" when it throws nothing.
-std::string error_of(const std::function<void()>& call) {
-  try {
-    call();
-  } catch (const epx::Error& error) {
-    const std::string message = error.message();
-    return message.substr(0, message.find(" (failed check"));
-  }
-  return "";
-}
+using epx::test::error_of;
 
 TEST(NormalNodes, OneNodeHoldsAtMostEightRanks) {
   for (int num_ranks : {1, 2, 4, 8}) {

@@ -12,64 +12,51 @@ namespace {
 
 using epx::test::LowLatencyCase;
 
-// Runs `c` with one process per GPU; skips when the machine has fewer GPUs.
-void run_case(const LowLatencyCase& c) {
-  epx::test::run_ranks(c.num_ranks,
-                       [&](epx::Bootstrap& bootstrap) { epx::test::LowLatencyRunner(c, bootstrap).run(); });
-}
-
-LowLatencyCase small_case(int num_ranks) {
-  LowLatencyCase c;
-  c.num_ranks = num_ranks;
-  c.num_max_tokens = 24;
-  c.hidden = 512;
-  c.num_experts = 8 * num_ranks;
-  c.num_topk = 4;
-  return c;
-}
+using epx::test::run_low_latency_case;
+using epx::test::small_low_latency_case;
 
 // ---- Formats ----
 
 TEST(LowLatency, Bf16TwoRanks) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.num_iterations = 3;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, Fp8TwoRanks) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.use_fp8 = true;
   c.num_iterations = 3;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, Fp8RoundScaleFourRanks) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
   c.round_scale = true;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, Fp8Ue8m0FourRanks) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = c.round_scale = c.use_ue8m0 = true;
   c.hidden = 2048;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, Ue8m0PartialLastWord) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.use_fp8 = c.round_scale = c.use_ue8m0 = true;
   c.hidden = 2688;  // 21 groups: the last packed word holds one scale
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, LogfmtCombineFourRanks) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
   c.use_logfmt = true;
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // The decode benchmark shape: 128 tokens per rank, hidden 7168, top-8 of 288 experts, 4 ranks.
@@ -82,76 +69,76 @@ TEST(LowLatency, DefaultShapeFp8FourRanks) {
   c.num_topk = 8;
   c.use_fp8 = true;
   c.stats = true;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- Hooks, zero copy, ordering ----
 
 TEST(LowLatency, HooksTwoRanks) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.use_fp8 = true;
   c.dispatch_hook = c.combine_hook = true;
   c.num_iterations = 3;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, TwoPendingHooksFourRanks) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.dispatch_hook = c.combine_hook = true;
   c.pending_pairs = true;
   c.batch = 4;
   c.num_iterations = 4;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, ZeroCopyCombine) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.zero_copy = true;
   c.batch = 3;
   c.num_iterations = 3;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, ZeroCopyWithHooksAndLogfmt) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.zero_copy = c.combine_hook = c.dispatch_hook = c.use_logfmt = true;
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, AsyncFinishEvents) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.async_finish = true;
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- Routing and sizes ----
 
 TEST(LowLatency, TokenCountsZeroOneAndMax) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.num_tokens = {0, 1, c.num_max_tokens, 5};
   c.drop_probability = 0.2;
   c.use_fp8 = true;
   c.stats = true;
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, AllRanksEmpty) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.num_tokens = {0};
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, UnbalancedRoutingAndDuplicates) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.unbalanced = true;
   c.duplicates = true;
   c.use_fp8 = true;
   c.stats = true;
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, HiddenSizesAndTopk) {
@@ -160,7 +147,7 @@ TEST(LowLatency, HiddenSizesAndTopk) {
   int i = 0;
   for (int hidden : hiddens) {
     for (int topk : topks) {
-      LowLatencyCase c = small_case(2);
+      LowLatencyCase c = small_low_latency_case(2);
       c.hidden = hidden;
       c.num_topk = topk;
       c.num_experts = 16;
@@ -169,23 +156,23 @@ TEST(LowLatency, HiddenSizesAndTopk) {
       c.use_logfmt = i % 3 == 0;
       c.seed = 100 + i++;
       SCOPED_TRACE("hidden " + std::to_string(hidden) + " top-k " + std::to_string(topk));
-      run_case(c);
+      run_low_latency_case(c);
     }
   }
 }
 
 TEST(LowLatency, TopkSixteenManyExperts) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.num_topk = 16;
   c.num_experts = 256;
   c.use_fp8 = true;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- Many calls, graphs ----
 
 TEST(LowLatency, ThousandBackToBackCalls) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.num_max_tokens = 8;
   c.hidden = 256;
   c.num_topk = 3;
@@ -194,24 +181,24 @@ TEST(LowLatency, ThousandBackToBackCalls) {
   c.stats = true;
   c.batch = 10;
   c.num_iterations = 1000;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, GraphCaptureReplay) {
-  LowLatencyCase c = small_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.use_fp8 = true;
   c.stats = true;
   c.num_iterations = 5;
   c.graph = true;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatency, GraphCaptureReplayHooksZeroCopy) {
-  LowLatencyCase c = small_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.dispatch_hook = c.combine_hook = c.zero_copy = true;
   c.num_iterations = 4;
   c.graph = true;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 }  // namespace

@@ -22,6 +22,7 @@
 #include "epx/low_latency.hpp"
 #include "epx/reference/low_latency.hpp"
 #include "epx/reference/test_data.hpp"
+#include "run_ranks.hpp"
 
 namespace epx::test {
 
@@ -580,5 +581,21 @@ class LowLatencyRunner {
   std::vector<std::vector<int>> ref_cumulative_;
   std::vector<int> current_masked_;  // what apply_masks last left in this rank's mask
 };
+
+// A small case of `num_ranks` ranks (24 tokens, hidden 512, 8 experts per rank, top-4) for tests to adjust.
+inline LowLatencyCase small_low_latency_case(int num_ranks) {
+  LowLatencyCase c;
+  c.num_ranks = num_ranks;
+  c.num_max_tokens = 24;
+  c.hidden = 512;
+  c.num_experts = 8 * num_ranks;
+  c.num_topk = 4;
+  return c;
+}
+
+// Runs `c` with one process per GPU (ranks may share one: EPX_TEST_RANKS_PER_GPU); skips without enough.
+inline void run_low_latency_case(const LowLatencyCase& c) {
+  run_ranks(c.num_ranks, [&](Bootstrap& bootstrap) { LowLatencyRunner(c, bootstrap).run(); });
+}
 
 }  // namespace epx::test

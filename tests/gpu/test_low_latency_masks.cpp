@@ -22,20 +22,8 @@ namespace {
 
 using epx::test::LowLatencyCase;
 
-LowLatencyCase mask_case(int num_ranks) {
-  LowLatencyCase c;
-  c.num_ranks = num_ranks;
-  c.num_max_tokens = 24;
-  c.hidden = 512;
-  c.num_experts = 8 * num_ranks;
-  c.num_topk = 4;
-  return c;
-}
-
-void run_case(const LowLatencyCase& c) {
-  epx::test::run_ranks(c.num_ranks,
-                       [&](epx::Bootstrap& bootstrap) { epx::test::LowLatencyRunner(c, bootstrap).run(); });
-}
+using epx::test::run_low_latency_case;
+using epx::test::small_low_latency_case;
 
 void require(bool condition, int rank, const std::string& what) {
   if (!condition) throw std::runtime_error("rank " + std::to_string(rank) + ": " + what);
@@ -44,73 +32,73 @@ void require(bool condition, int rank, const std::string& what) {
 // ---- A masked rank sits out; the others match the reference with it masked ----
 
 TEST(LowLatencyMasks, MaskedRankTwoRanks) {
-  LowLatencyCase c = mask_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.masks = {{1}};
   c.num_iterations = 3;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatencyMasks, MaskedRankFourRanksFp8) {
-  LowLatencyCase c = mask_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
   c.masks = {{2}};
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatencyMasks, TwoMaskedRanksHooksLogfmtFourRanks) {
-  LowLatencyCase c = mask_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
   c.use_logfmt = true;
   c.dispatch_hook = c.combine_hook = true;
   c.unbalanced = true;
   c.masks = {{0, 3}};
   c.num_iterations = 2;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- Masking and unmasking between calls (unmasking cleans every rank's buffer) ----
 
 TEST(LowLatencyMasks, MaskAndUnmaskBetweenCallsTwoRanks) {
-  LowLatencyCase c = mask_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.masks = {{}, {1}, {1}, {}, {0}, {}};
   c.num_iterations = 6;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatencyMasks, MaskAndUnmaskBetweenCallsFourRanks) {
-  LowLatencyCase c = mask_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
   c.zero_copy = true;
   c.masks = {{}, {3}, {1, 3}, {}, {0}};
   c.num_iterations = 5;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- CUDA graphs: the kernels read the mask when they run ----
 
 TEST(LowLatencyMasks, GraphReplayWithMaskChangesTwoRanks) {
-  LowLatencyCase c = mask_case(2);
+  LowLatencyCase c = small_low_latency_case(2);
   c.graph = true;
   c.masks = {{}, {1}, {}, {0}};
   c.num_iterations = 4;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 TEST(LowLatencyMasks, GraphReplayWithMaskChangesFourRanks) {
-  LowLatencyCase c = mask_case(4);
+  LowLatencyCase c = small_low_latency_case(4);
   c.graph = true;
   c.use_fp8 = true;
   c.dispatch_hook = c.combine_hook = true;
   c.masks = {{}, {2}, {2}, {}, {0, 1}};
   c.num_iterations = 5;
-  run_case(c);
+  run_low_latency_case(c);
 }
 
 // ---- The mask calls ----
 
 void run_mask_calls(epx::Bootstrap& bootstrap) {
-  const LowLatencyCase c = mask_case(bootstrap.num_ranks());
+  const LowLatencyCase c = small_low_latency_case(bootstrap.num_ranks());
   epx::BufferOptions options;
   options.num_rdma_bytes =
       epx::get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts);
@@ -165,7 +153,7 @@ void run_shrink(epx::Bootstrap& bootstrap, bool use_hooks) {
   // EPX_WAIT_TIMEOUT_S overrides the option (the GPU scripts set it): each rank process sets the test's
   // bound.
   setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kShrinkTimeoutS).c_str(), 1);
-  LowLatencyCase c = mask_case(bootstrap.num_ranks());
+  LowLatencyCase c = small_low_latency_case(bootstrap.num_ranks());
   c.use_fp8 = true;
   c.dispatch_hook = c.combine_hook = use_hooks;
   epx::BufferOptions options;
