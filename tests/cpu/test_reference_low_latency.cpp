@@ -93,10 +93,12 @@ TEST(ReferenceLowLatency, HandCheckedDispatchLayout) {
   EXPECT_EQ(rows[1], (std::vector<int>{2, 1, 1, 1}));
 }
 
-TEST(ReferenceLowLatency, HandCheckedCombine) {
+// The combine inputs of small_inputs() dispatched with `params` (BF16) through identity experts, with
+// hand-picked weights (the -1 entry's weight is ignored).
+std::vector<LowLatencyCombineRankInput> identity_combine_inputs(const LowLatencyParams& params) {
   LowLatencyDispatchOptions options;
   options.use_fp8 = false;
-  const auto dispatch = low_latency_dispatch(small_params(), options, small_inputs());
+  const auto dispatch = low_latency_dispatch(params, options, small_inputs());
   std::vector<LowLatencyCombineRankInput> inputs(2);
   const std::vector<LowLatencyDispatchRankInput> tokens = small_inputs();
   for (int r = 0; r < 2; ++r) {
@@ -104,9 +106,14 @@ TEST(ReferenceLowLatency, HandCheckedCombine) {
     inputs[r].x = dispatch[r].recv_x;  // identity experts
     inputs[r].topk_idx = tokens[r].topk_idx;
   }
-  inputs[0].topk_weights = {0.5f, 0.25f, 2.0f, 100.0f, 0.125f, 1.0f};  // the -1 entry's weight is ignored
+  inputs[0].topk_weights = {0.5f, 0.25f, 2.0f, 100.0f, 0.125f, 1.0f};
   inputs[1].topk_weights = {1.0f, 0.5f, 0.25f, 0.5f};
-  const auto out = low_latency_combine(small_params(), LowLatencyCombineOptions{}, inputs);
+  return inputs;
+}
+
+TEST(ReferenceLowLatency, HandCheckedCombine) {
+  const auto out = low_latency_combine(small_params(), LowLatencyCombineOptions{},
+                                       identity_combine_inputs(small_params()));
   const auto at = [&](int rank, int t, int c) {
     return epx::bf16_to_float(out[rank].combined_x[t * kHidden + c]);
   };
@@ -436,21 +443,9 @@ TEST(ReferenceLowLatencyMasks, MaskedRankSendsAndReceivesNothing) {
 }
 
 TEST(ReferenceLowLatencyMasks, CombineLeavesTheMaskedRankOut) {
-  LowLatencyDispatchOptions options;
-  options.use_fp8 = false;
   LowLatencyParams params = small_params();
   params.masked_ranks = {1};
-  const auto dispatch = low_latency_dispatch(params, options, small_inputs());
-  std::vector<LowLatencyCombineRankInput> inputs(2);
-  const std::vector<LowLatencyDispatchRankInput> tokens = small_inputs();
-  for (int r = 0; r < 2; ++r) {
-    inputs[r].num_tokens = tokens[r].num_tokens;
-    inputs[r].x = dispatch[r].recv_x;  // identity experts
-    inputs[r].topk_idx = tokens[r].topk_idx;
-  }
-  inputs[0].topk_weights = {0.5f, 0.25f, 2.0f, 100.0f, 0.125f, 1.0f};
-  inputs[1].topk_weights = {1.0f, 0.5f, 0.25f, 0.5f};
-  const auto out = low_latency_combine(params, LowLatencyCombineOptions{}, inputs);
+  const auto out = low_latency_combine(params, LowLatencyCombineOptions{}, identity_combine_inputs(params));
   const auto at = [&](int rank, int t, int c) {
     return epx::bf16_to_float(out[rank].combined_x[t * kHidden + c]);
   };
