@@ -18,6 +18,7 @@
 #include "epx/formats/bf16.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/reference/test_data.hpp"
+#include "low_latency_phases.hpp"
 #include "nccl_baseline.hpp"
 #include "timing.hpp"
 
@@ -238,6 +239,18 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   });
   out.push_back({"LL combine BF16 send (hook)", 0, combine_send, bf16_bytes});
   out.push_back({"LL combine BF16 recv (hook)", 0, combine_recv, bf16_bytes});
+
+  // Where the time goes inside the kernels (EPX_LL_PHASE_STAMPS=1; nothing otherwise).
+  int stamped_call = 0;
+  print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters, "LL dispatch FP8", [&] {
+    low_latency_dispatch(buffer, dispatch_input(s, xs[stamped_call++ % kInputSets].get(), ids.get(), true),
+                         fp8_out.view(true), order);
+  });
+  print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters, "LL combine BF16", [&] {
+    low_latency_combine(buffer, d.handle,
+                        combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), false),
+                        combined.get(), order);
+  });
 
   // NCCL: every (token, expert) selection as one row to the expert's rank, FP8-sized then BF16-sized.
   NcclAllToAll nccl(bootstrap);

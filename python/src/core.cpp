@@ -279,7 +279,7 @@ void bind_low_latency_layout(py::module_& m) {
       .def("num_recv_rows", &LowLatencyLayout::num_recv_rows)
       .def("dispatch_msg_bytes", &LowLatencyLayout::dispatch_msg_bytes)
       .def("combine_slot_bytes", &LowLatencyLayout::combine_slot_bytes)
-      .def("control_bytes", &LowLatencyLayout::control_bytes)
+      .def("control_end_offset", &LowLatencyLayout::control_end_offset)
       .def("combine_send_offset", &LowLatencyLayout::combine_send_offset)
       .def("combine_send_bytes", &LowLatencyLayout::combine_send_bytes)
       .def("half_bytes", &LowLatencyLayout::half_bytes)

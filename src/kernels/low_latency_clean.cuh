@@ -18,9 +18,9 @@ template <typename Remote>
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
   const LowLatencyLayout& layout = args.layout;
   const PeerContext& peers = args.peers;
-  // Both halves' signals are contiguous: [signals_offset(0), control_bytes()).
+  // Both halves' signals are contiguous: [signals_offset(0), control_end_offset()).
   const int num_signal_ints =
-      static_cast<int>((layout.control_bytes() - layout.signals_offset(0)) / sizeof(int));
+      static_cast<int>((layout.control_end_offset() - layout.signals_offset(0)) / sizeof(int));
   int* signals = local_at<int>(peers, layout.signals_offset(0));
   for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
   // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this

@@ -293,6 +293,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
+  stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
@@ -303,18 +304,24 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
       [&] { small.masked = small.left_out = mask; });
   if (aborted) return;
   const unsigned long long masked = small.masked;
+  stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
     post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape, masked);
     send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
+    stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked);
+    stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).
     const SourceWait wait = wait_all_sources(
         args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape, args.mask, &small.left_out);
+    stamp_phase(args.phase_stamps, kStampArrived);
     if (wait.arrived) reduce_tokens(args, small, wait.left_out);
+    stamp_phase(args.phase_stamps, kStampDelivered);
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
+    stamp_phase(args.phase_stamps, kStampExit);
   }
 }
 

@@ -17,6 +17,12 @@ constexpr int kNumThreads = 512;
 constexpr int kNumWarps = kNumThreads / 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 
+// Thread 0 of the block stamps `stamp` (see LowLatencyStamp); a uniform branch when stamps are off.
+__device__ __forceinline__ void stamp_phase(uint64_t* stamps, LowLatencyStamp stamp) {
+  if (stamps != nullptr && threadIdx.x == 0)
+    stamps[size_t(blockIdx.x) * kNumPhaseStamps + stamp] = device::global_timer_ns();
+}
+
 template <typename T>
 __device__ __forceinline__ T* local_at(const PeerContext& peers, size_t offset) {
   return LowLatencyLayout::at<T>(peers.local_base, offset);

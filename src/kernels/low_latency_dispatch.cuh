@@ -311,6 +311,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
               : wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
                                  WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape,
                                  args.mask, &small.left_out);
+  stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
@@ -319,6 +320,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
+  stamp_phase(args.phase_stamps, kStampScanned);
 
   if (blockIdx.x == 0) {
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
@@ -355,7 +357,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
       args.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }
   }
+  stamp_phase(args.phase_stamps, kStampDelivered);
   finish_receive(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses);
+  stamp_phase(args.phase_stamps, kStampExit);
 }
 
 // Named dispatch, in a namespace, because profiler tooling written for DeepEP looks for kernel names
@@ -365,6 +369,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
+  stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
@@ -374,11 +379,14 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
       args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend : WaitPhase::kLowLatencyDispatchRecv,
       [&] { small.masked = small.left_out = mask; });
   const unsigned long long masked = small.masked;
+  stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
     send_tokens<Remote>(args, small);
+    stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked);
+    stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small, num_uses, aborted);
 }

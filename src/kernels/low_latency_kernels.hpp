@@ -26,6 +26,25 @@ struct LowLatencyMaskArgs {
 // two, no SM is held while the data is in flight.
 enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLatencyBoth = 3 };
 
+// Phase boundaries the low-latency kernels stamp when `phase_stamps` is set (EPX_LL_PHASE_STAMPS=1, for
+// epx-bench's breakdown): thread 0 of block b writes the global timer (ns) at phase_stamps[b *
+// kNumPhaseStamps
+// + stamp]. Dispatch: entry, prologue (abort check, mask), sent (tokens and routing written), published
+// (flags released), arrived (every source's flag seen), scanned (counts scanned), delivered (rows copied
+// out), exit. Combine: the same, with "delivered" after the reduction and "scanned" unused.
+enum LowLatencyStamp : int {
+  kStampEntry,
+  kStampPrologue,
+  kStampSent,
+  kStampPublished,
+  kStampArrived,
+  kStampScanned,
+  kStampDelivered,
+  kStampExit,
+  kNumPhaseStamps
+};
+constexpr int kMaxPhaseStampBlocks = 1024;
+
 struct LowLatencyDispatchArgs {
   PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not an NVLink peer, reached by puts)
   LowLatencyLayout layout;
@@ -53,6 +72,7 @@ struct LowLatencyDispatchArgs {
   int64_t* wait_recv_cost_stats;            // [R] or nullptr: += ns the receive waited for each source
   ShapeFingerprint shape;                   // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
+  uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)
 };
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 // Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
@@ -82,6 +102,7 @@ struct LowLatencyCombineArgs {
   int64_t* wait_recv_cost_stats;  // [R] or nullptr
   ShapeFingerprint shape;         // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
+  uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)
 };
 void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t stream);
 

@@ -17,6 +17,7 @@
 #include "epx/layout/internode_layout.hpp"
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "kernels/low_latency_kernels.hpp"
 #include "kernels/preload.hpp"
 #include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
@@ -155,6 +156,13 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     s.low_latency = std::make_shared<LowLatencyState>();
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));
+    if (const char* stamps = std::getenv("EPX_LL_PHASE_STAMPS"); stamps != nullptr && stamps[0] == '1') {
+      const size_t bytes = sizeof(uint64_t) * kernels::kMaxPhaseStampBlocks * kernels::kNumPhaseStamps;
+      void* memory = nullptr;
+      EPX_CUDA_CHECK(cudaMalloc(&memory, bytes));
+      EPX_CUDA_CHECK(cudaMemset(memory, 0, bytes));
+      s.low_latency->phase_stamps.reset(static_cast<uint64_t*>(memory), [](uint64_t* p) { cudaFree(p); });
+    }
     kernels::preload_all_kernels();
     const bool own_stream = options.comm_stream == nullptr;
     if (own_stream) {
@@ -435,6 +443,7 @@ void Buffer::reset() {
   std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);
   s.low_latency->num_calls = 0;
   s.low_latency->pending_call[0] = s.low_latency->pending_call[1] = 0;
+  s.low_latency->needs_clean = false;  // the symmetric buffer was zeroed above
   // 4. No rank starts a call before every rank is clean.
   s.bootstrap->barrier();
   s.abort_state.reset();

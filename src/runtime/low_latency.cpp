@@ -39,6 +39,12 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::abort_words(buffer)};
 }
 
+// Where the kernels stamp their phases: null unless EPX_LL_PHASE_STAMPS=1 (and the grid fits the memory).
+uint64_t* phase_stamps(const Buffer& buffer) {
+  uint64_t* stamps = BufferAccess::low_latency_state(buffer)->phase_stamps.get();
+  return buffer.num_device_sms() <= kernels::kMaxPhaseStampBlocks ? stamps : nullptr;
+}
+
 kernels::LowLatencyMaskArgs mask_args(const Buffer& buffer) {
   kernels::LowLatencyMaskArgs mask;
   mask.masked = BufferAccess::rank_mask_words(buffer);
@@ -109,6 +115,7 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
   const std::shared_ptr<LowLatencyState> state = BufferAccess::low_latency_state(buffer);
   const uint64_t call = state->num_calls;
   args.half = static_cast<int>(call & 1);
+  check_low_latency_signals_clean(*state);
   check_low_latency_half_free(*state, args.half);
   args.num_blocks = buffer.num_device_sms();
   if (return_recv_hook) {
@@ -179,6 +186,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.shape = low_latency_shape_fingerprint(
       layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) | (in.use_ue8m0 ? 4 : 0));
   args.mask = mask_args(buffer);
+  args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_dispatch_remote
                                                   : kernels::launch_low_latency_dispatch);
@@ -246,6 +254,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.wait_recv_cost_stats = in.combine_wait_recv_cost_stats;
   args.shape = low_latency_shape_fingerprint(layout, in.use_logfmt ? 8 : 0);
   args.mask = mask_args(buffer);
+  args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
                              buffer.spans_nodes() ? kernels::launch_low_latency_combine_remote
                                                   : kernels::launch_low_latency_combine);
@@ -267,6 +276,7 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
   LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
   state.num_calls = 0;
   state.pending_call[0] = state.pending_call[1] = 0;
+  state.needs_clean = false;
 }
 
 void low_latency_update_mask_buffer(Buffer& buffer, int rank_to_mask, bool mask, const StreamOrder& order) {

@@ -25,6 +25,26 @@ void check_low_latency_half_free(const LowLatencyState& state, int half) {
   }
 }
 
+void check_low_latency_signals_clean(const LowLatencyState& state) {
+  if (state.needs_clean) {
+    EPX_FAIL(
+        "low-latency call #", state.num_calls,
+        " after normal-mode calls across nodes: they share the symmetric buffer, so every rank must call "
+        "clean_low_latency_buffer() between them (collective)");
+  }
+}
+
+void lend_symmetric_buffer_to_normal_mode(LowLatencyState& state) {
+  for (int half = 0; half < 2; ++half) {
+    if (state.pending_call[half] != 0) {
+      EPX_FAIL(
+          "normal mode across nodes needs the symmetric buffer, but the receive hook of low-latency call #",
+          state.pending_call[half] - 1, " has not run: run it first");
+    }
+  }
+  state.needs_clean = true;
+}
+
 LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state, uint64_t call, int half,
                                          std::function<void(cudaStream_t)> launch_receive) {
   auto hook = std::make_shared<LowLatencyRecvHook::State>();

@@ -16,8 +16,15 @@ namespace epx {
 struct LowLatencyState {
   uint64_t num_calls = 0;             // low-latency calls issued; call n uses half n & 1
   uint64_t pending_call[2] = {0, 0};  // 1 + the call whose receive has not run on that half, 0 = none
-  int max_smem_bytes = 0;             // the device's opt-in shared memory per block
-  const Buffer* buffer = nullptr;     // the owner until destroy(): hooks check it before they launch
+  // A normal-mode call across nodes ran since the last clean: it wrote its queues over the low-latency
+  // signals (one symmetric buffer serves both modes, LowLatencyLayout), so low-latency calls wait for a
+  // clean.
+  bool needs_clean = false;
+  // EPX_LL_PHASE_STAMPS=1 at construction: device memory the kernels stamp their phases into
+  // ([kMaxPhaseStampBlocks][kNumPhaseStamps], kernels::LowLatencyStamp, for epx-bench), else null.
+  std::shared_ptr<uint64_t> phase_stamps;
+  int max_smem_bytes = 0;          // the device's opt-in shared memory per block
+  const Buffer* buffer = nullptr;  // the owner until destroy(): hooks check it before they launch
 };
 
 // Marks `half` busy until the returned hook runs `launch_receive`.
@@ -26,5 +33,13 @@ LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state,
 
 // Throws unless `half` is free for `call` (no earlier call's receive pending on it).
 void check_low_latency_half_free(const LowLatencyState& state, int half);
+
+// Throws when a normal-mode call across nodes ran since the last clean_low_latency_buffer().
+void check_low_latency_signals_clean(const LowLatencyState& state);
+
+// A normal-mode call across nodes is about to use the symmetric buffer's shared area: throws while a
+// low-latency receive is still pending (its messages live there), else marks the low-latency signals for a
+// clean.
+void lend_symmetric_buffer_to_normal_mode(LowLatencyState& state);
 
 }  // namespace epx

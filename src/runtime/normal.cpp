@@ -17,6 +17,7 @@
 #include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
+#include "runtime/low_latency_state.hpp"
 #include "runtime/normal_host_scratch.hpp"
 #include "runtime/stream_order.hpp"
 
@@ -133,6 +134,9 @@ InternodeLayouts internode_layouts(const Buffer& buffer, const DispatchHandle::S
             "must be > 0 for normal mode across nodes (size it with Config::get_rdma_buffer_size_hint)");
   check_internode_layout_fits(layouts.rdma, buffer.num_rdma_bytes());
   check_forward_layout_fits(layouts.nvl, buffer.num_nvl_bytes());
+  // Every call across nodes passes here before it launches: its queues take the symmetric buffer's shared
+  // area.
+  lend_symmetric_buffer_to_normal_mode(*BufferAccess::low_latency_state(buffer));
   return layouts;
 }
 

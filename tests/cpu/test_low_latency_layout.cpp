@@ -24,7 +24,9 @@ struct Region {
 
 std::vector<Region> regions_of(const LowLatencyLayout& layout) {
   std::vector<Region> regions;
-  regions.push_back({"barrier", 0, layout.barrier_bytes()});
+  regions.push_back({"normal-mode head", 0, epx::InternodeLayout::kHeadBytes});
+  regions.push_back(
+      {"barrier", layout.barrier_signal_offset(0), layout.barrier_signal_offset(0) + layout.barrier_bytes()});
   for (int half = 0; half < 2; ++half) {
     regions.push_back({"signals[" + std::to_string(half) + "]", layout.signals_offset(half),
                        layout.signals_offset(half) + layout.signals_bytes()});
@@ -166,7 +168,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
-  EXPECT_EQ(layout.control_bytes(), 384u);
+  EXPECT_EQ(layout.control_end_offset(), 312960u);  // normal-mode head, barrier, 2 x signals
   EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
@@ -177,7 +179,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
   EXPECT_EQ(layout.half_bytes(), 39289984u);
-  EXPECT_EQ(layout.total_bytes(), 615320192u);
+  EXPECT_EQ(layout.total_bytes(), 615632768u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
@@ -187,7 +189,7 @@ TEST(LowLatencyLayout, SmallestShape) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
   EXPECT_EQ(layout.half_bytes(), 5248u);
-  EXPECT_EQ(layout.total_bytes(), 11264u);
+  EXPECT_EQ(layout.total_bytes(), 323840u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
 }
@@ -198,12 +200,12 @@ TEST(LowLatencyLayout, OddShapes) {
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes(), 802944u);
+    EXPECT_EQ(layout.total_bytes(), 1115520u);
     check_structure(layout);
   }
   {
     const LowLatencyLayout layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes(), 652216960u);
+    EXPECT_EQ(layout.total_bytes(), 652529536u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }
@@ -226,7 +228,20 @@ TEST(LowLatencyLayout, SignalsDoNotMoveWithTheShape) {
     }
   }
   EXPECT_EQ(a.barrier_count_offset(), b.barrier_count_offset());
-  EXPECT_EQ(a.control_bytes(), b.control_bytes());
+  EXPECT_EQ(a.control_end_offset(), b.control_end_offset());
+}
+
+// One symmetric buffer serves low-latency mode and normal mode across nodes: low-latency calls never write
+// normal mode's head, normal mode's queues start after the clean barrier of the largest group, and the
+// barrier and signals keep their offsets for any shape.
+TEST(LowLatencyLayout, SharesTheSymmetricBufferWithNormalMode) {
+  for (int ranks : {1, 2, 16, epx::kMaxLowLatencyRanks}) {
+    const LowLatencyLayout layout(7, 256, ranks, 2 * ranks);
+    EXPECT_EQ(layout.barrier_signal_offset(0), epx::InternodeLayout::kHeadBytes) << ranks;
+    EXPECT_LE(layout.barrier_count_offset() + sizeof(int), epx::InternodeLayout::kQueuesOffset) << ranks;
+    EXPECT_EQ(layout.signals_offset(0), epx::InternodeLayout::kQueuesOffset) << ranks;
+    check_structure(layout);
+  }
 }
 
 void expect_rejected(int m, int hidden, int ranks, int experts, const std::string& argument) {

@@ -4,6 +4,7 @@
 // rows are normal_dispatch's). Ranks may share one GPU (EPX_TEST_RANKS_PER_GPU).
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <string>
 #include <vector>
 
@@ -174,6 +175,43 @@ TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
     }
     buffer.set_config(config);
     epx::test::NormalRunner(c, buffer).run();
+  });
+}
+
+// One Buffer serves normal mode across nodes and low-latency mode (sized with the larger of the two hints, as
+// SGLang sizes DeepEP's). Normal calls, then low-latency calls, then normal calls again, then low-latency
+// calls again, every result checked against the reference. A low-latency call right after normal-mode calls
+// is refused until clean_low_latency_buffer(); normal mode needs nothing after low-latency calls.
+TEST_P(NormalNodes, MixedWithLowLatencyCalls) {
+  NormalCase c = node_case(GetParam(), 308);
+  c.num_tokens = {333, 1};
+  c.formats = {kBf16, kFp8};
+  c.num_iterations = 2;
+  epx::test::LowLatencyCase l = epx::test::small_low_latency_case(c.num_ranks);
+  l.ranks_per_node = c.ranks_per_node;
+  l.use_fp8 = true;
+  l.num_iterations = 2;
+  epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    options.num_rdma_bytes =
+        std::max(epx::test::normal_rdma_buffer_bytes(c),
+                 epx::get_low_latency_rdma_size_hint(l.num_max_tokens, l.hidden, l.num_ranks, l.num_experts));
+    options.ranks_per_node = c.ranks_per_node;
+    options.wait_timeout_s = 20.0;
+    epx::Buffer buffer(bootstrap, options);
+    const epx::StreamOrder order{};
+    const auto clean = [&] {
+      epx::clean_low_latency_buffer(buffer, l.num_max_tokens, l.hidden, l.num_experts, order);
+    };
+    for (int round = 0; round < 2; ++round) {
+      epx::test::NormalRunner(c, buffer).run();
+      expect_error([&] { epx::test::LowLatencyRunner(l, buffer).run(); },
+                   "after normal-mode calls across nodes: they share the symmetric buffer");
+      clean();
+      epx::test::LowLatencyRunner(l, buffer).run();
+    }
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
   });
 }
 

@@ -88,6 +88,7 @@ struct InternodeRecord {
 //         NotifyHalf x 2 the count exchange: one message per source rank (double-buffered by the parity of
 //                        the notify sequence: a fast rank may write notify n+1 while a slow one reads n)
 //         NotifySend     this rank's outgoing messages, staged for the puts
+//   low-latency barrier  LowLatencyLayout's clean barrier (untouched by normal mode)
 //   send rings        [N - 1 destination nodes][C channels][Q records]
 //   receive queues    [N source nodes][C channels][Q records]
 struct InternodeLayout {
@@ -148,7 +149,13 @@ struct InternodeLayout {
     alignas(kNormalAlign) NotifyHalf notify[2];
     alignas(kNormalAlign) NotifySend send;
   };
-  static constexpr size_t kQueuesOffset = align_up(sizeof(Head), kNormalAlign);
+  static constexpr size_t kHeadBytes = align_up(sizeof(Head), kNormalAlign);
+  // One Buffer's symmetric buffer also serves low-latency mode (LowLatencyLayout): the low-latency clean
+  // barrier sits between the head and the queues, so each mode's monotonic counters survive the other's
+  // calls.
+  static constexpr size_t kLowLatencyBarrierOffset = kHeadBytes;
+  static constexpr size_t kLowLatencyBarrierBytes = 512;
+  static constexpr size_t kQueuesOffset = kHeadBytes + kLowLatencyBarrierBytes;
 
   EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
   EPX_HD size_t num_send_rings() const { return size_t(num_nodes - 1) * num_channels; }

@@ -7,6 +7,7 @@
 #include "epx/error.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/formats/logfmt.hpp"
+#include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
 
 namespace epx {
@@ -63,9 +64,18 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 // launch or cleaning race exists and a stale signal can never pass. clean_low_latency_buffer() resets them
 // collectively.
 //
-//   control                          clean-barrier signals, then per half h: recv_flag[op][R],
-//                                    send_finish[op][R], num_uses[op], recv_done[op], source_decision[op][R]
-//                                    (offsets depend on R only)
+// NOTES: one Buffer serves low-latency mode and normal mode across nodes with one symmetric buffer. Normal
+// mode's fixed area (InternodeLayout::Head, its monotonic counters) comes first and low-latency calls never
+// touch it; the clean barrier (monotonic too) follows and normal mode never touches it; the rest holds either
+// mode's queues and messages. So a low-latency call after normal-mode calls across nodes needs
+// clean_low_latency_buffer() first (the host refuses it otherwise), and the clean's barrier also orders it
+// after every rank's normal-mode calls. Normal mode needs nothing after low-latency calls: its queues are
+// written before they are read, and its count exchange waits for every peer to reach it.
+//
+//   normal-mode head                 InternodeLayout::kHeadBytes, untouched here
+//   barrier                          clean-barrier signals (InternodeLayout::kLowLatencyBarrierBytes)
+//   control                          per half h: recv_flag[op][R], send_finish[op][R], num_uses[op],
+//                                    recv_done[op], source_decision[op][R] (offsets depend on R only)
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
 //   per half h in {0, 1}:
@@ -125,8 +135,12 @@ struct LowLatencyLayout {
 
   // ---- Control: the clean barrier and both halves' signals. Their offsets depend only on R, so operations
   // of different shapes (M, H, E) on one buffer still agree on them. ----
-  EPX_HD size_t barrier_signal_offset(int src_rank) const { return sizeof(int) * size_t(src_rank); }
-  EPX_HD size_t barrier_count_offset() const { return sizeof(int) * size_t(num_ranks); }
+  EPX_HD size_t barrier_signal_offset(int src_rank) const {
+    return InternodeLayout::kLowLatencyBarrierOffset + sizeof(int) * size_t(src_rank);
+  }
+  EPX_HD size_t barrier_count_offset() const {
+    return InternodeLayout::kLowLatencyBarrierOffset + sizeof(int) * size_t(num_ranks);
+  }
   EPX_HD size_t barrier_bytes() const {
     return align_up(sizeof(int) * (size_t(num_ranks) + 1), kLowLatencyAlign);
   }
@@ -135,11 +149,14 @@ struct LowLatencyLayout {
     return align_up(sizeof(int) * (size_t(3 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps),
                     kLowLatencyAlign);
   }
-  EPX_HD size_t signals_offset(int half) const { return barrier_bytes() + size_t(half) * signals_bytes(); }
-  EPX_HD size_t control_bytes() const { return signals_offset(2); }
+  EPX_HD size_t signals_offset(int half) const {
+    return InternodeLayout::kQueuesOffset + size_t(half) * signals_bytes();
+  }
+  // Where the control area ends (its offset from the start of the buffer: the normal-mode head included).
+  EPX_HD size_t control_end_offset() const { return signals_offset(2); }
 
   // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
-  EPX_HD size_t combine_send_offset() const { return control_bytes(); }
+  EPX_HD size_t combine_send_offset() const { return control_end_offset(); }
   EPX_HD size_t combine_send_bytes() const {
     return align_up(size_t(num_local_experts()) * num_recv_rows() * hidden * 2, kLowLatencyAlign);
   }
@@ -258,6 +275,8 @@ struct LowLatencyLayout {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
   }
 };
+static_assert(sizeof(int) * (kMaxLowLatencyRanks + 1) <= InternodeLayout::kLowLatencyBarrierBytes,
+              "the clean barrier of the largest group must fit its reserved place");
 
 // Low-latency buffer bytes per rank (what Buffer::get_low_latency_rdma_size_hint returns): the layout's
 // total, rounded up to a multiple of 2 MiB. Validates like LowLatencyLayout.
