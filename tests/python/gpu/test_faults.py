@@ -137,13 +137,17 @@ def collected_buffer_worker(rank, num_ranks, group):
     hidden, num_experts, num_tokens = 256, 4 * num_ranks, 32
     num_nvl_bytes = epx.Config().get_nvl_buffer_size_hint(hidden * 2, num_ranks)
     topk_idx = (torch.arange(num_tokens, device=device).unsqueeze(1) + torch.arange(2, device=device)) % num_experts
+    topk_weights = torch.ones(num_tokens, 2, dtype=torch.float32, device=device)
     x = torch.ones(num_tokens, hidden, dtype=torch.bfloat16, device=device)
+    # Combine sums one row per destination rank: a token comes back as x times its number of distinct ranks.
+    ranks = topk_idx // (num_experts // num_ranks)
+    expected = x * (1 + (ranks[:, 0] != ranks[:, 1]).to(torch.bfloat16)).unsqueeze(1)
 
     def round_trip(buffer):
-        result = buffer.dispatch(x, topk_idx=topk_idx, num_experts=num_experts)
+        result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts)
         combined = buffer.combine(result.recv_x, result.handle).combined_x
         torch.cuda.synchronize()
-        assert combined.shape == x.shape
+        assert torch.equal(combined, expected)
         del result, combined
 
     buffer = epx.Buffer(group, num_nvl_bytes=num_nvl_bytes, wait_timeout_s=WAIT_TIMEOUT_S)
