@@ -26,8 +26,17 @@ struct BenchOptions {
   int warmup = 5;
   int iters = 30;
   bool json = false;
+  std::string plot_file;  // --plot: an SVG of the results, EPX beside NCCL (bench_plot.hpp); empty: none
   unsigned seed = 1;
 };
+
+// --plot writes SVG, whatever the name says; a name that promises another format (out.png) is refused
+// rather than written as SVG.
+inline bool is_svg_path(const std::string& path) {
+  constexpr const char kSuffix[] = ".svg";
+  constexpr size_t kSuffixSize = sizeof(kSuffix) - 1;
+  return path.size() > kSuffixSize && path.compare(path.size() - kSuffixSize, kSuffixSize, kSuffix) == 0;
+}
 
 // Nodes are equal blocks of ranks: a ranks-per-node `flag` of `value` (0: one node) must divide `num_ranks`
 // (`ranks_from` says where that count came from, for the message: "--ranks" or "the visible GPUs").
@@ -60,6 +69,8 @@ inline void validate_options(const BenchOptions& o) {
   check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, o.num_ranks, "--ranks");
   EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
   EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
+  EPX_CHECK(o.plot_file.empty() || is_svg_path(o.plot_file), "--plot", o.plot_file,
+            "must end in .svg (the plot is an SVG file)");
 }
 
 // Normal mode's nodes: ranks_per_node when it splits `num_ranks` into several nodes, else num_ranks (one

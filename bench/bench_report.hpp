@@ -18,6 +18,19 @@ struct BenchRow {
   double network_gbps() const { return time_us > 0 ? network_bytes / (time_us * 1e3) : 0; }
 };
 
+// One row averaged over ranks, as the table and the JSON lines report it (and the plot draws it).
+struct RowSummary {
+  std::string op;
+  int num_sms = 0;
+  double mean_us = 0, slowest_us = 0;
+  double gbps_mean = 0, gbps_min = 0;          // mean over ranks, and of the slowest rank
+  double net_gbps_mean = 0, net_gbps_min = 0;  // across nodes; 0 within a node
+  bool has_bytes = false;                      // false: a row that breaks another row's time down
+};
+
+// rank_rows[r] = rank r's rows, same order on every rank; one summary per row.
+std::vector<RowSummary> summarize_rows(const std::vector<std::vector<BenchRow>>& rank_rows);
+
 // Writes rows averaged over ranks (rank_rows[r] = rank r's rows, same order on every rank) to `out` as a
 // table under `header`, or as JSON lines tagged with `mode`. When a row carries network bytes (a run across
 // nodes), the table adds the network GB/s (mean over ranks and of the slowest rank) and the JSON lines

@@ -20,6 +20,7 @@
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>
 
+#include "bench_plot.hpp"
 #include "common/cuda_check.hpp"
 #include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
@@ -51,6 +52,8 @@ void print_help() {
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
+      "  --plot FILE.svg                 also write an SVG bar chart: per op the EPX time beside the NCCL\n"
+      "                                  all-to-all of the same run, with GB/s (no GPU: nothing to plot)\n"
       "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch; across nodes\n"
       "also network bytes = each token once per other node it goes to x the same row bytes;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
@@ -124,6 +127,8 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.json = true;
     } else if (flag == "--json-file") {
       json_file = value();
+    } else if (flag == "--plot") {
+      o.plot_file = value();
     } else {
       EPX_FAIL("unknown flag ", flag, " (see --help)");
     }
@@ -133,6 +138,9 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
 }
 
 int run_cpu_reference(const BenchOptions& o, const std::string& json_path) {
+  // The reference run times CPU code and has no NCCL: no figure would mean anything.
+  if (!o.plot_file.empty())
+    std::fprintf(stderr, "epx-bench: no GPU, so no timings to plot: %s not written\n", o.plot_file.c_str());
   epx::reference::CpuReferenceBenchShape shape;
   shape.with_normal = o.mode != "low-latency";
   shape.with_low_latency = o.mode != "normal";
@@ -176,10 +184,13 @@ std::vector<std::vector<epx::bench::BenchRow>> gather_rows(epx::Bootstrap& boots
   return all;
 }
 
+// Prints one mode's rows (and writes them to the JSON file), and keeps them for the plot.
 void report(const std::vector<std::vector<epx::bench::BenchRow>>& rows, const BenchOptions& o,
-            std::FILE* json_file, const std::string& header, const std::string& mode) {
+            std::FILE* json_file, const std::string& header, const std::string& mode,
+            std::vector<epx::bench::PlotSection>& plot) {
   epx::bench::print_rows(rows, stdout, o.json, header, mode);
   if (json_file != nullptr) epx::bench::print_rows(rows, json_file, true, header, mode);
+  plot.push_back({header, epx::bench::summarize_rows(rows)});
 }
 
 int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) {
@@ -196,6 +207,7 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
   const epx::LocalLaunchResult result = epx::launch_local(launch, [&](epx::Bootstrap& bootstrap) {
     EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
     std::FILE* json_file = nullptr;
+    std::vector<epx::bench::PlotSection> plot;  // rank 0's report, for --plot
     if (bootstrap.rank() == 0) {
       cudaDeviceProp prop{};
       cudaGetDeviceProperties(&prop, 0);
@@ -219,7 +231,7 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       if (ranks_per_node < num_ranks)
         header << "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time";
       header << "; verified before timing)";
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal");
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal", plot);
     }
     if (o.mode != "normal") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_low_latency_bench(bootstrap, o));
@@ -231,9 +243,13 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       header << ", " << o.ll_num_tokens << " tokens/rank, hidden " << o.hidden << ", top-" << o.num_topk
              << " of " << o.ll_num_experts
              << " experts (GB/s = selections x bytes per selection / time; verified before timing)";
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "low-latency");
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "low-latency", plot);
     }
     if (json_file != nullptr) std::fclose(json_file);
+    if (bootstrap.rank() == 0 && !o.plot_file.empty()) {
+      epx::bench::write_plot_svg(o.plot_file, plot);
+      if (!o.json) std::printf("\nplot: %s\n", o.plot_file.c_str());
+    }
     return 0;
   });
   if (!result.ok()) {

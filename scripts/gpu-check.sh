@@ -1,6 +1,7 @@
 #!/usr/bin/env bash
 # The one command a GPU machine runs: build (or reuse a carried build), run the GPU tests, the C++ examples,
-# the Python tests and example and the benchmark, and leave logs plus summary.json under $OUT (default gpu-out/).
+# the Python tests and example and the benchmark, and leave logs, the benchmark's table, JSON and plot
+# (bench.svg: EPX beside NCCL) plus summary.json under $OUT (default gpu-out/).
 # Environment knobs:
 #   GPU_TESTS      gtest filter of the GPU tests (default: all; "-" skips them)
 #   PY_TESTS       "-" skips the Python GPU tests and the example
@@ -79,8 +80,8 @@ fi
 bench_rc=skipped
 if [ "${BENCH_ARGS:-}" != "skip" ]; then
   # shellcheck disable=SC2086
-  timeout -k 10 "${BENCH_TIMEOUT:-240}" "$build/bench/epx-bench" --json-file "$out/bench.json" ${BENCH_ARGS:-} \
-    >"$out/bench.txt" 2>&1
+  timeout -k 10 "${BENCH_TIMEOUT:-240}" "$build/bench/epx-bench" --json-file "$out/bench.json" \
+    --plot "$out/bench.svg" ${BENCH_ARGS:-} >"$out/bench.txt" 2>&1
   bench_rc=$?
   tail -60 "$out/bench.txt"
 fi

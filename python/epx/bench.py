@@ -29,6 +29,7 @@ The table (op, SMs, mean us over ranks, slowest us, GB/s mean over ranks, GB/s o
 
     python -m epx.bench                      # every visible GPU, both modes
     python -m epx.bench --mode normal --num-sms 12,24,48 --json
+    python -m epx.bench --plot bench.svg     # also an SVG: per op EPX beside NCCL (epx.bench_plot)
 
 torch is imported only when the benchmark runs (importing this module needs no torch).
 """
@@ -43,6 +44,8 @@ import sys
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
+
+from epx import bench_plot
 
 # Set in os.environ before the ranks are spawned: NVLink multicast (NVLS) stays off on the lent machines.
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -116,6 +119,34 @@ class BenchRow:
         return self.network_bytes / (self.time_us * 1e3) if self.time_us > 0 else 0.0
 
 
+@dataclass
+class RowSummary:
+    """One row averaged over ranks, as the table and the JSON lines report it (and --plot draws it)."""
+
+    op: str
+    num_sms: int
+    mean_us: float
+    slowest_us: float
+    gbps_mean: float  # mean over ranks
+    gbps_min: float  # the slowest rank's
+    net_gbps_mean: float  # across nodes; 0 within a node
+    net_gbps_min: float
+    has_bytes: bool  # False: a row that breaks another row's time down
+
+
+def summarize_rows(rank_rows: Sequence[Sequence[BenchRow]]) -> List[RowSummary]:
+    """rank_rows[r] are rank r's rows (same ops in the same order on every rank); one summary per row."""
+    out = []
+    num_ranks = len(rank_rows)
+    for i, row in enumerate(rank_rows[0] if rank_rows else []):
+        times = [rows[i].time_us for rows in rank_rows]
+        rates = [rows[i].gbps() for rows in rank_rows]
+        net_rates = [rows[i].network_gbps() for rows in rank_rows]
+        out.append(RowSummary(row.op, row.num_sms, sum(times) / num_ranks, max(times), sum(rates) / num_ranks,
+                              min(rates), sum(net_rates) / num_ranks, min(net_rates), row.bytes > 0))
+    return out
+
+
 def format_rows(rank_rows: Sequence[Sequence[BenchRow]], as_json: bool, header: str, mode: str) -> List[str]:
     """Lines of epx-bench's report: rank_rows[r] are rank r's rows (same ops in the same order on every rank),
     averaged over ranks into a table under `header`, or one JSON object per op tagged with `mode`. A run across
@@ -130,24 +161,18 @@ def format_rows(rank_rows: Sequence[Sequence[BenchRow]], as_json: bool, header: 
         lines.append(header)
         columns = f"{'op':<34} {'SMs':>5} {'mean us':>12} {'slowest us':>12} {'GB/s (mean)':>12} {'GB/s (min)':>12}"
         lines.append(columns + (f" {'net GB/s':>12} {'net (min)':>12}" if across_nodes else ""))
-    for i, row in enumerate(rank_rows[0]):
-        times = [rows[i].time_us for rows in rank_rows]
-        rates = [rows[i].gbps() for rows in rank_rows]
-        net_rates = [rows[i].network_gbps() for rows in rank_rows]
-        mean_us, slowest_us = sum(times) / num_ranks, max(times)
-        mean_gbps, min_gbps = sum(rates) / num_ranks, min(rates)
-        mean_net, min_net = sum(net_rates) / num_ranks, min(net_rates)
+    for s in summarize_rows(rank_rows):
         if as_json:
-            net = f'"net_gbps_mean":{mean_net:.2f},"net_gbps_min":{min_net:.2f},' if across_nodes else ""
+            net = f'"net_gbps_mean":{s.net_gbps_mean:.2f},"net_gbps_min":{s.net_gbps_min:.2f},' if across_nodes else ""
             lines.append(
-                f'{{"mode":{json.dumps(mode)},"op":{json.dumps(row.op)},"num_sms":{row.num_sms},'
-                f'"num_ranks":{num_ranks},"mean_us":{mean_us:.2f},"slowest_us":{slowest_us:.2f},'
-                f'"gbps_mean":{mean_gbps:.2f},"gbps_min":{min_gbps:.2f},{net}"header":{json.dumps(header)}}}')
+                f'{{"mode":{json.dumps(mode)},"op":{json.dumps(s.op)},"num_sms":{s.num_sms},'
+                f'"num_ranks":{num_ranks},"mean_us":{s.mean_us:.2f},"slowest_us":{s.slowest_us:.2f},'
+                f'"gbps_mean":{s.gbps_mean:.2f},"gbps_min":{s.gbps_min:.2f},{net}"header":{json.dumps(header)}}}')
         else:
-            line = (f"{row.op:<34} {row.num_sms:5d} {mean_us:12.1f} {slowest_us:12.1f} {mean_gbps:12.1f} "
-                    f"{min_gbps:12.1f}")
+            line = (f"{s.op:<34} {s.num_sms:5d} {s.mean_us:12.1f} {s.slowest_us:12.1f} {s.gbps_mean:12.1f} "
+                    f"{s.gbps_min:12.1f}")
             if across_nodes:
-                line += f" {mean_net:12.1f} {min_net:12.1f}"
+                line += f" {s.net_gbps_mean:12.1f} {s.net_gbps_min:12.1f}"
             lines.append(line)
     return lines
 
@@ -216,6 +241,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--iters", type=int, default=30, help="timed runs per number, median reported (default 30)")
     p.add_argument("--json", action="store_true", help="JSON lines on stdout instead of tables")
     p.add_argument("--json-file", default="", metavar="PATH", help="also write the JSON lines to PATH")
+    p.add_argument("--plot", default="", metavar="FILE.svg",
+                   help="also write an SVG bar chart: per op the EPX time beside the NCCL all-to-all of the same run, "
+                        "with GB/s (epx-bench --plot's figure; no matplotlib needed)")
     p.add_argument("--seed", type=int, default=1, help="seed of the random inputs and routing (default 1)")
     p.add_argument("--launch-ahead-us", type=float, default=200.0, metavar="US",
                    help="GPU spin queued before each timed call so Python's host time is not counted "
@@ -240,6 +268,8 @@ def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     for flag, value in (("--ranks-per-node", o.ranks_per_node), ("--ll-ranks-per-node", o.ll_ranks_per_node)):
         if o.ranks > 0 and value > 0 and o.ranks % value != 0:
             p.error(f"{flag} {value} must divide --ranks {o.ranks} (nodes are equal blocks of ranks)")
+    if o.plot and not (len(o.plot) > 4 and o.plot.endswith(".svg")):  # as bench_options.hpp: the plot is SVG
+        p.error(f"--plot {o.plot} must end in .svg (the plot is an SVG file)")
     if o.mode != "low-latency" and o.hidden % 128 != 0:
         p.error(f"--hidden {o.hidden} must be a multiple of 128 (FP8 dispatch is benchmarked)")
     return o
@@ -841,6 +871,7 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     json_file = None
+    plot: List[bench_plot.Section] = []  # rank 0's report, for --plot
     try:
         me = _Rank(rank, num_ranks, o, barrier)
         with torch.cuda.stream(me.stream):
@@ -869,6 +900,11 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
                     if json_file is not None:
                         json_file.write("\n".join(format_rows(rank_rows, True, header, mode)) + "\n")
                         json_file.flush()
+                    plot.append((header, summarize_rows(rank_rows)))
+            if rank == 0 and o.plot:
+                bench_plot.write_svg(o.plot, plot)
+                if not o.json:
+                    print(f"\nplot: {o.plot}", flush=True)
         me.report_warnings()
         torch.cuda.synchronize()
         dist.barrier(group=me.gloo)

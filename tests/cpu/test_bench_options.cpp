@@ -60,6 +60,21 @@ TEST(BenchOptions, NormalNodesAreOneNodeUnlessTheFlagSplitsTheRanks) {
   EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 2), 1);
 }
 
+// --plot writes SVG: a name ending in anything else is refused before the run, naming the flag.
+TEST(BenchOptions, PlotFileMustBeAnSvg) {
+  BenchOptions o;
+  for (const char* path : {"", "out.svg", "plots/normal-4096.svg"}) {
+    o.plot_file = path;
+    EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "") << path;
+  }
+  for (const char* path : {"out.png", "out", ".svg", "out.svg.txt"}) {
+    o.plot_file = path;
+    EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }),
+              std::string("invalid --plot = ") + path + ": must end in .svg (the plot is an SVG file)")
+        << path;
+  }
+}
+
 // Each token counts once per other node that holds one of its experts, however many ranks there need it.
 TEST(BenchBytes, NetworkRowsCountEachTokenOncePerOtherNode) {
   // 4 ranks as 2 nodes of 2, one expert per rank.

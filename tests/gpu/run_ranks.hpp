@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <string>
 
 #include "common/cuda_check.hpp"
 #include "common/device_info.hpp"
@@ -42,6 +43,22 @@ inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& work
     return 0;
   });
   ASSERT_TRUE(result.ok()) << result.summary();
+}
+
+// Name generator for suites parametrized by the rank count (INSTANTIATE_TEST_SUITE_P's last argument): the
+// names end in /TwoRanks, /FourRanks, /EightRanks rather than /0, /1, so a filter or a log line says how
+// many ranks ran and stays valid when a count is added.
+inline std::string rank_count_name(const ::testing::TestParamInfo<int>& info) {
+  switch (info.param) {
+    case 2:
+      return "TwoRanks";
+    case 4:
+      return "FourRanks";
+    case 8:
+      return "EightRanks";
+    default:
+      return std::to_string(info.param) + "Ranks";
+  }
 }
 
 }  // namespace epx::test

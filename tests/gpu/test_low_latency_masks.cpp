@@ -29,20 +29,26 @@ void require(bool condition, int rank, const std::string& what) {
   if (!condition) throw std::runtime_error("rank " + std::to_string(rank) + ": " + what);
 }
 
+// Cases that run at 2 and 4 ranks: test names end in /TwoRanks or /FourRanks, e.g.
+// LowLatencyMasks/LowLatencyMaskRanks.MaskedRank/FourRanks (a gtest filter for the whole file:
+// LowLatencyMasks*). The two runs differ on purpose (masks, formats, hooks); the test body says how.
+class LowLatencyMaskRanks : public ::testing::TestWithParam<int> {};
+INSTANTIATE_TEST_SUITE_P(LowLatencyMasks, LowLatencyMaskRanks, ::testing::Values(2, 4),
+                         epx::test::rank_count_name);
+
 // ---- A masked rank sits out; the others match the reference with it masked ----
 
-TEST(LowLatencyMasks, MaskedRankTwoRanks) {
-  LowLatencyCase c = small_low_latency_case(2);
-  c.masks = {{1}};
-  c.num_iterations = 3;
-  run_low_latency_case(c);
-}
-
-TEST(LowLatencyMasks, MaskedRankFourRanksFp8) {
-  LowLatencyCase c = small_low_latency_case(4);
-  c.use_fp8 = true;
-  c.masks = {{2}};
-  c.num_iterations = 2;
+// Four ranks: FP8, a rank in the middle masked.
+TEST_P(LowLatencyMaskRanks, MaskedRank) {
+  LowLatencyCase c = small_low_latency_case(GetParam());
+  if (GetParam() == 2) {
+    c.masks = {{1}};
+    c.num_iterations = 3;
+  } else {
+    c.use_fp8 = true;
+    c.masks = {{2}};
+    c.num_iterations = 2;
+  }
   run_low_latency_case(c);
 }
 
@@ -59,39 +65,36 @@ TEST(LowLatencyMasks, TwoMaskedRanksHooksLogfmtFourRanks) {
 
 // ---- Masking and unmasking between calls (unmasking cleans every rank's buffer) ----
 
-TEST(LowLatencyMasks, MaskAndUnmaskBetweenCallsTwoRanks) {
-  LowLatencyCase c = small_low_latency_case(2);
-  c.masks = {{}, {1}, {1}, {}, {0}, {}};
-  c.num_iterations = 6;
-  run_low_latency_case(c);
-}
-
-TEST(LowLatencyMasks, MaskAndUnmaskBetweenCallsFourRanks) {
-  LowLatencyCase c = small_low_latency_case(4);
-  c.use_fp8 = true;
-  c.zero_copy = true;
-  c.masks = {{}, {3}, {1, 3}, {}, {0}};
-  c.num_iterations = 5;
+// Four ranks: FP8 and zero-copy combine, two ranks masked at once.
+TEST_P(LowLatencyMaskRanks, MaskAndUnmaskBetweenCalls) {
+  LowLatencyCase c = small_low_latency_case(GetParam());
+  if (GetParam() == 2) {
+    c.masks = {{}, {1}, {1}, {}, {0}, {}};
+    c.num_iterations = 6;
+  } else {
+    c.use_fp8 = true;
+    c.zero_copy = true;
+    c.masks = {{}, {3}, {1, 3}, {}, {0}};
+    c.num_iterations = 5;
+  }
   run_low_latency_case(c);
 }
 
 // ---- CUDA graphs: the kernels read the mask when they run ----
 
-TEST(LowLatencyMasks, GraphReplayWithMaskChangesTwoRanks) {
-  LowLatencyCase c = small_low_latency_case(2);
+// Four ranks: FP8 and hooks, two ranks masked at once.
+TEST_P(LowLatencyMaskRanks, GraphReplayWithMaskChanges) {
+  LowLatencyCase c = small_low_latency_case(GetParam());
   c.graph = true;
-  c.masks = {{}, {1}, {}, {0}};
-  c.num_iterations = 4;
-  run_low_latency_case(c);
-}
-
-TEST(LowLatencyMasks, GraphReplayWithMaskChangesFourRanks) {
-  LowLatencyCase c = small_low_latency_case(4);
-  c.graph = true;
-  c.use_fp8 = true;
-  c.dispatch_hook = c.combine_hook = true;
-  c.masks = {{}, {2}, {2}, {}, {0, 1}};
-  c.num_iterations = 5;
+  if (GetParam() == 2) {
+    c.masks = {{}, {1}, {}, {0}};
+    c.num_iterations = 4;
+  } else {
+    c.use_fp8 = true;
+    c.dispatch_hook = c.combine_hook = true;
+    c.masks = {{}, {2}, {2}, {}, {0, 1}};
+    c.num_iterations = 5;
+  }
   run_low_latency_case(c);
 }
 
@@ -203,12 +206,10 @@ void run_shrink(epx::Bootstrap& bootstrap, bool use_hooks) {
   runner.run_iteration(3, {}, true);
 }
 
-TEST(LowLatencyMasks, ShrinkMasksARankThatSkipsACallTwoRanks) {
-  epx::test::run_ranks(2, [](epx::Bootstrap& bootstrap) { run_shrink(bootstrap, false); });
-}
-
-TEST(LowLatencyMasks, ShrinkMasksARankThatSkipsACallFourRanksHooks) {
-  epx::test::run_ranks(4, [](epx::Bootstrap& bootstrap) { run_shrink(bootstrap, true); });
+// Four ranks: with hooks.
+TEST_P(LowLatencyMaskRanks, ShrinkMasksARankThatSkipsACall) {
+  const bool use_hooks = GetParam() != 2;
+  epx::test::run_ranks(GetParam(), [&](epx::Bootstrap& bootstrap) { run_shrink(bootstrap, use_hooks); });
 }
 
 }  // namespace

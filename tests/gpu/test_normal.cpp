@@ -84,13 +84,11 @@ NormalCase small_case(int num_ranks) {
   return c;
 }
 
-// Cases that run the same way at 2 and 4 ranks (the 4-rank run skips where fewer ranks fit): test names
-// end in /TwoRanks or /FourRanks, e.g. Normal/NormalRanks.Bf16/FourRanks.
+// Cases that run at 2 and 4 ranks (the 4-rank run skips where fewer ranks fit): test names end in /TwoRanks
+// or /FourRanks, e.g. Normal/NormalRanks.Bf16/FourRanks. Where the two runs differ on purpose (a seed, a
+// token count, unbalanced routing at four ranks), the test body says so.
 class NormalRanks : public ::testing::TestWithParam<int> {};
-INSTANTIATE_TEST_SUITE_P(Normal, NormalRanks, ::testing::Values(2, 4),
-                         [](const ::testing::TestParamInfo<int>& info) {
-                           return info.param == 2 ? std::string("TwoRanks") : std::string("FourRanks");
-                         });
+INSTANTIATE_TEST_SUITE_P(Normal, NormalRanks, ::testing::Values(2, 4), epx::test::rank_count_name);
 
 // ---- Formats, routing, token counts ----
 
@@ -149,23 +147,20 @@ TEST_P(NormalRanks, UnbalancedRouting) {
   run_case(unbalanced_case(GetParam()));
 }
 
-// Each rank meets 0, 1 and an odd count over the iterations.
-TEST(Normal, TokenCountsZeroOneOddTwoRanks) {
-  NormalCase c = small_case(2);
-  c.num_tokens = {0, 1, 333};
+// Each rank meets 0, 1 and an odd count over the iterations; at four ranks also 5 tokens, aligned to 128.
+TEST_P(NormalRanks, TokenCountsZeroOneOdd) {
+  NormalCase c = small_case(GetParam());
   c.formats = {kBf16, kFp8};
-  c.num_iterations = 3;
-  c.seed = 41;
-  run_case(c);
-}
-
-TEST(Normal, TokenCountsZeroOneOddFourRanks) {
-  NormalCase c = small_case(4);
-  c.num_tokens = {0, 1, 333, 5};
-  c.formats = {kBf16, kFp8};
-  c.expert_alignments = {128};
-  c.num_iterations = 4;
-  c.seed = 42;
+  if (GetParam() == 2) {
+    c.num_tokens = {0, 1, 333};
+    c.num_iterations = 3;
+    c.seed = 41;
+  } else {
+    c.num_tokens = {0, 1, 333, 5};
+    c.expert_alignments = {128};
+    c.num_iterations = 4;
+    c.seed = 42;
+  }
   run_case(c);
 }
 
@@ -244,14 +239,10 @@ NormalCase worst_case_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, WorstCaseNoHostSyncTwoRanks) {
-  run_case(worst_case_case(2));
-}
-
-// Unbalanced: rank 0 receives nothing, so all its rows are padding.
-TEST(Normal, WorstCaseNoHostSyncFourRanks) {
-  NormalCase c = worst_case_case(4);
-  c.routing = NormalRouting::kUnbalanced;
+TEST_P(NormalRanks, WorstCaseNoHostSync) {
+  NormalCase c = worst_case_case(GetParam());
+  // Four ranks unbalanced: rank 0 receives nothing, so all its rows are padding.
+  if (GetParam() != 2) c.routing = NormalRouting::kUnbalanced;
   run_case(c);
 }
 
@@ -269,12 +260,9 @@ NormalCase sm_budget_case(int num_ranks, TokenFormat format) {
   return c;
 }
 
-TEST(Normal, SmBudgetsGiveIdenticalResultsTwoRanks) {
-  run_case(sm_budget_case(2, kBf16));
-}
-
-TEST(Normal, SmBudgetsGiveIdenticalResultsFourRanks) {
-  run_case(sm_budget_case(4, kFp8));
+// BF16 at two ranks, FP8 at four.
+TEST_P(NormalRanks, SmBudgetsGiveIdenticalResults) {
+  run_case(sm_budget_case(GetParam(), GetParam() == 2 ? kBf16 : kFp8));
 }
 
 // 0, 1 and 2 biases, each with and without top-k weights.
@@ -342,16 +330,15 @@ NormalCase many_calls_case(int num_ranks) {
   return c;
 }
 
-TEST(Normal, HundredCallsTwoRanks) {
-  NormalCase c = many_calls_case(2);
-  c.num_iterations = 100;
-  run_case(c);
-}
-
-TEST(Normal, HundredTwentyCallsFourRanks) {
-  NormalCase c = many_calls_case(4);
-  c.routing = NormalRouting::kUnbalanced;
-  c.num_iterations = 120;
+// 100 calls at two ranks; 120 at four, with unbalanced routing.
+TEST_P(NormalRanks, ManyCalls) {
+  NormalCase c = many_calls_case(GetParam());
+  if (GetParam() == 2) {
+    c.num_iterations = 100;
+  } else {
+    c.routing = NormalRouting::kUnbalanced;
+    c.num_iterations = 120;
+  }
   run_case(c);
 }
 
@@ -391,33 +378,33 @@ NormalCase many_tokens_case(int num_ranks, std::vector<int> num_tokens) {
   return c;
 }
 
-TEST(Normal, TokenCountsAroundAndFarAboveTheOldCapTwoRanks) {
-  NormalCase c = many_tokens_case(2, {4095, 4097, 1, 16384});
-  c.num_iterations = 4;
-  c.seed = 201;
+// Two ranks: 1 token and four iterations; four ranks: 0 tokens and cached re-dispatch.
+TEST_P(NormalRanks, TokenCountsAroundAndFarAboveTheOldCap) {
+  NormalCase c;
+  if (GetParam() == 2) {
+    c = many_tokens_case(GetParam(), {4095, 4097, 1, 16384});
+    c.num_iterations = 4;
+    c.seed = 201;
+  } else {
+    c = many_tokens_case(GetParam(), {4095, 0, 16384, 4097});
+    c.cached = {false, true};
+    c.seed = 202;
+  }
   run_case(c);
 }
 
-TEST(Normal, TokenCountsAroundAndFarAboveTheOldCapFourRanks) {
-  NormalCase c = many_tokens_case(4, {4095, 0, 16384, 4097});
-  c.cached = {false, true};
-  c.seed = 202;
-  run_case(c);
-}
-
-TEST(Normal, SixtyFiveThousandTokensTwoRanks) {
-  NormalCase c = many_tokens_case(2, {65536});
-  c.cached = {false, true};
-  c.worst_case = {false, true};
-  c.seed = 203;
-  run_case(c);
-}
-
-TEST(Normal, SixtyFiveThousandTokensFourRanks) {
-  NormalCase c = many_tokens_case(4, {65536});
-  c.num_iterations = 1;
-  c.formats = {kFp8};
-  c.seed = 204;
+// Two ranks: cached and worst-case calls too; four ranks: one FP8 call.
+TEST_P(NormalRanks, SixtyFiveThousandTokens) {
+  NormalCase c = many_tokens_case(GetParam(), {65536});
+  if (GetParam() == 2) {
+    c.cached = {false, true};
+    c.worst_case = {false, true};
+    c.seed = 203;
+  } else {
+    c.num_iterations = 1;
+    c.formats = {kFp8};
+    c.seed = 204;
+  }
   run_case(c);
 }
 
@@ -452,16 +439,17 @@ NormalCase queue_case(int num_ranks, int chunk_tokens, int queue_tokens, std::ve
   return c;
 }
 
-TEST(Normal, OneTokenQueuesTwoRanks) {
-  NormalCase c = queue_case(2, 1, 1, {150, 77});
-  c.seed = 221;
-  run_case(c);
-}
-
-TEST(Normal, OneTokenQueuesFourRanks) {
-  NormalCase c = queue_case(4, 1, 1, {100, 33, 0, 64});
-  c.routing = NormalRouting::kUnbalanced;
-  c.seed = 222;
+// Four ranks: unbalanced routing and a rank without tokens.
+TEST_P(NormalRanks, OneTokenQueues) {
+  NormalCase c;
+  if (GetParam() == 2) {
+    c = queue_case(GetParam(), 1, 1, {150, 77});
+    c.seed = 221;
+  } else {
+    c = queue_case(GetParam(), 1, 1, {100, 33, 0, 64});
+    c.routing = NormalRouting::kUnbalanced;
+    c.seed = 222;
+  }
   run_case(c);
 }
 

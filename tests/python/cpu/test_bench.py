@@ -21,7 +21,7 @@ def test_defaults_match_epx_bench():
     assert o.num_sms == [24]
     assert (o.ll_tokens, o.ll_experts) == (128, 288)
     assert (o.warmup, o.iters) == (5, 30)
-    assert not o.json and o.json_file == ""
+    assert not o.json and o.json_file == "" and o.plot == ""
     assert o.seed == 1 and o.launch_ahead_us == 200.0
 
 
@@ -29,12 +29,13 @@ def test_every_flag():
     o = bench.parse_args(["--mode", "normal", "--ranks", "2", "--tokens", "512", "--hidden", "2048", "--topk", "4",
                           "--experts", "64", "--num-sms", "12,24,48", "--ll-tokens", "64", "--ll-experts", "32",
                           "--warmup", "0", "--iters", "3", "--json", "--json-file", "out.jsonl", "--seed", "9",
-                          "--launch-ahead-us", "0"])
+                          "--launch-ahead-us", "0", "--plot", "plots/out.svg"])
     assert o.mode == "normal" and o.ranks == 2
     assert (o.tokens, o.hidden, o.topk, o.experts) == (512, 2048, 4, 64)
     assert o.num_sms == [12, 24, 48]
     assert (o.ll_tokens, o.ll_experts, o.warmup, o.iters) == (64, 32, 0, 3)
     assert o.json and o.json_file == "out.jsonl" and o.seed == 9 and o.launch_ahead_us == 0
+    assert o.plot == "plots/out.svg"
 
 
 @pytest.mark.parametrize("argv, message", [
@@ -52,6 +53,8 @@ def test_every_flag():
     (["--unknown"], "unrecognized arguments"),
     (["--tok", "5"], "unrecognized arguments"),  # no abbreviations: flags are spelled as epx-bench's
     (["--tokens"], "expected one argument"),
+    (["--plot", "out.png"], "--plot out.png must end in .svg"),  # as epx-bench: the plot is SVG
+    (["--plot", ".svg"], "must end in .svg"),
 ])
 def test_bad_flags_exit_2(argv, message, capsys):
     with pytest.raises(SystemExit) as exit_info:
@@ -181,6 +184,65 @@ def test_report_across_nodes_adds_the_network_rates():
         "normal mode: 4 ranks (2 nodes of 2, NVSHMEM between them), 4096 tokens/rank, hidden 7168, top-8 of 256 "
         "experts (GB/s = rows received x row bytes / time; net GB/s = rows crossing to other nodes, once per node, x "
         "row bytes / time; verified before timing)")
+
+
+def test_summaries_are_what_the_report_prints():
+    rows = _rank_rows()
+    summary = bench.summarize_rows(rows)
+    assert [s.op for s in summary] == ["dispatch BF16", "  of which notify (BF16)"]
+    assert (summary[0].mean_us, summary[0].slowest_us, summary[0].gbps_mean, summary[0].gbps_min) == (
+        900.0, 1000.0, 500.0, 500.0)
+    assert summary[0].has_bytes and not summary[1].has_bytes
+    assert bench.summarize_rows([]) == []
+
+
+# ---- --plot (bench/bench_plot.cpp's SVG, written by epx.bench_plot) ----
+
+
+def _plot_sections():
+    def rows(*items):
+        return [[bench.BenchRow(op, sms, us, nbytes) for op, sms, us, nbytes in items]]
+
+    normal = rows(("dispatch BF16", 24, 87.7, 87.7e3 * 654), ("  of which notify (BF16)", 24, 18.8, 0.0),
+                  ("dispatch FP8 cached", 24, 71.6, 71.6e3 * 420), ("copy engine: read next rank", 0, 90.0, 1e6),
+                  ("NCCL all-to-all BF16 rows", 0, 44.4, 44.4e3 * 1290), ("NCCL all-to-all FP8 rows", 0, 30.1, 3e6))
+    low_latency = rows(("LL dispatch FP8", 0, 26.4, 26.4e3 * 280), ("LL combine LogFMT <&>", 0, 59.8, 9e6),
+                       ("NCCL all-to-all FP8 selections", 0, 39.4, 7e6))
+    return [("normal mode: 2 ranks", bench.summarize_rows(normal)),
+            ("low-latency mode: 2 ranks & more", bench.summarize_rows(low_latency))]
+
+
+def test_plot_pairs_each_op_with_the_nccl_row_of_its_format():
+    from epx import bench_plot
+
+    rows = _plot_sections()[0][1]
+    # The notify row names BF16 too, but carries no bytes: it is not drawn.
+    assert [bench_plot.nccl_baseline_of(rows, i) for i in range(len(rows))] == [4, 4, 5, None, None, None]
+    assert [bench_plot.is_plotted_op(row) for row in rows] == [True, False, True, False, False, False]
+    assert bench_plot.nccl_baseline_of(_plot_sections()[1][1], 1) is None  # LogFMT: no NCCL of its format
+
+
+def test_plot_is_a_well_formed_svg_with_every_op(tmp_path):
+    import xml.etree.ElementTree as ET
+
+    from epx import bench_plot
+
+    path = tmp_path / "bench.svg"
+    bench_plot.write_svg(str(path), _plot_sections())
+    svg = path.read_text(encoding="utf-8")
+    assert svg.startswith("<svg ") and svg.rstrip().endswith("</svg>")
+    root = ET.fromstring(svg)  # raises on anything not well-formed
+    ns = "{http://www.w3.org/2000/svg}"
+    assert root.tag == ns + "svg"
+    texts = [t.text for t in root.iter(ns + "text")]
+    for label in ("dispatch BF16, 24 SMs", "dispatch FP8 cached, 24 SMs", "LL dispatch FP8", "LL combine LogFMT <&>",
+                  "normal mode: 2 ranks", "low-latency mode: 2 ranks & more", "87.7 \u00b5s, 654 GB/s",
+                  "44.4 \u00b5s, 1290 GB/s"):
+        assert label in texts, label
+    assert not any("notify" in t or "copy engine" in t for t in texts)
+    classes = [r.get("class") for r in root.iter(ns + "rect")]
+    assert classes.count("epx") == 4 and classes.count("nccl") == 3  # LogFMT has no NCCL bar
+    assert ET.fromstring(bench_plot.render_svg([])).tag == ns + "svg"
 
 
 # ---- Host barrier ----
