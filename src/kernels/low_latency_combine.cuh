@@ -128,11 +128,13 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   Remote::put_warp(slot, staged, row_bytes, dst);
 }
 
-// Rows of every (local expert, source) block, spread over every warp of the grid; each goes to slot
-// (token, first top-k position) of its source rank, unless that rank is masked.
+// Rows of every (local expert, source) block, in pieces spread over every warp of the grid (a BF16 row stored
+// straight into an NVLink peer may take several pieces; an encoded or put row is one); each goes to slot
+// (token, first top-k position) of its source rank, unless that rank is masked. Returns the blocks that sent
+// anything (block 0 always counts: it posted the shapes).
 template <typename Remote>
-__device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
-                                    unsigned long long masked) {
+__device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
+                                          unsigned long long masked) {
   const LowLatencyLayout& layout = args.layout;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;
@@ -143,8 +145,12 @@ __device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* pref
 
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
+  const int num_pieces = args.use_logfmt || Remote::kEnabled ? 1 : row_pieces(size_t(hidden) * 2);
+  const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  for (int j = blockIdx.x * kNumWarps + threadIdx.x / 32; j < total_rows; j += num_grid_warps) {
+  for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
+    const int j = item / num_pieces;
+    const int piece = item % num_pieces;
     const int pair = find_pair(prefix, num_pairs, j);
     const int dst = pair % num_ranks;
     if (rank_masked(masked, dst)) continue;
@@ -164,9 +170,12 @@ __device__ void send_expert_outputs(const LowLatencyCombineArgs& args, int* pref
           slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
           layout.num_groups(), lane);
     } else {
-      warp_copy<false>(slot, row, size_t(hidden) * 2, lane);
+      warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }
   }
+  const int sending_blocks = (num_items + kNumWarps - 1) / kNumWarps;
+  const int count = max(1, min(static_cast<int>(gridDim.x), sending_blocks));
+  return Publishers{count, static_cast<int>(blockIdx.x) < count};
 }
 
 // ---- Receive ----
@@ -208,15 +217,23 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
   for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
 }
 
-// Per token (a block each), per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with
-// separate IEEE multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on
-// ranks in `left_out` count as -1 entries.
+// Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
+// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
+// `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
+// grid has blocks to spare, so every thread holds at most one chunk (one round of loads) in small calls.
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out) {
   const LowLatencyLayout& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_topk = args.num_topk;
-  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+  const int num_chunks = hidden / 8;
+  const int spare = args.num_tokens > 0 ? static_cast<int>(gridDim.x) / args.num_tokens : 1;
+  const int parts = max(1, min(spare, (num_chunks + kNumThreads - 1) / kNumThreads));
+  const int per_part = (num_chunks + parts - 1) / parts;
+  for (int item = blockIdx.x; item < args.num_tokens * parts; item += gridDim.x) {
+    const int token = item / parts;
+    const int chunk_begin = item % parts * per_part;
+    const int chunk_end = min(num_chunks, chunk_begin + per_part);
     __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
@@ -235,7 +252,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     }
     __syncthreads();
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
-    for (int chunk = threadIdx.x; chunk < hidden / 8; chunk += kNumThreads) {
+    for (int chunk = chunk_begin + threadIdx.x; chunk < chunk_end; chunk += kNumThreads) {
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
@@ -251,8 +268,8 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
         }
       } else {
-        // kBatch listings' loads in flight together, then added in top-k order.
-        constexpr int kBatch = 4;
+        // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
+        constexpr int kBatch = 8;
         for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
           int4 raw[kBatch];
 #pragma unroll
@@ -307,9 +324,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
     post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape, masked);
-    send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
+    const Publishers publishers = send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
     stamp_phase(args.phase_stamps, kStampSent);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked);
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
+                          publishers);
     stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) {

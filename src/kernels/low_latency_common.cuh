@@ -77,24 +77,35 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
   return __ldcg(local_at<int>(peers, layout.num_uses_offset(half, op)));
 }
 
-// Called by every thread of every block once its sends are issued. The last block to finish with a
-// destination publishes `value` into that destination's receive flag for this rank.
-// NOTES: each thread completes its puts and fences its own peer stores at system scope before the block's
-// arrival is counted; the last arriver fences again (acquiring the others' arrivals) and then releases the
-// flag, so the receiver's acquire of the flag orders every data store and put of every block before its
-// reads (the shape fingerprints post_shapes wrote at the start of the send phase included).
+// The blocks of a send phase that wrote anything (the others skip publish_sends): how many there are, and
+// whether this block is one of them. Every block computes the same from values all blocks share.
+struct Publishers {
+  int count;
+  bool this_block;
+};
+
+// Called by every thread of every publishing block once its sends are issued. The last of the `count`
+// publishing blocks to arrive for a destination publishes `value` into that destination's receive flag for
+// this rank.
+// NOTES: the barrier orders every store and completed put of the block before the arriving thread's
+// system-scope fence, which releases them (cumulatively) ahead of its arrival; the last arriver fences again
+// (acquiring the others' arrivals) and then releases the flag, so the receiver's acquire of the flag orders
+// every data store and put of every block before its reads (the shape fingerprints post_shapes wrote at the
+// start of the send phase included). One fence per arriving thread, not one per thread of the grid: a fence
+// waits for the thread's own stores only, and the barrier already made them the arriving thread's.
 // Masked destinations get nothing (their counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
-                                              int half, LowLatencyOp op, int value,
-                                              unsigned long long masked) {
+                                              int half, LowLatencyOp op, int value, unsigned long long masked,
+                                              Publishers publishers) {
+  if (!publishers.this_block) return;
   Remote::quiet();
-  __threadfence_system();
   __syncthreads();
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (rank_masked(masked, dst)) continue;
+    __threadfence_system();
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
-    if (atomicAdd(finish, 1) == static_cast<int>(gridDim.x) - 1) {
+    if (atomicAdd(finish, 1) == publishers.count - 1) {
       atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
       __threadfence_system();
       signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);

@@ -265,36 +265,60 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
 
 // ---- Receive ----
 
-// Copies one received message into row `row` of local expert `local_expert`'s block.
+// Piece `piece` of `num_pieces` of one received message into row `row` of local expert `local_expert`'s
+// block; piece 0 also writes the FP8 scales, whose loads it issues before the row's so both are in flight
+// together.
 __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg, int local_expert, int row,
-                            int lane) {
+                            int piece, int num_pieces, int lane) {
   const LowLatencyLayout& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_rows = layout.num_recv_rows();
   const size_t row_idx = size_t(local_expert) * num_rows + row;
   if (!args.use_fp8) {
-    warp_copy<true>(static_cast<char*>(args.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2, lane);
+    warp_copy_piece<true>(static_cast<char*>(args.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2,
+                          piece, num_pieces, lane);
     return;
   }
-  warp_copy<true>(static_cast<char*>(args.recv_x) + row_idx * hidden, msg, size_t(hidden), lane);
   const float* scales = reinterpret_cast<const float*>(msg + layout.dispatch_msg_scales_offset());
   const int num_groups = layout.num_groups();
+  // The first 128 groups (hidden <= 16384) are loaded ahead: lane l holds groups 4l..4l+3 (its UE8M0 word)
+  // or groups l, l + 32, l + 64, l + 96 (float scales). Groups past them take a loop after the row.
+  constexpr int kAhead = 4;
+  float ahead[kAhead];
+  if (piece == 0) {
+#pragma unroll
+    for (int i = 0; i < kAhead; ++i) {
+      const int group = args.use_ue8m0 ? 4 * lane + i : lane + 32 * i;
+      ahead[i] = group < num_groups ? __ldcg(scales + group) : 0.0f;
+    }
+  }
+  warp_copy_piece<true>(static_cast<char*>(args.recv_x) + row_idx * hidden, msg, size_t(hidden), piece,
+                        num_pieces, lane);
+  if (piece != 0) return;
   if (args.use_ue8m0) {
     // ceil(G / 4) words; bytes past the last group stay 0.
     const int num_words = ue8m0_num_words(num_groups);
     for (int word = lane; word < num_words; word += 32) {
       uint8_t bytes[4] = {0, 0, 0, 0};
 #pragma unroll
-      for (int i = 0; i < 4; ++i)
-        if (4 * word + i < num_groups) bytes[i] = ue8m0_from_pow2_scale(__ldcg(scales + 4 * word + i));
+      for (int i = 0; i < 4; ++i) {
+        const int group = 4 * word + i;
+        if (group < num_groups)
+          bytes[i] = ue8m0_from_pow2_scale(word == lane ? ahead[i] : __ldcg(scales + group));
+      }
       static_cast<uint32_t*>(args.recv_scales)[ll_scale_index(local_expert, row, word, num_rows, num_words)] =
           pack_ue8m0x4(bytes[0], bytes[1], bytes[2], bytes[3]);
     }
-  } else {
-    for (int group = lane; group < num_groups; group += 32)
-      static_cast<float*>(args.recv_scales)[ll_scale_index(local_expert, row, group, num_rows, num_groups)] =
-          __ldcg(scales + group);
+    return;
   }
+  float* out = static_cast<float*>(args.recv_scales);
+#pragma unroll
+  for (int i = 0; i < kAhead; ++i) {
+    const int group = lane + 32 * i;
+    if (group < num_groups) out[ll_scale_index(local_expert, row, group, num_rows, num_groups)] = ahead[i];
+  }
+  for (int group = 32 * kAhead + lane; group < num_groups; group += 32)
+    out[ll_scale_index(local_expert, row, group, num_rows, num_groups)] = __ldcg(scales + group);
 }
 
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
@@ -336,11 +360,15 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     }
   }
 
-  // Rows are spread over every warp of the grid, whatever the routing skew.
+  // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
+  const int num_pieces = row_pieces(args.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
+  const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  for (int j = blockIdx.x * kNumWarps + threadIdx.x / 32; j < total_rows; j += num_grid_warps) {
+  for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
+    const int j = item / num_pieces;
+    const int piece = item % num_pieces;
     const int pair = find_pair(prefix, num_pairs, j);
     const int local_expert = pair / num_ranks;
     const int src = pair % num_ranks;
@@ -350,8 +378,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
                (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
     deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
-                local_expert, row, lane);
-    if (lane == 0) {
+                local_expert, row, piece, num_pieces, lane);
+    if (lane == 0 && piece == 0) {
       const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
       args.recv_src_info[row_idx] = token;
       args.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
@@ -385,7 +413,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
     send_tokens<Remote>(args, small);
     stamp_phase(args.phase_stamps, kStampSent);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked);
+    // Blocks 0..T-1 send a token each (block 0 also posted the shapes), the last block routes.
+    const int senders = max(args.num_tokens, 1);
+    const Publishers publishers{min(static_cast<int>(gridDim.x), senders + 1),
+                                static_cast<int>(blockIdx.x) < senders || blockIdx.x == gridDim.x - 1};
+    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
+                          publishers);
     stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small, num_uses, aborted);

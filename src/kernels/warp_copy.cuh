@@ -10,9 +10,8 @@ namespace epx::kernels {
 // before the first store, the last partial round included, so a remote row never waits on serial round trips.
 // kSourceMayChange: the source is written by others while the kernel runs (peer memory, queues), so it is
 // read coherently (L1 bypassed, no read-only path).
-template <bool kSourceMayChange>
+template <bool kSourceMayChange, int kUnroll = 8>
 __device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane) {
-  constexpr int kUnroll = 8;
   auto* d = static_cast<int4*>(dst);
   const auto* s = static_cast<const int4*>(src);
   const int n = static_cast<int>(bytes / 16);
@@ -28,6 +27,30 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t byt
       if (base + u * 32 < n) device::st_na_v4(d + base + u * 32, v[u]);
     }
   }
+}
+
+// Rows cut into pieces of at most kRowPieceWords 16-byte words, one warp per piece: a warp issues every load
+// of its piece before its first store (one round trip per piece), and a call with few rows spreads each row
+// over several warps instead of leaving it to one warp's serial rounds.
+constexpr int kRowPieceUnroll = 16;
+constexpr int kRowPieceWords = kRowPieceUnroll * 32;  // 8 KiB
+
+// Pieces of a row of `bytes` (a multiple of 16).
+__host__ __device__ constexpr int row_pieces(size_t bytes) {
+  const int words = static_cast<int>(bytes / 16);
+  return words <= kRowPieceWords ? 1 : (words + kRowPieceWords - 1) / kRowPieceWords;
+}
+
+// Piece `piece` of `num_pieces` (row_pieces(bytes)) of a row copy, by one warp.
+template <bool kSourceMayChange>
+__device__ __forceinline__ void warp_copy_piece(void* dst, const void* src, size_t bytes, int piece,
+                                                int num_pieces, int lane) {
+  const int words = static_cast<int>(bytes / 16);
+  const int per_piece = (words + num_pieces - 1) / num_pieces;
+  const int begin = min(words, piece * per_piece);
+  const int end = min(words, begin + per_piece);
+  warp_copy<kSourceMayChange, kRowPieceUnroll>(
+      static_cast<int4*>(dst) + begin, static_cast<const int4*>(src) + begin, size_t(end - begin) * 16, lane);
 }
 
 }  // namespace epx::kernels
