@@ -29,14 +29,16 @@ inline int test_rank_capacity() {
 
 // Runs `worker` in one process per rank (rank r on device r, or r % GPUs when ranks share GPUs) and fails the
 // test with the launcher's summary if any rank fails; skips the test when the machine has too few GPUs.
-inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& worker) {
+// `bootstrap_timeout` bounds every collective wait of the ranks' group (LocalLaunchOptions::timeout).
+inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& worker,
+                      std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(300000)) {
   const int num_gpus = visible_gpu_count();
   if (num_gpus * test_ranks_per_gpu() < num_ranks) {
     GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
   }
   LocalLaunchOptions options;
   options.num_ranks = num_ranks;
-  options.timeout = std::chrono::milliseconds(300000);
+  options.timeout = bootstrap_timeout;
   const LocalLaunchResult result = launch_local(options, [&](Bootstrap& bootstrap) {
     EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank() % num_gpus));
     worker(bootstrap);

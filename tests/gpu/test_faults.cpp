@@ -3,6 +3,8 @@
 // hangs, every CUDA context survives, and after a collective reset() (or destroy() and a new Buffer) a
 // correct dispatch and combine, checked against the CPU reference, run in both modes.
 //
+// A rank may also exit (its process ends without destroy()) before a phase, or leave destroy() to the others.
+//
 // Runs with any number of ranks the machine can start; on one GPU: EPX_TEST_RANKS_PER_GPU=2 (or 4).
 
 #include <gtest/gtest.h>
@@ -11,12 +13,17 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <memory>
 #include <stdexcept>
 #include <string>
+#include <thread>
 #include <vector>
 
+#include "bootstrap/shm_bootstrap.hpp"
+#include "bootstrap/shm_segment.hpp"
 #include "epx/error.hpp"
+#include "epx/local_launcher.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/normal.hpp"
 #include "expect_error.hpp"
@@ -30,6 +37,15 @@ using epx::test::DeviceArray;
 using epx::test::expect_error;
 
 constexpr double kWaitTimeoutS = 1.0;
+
+// Ranks of a fault test: up to 4, at least 2 (run_ranks skips where the machine cannot start them).
+int fault_test_ranks() {
+  return std::min(4, std::max(2, epx::test::test_rank_capacity()));
+}
+
+double seconds_since(std::chrono::steady_clock::time_point start) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+}
 
 enum class Fault { kNotify, kDispatchReceive, kCombine, kLowLatencyDispatch, kLowLatencyCombine, kClean };
 
@@ -268,6 +284,23 @@ bool contains_any(const std::string& text, const std::vector<std::string>& needl
   return false;
 }
 
+// What a rank that waited for the victim must see after `fault`: an error naming the victim and the phase
+// within the bound + 1 s, the same error again from check_timeout() and check(), and an aborted Buffer.
+void expect_victim_named(const std::string& where, const std::string& error, double seconds, int victim,
+                         Fault fault, const epx::Buffer& buffer) {
+  if (error.empty())
+    throw std::runtime_error(where + ": no error although peer " + std::to_string(victim) +
+                             " did not make the call");
+  if (error.find("peer " + std::to_string(victim)) == std::string::npos ||
+      !contains_any(error, expected_phases(fault)))
+    throw std::runtime_error(where + ": the error names neither the peer nor the phase: " + error);
+  if (seconds > kWaitTimeoutS + 1.0)
+    throw std::runtime_error(where + ": the error took " + std::to_string(seconds) + " s: " + error);
+  expect_error([&] { buffer.check_timeout(); }, error);
+  expect_error([&] { buffer.check(); }, error);
+  if (!buffer.is_aborted()) throw std::runtime_error(where + ": the Buffer is not aborted");
+}
+
 // One rank (the last) skips the call of `fault`; the others must see the error, then everybody recovers.
 void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
   const int num_ranks = bootstrap.num_ranks();
@@ -288,23 +321,12 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
       error = caught.message();
     }
   }
-  const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+  const double seconds = seconds_since(start);
   const std::string where = std::string("rank ") + std::to_string(rank) + ", fault " + fault_name(fault);
   if (skip) {
     if (!error.empty()) throw std::runtime_error(where + ": the skipping rank got an error: " + error);
   } else {
-    if (error.empty())
-      throw std::runtime_error(where + ": no error although peer " + std::to_string(victim) +
-                               " skipped the call");
-    if (error.find("peer " + std::to_string(victim)) == std::string::npos ||
-        !contains_any(error, expected_phases(fault)))
-      throw std::runtime_error(where + ": the error names neither the peer nor the phase: " + error);
-    if (seconds > kWaitTimeoutS + 1.0)
-      throw std::runtime_error(where + ": the error took " + std::to_string(seconds) + " s: " + error);
-    // The Buffer stays aborted with the same message.
-    expect_error([&] { buffer->check_timeout(); }, error);
-    expect_error([&] { buffer->check(); }, error);
-    if (!buffer->is_aborted()) throw std::runtime_error(where + ": the Buffer is not aborted");
+    expect_victim_named(where, error, seconds, victim, fault, *buffer);
   }
   bootstrap.barrier();  // every waiting rank saw its error: the victim's abort word is set
   if (skip) expect_error([&] { buffer->check(); }, "the group was aborted");
@@ -424,7 +446,7 @@ void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
 }
 
 void run_fault_group(Fault fault, bool rebuild) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
 }
 
@@ -453,8 +475,148 @@ void run_release_meets_no_peer(epx::Bootstrap& bootstrap) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), again);
 }
 
+// ---- A rank that exits ----
+//
+// The last rank (V) ends its process with std::_Exit(0) where it would make the call of `fault`, after a good
+// round trip: no destroy(), no destructor, no word to anyone. launch_local counts a child that exits with
+// status 0 as a success (run_ranks' check passes), but its shared-memory bootstrap learns that a rank is gone
+// only when the rank's worker returns or throws. So every later collective of the launcher's group (reset(),
+// the teardown barrier of a Buffer that is not aborted, a new Buffer) would wait for LocalLaunchOptions::
+// timeout and then fail: the survivors use none. Their errors come from device waits, destroy() of the
+// aborted Buffer meets no one, and the new Buffer is built over a second group of the survivors alone (a
+// shared segment mapped before the launch, as launch_local maps its own), as a job would build a new process
+// group without the failed rank.
+constexpr std::chrono::seconds kSurvivorsTimeout{60};
+
+void run_exit(epx::Bootstrap& bootstrap, epx::bootstrap::SharedSegment& survivors, Fault fault) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  const int victim = num_ranks - 1;
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  if (rank == victim) {
+    FaultCalls calls(*buffer, num_ranks);
+    calls.run(fault, true);  // the calls before the one of `fault`
+    std::_Exit(0);
+  }
+
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  {
+    FaultCalls calls(*buffer, num_ranks);
+    try {
+      calls.run(fault, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+  }
+  const std::string where = "rank " + std::to_string(rank) + ", exit before " + fault_name(fault);
+  expect_victim_named(where, error, seconds_since(start), victim, fault, *buffer);
+  expect_context_alive(rank);
+  expect_error([&] { FaultCalls(*buffer, num_ranks).run(fault, false); }, error);
+
+  const auto destroy_start = std::chrono::steady_clock::now();
+  buffer->destroy();  // aborted: meets no one
+  const double destroy_seconds = seconds_since(destroy_start);
+  if (destroy_seconds > kWaitTimeoutS + 1.0)
+    throw std::runtime_error(where + ": destroy() took " + std::to_string(destroy_seconds) + " s");
+
+  epx::bootstrap::ShmBootstrap group(survivors, rank, kSurvivorsTimeout);
+  epx::Buffer again(group, fault_buffer_options(num_ranks - 1));
+  run_checked_calls(normal_case(num_ranks - 1), low_latency_case(num_ranks - 1), again);
+  again.destroy();
+}
+
+void run_exit_group(Fault fault) {
+  const int num_ranks = fault_test_ranks();
+  // Made before run_ranks forks the ranks, so every rank maps the same pages.
+  epx::bootstrap::SharedSegment survivors(num_ranks - 1, epx::LocalLaunchOptions{}.max_gather_bytes);
+  epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault); });
+}
+
+// ---- destroy() that one rank never calls ----
+//
+// destroy() of a Buffer that is not aborted meets every rank at a teardown barrier of the bootstrap, bounded
+// by the bootstrap's own bound (LocalLaunchOptions::timeout), not by the device wait bound; when the barrier
+// fails, destroy() still frees this rank's memory, then throws. (An aborted Buffer skips the barrier: the
+// exit tests above show that.)
+
+// Whether a bootstrap error lists `rank` among the ranks missing from a collective ("(missing: 1, 3)").
+bool lists_missing_rank(const std::string& error, int rank) {
+  const std::string head = "(missing: ";
+  const size_t begin = error.find(head);
+  if (begin == std::string::npos) return false;
+  const size_t end = error.find(')', begin);
+  const std::string list = ", " + error.substr(begin + head.size(), end - begin - head.size()) + ",";
+  return list.find(", " + std::to_string(rank) + ",") != std::string::npos;
+}
+
+// `buffer`'s destroy() without rank `missing`: within `bound_s` it throws naming that rank and `reason` (how
+// the bootstrap knew), and it has freed the Buffer all the same.
+void expect_destroy_without(epx::Buffer& buffer, int missing, const std::string& reason, double bound_s) {
+  const int rank = buffer.rank();
+  const std::string where =
+      "rank " + std::to_string(rank) + ", destroy() without rank " + std::to_string(missing);
+  std::string error;
+  const auto start = std::chrono::steady_clock::now();
+  try {
+    buffer.destroy();
+  } catch (const epx::Error& caught) {
+    error = caught.message();
+  }
+  const double seconds = seconds_since(start);
+  if (error.find("peers did not reach the teardown barrier") == std::string::npos ||
+      error.find(reason) == std::string::npos || !lists_missing_rank(error, missing))
+    throw std::runtime_error(where + ": expected the teardown barrier to fail (" + reason + "), got: '" +
+                             error + "'");
+  if (seconds > bound_s)
+    throw std::runtime_error(where + ": took " + std::to_string(seconds) + " s, bound " +
+                             std::to_string(bound_s));
+  if (!buffer.is_destroyed()) throw std::runtime_error(where + ": the Buffer was not freed");
+  expect_error([&] { buffer.rank(); }, "used after destroy()");
+  expect_context_alive(rank);
+}
+
+// The last rank leaves its worker after a good round trip without destroying its Buffer (leaked: no
+// destructor runs either), and its process ends. The launcher's bootstrap records that the worker returned,
+// so the others' teardown barrier fails at once, naming it.
+void run_destroy_after_rank_left(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int victim = num_ranks - 1;
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  bootstrap.barrier();  // every rank's kernels are done with the victim's memory
+  if (bootstrap.rank() == victim) {
+    static_cast<void>(buffer.release());  // the unique_ptr lets go: the Buffer is never destroyed
+    return;
+  }
+  expect_destroy_without(*buffer, victim, "rank " + std::to_string(victim) + "'s worker returned",
+                         kWaitTimeoutS + 1.0);
+}
+
+// The last rank stays alive but never calls destroy(): the others' teardown barrier waits for the bootstrap's
+// bound (short in this test), then fails naming it. The last rank then releases its Buffer (meeting no one).
+constexpr std::chrono::seconds kShortBootstrapTimeout{10};
+
+void run_destroy_without_live_rank(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int victim = num_ranks - 1;
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  bootstrap.barrier();  // the others' destroy() starts now
+  if (bootstrap.rank() == victim) {
+    // Alive past the others' bound (returning earlier would end their wait at once, as above).
+    std::this_thread::sleep_for(kShortBootstrapTimeout + std::chrono::seconds(3));
+    buffer->release();
+    if (!buffer->is_destroyed()) throw std::runtime_error("release() left the Buffer usable");
+    return;
+  }
+  expect_destroy_without(*buffer, victim, "timed out after",
+                         std::chrono::duration<double>(kShortBootstrapTimeout).count() + 1.0);
+}
+
 TEST(Faults, ReleaseMeetsNoPeer) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_release_meets_no_peer(bootstrap); });
 }
 
@@ -483,20 +645,49 @@ TEST(Faults, LowLatencyDispatchSkippedThenRebuild) {
   run_fault_group(Fault::kLowLatencyDispatch, true);
 }
 TEST(Faults, HooksAfterAbortResetAndDestroyAreRefused) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_hooks_after_abort(bootstrap); });
 }
 TEST(Faults, CapacityExceededAbortsEveryRank) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_capacity_exceeded(bootstrap); });
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, false); });
 }
 TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
-  const int num_ranks = std::min(4, std::max(2, epx::test::test_rank_capacity()));
+  const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, true); });
+}
+
+// A rank exits before each phase; the survivors report it and rebuild among themselves.
+TEST(Faults, RankExitsBeforeNotify) {
+  run_exit_group(Fault::kNotify);
+}
+TEST(Faults, RankExitsBeforeDispatchReceive) {
+  run_exit_group(Fault::kDispatchReceive);
+}
+TEST(Faults, RankExitsBeforeCombine) {
+  run_exit_group(Fault::kCombine);
+}
+TEST(Faults, RankExitsBeforeLowLatencyDispatch) {
+  run_exit_group(Fault::kLowLatencyDispatch);
+}
+TEST(Faults, RankExitsBeforeLowLatencyCombine) {
+  run_exit_group(Fault::kLowLatencyCombine);
+}
+TEST(Faults, RankExitsBeforeClean) {
+  run_exit_group(Fault::kClean);
+}
+TEST(Faults, DestroyAfterARankLeftWithoutIt) {
+  epx::test::run_ranks(fault_test_ranks(),
+                       [](epx::Bootstrap& bootstrap) { run_destroy_after_rank_left(bootstrap); });
+}
+TEST(Faults, DestroyWhileALiveRankNeverCallsIt) {
+  epx::test::run_ranks(
+      fault_test_ranks(), [](epx::Bootstrap& bootstrap) { run_destroy_without_live_rank(bootstrap); },
+      kShortBootstrapTimeout);
 }
 
 }  // namespace

@@ -10,7 +10,9 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <map>
 #include <memory>
+#include <optional>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -33,6 +35,9 @@ struct LowLatencyCase {
   int num_experts = 8;
   int num_topk = 4;
   std::vector<int> num_tokens;  // per rank (cycled); empty = M everywhere
+  // Each rank's count drawn per iteration in [0, M] instead. Not with `graph`, whose one capture holds the
+  // counts (run_call's graph replays capture once per count).
+  bool random_num_tokens = false;
   bool use_fp8 = false;
   bool round_scale = false;
   bool use_ue8m0 = false;
@@ -109,8 +114,14 @@ struct Inputs {
 
 inline Inputs make_inputs(const LowLatencyCase& c, uint64_t seed) {
   Inputs in;
+  reference::TestRng counts(seed * 6364136223846793005ull + 1);  // every rank draws the same counts
   for (int r = 0; r < c.num_ranks; ++r) {
-    in.num_tokens.push_back(c.num_tokens.empty() ? c.num_max_tokens : c.num_tokens[r % c.num_tokens.size()]);
+    if (c.random_num_tokens) {
+      in.num_tokens.push_back(static_cast<int>(counts.uniform_int(c.num_max_tokens + 1)));
+    } else {
+      in.num_tokens.push_back(c.num_tokens.empty() ? c.num_max_tokens
+                                                   : c.num_tokens[r % c.num_tokens.size()]);
+    }
   }
   if (c.unbalanced && c.num_ranks >= 2) {
     in.topk_idx =
@@ -173,6 +184,13 @@ struct Slot {
   LowLatencyCombineResult combine;
 };
 
+// How run_call() issues one dispatch + combine.
+enum class LowLatencyIssue {
+  kEager,  // both calls receive at once
+  kHooks,  // both calls return a receive hook, which runs before the next step
+  kGraph,  // a replay of a CUDA graph of both calls, captured once per token count of this rank
+};
+
 class LowLatencyRunner {
  public:
   // Runs on `buffer` (which must be large enough for the case).
@@ -194,6 +212,7 @@ class LowLatencyRunner {
     init();
   }
   ~LowLatencyRunner() {
+    for (const auto& graph : graphs_) cudaGraphExecDestroy(graph.second);
     if (stream_ != nullptr) cudaStreamDestroy(stream_);
   }
 
@@ -237,15 +256,31 @@ class LowLatencyRunner {
     Expected e = expect(c_.seed * 1000003 + iteration);
     if (!take_part) return;
     Slot s = make_slot();
-    upload_inputs(s, e.inputs);
-    s.dispatch = dispatch(s, e.inputs.num_tokens[rank_], c_.dispatch_hook);
-    if (s.dispatch.hook.valid()) s.dispatch.hook(stream_);
-    const void* x = stage_expert_outputs(s, s.dispatch.handle, e.expert_x[rank_]);
-    s.combine = combine(s, s.dispatch.handle, x, c_.combine_hook);
-    if (s.combine.hook.valid()) s.combine.hook(stream_);
-    buffer_->synchronize(stream_);
-    check(s, e, iteration);
+    round_trip(s, e, iteration, c_.dispatch_hook, c_.combine_hook);
   }
+
+  // One dispatch + combine (seed of `iteration`, every rank must make the same iterations), issued as `issue`
+  // says, checked against the reference. Calls share one slot the runner keeps (no allocation per call),
+  // whose outputs are poisoned before each call so that a result an earlier call left there can not pass.
+  void run_call(int iteration, LowLatencyIssue issue) {
+    const Expected e = expect(c_.seed * 1000003 + iteration);
+    if (!call_slot_) call_slot_.emplace(make_slot());
+    Slot& s = *call_slot_;
+    poison_outputs(s);
+    if (issue != LowLatencyIssue::kGraph) {
+      const bool hooks = issue == LowLatencyIssue::kHooks;
+      round_trip(s, e, iteration, hooks, hooks);
+      return;
+    }
+    // A graph's launches hold this rank's token count (the peers' counts arrive with their messages).
+    const int num_tokens = e.inputs.num_tokens[rank_];
+    auto graph = graphs_.find(num_tokens);
+    if (graph == graphs_.end()) graph = graphs_.emplace(num_tokens, capture(s, num_tokens)).first;
+    replay(graph->second, s, e, iteration);
+  }
+
+  // Graphs run_call() has captured so far.
+  int num_graphs() const { return static_cast<int>(graphs_.size()); }
 
   Buffer& buffer() { return *buffer_; }
   cudaStream_t stream() const { return stream_; }
@@ -261,8 +296,12 @@ class LowLatencyRunner {
 
   void init() {
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
-    params_ =
-        reference::LowLatencyParams{c_.num_ranks, c_.num_experts, c_.hidden, c_.num_topk, c_.num_max_tokens};
+    params_ = reference::LowLatencyParams{};
+    params_.num_ranks = c_.num_ranks;
+    params_.num_experts = c_.num_experts;
+    params_.hidden = c_.hidden;
+    params_.num_topk = c_.num_topk;
+    params_.num_max_dispatch_tokens_per_rank = c_.num_max_tokens;
     sizes_ = low_latency_dispatch_sizes(*buffer_, dispatch_input_template());
     cumulative_ = DeviceArray(sizeof(int) * num_local_);
     dispatch_wait_ = DeviceArray(sizeof(int64_t) * c_.num_ranks);
@@ -333,6 +372,13 @@ class LowLatencyRunner {
     return result;
   }
 
+  // Fills the outputs with 0xFF bytes: counts and ranges read -1, payloads NaN.
+  void poison_outputs(const Slot& s) const {
+    for (const DeviceArray* out :
+         {&s.recv_x, &s.recv_scales, &s.recv_count, &s.src_info, &s.topk_pos, &s.range, &s.combined})
+      EPX_CUDA_CHECK(cudaMemsetAsync(out->get(), 0xFF, out->bytes(), stream_));
+  }
+
   // Places the expert outputs where the combine reads them (the zero-copy buffer is shared by calls, so it
   // is filled right before its combine, in stream order).
   const void* stage_expert_outputs(const Slot& s, const LowLatencyHandle& handle,
@@ -388,6 +434,19 @@ class LowLatencyRunner {
     return e;
   }
 
+  // Dispatch (receive in a hook when `dispatch_hook`), the expert outputs, combine (likewise), then the
+  // check.
+  void round_trip(Slot& s, const Expected& e, int iteration, bool dispatch_hook, bool combine_hook) {
+    upload_inputs(s, e.inputs);
+    s.dispatch = dispatch(s, e.inputs.num_tokens[rank_], dispatch_hook);
+    if (s.dispatch.hook.valid()) s.dispatch.hook(stream_);
+    const void* x = stage_expert_outputs(s, s.dispatch.handle, e.expert_x[rank_]);
+    s.combine = combine(s, s.dispatch.handle, x, combine_hook);
+    if (s.combine.hook.valid()) s.combine.hook(stream_);
+    buffer_->synchronize(stream_);
+    check(s, e, iteration);
+  }
+
   // Issues `batch` iterations (dispatch, then combine) before syncing, then checks all of them.
   void run_batch(int first) {
     const int count = std::min(c_.batch, c_.num_iterations - first);
@@ -425,19 +484,7 @@ class LowLatencyRunner {
     Slot s = make_slot();
     Expected first = expect(c_.seed * 1000003);
     upload_inputs(s, first.inputs);
-    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
-
-    cudaGraph_t graph = nullptr;
-    EPX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
-    s.dispatch = dispatch(s, first.inputs.num_tokens[rank_], c_.dispatch_hook);
-    if (s.dispatch.hook.valid()) s.dispatch.hook(stream_);
-    const void* x = c_.zero_copy ? nullptr : s.expert_x.get();
-    s.combine = combine(s, s.dispatch.handle, x, c_.combine_hook);
-    if (s.combine.hook.valid()) s.combine.hook(stream_);
-    EPX_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
-    cudaGraphExec_t exec = nullptr;
-    EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
-
+    const cudaGraphExec_t exec = capture(s, first.inputs.num_tokens[rank_]);
     for (int i = 0; i < c_.num_iterations; ++i) {
       // A mask change between replays: the graph's kernels read the mask when they run.
       const std::vector<int>& masked = masks_of(i);
@@ -445,22 +492,43 @@ class LowLatencyRunner {
       params_.masked_ranks = masked;
       Expected e = i == 0 && masked.empty() ? std::move(first) : expect(c_.seed * 1000003 + i);
       if (is_in(masked, rank_)) continue;  // this rank sits the replay out
-      upload_inputs(s, e.inputs);
-      // The expert outputs are staged before the replay: the test knows which rows the graph's dispatch
-      // will deliver (the reference), so the graph can run dispatch and combine back to back.
-      if (c_.zero_copy) {
-        EPX_CUDA_CHECK(cudaMemcpyAsync(next_low_latency_combine_buffer(*buffer_, s.dispatch.handle),
-                                       e.expert_x[rank_].data(), sizeof(uint16_t) * e.expert_x[rank_].size(),
-                                       cudaMemcpyHostToDevice, stream_));
-      } else {
-        s.expert_x.upload(e.expert_x[rank_], stream_);
-      }
-      EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
-      buffer_->synchronize(stream_);
-      check(s, e, i);
+      replay(exec, s, e, i);
     }
     cudaGraphExecDestroy(exec);
-    cudaGraphDestroy(graph);
+  }
+
+  // Captures one dispatch + combine of `num_tokens` tokens into `s` (hooks and zero copy as the case says).
+  cudaGraphExec_t capture(Slot& s, int num_tokens) {
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    cudaGraph_t graph = nullptr;
+    EPX_CUDA_CHECK(cudaStreamBeginCapture(stream_, cudaStreamCaptureModeRelaxed));
+    s.dispatch = dispatch(s, num_tokens, c_.dispatch_hook);
+    if (s.dispatch.hook.valid()) s.dispatch.hook(stream_);
+    const void* x = c_.zero_copy ? nullptr : s.expert_x.get();
+    s.combine = combine(s, s.dispatch.handle, x, c_.combine_hook);
+    if (s.combine.hook.valid()) s.combine.hook(stream_);
+    EPX_CUDA_CHECK(cudaStreamEndCapture(stream_, &graph));
+    cudaGraphExec_t exec = nullptr;
+    EPX_CUDA_CHECK(cudaGraphInstantiate(&exec, graph, 0));
+    EPX_CUDA_CHECK(cudaGraphDestroy(graph));  // the instantiated graph does not need it
+    return exec;
+  }
+
+  // Refills the captured slot with `e`'s inputs, replays the graph and checks its results.
+  void replay(cudaGraphExec_t exec, const Slot& s, const Expected& e, int iteration) {
+    upload_inputs(s, e.inputs);
+    // The expert outputs are staged before the replay: the test knows which rows the graph's dispatch
+    // will deliver (the reference), so the graph can run dispatch and combine back to back.
+    if (c_.zero_copy) {
+      EPX_CUDA_CHECK(cudaMemcpyAsync(next_low_latency_combine_buffer(*buffer_, s.dispatch.handle),
+                                     e.expert_x[rank_].data(), sizeof(uint16_t) * e.expert_x[rank_].size(),
+                                     cudaMemcpyHostToDevice, stream_));
+    } else {
+      s.expert_x.upload(e.expert_x[rank_], stream_);
+    }
+    EPX_CUDA_CHECK(cudaGraphLaunch(exec, stream_));
+    buffer_->synchronize(stream_);
+    check(s, e, iteration);
   }
 
   void check(const Slot& s, const Expected& e, int iteration) const {
@@ -579,7 +647,9 @@ class LowLatencyRunner {
   LowLatencyDispatchSizes sizes_;
   DeviceArray cumulative_, dispatch_wait_, combine_wait_;
   std::vector<std::vector<int>> ref_cumulative_;
-  std::vector<int> current_masked_;  // what apply_masks last left in this rank's mask
+  std::vector<int> current_masked_;        // what apply_masks last left in this rank's mask
+  std::optional<Slot> call_slot_;          // run_call's
+  std::map<int, cudaGraphExec_t> graphs_;  // run_call's, by this rank's token count
 };
 
 // A small case of `num_ranks` ranks (24 tokens, hidden 512, 8 experts per rank, top-4) for tests to adjust.
