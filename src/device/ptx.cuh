@@ -55,6 +55,17 @@ __device__ __forceinline__ void st_relaxed_sys_u64(uint64_t* address, uint64_t v
   asm volatile("st.relaxed.sys.global.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
+// Atomic add with acquire and release semantics at system scope: releases what this thread ordered before it
+// (cumulatively: what a barrier made its own), acquires what the writers of earlier values released.
+__device__ __forceinline__ int atomic_add_acq_rel_sys(int* address, int value) {
+  int old;
+  asm volatile("atom.acq_rel.sys.global.add.s32 %0, [%1], %2;"
+               : "=r"(old)
+               : "l"(address), "r"(value)
+               : "memory");
+  return old;
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));

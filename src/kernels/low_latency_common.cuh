@@ -87,13 +87,13 @@ struct Publishers {
 // Called by every thread of every publishing block once its sends are issued. The last of the `count`
 // publishing blocks to arrive for a destination publishes `value` into that destination's receive flag for
 // this rank.
-// NOTES: the barrier orders every store and completed put of the block before the arriving thread's
-// system-scope fence, which releases them (cumulatively) ahead of its arrival; the last arriver fences again
-// (acquiring the others' arrivals) and then releases the flag, so the receiver's acquire of the flag orders
-// every data store and put of every block before its reads (the shape fingerprints post_shapes wrote at the
-// start of the send phase included). One fence per arriving thread, not one per thread of the grid: a fence
-// waits for the thread's own stores only, and the barrier already made them the arriving thread's.
-// Masked destinations get nothing (their counters stay untouched until a clean).
+// NOTES: the barrier puts every store and completed put of the block before the arriving thread's arrival,
+// an acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival
+// also acquires the other blocks' arrivals, and its release store of the flag then orders every data store
+// and put of every block before the receiver's reads (the shape fingerprints post_shapes wrote at the start
+// of the send phase included). One release per arriving thread, not a fence per thread of the grid. The
+// counter is reset after the flag: the next operation on this half is a later launch. Masked destinations get
+// nothing (their counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value, unsigned long long masked,
@@ -103,12 +103,10 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   __syncthreads();
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (rank_masked(masked, dst)) continue;
-    __threadfence_system();
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
-    if (atomicAdd(finish, 1) == publishers.count - 1) {
-      atomicExch(finish, 0);  // ready for the next operation on this half (a later launch)
-      __threadfence_system();
+    if (device::atomic_add_acq_rel_sys(finish, 1) == publishers.count - 1) {
       signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);
+      atomicExch(finish, 0);
     }
   }
 }
