@@ -107,8 +107,9 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
                 .c_str());
 }
 
-// Runs `launch` for a call: with a hook on the caller's stream (send now, receive in the hook), else both
-// phases on the comm stream ordered against the caller's stream.
+// Runs `launch` for a call: with a hook on the caller's stream (send now, receive in the hook); else both
+// phases, on the caller's stream when the comm stream has nothing it must wait for and no event is wanted,
+// else on the comm stream ordered against the caller's stream.
 template <typename Args, typename Launch>
 std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool return_recv_hook,
                                            const StreamOrder& order, Launch launch) {
@@ -130,8 +131,16 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
               launch(receive, stream);
             })};
   }
-  begin_on_comm_stream(buffer, order);
   args.phases = kernels::kLowLatencyBoth;
+  if (!order.async_finish && order.previous_event == nullptr && state->has_joined_stream &&
+      state->joined_stream == order.compute_stream) {
+    // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
+    // anyway: the comm stream would only add two cross-stream hops.
+    launch(args, order.compute_stream);
+    state->num_calls += 1;
+    return {Event{}, LowLatencyRecvHook{}};
+  }
+  begin_on_comm_stream(buffer, order);
   launch(args, buffer.comm_stream());
   state->num_calls += 1;
   return {end_on_comm_stream(buffer, order), LowLatencyRecvHook{}};

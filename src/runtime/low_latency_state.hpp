@@ -20,6 +20,11 @@ struct LowLatencyState {
   // signals (one symmetric buffer serves both modes, LowLatencyLayout), so low-latency calls wait for a
   // clean.
   bool needs_clean = false;
+  // The caller's stream the last call joined the comm stream into (every call issued so far is ordered before
+  // work queued there next), if the last call ended that way: a low-latency call that returns no event may
+  // then launch straight on that stream, saving the two cross-stream hops of the comm stream.
+  bool has_joined_stream = false;
+  cudaStream_t joined_stream = nullptr;
   // EPX_LL_PHASE_STAMPS=1 at construction: device memory the kernels stamp their phases into
   // ([kMaxPhaseStampBlocks][kNumPhaseStamps], kernels::LowLatencyStamp, for epx-bench), else null.
   std::shared_ptr<uint64_t> phase_stamps;

@@ -3,6 +3,8 @@
 // environment, so the default run stays short and a long run needs no rebuild:
 //   EPX_STRESS_LL_CALLS      low-latency round trips (default 200)
 //   EPX_STRESS_NORMAL_CALLS  normal-mode calls (default 40)
+//   EPX_STRESS_SEED          varies the random call sequences (default 0; concurrent runs take different
+//   ones)
 // Rank 0 prints the count, the wall time of the calls and the calls per second.
 
 #include <gtest/gtest.h>
@@ -37,6 +39,12 @@ int calls_from_env(const char* name, int fallback) {
   char* end = nullptr;
   const long calls = std::strtol(value, &end, 10);
   return *end == '\0' && calls >= 1 && calls <= 100000000 ? static_cast<int>(calls) : 0;
+}
+
+// EPX_STRESS_SEED (0 when unset or not a number).
+uint64_t stress_seed() {
+  const char* value = std::getenv("EPX_STRESS_SEED");
+  return value != nullptr ? std::strtoull(value, nullptr, 10) : 0;
 }
 
 double seconds_since(Clock::time_point start) {
@@ -116,8 +124,8 @@ void stress_low_latency(epx::Bootstrap& bootstrap, int num_calls) {
   epx::test::LowLatencyRunner bf16_runner(bf16, buffer);
   epx::test::LowLatencyRunner fp8_runner(stress_low_latency_case(num_ranks, true), buffer);
 
-  TestRng shared(1234);
-  TestRng own(5678 + rank);
+  TestRng shared(1234 + 1000 * stress_seed());
+  TestRng own(5678 + rank + 1000 * stress_seed());
   int num_fp8 = 0;
   int num_delayed = 0;
   int num_issued[3] = {0, 0, 0};
@@ -189,7 +197,7 @@ epx::test::NormalCase stress_normal_case(int num_ranks, int num_calls) {
   c.combine_weights.clear();
   c.orders.clear();
   c.launch_receive.clear();
-  TestRng rng(4321);
+  TestRng rng(4321 + 1000 * stress_seed());
   for (int i = 0; i < num_calls; ++i) {
     c.num_tokens.push_back(draw_num_tokens(rng));  // rank r of call i: element (r + i) % size
     c.formats.push_back(pick(rng, {TokenFormat::kBf16, TokenFormat::kFp8}));
