@@ -23,6 +23,10 @@ struct BenchOptions {
   int ll_num_tokens = 128;
   int ll_num_experts = 288;
   int ll_ranks_per_node = 0;  // 0: one node; fewer than the ranks: virtual nodes joined by NVSHMEM
+  // Ranks sharing each GPU (rank r on device r % GPUs): a logic check of larger groups, e.g. virtual nodes on
+  // one GPU. The GPU then runs the ranks' kernels by time slicing, so the times are not speeds, and the NCCL
+  // baseline is skipped (NCCL refuses two ranks on one GPU).
+  int ranks_per_gpu = 1;
   int warmup = 5;
   int iters = 30;
   bool json = false;
@@ -67,6 +71,7 @@ inline void validate_options(const BenchOptions& o) {
   EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
             "must be >= 0 (0: one node)");
   check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, o.num_ranks, "--ranks");
+  EPX_CHECK(o.ranks_per_gpu >= 1, "--ranks-per-gpu", o.ranks_per_gpu, "must be >= 1");
   EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
   EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
   EPX_CHECK(o.plot_file.empty() || is_svg_path(o.plot_file), "--plot", o.plot_file,

@@ -49,6 +49,9 @@ void print_help() {
       "  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes\n"
       "                                  whose traffic between them goes through NVSHMEM (default: one "
       "node)\n"
+      "  --ranks-per-gpu N               ranks sharing each GPU (default 1): checks the logic of larger "
+      "groups\n"
+      "                                  (virtual nodes on one GPU); times are not speeds, NCCL is skipped\n"
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
@@ -119,6 +122,8 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.ll_num_experts = parse_int(flag, value());
     } else if (flag == "--ll-ranks-per-node") {
       o.ll_ranks_per_node = parse_int(flag, value());
+    } else if (flag == "--ranks-per-gpu") {
+      o.ranks_per_gpu = parse_int(flag, value());
     } else if (flag == "--warmup") {
       o.warmup = parse_int(flag, value());
     } else if (flag == "--iters") {
@@ -195,7 +200,8 @@ void report(const std::vector<std::vector<epx::bench::BenchRow>>& rows, const Be
 
 int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) {
   const int num_ranks = o.num_ranks > 0 ? o.num_ranks : num_gpus;
-  EPX_CHECK(num_ranks <= num_gpus, "--ranks", num_ranks, "must be <= the number of visible GPUs");
+  EPX_CHECK(num_ranks <= num_gpus * o.ranks_per_gpu, "--ranks", num_ranks,
+            "must be <= the number of visible GPUs times --ranks-per-gpu");
   if (o.num_ranks == 0) {
     epx::bench::check_ranks_per_node("--ranks-per-node", o.ranks_per_node, num_ranks, "the visible GPUs");
     epx::bench::check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, num_ranks,
@@ -205,7 +211,7 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
   launch.num_ranks = num_ranks;
   launch.timeout = std::chrono::milliseconds(600000);
   const epx::LocalLaunchResult result = epx::launch_local(launch, [&](epx::Bootstrap& bootstrap) {
-    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank()));
+    EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank() % num_gpus));
     std::FILE* json_file = nullptr;
     std::vector<epx::bench::PlotSection> plot;  // rank 0's report, for --plot
     if (bootstrap.rank() == 0) {
@@ -215,6 +221,10 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
         std::printf(
             "epx-bench on %d x %s (%d SMs each), one process per GPU; medians of %d runs after %d warm-up\n",
             num_ranks, prop.name, prop.multiProcessorCount, o.iters, o.warmup);
+        if (o.ranks_per_gpu > 1) {
+          std::printf("%d ranks share each GPU: the times below check the logic, they are not speeds\n",
+                      o.ranks_per_gpu);
+        }
       }
       if (!json_path.empty()) json_file = std::fopen(json_path.c_str(), "w");
     }

@@ -253,7 +253,7 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   });
 
   // NCCL: every (token, expert) selection as one row to the expert's rank, FP8-sized then BF16-sized.
-  NcclAllToAll nccl(bootstrap);
+  NcclAllToAll nccl(bootstrap, o.ranks_per_gpu == 1);
   if (nccl.available()) {
     std::vector<int> send_rows(s.num_ranks, 0);
     for (int64_t e : ids_host) {

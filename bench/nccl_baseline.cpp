@@ -16,7 +16,8 @@
 namespace epx::bench {
 
 #if defined(EPX_HAVE_NCCL)
-NcclAllToAll::NcclAllToAll(Bootstrap& bootstrap) : num_ranks_(bootstrap.num_ranks()) {
+NcclAllToAll::NcclAllToAll(Bootstrap& bootstrap, bool enabled) : num_ranks_(bootstrap.num_ranks()) {
+  if (!enabled) return;
   ncclUniqueId id{};
   if (bootstrap.rank() == 0) EPX_NCCL_CHECK(ncclGetUniqueId(&id));
   id = all_gather_value(bootstrap, id)[0];
@@ -30,7 +31,7 @@ NcclAllToAll::~NcclAllToAll() {
 }
 
 bool NcclAllToAll::available() const {
-  return true;
+  return comm_ != nullptr;
 }
 
 void NcclAllToAll::run(const void* send, const std::vector<size_t>& send_bytes, void* recv,
@@ -49,7 +50,7 @@ void NcclAllToAll::run(const void* send, const std::vector<size_t>& send_bytes, 
   EPX_NCCL_CHECK(ncclGroupEnd());
 }
 #else
-NcclAllToAll::NcclAllToAll(Bootstrap& bootstrap) : num_ranks_(bootstrap.num_ranks()) {}
+NcclAllToAll::NcclAllToAll(Bootstrap& bootstrap, bool) : num_ranks_(bootstrap.num_ranks()) {}
 NcclAllToAll::~NcclAllToAll() = default;
 bool NcclAllToAll::available() const {
   return false;

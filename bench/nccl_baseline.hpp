@@ -11,7 +11,8 @@ namespace epx::bench {
 // NCCL all-to-all of pre-permuted rows (ncclSend/ncclRecv in one group): the baseline moving the same bytes.
 class NcclAllToAll {
  public:
-  explicit NcclAllToAll(Bootstrap& bootstrap);
+  // enabled = false: no communicator, available() is false (ranks that share a GPU, which NCCL refuses).
+  NcclAllToAll(Bootstrap& bootstrap, bool enabled);
   ~NcclAllToAll();
   bool available() const;
   // send_bytes[r] bytes to rank r, recv_bytes[r] from rank r, packed in rank order in both buffers.

@@ -338,7 +338,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   // NCCL moving the same rows, already permuted per destination (send counts from the layout). Across nodes
   // it sends a row once per destination rank, not once per node; its network GB/s counts EPX's network bytes
   // (the work both do) over its time, so the two rates compare as the times do.
-  NcclAllToAll nccl(bootstrap);
+  NcclAllToAll nccl(bootstrap, o.ranks_per_gpu == 1);
   if (nccl.available()) {
     const std::vector<int> send_rows = ws.num_tokens_per_rank.download(num_ranks);
     const std::vector<int>& recv_rows = plan.handle.num_recv_per_rank();

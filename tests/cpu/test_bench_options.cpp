@@ -41,6 +41,14 @@ TEST(BenchOptions, RanksPerNodeMustDivideTheRanks) {
       "invalid --ranks-per-node = 3: must divide the visible GPUs (8): nodes are equal blocks of ranks");
 }
 
+TEST(BenchOptions, RanksPerGpuIsAtLeastOne) {
+  BenchOptions o;
+  o.ranks_per_gpu = 4;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "");
+  o.ranks_per_gpu = 0;
+  EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "invalid --ranks-per-gpu = 0: must be >= 1");
+}
+
 TEST(BenchOptions, LowLatencyNodesFollowTheSameRule) {
   BenchOptions o;
   o.num_ranks = 4;

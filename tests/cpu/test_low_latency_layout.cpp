@@ -168,7 +168,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
-  EXPECT_EQ(layout.control_end_offset(), 312960u);  // normal-mode head, barrier, 2 x signals
+  EXPECT_EQ(layout.control_end_offset(), 312960u);     // normal-mode head, barrier, 2 x signals
   EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
