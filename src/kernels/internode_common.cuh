@@ -57,16 +57,16 @@ __device__ __forceinline__ uint64_t calls_before(const InternodeContext& context
 // queues with the next call's layout.
 template <typename Remote>
 __device__ __forceinline__ void finish_launch(const InternodeContext& context, uint64_t calls) {
-  __shared__ bool is_last;
   auto* control = &rdma_head(context)->control;
   __syncthreads();
+  bool last_arrival = false;
   if (threadIdx.x == 0) {
     Remote::quiet();  // this block's puts and signals are complete before "done" is
     __threadfence_system();
-    is_last = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+    last_arrival = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
   }
-  __syncthreads();
-  if (!is_last) return;
+  // Thread 0's answer reaches the block through the barrier's reduction (no shared flag to race on).
+  if (__syncthreads_or(last_arrival) == 0) return;
   __threadfence_system();
   if (threadIdx.x == 0) {
     control->launch_arrivals = 0;

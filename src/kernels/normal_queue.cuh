@@ -41,15 +41,15 @@ __device__ __forceinline__ int calls_before(const PeerContext& peers) {
 // NOTES: each block fences before arriving, so its reads of the queues are complete before the last arriver
 // releases the done signal.
 __device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
-  __shared__ bool is_last;
   auto* control = NormalLayout::control(peers.local_base);
   __syncthreads();
+  bool last_arrival = false;
   if (threadIdx.x == 0) {
     __threadfence_system();
-    is_last = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
+    last_arrival = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
   }
-  __syncthreads();
-  if (!is_last) return;
+  // Thread 0's answer reaches the block through the barrier's reduction (no shared flag to race on).
+  if (__syncthreads_or(last_arrival) == 0) return;
   __threadfence_system();
   if (threadIdx.x == 0) {
     control->launch_arrivals = 0;
