@@ -321,8 +321,9 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   }
 
   // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer. The
-  // next rank of the own node: across nodes the NVLink buffer is mapped among a node's ranks only.
-  if (ranks_per_node > 1) {
+  // next rank of the own node: across nodes the NVLink buffer is mapped among a node's ranks only. Ranks that
+  // share a GPU have no link to measure (and the copy engine refuses the mapping).
+  if (ranks_per_node > 1 && o.ranks_per_gpu == 1) {
     std::vector<void*> peer_bases(num_ranks);
     EPX_CUDA_CHECK(cudaMemcpy(peer_bases.data(), buffer.nvl_peer_bases_device(), sizeof(void*) * num_ranks,
                               cudaMemcpyDeviceToHost));
