@@ -4,13 +4,24 @@
 
 #include "kernels/host_counts.cuh"
 #include "kernels/internode_common.cuh"
+#include "kernels/shape_check.cuh"
 
 // The count exchange of normal mode across nodes. Blocks 1..C count what their channel sends to each rank and
 // each node and stage it in this rank's NotifySend; block 0 stages the per-expert counts, puts one message to
 // every rank (put-with-signal: the signal lands after the message) and waits for everyone's message to it.
 // No barrier: a rank can be at most one notify ahead of another (the dispatch between two notifies waits for
-// every rank it exchanges rows with), and the halves alternate by sequence parity.
+// every rank it exchanges rows with), and the halves alternate by sequence parity. Every message carries its
+// sender's shape fingerprint; a receiver that finds another shape aborts the group (the host then raises the
+// record instead of using the counts).
 namespace epx::kernels::internode {
+
+static_assert(sizeof(ShapeFingerprint) == sizeof(int) * InternodeLayout::kShapeInts,
+              "a count message reserves one ShapeFingerprint");
+
+__device__ __forceinline__ ShapeFingerprint* message_shape(
+    const InternodeLayout::NotifyMessageView& message) {
+  return reinterpret_cast<ShapeFingerprint*>(message.shape);
+}
 
 constexpr int kNotifyThreads = 1024;
 constexpr int kScanItems = kMaxInternodeRanks * kMaxChannels / kNotifyThreads;  // cells per thread
@@ -74,6 +85,9 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
         .expert_counts[e % experts_per_rank] =
         args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
   }
+  for (int dst = threadIdx.x; dst < num_ranks; dst += kNotifyThreads)
+    post_shape(message_shape(InternodeLayout::message(head->send.messages, dst, num_ranks, num_channels)),
+               args.shape);
   if (threadIdx.x == 0) {
     device::wait_at_least(&head->control.notify_arrivals, num_channels, wait, rank,
                           WaitPhase::kDispatchNotify);
@@ -91,14 +105,16 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
                             &head->control.notify_signal[rank], 1, dst);
   }
   if (threadIdx.x % 32 == 0) Remote::quiet();
+  int* arrived = head->notify[parity].messages;
   if (threadIdx.x < num_ranks) {
     device::wait_count_since_u64(&head->control.notify_signal[threadIdx.x], 0, sequence, wait, threadIdx.x,
                                  WaitPhase::kDispatchNotify);
+    check_shape(wait, threadIdx.x, args.shape,
+                message_shape(InternodeLayout::message(arrived, threadIdx.x, num_ranks, num_channels)));
   }
   __syncthreads();
 
   // Received rows: offsets per (source, channel), source-major.
-  int* arrived = head->notify[parity].messages;
   const auto count_at = [&](int cell) {
     const int src = cell / num_channels;
     return src < num_ranks ? *reinterpret_cast<volatile int*>(

@@ -441,7 +441,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                             state->expert_alignment,
                                             state->arrays,
                                             host,
-                                            invalid_id};
+                                            invalid_id,
+                                            normal_shape_fingerprint(shape, queue_config(buffer, *state))};
     kernels::launch_internode_notify(args, stream);
   } else {
     const kernels::NotifyArgs args{peer_context(buffer),

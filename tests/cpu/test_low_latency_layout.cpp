@@ -168,7 +168,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
-  EXPECT_EQ(layout.control_end_offset(), 312960u);     // normal-mode head, barrier, 2 x signals
+  EXPECT_EQ(layout.control_end_offset(), 320640u);     // normal-mode head, barrier, 2 x signals
   EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
@@ -179,7 +179,7 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
   EXPECT_EQ(layout.half_bytes(), 39289984u);
-  EXPECT_EQ(layout.total_bytes(), 615632768u);
+  EXPECT_EQ(layout.total_bytes(), 615640448u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
@@ -189,7 +189,7 @@ TEST(LowLatencyLayout, SmallestShape) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
   EXPECT_EQ(layout.half_bytes(), 5248u);
-  EXPECT_EQ(layout.total_bytes(), 323840u);
+  EXPECT_EQ(layout.total_bytes(), 331520u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
 }
@@ -200,12 +200,12 @@ TEST(LowLatencyLayout, OddShapes) {
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes(), 1115520u);
+    EXPECT_EQ(layout.total_bytes(), 1123200u);
     check_structure(layout);
   }
   {
     const LowLatencyLayout layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes(), 652529536u);
+    EXPECT_EQ(layout.total_bytes(), 652537216u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }

@@ -5,6 +5,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <chrono>
+#include <stdexcept>
 #include <string>
 #include <vector>
 
@@ -174,6 +176,45 @@ TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
                    "invalid num_nvl_bytes = " + std::to_string(buffer.num_nvl_bytes()) + ": must be >= ");
     }
     buffer.set_config(config);
+    epx::test::NormalRunner(c, buffer).run();
+  });
+}
+
+// One rank dispatches rows of another hidden size: its count messages carry its shape fingerprint, so every
+// rank's dispatch_notify raises the shape error (no timeout), and after reset() the Buffer runs checked
+// calls.
+TEST_P(NormalNodes, ShapesThatDifferFailOnEveryRank) {
+  NormalCase c = node_case(GetParam(), 309);
+  c.num_tokens = {64, 5};
+  c.num_iterations = 2;
+  epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    options.num_rdma_bytes = epx::test::normal_rdma_buffer_bytes(c);
+    options.ranks_per_node = c.ranks_per_node;
+    options.wait_timeout_s = 20.0;
+    epx::Buffer buffer(bootstrap, options);
+    buffer.set_config(epx::test::normal_config(c, c.num_sms.front()));
+    const int T = 4, R = c.num_ranks;
+    const int hidden = bootstrap.rank() == R - 1 ? c.hidden / 2 : c.hidden;
+    DeviceArray x(size_t(T) * c.hidden * 2), in_rank(size_t(T) * R), per_expert(size_t(c.num_experts) * 4);
+    std::vector<uint8_t> every_rank(size_t(T) * R, 1);
+    EPX_CUDA_CHECK(cudaMemcpy(in_rank.get(), every_rank.data(), every_rank.size(), cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemset(per_expert.get(), 0, size_t(c.num_experts) * 4));
+    epx::DispatchInput in;
+    in.x = x.get();
+    in.num_tokens = T;
+    in.hidden = hidden;
+    in.num_experts = c.num_experts;
+    in.is_token_in_rank = in_rank.get<bool>();
+    in.num_tokens_per_expert = per_expert.get<int>();
+    const auto start = std::chrono::steady_clock::now();
+    // "peer P called with hidden = ..." from its own check, or "... called with other shapes" from a peer's
+    // abort.
+    expect_error([&] { epx::dispatch_notify(buffer, in, epx::StreamOrder{}); }, "called with");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds > 10.0) throw std::runtime_error("the shape check waited " + std::to_string(seconds) + " s");
+    buffer.reset();
     epx::test::NormalRunner(c, buffer).run();
   });
 }

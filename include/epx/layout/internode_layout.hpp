@@ -117,29 +117,35 @@ struct InternodeLayout {
     uint64_t consumed[kMaxRdmaNodes][kMaxChannels];  // [src node][c], own: records consumed from it so far
   };
 
-  // The count exchange. Source s's message to rank r: the tokens of each channel s sends to r, the tokens of
-  // each channel s sends to r's node (its forwarder, when r is s's rail peer, needs them), and its tokens for
-  // each of r's local experts. Message i sits at i * message_stride(R) ints.
+  // The count exchange. Source s's message to rank r: s's shape fingerprint (every receiver compares it
+  // with its own before trusting the counts), the tokens of each channel s sends to r, the tokens of each
+  // channel s sends to r's node (its forwarder, when r is s's rail peer, needs them), and its tokens for each
+  // of r's local experts. Message i sits at i * message_stride(R) ints.
   struct NotifyMessageView {
+    int* shape;                // [kShapeInts]: the sender's ShapeFingerprint (core/shape_fingerprint.hpp)
     int* rank_channel_counts;  // [C]
     int* node_channel_counts;  // [C]
     int* expert_counts;        // [E / R]
   };
-  static constexpr int kNotifyInts = kMaxInternodeRanks * 2 * kMaxChannels + kMaxExperts;
+  static constexpr int kShapeInts = 10;  // ints of a ShapeFingerprint (checked where kernels use it)
+  static constexpr int kNotifyInts = kMaxInternodeRanks * (kShapeInts + 2 * kMaxChannels) + kMaxExperts;
   struct NotifyHalf {
     int messages[kNotifyInts];  // [source rank]
   };
   struct NotifySend {
     int messages[kNotifyInts];  // [destination rank]
   };
-  EPX_HD static int message_stride(int num_ranks) { return 2 * kMaxChannels + kMaxExperts / num_ranks; }
+  EPX_HD static int message_stride(int num_ranks) {
+    return kShapeInts + 2 * kMaxChannels + kMaxExperts / num_ranks;
+  }
   // Ints of a message with `num_channels` channels and `num_local_experts` experts per rank.
   EPX_HD static int message_ints(int num_channels, int num_local_experts) {
-    return 2 * num_channels + num_local_experts;
+    return kShapeInts + 2 * num_channels + num_local_experts;
   }
   EPX_HD static NotifyMessageView message(int* messages, int index, int num_ranks, int num_channels) {
     int* m = messages + size_t(index) * message_stride(num_ranks);
-    return {m, m + num_channels, m + 2 * num_channels};
+    int* counts = m + kShapeInts;
+    return {m, counts, counts + num_channels, counts + 2 * num_channels};
   }
 
   // The fixed areas, each 128-byte aligned, at the start of the buffer; the queues follow.
