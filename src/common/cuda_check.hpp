@@ -18,5 +18,3 @@
     }                                                                                   \
   } while (0)
 
-// Checks the launch configuration right after a <<<>>> launch (asynchronous faults surface at the next sync).
-#define EPX_CUDA_CHECK_LAUNCH() EPX_CUDA_CHECK(cudaGetLastError())

@@ -4,6 +4,7 @@
 
 #include "kernels/bf16x8.cuh"
 #include "kernels/internode_common.cuh"
+#include "kernels/launch.hpp"
 
 // Combine across nodes: the reverse of dispatch. Every channel has two blocks:
 //   even: NVLink senders, one group per local rank f: the rows f forwarded to this rank, returned through the
@@ -337,8 +338,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
 
 template <typename Remote>
 void launch_combine_with(const InternodeCombineArgs& args, cudaStream_t stream) {
-  combine_kernel<Remote><<<2 * args.rdma.num_channels, kCombineThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(combine_kernel<Remote>,
+         {unsigned(2 * args.rdma.num_channels), kCombineThreads, 0, Residency::kCoResident}, stream, args);
 }
 
 }  // namespace epx::kernels::internode

@@ -1,6 +1,7 @@
 #pragma once
 
 #include "kernels/internode_common.cuh"
+#include "kernels/launch.hpp"
 
 // Dispatch across nodes. Every channel has two blocks:
 //   even: network senders, one warp group per destination node: the channel's tokens for that node, in token
@@ -365,8 +366,8 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
 
 template <typename Remote>
 void launch_dispatch_with(const InternodeDispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<Remote><<<2 * args.rdma.num_channels, kThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(dispatch_kernel<Remote>, {unsigned(2 * args.rdma.num_channels), kThreads, 0, Residency::kCoResident},
+         stream, args);
 }
 
 }  // namespace epx::kernels::internode

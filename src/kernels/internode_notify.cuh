@@ -4,6 +4,7 @@
 
 #include "kernels/host_counts.cuh"
 #include "kernels/internode_common.cuh"
+#include "kernels/launch.hpp"
 #include "kernels/shape_check.cuh"
 
 // The count exchange of normal mode across nodes. Blocks 1..C count what their channel sends to each rank and
@@ -190,8 +191,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(InternodeNoti
 
 template <typename Remote>
 void launch_notify_with(const InternodeNotifyArgs& args, cudaStream_t stream) {
-  notify_kernel<Remote><<<1 + args.num_channels, kNotifyThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(notify_kernel<Remote>, {unsigned(1 + args.num_channels), kNotifyThreads, 0, Residency::kCoResident},
+         stream, args);
 }
 
 }  // namespace epx::kernels::internode

@@ -4,6 +4,7 @@
 // again on the operation counts however the previous operations ended. Templated on the transport policy for
 // ranks outside the NVLink node (low_latency_transport.cuh).
 #include "common/cuda_check.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/preload.hpp"
@@ -45,8 +46,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
 
 template <typename Remote>
 void launch_low_latency_clean_with(const LowLatencyCleanArgs& args, cudaStream_t stream) {
-  low_latency_clean_kernel<Remote><<<1, kNumThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(low_latency_clean_kernel<Remote>, {1, kNumThreads, 0, Residency::kIndependent}, stream, args);
 }
 
 template <typename Remote>

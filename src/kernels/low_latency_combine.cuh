@@ -6,6 +6,7 @@
 #include "common/cuda_check.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/logfmt.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/preload.hpp"
@@ -347,8 +348,8 @@ template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = combine_smem_bytes(args.layout);
   allow_dynamic_smem(combine<Remote>, smem_bytes);
-  combine<Remote><<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(combine<Remote>, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident},
+         stream, args);
 }
 
 template <typename Remote>

@@ -10,6 +10,7 @@
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/formats/ue8m0.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/preload.hpp"
@@ -428,8 +429,8 @@ template <typename Remote>
 void launch_low_latency_dispatch_with(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = dispatch_smem_bytes(args.layout);
   allow_dynamic_smem(dispatch<Remote>, smem_bytes);
-  dispatch<Remote><<<args.num_blocks, kNumThreads, smem_bytes, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(dispatch<Remote>, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident},
+         stream, args);
 }
 
 template <typename Remote>

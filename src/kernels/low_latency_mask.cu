@@ -1,5 +1,6 @@
 // The rank-mask calls of low-latency mode: set, clear, clean and query the Buffer's mask word.
 #include "common/cuda_check.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/preload.hpp"
 
@@ -37,8 +38,7 @@ __global__ void low_latency_mask_kernel(const LowLatencyMaskUpdateArgs args) {
 }  // namespace
 
 void launch_low_latency_mask_update(const LowLatencyMaskUpdateArgs& args, cudaStream_t stream) {
-  low_latency_mask_kernel<<<1, 64, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(low_latency_mask_kernel, {1, 64, 0, Residency::kIndependent}, stream, args);
 }
 
 void preload_low_latency_mask_kernels() {

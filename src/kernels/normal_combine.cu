@@ -3,6 +3,7 @@
 #include "common/cuda_check.hpp"
 #include "device/tma.cuh"
 #include "kernels/bf16x8.cuh"
+#include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
@@ -377,8 +378,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
 constexpr size_t kCombineSharedBytes = sizeof(TmaWarpStage) * kQueueWarps;
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  combine_kernel<<<2 * args.layout.num_channels, kQueueThreads, kCombineSharedBytes, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(combine_kernel,
+         {unsigned(2 * args.layout.num_channels), kQueueThreads, kCombineSharedBytes, Residency::kCoResident},
+         stream, args);
 }
 
 void preload_normal_combine_kernels() {

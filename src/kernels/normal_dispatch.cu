@@ -1,4 +1,5 @@
 #include "common/cuda_check.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/preload.hpp"
@@ -300,8 +301,10 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  dispatch_kernel<<<2 * args.layout.num_channels, kQueueThreads, kDispatchSharedBytes, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(
+      dispatch_kernel,
+      {unsigned(2 * args.layout.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
+      stream, args);
 }
 
 void preload_normal_dispatch_kernels() {

@@ -1,5 +1,6 @@
 #include "common/cuda_check.hpp"
 #include "epx/layout/internode_layout.hpp"
+#include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
 
@@ -82,8 +83,8 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
   if (args.num_tokens == 0) return;
   const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
   const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts + num_nodes);
-  layout_kernel<<<blocks, kLayoutThreads, shared_bytes, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(layout_kernel, {unsigned(blocks), kLayoutThreads, shared_bytes, Residency::kIndependent}, stream,
+         args);
 }
 
 void preload_normal_layout_kernels() {

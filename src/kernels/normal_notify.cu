@@ -4,6 +4,7 @@
 #include "common/cuda_check.hpp"
 #include "device/wait.cuh"
 #include "kernels/host_counts.cuh"
+#include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
 #include "kernels/shape_check.cuh"
@@ -148,8 +149,8 @@ __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs ar
 }  // namespace
 
 void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream) {
-  notify_kernel<<<1 + args.num_channels, kNotifyThreads, 0, stream>>>(args);
-  EPX_CUDA_CHECK_LAUNCH();
+  launch(notify_kernel, {unsigned(1 + args.num_channels), kNotifyThreads, 0, Residency::kCoResident}, stream,
+         args);
 }
 
 void preload_normal_notify_kernels() {
