@@ -17,4 +17,3 @@
                cudaGetErrorString(epx_status_));                                        \
     }                                                                                   \
   } while (0)
-

@@ -59,6 +59,36 @@ NormalCase node_case(const NodeSplit& split, uint64_t seed) {
   return c;
 }
 
+// A Buffer sized for the case's checked calls.
+epx::BufferOptions node_buffer_options(const NormalCase& c) {
+  epx::BufferOptions options;
+  options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+  options.num_rdma_bytes = epx::test::normal_rdma_buffer_bytes(c);
+  options.ranks_per_node = c.ranks_per_node;
+  options.wait_timeout_s = 20.0;
+  return options;
+}
+
+// A bare dispatch_notify of T tokens of `hidden`, each to every rank (no top-k, no per-expert counts).
+struct BareNotify {
+  DeviceArray x, in_rank, per_expert;
+  epx::DispatchInput in;
+  BareNotify(const NormalCase& c, int num_tokens, int hidden)
+      : x(size_t(num_tokens) * hidden * 2),
+        in_rank(size_t(num_tokens) * c.num_ranks),
+        per_expert(size_t(c.num_experts) * sizeof(int)) {
+    const std::vector<uint8_t> every_rank(size_t(num_tokens) * c.num_ranks, 1);
+    EPX_CUDA_CHECK(cudaMemcpy(in_rank.get(), every_rank.data(), every_rank.size(), cudaMemcpyHostToDevice));
+    EPX_CUDA_CHECK(cudaMemset(per_expert.get(), 0, size_t(c.num_experts) * sizeof(int)));
+    in.x = x.get();
+    in.num_tokens = num_tokens;
+    in.hidden = hidden;
+    in.num_experts = c.num_experts;
+    in.is_token_in_rank = in_rank.get<bool>();
+    in.num_tokens_per_expert = per_expert.get<int>();
+  }
+};
+
 // BF16 and FP8, expert alignment, weights and biases, two iterations of every setting.
 TEST_P(NormalNodes, FormatsAndAlignment) {
   NormalCase c = node_case(GetParam(), 301);
@@ -131,22 +161,11 @@ TEST_P(NormalNodes, RefusedCallsLeaveTheBufferUsable) {
   c.num_tokens = {64, 5};
   c.num_iterations = 2;
   epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
-    epx::BufferOptions options;
-    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
-    options.num_rdma_bytes = epx::test::normal_rdma_buffer_bytes(c);
-    options.ranks_per_node = c.ranks_per_node;
-    options.wait_timeout_s = 20.0;
-    epx::Buffer buffer(bootstrap, options);
+    epx::Buffer buffer(bootstrap, node_buffer_options(c));
     const int num_nodes = c.num_ranks / c.ranks_per_node;
     const int T = 4, R = c.num_ranks;
-    DeviceArray x(size_t(T) * c.hidden * 2), in_rank(size_t(T) * R), per_expert(size_t(c.num_experts) * 4);
-    epx::DispatchInput in;
-    in.x = x.get();
-    in.num_tokens = T;
-    in.hidden = c.hidden;
-    in.num_experts = c.num_experts;
-    in.is_token_in_rank = in_rank.get<bool>();
-    in.num_tokens_per_expert = per_expert.get<int>();
+    BareNotify bare(c, T, c.hidden);
+    epx::DispatchInput& in = bare.in;
     const epx::StreamOrder order{};
     const auto notify = [&] { epx::dispatch_notify(buffer, in, order); };
 
@@ -188,30 +207,14 @@ TEST_P(NormalNodes, ShapesThatDifferFailOnEveryRank) {
   c.num_tokens = {64, 5};
   c.num_iterations = 2;
   epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
-    epx::BufferOptions options;
-    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
-    options.num_rdma_bytes = epx::test::normal_rdma_buffer_bytes(c);
-    options.ranks_per_node = c.ranks_per_node;
-    options.wait_timeout_s = 20.0;
-    epx::Buffer buffer(bootstrap, options);
+    epx::Buffer buffer(bootstrap, node_buffer_options(c));
     buffer.set_config(epx::test::normal_config(c, c.num_sms.front()));
-    const int T = 4, R = c.num_ranks;
-    const int hidden = bootstrap.rank() == R - 1 ? c.hidden / 2 : c.hidden;
-    DeviceArray x(size_t(T) * c.hidden * 2), in_rank(size_t(T) * R), per_expert(size_t(c.num_experts) * 4);
-    std::vector<uint8_t> every_rank(size_t(T) * R, 1);
-    EPX_CUDA_CHECK(cudaMemcpy(in_rank.get(), every_rank.data(), every_rank.size(), cudaMemcpyHostToDevice));
-    EPX_CUDA_CHECK(cudaMemset(per_expert.get(), 0, size_t(c.num_experts) * 4));
-    epx::DispatchInput in;
-    in.x = x.get();
-    in.num_tokens = T;
-    in.hidden = hidden;
-    in.num_experts = c.num_experts;
-    in.is_token_in_rank = in_rank.get<bool>();
-    in.num_tokens_per_expert = per_expert.get<int>();
+    const bool last = bootstrap.rank() == c.num_ranks - 1;
+    const BareNotify bare(c, 4, last ? c.hidden / 2 : c.hidden);
     const auto start = std::chrono::steady_clock::now();
     // "peer P called with hidden = ..." from its own check, or "... called with other shapes" from a peer's
     // abort.
-    expect_error([&] { epx::dispatch_notify(buffer, in, epx::StreamOrder{}); }, "called with");
+    expect_error([&] { epx::dispatch_notify(buffer, bare.in, epx::StreamOrder{}); }, "called with");
     const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     if (seconds > 10.0) throw std::runtime_error("the shape check waited " + std::to_string(seconds) + " s");
     buffer.reset();
@@ -233,13 +236,10 @@ TEST_P(NormalNodes, MixedWithLowLatencyCalls) {
   l.use_fp8 = true;
   l.num_iterations = 2;
   epx::test::run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
-    epx::BufferOptions options;
-    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    epx::BufferOptions options = node_buffer_options(c);
     options.num_rdma_bytes =
-        std::max(epx::test::normal_rdma_buffer_bytes(c),
+        std::max(options.num_rdma_bytes,
                  epx::get_low_latency_rdma_size_hint(l.num_max_tokens, l.hidden, l.num_ranks, l.num_experts));
-    options.ranks_per_node = c.ranks_per_node;
-    options.wait_timeout_s = 20.0;
     epx::Buffer buffer(bootstrap, options);
     const epx::StreamOrder order{};
     const auto clean = [&] {
