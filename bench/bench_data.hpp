@@ -6,7 +6,7 @@
 #include <random>
 #include <vector>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx::bench {
 

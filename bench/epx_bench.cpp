@@ -21,9 +21,9 @@
 #include <cuda_runtime.h>
 
 #include "bench_plot.hpp"
-#include "common/cuda_check.hpp"
-#include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_info.hpp"
 #include "low_latency_bench.hpp"
 #include "normal_bench.hpp"
 #endif

@@ -5,7 +5,7 @@
 #include <cstdio>
 #include <vector>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"

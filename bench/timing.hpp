@@ -7,8 +7,8 @@
 #include <utility>
 #include <vector>
 
-#include "common/cuda_check.hpp"
 #include "epx/bootstrap.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx::bench {
 

@@ -2,9 +2,9 @@
 
 #include <cstdint>
 
-#include "common/cuda_check.hpp"
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
+#include "gpu/cuda_check.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/warp_copy.cuh"

@@ -5,7 +5,7 @@
 #include <cstddef>
 #include <utility>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 // The one way EPX launches a kernel: cudaLaunchKernelEx, checked at the call, so a bad launch raises its own
 // error (never a later launch's), with the attributes the kernel's blocks need.

@@ -3,7 +3,7 @@
 // clean_low_latency_buffer: reset this rank's low-latency signals, then meet every rank, so the ranks agree
 // again on the operation counts however the previous operations ended. Templated on the transport policy for
 // ranks outside the NVLink node (low_latency_transport.cuh).
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"

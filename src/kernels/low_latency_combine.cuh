@@ -3,9 +3,9 @@
 // Low-latency combine: send phase (every expert output row goes back to its source token's slot on the
 // source rank, BF16 or LogFMT-10) and receive phase (wait, then the weighted sum in top-k order). Templated
 // on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh).
-#include "common/cuda_check.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/logfmt.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"

@@ -6,10 +6,10 @@
 // including file instantiates it.
 #include <cuda_fp8.h>
 
-#include "common/cuda_check.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/formats/ue8m0.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"
 #include "kernels/low_latency_transport.cuh"

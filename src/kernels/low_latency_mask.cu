@@ -1,5 +1,5 @@
 // The rank-mask calls of low-latency mode: set, clear, clean and query the Buffer's mask word.
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/preload.hpp"

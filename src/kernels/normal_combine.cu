@@ -1,7 +1,7 @@
 #include <cuda_bf16.h>
 
-#include "common/cuda_check.hpp"
 #include "device/tma.cuh"
+#include "gpu/cuda_check.hpp"
 #include "kernels/bf16x8.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"

@@ -1,4 +1,4 @@
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"

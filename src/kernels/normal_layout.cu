@@ -1,5 +1,5 @@
-#include "common/cuda_check.hpp"
 #include "epx/layout/internode_layout.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"

@@ -1,8 +1,8 @@
 #include <cub/block/block_reduce.cuh>
 #include <cub/block/block_scan.cuh>
 
-#include "common/cuda_check.hpp"
 #include "device/wait.cuh"
+#include "gpu/cuda_check.hpp"
 #include "kernels/host_counts.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"

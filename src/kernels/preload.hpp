@@ -8,7 +8,7 @@
 
 #include <cstddef>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx::kernels {
 

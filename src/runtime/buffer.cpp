@@ -8,8 +8,6 @@
 #include <vector>
 
 #include "bootstrap/topology.hpp"
-#include "common/cuda_check.hpp"
-#include "common/device_info.hpp"
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
@@ -17,6 +15,8 @@
 #include "epx/layout/internode_layout.hpp"
 #include "epx/layout/low_latency_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_info.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/preload.hpp"
 #include "layout/normal_nodes.hpp"

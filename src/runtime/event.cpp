@@ -2,7 +2,7 @@
 
 #include <utility>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx {
 

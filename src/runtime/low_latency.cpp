@@ -2,9 +2,9 @@
 
 #include <cstdint>
 
-#include "common/cuda_check.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/ue8m0.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"

@@ -7,11 +7,11 @@
 #include <cstdlib>
 #include <string_view>
 
-#include "common/cuda_check.hpp"
 #include "epx/common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "epx/layout/internode_layout.hpp"
 #include "epx/layout/normal_layout.hpp"
+#include "gpu/cuda_check.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "layout/normal_nodes.hpp"

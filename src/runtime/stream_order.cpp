@@ -1,6 +1,6 @@
 #include "runtime/stream_order.hpp"
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 

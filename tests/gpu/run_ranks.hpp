@@ -7,9 +7,9 @@
 #include <functional>
 #include <string>
 
-#include "common/cuda_check.hpp"
-#include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_info.hpp"
 
 namespace epx::test {
 

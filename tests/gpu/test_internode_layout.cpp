@@ -9,12 +9,12 @@
 #include <string>
 #include <vector>
 
-#include "common/cuda_check.hpp"
 #include "epx/buffer.hpp"
 #include "epx/normal.hpp"
 #include "epx/reference/layout.hpp"
 #include "epx/reference/test_data.hpp"
 #include "expect_error.hpp"
+#include "gpu/cuda_check.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"  // DeviceArray
 

@@ -3,8 +3,8 @@
 #include <string>
 #include <vector>
 
-#include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
+#include "gpu/device_info.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 

@@ -4,10 +4,10 @@
 #include <stdexcept>
 #include <string>
 
-#include "common/device_info.hpp"
 #include "epx/error.hpp"
 #include "epx/local_launcher.hpp"
 #include "expect_error.hpp"
+#include "gpu/device_info.hpp"
 #include "test_low_latency_harness.hpp"
 
 namespace {

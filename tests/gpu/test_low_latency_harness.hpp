@@ -17,13 +17,13 @@
 #include <string>
 #include <vector>
 
-#include "common/cuda_check.hpp"
 #include "epx/buffer.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/reference/low_latency.hpp"
 #include "epx/reference/test_data.hpp"
+#include "gpu/cuda_check.hpp"
 #include "run_ranks.hpp"
 
 namespace epx::test {

@@ -5,11 +5,11 @@
 
 #include <memory>
 
-#include "common/cuda_check.hpp"
-#include "common/device_info.hpp"
 #include "epx/local_launcher.hpp"
 #include "epx/low_latency.hpp"
 #include "expect_error.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_info.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 

@@ -7,10 +7,10 @@
 #include <string>
 #include <vector>
 
-#include "common/device_info.hpp"
 #include "epx/error.hpp"
 #include "epx/local_launcher.hpp"
 #include "expect_error.hpp"
+#include "gpu/device_info.hpp"
 #include "run_ranks.hpp"
 #include "test_normal_harness.hpp"
 

@@ -3,8 +3,8 @@
 #include <cstring>
 #include <string>
 
-#include "common/cuda_check.hpp"
-#include "common/device_info.hpp"
+#include "gpu/cuda_check.hpp"
+#include "gpu/device_info.hpp"
 
 namespace epx {
 

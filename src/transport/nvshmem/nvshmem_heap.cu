@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "common/cuda_check.hpp"
 #include "epx/error.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx::transport::nvshmem {
 

@@ -1,10 +1,10 @@
-#include "common/device_info.hpp"
+#include "gpu/device_info.hpp"
 
 #include <cuda_runtime.h>
 #include <sys/wait.h>
 #include <unistd.h>
 
-#include "common/cuda_check.hpp"
+#include "gpu/cuda_check.hpp"
 
 namespace epx {
 
