@@ -174,9 +174,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
       warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }
   }
-  const int sending_blocks = (num_items + kNumWarps - 1) / kNumWarps;
-  const int count = max(1, min(static_cast<int>(gridDim.x), sending_blocks));
-  return Publishers{count, static_cast<int>(blockIdx.x) < count};
+  return combine_publishers(num_items, static_cast<int>(gridDim.x), kNumWarps, static_cast<int>(blockIdx.x));
 }
 
 // ---- Receive ----
@@ -228,13 +226,10 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
   const int hidden = layout.hidden;
   const int num_topk = args.num_topk;
   const int num_chunks = hidden / 8;
-  const int spare = args.num_tokens > 0 ? static_cast<int>(gridDim.x) / args.num_tokens : 1;
-  const int parts = max(1, min(spare, (num_chunks + kNumThreads - 1) / kNumThreads));
-  const int per_part = (num_chunks + parts - 1) / parts;
+  const int parts = reduce_parts(args.num_tokens, static_cast<int>(gridDim.x), num_chunks, kNumThreads);
   for (int item = blockIdx.x; item < args.num_tokens * parts; item += gridDim.x) {
     const int token = item / parts;
-    const int chunk_begin = item % parts * per_part;
-    const int chunk_end = min(num_chunks, chunk_begin + per_part);
+    const WordRange chunks = part_chunks(num_chunks, item % parts, parts);
     __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
@@ -253,7 +248,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     }
     __syncthreads();
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
-    for (int chunk = chunk_begin + threadIdx.x; chunk < chunk_end; chunk += kNumThreads) {
+    for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;

@@ -8,6 +8,7 @@
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/shape_check.cuh"
 #include "kernels/wait_context.cuh"
+#include "kernels/work_split.hpp"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
 // (local expert, source rank) bookkeeping that turns a flat row index into a row of one expert's block.
@@ -77,23 +78,16 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
   return __ldcg(local_at<int>(peers, layout.num_uses_offset(half, op)));
 }
 
-// The blocks of a send phase that wrote anything (the others skip publish_sends): how many there are, and
-// whether this block is one of them. Every block computes the same from values all blocks share.
-struct Publishers {
-  int count;
-  bool this_block;
-};
-
-// Called by every thread of every publishing block once its sends are issued. The last of the `count`
-// publishing blocks to arrive for a destination publishes `value` into that destination's receive flag for
-// this rank.
-// NOTES: the barrier puts every store and completed put of the block before the arriving thread's arrival,
-// an acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival
-// also acquires the other blocks' arrivals, and its release store of the flag then orders every data store
-// and put of every block before the receiver's reads (the shape fingerprints post_shapes wrote at the start
-// of the send phase included). One release per arriving thread, not a fence per thread of the grid. The
-// counter is reset after the flag: the next operation on this half is a later launch. Masked destinations get
-// nothing (their counters stay untouched until a clean).
+// Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
+// from values all blocks share) once its sends are issued. The last of the `count` publishing blocks to
+// arrive for a destination publishes `value` into that destination's receive flag for this rank. NOTES: the
+// barrier puts every store and completed put of the block before the arriving thread's arrival, an
+// acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival also
+// acquires the other blocks' arrivals, and its release store of the flag then orders every data store and put
+// of every block before the receiver's reads (the shape fingerprints post_shapes wrote at the start of the
+// send phase included). One release per arriving thread, not a fence per thread of the grid. The counter is
+// reset after the flag: the next operation on this half is a later launch. Masked destinations get nothing
+// (their counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
                                               int half, LowLatencyOp op, int value, unsigned long long masked,

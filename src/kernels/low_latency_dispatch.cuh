@@ -414,12 +414,9 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
     send_tokens<Remote>(args, small);
     stamp_phase(args.phase_stamps, kStampSent);
-    // Blocks 0..T-1 send a token each (block 0 also posted the shapes), the last block routes.
-    const int senders = max(args.num_tokens, 1);
-    const Publishers publishers{min(static_cast<int>(gridDim.x), senders + 1),
-                                static_cast<int>(blockIdx.x) < senders || blockIdx.x == gridDim.x - 1};
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
-                          publishers);
+    publish_sends<Remote>(
+        args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
+        dispatch_publishers(args.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small, num_uses, aborted);

@@ -3,6 +3,7 @@
 #include <cstddef>
 
 #include "device/ptx.cuh"
+#include "kernels/work_split.hpp"
 
 namespace epx::kernels {
 
@@ -29,28 +30,14 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t byt
   }
 }
 
-// Rows cut into pieces of at most kRowPieceWords 16-byte words, one warp per piece: a warp issues every load
-// of its piece before its first store (one round trip per piece), and a call with few rows spreads each row
-// over several warps instead of leaving it to one warp's serial rounds.
-constexpr int kRowPieceUnroll = 16;
-constexpr int kRowPieceWords = kRowPieceUnroll * 32;  // 8 KiB
-
-// Pieces of a row of `bytes` (a multiple of 16).
-__host__ __device__ constexpr int row_pieces(size_t bytes) {
-  const int words = static_cast<int>(bytes / 16);
-  return words <= kRowPieceWords ? 1 : (words + kRowPieceWords - 1) / kRowPieceWords;
-}
-
 // Piece `piece` of `num_pieces` (row_pieces(bytes)) of a row copy, by one warp.
 template <bool kSourceMayChange>
 __device__ __forceinline__ void warp_copy_piece(void* dst, const void* src, size_t bytes, int piece,
                                                 int num_pieces, int lane) {
-  const int words = static_cast<int>(bytes / 16);
-  const int per_piece = (words + num_pieces - 1) / num_pieces;
-  const int begin = min(words, piece * per_piece);
-  const int end = min(words, begin + per_piece);
-  warp_copy<kSourceMayChange, kRowPieceUnroll>(
-      static_cast<int4*>(dst) + begin, static_cast<const int4*>(src) + begin, size_t(end - begin) * 16, lane);
+  const WordRange range = piece_words(static_cast<int>(bytes / 16), piece, num_pieces);
+  warp_copy<kSourceMayChange, kRowPieceUnroll>(static_cast<int4*>(dst) + range.begin,
+                                               static_cast<const int4*>(src) + range.begin,
+                                               size_t(range.end - range.begin) * 16, lane);
 }
 
 }  // namespace epx::kernels

@@ -1,0 +1,76 @@
+#pragma once
+
+#include <cstddef>
+
+#include "epx/common/host_device.hpp"
+
+// How the low-latency kernels split their work over the grid: plain arithmetic shared by the kernels and the
+// CPU tests (tests/cpu/test_work_split.cpp), so each split is checked to cover its work exactly once.
+namespace epx::kernels {
+
+// ---- Row pieces ----
+// Rows are copied in pieces of at most kRowPieceWords 16-byte words, one warp per piece: a warp issues every
+// load of its piece before its first store (one round trip per piece), and a call with few rows spreads each
+// row over several warps instead of leaving it to one warp's serial rounds.
+constexpr int kRowPieceUnroll = 16;
+constexpr int kRowPieceWords = kRowPieceUnroll * 32;  // 8 KiB
+
+// Pieces of a row of `bytes` (a multiple of 16).
+EPX_HD int row_pieces(size_t bytes) {
+  const int words = static_cast<int>(bytes / 16);
+  return words <= kRowPieceWords ? 1 : (words + kRowPieceWords - 1) / kRowPieceWords;
+}
+
+// The 16-byte words [begin, end) of piece `piece` of `num_pieces` of a row of `words` words.
+struct WordRange {
+  int begin;
+  int end;
+};
+EPX_HD WordRange piece_words(int words, int piece, int num_pieces) {
+  const int per_piece = (words + num_pieces - 1) / num_pieces;
+  const int begin = piece * per_piece < words ? piece * per_piece : words;
+  return {begin, begin + per_piece < words ? begin + per_piece : words};
+}
+
+// ---- Publishers of a send phase ----
+// The blocks that wrote anything in a send phase arrive at the per-destination counters (the others skip
+// publish_sends): how many there are, and whether block `block` is one of them.
+struct Publishers {
+  int count;
+  bool this_block;
+};
+
+// Dispatch: blocks 0..T-1 send a token each (block 0 also posts the shapes, so it counts when T = 0), and the
+// last block routes.
+EPX_HD Publishers dispatch_publishers(int num_tokens, int num_blocks, int block) {
+  const int senders = num_tokens > 1 ? num_tokens : 1;
+  const int count = senders + 1 < num_blocks ? senders + 1 : num_blocks;
+  return {count, block < senders || block == num_blocks - 1};
+}
+
+// Combine: `num_items` row pieces go to warps in order (item i to warp i % (blocks * warps_per_block) of
+// block (i / warps_per_block) % blocks), so the blocks that hold any are the first ceil(items /
+// warps_per_block); block 0 counts always (it posts the shapes).
+EPX_HD Publishers combine_publishers(int num_items, int num_blocks, int warps_per_block, int block) {
+  const int holding = (num_items + warps_per_block - 1) / warps_per_block;
+  const int capped = holding < num_blocks ? holding : num_blocks;
+  const int count = capped > 1 ? capped : 1;
+  return {count, block < count};
+}
+
+// ---- Combine reduction ----
+// A token's `num_chunks` 8-channel chunks are split into parts, one block each, when the grid has blocks to
+// spare, but never into more parts than it takes to give every thread at most one chunk.
+EPX_HD int reduce_parts(int num_tokens, int num_blocks, int num_chunks, int threads_per_block) {
+  const int spare = num_tokens > 0 ? num_blocks / num_tokens : 1;
+  const int needed = (num_chunks + threads_per_block - 1) / threads_per_block;
+  const int parts = spare < needed ? spare : needed;
+  return parts > 1 ? parts : 1;
+}
+
+// The chunks [begin, end) of part `part` of `parts`.
+EPX_HD WordRange part_chunks(int num_chunks, int part, int parts) {
+  return piece_words(num_chunks, part, parts);
+}
+
+}  // namespace epx::kernels

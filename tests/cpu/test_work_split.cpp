@@ -1,0 +1,96 @@
+// The low-latency kernels' work splits (src/kernels/work_split.hpp): every row piece, chunk range and
+// publishing block, enumerated as the kernels walk them, covers its work exactly once.
+#include <gtest/gtest.h>
+
+#include <vector>
+
+#include "kernels/work_split.hpp"
+
+namespace {
+
+using epx::kernels::WordRange;
+
+// The ranges of `parts` pieces of `words` tile [0, words) in order.
+void expect_tiling(int words, int parts) {
+  int next = 0;
+  for (int p = 0; p < parts; ++p) {
+    const WordRange range = epx::kernels::piece_words(words, p, parts);
+    EXPECT_EQ(range.begin, next) << words << " words, piece " << p << " of " << parts;
+    EXPECT_LE(range.begin, range.end);
+    next = range.end;
+  }
+  EXPECT_EQ(next, words) << words << " words in " << parts << " pieces";
+}
+
+TEST(WorkSplit, RowPiecesTileTheRowAndFitOneRound) {
+  for (size_t bytes : {size_t(16), size_t(256), size_t(7168), size_t(7168 + 56 * 4 + 16), size_t(8192),
+                       size_t(8208), size_t(14336), size_t(32768), size_t(65536 + 16)}) {
+    const int words = static_cast<int>(bytes / 16);
+    const int pieces = epx::kernels::row_pieces(bytes);
+    EXPECT_GE(pieces, 1);
+    expect_tiling(words, pieces);
+    // Every piece is one round of the copy: at most kRowPieceWords words.
+    for (int p = 0; p < pieces; ++p) {
+      const WordRange range = epx::kernels::piece_words(words, p, pieces);
+      EXPECT_LE(range.end - range.begin, epx::kernels::kRowPieceWords) << bytes;
+    }
+  }
+  EXPECT_EQ(epx::kernels::row_pieces(7168), 1);   // an FP8 row of hidden 7168
+  EXPECT_EQ(epx::kernels::row_pieces(14336), 2);  // its BF16 row
+  EXPECT_EQ(epx::kernels::row_pieces(8192), 1);   // exactly one round
+  EXPECT_EQ(epx::kernels::row_pieces(8192 + 16), 2);
+}
+
+TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
+  for (int blocks : {1, 2, 3, 132}) {
+    for (int tokens : {0, 1, 2, blocks - 2, blocks - 1, blocks, blocks + 5, 4 * blocks}) {
+      if (tokens < 0) continue;
+      int publishing = 0;
+      for (int b = 0; b < blocks; ++b) {
+        const epx::kernels::Publishers p = epx::kernels::dispatch_publishers(tokens, blocks, b);
+        // Block b sends tokens b, b + blocks, ...; the last block routes; block 0 posts the shapes.
+        const bool writes = b < tokens || b == blocks - 1 || b == 0;
+        EXPECT_EQ(p.this_block, writes) << tokens << " tokens, block " << b << " of " << blocks;
+        publishing += p.this_block;
+        EXPECT_EQ(p.count, epx::kernels::dispatch_publishers(tokens, blocks, 0).count);
+      }
+      EXPECT_EQ(epx::kernels::dispatch_publishers(tokens, blocks, 0).count, publishing)
+          << tokens << " tokens, " << blocks << " blocks";
+    }
+  }
+}
+
+TEST(WorkSplit, CombinePublishersAreTheBlocksHoldingPieces) {
+  constexpr int kWarps = 16;
+  for (int blocks : {1, 2, 132}) {
+    for (int items : {0, 1, 15, 16, 17, 100, blocks * kWarps, blocks * kWarps + 1, 5 * blocks * kWarps}) {
+      std::vector<bool> holds(blocks, false);
+      for (int item = 0; item < items; ++item) holds[(item / kWarps) % blocks] = true;  // the kernels' walk
+      holds[0] = true;                                                                  // posts the shapes
+      int publishing = 0;
+      for (int b = 0; b < blocks; ++b) {
+        const epx::kernels::Publishers p = epx::kernels::combine_publishers(items, blocks, kWarps, b);
+        EXPECT_EQ(p.this_block, holds[b]) << items << " items, block " << b << " of " << blocks;
+        publishing += p.this_block;
+      }
+      EXPECT_EQ(epx::kernels::combine_publishers(items, blocks, kWarps, 0).count, publishing);
+    }
+  }
+}
+
+TEST(WorkSplit, ReducePartsCoverEveryChunkOnce) {
+  constexpr int kThreads = 512;
+  for (int chunks : {16, 896, 1024, 2048}) {
+    for (int tokens : {1, 2, 66, 67, 128, 1000}) {
+      const int parts = epx::kernels::reduce_parts(tokens, 132, chunks, kThreads);
+      EXPECT_GE(parts, 1);
+      EXPECT_LE(parts * tokens, tokens > 132 ? parts * tokens : 132) << "more parts than blocks";
+      expect_tiling(chunks, parts);
+    }
+  }
+  EXPECT_EQ(epx::kernels::reduce_parts(1, 132, 896, kThreads), 2);  // hidden 7168: one chunk per thread
+  EXPECT_EQ(epx::kernels::reduce_parts(128, 132, 896, kThreads), 1);
+  EXPECT_EQ(epx::kernels::reduce_parts(0, 132, 896, kThreads), 1);
+}
+
+}  // namespace
