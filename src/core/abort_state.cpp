@@ -16,9 +16,9 @@ void AbortState::enter(std::string message) {
   EPX_FAIL(message_);
 }
 
-void AbortState::observe_record(const WaitTimeoutRecord& record) {
+void AbortState::observe_record(const FailureRecord& record) {
   throw_if_aborted();
-  if (record.flag == 1) enter(describe_wait_timeout(record));
+  if (record.flag == 1) enter(describe_failure(record));
 }
 
 void AbortState::observe_abort_word(int rank, int32_t word) {

@@ -19,7 +19,7 @@ class AbortState {
   void throw_if_aborted() const;
   // A snapshot of the host-mapped record: when its flag is set, the state becomes aborted with its
   // description (unless it already was) and throws.
-  void observe_record(const WaitTimeoutRecord& record);
+  void observe_record(const FailureRecord& record);
   // This rank's abort word (read from device memory): when set and no record explained the failure, the
   // state becomes aborted with the cause the word names, and throws.
   void observe_abort_word(int rank, int32_t word);

@@ -47,7 +47,7 @@ const char* wait_phase_name(WaitPhase phase) {
 
 namespace {
 
-std::string describe_released(const WaitTimeoutRecord& record) {
+std::string describe_released(const FailureRecord& record) {
   const auto phase = static_cast<WaitPhase>(record.phase);
   const std::string cause = describe_abort_cause(decode_abort_word(record.abort_word));
   if (record.peer < 0) {
@@ -61,7 +61,7 @@ std::string describe_released(const WaitTimeoutRecord& record) {
 
 }  // namespace
 
-std::string describe_wait_timeout(const WaitTimeoutRecord& record) {
+std::string describe_failure(const FailureRecord& record) {
   if (record.abort_word != 0) return describe_released(record);
   const auto phase = static_cast<WaitPhase>(record.phase);
   char seconds[32];
@@ -96,12 +96,12 @@ std::string describe_abort_word(int rank, int32_t word) {
                         ": the group was aborted: ", describe_abort_cause(decode_abort_word(word)));
 }
 
-WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped) {
-  WaitTimeoutRecord copy{};
+FailureRecord snapshot_failure_record(const FailureRecord& mapped) {
+  FailureRecord copy{};
   copy.flag = reinterpret_cast<const volatile int32_t&>(mapped.flag);
-  if (copy.flag != 1) return WaitTimeoutRecord{};
+  if (copy.flag != 1) return FailureRecord{};
   std::atomic_thread_fence(std::memory_order_acquire);
-  const auto& fields = reinterpret_cast<const volatile WaitTimeoutRecord&>(mapped);
+  const auto& fields = reinterpret_cast<const volatile FailureRecord&>(mapped);
   copy.rank = fields.rank;
   copy.peer = fields.peer;
   copy.phase = fields.phase;

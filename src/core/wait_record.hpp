@@ -5,7 +5,7 @@
 
 namespace epx {
 
-// Where a device-side wait gave up. Kernels write one WaitTimeoutRecord into host-mapped memory, raise the
+// Where a device-side wait gave up. Kernels write one FailureRecord into host-mapped memory, raise the
 // abort word (core/abort_word.hpp) and return; the host reads the record at its next check.
 enum class WaitPhase : int32_t {
   kNone = 0,
@@ -27,7 +27,10 @@ enum class WaitPhase : int32_t {
 
 const char* wait_phase_name(WaitPhase phase);
 
-struct WaitTimeoutRecord {
+// What stopped this rank, written once by the first device thread that gives up (host-mapped, so the host
+// reads it without a copy): a bounded wait that ran out, a capacity check, a shape mismatch, or another
+// rank's abort seen by a wait.
+struct FailureRecord {
   int32_t flag;  // 0 = nothing happened; set last, so the other fields are complete when it is seen
   int32_t rank;
   int32_t peer;
@@ -43,11 +46,11 @@ struct WaitTimeoutRecord {
 
 // "rank 1 timed out after 10.0 s waiting for peer 3 in barrier: expected >= 7, saw 6", or, for a rank
 // released by another rank's abort, where it stopped and what the first rank reported.
-std::string describe_wait_timeout(const WaitTimeoutRecord& record);
+std::string describe_failure(const FailureRecord& record);
 
 // A consistent copy of a record that kernels may be writing (host-mapped): the flag is written last, after a
 // system fence, so the other fields are complete once it reads 1; a copy whose flag is not 1 holds nothing
 // else.
-WaitTimeoutRecord snapshot_wait_record(const WaitTimeoutRecord& mapped);
+FailureRecord snapshot_failure_record(const FailureRecord& mapped);
 
 }  // namespace epx

@@ -12,7 +12,7 @@ namespace epx::device {
 // What every bounded wait needs to report a timeout: who is waiting, for how long at most, where the
 // host-mapped record lives, and the abort words that stop every wait of the group (core/abort_word.hpp).
 struct WaitContext {
-  WaitTimeoutRecord* record;  // host-mapped; written once, by the first waiter that gives up or stops
+  FailureRecord* record;  // host-mapped; written once, by the first waiter that gives up or stops
   int rank;
   uint64_t timeout_ns;
   AbortWords abort;

@@ -22,7 +22,7 @@
 namespace epx::kernels::internode {
 
 __device__ __forceinline__ device::WaitContext wait_context(const InternodeContext& context) {
-  return {context.peers.timeout_record, context.peers.rank, context.peers.timeout_ns, context.peers.abort};
+  return {context.peers.failure_record, context.peers.rank, context.peers.timeout_ns, context.peers.abort};
 }
 
 // What a polling group's leader shares instead of a count once its StallClock said stop (an abort): every

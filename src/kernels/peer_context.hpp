@@ -13,7 +13,7 @@ struct PeerContext {
   void* local_base;
   int rank;
   int num_ranks;
-  WaitTimeoutRecord* timeout_record;
+  FailureRecord* failure_record;
   uint64_t timeout_ns;
   AbortWords abort;  // every bounded wait stops once the group is aborted (core/abort_word.hpp)
 };

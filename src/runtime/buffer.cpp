@@ -89,8 +89,8 @@ struct Buffer::State {
   std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
   void* const* nvl_table = nullptr;
   void* const* rdma_table = nullptr;
-  WaitTimeoutRecord* timeout_record = nullptr;  // host-mapped
-  WaitTimeoutRecord* timeout_record_device = nullptr;
+  FailureRecord* failure_record = nullptr;  // host-mapped
+  FailureRecord* failure_record_device = nullptr;
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
   std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
@@ -115,7 +115,7 @@ struct Buffer::State {
     if (rank_mask != nullptr) cudaFree(rank_mask);
     rank_mask = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
-    if (timeout_record != nullptr) cudaFreeHost(timeout_record);
+    if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
     // Allocations still out (handles alive) keep the pool's memory until they are freed.
     if (handle_pool != nullptr) cudaMemPoolDestroy(handle_pool);
@@ -127,7 +127,7 @@ struct Buffer::State {
     comm_stream_owner.reset();  // destroyed once no handle holds it any more
     nvl_table = rdma_table = abort_table = nullptr;
     probe_stream = nullptr;
-    timeout_record = nullptr;
+    failure_record = nullptr;
     host_scratch = nullptr;
     comm_stream = nullptr;
   }
@@ -191,11 +191,11 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
       cudaStreamSynchronize(stream);
       if (own_stream) cudaStreamDestroy(stream);
     });
-    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.timeout_record), sizeof(WaitTimeoutRecord),
+    EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.failure_record), sizeof(FailureRecord),
                                  cudaHostAllocMapped));
-    *s.timeout_record = WaitTimeoutRecord{};
+    *s.failure_record = FailureRecord{};
     EPX_CUDA_CHECK(
-        cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.timeout_record_device), s.timeout_record, 0));
+        cudaHostGetDevicePointer(reinterpret_cast<void**>(&s.failure_record_device), s.failure_record, 0));
     EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.host_scratch),
                                  sizeof(int) * BufferAccess::kHostScratchInts, cudaHostAllocMapped));
     std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);
@@ -352,8 +352,8 @@ int* BufferAccess::host_scratch(const Buffer& buffer) {
 int* BufferAccess::host_scratch_device(const Buffer& buffer) {
   return buffer.live().host_scratch_device;
 }
-WaitTimeoutRecord* BufferAccess::timeout_record_device(const Buffer& buffer) {
-  return buffer.live().timeout_record_device;
+FailureRecord* BufferAccess::failure_record_device(const Buffer& buffer) {
+  return buffer.live().failure_record_device;
 }
 std::shared_ptr<CUstream_st> BufferAccess::comm_stream_shared(const Buffer& buffer) {
   return buffer.live().comm_stream_owner;
@@ -401,7 +401,7 @@ int32_t Buffer::read_abort_word() const {
 
 bool Buffer::group_aborted() const {
   const State& s = live();
-  if (s.abort_state.aborted() || snapshot_wait_record(*s.timeout_record).flag == 1) return true;
+  if (s.abort_state.aborted() || snapshot_failure_record(*s.failure_record).flag == 1) return true;
   try {
     return abort_word_is_set(read_abort_word());
   } catch (const Error&) {
@@ -411,7 +411,7 @@ bool Buffer::group_aborted() const {
 
 void Buffer::check_timeout() const {
   const State& s = live();
-  s.abort_state.observe_record(snapshot_wait_record(*s.timeout_record));
+  s.abort_state.observe_record(snapshot_failure_record(*s.failure_record));
 }
 
 void Buffer::check() const {
@@ -437,7 +437,7 @@ void Buffer::reset() {
   if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
   if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(rdma_buffer(), 0, num_rdma_bytes()));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
-  *s.timeout_record = WaitTimeoutRecord{};
+  *s.failure_record = FailureRecord{};
   // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that
   // skipped a notify is one behind the others otherwise), with no receive pending.
   std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);

@@ -11,7 +11,7 @@
 namespace epx {
 
 struct LowLatencyState;
-struct WaitTimeoutRecord;
+struct FailureRecord;
 
 // What the runtime's free functions need of a Buffer beyond its public API: state and device tables they
 // share with the Buffer but that users never touch. Only src/runtime includes this header; Buffer names it
@@ -24,7 +24,7 @@ struct BufferAccess {
   static int* host_scratch(const Buffer& buffer);
   static int* host_scratch_device(const Buffer& buffer);
   // Where a device wait that gives up writes its record (host-mapped), as the device sees it.
-  static WaitTimeoutRecord* timeout_record_device(const Buffer& buffer);
+  static FailureRecord* failure_record_device(const Buffer& buffer);
   // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on
   // it.
   static std::shared_ptr<CUstream_st> comm_stream_shared(const Buffer& buffer);

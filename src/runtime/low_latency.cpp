@@ -34,7 +34,7 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               buffer.rdma_buffer(),
                               buffer.rank(),
                               buffer.num_ranks(),
-                              BufferAccess::timeout_record_device(buffer),
+                              BufferAccess::failure_record_device(buffer),
                               buffer.wait_timeout_ns(),
                               BufferAccess::abort_words(buffer)};
 }

@@ -23,8 +23,8 @@ std::string error_of(const std::function<void()>& call) {
   return "";
 }
 
-epx::WaitTimeoutRecord timeout_record() {
-  epx::WaitTimeoutRecord record{};
+epx::FailureRecord failure_record() {
+  epx::FailureRecord record{};
   record.flag = 1;
   record.rank = 0;
   record.peer = 1;
@@ -59,42 +59,42 @@ TEST(AbortWord, DescribesTheRankThatGaveUp) {
 }
 
 TEST(WaitRecord, OwnTimeoutNamesRankPeerPhaseAndValues) {
-  EXPECT_EQ(epx::describe_wait_timeout(timeout_record()),
+  EXPECT_EQ(epx::describe_failure(failure_record()),
             "rank 0 timed out after 1.0 s waiting for peer 1 in barrier: expected >= 7, saw 6");
 }
 
 TEST(WaitRecord, ReleasedWaitNamesWhereItStoppedAndTheFirstCause) {
-  epx::WaitTimeoutRecord record = timeout_record();
+  epx::FailureRecord record = failure_record();
   record.rank = 3;
   record.peer = 2;
   record.phase = static_cast<int32_t>(WaitPhase::kDispatchReceive);
   record.abort_word = epx::encode_abort_word(2, 1, WaitPhase::kBarrier);
-  EXPECT_EQ(epx::describe_wait_timeout(record),
+  EXPECT_EQ(epx::describe_failure(record),
             "rank 3 stopped waiting for peer 2 in dispatch receive (expected >= 7, saw 6): the group was "
             "aborted: rank 2 timed out waiting for peer 1 in barrier");
   record.peer = -1;
-  EXPECT_EQ(epx::describe_wait_timeout(record),
+  EXPECT_EQ(epx::describe_failure(record),
             "rank 3 skipped dispatch receive: the group was aborted: rank 2 timed out waiting for peer 1 in "
             "barrier");
 }
 
 TEST(WaitRecord, CapacityNamesRowsNeededAndRoom) {
-  epx::WaitTimeoutRecord record{};
+  epx::FailureRecord record{};
   record.flag = 1;
   record.peer = -1;
   record.phase = static_cast<int32_t>(WaitPhase::kCapacity);
   record.expected = 64;
   record.seen = 70;
-  EXPECT_EQ(epx::describe_wait_timeout(record),
+  EXPECT_EQ(epx::describe_failure(record),
             "rank 0: capacity exceeded for data from peer -1: needed 70 rows, room for 64");
 }
 
 TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {
   epx::AbortState state;
   EXPECT_FALSE(state.aborted());
-  EXPECT_NO_THROW(state.observe_record(epx::WaitTimeoutRecord{}));
+  EXPECT_NO_THROW(state.observe_record(epx::FailureRecord{}));
   EXPECT_NO_THROW(state.observe_abort_word(0, 0));
-  const std::string first = error_of([&] { state.observe_record(timeout_record()); });
+  const std::string first = error_of([&] { state.observe_record(failure_record()); });
   EXPECT_EQ(first, "rank 0 timed out after 1.0 s waiting for peer 1 in barrier: expected >= 7, saw 6");
   EXPECT_TRUE(state.aborted());
   // Later observations, and any later call, raise the first message.
@@ -102,7 +102,7 @@ TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {
   EXPECT_EQ(
       error_of([&] { state.observe_abort_word(0, epx::encode_abort_word(3, 2, WaitPhase::kCombineReduce)); }),
       first);
-  EXPECT_EQ(error_of([&] { state.observe_record(epx::WaitTimeoutRecord{}); }), first);
+  EXPECT_EQ(error_of([&] { state.observe_record(epx::FailureRecord{}); }), first);
   state.reset();
   EXPECT_FALSE(state.aborted());
   EXPECT_NO_THROW(state.throw_if_aborted());
@@ -138,7 +138,7 @@ TEST(ShapeFingerprint, EveryFieldChangesTheHashAndIsNamed) {
 }
 
 TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
-  epx::WaitTimeoutRecord record{};
+  epx::FailureRecord record{};
   record.flag = 1;
   record.rank = 0;
   record.peer = 1;
@@ -147,7 +147,7 @@ TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
   record.seen = 4096;
   record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
   EXPECT_EQ(
-      epx::describe_wait_timeout(record),
+      epx::describe_failure(record),
       "rank 0: peer 1 called with hidden = 4096, this rank with 2048 (every rank must pass the same shapes "
       "and config)");
   EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(0, 1, WaitPhase::kShapeMismatch)),
@@ -159,7 +159,7 @@ TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
 namespace {
 
 TEST(WaitRecord, SnapshotCopiesEveryFieldOnceTheFlagIsSet) {
-  epx::WaitTimeoutRecord record{};
+  epx::FailureRecord record{};
   record.rank = 3;
   record.peer = 1;
   record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
@@ -169,11 +169,11 @@ TEST(WaitRecord, SnapshotCopiesEveryFieldOnceTheFlagIsSet) {
   record.abort_word = epx::encode_abort_word(2, 1, WaitPhase::kBarrier);
   record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
   // Not set yet: the snapshot holds nothing (a half-written record is never read).
-  const epx::WaitTimeoutRecord before = epx::snapshot_wait_record(record);
+  const epx::FailureRecord before = epx::snapshot_failure_record(record);
   EXPECT_EQ(before.flag, 0);
   EXPECT_EQ(before.rank, 0);
   record.flag = 1;
-  const epx::WaitTimeoutRecord copy = epx::snapshot_wait_record(record);
+  const epx::FailureRecord copy = epx::snapshot_failure_record(record);
   EXPECT_EQ(std::memcmp(&copy, &record, sizeof(record)), 0);
 }
 
