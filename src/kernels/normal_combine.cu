@@ -154,11 +154,7 @@ class WarpReducer {
       // One source: the sum is that row bit for bit, so its chunks are copied, with no arithmetic.
       if (num_sources == 1) {
         for (int piece = 0; piece < num_pieces_; ++piece, ++item) {
-          issue_next();  // into the buffer every lane finished reading last item
-          const int b = item % kTmaBuffers;
-          device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
-          parities_ ^= 1u << b;
-          const auto* landed = reinterpret_cast<const int4*>(buffers_.pieces[b]);
+          const int4* landed = next_landed(item);
           auto* out = static_cast<int4*>(c_.args.combined_x) + static_cast<size_t>(t) * num_chunks_;
           const int first = piece * kPieceChunks;
 #pragma unroll
@@ -175,11 +171,7 @@ class WarpReducer {
         for (int u = 0; u < kChunksPerLane; ++u) start_sum(acc[u]);
         const int first = piece * kPieceChunks;
         for (int source = 0; source < num_sources; ++source, ++item) {
-          issue_next();  // into the buffer every lane finished reading last item
-          const int b = item % kTmaBuffers;
-          device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
-          parities_ ^= 1u << b;
-          const auto* landed = reinterpret_cast<const int4*>(buffers_.pieces[b]);
+          const int4* landed = next_landed(item);
 #pragma unroll
           for (int u = 0; u < kChunksPerLane; ++u) {
             const int chunk = c_.lane + 32 * u;
@@ -199,6 +191,16 @@ class WarpReducer {
   }
 
  private:
+  // Issues the next load into the buffer every lane finished reading last item, then waits until item
+  // `item`'s piece has landed in its buffer and returns it (every lane calls it with the same state).
+  __device__ const int4* next_landed(int item) {
+    issue_next();
+    const int b = item % kTmaBuffers;
+    device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
+    parities_ ^= 1u << b;
+    return reinterpret_cast<const int4*>(buffers_.pieces[b]);
+  }
+
   // Issues the next (token, piece, source) of the stream into buffer issued_ % kTmaBuffers, if any is left.
   // Every lane calls it with the same state.
   __device__ void issue_next() {
