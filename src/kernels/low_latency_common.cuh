@@ -80,8 +80,8 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 
 // Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
 // from values all blocks share) once its sends are issued. The last of the `count` publishing blocks to
-// arrive for a destination publishes `value` into that destination's receive flag for this rank. NOTES: the
-// barrier puts every store and completed put of the block before the arriving thread's arrival, an
+// arrive for a destination publishes `value` into that destination's receive flag for this rank.
+// NOTES: the barrier puts every store and completed put of the block before the arriving thread's arrival, an
 // acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival also
 // acquires the other blocks' arrivals, and its release store of the flag then orders every data store and put
 // of every block before the receiver's reads (the shape fingerprints post_shapes wrote at the start of the
@@ -106,8 +106,8 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
 }
 
 // Called at the start of a send phase: block 0 writes this rank's shape fingerprint into every NVLink
-// destination's abort-words allocation, early, so the stores are long complete when publish_sends fences
-// before the flag (they add nothing to the flag's latency).
+// destination's abort-words allocation, early, so the stores are long complete when publish_sends releases
+// them with the flag (they add nothing to the flag's latency).
 __device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, LowLatencyOp op,
                                             const ShapeFingerprint& shape, unsigned long long masked) {
   if (blockIdx.x != 0) return;

@@ -441,9 +441,7 @@ void Buffer::reset() {
   // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that
   // skipped a notify is one behind the others otherwise), with no receive pending.
   std::fill_n(s.host_scratch, BufferAccess::kHostScratchInts, 0);
-  s.low_latency->num_calls = 0;
-  s.low_latency->pending_call[0] = s.low_latency->pending_call[1] = 0;
-  s.low_latency->needs_clean = false;  // the symmetric buffer was zeroed above
+  restart_low_latency_calls(*s.low_latency);  // the symmetric buffer was zeroed above
   // 4. No rank starts a call before every rank is clean.
   s.bootstrap->barrier();
   s.abort_state.reset();

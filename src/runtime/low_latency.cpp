@@ -132,7 +132,7 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
             })};
   }
   args.phases = kernels::kLowLatencyBoth;
-  if (!order.async_finish && order.previous_event == nullptr && state->has_joined_stream &&
+  if (!order.async_finish && order.previous_event == nullptr &&
       state->joined_stream == order.compute_stream) {
     // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
     // anyway: the comm stream would only add two cross-stream hops.
@@ -282,10 +282,7 @@ void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_ra
     kernels::launch_low_latency_clean(args, buffer.comm_stream());
   }
   end_on_comm_stream(buffer, order);
-  LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
-  state.num_calls = 0;
-  state.pending_call[0] = state.pending_call[1] = 0;
-  state.needs_clean = false;
+  restart_low_latency_calls(*BufferAccess::low_latency_state(buffer));
 }
 
 void low_latency_update_mask_buffer(Buffer& buffer, int rank_to_mask, bool mask, const StreamOrder& order) {

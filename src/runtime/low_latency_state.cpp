@@ -25,6 +25,12 @@ void check_low_latency_half_free(const LowLatencyState& state, int half) {
   }
 }
 
+void restart_low_latency_calls(LowLatencyState& state) {
+  state.num_calls = 0;
+  state.pending_call[0] = state.pending_call[1] = 0;
+  state.needs_clean = false;
+}
+
 void check_low_latency_signals_clean(const LowLatencyState& state) {
   if (state.needs_clean) {
     EPX_FAIL(

@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <functional>
 #include <memory>
+#include <optional>
 
 #include "epx/low_latency.hpp"
 
@@ -23,8 +24,7 @@ struct LowLatencyState {
   // The caller's stream the last call joined the comm stream into (every call issued so far is ordered before
   // work queued there next), if the last call ended that way: a low-latency call that returns no event may
   // then launch straight on that stream, saving the two cross-stream hops of the comm stream.
-  bool has_joined_stream = false;
-  cudaStream_t joined_stream = nullptr;
+  std::optional<cudaStream_t> joined_stream;
   // EPX_LL_PHASE_STAMPS=1 at construction: device memory the kernels stamp their phases into
   // ([kMaxPhaseStampBlocks][kNumPhaseStamps], kernels::LowLatencyStamp, for epx-bench), else null.
   std::shared_ptr<uint64_t> phase_stamps;
@@ -38,6 +38,10 @@ LowLatencyRecvHook make_low_latency_hook(std::shared_ptr<LowLatencyState> state,
 
 // Throws unless `half` is free for `call` (no earlier call's receive pending on it).
 void check_low_latency_half_free(const LowLatencyState& state, int half);
+
+// The signals are clean again (clean_low_latency_buffer, reset): the call sequence restarts at 0 on every
+// rank, no receive is pending, and normal mode's writes no longer stand between.
+void restart_low_latency_calls(LowLatencyState& state);
 
 // Throws when a normal-mode call across nodes ran since the last clean_low_latency_buffer().
 void check_low_latency_signals_clean(const LowLatencyState& state);

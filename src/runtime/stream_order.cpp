@@ -7,7 +7,7 @@
 namespace epx {
 
 void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
-  BufferAccess::low_latency_state(buffer)->has_joined_stream = false;  // until end_on_comm_stream joins
+  BufferAccess::low_latency_state(buffer)->joined_stream.reset();  // until end_on_comm_stream joins
   if (order.previous_event != nullptr) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), order.previous_event, 0));
   } else if (order.compute_stream != buffer.comm_stream()) {
@@ -28,9 +28,7 @@ Event end_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
     EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 1), buffer.comm_stream()));
     EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, BufferAccess::ordering_event(buffer, 1), 0));
   }
-  LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
-  state.has_joined_stream = true;
-  state.joined_stream = order.compute_stream;
+  BufferAccess::low_latency_state(buffer)->joined_stream = order.compute_stream;
   return Event{};
 }
 
