@@ -45,6 +45,10 @@ struct DispatchInput {
   int num_experts = 0;
   const bool* is_token_in_rank = nullptr;  // [T, R] from get_dispatch_layout (unused with a cached handle)
   const int* num_tokens_per_expert = nullptr;  // [E] from get_dispatch_layout (unused with a cached handle)
+  // [R] from get_dispatch_layout, optional (unused with a cached handle and across nodes). Given, the host
+  // learns the row counts without waiting for the per-channel counts, which are then checked against it: a
+  // count that disagrees with is_token_in_rank aborts the group (rank, peer and both counts in the error).
+  const int* num_tokens_per_rank = nullptr;
   int expert_alignment = 1;
   int num_worst_tokens = 0;  // > 0: no CPU sync, outputs sized num_worst_tokens rows
 };
@@ -98,6 +102,9 @@ struct DispatchPlan {
   std::vector<int>
       num_recv_tokens_per_expert;  // [L], rounded up to expert_alignment; empty in worst-case mode
   DispatchHandle handle;
+  // The launched receive writes into the guess's outputs (DispatchOutputGuess): pass those to
+  // dispatch_receive, which then only completes the call.
+  bool rows_in_guess = false;
 };
 
 struct DispatchOutput {
@@ -122,12 +129,24 @@ enum class DispatchOverlap {
   kLaunchReceive,
 };
 
+// Outputs a receive that dispatch_notify launches (DispatchOverlap::kLaunchReceive) writes into at once when
+// the rows fit (num_recv_rows <= rows): it then waits for nothing from the host, which only learns the row
+// count. When they do not fit, the receive waits for dispatch_receive's outputs as without a guess. The
+// caller allocates them before the notify, e.g. for the last dispatch's rows plus a margin.
+struct DispatchOutputGuess {
+  DispatchOutput outputs;
+  int rows = 0;  // rows each output has room for; 0: no guess
+};
+
 // Step 1: exchange the counts. Synchronizes with the host unless num_worst_tokens > 0 or a cached handle is
-// given (then the counts are already known).
+// given (then the counts are already known). `guess` (optional, only with kLaunchReceive): see
+// DispatchOutputGuess; DispatchPlan::rows_in_guess says whether the rows went there.
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& input, const StreamOrder& order,
                              const DispatchHandle* cached = nullptr,
-                             DispatchOverlap overlap = DispatchOverlap::kNone);
-// Step 2: receive the rows into caller-allocated outputs (sized by the plan).
+                             DispatchOverlap overlap = DispatchOverlap::kNone,
+                             const DispatchOutputGuess* guess = nullptr);
+// Step 2: receive the rows into caller-allocated outputs (sized by the plan; the guess's outputs when
+// plan.rows_in_guess).
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& input,
                        const DispatchOutput& out, const StreamOrder& order);
 // Instead of step 2, when the caller will not receive (e.g. allocating the outputs failed): a receive that

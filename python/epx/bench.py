@@ -640,7 +640,8 @@ class _Rank:
             x = (data["x_fp8"], data["scales"]) if fp8 else data["x_bf16"]
             return buffer.dispatch(x, topk_idx=data["topk"], topk_weights=data["weights"], num_experts=o.experts,
                                    is_token_in_rank=layout.is_token_in_rank,
-                                   num_tokens_per_expert=layout.num_tokens_per_expert)
+                                   num_tokens_per_expert=layout.num_tokens_per_expert,
+                                   num_tokens_per_rank=layout.num_tokens_per_rank)
 
         # Correctness first, on two fresh input sets; the last one is kept for timing.
         for salt in (o.seed * 2 + 1, o.seed * 2 + 2):
@@ -686,9 +687,10 @@ class _Rank:
                 name, nbytes, net = ("FP8", fp8_bytes, fp8_net) if fp8 else ("BF16", bf16_bytes, bf16_net)
                 us = self.median_us(f"dispatch {name}", flush, lambda: dispatch(mine, layout, fp8), host_waits=True)
                 out.append(BenchRow(f"dispatch {name}", sms, us, nbytes, net))
-                # The first step alone (stage, count exchange, host sync): the rest of the time is the pull.
+                # The first step alone (count exchange, host sync): the rest of the time is the transfer.
                 native_in = _native_dispatch_input(_epx, torch, x, mine["topk"], mine["weights"], o.experts,
-                                                   layout.is_token_in_rank, layout.num_tokens_per_expert)
+                                                   layout.is_token_in_rank, layout.num_tokens_per_expert,
+                                                   layout.num_tokens_per_rank)
 
                 def notify() -> None:
                     order = _epx.StreamOrder(compute_stream=torch.cuda.current_stream().cuda_stream,
@@ -844,7 +846,7 @@ class _Rank:
 
 
 def _native_dispatch_input(_epx: Any, torch: Any, x: Any, topk_idx: Any, topk_weights: Any, num_experts: int,
-                           is_token_in_rank: Any, num_tokens_per_expert: Any) -> Any:
+                           is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any) -> Any:
     """The binding's DispatchInput that epx.Buffer.dispatch builds for these tensors (for timing the notify
     step alone, which the Buffer does not expose). The caller keeps the tensors alive."""
     data, scales = x if isinstance(x, tuple) else (x, None)
@@ -859,6 +861,7 @@ def _native_dispatch_input(_epx: Any, torch: Any, x: Any, topk_idx: Any, topk_we
     native.num_experts = num_experts
     native.is_token_in_rank = is_token_in_rank.data_ptr()
     native.num_tokens_per_expert = num_tokens_per_expert.data_ptr()
+    native.num_tokens_per_rank = num_tokens_per_rank.data_ptr()
     native.expert_alignment = 1
     native.num_worst_tokens = 0
     return native

@@ -94,6 +94,9 @@ class Buffer:
     until the process ends.
     """
 
+    # Rows of the last dispatch that exchanged counts: sizes the next one's guess (DispatchOutputGuess).
+    _last_recv_rows: Optional[int] = None
+
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
                  ranks_per_node: int = 0, enable_shrink: bool = False,
@@ -302,7 +305,8 @@ class Buffer:
 
     def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
                  topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,
-                 num_tokens_per_expert: Any = None, expert_alignment: int = 1, num_worst_tokens: int = 0,
+                 num_tokens_per_expert: Any = None, num_tokens_per_rank: Any = None, expert_alignment: int = 1,
+                 num_worst_tokens: int = 0,
                  config: Optional[Config] = None, previous_event: Any = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False,
                  after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]] = None,
@@ -312,6 +316,8 @@ class Buffer:
         Routing comes from `handle` (cached: the same layout as that dispatch, no top-k outputs), or from
         is_token_in_rank and num_tokens_per_expert (get_dispatch_layout's outputs), computed here from topk_idx
         and num_experts when not given. Rows arrive ordered by source rank, then source token index.
+        num_tokens_per_rank (the layout's too, optional) lets the host learn the row counts sooner; it must
+        agree with is_token_in_rank (a count that does not aborts the call on every rank, naming both).
 
         after_counts(handle), for a dispatch that is not cached, runs once the counts are exchanged, with the
         comm stream current: torch work it queues (e.g. on handle.recv_channel_offset) is ordered like the
@@ -366,7 +372,10 @@ class Buffer:
                 previous_event = None  # the layout ran in order after it
                 is_token_in_rank = layout.is_token_in_rank
                 num_tokens_per_expert = layout.num_tokens_per_expert
+                num_tokens_per_rank = layout.num_tokens_per_rank
             check_tensor(is_token_in_rank, "is_token_in_rank", dtype=t.bool, shape=(num_tokens, self.num_ranks))
+            if num_tokens_per_rank is not None:
+                check_tensor(num_tokens_per_rank, "num_tokens_per_rank", dtype=t.int32, shape=(self.num_ranks,))
             num_experts = 0 if num_experts is None else num_experts
 
         previous_config = self._apply_config(config)
@@ -383,6 +392,7 @@ class Buffer:
         native_in.num_experts = num_experts
         native_in.is_token_in_rank = 0 if cached else pointer(is_token_in_rank)
         native_in.num_tokens_per_expert = 0 if cached else pointer(num_tokens_per_expert)
+        native_in.num_tokens_per_rank = 0 if cached else pointer(num_tokens_per_rank)
         native_in.expert_alignment = int(expert_alignment)
         native_in.num_worst_tokens = int(num_worst_tokens)
         order = self._order(previous_event, async_finish)
@@ -390,14 +400,29 @@ class Buffer:
         # launch_receive: the receive goes out with the count exchange, before the host waits for the counts
         # (only allocations happen in between; after_counts queues work that must come first, so it rules
         # this out).
-        overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launch_receive and after_counts is None \
-            else _epx.DispatchOverlap.NONE
+        launches = launch_receive and after_counts is None
+        overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launches else _epx.DispatchOverlap.NONE
+        # The receive writes into outputs allocated now, for the last dispatch's rows plus a margin, when the
+        # rows fit (DispatchOutputGuess): then nothing crosses from the host to the receive after the counts.
+        guess: Optional[Tuple[Any, ...]] = None
+        native_guess = None
+        if launches and not cached and not num_worst_tokens and self._last_recv_rows is not None:
+            guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
+            with maybe_stream(alloc_stream):
+                guess = _dispatch_outputs(t, guess_rows, hidden, x.dtype, tokens.num_scales,
+                                          x_scales.dtype if fp8 else None, num_topk, self.device)
+            native_guess = _epx.DispatchOutputGuess()
+            native_guess.outputs = _native_outputs(guess)
+            native_guess.rows = guess_rows
         try:
-            plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None, overlap)
+            plan = _epx.dispatch_notify(self.runtime, native_in, order, handle.native if cached else None, overlap,
+                                        native_guess)
         except Exception:
             self._restore_config(previous_config)
             raise
         rows = plan.num_recv_rows
+        if not cached and not num_worst_tokens:
+            self._last_recv_rows = rows
         per_expert_list = list(plan.num_recv_tokens_per_expert)
         if cached:
             new_handle = handle
@@ -412,23 +437,19 @@ class Buffer:
             with maybe_stream(self.comm_stream):
                 derived = after_counts(new_handle)
         try:
-            with maybe_stream(alloc_stream):
-                recv_x = t.empty(rows, hidden, dtype=x.dtype, device=self.device)
-                recv_scales = (t.empty(rows, tokens.num_scales, dtype=x_scales.dtype, device=self.device)
-                               if fp8 else None)
-                recv_idx = recv_weights = None
-                if num_topk > 0:
-                    recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=self.device)
-                    recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=self.device)
+            if plan.rows_in_guess:
+                outputs = tuple(None if g is None else g[:rows] for g in guess)
+                native_out = native_guess.outputs
+            else:
+                with maybe_stream(alloc_stream):
+                    outputs = _dispatch_outputs(t, rows, hidden, x.dtype, tokens.num_scales,
+                                                x_scales.dtype if fp8 else None, num_topk, self.device)
+                native_out = _native_outputs(outputs)
         except BaseException:
             _epx.dispatch_cancel(self.runtime, plan)  # the launched receive drains instead of waiting
             raise
-        out = _epx.DispatchOutput()
-        out.recv_x = pointer(recv_x)
-        out.recv_x_scales = pointer(recv_scales)
-        out.recv_topk_idx = pointer(recv_idx)
-        out.recv_topk_weights = pointer(recv_weights)
-        event = _epx.dispatch_receive(self.runtime, plan, native_in, out, order)
+        recv_x, recv_scales, recv_idx, recv_weights = outputs
+        event = _epx.dispatch_receive(self.runtime, plan, native_in, native_out, order)
 
         record_stream(derived, compute_stream)  # comm-stream tensors the caller reads
         inputs = [x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert]
@@ -652,6 +673,24 @@ class Buffer:
         shape = (num_local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
         num_bytes = 2 * shape[0] * shape[1] * shape[2]
         return device_view(address, num_bytes, torch().bfloat16, shape, self, self.device)
+
+
+def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: int, scales_dtype: Any,
+                      num_topk: int, device: Any) -> Tuple[Any, Any, Any, Any]:
+    """(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None) for `rows` rows."""
+    recv_x = t.empty(rows, hidden, dtype=dtype, device=device)
+    recv_scales = t.empty(rows, num_scales, dtype=scales_dtype, device=device) if scales_dtype is not None else None
+    recv_idx = recv_weights = None
+    if num_topk > 0:
+        recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=device)
+        recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=device)
+    return recv_x, recv_scales, recv_idx, recv_weights
+
+
+def _native_outputs(outputs: Tuple[Any, Any, Any, Any]) -> Any:
+    out = _epx.DispatchOutput()
+    out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights = (pointer(o) for o in outputs)
+    return out
 
 
 def _biases(bias: Any) -> List[Any]:

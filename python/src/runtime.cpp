@@ -189,6 +189,7 @@ void bind_normal(py::module_& m) {
   def_pointer(in, "topk_weights", &DispatchInput::topk_weights);
   def_pointer(in, "is_token_in_rank", &DispatchInput::is_token_in_rank);
   def_pointer(in, "num_tokens_per_expert", &DispatchInput::num_tokens_per_expert);
+  def_pointer(in, "num_tokens_per_rank", &DispatchInput::num_tokens_per_rank);
 
   py::class_<DispatchHandle>(m, "DispatchHandle")
       .def_property_readonly("valid", &DispatchHandle::valid)
@@ -224,7 +225,8 @@ void bind_normal(py::module_& m) {
   py::class_<DispatchPlan>(m, "DispatchPlan")
       .def_readonly("num_recv_rows", &DispatchPlan::num_recv_rows)
       .def_readonly("num_recv_tokens_per_expert", &DispatchPlan::num_recv_tokens_per_expert)
-      .def_readonly("handle", &DispatchPlan::handle);
+      .def_readonly("handle", &DispatchPlan::handle)
+      .def_readonly("rows_in_guess", &DispatchPlan::rows_in_guess);
 
   py::class_<DispatchOutput> out(m, "DispatchOutput");
   out.def(py::init<>());
@@ -233,19 +235,26 @@ void bind_normal(py::module_& m) {
   def_pointer(out, "recv_topk_idx", &DispatchOutput::recv_topk_idx);
   def_pointer(out, "recv_topk_weights", &DispatchOutput::recv_topk_weights);
 
+  py::class_<DispatchOutputGuess>(m, "DispatchOutputGuess")
+      .def(py::init<>())
+      .def_readwrite("outputs", &DispatchOutputGuess::outputs)
+      .def_readwrite("rows", &DispatchOutputGuess::rows);
+
   py::enum_<DispatchOverlap>(m, "DispatchOverlap")
       .value("NONE", DispatchOverlap::kNone)
       .value("LAUNCH_RECEIVE", DispatchOverlap::kLaunchReceive);
   m.def(
       "dispatch_notify",
       [](PyBuffer& buffer, const DispatchInput& input, const StreamOrder& order,
-         std::optional<DispatchHandle> cached, DispatchOverlap overlap) {
+         std::optional<DispatchHandle> cached, DispatchOverlap overlap,
+         std::optional<DispatchOutputGuess> guess) {
         return call_without_gil([&] {
-          return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr, overlap);
+          return dispatch_notify(buffer.get(), input, order, cached ? &*cached : nullptr, overlap,
+                                 guess ? &*guess : nullptr);
         });
       },
       py::arg("buffer"), py::arg("input"), py::arg("order"), py::arg("cached") = py::none(),
-      py::arg("overlap") = DispatchOverlap::kNone);
+      py::arg("overlap") = DispatchOverlap::kNone, py::arg("guess") = py::none());
   m.def(
       "dispatch_cancel",
       [](PyBuffer& buffer, const DispatchPlan& plan) {

@@ -41,6 +41,8 @@ const char* wait_phase_name(WaitPhase phase) {
       return "shape check";
     case WaitPhase::kDispatchOutputs:
       return "dispatch receive (waiting for this rank's host to call dispatch_receive with the outputs)";
+    case WaitPhase::kRankCounts:
+      return "dispatch notify (num_tokens_per_rank check)";
   }
   return "unknown phase";
 }
@@ -70,6 +72,11 @@ std::string describe_failure(const FailureRecord& record) {
     return detail::concat("rank ", record.rank, ": capacity exceeded for data from peer ", record.peer,
                           ": needed ", record.seen, " rows, room for ", record.expected);
   }
+  if (phase == WaitPhase::kRankCounts) {
+    return detail::concat("rank ", record.rank, ": num_tokens_per_rank of peer ", record.peer, " gives ",
+                          record.expected, " tokens for this rank, but its is_token_in_rank marks ",
+                          record.seen, " (pass get_dispatch_layout's outputs unchanged)");
+  }
   if (phase == WaitPhase::kShapeMismatch) {
     return detail::concat("rank ", record.rank, ": peer ", record.peer, " called with ",
                           shape_field_name(record.detail), " = ", record.seen, ", this rank with ",
@@ -86,6 +93,10 @@ std::string describe_abort_cause(const AbortCause& cause) {
   }
   if (cause.phase == WaitPhase::kShapeMismatch) {
     return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
+  }
+  if (cause.phase == WaitPhase::kRankCounts) {
+    return detail::concat("rank ", cause.rank, " found that the num_tokens_per_rank of peer ", cause.peer,
+                          " disagrees with its is_token_in_rank");
   }
   return detail::concat("rank ", cause.rank, " timed out waiting for peer ", cause.peer, " in ",
                         wait_phase_name(cause.phase));

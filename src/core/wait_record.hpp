@@ -23,6 +23,9 @@ enum class WaitPhase : int32_t {
   kLowLatencyCombineSend = 12,
   kShapeMismatch = 13,    // not a wait: a peer's shape fingerprint differs (core/shape_fingerprint.hpp)
   kDispatchOutputs = 14,  // normal dispatch: a receive launched early, waiting for the host's output pointers
+  // Not a wait: a peer's num_tokens_per_rank (expected) disagrees with its is_token_in_rank (seen) for this
+  // rank, so the outputs sized by it would not hold the rows.
+  kRankCounts = 15,
 };
 
 const char* wait_phase_name(WaitPhase phase);

@@ -77,6 +77,9 @@ struct NotifyArgs {
   int num_channels;
   const uint8_t* is_token_in_rank;   // [T, R] (bool bytes)
   const int* num_tokens_per_expert;  // [E] or nullptr
+  // [R] or nullptr: tokens this rank sends each rank (the layout's); given, the host's counts go out
+  // without waiting for the channel counts, which are checked against them (WaitPhase::kRankCounts).
+  const int* num_tokens_per_rank;
   int num_tokens;
   int num_experts;
   int expert_alignment;
@@ -112,6 +115,9 @@ struct DispatchArgs {
   // Non-null: the outputs above (and handle.recv_src_idx) are not known yet; they arrive here.
   const PublishedOutputs* published = nullptr;
   uint32_t published_sequence = 0;
+  // With `published`: the outputs above (and handle.recv_src_idx) are a guess with room for this many rows;
+  // when the notify's row count fits, the rows go there and nothing is waited for.
+  int guess_rows = 0;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

@@ -24,7 +24,6 @@
 namespace epx {
 
 namespace {
-
 // The host's bound on notify's counts: the device's bound plus a grace second. The device gives up first and
 // publishes its counts with a record naming the peer; the host bound only catches a notify that never ran.
 uint64_t host_bound_ns(uint64_t device_bound_ns) {
@@ -151,6 +150,26 @@ void check_row_alignment(const void* rows, const char* name) {
             "must be 16-byte aligned (rows move with 16-byte and bulk copies)");
 }
 
+// The outputs of a dispatch with `state`'s shape and format, for `rows` rows (`rows_text` names them).
+void check_outputs(const DispatchOutput& out, const DispatchHandle::State& state, int rows,
+                   const char* rows_text) {
+  EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
+            detail::concat("must point to ", rows_text).c_str());
+  EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
+            "null", "are required for FP8 tokens");
+  EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
+            "needs a dispatch with topk_idx");
+  EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
+            out.recv_topk_weights == nullptr ? "null" : "non-null",
+            "must be given together with recv_topk_idx");
+  check_row_alignment(out.recv_x, "recv_x");
+}
+
+bool same_outputs(const DispatchOutput& a, const DispatchOutput& b) {
+  return a.recv_x == b.recv_x && a.recv_x_scales == b.recv_x_scales && a.recv_topk_idx == b.recv_topk_idx &&
+         a.recv_topk_weights == b.recv_topk_weights;
+}
+
 void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool cached) {
   EPX_CHECK(buffer.num_nvl_bytes() > 0, "num_nvl_bytes", buffer.num_nvl_bytes(),
             "must be > 0 for normal-mode dispatch (construct the Buffer with an NVLink buffer)");
@@ -261,12 +280,12 @@ DispatchPlan plan_of(std::shared_ptr<DispatchHandle::State> state) {
 
 }  // namespace
 
-void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local_experts) {
+void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local_experts, int num_rows) {
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
-                      std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0);
+                      std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0) + num_rows;
   routing_memory = allocate_on_stream(buffer, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
@@ -276,6 +295,12 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   if (num_nodes > 1) {
     arrays.node_channel_offset = end;
     end += node_cells;
+  }
+  if (num_rows > 0) {
+    arrays.recv_src_idx = end;
+    end += num_rows;
+    rows_memory = routing_memory;
+    rows_capacity = num_rows;
   }
   arrays.is_token_in_rank = reinterpret_cast<uint8_t*>(end);
 }
@@ -371,7 +396,8 @@ void cancel_receive(const Buffer& buffer, uint32_t sequence) {
 }  // namespace
 
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
-                             const DispatchHandle* cached, DispatchOverlap overlap) {
+                             const DispatchHandle* cached, DispatchOverlap overlap,
+                             const DispatchOutputGuess* guess) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_notify");
   const bool is_cached = cached != nullptr && cached->valid();
   validate_dispatch_input(buffer, in, is_cached);
@@ -406,6 +432,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   state->shape = shape;
   state->launched_receive = 0;
+  state->guessed_outputs.reset();
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
     internode_layouts(buffer, *state, InternodeRecord::dispatch(shape));
@@ -416,6 +443,12 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
 
+  const bool launches_receive = !is_cached && state->num_worst_tokens == 0 &&
+                                overlap == DispatchOverlap::kLaunchReceive && state->num_nodes == 1 &&
+                                launch_receive_allowed();
+  const int guess_rows = launches_receive && guess != nullptr ? std::max(guess->rows, 0) : 0;
+  if (guess_rows > 0) check_outputs(guess->outputs, *state, guess_rows, "the guess's rows");
+
   // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
   NormalHostScratch& scratch = normal_host_scratch(buffer);
   cancel_receive(buffer, scratch.pending_receive);
@@ -424,7 +457,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
-  state->allocate_routing(buffer, num_local_experts);
+  // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
+  // receive's launch.
+  state->allocate_routing(buffer, num_local_experts, guess_rows);
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   scratch.notify_sequence = next_sequence(scratch.notify_sequence);
@@ -450,6 +485,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                    state->num_channels,
                                    reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
                                    in.num_tokens_per_expert,
+                                   in.num_tokens_per_rank,
                                    in.num_tokens,
                                    in.num_experts,
                                    state->expert_alignment,
@@ -467,11 +503,16 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
 
   // The receive goes out before the host waits: senders fill the peers' queues while the counts travel to
-  // the host, and the receivers wait for the outputs dispatch_receive publishes.
-  if (overlap == DispatchOverlap::kLaunchReceive && state->num_nodes == 1 && launch_receive_allowed()) {
-    kernels::DispatchArgs args = dispatch_args(buffer, *state, in, DispatchOutput{});
+  // the host, and the receivers write into the guess's outputs when the rows fit, else wait for the outputs
+  // dispatch_receive publishes. recv_src_idx for the guess came with the routing arrays; one allocated after
+  // the launch goes through a private stream (see allocate_on_stream).
+  const bool rows_before_counts = state->num_nodes == 1;
+  if (launches_receive) {
+    kernels::DispatchArgs args =
+        dispatch_args(buffer, *state, in, guess_rows > 0 ? guess->outputs : DispatchOutput{});
     args.published = device_address(buffer, &scratch.outputs);
     args.published_sequence = scratch.notify_sequence;
+    args.guess_rows = guess_rows;
     kernels::launch_dispatch(args, stream);
     scratch.pending_receive = scratch.notify_sequence;
     state->launched_receive = scratch.notify_sequence;
@@ -481,10 +522,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // wait only if that was too small.
   const cudaStream_t rows_stream =
       state->launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr;
-  const bool rows_before_counts = state->num_nodes == 1;
-  if (rows_before_counts) {
-    const int guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
-    state->allocate_rows(buffer, guess, rows_stream);
+  if (rows_before_counts && guess_rows == 0) {
+    const int rows_guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
+    state->allocate_rows(buffer, rows_guess, rows_stream);
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
@@ -507,14 +547,20 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
   scratch.last_recv_rows = state->num_recv_rows;
-  if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
+  const bool rows_in_guess = guess_rows > 0 && state->num_recv_rows <= guess_rows;
+  if (rows_in_guess) {
+    // The launched receive writes there already and waits for nothing: dispatch_receive only completes.
+    state->guessed_outputs = guess->outputs;
+  } else if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
     state->allocate_rows(buffer, state->num_recv_rows, rows_stream);
   }
   const int invalid = counts[count_index.invalid_id()];
   if (invalid != 0) cancel_receive(buffer, state->launched_receive);
   EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
             "must be -1 or in [0, num_experts)");
-  return plan_of(std::move(state));
+  DispatchPlan plan = plan_of(std::move(state));
+  plan.rows_in_guess = rows_in_guess;
+  return plan;
 }
 
 // No enter_call: it runs on error paths (an aborted Buffer, a failed allocation) and must not raise there.
@@ -543,22 +589,22 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
         in.format == TokenFormat::kFp8 && in.num_scales == 0 ? in.hidden / 128 : in.num_scales;
     EPX_CHECK(num_scales == state.shape.num_scales, "num_scales", in.num_scales,
               "must equal the num_scales given to dispatch_notify (pass the same input)");
-    EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
-              "must point to the plan's num_recv_rows rows");
-    EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
-              "null", "are required for FP8 tokens");
-    EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
-              "needs a dispatch with topk_idx");
-    EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
-              out.recv_topk_weights == nullptr ? "null" : "non-null",
-              "must be given together with recv_topk_idx");
-    check_row_alignment(out.recv_x, "recv_x");
+    if (state.guessed_outputs) {
+      EPX_CHECK(
+          same_outputs(out, *state.guessed_outputs), "out", "other outputs",
+          "must be the guess's outputs: the launched receive wrote the rows there (plan.rows_in_guess)");
+    }
+    check_outputs(out, state, rows, "the plan's num_recv_rows rows");
   } catch (...) {
     cancel_receive(buffer, launched);
     throw;
   }
   if (launched != 0) {
-    publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, false);
+    if (state.guessed_outputs) {
+      normal_host_scratch(buffer).pending_receive = 0;  // received: it needs nothing more
+    } else {
+      publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, false);
+    }
     return end_on_comm_stream(buffer, order);
   }
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.

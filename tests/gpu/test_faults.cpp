@@ -157,6 +157,9 @@ class FaultCalls {
   void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
   // > 0: normal-mode dispatch in worst-case mode (no host wait) with outputs of this many rows.
   void set_num_worst_tokens(int rows) { num_worst_tokens_ = rows; }
+  // Non-zero: the num_tokens_per_rank this rank passes says `delta` tokens more for the last rank than the
+  // layout counted (is_token_in_rank keeps the truth).
+  void set_last_rank_count_error(int delta) { last_rank_count_error_ = delta; }
 
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
@@ -164,6 +167,12 @@ class FaultCalls {
     epx::get_dispatch_layout(buffer_, topk_idx_.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
                              normal_.num_experts,
                              {per_rank_.get<int>(), per_expert_.get<int>(), in_rank_.get<bool>()}, order);
+    if (last_rank_count_error_ != 0) {
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<int> per_rank = per_rank_.download<int>(buffer_.num_ranks());
+      per_rank.back() += last_rank_count_error_;
+      per_rank_.upload(per_rank, stream_);
+    }
     if (skip && fault == Fault::kNotify) return;
     epx::DispatchInput in;
     in.x = x_.get();
@@ -175,6 +184,7 @@ class FaultCalls {
     in.num_experts = normal_.num_experts;
     in.is_token_in_rank = in_rank_.get<bool>();
     in.num_tokens_per_expert = per_expert_.get<int>();
+    in.num_tokens_per_rank = per_rank_.get<int>();
     in.num_worst_tokens = num_worst_tokens_;
     const epx::DispatchPlan plan = epx::dispatch_notify(buffer_, in, order);
     const size_t rows = plan.num_recv_rows;
@@ -262,6 +272,7 @@ class FaultCalls {
   epx::test::LowLatencyCase ll_;
   cudaStream_t stream_ = nullptr;
   int num_worst_tokens_ = 0;
+  int last_rank_count_error_ = 0;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -400,6 +411,35 @@ void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
     }
   }
   const std::string want = rank == 0 ? "capacity exceeded" : "rank 0 exceeded its capacity";
+  if (error.find(want) == std::string::npos)
+    throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
+                             "'");
+  expect_context_alive(rank);
+  buffer.reset();
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+}
+
+// Rank 0's num_tokens_per_rank undercounts what its is_token_in_rank sends the last rank, whose outputs it
+// would size too small: the last rank's notify finds the disagreement and aborts the group before any
+// receive writes; every rank names it. Then reset() and checked calls.
+void run_rank_counts_disagree(epx::Bootstrap& bootstrap) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  std::string error;
+  {
+    FaultCalls calls(buffer, num_ranks);
+    if (rank == 0) calls.set_last_rank_count_error(-1);
+    try {
+      calls.run(Fault::kCombine, false);
+    } catch (const epx::Error& caught) {
+      error = caught.message();
+    }
+  }
+  const std::string want = rank == num_ranks - 1
+                               ? "num_tokens_per_rank of peer 0 gives"
+                               : "num_tokens_per_rank of peer 0 disagrees with its is_token_in_rank";
   if (error.find(want) == std::string::npos)
     throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
                              "'");
@@ -651,6 +691,10 @@ TEST(Faults, HooksAfterAbortResetAndDestroyAreRefused) {
 TEST(Faults, CapacityExceededAbortsEveryRank) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_capacity_exceeded(bootstrap); });
+}
+TEST(Faults, RankCountsThatDisagreeAbortEveryRank) {
+  const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_rank_counts_disagree(bootstrap); });
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();

@@ -2,6 +2,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <functional>
 #include <stdexcept>
 #include <string>
@@ -645,6 +646,26 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     expect_error([&] { epx::dispatch_receive(buffer, drained, in, out, order); },
                  "invalid plan = already received");
     epx::dispatch_receive(buffer, later, in, out, order);
+
+    // A guess: misaligned outputs are refused before anything launches; rows that went into the guess must
+    // be received with the guess's outputs.
+    const auto notify_guessing = [&](const epx::DispatchOutputGuess& guess) {
+      return epx::dispatch_notify(buffer, in, order, nullptr, epx::DispatchOverlap::kLaunchReceive, &guess);
+    };
+    bad_out = out;
+    bad_out.recv_x = recv_x.get<char>() + 4;
+    expect_error([&] { notify_guessing({bad_out, static_cast<int>(rows)}); }, "invalid recv_x = 0x");
+    const epx::DispatchPlan guessed = notify_guessing({out, static_cast<int>(rows)});
+    const char* launch_env = std::getenv("EPX_LAUNCH_RECEIVE");  // "0": no launched receive, no guess
+    if (launch_env == nullptr || std::string(launch_env) != "0") {
+      if (!guessed.rows_in_guess) throw std::runtime_error("rows_in_guess is false for a guess with room");
+      bad_out = out;
+      bad_out.recv_topk_weights = recv_weights.get<float>() + K;
+      expect_error([&] { epx::dispatch_receive(buffer, guessed, in, bad_out, order); },
+                   "invalid out = other outputs: must be the guess's outputs");
+    }
+    const epx::DispatchPlan guessed_again = notify_guessing({out, static_cast<int>(rows)});
+    epx::dispatch_receive(buffer, guessed_again, in, out, order);
 
     // combine arguments.
     const epx::CombineInput comb{expert_x.get(), recv_weights.get<float>(), K, nullptr, nullptr};

@@ -17,6 +17,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <memory>
 #include <optional>
@@ -51,6 +52,13 @@ enum class NormalRouteBy {
   kRankMap,        // is_token_in_rank alone: no top-k outputs, per-expert counts unspecified
 };
 
+// With a receive launched by notify: outputs given to dispatch_notify beforehand (DispatchOutputGuess).
+enum class NormalGuess {
+  kNone,
+  kFits,      // room for the rows and 7 more: the rows go there (plan.rows_in_guess)
+  kTooSmall,  // one row short (none when no row arrives): the receive waits for dispatch_receive's outputs
+};
+
 enum class NormalOrder {
   kSync,           // the caller's stream waits for every operation
   kAsyncFinish,    // every operation returns an event the caller's stream then waits on
@@ -79,6 +87,7 @@ struct NormalCase {
   std::vector<NormalOrder> orders{NormalOrder::kSync};
   // true: dispatch_notify launches the receive before its host wait (DispatchOverlap::kLaunchReceive).
   std::vector<bool> launch_receive{true, false};
+  std::vector<NormalGuess> guesses{NormalGuess::kFits, NormalGuess::kTooSmall, NormalGuess::kNone};
   // In iterations where no call may wait for the device (worst-case rows, or previous-event order), hold the
   // caller's stream at a host callback while the calls are issued: a call that waits makes the gate time out,
   // which is reported, instead of hanging the test.
@@ -221,6 +230,7 @@ struct NormalStep {
   bool combine_weights = false;  // only with top-k: a dispatch without it has no weights to combine
   NormalOrder order = NormalOrder::kSync;
   bool launch_receive = false;
+  NormalGuess guess = NormalGuess::kNone;  // only with launch_receive
   bool gated = false;
 
   bool fp8() const { return format == TokenFormat::kFp8; }
@@ -263,6 +273,7 @@ inline NormalStep normal_step(const NormalCase& c, int iteration) {
   s.combine_weights = s.with_topk() && cyclic_at(c.combine_weights, i);
   s.order = cyclic_at(c.orders, i);
   s.launch_receive = cyclic_at(c.launch_receive, i);
+  s.guess = s.launch_receive ? cyclic_at(c.guesses, i) : NormalGuess::kNone;
   s.gated = c.gate_caller_stream && (s.num_worst_tokens > 0 || s.order == NormalOrder::kPreviousEvent);
   return s;
 }
@@ -277,6 +288,8 @@ inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
   if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
   if (s.cached) out << ", cached re-dispatch";
   if (s.launch_receive) out << ", receive launched by notify";
+  if (s.guess == NormalGuess::kFits) out << " into a guess with room";
+  if (s.guess == NormalGuess::kTooSmall) out << " with a guess too small";
   out << ", " << s.num_sms << " SMs, " << s.num_biases << " biases" << (s.combine_weights ? ", weights" : "")
       << ", " << kOrders[static_cast<int>(s.order)] << ", tokens [";
   for (size_t r = 0; r < s.num_tokens.size(); ++r) out << (r > 0 ? " " : "") << s.num_tokens[r];
@@ -405,6 +418,7 @@ struct NormalSlot {
   DeviceArray x, x_scales, topk_idx, topk_weights;                           // dispatch inputs
   DeviceArray num_tokens_per_rank, num_tokens_per_expert, is_token_in_rank;  // layout outputs
   DeviceArray recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights;       // dispatch outputs
+  DeviceArray small_x, small_x_scales, small_topk_idx, small_topk_weights;   // NormalGuess::kTooSmall
   DeviceArray combine_x, combine_weights, bias0, bias1;                      // combine inputs
   DeviceArray combined_x, combined_weights;                                  // combine outputs
   DeviceArray cached_x, cached_x_scales, cached_recv_x, cached_recv_x_scales, cached_combined_x;
@@ -469,14 +483,23 @@ class NormalRunner {
     slot.num_tokens_per_rank = DeviceArray(R * sizeof(int));
     slot.num_tokens_per_expert = DeviceArray(size_t(c_.num_experts) * sizeof(int));
     slot.is_token_in_rank = DeviceArray(T * R);
-    slot.recv_x = DeviceArray(rows * row_bytes);
+    // A guess that fits is the outputs themselves, with room to spare; one too small is another allocation.
+    const size_t room = rows + (s.guess == NormalGuess::kFits ? 7 : 0);
+    const size_t small = rows > 0 ? rows - 1 : 0;
+    slot.recv_x = DeviceArray(room * row_bytes);
+    if (s.guess == NormalGuess::kTooSmall) {
+      slot.small_x = DeviceArray(small * row_bytes);
+      slot.small_x_scales = DeviceArray(small * scale_bytes);
+      slot.small_topk_idx = DeviceArray(small * K * sizeof(int64_t));
+      slot.small_topk_weights = DeviceArray(small * K * sizeof(float));
+    }
     if (s.fp8()) {
       slot.x_scales = DeviceArray(T * scale_bytes);
-      slot.recv_x_scales = DeviceArray(rows * scale_bytes);
+      slot.recv_x_scales = DeviceArray(room * scale_bytes);
     }
     if (s.with_topk()) {
-      slot.recv_topk_idx = DeviceArray(rows * K * sizeof(int64_t));
-      slot.recv_topk_weights = DeviceArray(rows * K * sizeof(float));
+      slot.recv_topk_idx = DeviceArray(room * K * sizeof(int64_t));
+      slot.recv_topk_weights = DeviceArray(room * K * sizeof(float));
     }
     slot.combine_x = DeviceArray(rows * H * 2);
     slot.combined_x = DeviceArray(T * H * 2);
@@ -570,6 +593,8 @@ class NormalRunner {
       in.topk_idx = slot.topk_idx.get<int64_t>();
       in.topk_weights = slot.topk_weights.get<float>();
       in.num_topk = c_.num_topk;
+      // As DeepEP's callers pass it; the routes without top-k leave it out, so both count paths run.
+      in.num_tokens_per_rank = slot.num_tokens_per_rank.get<int>();
     }
     in.is_token_in_rank = slot.is_token_in_rank.get<bool>();
     if (s.route_by != NormalRouteBy::kRankMap)
@@ -626,11 +651,27 @@ class NormalRunner {
              "get_dispatch_layout");
 
     const DispatchInput in = dispatch_input(s, slot, false);
-    slot.plan = dispatch_notify(*buffer_, in, order_for(s), nullptr,
-                                s.launch_receive ? DispatchOverlap::kLaunchReceive : DispatchOverlap::kNone);
-    check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
     const DispatchOutput out{slot.recv_x.get(), slot.recv_x_scales.get<float>(),
                              slot.recv_topk_idx.get<int64_t>(), slot.recv_topk_weights.get<float>()};
+    const bool topk = out.recv_topk_idx != nullptr && s.with_topk();
+    DispatchOutputGuess guess;
+    if (s.guess == NormalGuess::kFits) guess = {out, want.num_rows + 7};
+    if (s.guess == NormalGuess::kTooSmall) {
+      guess = {{slot.small_x.get(), s.fp8() ? slot.small_x_scales.get<float>() : nullptr,
+                topk ? slot.small_topk_idx.get<int64_t>() : nullptr,
+                topk ? slot.small_topk_weights.get<float>() : nullptr},
+               std::max(want.num_rows - 1, 0)};
+    }
+    slot.plan =
+        dispatch_notify(*buffer_, in, order_for(s), nullptr,
+                        s.launch_receive ? DispatchOverlap::kLaunchReceive : DispatchOverlap::kNone, &guess);
+    check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
+    // EPX_LAUNCH_RECEIVE=0 (compute-sanitizer runs) turns launched receives off, and guesses with them.
+    const char* launch_env = std::getenv("EPX_LAUNCH_RECEIVE");
+    const bool launches = launch_env == nullptr || std::string(launch_env) != "0";
+    if (slot.plan.rows_in_guess != (s.guess == NormalGuess::kFits && s.num_worst_tokens == 0 && launches))
+      fail_at(s, std::string("dispatch_notify: rows_in_guess is ") +
+                     (slot.plan.rows_in_guess ? "true" : "false"));
     finished(s, dispatch_receive(*buffer_, slot.plan, in, out, order_for(s)), "dispatch_receive");
 
     const CombineInput combine_in{slot.combine_x.get(), slot.combine_weights.get<float>(),

@@ -137,6 +137,8 @@ struct NormalLayout {
     uint64_t channel_counts[kMaxNvlRanks][kMaxChannels];  // [src][c], written by src: tokens it sends me in c
     uint64_t expert_counts[kMaxExperts];  // [src * L + le], written by src: its tokens for my le
     uint64_t shape_hash[kMaxNvlRanks];    // [src], written by src: the hash of its shape fingerprint
+    uint64_t
+        rank_totals[kMaxNvlRanks];  // [src], written by src: its tokens for me, when the caller gave them
   };
 
   static constexpr size_t kControlOffset = 0;

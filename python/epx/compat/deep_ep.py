@@ -275,6 +275,7 @@ class Buffer:
         result = self._live().dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                        is_token_in_rank=is_token_in_rank,
                                        num_tokens_per_expert=num_tokens_per_expert,
+                                       num_tokens_per_rank=num_tokens_per_rank,
                                        expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
                                        config=config, previous_event=previous_event, async_finish=async_finish,
                                        allocate_on_comm_stream=allocate_on_comm_stream, after_counts=builder)

@@ -139,6 +139,7 @@ class FakeBinding:
     DispatchLayoutOutput = Struct
     DispatchInput = Struct
     DispatchOutput = Struct
+    DispatchOutputGuess = Struct
     CombineInput = Struct
     CombineOutput = Struct
     LowLatencyDispatchInput = Struct
@@ -149,6 +150,7 @@ class FakeBinding:
         self.registry = {}
         self.orders = []
         self.overlaps = []
+        self.guesses = []
         self.cancelled = 0
         self.cleaned = 0
 
@@ -181,9 +183,10 @@ class FakeBinding:
                   ref.tokens_per_node(ids, num_experts, num_ranks, runtime.ranks_per_node))
         return FakeEvent(order.async_finish)
 
-    def dispatch_notify(self, runtime, inp, order, cached, overlap="none"):
+    def dispatch_notify(self, runtime, inp, order, cached, overlap="none", guess=None):
         self.orders.append(order)
         self.overlaps.append(overlap)
+        self.guesses.append(guess)
         fp8 = inp.format == "fp8"
         item = ref.NormalRankInput()
         x = self.tensor(inp.x)
@@ -208,8 +211,12 @@ class FakeBinding:
                         num_recv_per_rank=list(outputs[0].num_recv_tokens_per_rank))
         self.add_handle_arrays(native, np.asarray(in_rank, dtype=bool).reshape(-1), runtime.config.num_sms // 2,
                                outputs[0].recv_src_token_idx)
+        # As the C++ dispatch_notify: a guess is used by a launched receive of a dispatch with a host wait.
+        rows_in_guess = (guess is not None and overlap == self.DispatchOverlap.LAUNCH_RECEIVE and cached is None
+                         and inp.num_worst_tokens == 0 and outputs[0].num_rows <= guess.rows)
         return Struct(num_recv_rows=outputs[0].num_rows,
-                      num_recv_tokens_per_expert=outputs[0].num_recv_tokens_per_expert_list, handle=native)
+                      num_recv_tokens_per_expert=outputs[0].num_recv_tokens_per_expert_list, handle=native,
+                      rows_in_guess=rows_in_guess)
 
     def add_handle_arrays(self, native, in_rank, num_channels, recv_src_idx):
         """The device arrays of a C++ handle, for one rank: channel c carries tokens [c * ceil(T / C), ...)."""
@@ -245,16 +252,20 @@ class FakeBinding:
         import torch
 
         expected = plan.handle.output
+
+        def rows(address):  # a guess's outputs hold more rows than were received
+            return self.tensor(address)[:expected.num_rows]
+
         if inp.format == "fp8":
-            write(self.tensor(out.recv_x).view(torch.uint8), expected.recv_x_fp8)
+            write(rows(out.recv_x).view(torch.uint8), expected.recv_x_fp8)
             source = np.asarray(expected.recv_src_token_idx)
             scales = self.host(inp.x_scales)[np.maximum(source, 0)]
-            write(self.tensor(out.recv_x_scales), np.where((source >= 0)[:, None], scales, 0).astype(scales.dtype))
+            write(rows(out.recv_x_scales), np.where((source >= 0)[:, None], scales, 0).astype(scales.dtype))
         else:
-            write_bf16(self.tensor(out.recv_x), expected.recv_x)
+            write_bf16(rows(out.recv_x), expected.recv_x)
         if out.recv_topk_idx:
-            write(self.tensor(out.recv_topk_idx), expected.recv_topk_idx)
-            write(self.tensor(out.recv_topk_weights), expected.recv_topk_weights)
+            write(rows(out.recv_topk_idx), expected.recv_topk_idx)
+            write(rows(out.recv_topk_weights), expected.recv_topk_weights)
         return FakeEvent(order.async_finish)
 
     def combine(self, runtime, handle, inp, out, order):

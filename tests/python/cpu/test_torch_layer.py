@@ -71,13 +71,17 @@ def test_native_dispatch_and_combine(fake):
 def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure(fake, monkeypatch):
     buffer, binding = fake
     x, ids, weights = tokens()
-    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=False)
-    buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    first = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=False)
+    # The launched receive writes into outputs sized from the last dispatch's rows (5) plus a margin.
+    second = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    assert second.recv_x.shape == first.recv_x.shape and torch.equal(second.recv_x, first.recv_x)
+    assert torch.equal(second.recv_topk_idx, first.recv_topk_idx)
     # after_counts queues work that must precede the receive: then dispatch_receive launches it.
     buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True,
                     after_counts=lambda h: [])
     none, launch = binding.DispatchOverlap.NONE, binding.DispatchOverlap.LAUNCH_RECEIVE
     assert binding.overlaps == [none, launch, none]
+    assert binding.guesses[0] is None and binding.guesses[1].rows == 5 + 64 and binding.guesses[2] is None
 
     # Outputs that cannot be allocated: the launched receive is cancelled (it drains) and the error surfaces.
     def no_memory(*args, **kwargs):
@@ -91,6 +95,7 @@ def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure
         return plan
 
     monkeypatch.setattr(binding, "dispatch_notify", notify_then_run_out_of_memory)
+    buffer._last_recv_rows = None  # no guess: the outputs are allocated after the counts
     with pytest.raises(MemoryError):
         buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True)
     assert binding.cancelled == 1
