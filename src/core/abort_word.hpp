@@ -53,11 +53,17 @@ struct AbortLayout {
   // [2 halves][2 ops][src]: low-latency dispatch and combine.
   static constexpr size_t kLowLatencyShapesOffset =
       kNormalShapesOffset + sizeof(ShapeFingerprint) * 2 * kMaxRanks;
-  static constexpr size_t kBytes = kLowLatencyShapesOffset + sizeof(ShapeFingerprint) * 4 * kMaxRanks;
+  // [src]: normal-mode dispatch and combine launches (the latest launch of each source).
+  static constexpr size_t kNormalLaunchShapesOffset =
+      kLowLatencyShapesOffset + sizeof(ShapeFingerprint) * 4 * kMaxRanks;
+  static constexpr size_t kBytes = kNormalLaunchShapesOffset + sizeof(ShapeFingerprint) * kMaxRanks;
 
   EPX_HD static ShapeFingerprint* normal_shape(void* base, int parity, int src) {
     return reinterpret_cast<ShapeFingerprint*>(static_cast<char*>(base) + kNormalShapesOffset) +
            parity * kMaxRanks + src;
+  }
+  EPX_HD static ShapeFingerprint* normal_launch_shape(void* base, int src) {
+    return reinterpret_cast<ShapeFingerprint*>(static_cast<char*>(base) + kNormalLaunchShapesOffset) + src;
   }
   EPX_HD static ShapeFingerprint* low_latency_shape(void* base, int half, int op, int src) {
     return reinterpret_cast<ShapeFingerprint*>(static_cast<char*>(base) + kLowLatencyShapesOffset) +

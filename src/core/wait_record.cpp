@@ -143,7 +143,8 @@ const char* shape_field_name(int field) {
     case ShapeField::kMaxTokens:
       return "num_max_dispatch_tokens_per_rank";
     case ShapeField::kFormat:
-      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt)";
+      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt; in normal mode the operation, dispatch or "
+             "combine, and use_fp8)";
   }
   return "?";
 }

@@ -299,7 +299,7 @@ class WarpReducer {
 constexpr int kMaxTokensPerWarp = 4;
 
 __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
-                              TmaWarpStage* stages) {
+                              TmaWarpStage* stages, int calls) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
   __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
   const int num_ranks = args.peers.num_ranks;
@@ -316,6 +316,10 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
                               lane,
                               lane_is_peer};
   if (threadIdx.x < kMaxNvlRanks) consumed[threadIdx.x] = 0;
+  // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
+  // below then end at once).
+  if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank)
+    check_launch_shape(args.peers, calls, args.shape, threadIdx.x, WaitPhase::kCombineReduce);
   WarpReducer reducer(context, stages[warp], entry_rings[warp]);
   int published = 0;  // thread r < R: what peer r was last told
   __syncthreads();
@@ -352,6 +356,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const int calls = calls_before(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kCombineReduce)) return;
+  post_launch_shape(args.peers, calls, args.shape);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
@@ -359,7 +364,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
-                  false, stages);
+                  false, stages, calls);
   } else if (is_sender) {
     const int warp = threadIdx.x / 32;
     const int warps_per_peer = kQueueWarps / (num_ranks - 1);
@@ -370,7 +375,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
       send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
     }
   } else {
-    reduce_tokens(args, channel, range, true, stages);
+    reduce_tokens(args, channel, range, true, stages, calls);
   }
   finish_launch(args.peers, calls);
 }

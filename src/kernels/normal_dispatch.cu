@@ -210,11 +210,18 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
 __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, int channel, int src,
-                               const WarpGroup& group, int* shared, DispatchCopier& copier) {
+                               const WarpGroup& group, int* shared, DispatchCopier& copier, int calls) {
   const int index = src * args.layout.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
                       args.handle.recv_channel_offset[index + 1] - row0, WaitPhase::kDispatchReceive);
+  // Records of another shape are never read: the group aborts, naming the field.
+  if (!queue.done() &&
+      !queue.share(group.leader() ? check_launch_shape(args.peers, calls, args.shape, src,
+                                                       WaitPhase::kDispatchReceive)
+                                  : 0)) {
+    return;
+  }
   const NormalRecord& r = args.record;
   while (!queue.done()) {
     const int ready = queue.wait_ready();
@@ -261,6 +268,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   // After an aborted notify (worst-case mode launches this without the host's look at the counts) the
   // offsets may be anything: write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kDispatchReceive)) return;
+  post_launch_shape(args.peers, calls, args.shape);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
@@ -293,7 +301,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
         copy_own_rows(args, outputs, channel, warp % warps_per_rank, warps_per_rank, lane, copier);
     } else if (src < num_ranks) {
       const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
-      receive_tokens(args, outputs, channel, src, group, &group_values[src], copier);
+      receive_tokens(args, outputs, channel, src, group, &group_values[src], copier, calls);
     }
   }
   if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);

@@ -113,6 +113,7 @@ struct DispatchArgs {
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
   // Non-null: the outputs above (and handle.recv_src_idx) are not known yet; they arrive here.
+  ShapeFingerprint shape{};  // of this launch (normal_launch_fingerprint), checked by every receiver
   const PublishedOutputs* published = nullptr;
   uint32_t published_sequence = 0;
   // With `published`: the outputs above (and handle.recv_src_idx) are a guess with room for this many rows;
@@ -134,6 +135,7 @@ struct CombineArgs {
   const void* bias1;
   void* combined_x;
   float* combined_topk_weights;
+  ShapeFingerprint shape{};  // of this launch (normal_launch_fingerprint), checked by every receiver
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -103,6 +103,23 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
   return make_shape_fingerprint(values);
 }
 
+// What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
+// source's records (kernels/normal_queue.cuh): the queues' layout, the records, and the operation.
+enum class NormalOperation { kDispatch = 1, kCombine = 2 };
+ShapeFingerprint normal_launch_fingerprint(const NormalLayout& layout, const NormalRecord& record, int hidden,
+                                           int num_experts, NormalOperation op, bool fp8) {
+  int32_t values[kNumShapeFields] = {};
+  values[static_cast<int>(ShapeField::kHidden)] = hidden;
+  values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
+  values[static_cast<int>(ShapeField::kNumScales)] = record.num_scales;
+  values[static_cast<int>(ShapeField::kNumTopk)] = std::max(record.num_topk_idx, record.num_topk_weights);
+  values[static_cast<int>(ShapeField::kNumExperts)] = num_experts;
+  values[static_cast<int>(ShapeField::kNumChannels)] = layout.num_channels;
+  values[static_cast<int>(ShapeField::kQueueTokens)] = layout.queue_tokens;
+  values[static_cast<int>(ShapeField::kFormat)] = 2 * static_cast<int>(op) + (fp8 ? 1 : 0);
+  return make_shape_fingerprint(values);
+}
+
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
 // dispatch that made the handle did, whatever the SM budget is now.
 Config queue_config(const Buffer& buffer, const DispatchHandle::State& state) {
@@ -349,9 +366,11 @@ namespace {
 // outputs the host publishes there later.
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
                                     const DispatchInput& in, const DispatchOutput& out) {
+  const NormalLayout layout = dispatch_layout(buffer, state);
+  const NormalRecord record = NormalRecord::dispatch(state.shape);
   return kernels::DispatchArgs{peer_context(buffer),
-                               dispatch_layout(buffer, state),
-                               NormalRecord::dispatch(state.shape),
+                               layout,
+                               record,
                                state.num_tokens,
                                state.shape.num_experts,
                                buffer.config().num_max_nvl_chunked_send_tokens,
@@ -365,7 +384,10 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
                                out.recv_x,
                                out.recv_x_scales,
                                out.recv_topk_idx,
-                               out.recv_topk_weights};
+                               out.recv_topk_weights,
+                               normal_launch_fingerprint(layout, record, state.shape.hidden,
+                                                         state.shape.num_experts, NormalOperation::kDispatch,
+                                                         state.format == TokenFormat::kFp8)};
 }
 
 // Tells the receive dispatch_notify launched with `sequence` where its rows go (cancelled: nowhere, it only
@@ -704,7 +726,9 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             in.bias0,
                             in.bias1,
                             out.combined_x,
-                            out.combined_topk_weights};
+                            out.combined_topk_weights,
+                            normal_launch_fingerprint(layout, record, hidden, state.shape.num_experts,
+                                                      NormalOperation::kCombine, false)};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

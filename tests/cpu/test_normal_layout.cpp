@@ -93,9 +93,10 @@ TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
     }
     EXPECT_EQ(offsets.size(), size_t(ranks - 1) * 3 * 5);
   }
-  // The fixed areas: control is 32 ints, the counters cover every (rank, channel).
-  EXPECT_EQ(sizeof(NormalLayout::Control), 128u);
-  EXPECT_EQ(NormalLayout::kCountersOffset, 128u);
+  // The fixed areas: control is 32 ints and the launch fingerprints, the counters cover every (rank,
+  // channel).
+  EXPECT_EQ(sizeof(NormalLayout::Control), 128u + 8u * epx::kMaxNvlRanks);
+  EXPECT_EQ(NormalLayout::kCountersOffset, 256u);
   EXPECT_EQ(sizeof(NormalLayout::QueueCounters), 4u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
 }
 

@@ -155,6 +155,8 @@ class FaultCalls {
   // Hidden size of this rank's normal-mode tokens (the shape check's tests change it on one rank).
   void set_hidden(int hidden) { normal_.hidden = hidden; }
   void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
+  // Channels of this rank's normal-mode combine (0: the dispatch's), e.g. another value on one rank.
+  void set_combine_hidden(int hidden) { combine_hidden_ = hidden; }
   // > 0: normal-mode dispatch in worst-case mode (no host wait) with outputs of this many rows.
   void set_num_worst_tokens(int rows) { num_worst_tokens_ = rows; }
   // Non-zero: the num_tokens_per_rank this rank passes says `delta` tokens more for the last rank than the
@@ -200,6 +202,7 @@ class FaultCalls {
     combined_ = DeviceArray(size_t(in.num_tokens) * normal_.hidden * 2);
     epx::CombineInput combine_in;
     combine_in.x = recv_x_.get();
+    combine_in.hidden = combine_hidden_;  // <= the dispatch's: x's rows are recv_x's, read with this stride
     epx::combine(buffer_, plan.handle, combine_in, {combined_.get(), nullptr}, order);
     buffer_.synchronize(stream_);
   }
@@ -273,6 +276,7 @@ class FaultCalls {
   cudaStream_t stream_ = nullptr;
   int num_worst_tokens_ = 0;
   int last_rank_count_error_ = 0;
+  int combine_hidden_ = 0;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -361,7 +365,10 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
 // One rank dispatches tokens of another hidden size (normal mode, or low latency): every rank's dispatch
 // must raise the shape check's error (no timeout: the fingerprints travel with the counts and the flags),
 // then reset() and checked calls.
-void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
+// Where the last rank's shapes differ from the others'.
+enum class MismatchAt { kNormalNotify, kNormalCombine, kLowLatency };
+
+void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
   epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
@@ -370,12 +377,13 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, bool low_latency) {
   {
     FaultCalls calls(buffer, num_ranks);
     if (rank == num_ranks - 1) {
-      calls.set_hidden(128);
-      calls.set_low_latency_hidden(128);
+      if (at == MismatchAt::kNormalNotify) calls.set_hidden(128);
+      if (at == MismatchAt::kNormalCombine) calls.set_combine_hidden(128);  // the dispatch agrees
+      if (at == MismatchAt::kLowLatency) calls.set_low_latency_hidden(128);
     }
     std::string error;
     try {
-      calls.run(low_latency ? Fault::kLowLatencyCombine : Fault::kCombine, false);
+      calls.run(at == MismatchAt::kLowLatency ? Fault::kLowLatencyCombine : Fault::kCombine, false);
     } catch (const epx::Error& caught) {
       error = caught.message();
     }
@@ -698,11 +706,21 @@ TEST(Faults, RankCountsThatDisagreeAbortEveryRank) {
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
-  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, false); });
+  epx::test::run_ranks(
+      num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, MismatchAt::kNormalNotify); });
+}
+// The combine's records (hidden of x) differ on one rank although its dispatch agreed: the launch
+// fingerprints catch it before any record is reduced.
+TEST(Faults, NormalCombineShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) {
+    run_shape_mismatch(bootstrap, MismatchAt::kNormalCombine);
+  });
 }
 TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
-  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, true); });
+  epx::test::run_ranks(
+      num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, MismatchAt::kLowLatency); });
 }
 
 // A rank exits before each phase; the survivors report it and rebuild among themselves.

@@ -123,8 +123,11 @@ struct NormalLayout {
     int outputs_cancelled;
     uint32_t outputs_sequence;
     int pad[32 - kMaxNvlRanks - 2 - 12];
+    // [src], written by src at the start of each dispatch and combine launch: pack_tagged(its launch count,
+    // the hash of its launch's ShapeFingerprint, whose values go to the abort words' launch slot).
+    uint64_t launch_shape[kMaxNvlRanks];
   };
-  static_assert(sizeof(Control) == sizeof(int) * 32, "Control must stay 32 ints (adjust pad)");
+  static_assert(sizeof(Control) == sizeof(int) * (32 + 2 * kMaxNvlRanks), "Control: 32 ints, then launch_shape");
 
   struct QueueCounters {
     uint32_t tail[kMaxNvlRanks][kMaxChannels];      // [src][c], written by src: records it wrote to me
