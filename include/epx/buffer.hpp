@@ -82,8 +82,9 @@ class Buffer {
   int ranks_per_node() const;
   bool spans_nodes() const;
 
-  // Low-latency memory of this rank.
-  void* rdma_buffer() const;
+  // The symmetric buffer of this rank (low-latency calls; across nodes also normal mode's network queues),
+  // and its size (BufferOptions::num_rdma_bytes, DeepEP's name, although within one node no RDMA is used).
+  void* symmetric_buffer() const;
   size_t num_rdma_bytes() const;
 
   // ---- Failures (docs/RELIABILITY.md) ----

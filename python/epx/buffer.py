@@ -205,7 +205,7 @@ class Buffer:
                             use_rdma_buffer: bool = False) -> Any:
         """A tensor view of this rank's NVLink buffer (or low-latency buffer) from byte offset_bytes on, shaped
         `size` (default: as many elements as fit). It keeps the Buffer alive."""
-        base = self.runtime.rdma_buffer if use_rdma_buffer else self.runtime.nvl_buffer
+        base = self.runtime.symmetric_buffer if use_rdma_buffer else self.runtime.nvl_buffer
         total = self.runtime.num_rdma_bytes if use_rdma_buffer else self.runtime.num_nvl_bytes
         check(0 <= offset_bytes <= total, "offset", offset_bytes, f"must be in [0, {total}] bytes")
         element_bytes = torch().empty((), dtype=dtype).element_size()

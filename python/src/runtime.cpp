@@ -103,8 +103,8 @@ void bind_buffer(py::module_& m) {
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_buffer()); })
       .def_property_readonly("num_nvl_bytes", [](const PyBuffer& self) { return self.get().num_nvl_bytes(); })
       .def_property_readonly(
-          "rdma_buffer",
-          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().rdma_buffer()); })
+          "symmetric_buffer",
+          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().symmetric_buffer()); })
       .def_property_readonly("num_rdma_bytes",
                              [](const PyBuffer& self) { return self.get().num_rdma_bytes(); })
       .def("check_timeout", [](const PyBuffer& self) { self.get().check_timeout(); })

@@ -85,10 +85,10 @@ struct Buffer::State {
   cudaEvent_t ordering_events[2] = {nullptr, nullptr};
   cudaMemPool_t handle_pool = nullptr;
   std::optional<IpcMemory> nvl;
-  std::optional<IpcMemory> rdma;            // low-latency memory of a one-node group
-  std::optional<RemoteMemory> rdma_remote;  // ... of a group spanning nodes
+  std::optional<IpcMemory> symmetric;            // low-latency memory of a one-node group
+  std::optional<RemoteMemory> symmetric_remote;  // ... of a group spanning nodes
   void* const* nvl_table = nullptr;
-  void* const* rdma_table = nullptr;
+  void* const* symmetric_table = nullptr;
   FailureRecord* failure_record = nullptr;  // host-mapped
   FailureRecord* failure_record_device = nullptr;
   int* host_scratch = nullptr;  // host-mapped
@@ -105,12 +105,13 @@ struct Buffer::State {
   void free_local(bool collective = true) noexcept {
     if (comm_stream != nullptr) cudaStreamSynchronize(comm_stream);
     if (nvl) nvl->release();
-    if (rdma) rdma->release();
+    if (symmetric) symmetric->release();
     if (abort_memory) abort_memory->release();
-    if (rdma_remote && !collective) new std::shared_ptr<void>(std::move(rdma_remote->owner));  // kept
-    rdma_remote.reset();  // collective free of the NVSHMEM allocation (unless kept above)
+    if (symmetric_remote && !collective)
+      new std::shared_ptr<void>(std::move(symmetric_remote->owner));  // kept
+    symmetric_remote.reset();  // collective free of the NVSHMEM allocation (unless kept above)
     if (nvl_table != nullptr) cudaFree(const_cast<void**>(nvl_table));
-    if (rdma_table != nullptr) cudaFree(const_cast<void**>(rdma_table));
+    if (symmetric_table != nullptr) cudaFree(const_cast<void**>(symmetric_table));
     if (abort_table != nullptr) cudaFree(const_cast<void**>(abort_table));
     if (rank_mask != nullptr) cudaFree(rank_mask);
     rank_mask = nullptr;
@@ -125,7 +126,7 @@ struct Buffer::State {
       event = nullptr;
     }
     comm_stream_owner.reset();  // destroyed once no handle holds it any more
-    nvl_table = rdma_table = abort_table = nullptr;
+    nvl_table = symmetric_table = abort_table = nullptr;
     probe_stream = nullptr;
     failure_record = nullptr;
     host_scratch = nullptr;
@@ -208,11 +209,11 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer", s.ranks_per_node);
     s.nvl_table = upload_table(s.nvl->bases());
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
-      s.rdma_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
-      s.rdma_table = upload_table(s.rdma_remote->bases);
+      s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
+      s.symmetric_table = upload_table(s.symmetric_remote->bases);
     } else {
-      s.rdma.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
-      s.rdma_table = upload_table(s.rdma->bases());
+      s.symmetric.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
+      s.symmetric_table = upload_table(s.symmetric->bases());
     }
     bootstrap.barrier();
   } catch (...) {
@@ -334,13 +335,13 @@ int Buffer::ranks_per_node() const {
 bool Buffer::spans_nodes() const {
   return live().ranks_per_node < live().num_ranks;
 }
-void* Buffer::rdma_buffer() const {
+void* Buffer::symmetric_buffer() const {
   const State& s = live();
-  return s.rdma_remote ? s.rdma_remote->local : s.rdma->local();
+  return s.symmetric_remote ? s.symmetric_remote->local : s.symmetric->local();
 }
 size_t Buffer::num_rdma_bytes() const {
   const State& s = live();
-  return s.rdma_remote ? s.rdma_remote->bytes : s.rdma->bytes();
+  return s.symmetric_remote ? s.symmetric_remote->bytes : s.symmetric->bytes();
 }
 Bootstrap& Buffer::bootstrap() const {
   return *live().bootstrap;
@@ -364,8 +365,8 @@ cudaMemPool_t BufferAccess::handle_memory_pool(const Buffer& buffer) {
 std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {
   return buffer.live().low_latency;
 }
-void* const* BufferAccess::rdma_peer_bases_device(const Buffer& buffer) {
-  return buffer.live().rdma_table;
+void* const* BufferAccess::symmetric_peer_bases_device(const Buffer& buffer) {
+  return buffer.live().symmetric_table;
 }
 cudaEvent_t BufferAccess::ordering_event(const Buffer& buffer, int which) {
   return buffer.live().ordering_events[which];
@@ -435,7 +436,7 @@ void Buffer::reset() {
   EPX_CUDA_CHECK(cudaMemset(s.abort_memory->local(), 0, kAbortBytes));
   EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));  // no rank masked
   if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
-  if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(rdma_buffer(), 0, num_rdma_bytes()));
+  if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(symmetric_buffer(), 0, num_rdma_bytes()));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
   *s.failure_record = FailureRecord{};
   // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that

@@ -35,7 +35,7 @@ struct BufferAccess {
   static std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);
   // Device array [kMaxLowLatencyRanks] of every rank's low-latency buffer as seen from this GPU (nullptr for
   // ranks outside this rank's node: NVSHMEM puts reach those).
-  static void* const* rdma_peer_bases_device(const Buffer& buffer);
+  static void* const* symmetric_peer_bases_device(const Buffer& buffer);
   // Two events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
   // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
   // event as recorded at that moment, so re-recording it later is safe.

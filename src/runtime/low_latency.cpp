@@ -30,8 +30,8 @@ LowLatencyLayout layout_for(const Buffer& buffer, int num_max_tokens, int hidden
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
-  return kernels::PeerContext{BufferAccess::rdma_peer_bases_device(buffer),
-                              buffer.rdma_buffer(),
+  return kernels::PeerContext{BufferAccess::symmetric_peer_bases_device(buffer),
+                              buffer.symmetric_buffer(),
                               buffer.rank(),
                               buffer.num_ranks(),
                               BufferAccess::failure_record_device(buffer),
@@ -212,7 +212,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
 void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle) {
   const LowLatencyLayout layout =
       layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
-  return LowLatencyLayout::at<char>(buffer.rdma_buffer(), layout.combine_send_offset());
+  return LowLatencyLayout::at<char>(buffer.symmetric_buffer(), layout.combine_send_offset());
 }
 
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,

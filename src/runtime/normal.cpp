@@ -157,7 +157,8 @@ InternodeLayouts internode_layouts(const Buffer& buffer, const DispatchHandle::S
 }
 
 kernels::InternodeContext internode_context(const Buffer& buffer) {
-  return {peer_context(buffer), buffer.rdma_buffer(), NodeMap{buffer.num_ranks(), buffer.ranks_per_node()}};
+  return {peer_context(buffer), buffer.symmetric_buffer(),
+          NodeMap{buffer.num_ranks(), buffer.ranks_per_node()}};
 }
 
 // Rows move with 16-byte accesses and bulk copies, which fault (killing the CUDA context) on a misaligned
@@ -368,26 +369,26 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
                                     const DispatchInput& in, const DispatchOutput& out) {
   const NormalLayout layout = dispatch_layout(buffer, state);
   const NormalRecord record = NormalRecord::dispatch(state.shape);
-  return kernels::DispatchArgs{peer_context(buffer),
-                               layout,
-                               record,
-                               state.num_tokens,
-                               state.shape.num_experts,
-                               buffer.config().num_max_nvl_chunked_send_tokens,
-                               state.arrays.is_token_in_rank,
-                               in.x,
-                               in.x_scales,
-                               in.topk_idx,
-                               in.topk_weights,
-                               state.arrays,
-                               state.num_recv_rows,
-                               out.recv_x,
-                               out.recv_x_scales,
-                               out.recv_topk_idx,
-                               out.recv_topk_weights,
-                               normal_launch_fingerprint(layout, record, state.shape.hidden,
-                                                         state.shape.num_experts, NormalOperation::kDispatch,
-                                                         state.format == TokenFormat::kFp8)};
+  return kernels::DispatchArgs{
+      peer_context(buffer),
+      layout,
+      record,
+      state.num_tokens,
+      state.shape.num_experts,
+      buffer.config().num_max_nvl_chunked_send_tokens,
+      state.arrays.is_token_in_rank,
+      in.x,
+      in.x_scales,
+      in.topk_idx,
+      in.topk_weights,
+      state.arrays,
+      state.num_recv_rows,
+      out.recv_x,
+      out.recv_x_scales,
+      out.recv_topk_idx,
+      out.recv_topk_weights,
+      normal_launch_fingerprint(layout, record, state.shape.hidden, state.shape.num_experts,
+                                NormalOperation::kDispatch, state.format == TokenFormat::kFp8)};
 }
 
 // Tells the receive dispatch_notify launched with `sequence` where its rows go (cancelled: nowhere, it only
