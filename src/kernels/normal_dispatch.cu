@@ -216,10 +216,9 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
   QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
                       args.handle.recv_channel_offset[index + 1] - row0, WaitPhase::kDispatchReceive);
   // Records of another shape are never read: the group aborts, naming the field.
-  if (!queue.done() &&
-      !queue.share(group.leader() ? check_launch_shape(args.peers, calls, args.shape, src,
-                                                       WaitPhase::kDispatchReceive)
-                                  : 0)) {
+  if (!queue.done() && !queue.share(group.leader() ? check_launch_shape(args.peers, calls, args.shape, src,
+                                                                        WaitPhase::kDispatchReceive)
+                                                   : 0)) {
     return;
   }
   const NormalRecord& r = args.record;

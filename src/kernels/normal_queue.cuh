@@ -89,11 +89,13 @@ __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int
   const auto* slot = &NormalLayout::control(peers.local_base)->launch_shape[src];
   const uint32_t expected = static_cast<uint32_t>(calls + 1);
   uint64_t word = 0;
-  const auto posted = [expected](uint64_t w) { return static_cast<int32_t>(tagged_sequence(w) - expected) >= 0; };
-  const bool arrived = device::spin_until_loaded(
-      [slot] { return device::ld_acquire_sys_u64(slot); }, posted,
-      [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); }, expected, wait_context(peers), src,
-      phase, word);
+  const auto posted = [expected](uint64_t w) {
+    return static_cast<int32_t>(tagged_sequence(w) - expected) >= 0;
+  };
+  const bool arrived =
+      device::spin_until_loaded([slot] { return device::ld_acquire_sys_u64(slot); }, posted,
+                                [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); }, expected,
+                                wait_context(peers), src, phase, word);
   if (!arrived || tagged_sequence(word) != expected || tagged_value(word) == shape.hash) return arrived;
   if (peers.abort.peers[src] == nullptr) return true;  // no values to name the field by: nothing to report
   report_shape_mismatch(wait_context(peers), src, shape,

@@ -127,7 +127,8 @@ struct NormalLayout {
     // the hash of its launch's ShapeFingerprint, whose values go to the abort words' launch slot).
     uint64_t launch_shape[kMaxNvlRanks];
   };
-  static_assert(sizeof(Control) == sizeof(int) * (32 + 2 * kMaxNvlRanks), "Control: 32 ints, then launch_shape");
+  static_assert(sizeof(Control) == sizeof(int) * (32 + 2 * kMaxNvlRanks),
+                "Control: 32 ints, then launch_shape");
 
   struct QueueCounters {
     uint32_t tail[kMaxNvlRanks][kMaxChannels];      // [src][c], written by src: records it wrote to me
