@@ -400,10 +400,10 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
-// Worst-case mode: rank 0's outputs are too small for what it receives. Its notify reports the capacity
-// error and aborts the group (no trap); its dispatch writes nothing; every other rank's dispatch stops and
-// names rank 0's cause. Then reset() and checked calls.
-void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
+// Every rank runs the normal calls with `configure(calls, rank, num_ranks)` applied; each must fail with an
+// error containing want(rank, num_ranks), its CUDA context must work, and after reset() checked calls pass.
+template <typename Configure, typename Want>
+void run_expecting_group_error(epx::Bootstrap& bootstrap, Configure configure, Want want_of) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
   epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
@@ -411,14 +411,14 @@ void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
   std::string error;
   {
     FaultCalls calls(buffer, num_ranks);
-    calls.set_num_worst_tokens(rank == 0 ? 1 : 48 * num_ranks);
+    configure(calls, rank, num_ranks);
     try {
       calls.run(Fault::kCombine, false);
     } catch (const epx::Error& caught) {
       error = caught.message();
     }
   }
-  const std::string want = rank == 0 ? "capacity exceeded" : "rank 0 exceeded its capacity";
+  const std::string want = want_of(rank, num_ranks);
   if (error.find(want) == std::string::npos)
     throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
                              "'");
@@ -427,33 +427,34 @@ void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
   run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
+// Worst-case mode: rank 0's outputs are too small for what it receives. Its notify reports the capacity
+// error and aborts the group (no trap); its dispatch writes nothing; every other rank's dispatch stops and
+// names rank 0's cause.
+void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
+  run_expecting_group_error(
+      bootstrap,
+      [](FaultCalls& calls, int rank, int num_ranks) {
+        calls.set_num_worst_tokens(rank == 0 ? 1 : 48 * num_ranks);
+      },
+      [](int rank, int) {
+        return std::string(rank == 0 ? "capacity exceeded" : "rank 0 exceeded its capacity");
+      });
+}
+
 // Rank 0's num_tokens_per_rank undercounts what its is_token_in_rank sends the last rank, whose outputs it
 // would size too small: the last rank's notify finds the disagreement and aborts the group before any
-// receive writes; every rank names it. Then reset() and checked calls.
+// receive writes; every rank names it.
 void run_rank_counts_disagree(epx::Bootstrap& bootstrap) {
-  const int num_ranks = bootstrap.num_ranks();
-  const int rank = bootstrap.rank();
-  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
-  std::string error;
-  {
-    FaultCalls calls(buffer, num_ranks);
-    if (rank == 0) calls.set_last_rank_count_error(-1);
-    try {
-      calls.run(Fault::kCombine, false);
-    } catch (const epx::Error& caught) {
-      error = caught.message();
-    }
-  }
-  const std::string want = rank == num_ranks - 1
+  run_expecting_group_error(
+      bootstrap,
+      [](FaultCalls& calls, int rank, int) {
+        if (rank == 0) calls.set_last_rank_count_error(-1);
+      },
+      [](int rank, int num_ranks) {
+        return std::string(rank == num_ranks - 1
                                ? "num_tokens_per_rank of peer 0 gives"
-                               : "num_tokens_per_rank of peer 0 disagrees with its is_token_in_rank";
-  if (error.find(want) == std::string::npos)
-    throw std::runtime_error("rank " + std::to_string(rank) + ": expected '" + want + "', got: '" + error +
-                             "'");
-  expect_context_alive(rank);
-  buffer.reset();
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+                               : "num_tokens_per_rank of peer 0 disagrees with its is_token_in_rank");
+      });
 }
 
 // Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
