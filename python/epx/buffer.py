@@ -406,7 +406,9 @@ class Buffer:
         # rows fit (DispatchOutputGuess): then nothing crosses from the host to the receive after the counts.
         guess: Optional[Tuple[Any, ...]] = None
         native_guess = None
-        if launches and not cached and not num_worst_tokens and self._last_recv_rows is not None:
+        # (Across nodes the receive always follows the host's wait: no guess.)
+        if launches and not cached and not num_worst_tokens and self._last_recv_rows is not None \
+                and not self.runtime.spans_nodes:
             guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
             with maybe_stream(alloc_stream):
                 guess = _dispatch_outputs(t, guess_rows, hidden, x.dtype, tokens.num_scales,

@@ -67,6 +67,7 @@ class FakeRuntime:
         self.num_rdma_bytes = 1 << 20
         self.is_destroyed = False
         self.ranks_per_node = 1
+        self.spans_nodes = False
         self.enable_shrink = False
         self.device = 0
 
