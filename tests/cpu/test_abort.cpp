@@ -38,7 +38,7 @@ epx::FailureRecord failure_record() {
 TEST(AbortWord, RoundTripsEveryRankPeerAndPhase) {
   for (int rank = 0; rank < 64; ++rank) {
     for (int peer = -1; peer < 64; ++peer) {
-      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kShapeMismatch); ++phase) {
+      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kRankCounts); ++phase) {
         const int32_t word = epx::encode_abort_word(rank, peer, static_cast<WaitPhase>(phase));
         ASSERT_TRUE(epx::abort_word_is_set(word));
         const epx::AbortCause cause = epx::decode_abort_word(word);
@@ -87,6 +87,24 @@ TEST(WaitRecord, CapacityNamesRowsNeededAndRoom) {
   record.seen = 70;
   EXPECT_EQ(epx::describe_failure(record),
             "rank 0: capacity exceeded for data from peer -1: needed 70 rows, room for 64");
+}
+
+TEST(WaitRecord, RankCountsNameThePeerAndBothCounts) {
+  epx::FailureRecord record{};
+  record.flag = 1;
+  record.rank = 1;
+  record.peer = 0;
+  record.phase = static_cast<int32_t>(WaitPhase::kRankCounts);
+  record.expected = 41;
+  record.seen = 42;
+  EXPECT_EQ(
+      epx::describe_failure(record),
+      "rank 1: num_tokens_per_rank of peer 0 gives 41 tokens for this rank, but its is_token_in_rank marks "
+      "42 (pass get_dispatch_layout's outputs unchanged)");
+  EXPECT_EQ(
+      epx::describe_abort_word(2, epx::encode_abort_word(1, 0, WaitPhase::kRankCounts)),
+      "rank 2: the group was aborted: rank 1 found that the num_tokens_per_rank of peer 0 disagrees with "
+      "its is_token_in_rank");
 }
 
 TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {
