@@ -48,6 +48,7 @@ struct DispatchInput {
   // [R] from get_dispatch_layout, optional (unused with a cached handle and across nodes). Given, the host
   // learns the row counts without waiting for the per-channel counts, which are then checked against it: a
   // count that disagrees with is_token_in_rank aborts the group (rank, peer and both counts in the error).
+  // Every rank gives it or none does (checked with the call's shapes).
   const int* num_tokens_per_rank = nullptr;
   int expert_alignment = 1;
   int num_worst_tokens = 0;  // > 0: no CPU sync, outputs sized num_worst_tokens rows

@@ -91,7 +91,13 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
 
 // What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
 // queues' config.
-ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config) {
+// The format field of a notify's fingerprint: the bit that says num_tokens_per_rank was given.
+constexpr int kNotifyWithRankTotals = 4;
+
+// `with_rank_totals`: the caller gave num_tokens_per_rank. Every rank must, or none: a rank given them waits
+// for every peer's totals, which a rank without them never posts.
+ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config,
+                                          bool with_rank_totals = false) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = shape.hidden;
   values[static_cast<int>(ShapeField::kRowBytes)] = shape.x_row_bytes;
@@ -100,6 +106,7 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
   values[static_cast<int>(ShapeField::kNumExperts)] = shape.num_experts;
   values[static_cast<int>(ShapeField::kNumChannels)] = config.num_channels();
   values[static_cast<int>(ShapeField::kQueueTokens)] = config.num_max_nvl_chunked_recv_tokens;
+  values[static_cast<int>(ShapeField::kFormat)] = with_rank_totals ? kNotifyWithRankTotals : 0;
   return make_shape_fingerprint(values);
 }
 
@@ -490,17 +497,18 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
   if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{internode_context(buffer),
-                                            state->num_channels,
-                                            reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                                            in.num_tokens_per_expert,
-                                            in.num_tokens,
-                                            in.num_experts,
-                                            state->expert_alignment,
-                                            state->arrays,
-                                            host,
-                                            invalid_id,
-                                            normal_shape_fingerprint(shape, queue_config(buffer, *state))};
+    const kernels::InternodeNotifyArgs args{
+        internode_context(buffer),
+        state->num_channels,
+        reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+        in.num_tokens_per_expert,
+        in.num_tokens,
+        in.num_experts,
+        state->expert_alignment,
+        state->arrays,
+        host,
+        invalid_id,
+        normal_shape_fingerprint(shape, queue_config(buffer, *state), in.num_tokens_per_rank != nullptr)};
     kernels::launch_internode_notify(args, stream);
   } else {
     const kernels::NotifyArgs args{peer_context(buffer),

@@ -162,6 +162,8 @@ class FaultCalls {
   // Non-zero: the num_tokens_per_rank this rank passes says `delta` tokens more for the last rank than the
   // layout counted (is_token_in_rank keeps the truth).
   void set_last_rank_count_error(int delta) { last_rank_count_error_ = delta; }
+  // false: this rank's dispatch leaves num_tokens_per_rank out.
+  void set_pass_rank_totals(bool pass) { pass_rank_totals_ = pass; }
 
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
@@ -186,7 +188,7 @@ class FaultCalls {
     in.num_experts = normal_.num_experts;
     in.is_token_in_rank = in_rank_.get<bool>();
     in.num_tokens_per_expert = per_expert_.get<int>();
-    in.num_tokens_per_rank = per_rank_.get<int>();
+    in.num_tokens_per_rank = pass_rank_totals_ ? per_rank_.get<int>() : nullptr;
     in.num_worst_tokens = num_worst_tokens_;
     const epx::DispatchPlan plan = epx::dispatch_notify(buffer_, in, order);
     const size_t rows = plan.num_recv_rows;
@@ -277,6 +279,7 @@ class FaultCalls {
   int num_worst_tokens_ = 0;
   int last_rank_count_error_ = 0;
   int combine_hidden_ = 0;
+  bool pass_rank_totals_ = true;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -366,7 +369,7 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
 // must raise the shape check's error (no timeout: the fingerprints travel with the counts and the flags),
 // then reset() and checked calls.
 // Where the last rank's shapes differ from the others'.
-enum class MismatchAt { kNormalNotify, kNormalCombine, kLowLatency };
+enum class MismatchAt { kNormalNotify, kNormalCombine, kRankTotalsLeftOut, kLowLatency };
 
 void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
   const int num_ranks = bootstrap.num_ranks();
@@ -379,6 +382,7 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
     if (rank == num_ranks - 1) {
       if (at == MismatchAt::kNormalNotify) calls.set_hidden(128);
       if (at == MismatchAt::kNormalCombine) calls.set_combine_hidden(128);  // the dispatch agrees
+      if (at == MismatchAt::kRankTotalsLeftOut) calls.set_pass_rank_totals(false);
       if (at == MismatchAt::kLowLatency) calls.set_low_latency_hidden(128);
     }
     std::string error;
@@ -388,7 +392,7 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
       error = caught.message();
     }
     // Each rank finds the mismatch itself, or (with more ranks) is released by one that did first.
-    if (!contains_any(error, {"called with hidden = ", "called with other shapes"}))
+    if (!contains_any(error, {"called with hidden = ", "called with format", "called with other shapes"}))
       throw std::runtime_error("rank " + std::to_string(rank) + ": no shape error, got: '" + error + "'");
   }
   const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
@@ -716,6 +720,14 @@ TEST(Faults, NormalCombineShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) {
     run_shape_mismatch(bootstrap, MismatchAt::kNormalCombine);
+  });
+}
+// One rank leaves num_tokens_per_rank out: the others would wait for its totals; the notify's fingerprint
+// says so at once instead.
+TEST(Faults, RankTotalsGivenOnSomeRanksOnlyFailOnEveryRank) {
+  const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) {
+    run_shape_mismatch(bootstrap, MismatchAt::kRankTotalsLeftOut);
   });
 }
 TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
