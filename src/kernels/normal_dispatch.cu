@@ -2,6 +2,7 @@
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
+#include "kernels/notify_steps.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
@@ -276,6 +277,15 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   const int lane = threadIdx.x % 32;
   DispatchCopier copier(&tma_stages[warp], lane == 0);
   const bool writes_rows = !is_sender || num_ranks == 1;
+  if (args.with_notify) {
+    // Counts out first (peers' receivers wait for them), then the exchange, then the offsets.
+    if (is_sender) count_channel<kQueueThreads>(args.notify, channel);
+    if (blockIdx.x == 1) exchange_counts<kQueueThreads>(args.notify);
+    if (writes_rows && !scan_and_check_totals<kQueueThreads>(args.notify)) {
+      finish_launch(args.peers, calls);  // aborted: nothing is written
+      return;
+    }
+  }
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
     __syncthreads();

@@ -119,6 +119,12 @@ struct DispatchArgs {
   // With `published`: the outputs above (and handle.recv_src_idx) are a guess with room for this many rows;
   // when the notify's row count fits, the rows go there and nothing is waited for.
   int guess_rows = 0;
+  // The count exchange runs in this launch (kernels/notify_steps.cuh), no notify kernel before it: senders
+  // count and post their channel, block 1 exchanges and publishes the host's counts, blocks that write rows
+  // scan the offsets themselves. Needs the per-rank totals and a guess; is_token_in_rank is then the
+  // caller's map (the senders copy it into the handle).
+  bool with_notify = false;
+  NotifyArgs notify{};
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

@@ -1,211 +1,23 @@
-#include <cub/block/block_reduce.cuh>
-#include <cub/block/block_scan.cuh>
-
-#include "device/wait.cuh"
 #include "gpu/cuda_check.hpp"
-#include "kernels/host_counts.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
+#include "kernels/notify_steps.cuh"
 #include "kernels/preload.hpp"
-#include "kernels/shape_check.cuh"
-#include "kernels/wait_context.cuh"
 
 namespace epx::kernels {
 
 namespace {
 
 constexpr int kNotifyThreads = 1024;
-static_assert(kMaxNvlRanks * kMaxChannels <= kNotifyThreads, "one thread per (source, channel) in the scan");
-
-// NOTES: every count crosses as a tagged word (pack_tagged with the notify's sequence) into the half of the
-// receiver's notify area that the sequence's parity picks. The receiver polls each word until it carries
-// this sequence, so the exchange needs no barrier, no acknowledgement and no fence: the value is in the
-// word that says it is current.
-
-// ---- Channel blocks: how many of the channel's tokens go to each rank, posted into that rank's notify area.
-// ----
-__device__ void count_channel(const NotifyArgs& args, int channel) {
-  using BlockReduce = cub::BlockReduce<int, kNotifyThreads>;
-  __shared__ typename BlockReduce::TempStorage reduce_storage;
-  const int num_ranks = args.peers.num_ranks;
-  const TokenRange range = channel_token_range(args.num_tokens, args.num_channels, channel);
-  const bool copy_map = args.handle.is_token_in_rank != args.is_token_in_rank;
-  int counts[kMaxNvlRanks] = {};
-  for (int t = range.begin + threadIdx.x; t < range.end; t += kNotifyThreads) {
-#pragma unroll
-    for (int r = 0; r < kMaxNvlRanks; ++r) {
-      if (r >= num_ranks) break;
-      const size_t cell = static_cast<size_t>(t) * num_ranks + r;
-      const uint8_t flag = args.is_token_in_rank[cell] != 0;
-      counts[r] += flag;
-      if (copy_map) args.handle.is_token_in_rank[cell] = flag;
-    }
-  }
-  for (int r = 0; r < num_ranks; ++r) {
-    const int total = BlockReduce(reduce_storage).Sum(counts[r]);
-    if (threadIdx.x == 0) {
-      auto* half = NormalLayout::notify(args.peers.peer_bases[r], args.sequence);
-      device::st_relaxed_sys_u64(&half->channel_counts[args.peers.rank][channel],
-                                 pack_tagged(args.sequence, total));
-    }
-    __syncthreads();  // the reduce storage is reused
-  }
-}
-
-// ---- Received-row offsets: what each (source, channel) sends this rank, scanned into the handle's
-// recv_channel_offset. Returns (in every thread) the rows from source threadIdx.x, for threads < R. ----
-__device__ int scan_channel_offsets(const NotifyArgs& args, const NormalLayout::NotifyHalf* arrived,
-                                    const device::WaitContext& ctx, int& total) {
-  using BlockScan = cub::BlockScan<int, kNotifyThreads>;
-  __shared__ typename BlockScan::TempStorage scan_storage;
-  __shared__ int source_totals[kMaxNvlRanks];
-  const int num_ranks = args.peers.num_ranks;
-  const int num_channels = args.num_channels;
-  const int cell = threadIdx.x;  // (source, channel), source-major
-  const int src = cell / num_channels;
-  const int count = src < num_ranks ? device::wait_tagged(&arrived->channel_counts[src][cell % num_channels],
-                                                          args.sequence, ctx, src, WaitPhase::kDispatchNotify)
-                                    : 0;
-  int offset = 0;
-  BlockScan(scan_storage).ExclusiveSum(count, offset, total);
-  if (src < num_ranks) args.handle.recv_channel_offset[cell] = offset;
-  if (cell == 0) args.handle.recv_channel_offset[num_ranks * num_channels] = total;
-  if (threadIdx.x < num_ranks) source_totals[threadIdx.x] = 0;
-  __syncthreads();
-  if (src < num_ranks) atomicAdd(&source_totals[src], count);
-  __syncthreads();
-  if (threadIdx.x == 0 && args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
-    // The dispatch that follows sees the abort at its start and writes nothing.
-    device::raise_abort(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);
-  }
-  return threadIdx.x < num_ranks ? source_totals[threadIdx.x] : 0;
-}
-
-// With the layout's per-rank totals (the first channel block, once its own counts are out): the host sized
-// the outputs by the totals, so a source whose channels carry another count would write past them. The group
-// stops here; the dispatch that follows sees the abort at its start.
-__device__ void scan_and_check_totals(const NotifyArgs& args) {
-  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, args.sequence);
-  const device::WaitContext ctx = wait_context(args.peers);
-  int total = 0;
-  const int rows = scan_channel_offsets(args, arrived, ctx, total);
-  if (threadIdx.x >= args.peers.num_ranks) return;
-  const int announced = device::wait_tagged(&arrived->rank_totals[threadIdx.x], args.sequence, ctx,
-                                            threadIdx.x, WaitPhase::kDispatchNotify);
-  if (rows != announced) device::raise_abort(ctx, threadIdx.x, WaitPhase::kRankCounts, announced, rows, 0);
-}
-
-// ---- Exchange block: the shape, per-expert counts (and per-rank totals, when given) out, then the host's
-// counts: from the totals when given, else from the channel counts after the offsets. ----
-
-// Waits for every source's counts for each local expert; writes their aligned sums to the handle and the
-// host.
-__device__ void gather_expert_counts(const NotifyArgs& args, const NormalLayout::NotifyHalf* arrived,
-                                     const device::WaitContext& ctx, const HostCountIndex& index) {
-  const int num_ranks = args.peers.num_ranks;
-  const int experts_per_rank = args.num_experts / num_ranks;
-  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
-    int sum = 0;
-    for (int s = 0; s < num_ranks; ++s) {
-      sum += device::wait_tagged(&arrived->expert_counts[s * experts_per_rank + le], args.sequence, ctx, s,
-                                 WaitPhase::kDispatchNotify);
-    }
-    const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
-    args.handle.num_recv_tokens_per_expert[le] = aligned;
-    publish_host_count(args.host, index.expert(le), aligned);
-  }
-}
-
-constexpr int kExpertsPerThread = kMaxExperts / kNotifyThreads;
-
-__device__ void exchange_counts(const NotifyArgs& args) {
-  __shared__ int rows_from[kMaxNvlRanks];  // rows from each source
-  __shared__ int invalid_id;
-  const int num_ranks = args.peers.num_ranks;
-  const int rank = args.peers.rank;
-  const int experts_per_rank = args.num_experts / num_ranks;
-  const uint32_t sequence = args.sequence;
-  const device::WaitContext ctx = wait_context(args.peers);
-  const HostCountIndex index{num_ranks, experts_per_rank};
-  const bool totals_given = args.num_tokens_per_rank != nullptr;
-
-  // Every load first, so their latencies overlap each other and the fence of the shape's release below: the
-  // layout kernel's flag (host memory), this rank's totals and per-expert counts.
-  if (threadIdx.x == kNotifyThreads - 1)
-    invalid_id = args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0;
-  const int my_total = totals_given && threadIdx.x < num_ranks ? args.num_tokens_per_rank[threadIdx.x] : 0;
-  int expert_counts[kExpertsPerThread];
-#pragma unroll
-  for (int i = 0; i < kExpertsPerThread; ++i) {
-    const int e = threadIdx.x + i * kNotifyThreads;
-    expert_counts[i] =
-        e < args.num_experts && args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
-  }
-
-  // The shape fingerprint goes first: its values into the peer's abort-words slot, then its hash as a tagged
-  // word whose release orders the values before it. Every rank checks every peer's before it waits for any
-  // count, since counts of another shape may never come (other channels): a mismatch aborts the group.
-  if (threadIdx.x < num_ranks) {
-    auto* half = NormalLayout::notify(args.peers.peer_bases[threadIdx.x], sequence);
-    if (totals_given) device::st_relaxed_sys_u64(&half->rank_totals[rank], pack_tagged(sequence, my_total));
-    if (args.peers.abort.peers[threadIdx.x] != nullptr)
-      post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], sequence & 1u, rank),
-                 args.shape);
-    device::st_release_sys_u64(&half->shape_hash[rank], pack_tagged(sequence, args.shape.hash));
-  }
-#pragma unroll
-  for (int i = 0; i < kExpertsPerThread; ++i) {
-    const int e = threadIdx.x + i * kNotifyThreads;
-    if (e >= args.num_experts) break;
-    device::st_relaxed_sys_u64(&NormalLayout::notify(args.peers.peer_bases[e / experts_per_rank], sequence)
-                                    ->expert_counts[rank * experts_per_rank + e % experts_per_rank],
-                               pack_tagged(sequence, expert_counts[i]));
-  }
-
-  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, sequence);
-  if (threadIdx.x < num_ranks && threadIdx.x != rank) {
-    const int hash = device::wait_tagged(&arrived->shape_hash[threadIdx.x], sequence, ctx, threadIdx.x,
-                                         WaitPhase::kDispatchNotify);
-    if (hash != args.shape.hash && args.peers.abort.peers[threadIdx.x] != nullptr) {
-      __threadfence_system();  // the values were released before the hash
-      check_shape(ctx, threadIdx.x, args.shape,
-                  AbortLayout::normal_shape(args.peers.abort.local, sequence & 1u, threadIdx.x));
-    }
-  }
-
-  // The rows from each source: announced with the totals (the first channel block scans the offsets and
-  // checks them meanwhile), else counted from the channel counts after the offsets.
-  int total = 0;
-  if (totals_given) {
-    if (threadIdx.x < num_ranks) {
-      rows_from[threadIdx.x] = device::wait_tagged(&arrived->rank_totals[threadIdx.x], sequence, ctx,
-                                                   threadIdx.x, WaitPhase::kDispatchNotify);
-    }
-    __syncthreads();
-    for (int s = 0; s < num_ranks; ++s) total += rows_from[s];
-  } else {
-    const int rows = scan_channel_offsets(args, arrived, ctx, total);
-    if (threadIdx.x < num_ranks) rows_from[threadIdx.x] = rows;
-    __syncthreads();
-  }
-  if (threadIdx.x < num_ranks)
-    publish_host_count(args.host, index.rows_from(threadIdx.x), rows_from[threadIdx.x]);
-  if (threadIdx.x == 0) {
-    publish_host_count(args.host, index.rows(), total);
-    publish_host_count(args.host, index.invalid_id(), invalid_id);
-  }
-  gather_expert_counts(args, arrived, ctx, index);
-  flush_host_counts(args.host);
-}
 
 // Block 0 exchanges, blocks 1..C count their channel; with the per-rank totals block 1 then scans the
 // offsets, off the host's path.
 __global__ void __launch_bounds__(kNotifyThreads, 1) notify_kernel(NotifyArgs args) {
   if (blockIdx.x == 0) {
-    exchange_counts(args);
+    exchange_counts<kNotifyThreads>(args);
   } else {
-    count_channel(args, blockIdx.x - 1);
-    if (blockIdx.x == 1 && args.num_tokens_per_rank != nullptr) scan_and_check_totals(args);
+    count_channel<kNotifyThreads>(args, blockIdx.x - 1);
+    if (blockIdx.x == 1 && args.num_tokens_per_rank != nullptr) scan_and_check_totals<kNotifyThreads>(args);
   }
 }
 

@@ -496,36 +496,40 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
+  // One launch for the count exchange and the receive: the host's counts come one launch after the call.
+  const bool notify_in_receive = guess_rows > 0 && in.num_tokens_per_rank != nullptr;
+  kernels::NotifyArgs notify_args{};
   if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{
-        internode_context(buffer),
+    const kernels::InternodeNotifyArgs args{internode_context(buffer),
+                                            state->num_channels,
+                                            reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                                            in.num_tokens_per_expert,
+                                            in.num_tokens,
+                                            in.num_experts,
+                                            state->expert_alignment,
+                                            state->arrays,
+                                            host,
+                                            invalid_id,
+                                            normal_shape_fingerprint(shape, queue_config(buffer, *state))};
+    kernels::launch_internode_notify(args, stream);
+  } else {
+    notify_args = kernels::NotifyArgs{
+        peer_context(buffer),
+        scratch.notify_sequence,
         state->num_channels,
         reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
         in.num_tokens_per_expert,
+        in.num_tokens_per_rank,
         in.num_tokens,
         in.num_experts,
         state->expert_alignment,
+        state->num_worst_tokens,
         state->arrays,
         host,
         invalid_id,
         normal_shape_fingerprint(shape, queue_config(buffer, *state), in.num_tokens_per_rank != nullptr)};
-    kernels::launch_internode_notify(args, stream);
-  } else {
-    const kernels::NotifyArgs args{peer_context(buffer),
-                                   scratch.notify_sequence,
-                                   state->num_channels,
-                                   reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                                   in.num_tokens_per_expert,
-                                   in.num_tokens_per_rank,
-                                   in.num_tokens,
-                                   in.num_experts,
-                                   state->expert_alignment,
-                                   state->num_worst_tokens,
-                                   state->arrays,
-                                   host,
-                                   invalid_id,
-                                   normal_shape_fingerprint(shape, queue_config(buffer, *state))};
-    kernels::launch_dispatch_notify(args, stream);
+    // With a guess and the per-rank totals the receive launched below runs the exchange itself.
+    if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
   }
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
@@ -544,6 +548,12 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     args.published = device_address(buffer, &scratch.outputs);
     args.published_sequence = scratch.notify_sequence;
     args.guess_rows = guess_rows;
+    if (notify_in_receive) {
+      args.with_notify = true;
+      args.notify = notify_args;
+      args.is_token_in_rank =
+          reinterpret_cast<const uint8_t*>(in.is_token_in_rank);  // the handle's is being copied
+    }
     kernels::launch_dispatch(args, stream);
     scratch.pending_receive = scratch.notify_sequence;
     state->launched_receive = scratch.notify_sequence;
