@@ -164,6 +164,9 @@ class FaultCalls {
   void set_last_rank_count_error(int delta) { last_rank_count_error_ = delta; }
   // false: this rank's dispatch leaves num_tokens_per_rank out.
   void set_pass_rank_totals(bool pass) { pass_rank_totals_ = pass; }
+  // true: the receive is launched with the count exchange, into outputs with room for every row (a guess),
+  // so the exchange runs inside the receive's launch.
+  void set_receive_into_guess(bool guess) { receive_into_guess_ = guess; }
 
   // The normal-mode calls up to `fault`; this rank skips the call of `fault` when `skip`.
   void normal(Fault fault, bool skip) {
@@ -190,11 +193,21 @@ class FaultCalls {
     in.num_tokens_per_expert = per_expert_.get<int>();
     in.num_tokens_per_rank = pass_rank_totals_ ? per_rank_.get<int>() : nullptr;
     in.num_worst_tokens = num_worst_tokens_;
-    const epx::DispatchPlan plan = epx::dispatch_notify(buffer_, in, order);
-    const size_t rows = plan.num_recv_rows;
-    recv_x_ = DeviceArray(rows * normal_.hidden * 2);
-    recv_idx_ = DeviceArray(rows * normal_.num_topk * sizeof(int64_t));
-    recv_weights_ = DeviceArray(rows * normal_.num_topk * sizeof(float));
+    const auto allocate_outputs = [&](size_t rows) {
+      recv_x_ = DeviceArray(rows * normal_.hidden * 2);
+      recv_idx_ = DeviceArray(rows * normal_.num_topk * sizeof(int64_t));
+      recv_weights_ = DeviceArray(rows * normal_.num_topk * sizeof(float));
+    };
+    epx::DispatchOutputGuess guess;
+    if (receive_into_guess_) {
+      const int room = in.num_tokens * buffer_.num_ranks();
+      allocate_outputs(room);
+      guess = {{recv_x_.get(), nullptr, recv_idx_.get<int64_t>(), recv_weights_.get<float>()}, room};
+    }
+    const epx::DispatchPlan plan = epx::dispatch_notify(
+        buffer_, in, order, nullptr,
+        receive_into_guess_ ? epx::DispatchOverlap::kLaunchReceive : epx::DispatchOverlap::kNone, &guess);
+    if (!plan.rows_in_guess) allocate_outputs(plan.num_recv_rows);
     if (skip && fault == Fault::kDispatchReceive) return;
     epx::dispatch_receive(buffer_, plan, in,
                           {recv_x_.get(), nullptr, recv_idx_.get<int64_t>(), recv_weights_.get<float>()},
@@ -280,6 +293,7 @@ class FaultCalls {
   int last_rank_count_error_ = 0;
   int combine_hidden_ = 0;
   bool pass_rank_totals_ = true;
+  bool receive_into_guess_ = false;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -448,10 +462,11 @@ void run_capacity_exceeded(epx::Bootstrap& bootstrap) {
 // Rank 0's num_tokens_per_rank undercounts what its is_token_in_rank sends the last rank, whose outputs it
 // would size too small: the last rank's notify finds the disagreement and aborts the group before any
 // receive writes; every rank names it.
-void run_rank_counts_disagree(epx::Bootstrap& bootstrap) {
+void run_rank_counts_disagree(epx::Bootstrap& bootstrap, bool into_guess) {
   run_expecting_group_error(
       bootstrap,
-      [](FaultCalls& calls, int rank, int) {
+      [into_guess](FaultCalls& calls, int rank, int) {
+        calls.set_receive_into_guess(into_guess);
         if (rank == 0) calls.set_last_rank_count_error(-1);
       },
       [](int rank, int num_ranks) {
@@ -707,7 +722,15 @@ TEST(Faults, CapacityExceededAbortsEveryRank) {
 }
 TEST(Faults, RankCountsThatDisagreeAbortEveryRank) {
   const int num_ranks = fault_test_ranks();
-  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_rank_counts_disagree(bootstrap); });
+  epx::test::run_ranks(num_ranks,
+                       [](epx::Bootstrap& bootstrap) { run_rank_counts_disagree(bootstrap, false); });
+}
+// The same with the count exchange inside the launched receive (a guess): the receive's blocks that write
+// rows check the totals before they decide whether the rows fit.
+TEST(Faults, RankCountsThatDisagreeAbortEveryRankInsideTheReceive) {
+  const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks,
+                       [](epx::Bootstrap& bootstrap) { run_rank_counts_disagree(bootstrap, true); });
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
