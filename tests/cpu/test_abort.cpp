@@ -23,14 +23,20 @@ std::string error_of(const std::function<void()>& call) {
   return "";
 }
 
-epx::FailureRecord failure_record() {
+// A set record of `rank` that gave up on `peer` in `phase`, expecting `expected` and seeing `seen`.
+epx::FailureRecord record_of(int rank, int peer, WaitPhase phase, int64_t expected, int64_t seen) {
   epx::FailureRecord record{};
   record.flag = 1;
-  record.rank = 0;
-  record.peer = 1;
-  record.phase = static_cast<int32_t>(WaitPhase::kBarrier);
-  record.expected = 7;
-  record.seen = 6;
+  record.rank = rank;
+  record.peer = peer;
+  record.phase = static_cast<int32_t>(phase);
+  record.expected = expected;
+  record.seen = seen;
+  return record;
+}
+
+epx::FailureRecord failure_record() {
+  epx::FailureRecord record = record_of(0, 1, WaitPhase::kBarrier, 7, 6);
   record.waited_ns = 1'000'000'000;
   return record;
 }
@@ -90,13 +96,7 @@ TEST(WaitRecord, CapacityNamesRowsNeededAndRoom) {
 }
 
 TEST(WaitRecord, RankCountsNameThePeerAndBothCounts) {
-  epx::FailureRecord record{};
-  record.flag = 1;
-  record.rank = 1;
-  record.peer = 0;
-  record.phase = static_cast<int32_t>(WaitPhase::kRankCounts);
-  record.expected = 41;
-  record.seen = 42;
+  const epx::FailureRecord record = record_of(1, 0, WaitPhase::kRankCounts, 41, 42);
   EXPECT_EQ(
       epx::describe_failure(record),
       "rank 1: num_tokens_per_rank of peer 0 gives 41 tokens for this rank, but its is_token_in_rank marks "
@@ -156,13 +156,7 @@ TEST(ShapeFingerprint, EveryFieldChangesTheHashAndIsNamed) {
 }
 
 TEST(ShapeFingerprint, MismatchRecordNamesPeerFieldAndBothValues) {
-  epx::FailureRecord record{};
-  record.flag = 1;
-  record.rank = 0;
-  record.peer = 1;
-  record.phase = static_cast<int32_t>(WaitPhase::kShapeMismatch);
-  record.expected = 2048;
-  record.seen = 4096;
+  epx::FailureRecord record = record_of(0, 1, WaitPhase::kShapeMismatch, 2048, 4096);
   record.detail = static_cast<int32_t>(epx::ShapeField::kHidden);
   EXPECT_EQ(
       epx::describe_failure(record),
