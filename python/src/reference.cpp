@@ -232,6 +232,7 @@ void bind_low_latency(py::module_& m) {
   py::class_<ref::LowLatencyCombineOptions> combine_options(m, "LowLatencyCombineOptions");
   def_kwargs_init(combine_options);
   combine_options.def_readwrite("use_logfmt", &ref::LowLatencyCombineOptions::use_logfmt);
+  combine_options.def_readwrite("pre_reduce", &ref::LowLatencyCombineOptions::pre_reduce);
 
   using CIn = ref::LowLatencyCombineRankInput;
   py::class_<CIn> combine_in(m, "LowLatencyCombineRankInput");

@@ -59,12 +59,38 @@ std::vector<LowLatencyCombineRankOutput> low_latency_combine(
   std::vector<LowLatencyCombineRankOutput> outputs(num_ranks);
   std::vector<float> acc(hidden);
   std::vector<float> values(hidden);
+  std::vector<float> partial(hidden);
+  std::vector<uint16_t> partial_bf16(hidden);
   for (int s = 0; s < num_ranks; ++s) {
     const LowLatencyCombineRankInput& in = inputs[s];
     std::vector<uint16_t>& combined = outputs[s].combined_x;
     combined.resize(static_cast<size_t>(in.num_tokens) * hidden);
     for (int t = 0; t < in.num_tokens; ++t) {
       acc.assign(hidden, 0.0f);
+      if (options.pre_reduce) {
+        // Rank d's partial: its experts' weighted rows in top-k order; then the partials in rank order.
+        for (int d = 0; d < num_ranks; ++d) {
+          partial.assign(hidden, 0.0f);
+          bool any = false;
+          for (int k = 0; k < num_topk; ++k) {
+            const size_t i = static_cast<size_t>(t) * num_topk + k;
+            const int64_t expert = in.topk_idx[i];
+            if (expert < 0 || recv_rows[s][i] < 0 || expert / num_local_experts != d) continue;
+            const int le = static_cast<int>(expert % num_local_experts);
+            const size_t flat_row = static_cast<size_t>(le) * num_rows_per_expert + recv_rows[s][i];
+            for (int c = 0; c < hidden; ++c)
+              partial[c] += in.topk_weights[i] * bf16_to_float(inputs[d].x[flat_row * hidden + c]);
+            any = true;
+          }
+          if (!any) continue;
+          for (int c = 0; c < hidden; ++c) partial_bf16[c] = float_to_bf16(partial[c]);
+          received_row(partial_bf16.data(), hidden, options.use_logfmt, values.data());
+          for (int c = 0; c < hidden; ++c) acc[c] += values[c];
+        }
+        for (int c = 0; c < hidden; ++c)
+          combined[static_cast<size_t>(t) * hidden + c] = float_to_bf16(acc[c]);
+        continue;
+      }
       for (int k = 0; k < num_topk; ++k) {
         const size_t i = static_cast<size_t>(t) * num_topk + k;
         const int64_t expert = in.topk_idx[i];

@@ -125,6 +125,43 @@ TEST(ReferenceLowLatency, HandCheckedCombine) {
   EXPECT_EQ(at(1, 1, 3), 9.0f);   // both listings of expert 1 weight the one row: 0.75 * 12
 }
 
+// Pre-reduced: each rank sums its own experts' weighted rows and rounds once to BF16; the owner adds the
+// ranks' partials. Token (0, 0) lists expert 0 (rank 0, weight 1 + 2^-8) and expert 3 (rank 1, weight 2^-8)
+// over rows of 1: the default rounds 1 + 2^-7 once (exact in BF16); pre-reduced, rank 0's partial
+// 1 + 2^-8 rounds to 1 (a tie, to even) before 2^-8 is added, and 1 + 2^-8 rounds to 1 again.
+TEST(ReferenceLowLatency, PreReducedCombineRoundsEachRanksPartial) {
+  std::vector<LowLatencyCombineRankInput> inputs = identity_combine_inputs(small_params());
+  inputs[0].topk_weights[0] = 1.0f + 1.0f / 256;
+  inputs[0].topk_weights[1] = 1.0f / 256;
+  LowLatencyCombineOptions pre;
+  pre.pre_reduce = true;
+  const auto in_order = low_latency_combine(small_params(), LowLatencyCombineOptions{}, inputs);
+  const auto pre_reduced = low_latency_combine(small_params(), pre, inputs);
+  const auto at = [&](const std::vector<epx::reference::LowLatencyCombineRankOutput>& out, int rank, int t,
+                      int c) { return epx::bf16_to_float(out[rank].combined_x[t * kHidden + c]); };
+  EXPECT_EQ(at(in_order, 0, 0, 3), 1.0f + 1.0f / 128);
+  EXPECT_EQ(at(pre_reduced, 0, 0, 3), 1.0f);
+  // Where every partial is exact in BF16 the two orders agree bit for bit (the other tokens).
+  for (int rank = 0; rank < 2; ++rank) {
+    for (int t = rank == 0 ? 1 : 0; t < inputs[rank].num_tokens; ++t) {
+      for (int c = 0; c < kHidden; ++c) EXPECT_EQ(at(pre_reduced, rank, t, c), at(in_order, rank, t, c));
+    }
+  }
+  // LogFMT codes the partial rows instead of the expert rows (within the format's error).
+  pre.use_logfmt = true;
+  LowLatencyParams params = small_params();
+  params.hidden = 128;
+  std::vector<LowLatencyCombineRankInput> wide = inputs;
+  for (LowLatencyCombineRankInput& in : wide) {
+    std::vector<uint16_t> x(in.x.size() / kHidden * 128);
+    for (size_t row = 0; row < in.x.size() / kHidden; ++row)
+      for (int c = 0; c < 128; ++c) x[row * 128 + c] = in.x[row * kHidden + c % kHidden];
+    in.x = x;
+  }
+  const auto logfmt = low_latency_combine(params, pre, wide);
+  EXPECT_NEAR(epx::bf16_to_float(logfmt[1].combined_x[3]), 16.5f, 16.5f * 0.02f);  // 11 + 0.5 * 11
+}
+
 TEST(ReferenceLowLatency, RejectsBadArguments) {
   LowLatencyDispatchOptions options;
   options.use_ue8m0 = true;  // without round_scale

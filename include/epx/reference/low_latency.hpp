@@ -86,6 +86,14 @@ struct LowLatencyCombineOptions {
   // Each expert output row travels as LogFMT-10 per 128 channels: the value weighted is
   // logfmt_decode_group(logfmt_encode_group(row group)) as a float (not re-rounded to BF16).
   bool use_logfmt = false;
+  // Pre-reduced combine (opt-in; the reference fixes its order, no kernel implements it yet): the rank that
+  // holds a token's experts first sums the token's weighted rows over its own experts, in top-k order, in
+  // float from 0.0f, and sends that partial row once, rounded to BF16 (then LogFMT-coded with use_logfmt);
+  // the token's owner sums the partial rows of the ranks its experts lie on in ascending rank order, in float
+  // from 0.0f, and rounds once to BF16. One row per (token, rank) crosses instead of one per (token, expert).
+  // With several experts on one rank the roundings differ from the default's (one sum in top-k order over
+  // every expert), so the two agree bit for bit only where every partial sum is exact in BF16.
+  bool pre_reduce = false;
 };
 
 // One rank's combine input: it holds experts (x, in its own dispatch layout) and owns tokens (routing).
