@@ -133,7 +133,9 @@ enum class DispatchOverlap {
 // Outputs a receive that dispatch_notify launches (DispatchOverlap::kLaunchReceive) writes into at once when
 // the rows fit (num_recv_rows <= rows): it then waits for nothing from the host, which only learns the row
 // count. When they do not fit, the receive waits for dispatch_receive's outputs as without a guess. The
-// caller allocates them before the notify, e.g. for the last dispatch's rows plus a margin.
+// caller allocates them before the notify, e.g. for the last dispatch's rows plus a margin. Rows that fit are
+// written there even if the caller then cancels (dispatch_cancel, or a notify before dispatch_receive). With
+// the input's num_tokens_per_rank, the receive's launch also runs the count exchange: one launch per call.
 struct DispatchOutputGuess {
   DispatchOutput outputs;
   int rows = 0;  // rows each output has room for; 0: no guess
