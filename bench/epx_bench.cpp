@@ -13,9 +13,9 @@
 #include "bench_options.hpp"
 #include "bench_report.hpp"
 #include "cpu_reference_run.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/fp8.hpp"
-#include "epx/layout/normal_layout.hpp"
 
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>

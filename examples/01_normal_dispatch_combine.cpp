@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/formats/bf16.hpp"
-#include "epx/layout/normal_layout.hpp"
 #include "epx/normal.hpp"
 #include "epx/reference/test_data.hpp"
 #include "example_util.hpp"

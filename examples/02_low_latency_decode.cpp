@@ -11,8 +11,8 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "epx/formats/bf16.hpp"
-#include "epx/layout/low_latency_layout.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/reference/test_data.hpp"
 #include "example_util.hpp"

@@ -15,8 +15,8 @@ struct Config {
   // Tokens one queue holds: every (source, destination, channel) with source != destination has one, in the
   // destination's NVLink buffer. The NVLink buffer grows with it, never with the batch.
   int num_max_nvl_chunked_recv_tokens = 256;
-  // Normal mode across nodes (epx/layout/internode_layout.hpp): most tokens a sender puts into a network
-  // queue before it publishes them to the receiving node (one put-with-signal per chunk) ...
+  // Normal mode across nodes (epx/buffer_map/internode_buffer_map.hpp): most tokens a sender puts into a
+  // network queue before it publishes them to the receiving node (one put-with-signal per chunk) ...
   int num_max_rdma_chunked_send_tokens = 6;
   // ... and tokens one network queue holds: every (source node, destination node, channel) has one, in the
   // symmetric buffer of the receiving rail peer (plus a send ring of the same size at the sender). The

@@ -7,8 +7,8 @@
 #include <memory>
 
 #include "epx/buffer.hpp"
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "epx/event.hpp"
-#include "epx/layout/low_latency_layout.hpp"
 
 // Low-latency (decode) mode on raw device pointers: dispatch into the fixed per-expert layout [L, R*M, H] and
 // the weighted combine back, through the Buffer's low-latency memory (size it with

@@ -13,10 +13,10 @@
 
 #include "binding.hpp"
 #include "epx/bench_bytes.hpp"
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/low_latency_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
 #include "py_bootstrap.hpp"
 
 namespace epx::python {
@@ -245,57 +245,60 @@ void bind_normal_layout(py::module_& m) {
           "largest", &NormalRecord::largest, py::arg("hidden_bytes"),
           "The largest record of any call with rows of up to hidden_bytes (what the size hint uses).");
 
-  py::class_<NormalLayout>(m, "NormalLayout")
-      .def_static("of", &NormalLayout::of, py::arg("num_ranks"), py::arg("config"), py::arg("record"),
+  py::class_<NormalBufferMap>(m, "NormalBufferMap")
+      .def_static("of", &NormalBufferMap::of, py::arg("num_ranks"), py::arg("config"), py::arg("record"),
                   "The layout of a call with `config` and records of `record` on num_ranks ranks.")
-      .def_readonly("num_ranks", &NormalLayout::num_ranks)
-      .def_readonly("num_channels", &NormalLayout::num_channels)
-      .def_readonly("queue_tokens", &NormalLayout::queue_tokens)
-      .def_readonly("record_bytes", &NormalLayout::record_bytes)
-      .def_property_readonly_static("CONTROL_OFFSET", [](py::object) { return NormalLayout::kControlOffset; })
+      .def_readonly("num_ranks", &NormalBufferMap::num_ranks)
+      .def_readonly("num_channels", &NormalBufferMap::num_channels)
+      .def_readonly("queue_tokens", &NormalBufferMap::queue_tokens)
+      .def_readonly("record_bytes", &NormalBufferMap::record_bytes)
+      .def_property_readonly_static("CONTROL_OFFSET",
+                                    [](py::object) { return NormalBufferMap::kControlOffset; })
       .def_property_readonly_static("COUNTERS_OFFSET",
-                                    [](py::object) { return NormalLayout::kCountersOffset; })
-      .def_property_readonly_static("NOTIFY_OFFSET", [](py::object) { return NormalLayout::kNotifyOffset; })
+                                    [](py::object) { return NormalBufferMap::kCountersOffset; })
+      .def_property_readonly_static("NOTIFY_OFFSET",
+                                    [](py::object) { return NormalBufferMap::kNotifyOffset; })
       .def_property_readonly_static("NOTIFY_HALF_BYTES",
-                                    [](py::object) { return NormalLayout::kNotifyHalfBytes; })
-      .def_property_readonly_static("QUEUES_OFFSET", [](py::object) { return NormalLayout::kQueuesOffset; })
-      .def_static("source_slot", &NormalLayout::source_slot, py::arg("src"), py::arg("owner"))
-      .def("queue_bytes", &NormalLayout::queue_bytes)
-      .def("total_bytes", &NormalLayout::total_bytes);
-  m.def("check_normal_layout_fits", &check_normal_layout_fits, py::arg("layout"), py::arg("buffer_bytes"),
+                                    [](py::object) { return NormalBufferMap::kNotifyHalfBytes; })
+      .def_property_readonly_static("QUEUES_OFFSET",
+                                    [](py::object) { return NormalBufferMap::kQueuesOffset; })
+      .def_static("source_slot", &NormalBufferMap::source_slot, py::arg("src"), py::arg("owner"))
+      .def("queue_bytes", &NormalBufferMap::queue_bytes)
+      .def("total_bytes", &NormalBufferMap::total_bytes);
+  m.def("check_normal_map_fits", &check_normal_map_fits, py::arg("layout"), py::arg("buffer_bytes"),
         "Raises EpxError naming the bytes needed when the layout does not fit buffer_bytes.");
 }
 
 void bind_low_latency_layout(py::module_& m) {
-  py::class_<LowLatencyLayout>(m, "LowLatencyLayout")
+  py::class_<LowLatencyBufferMap>(m, "LowLatencyBufferMap")
       .def(py::init<int, int, int, int>(), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
            py::arg("num_ranks"), py::arg("num_experts"))
-      .def_readonly("num_max_tokens", &LowLatencyLayout::num_max_tokens)
-      .def_readonly("hidden", &LowLatencyLayout::hidden)
-      .def_readonly("num_ranks", &LowLatencyLayout::num_ranks)
-      .def_readonly("num_experts", &LowLatencyLayout::num_experts)
-      .def("num_local_experts", &LowLatencyLayout::num_local_experts)
-      .def("num_groups", &LowLatencyLayout::num_groups)
-      .def("num_recv_rows", &LowLatencyLayout::num_recv_rows)
-      .def("dispatch_msg_bytes", &LowLatencyLayout::dispatch_msg_bytes)
-      .def("combine_slot_bytes", &LowLatencyLayout::combine_slot_bytes)
-      .def("control_end_offset", &LowLatencyLayout::control_end_offset)
-      .def("combine_send_offset", &LowLatencyLayout::combine_send_offset)
-      .def("combine_send_bytes", &LowLatencyLayout::combine_send_bytes)
-      .def("half_bytes", &LowLatencyLayout::half_bytes)
-      .def("half_offset", &LowLatencyLayout::half_offset, py::arg("half"))
-      .def("total_bytes", &LowLatencyLayout::total_bytes)
+      .def_readonly("num_max_tokens", &LowLatencyBufferMap::num_max_tokens)
+      .def_readonly("hidden", &LowLatencyBufferMap::hidden)
+      .def_readonly("num_ranks", &LowLatencyBufferMap::num_ranks)
+      .def_readonly("num_experts", &LowLatencyBufferMap::num_experts)
+      .def("num_local_experts", &LowLatencyBufferMap::num_local_experts)
+      .def("num_groups", &LowLatencyBufferMap::num_groups)
+      .def("num_recv_rows", &LowLatencyBufferMap::num_recv_rows)
+      .def("dispatch_msg_bytes", &LowLatencyBufferMap::dispatch_msg_bytes)
+      .def("combine_slot_bytes", &LowLatencyBufferMap::combine_slot_bytes)
+      .def("control_end_offset", &LowLatencyBufferMap::control_end_offset)
+      .def("combine_send_offset", &LowLatencyBufferMap::combine_send_offset)
+      .def("combine_send_bytes", &LowLatencyBufferMap::combine_send_bytes)
+      .def("half_bytes", &LowLatencyBufferMap::half_bytes)
+      .def("half_offset", &LowLatencyBufferMap::half_offset, py::arg("half"))
+      .def("total_bytes", &LowLatencyBufferMap::total_bytes)
       .def(
           "recv_flag_offset",
-          [](const LowLatencyLayout& self, int half, int op, int src_rank) {
+          [](const LowLatencyBufferMap& self, int half, int op, int src_rank) {
             return self.recv_flag_offset(half, static_cast<LowLatencyOp>(op), src_rank);
           },
           py::arg("half"), py::arg("op"), py::arg("src_rank"))
-      .def("dispatch_recv_count_offset", &LowLatencyLayout::dispatch_recv_count_offset, py::arg("half"),
+      .def("dispatch_recv_count_offset", &LowLatencyBufferMap::dispatch_recv_count_offset, py::arg("half"),
            py::arg("local_expert"), py::arg("src_rank"))
-      .def("dispatch_recv_msg_offset", &LowLatencyLayout::dispatch_recv_msg_offset, py::arg("half"),
+      .def("dispatch_recv_msg_offset", &LowLatencyBufferMap::dispatch_recv_msg_offset, py::arg("half"),
            py::arg("src_rank"), py::arg("token"))
-      .def("combine_recv_slot_offset", &LowLatencyLayout::combine_recv_slot_offset, py::arg("half"),
+      .def("combine_recv_slot_offset", &LowLatencyBufferMap::combine_recv_slot_offset, py::arg("half"),
            py::arg("token"), py::arg("topk_pos"));
 }
 

@@ -7,8 +7,8 @@
 #include <fstream>
 #include <sstream>
 
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
 
 namespace epx {
 

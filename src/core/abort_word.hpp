@@ -45,7 +45,7 @@ EPX_HD AbortCause decode_abort_word(int32_t word) {
 
 // The small allocation every rank of a node maps (Buffer: "abort words"): the abort word, then the shape
 // fingerprints peers post (core/shape_fingerprint.hpp), one slot per sender so no two ranks write the same.
-struct AbortLayout {
+struct AbortWordsMap {
   static constexpr int kMaxRanks = 64;  // kMaxLowLatencyRanks
   static constexpr size_t kWordOffset = 0;
   // [2 notify parities][src]: normal-mode dispatch notify.

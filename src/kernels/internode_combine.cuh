@@ -109,7 +109,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
   const NormalRecord& r = args.record.normal;
   const int num_topk = r.num_topk_weights;
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
-  InternodeLayout::Head* head = rdma_head(context);
+  InternodeBufferMap::Head* head = rdma_head(context);
   auto* my_nvl = nvl_counters(context.peers.local_base);
   const device::WaitContext wait = wait_context(context);
   const int first = args.handle.node_channel_offset[node * num_channels + channel];
@@ -227,7 +227,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
   const int lane = group.lane;
   const NormalRecord& r = args.record.normal;
   const int num_topk = r.num_topk_weights;
-  InternodeLayout::Head* head = rdma_head(context);
+  InternodeBufferMap::Head* head = rdma_head(context);
   const device::WaitContext wait = wait_context(context);
   const TokenRange range = channel_token_range(args.num_tokens, args.rdma.num_channels, channel);
   const int batch = min(group.num_warps, args.rdma.queue_tokens);

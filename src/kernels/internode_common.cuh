@@ -29,8 +29,8 @@ __device__ __forceinline__ device::WaitContext wait_context(const InternodeConte
 // warp of the group leaves the loop, reading nothing more that peers were to write.
 constexpr int kStopPolling = -0x7fffffff - 1;
 
-__device__ __forceinline__ InternodeLayout::Head* rdma_head(const InternodeContext& context) {
-  return InternodeLayout::head(context.rdma_base);
+__device__ __forceinline__ InternodeBufferMap::Head* rdma_head(const InternodeContext& context) {
+  return InternodeBufferMap::head(context.rdma_base);
 }
 
 __device__ __forceinline__ int own_node(const InternodeContext& context) {
@@ -43,8 +43,8 @@ __device__ __forceinline__ int own_local(const InternodeContext& context) {
 __device__ __forceinline__ void* nvl_base(const InternodeContext& context, int local) {
   return context.peers.peer_bases[own_node(context) * context.nodes.ranks_per_node + local];
 }
-__device__ __forceinline__ ForwardLayout::QueueCounters* nvl_counters(void* base) {
-  return &ForwardLayout::head(base)->counters;
+__device__ __forceinline__ ForwardBufferMap::QueueCounters* nvl_counters(void* base) {
+  return &ForwardBufferMap::head(base)->counters;
 }
 
 // Dispatch and combine launches this rank finished before the running one (read by every block at its start).
@@ -76,7 +76,7 @@ __device__ __forceinline__ void finish_launch(const InternodeContext& context, u
   const int t = threadIdx.x;
   if (t < nodes.ranks_per_node && t != own_local(context)) {
     device::st_release_sys(
-        &ForwardLayout::head(nvl_base(context, t))->control.done_signal[own_local(context)],
+        &ForwardBufferMap::head(nvl_base(context, t))->control.done_signal[own_local(context)],
         static_cast<int>(calls + 1));
   }
   const int node = t - 32;  // a second warp signals the rail peers
@@ -91,7 +91,7 @@ __device__ __forceinline__ void finish_launch(const InternodeContext& context, u
 // still unread in its NVLink queues).
 __device__ __forceinline__ void wait_local_peer_ready(const InternodeContext& context, int local,
                                                       uint64_t calls) {
-  device::wait_at_least(&ForwardLayout::head(context.peers.local_base)->control.done_signal[local],
+  device::wait_at_least(&ForwardBufferMap::head(context.peers.local_base)->control.done_signal[local],
                         static_cast<int>(calls), wait_context(context),
                         own_node(context) * context.nodes.ranks_per_node + local, WaitPhase::kPreviousCall);
 }
@@ -132,9 +132,9 @@ __device__ __forceinline__ void write_row_from_record(const InternodeDispatchArg
 // receive queue (split where the ring wraps), each piece with a put-with-signal adding its size to `tail`.
 // Called by one whole warp.
 template <typename Remote>
-__device__ __forceinline__ void put_ring_range(const InternodeLayout& layout, void* rdma_base, int dst_node,
-                                               int own_node_idx, int channel, uint64_t first, int count,
-                                               uint64_t* tail, int dst_rank) {
+__device__ __forceinline__ void put_ring_range(const InternodeBufferMap& layout, void* rdma_base,
+                                               int dst_node, int own_node_idx, int channel, uint64_t first,
+                                               int count, uint64_t* tail, int dst_rank) {
   while (count > 0) {
     const int slot = static_cast<int>(first % static_cast<uint64_t>(layout.queue_tokens));
     const int piece = min(count, layout.queue_tokens - slot);

@@ -29,7 +29,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
   const int own = own_node(context);
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
   const int lane = group.lane;
-  InternodeLayout::Head* head = rdma_head(context);
+  InternodeBufferMap::Head* head = rdma_head(context);
   const uint64_t base = head->counters.sent[node][channel];
   const device::WaitContext wait = wait_context(context);
   if (node != own && group.leader()) wait_rail_peer_ready(context, node, calls);
@@ -123,7 +123,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   const int own = own_node(context);
   const int lane = group.lane;
   const bool to_self = dst == me;
-  InternodeLayout::Head* head = rdma_head(context);
+  InternodeBufferMap::Head* head = rdma_head(context);
   void* dst_base = nvl_base(context, dst);
   auto* my_nvl = nvl_counters(context.peers.local_base);
   const device::WaitContext wait = wait_context(context);

@@ -4,11 +4,12 @@
 
 #include <cstdint>
 
-#include "epx/layout/internode_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "kernels/normal_kernels.hpp"
 
-// Launchers of normal mode across nodes (layouts: InternodeLayout for the symmetric buffer, ForwardLayout for
-// the NVLink buffer). The kernels need the NVSHMEM transport; without it the launchers throw.
+// Launchers of normal mode across nodes (layouts: InternodeBufferMap for the symmetric buffer,
+// ForwardBufferMap for the NVLink buffer). The kernels need the NVSHMEM transport; without it the launchers
+// throw.
 namespace epx::kernels {
 
 // Where a rank stands: its NVLink peers (PeerContext over the NVLink buffers; nullptr outside its node), its
@@ -39,8 +40,8 @@ void launch_internode_notify(const InternodeNotifyArgs& args, cudaStream_t strea
 
 struct InternodeDispatchArgs {
   InternodeContext context;
-  InternodeLayout rdma;
-  ForwardLayout nvl;
+  InternodeBufferMap rdma;
+  ForwardBufferMap nvl;
   InternodeRecord record;
   int num_tokens;
   int num_experts;
@@ -61,8 +62,8 @@ void launch_internode_dispatch(const InternodeDispatchArgs& args, cudaStream_t s
 
 struct InternodeCombineArgs {
   InternodeContext context;
-  InternodeLayout rdma;
-  ForwardLayout nvl;
+  InternodeBufferMap rdma;
+  ForwardBufferMap nvl;
   InternodeRecord record;  // combine records: BF16 row and the top-k weights (num_topk_weights: 0 = none)
   int num_tokens;
   int rdma_chunk_tokens;

@@ -16,11 +16,11 @@
 // record instead of using the counts).
 namespace epx::kernels::internode {
 
-static_assert(sizeof(ShapeFingerprint) == sizeof(int) * InternodeLayout::kShapeInts,
+static_assert(sizeof(ShapeFingerprint) == sizeof(int) * InternodeBufferMap::kShapeInts,
               "a count message reserves one ShapeFingerprint");
 
 __device__ __forceinline__ ShapeFingerprint* message_shape(
-    const InternodeLayout::NotifyMessageView& message) {
+    const InternodeBufferMap::NotifyMessageView& message) {
   return reinterpret_cast<ShapeFingerprint*>(message.shape);
 }
 
@@ -55,8 +55,8 @@ __device__ void count_channel(const InternodeNotifyArgs& args, int channel) {
   int* send = rdma_head(context)->send.messages;
   if (threadIdx.x < num_ranks) {
     const int r = threadIdx.x;
-    const InternodeLayout::NotifyMessageView message =
-        InternodeLayout::message(send, r, num_ranks, args.num_channels);
+    const InternodeBufferMap::NotifyMessageView message =
+        InternodeBufferMap::message(send, r, num_ranks, args.num_channels);
     message.rank_channel_counts[channel] = rank_counts[r];
     message.node_channel_counts[channel] = node_counts[r / ranks_per_node];
   }
@@ -79,15 +79,15 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   const int experts_per_rank = args.num_experts / num_ranks;
   const device::WaitContext wait = wait_context(context);
   const HostCountIndex index{num_ranks, experts_per_rank};
-  InternodeLayout::Head* head = rdma_head(context);
+  InternodeBufferMap::Head* head = rdma_head(context);
   if (threadIdx.x == 0) sequence = *reinterpret_cast<volatile int*>(&head->control.op_count) + 1;
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
-    InternodeLayout::message(head->send.messages, e / experts_per_rank, num_ranks, num_channels)
+    InternodeBufferMap::message(head->send.messages, e / experts_per_rank, num_ranks, num_channels)
         .expert_counts[e % experts_per_rank] =
         args.num_tokens_per_expert != nullptr ? args.num_tokens_per_expert[e] : 0;
   }
   for (int dst = threadIdx.x; dst < num_ranks; dst += kNotifyThreads)
-    post_shape(message_shape(InternodeLayout::message(head->send.messages, dst, num_ranks, num_channels)),
+    post_shape(message_shape(InternodeBufferMap::message(head->send.messages, dst, num_ranks, num_channels)),
                args.shape);
   if (threadIdx.x == 0) {
     device::wait_at_least(&head->control.notify_arrivals, num_channels, wait, rank,
@@ -97,8 +97,8 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   }
   __syncthreads();
   const int parity = sequence & 1;
-  const int stride = InternodeLayout::message_stride(num_ranks);
-  const size_t message_bytes = sizeof(int) * InternodeLayout::message_ints(num_channels, experts_per_rank);
+  const int stride = InternodeBufferMap::message_stride(num_ranks);
+  const size_t message_bytes = sizeof(int) * InternodeBufferMap::message_ints(num_channels, experts_per_rank);
   const int warp = threadIdx.x / 32;
   for (int dst = warp; dst < num_ranks; dst += kNotifyThreads / 32) {
     Remote::put_signal_warp(head->notify[parity].messages + size_t(rank) * stride,
@@ -111,7 +111,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     device::wait_count_since_u64(&head->control.notify_signal[threadIdx.x], 0, sequence, wait, threadIdx.x,
                                  WaitPhase::kDispatchNotify);
     check_shape(wait, threadIdx.x, args.shape,
-                message_shape(InternodeLayout::message(arrived, threadIdx.x, num_ranks, num_channels)));
+                message_shape(InternodeBufferMap::message(arrived, threadIdx.x, num_ranks, num_channels)));
   }
   __syncthreads();
 
@@ -119,7 +119,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   const auto count_at = [&](int cell) {
     const int src = cell / num_channels;
     return src < num_ranks ? *reinterpret_cast<volatile int*>(
-                                 &InternodeLayout::message(arrived, src, num_ranks, num_channels)
+                                 &InternodeBufferMap::message(arrived, src, num_ranks, num_channels)
                                       .rank_channel_counts[cell % num_channels])
                            : 0;
   };
@@ -141,8 +141,9 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     const int node = cell / num_channels;
     if (node >= num_nodes) return 0;
     const int src = nodes.rail_peer(rank, node);
-    return *reinterpret_cast<volatile int*>(&InternodeLayout::message(arrived, src, num_ranks, num_channels)
-                                                 .node_channel_counts[cell % num_channels]);
+    return *reinterpret_cast<volatile int*>(
+        &InternodeBufferMap::message(arrived, src, num_ranks, num_channels)
+             .node_channel_counts[cell % num_channels]);
   };
   constexpr int kNodeItems = kMaxRdmaNodes * kMaxChannels / kNotifyThreads;
   int node_items[kNodeItems];
@@ -170,7 +171,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     int sum = 0;
     for (int s = 0; s < num_ranks; ++s)
       sum += *reinterpret_cast<volatile int*>(
-          &InternodeLayout::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
+          &InternodeBufferMap::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
     const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     args.handle.num_recv_tokens_per_expert[le] = aligned;
     publish_host_count(args.host, index.expert(le), aligned);

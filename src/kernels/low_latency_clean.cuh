@@ -17,7 +17,7 @@ using namespace low_latency;
 
 template <typename Remote>
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const PeerContext& peers = args.peers;
   // Both halves' signals are contiguous: [signals_offset(0), control_end_offset()).
   const int num_signal_ints =

@@ -21,7 +21,7 @@ using namespace low_latency;
 // LogFMT on the wire, inside one combine slot (the format's fields, arranged for aligned stores):
 //   payload of group g at g * 256: 160 bytes of codes, or the 256 bytes of BF16 of a fallback group
 //   metadata of group g at G * 256 + 4 g: max_bits | min_bits << 16 (max_bits = marker for a fallback)
-// G * 260 bytes in all, which is what LowLatencyLayout::combine_slot_bytes() reserves.
+// G * 260 bytes in all, which is what LowLatencyBufferMap::combine_slot_bytes() reserves.
 constexpr int kLogfmtPayloadStride = kLogfmtGroupSize * 2;
 constexpr int kLogfmtCodeWords = kLogfmtCodeBytes / 4;  // 40
 
@@ -33,7 +33,7 @@ struct CombineSmallSmem {
   unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
 };
 
-size_t combine_smem_bytes(const LowLatencyLayout& layout) {
+size_t combine_smem_bytes(const LowLatencyBufferMap& layout) {
   return align_up(sizeof(CombineSmallSmem), 16) + sizeof(int) * (size_t(layout.num_experts) + 1);
 }
 
@@ -108,7 +108,7 @@ __device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* ro
 template <typename Remote>
 __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint16_t* row, size_t row_idx,
                                   int dst, size_t slot_offset, int lane) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int num_groups = layout.num_groups();
   const size_t row_bytes = size_t(layout.hidden) * 2;
   char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
@@ -136,7 +136,7 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
 template <typename Remote>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;
   const int hidden = layout.hidden;
@@ -222,7 +222,7 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
 // grid has blocks to spare, so every thread holds at most one chunk (one round of loads) in small calls.
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_topk = args.num_topk;
   const int num_chunks = hidden / 8;

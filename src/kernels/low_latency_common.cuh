@@ -26,12 +26,12 @@ __device__ __forceinline__ void stamp_phase(uint64_t* stamps, LowLatencyStamp st
 
 template <typename T>
 __device__ __forceinline__ T* local_at(const PeerContext& peers, size_t offset) {
-  return LowLatencyLayout::at<T>(peers.local_base, offset);
+  return LowLatencyBufferMap::at<T>(peers.local_base, offset);
 }
 
 template <typename T>
 __device__ __forceinline__ T* peer_at(const PeerContext& peers, int rank, size_t offset) {
-  return LowLatencyLayout::at<T>(peers.peer_bases[rank], offset);
+  return LowLatencyBufferMap::at<T>(peers.peer_bases[rank], offset);
 }
 
 // ---- Rank masks ----
@@ -73,7 +73,7 @@ __device__ __forceinline__ void mask_timed_out_peer(const LowLatencyMaskArgs& ma
 // NOTES: it only changes at the very end of a receive phase (finish_receive), after every block of that
 // launch read it, and the next operation on this half starts after that launch (stream order and the host's
 // pending-receive check), so reading it anywhere in a launch gives the same value.
-__device__ __forceinline__ int read_num_uses(const PeerContext& peers, const LowLatencyLayout& layout,
+__device__ __forceinline__ int read_num_uses(const PeerContext& peers, const LowLatencyBufferMap& layout,
                                              int half, LowLatencyOp op) {
   return __ldcg(local_at<int>(peers, layout.num_uses_offset(half, op)));
 }
@@ -89,7 +89,7 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // reset after the flag: the next operation on this half is a later launch. Masked destinations get nothing
 // (their counters stay untouched until a clean).
 template <typename Remote>
-__device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyLayout& layout,
+__device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& layout,
                                               int half, LowLatencyOp op, int value, unsigned long long masked,
                                               Publishers publishers) {
   if (!publishers.this_block) return;
@@ -113,8 +113,9 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, 
   if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
-    post_shape(AbortLayout::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
-               shape);
+    post_shape(
+        AbortWordsMap::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+        shape);
   }
 }
 
@@ -133,7 +134,7 @@ struct SourceWait {
 // decide_source) and masks it. `left_out` (block shared memory) holds the mask at entry and is complete after
 // the call.
 __device__ __forceinline__ SourceWait
-wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout, int half, LowLatencyOp op,
+wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op,
                  int expected, WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape,
                  const LowLatencyMaskArgs& mask, unsigned long long* left_out) {
   const uint64_t start = device::global_timer_ns();
@@ -164,7 +165,7 @@ wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout, int h
     }
     if (ok && peers.abort.peers[src] != nullptr) {
       ok = check_shape(ctx, src, shape,
-                       AbortLayout::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
+                       AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
     }
     arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
@@ -179,7 +180,7 @@ wait_all_sources(const PeerContext& peers, const LowLatencyLayout& layout, int h
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which
 // moves the expected flag value of the next operation on this half.
-__device__ __forceinline__ void finish_receive(const PeerContext& peers, const LowLatencyLayout& layout,
+__device__ __forceinline__ void finish_receive(const PeerContext& peers, const LowLatencyBufferMap& layout,
                                                int half, LowLatencyOp op, int num_uses) {
   __syncthreads();
   if (threadIdx.x == 0) {

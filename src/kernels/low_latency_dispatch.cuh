@@ -1,9 +1,9 @@
 #pragma once
 
 // Low-latency dispatch: send phase (route, cast, write each token once per destination rank, publish) and
-// receive phase (wait, expand rows into the packed per-expert output). See LowLatencyLayout for the protocol.
-// Templated on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh); the
-// including file instantiates it.
+// receive phase (wait, expand rows into the packed per-expert output). See LowLatencyBufferMap for the
+// protocol. Templated on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh);
+// the including file instantiates it.
 #include <cuda_fp8.h>
 
 #include "epx/formats/bf16.hpp"
@@ -35,7 +35,7 @@ struct DispatchSmallSmem {
   unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
 };
 
-size_t dispatch_smem_bytes(const LowLatencyLayout& layout) {
+size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
   const size_t routing = sizeof(int) * size_t(kNumWarps) * layout.num_experts;
   const size_t prefix = sizeof(int) * (size_t(layout.num_experts) + 1);
   return align_up(sizeof(DispatchSmallSmem), 16) + (routing > prefix ? routing : prefix);
@@ -53,7 +53,7 @@ __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args,
 // Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
 template <typename Remote>
 __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* totals) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int num_local = layout.num_local_experts();
   __syncthreads();
   for (int expert = threadIdx.x / 32; expert < layout.num_experts; expert += kNumWarps) {
@@ -74,7 +74,7 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
 __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int num_experts = layout.num_experts;
   const int num_local = layout.num_local_experts();
   const int lane = threadIdx.x % 32;
@@ -201,7 +201,7 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
 // writes one 16-byte FP8 chunk (or two BF16 chunks) straight into every destination's receive slot.
 template <typename Remote>
 __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_groups = layout.num_groups();
   const int octet = threadIdx.x / 8;
@@ -271,7 +271,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
 // together.
 __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg, int local_expert, int row,
                             int piece, int num_pieces, int lane) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_rows = layout.num_recv_rows();
   const size_t row_idx = size_t(local_expert) * num_rows + row;
@@ -327,7 +327,7 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
 // out (masked, or timed out with enable_shrink) count 0 rows.
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
-  const LowLatencyLayout& layout = args.layout;
+  const LowLatencyBufferMap& layout = args.layout;
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E

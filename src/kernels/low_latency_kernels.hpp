@@ -5,7 +5,7 @@
 #include <cstdint>
 
 #include "core/shape_fingerprint.hpp"
-#include "epx/layout/low_latency_layout.hpp"
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "kernels/peer_context.hpp"
 
 // Launchers of the low-latency (decode) kernels; each takes one Args struct of plain pointers.
@@ -47,7 +47,7 @@ constexpr int kMaxPhaseStampBlocks = 1024;
 
 struct LowLatencyDispatchArgs {
   PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not an NVLink peer, reached by puts)
-  LowLatencyLayout layout;
+  LowLatencyBufferMap layout;
   int half;        // which half of the double buffer this call uses
   int phases;      // LowLatencyPhase bits
   int num_blocks;  // one block per SM: every block must be resident (receivers spin on senders)
@@ -77,11 +77,11 @@ struct LowLatencyDispatchArgs {
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 // Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
 // against the device limit before launching.
-size_t low_latency_dispatch_smem_bytes(const LowLatencyLayout& layout);
+size_t low_latency_dispatch_smem_bytes(const LowLatencyBufferMap& layout);
 
 struct LowLatencyCombineArgs {
   PeerContext peers;
-  LowLatencyLayout layout;
+  LowLatencyBufferMap layout;
   int half;
   int phases;
   int num_blocks;
@@ -111,7 +111,7 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t 
 // The barrier leaves masked ranks out (with enable_shrink, a rank it times out on is masked).
 struct LowLatencyCleanArgs {
   PeerContext peers;
-  LowLatencyLayout layout;
+  LowLatencyBufferMap layout;
   LowLatencyMaskArgs mask;
 };
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream);

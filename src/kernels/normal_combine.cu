@@ -232,7 +232,7 @@ class WarpReducer {
     const int t = tokens_.token(k);
     const int entry = c_.entry_of(t);
     if (c_.with_queues && c_.lane_is_peer && entry >= 0) {
-      auto* counters = NormalLayout::counters(c_.args.peers.local_base);
+      auto* counters = NormalBufferMap::counters(c_.args.peers.local_base);
       device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
                                wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
     }
@@ -307,7 +307,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
   const bool lane_is_peer = lane < num_ranks && lane != rank;
-  auto* counters = NormalLayout::counters(args.peers.local_base);
+  auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const ReduceContext context{args,
                               channel,
                               args.handle.recv_channel_offset[rank * args.layout.num_channels + channel],
@@ -339,7 +339,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     __syncthreads();
     if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank && consumed[threadIdx.x] > published) {
       published = consumed[threadIdx.x];
-      auto* head = &NormalLayout::counters(args.peers.peer_bases[threadIdx.x])->head[rank][channel];
+      auto* head = &NormalBufferMap::counters(args.peers.peer_bases[threadIdx.x])->head[rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(context.lane_base + published));
     }
     __syncthreads();  // the next batch's progress is not published before it is read

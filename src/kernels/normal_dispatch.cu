@@ -44,7 +44,7 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   }
   const uint32_t sequence = args.published_sequence;
   const device::WaitContext ctx = wait_context(args.peers);
-  auto* control = NormalLayout::control(args.peers.local_base);
+  auto* control = NormalBufferMap::control(args.peers.local_base);
   const auto is_this_call = [sequence](int value) { return static_cast<uint32_t>(value) == sequence; };
   const auto as_seen = [](int value) { return static_cast<int64_t>(value); };
   // A wait abandoned (timeout, abort) counts as cancelled: the pointers are then not this call's.

@@ -5,8 +5,8 @@
 #include <cstdint>
 
 #include "core/shape_fingerprint.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/host_device.hpp"
-#include "epx/layout/normal_layout.hpp"
 #include "kernels/peer_context.hpp"
 
 // Launchers of the normal-mode kernels; each takes one Args struct of plain pointers.
@@ -96,7 +96,7 @@ void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
 
 struct DispatchArgs {
   PeerContext peers;
-  NormalLayout layout;
+  NormalBufferMap layout;
   NormalRecord record;
   int num_tokens;
   int num_experts;
@@ -130,7 +130,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
 struct CombineArgs {
   PeerContext peers;
-  NormalLayout layout;
+  NormalBufferMap layout;
   NormalRecord record;  // num_topk_weights = the top-k reduced (0: no weights)
   int num_tokens;
   int chunk_tokens;

@@ -1,4 +1,4 @@
-#include "epx/layout/internode_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"

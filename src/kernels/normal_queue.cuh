@@ -11,8 +11,8 @@
 #include "kernels/wait_context.cuh"
 #include "kernels/warp_copy.cuh"
 
-// The queues of normal-mode dispatch and combine (layout and invariants: NormalLayout). Every launch has 2C
-// blocks: even blocks send for channel b / 2, odd blocks receive for it. Inside a block the warps form one
+// The queues of normal-mode dispatch and combine (layout and invariants: NormalBufferMap). Every launch has
+// 2C blocks: even blocks send for channel b / 2, odd blocks receive for it. Inside a block the warps form one
 // group per peer, so a full queue to one peer never stalls the traffic to another.
 namespace epx::kernels {
 
@@ -36,7 +36,7 @@ struct WarpGroup {
 // Dispatch and combine launches this rank finished before the running one. Every block reads it at its start;
 // finish_launch advances it only after every block arrived, so all blocks see the same value.
 __device__ __forceinline__ int calls_before(const PeerContext& peers) {
-  return *reinterpret_cast<volatile int*>(&NormalLayout::control(peers.local_base)->calls_done);
+  return *reinterpret_cast<volatile int*>(&NormalBufferMap::control(peers.local_base)->calls_done);
 }
 
 // Called by every thread of every block at its end: the last block to arrive counts the call as done and
@@ -44,7 +44,7 @@ __device__ __forceinline__ int calls_before(const PeerContext& peers) {
 // NOTES: each block fences before arriving, so its reads of the queues are complete before the last arriver
 // releases the done signal.
 __device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
-  auto* control = NormalLayout::control(peers.local_base);
+  auto* control = NormalBufferMap::control(peers.local_base);
   __syncthreads();
   bool last_arrival = false;
   if (threadIdx.x == 0) {
@@ -60,7 +60,7 @@ __device__ __forceinline__ void finish_launch(const PeerContext& peers, int call
   }
   const int peer = threadIdx.x;
   if (peer < peers.num_ranks && peer != peers.rank) {
-    device::st_release_sys(&NormalLayout::control(peers.peer_bases[peer])->done_signal[peers.rank],
+    device::st_release_sys(&NormalBufferMap::control(peers.peer_bases[peer])->done_signal[peers.rank],
                            calls + 1);
   }
 }
@@ -76,8 +76,8 @@ __device__ __forceinline__ void post_launch_shape(const PeerContext& peers, int 
   const int peer = threadIdx.x;
   if (blockIdx.x != 0 || peer >= peers.num_ranks || peer == peers.rank) return;
   if (peers.abort.peers[peer] != nullptr)
-    post_shape(AbortLayout::normal_launch_shape(peers.abort.peers[peer], peers.rank), shape);
-  device::st_release_sys_u64(&NormalLayout::control(peers.peer_bases[peer])->launch_shape[peers.rank],
+    post_shape(AbortWordsMap::normal_launch_shape(peers.abort.peers[peer], peers.rank), shape);
+  device::st_release_sys_u64(&NormalBufferMap::control(peers.peer_bases[peer])->launch_shape[peers.rank],
                              pack_tagged(static_cast<uint32_t>(calls + 1), shape.hash));
 }
 
@@ -86,7 +86,7 @@ __device__ __forceinline__ void post_launch_shape(const PeerContext& peers, int 
 // source already in a later launch (it sent nothing more here) overwrote it, and is not checked.
 __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int calls,
                                                    const ShapeFingerprint& shape, int src, WaitPhase phase) {
-  const auto* slot = &NormalLayout::control(peers.local_base)->launch_shape[src];
+  const auto* slot = &NormalBufferMap::control(peers.local_base)->launch_shape[src];
   const uint32_t expected = static_cast<uint32_t>(calls + 1);
   uint64_t word = 0;
   const auto posted = [expected](uint64_t w) {
@@ -99,7 +99,7 @@ __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int
   if (!arrived || tagged_sequence(word) != expected || tagged_value(word) == shape.hash) return arrived;
   if (peers.abort.peers[src] == nullptr) return true;  // no values to name the field by: nothing to report
   report_shape_mismatch(wait_context(peers), src, shape,
-                        AbortLayout::normal_launch_shape(peers.abort.local, src));
+                        AbortWordsMap::normal_launch_shape(peers.abort.local, src));
   return false;
 }
 
@@ -107,7 +107,7 @@ __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int
 // Entries count from the start of the call; `base` is the queue's running count when the call began.
 struct QueueEnd {
   const PeerContext& peers;
-  const NormalLayout& layout;
+  const NormalBufferMap& layout;
   WarpGroup group;
   int* shared_value;  // one int of shared memory for this group
   int peer;           // the rank at the other end
@@ -130,19 +130,19 @@ struct QueueSender : QueueEnd {
   int chunk_tokens;
   int pushed = 0;
 
-  __device__ QueueSender(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
+  __device__ QueueSender(const PeerContext& p, const NormalBufferMap& l, const WarpGroup& g, int* shared,
                          int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase)
       : QueueEnd{p,          l,
                  g,          shared,
                  dst_rank,   channel_idx,
-                 wait_phase, NormalLayout::counters(p.local_base)->sent[dst_rank][channel_idx]},
+                 wait_phase, NormalBufferMap::counters(p.local_base)->sent[dst_rank][channel_idx]},
         chunk_tokens(chunk) {}
 
   // Before the first record: the peer finished every call before this one, so nothing of theirs is still
   // unread in its queues (whatever their layout).
   __device__ void wait_until_peer_ready(int calls) {
     if (group.leader()) {
-      device::wait_at_least(&NormalLayout::control(peers.local_base)->done_signal[peer], calls,
+      device::wait_at_least(&NormalBufferMap::control(peers.local_base)->done_signal[peer], calls,
                             wait_context(peers), peer, WaitPhase::kPreviousCall);
     }
     group.sync();
@@ -153,7 +153,7 @@ struct QueueSender : QueueEnd {
     int granted = 0;
     if (group.leader()) {
       const int consumed =
-          device::wait_count_since(&NormalLayout::counters(peers.local_base)->head[peer][channel], base,
+          device::wait_count_since(&NormalBufferMap::counters(peers.local_base)->head[peer][channel], base,
                                    pushed - layout.queue_tokens + 1, wait_context(peers), peer, phase);
       granted = min(min(queue_room(pushed, consumed, layout.queue_tokens), chunk_tokens), most);
     }
@@ -171,13 +171,13 @@ struct QueueSender : QueueEnd {
     group.sync();
     pushed += count;
     if (count > 0 && group.leader()) {
-      auto* tail = &NormalLayout::counters(peers.peer_bases[peer])->tail[peers.rank][channel];
+      auto* tail = &NormalBufferMap::counters(peers.peer_bases[peer])->tail[peers.rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(base + pushed));
     }
   }
 
   __device__ void finish() const {
-    if (group.leader()) NormalLayout::counters(peers.local_base)->sent[peer][channel] = base + pushed;
+    if (group.leader()) NormalBufferMap::counters(peers.local_base)->sent[peer][channel] = base + pushed;
   }
 };
 
@@ -186,12 +186,12 @@ struct QueueReceiver : QueueEnd {
   int count;
   int got = 0;
 
-  __device__ QueueReceiver(const PeerContext& p, const NormalLayout& l, const WarpGroup& g, int* shared,
+  __device__ QueueReceiver(const PeerContext& p, const NormalBufferMap& l, const WarpGroup& g, int* shared,
                            int src_rank, int channel_idx, int num_records, WaitPhase wait_phase)
       : QueueEnd{p,          l,
                  g,          shared,
                  src_rank,   channel_idx,
-                 wait_phase, NormalLayout::counters(p.local_base)->consumed[src_rank][channel_idx]},
+                 wait_phase, NormalBufferMap::counters(p.local_base)->consumed[src_rank][channel_idx]},
         count(num_records) {}
 
   __device__ bool done() const { return got >= count; }
@@ -201,7 +201,7 @@ struct QueueReceiver : QueueEnd {
     int ready = 0;
     if (group.leader()) {
       const int landed =
-          device::wait_count_since(&NormalLayout::counters(peers.local_base)->tail[peer][channel], base,
+          device::wait_count_since(&NormalBufferMap::counters(peers.local_base)->tail[peer][channel], base,
                                    got + 1, wait_context(peers), peer, phase);
       ready = min(landed, count) - got;
     }
@@ -217,13 +217,13 @@ struct QueueReceiver : QueueEnd {
     group.sync();
     got += num;
     if (group.leader()) {
-      auto* head = &NormalLayout::counters(peers.peer_bases[peer])->head[peers.rank][channel];
+      auto* head = &NormalBufferMap::counters(peers.peer_bases[peer])->head[peers.rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(base + got));
     }
   }
 
   __device__ void finish() const {
-    if (group.leader()) NormalLayout::counters(peers.local_base)->consumed[peer][channel] = base + count;
+    if (group.leader()) NormalBufferMap::counters(peers.local_base)->consumed[peer][channel] = base + count;
   }
 };
 

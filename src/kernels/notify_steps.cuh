@@ -41,7 +41,7 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
   for (int r = 0; r < num_ranks; ++r) {
     const int total = BlockReduce(reduce_storage).Sum(counts[r]);
     if (threadIdx.x == 0) {
-      auto* half = NormalLayout::notify(args.peers.peer_bases[r], args.sequence);
+      auto* half = NormalBufferMap::notify(args.peers.peer_bases[r], args.sequence);
       device::st_relaxed_sys_u64(&half->channel_counts[args.peers.rank][channel],
                                  pack_tagged(args.sequence, total));
     }
@@ -53,7 +53,7 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
 // recv_channel_offset. Returns (in every thread) the rows from source threadIdx.x, for threads < R. Each
 // thread takes kCells / kThreads consecutive (source, channel) cells, source-major. ----
 template <int kThreads>
-__device__ int scan_channel_offsets(const NotifyArgs& args, const NormalLayout::NotifyHalf* arrived,
+__device__ int scan_channel_offsets(const NotifyArgs& args, const NormalBufferMap::NotifyHalf* arrived,
                                     const device::WaitContext& ctx, int& total) {
   constexpr int kCells = kMaxNvlRanks * kMaxChannels;
   constexpr int kItems = kCells / kThreads;
@@ -99,7 +99,7 @@ __device__ int scan_channel_offsets(const NotifyArgs& args, const NormalLayout::
 // Returns false (in every thread) when the group is aborted, by this check or before it.
 template <int kThreads>
 __device__ bool scan_and_check_totals(const NotifyArgs& args) {
-  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, args.sequence);
+  const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, args.sequence);
   const device::WaitContext ctx = wait_context(args.peers);
   int total = 0;
   const int rows = scan_channel_offsets<kThreads>(args, arrived, ctx, total);
@@ -121,7 +121,7 @@ __device__ bool scan_and_check_totals(const NotifyArgs& args) {
 // Waits for every source's counts for each local expert; writes their aligned sums to the handle and the
 // host.
 template <int kThreads>
-__device__ void gather_expert_counts(const NotifyArgs& args, const NormalLayout::NotifyHalf* arrived,
+__device__ void gather_expert_counts(const NotifyArgs& args, const NormalBufferMap::NotifyHalf* arrived,
                                      const device::WaitContext& ctx, const HostCountIndex& index) {
   const int num_ranks = args.peers.num_ranks;
   const int experts_per_rank = args.num_experts / num_ranks;
@@ -167,10 +167,10 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   // word whose release orders the values before it. Every rank checks every peer's before it waits for any
   // count, since counts of another shape may never come (other channels): a mismatch aborts the group.
   if (threadIdx.x < num_ranks) {
-    auto* half = NormalLayout::notify(args.peers.peer_bases[threadIdx.x], sequence);
+    auto* half = NormalBufferMap::notify(args.peers.peer_bases[threadIdx.x], sequence);
     if (totals_given) device::st_relaxed_sys_u64(&half->rank_totals[rank], pack_tagged(sequence, my_total));
     if (args.peers.abort.peers[threadIdx.x] != nullptr)
-      post_shape(AbortLayout::normal_shape(args.peers.abort.peers[threadIdx.x], sequence & 1u, rank),
+      post_shape(AbortWordsMap::normal_shape(args.peers.abort.peers[threadIdx.x], sequence & 1u, rank),
                  args.shape);
     device::st_release_sys_u64(&half->shape_hash[rank], pack_tagged(sequence, args.shape.hash));
   }
@@ -178,19 +178,19 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   for (int i = 0; i < kExpertsPerThread; ++i) {
     const int e = threadIdx.x + i * kThreads;
     if (e >= args.num_experts) break;
-    device::st_relaxed_sys_u64(&NormalLayout::notify(args.peers.peer_bases[e / experts_per_rank], sequence)
+    device::st_relaxed_sys_u64(&NormalBufferMap::notify(args.peers.peer_bases[e / experts_per_rank], sequence)
                                     ->expert_counts[rank * experts_per_rank + e % experts_per_rank],
                                pack_tagged(sequence, expert_counts[i]));
   }
 
-  const NormalLayout::NotifyHalf* arrived = NormalLayout::notify(args.peers.local_base, sequence);
+  const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, sequence);
   if (threadIdx.x < num_ranks && threadIdx.x != rank) {
     const int hash = device::wait_tagged(&arrived->shape_hash[threadIdx.x], sequence, ctx, threadIdx.x,
                                          WaitPhase::kDispatchNotify);
     if (hash != args.shape.hash && args.peers.abort.peers[threadIdx.x] != nullptr) {
       __threadfence_system();  // the values were released before the hash
       check_shape(ctx, threadIdx.x, args.shape,
-                  AbortLayout::normal_shape(args.peers.abort.local, sequence & 1u, threadIdx.x));
+                  AbortWordsMap::normal_shape(args.peers.abort.local, sequence & 1u, threadIdx.x));
     }
   }
 

@@ -2,8 +2,8 @@
 
 #include <cstddef>
 
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
 
 namespace epx::reference {
 

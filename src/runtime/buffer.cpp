@@ -8,18 +8,18 @@
 #include <vector>
 
 #include "bootstrap/topology.hpp"
+#include "buffer_map/normal_nodes.hpp"
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "epx/layout/low_latency_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_info.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/preload.hpp"
-#include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
@@ -63,9 +63,9 @@ void* const* upload_table(const std::vector<void*>& bases) {
   return table;
 }
 
-// Bytes of the abort-word allocation: the word and the shape fingerprints (AbortLayout).
-constexpr size_t kAbortBytes = AbortLayout::kBytes;
-static_assert(AbortLayout::kMaxRanks == kMaxLowLatencyRanks, "one fingerprint slot per rank");
+// Bytes of the abort-word allocation: the word and the shape fingerprints (AbortWordsMap).
+constexpr size_t kAbortBytes = AbortWordsMap::kBytes;
+static_assert(AbortWordsMap::kMaxRanks == kMaxLowLatencyRanks, "one fingerprint slot per rank");
 
 }  // namespace
 

@@ -18,10 +18,10 @@ bool aligned16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
 
-LowLatencyLayout layout_for(const Buffer& buffer, int num_max_tokens, int hidden, int num_experts) {
+LowLatencyBufferMap layout_for(const Buffer& buffer, int num_max_tokens, int hidden, int num_experts) {
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
             "must be > 0 for low-latency mode (size it with get_low_latency_rdma_size_hint)");
-  const LowLatencyLayout layout(num_max_tokens, hidden, buffer.num_ranks(), num_experts);
+  const LowLatencyBufferMap layout(num_max_tokens, hidden, buffer.num_ranks(), num_experts);
   EPX_CHECK(layout.total_bytes() <= buffer.num_rdma_bytes(), "num_rdma_bytes", buffer.num_rdma_bytes(),
             detail::concat("must be >= ", layout.total_bytes(), " for M = ", num_max_tokens,
                            ", hidden = ", hidden, ", E = ", num_experts, " (get_low_latency_rdma_size_hint)")
@@ -62,7 +62,7 @@ void run_mask_op(Buffer& buffer, const kernels::LowLatencyMaskUpdateArgs& args, 
 
 // What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
 // the layout's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
-ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyLayout& layout, int format) {
+ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyBufferMap& layout, int format) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = layout.hidden;
   values[static_cast<int>(ShapeField::kNumExperts)] = layout.num_experts;
@@ -71,7 +71,7 @@ ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyLayout& layout, i
   return make_shape_fingerprint(values);
 }
 
-void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, const int64_t* topk_idx) {
+void check_tokens(int num_tokens, int num_topk, const LowLatencyBufferMap& layout, const int64_t* topk_idx) {
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
   EPX_CHECK(num_tokens <= layout.num_max_tokens, "num_tokens", num_tokens,
             "must be <= num_max_dispatch_tokens_per_rank");
@@ -82,7 +82,7 @@ void check_tokens(int num_tokens, int num_topk, const LowLatencyLayout& layout, 
 }
 
 void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
-                       const LowLatencyDispatchOutput& out, const LowLatencyLayout& layout,
+                       const LowLatencyDispatchOutput& out, const LowLatencyBufferMap& layout,
                        const LowLatencyState& state, const StreamOrder& order) {
   check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null",
@@ -149,8 +149,8 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
 }  // namespace
 
 LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const LowLatencyDispatchInput& in) {
-  const LowLatencyLayout layout(in.num_max_dispatch_tokens_per_rank, in.hidden, buffer.num_ranks(),
-                                in.num_experts);
+  const LowLatencyBufferMap layout(in.num_max_dispatch_tokens_per_rank, in.hidden, buffer.num_ranks(),
+                                   in.num_experts);
   LowLatencyDispatchSizes sizes;
   sizes.num_local_experts = layout.num_local_experts();
   sizes.num_rows_per_expert = layout.num_recv_rows();
@@ -170,7 +170,7 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
 LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& in,
                                               const LowLatencyDispatchOutput& out, const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_dispatch");
-  const LowLatencyLayout layout =
+  const LowLatencyBufferMap layout =
       layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
   validate_dispatch(buffer, in, out, layout, *BufferAccess::low_latency_state(buffer), order);
 
@@ -210,16 +210,16 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
 }
 
 void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle) {
-  const LowLatencyLayout layout =
+  const LowLatencyBufferMap layout =
       layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
-  return LowLatencyLayout::at<char>(buffer.symmetric_buffer(), layout.combine_send_offset());
+  return LowLatencyBufferMap::at<char>(buffer.symmetric_buffer(), layout.combine_send_offset());
 }
 
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
                                             const LowLatencyCombineInput& in, void* combined_x,
                                             const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_combine");
-  const LowLatencyLayout layout =
+  const LowLatencyBufferMap layout =
       layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
   check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
   EPX_CHECK(handle.recv_src_info != nullptr && handle.recv_topk_pos != nullptr &&
@@ -273,7 +273,8 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
                               int num_experts, const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "clean_low_latency_buffer");
-  const LowLatencyLayout layout = layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
+  const LowLatencyBufferMap layout =
+      layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
   const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout, mask_args(buffer)};
   if (buffer.spans_nodes()) {

@@ -18,7 +18,7 @@ struct LowLatencyState {
   uint64_t num_calls = 0;             // low-latency calls issued; call n uses half n & 1
   uint64_t pending_call[2] = {0, 0};  // 1 + the call whose receive has not run on that half, 0 = none
   // A normal-mode call across nodes ran since the last clean: it wrote its queues over the low-latency
-  // signals (one symmetric buffer serves both modes, LowLatencyLayout), so low-latency calls wait for a
+  // signals (one symmetric buffer serves both modes, LowLatencyBufferMap), so low-latency calls wait for a
   // clean.
   bool needs_clean = false;
   // The caller's stream the last call joined the comm stream into (every call issued so far is ordered before

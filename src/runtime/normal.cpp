@@ -7,14 +7,14 @@
 #include <cstdlib>
 #include <string_view>
 
+#include "buffer_map/normal_nodes.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/tagged_word.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
-#include "layout/normal_nodes.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/low_latency_state.hpp"
@@ -113,8 +113,8 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
 // What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
 // source's records (kernels/normal_queue.cuh): the queues' layout, the records, and the operation.
 enum class NormalOperation { kDispatch = 1, kCombine = 2 };
-ShapeFingerprint normal_launch_fingerprint(const NormalLayout& layout, const NormalRecord& record, int hidden,
-                                           int num_experts, NormalOperation op, bool fp8) {
+ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
+                                           int hidden, int num_experts, NormalOperation op, bool fp8) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = hidden;
   values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
@@ -135,28 +135,28 @@ Config queue_config(const Buffer& buffer, const DispatchHandle::State& state) {
   return config;
 }
 
-NormalLayout dispatch_layout(const Buffer& buffer, const DispatchHandle::State& state) {
-  return NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state),
-                          NormalRecord::dispatch(state.shape));
+NormalBufferMap dispatch_buffer_map(const Buffer& buffer, const DispatchHandle::State& state) {
+  return NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state),
+                             NormalRecord::dispatch(state.shape));
 }
 
 // Across nodes: the queues of a call with records of `record`, in the symmetric and the NVLink buffer. Both
 // must fit before anything is launched.
-struct InternodeLayouts {
-  InternodeLayout rdma;
-  ForwardLayout nvl;
+struct InternodeBufferMaps {
+  InternodeBufferMap rdma;
+  ForwardBufferMap nvl;
 };
-InternodeLayouts internode_layouts(const Buffer& buffer, const DispatchHandle::State& state,
-                                   const InternodeRecord& record) {
+InternodeBufferMaps internode_buffer_maps(const Buffer& buffer, const DispatchHandle::State& state,
+                                          const InternodeRecord& record) {
   const Config config = queue_config(buffer, state);
   const NodeMap nodes{buffer.num_ranks(), buffer.ranks_per_node()};
   check_normal_forward_queues(config, nodes.num_nodes());
-  InternodeLayouts layouts{InternodeLayout::of(nodes.num_nodes(), config, record),
-                           ForwardLayout::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
+  InternodeBufferMaps layouts{InternodeBufferMap::of(nodes.num_nodes(), config, record),
+                              ForwardBufferMap::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
             "must be > 0 for normal mode across nodes (size it with Config::get_rdma_buffer_size_hint)");
-  check_internode_layout_fits(layouts.rdma, buffer.num_rdma_bytes());
-  check_forward_layout_fits(layouts.nvl, buffer.num_nvl_bytes());
+  check_internode_map_fits(layouts.rdma, buffer.num_rdma_bytes());
+  check_forward_map_fits(layouts.nvl, buffer.num_nvl_bytes());
   // Every call across nodes passes here before it launches: its queues take the symmetric buffer's shared
   // area.
   lend_symmetric_buffer_to_normal_mode(*BufferAccess::low_latency_state(buffer));
@@ -374,7 +374,7 @@ namespace {
 // outputs the host publishes there later.
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
                                     const DispatchInput& in, const DispatchOutput& out) {
-  const NormalLayout layout = dispatch_layout(buffer, state);
+  const NormalBufferMap layout = dispatch_buffer_map(buffer, state);
   const NormalRecord record = NormalRecord::dispatch(state.shape);
   return kernels::DispatchArgs{
       peer_context(buffer),
@@ -465,9 +465,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   state->guessed_outputs.reset();
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
-    internode_layouts(buffer, *state, InternodeRecord::dispatch(shape));
+    internode_buffer_maps(buffer, *state, InternodeRecord::dispatch(shape));
   } else {
-    check_normal_layout_fits(dispatch_layout(buffer, *state), buffer.num_nvl_bytes());
+    check_normal_map_fits(dispatch_buffer_map(buffer, *state), buffer.num_nvl_bytes());
   }
   state->format = in.format;
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
@@ -652,7 +652,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   begin_on_comm_stream(buffer, order);
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::dispatch(state.shape);
-    const InternodeLayouts layouts = internode_layouts(buffer, state, record);
+    const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
     const Config& config = buffer.config();
     const kernels::InternodeDispatchArgs args{internode_context(buffer),
                                               layouts.rdma,
@@ -710,7 +710,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   EPX_CHECK(hidden % 8 == 0, "hidden", hidden, "must be a multiple of 8 (16-byte BF16 rows)");
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::combine(hidden, in.num_topk);
-    const InternodeLayouts layouts = internode_layouts(buffer, state, record);
+    const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
     begin_on_comm_stream(buffer, order);
     const Config& config = buffer.config();
     const kernels::InternodeCombineArgs args{internode_context(buffer),
@@ -731,8 +731,8 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
     return end_on_comm_stream(buffer, order);
   }
   const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
-  const NormalLayout layout = NormalLayout::of(buffer.num_ranks(), queue_config(buffer, state), record);
-  check_normal_layout_fits(layout, buffer.num_nvl_bytes());
+  const NormalBufferMap layout = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
+  check_normal_map_fits(layout, buffer.num_nvl_bytes());
   begin_on_comm_stream(buffer, order);
   kernels::CombineArgs args{peer_context(buffer),
                             layout,

@@ -3,7 +3,7 @@
 #include <cstdint>
 
 #include "epx/buffer.hpp"
-#include "epx/layout/internode_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
 

@@ -1,4 +1,4 @@
-// The node layouts normal mode refuses (src/layout/normal_nodes.hpp): checked on the host before anything
+// The node layouts normal mode refuses (src/buffer_map/normal_nodes.hpp): checked on the host before anything
 // is allocated or launched, each error naming the argument, its value and the rule. The Buffer's constructor,
 // the size hints and dispatch_notify call these functions (gpu/test_normal_nodes.cpp checks the calls).
 #include <gtest/gtest.h>
@@ -6,10 +6,10 @@
 #include <functional>
 #include <string>
 
+#include "buffer_map/normal_nodes.hpp"
 #include "cpu/error_message.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "layout/normal_nodes.hpp"
 
 namespace {
 
@@ -76,14 +76,14 @@ TEST(NormalNodes, ForwardingQueuesMustHoldARecordAndFit) {
   config.num_max_nvl_chunked_send_tokens = 1;
   config.num_max_nvl_chunked_recv_tokens = 3;
   const auto record = epx::InternodeRecord::largest(7168 * 2);
-  const epx::ForwardLayout too_short = epx::ForwardLayout::of(2, 4, config, record);
+  const epx::ForwardBufferMap too_short = epx::ForwardBufferMap::of(2, 4, config, record);
   EXPECT_EQ(
-      error_of([&] { epx::check_forward_layout_fits(too_short, size_t(1) << 30); }),
+      error_of([&] { epx::check_forward_map_fits(too_short, size_t(1) << 30); }),
       "invalid num_max_nvl_chunked_recv_tokens = 0: must be >= the number of nodes (4) across nodes: every "
       "source node gets num_max_nvl_chunked_recv_tokens / nodes records of each NVLink queue");
-  const epx::ForwardLayout layout = epx::ForwardLayout::of(2, 2, epx::Config{}, record);
-  EXPECT_EQ(error_of([&] { epx::check_forward_layout_fits(layout, layout.total_bytes()); }), "");
-  EXPECT_NE(error_of([&] { epx::check_forward_layout_fits(layout, layout.total_bytes() - 1); })
+  const epx::ForwardBufferMap layout = epx::ForwardBufferMap::of(2, 2, epx::Config{}, record);
+  EXPECT_EQ(error_of([&] { epx::check_forward_map_fits(layout, layout.total_bytes()); }), "");
+  EXPECT_NE(error_of([&] { epx::check_forward_map_fits(layout, layout.total_bytes() - 1); })
                 .find("invalid num_nvl_bytes = " + std::to_string(layout.total_bytes() - 1) +
                       ": must be >= " + std::to_string(layout.total_bytes()) +
                       " for this call (2 nodes of 2 ranks"),

@@ -28,8 +28,8 @@
 #include <type_traits>
 #include <vector>
 
-#include "epx/layout/internode_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/normal.hpp"
 #include "epx/reference/internode.hpp"
 #include "epx/reference/layout.hpp"
@@ -129,8 +129,8 @@ inline size_t normal_buffer_bytes(const NormalCase& c) {
   const size_t hint = config.get_nvl_buffer_size_hint(size_t(hidden) * 2, c.num_ranks);
   if (!c.spans_nodes()) return hint;
   // Virtual nodes with tiny queues may need more than one node's hint: the forwarding queues' fixed counters.
-  const ForwardLayout forward = ForwardLayout::of(c.ranks_per_node, c.num_ranks / c.ranks_per_node, config,
-                                                  InternodeRecord::largest(size_t(hidden) * 2));
+  const ForwardBufferMap forward = ForwardBufferMap::of(c.ranks_per_node, c.num_ranks / c.ranks_per_node,
+                                                        config, InternodeRecord::largest(size_t(hidden) * 2));
   return std::max(hint, forward.total_bytes());
 }
 

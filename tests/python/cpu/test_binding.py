@@ -39,7 +39,7 @@ def test_import_needs_no_torch():
                          [(128, 7168, 4, 288), (1, 128, 1, 1), (256, 4096, 8, 64), (64, 2048, 2, 32)])
 def test_low_latency_size_hint(num_max_tokens, hidden, num_ranks, num_experts):
     hint = epx.get_low_latency_rdma_size_hint(num_max_tokens, hidden, num_ranks, num_experts)
-    layout = _epx.LowLatencyLayout(num_max_tokens, hidden, num_ranks, num_experts)
+    layout = _epx.LowLatencyBufferMap(num_max_tokens, hidden, num_ranks, num_experts)
     assert hint % (2 * MiB) == 0
     assert layout.total_bytes() <= hint < layout.total_bytes() + 2 * MiB
     # More tokens never need less memory.
@@ -80,7 +80,7 @@ def test_config_binding_fields_and_defaults():
 def test_normal_size_hint_is_the_layout_of_the_largest_record(hidden, num_ranks):
     hidden_bytes = hidden * 2
     for config in CONFIGS:
-        layout = _epx.NormalLayout.of(num_ranks, config, _epx.NormalRecord.largest(hidden_bytes))
+        layout = _epx.NormalBufferMap.of(num_ranks, config, _epx.NormalRecord.largest(hidden_bytes))
         hint = _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, config)
         assert hint == align(layout.total_bytes(), 128)
         assert config.get_nvl_buffer_size_hint(hidden_bytes, num_ranks) == hint
@@ -92,10 +92,10 @@ def test_normal_size_hint_is_the_layout_of_the_largest_record(hidden, num_ranks)
         for record in (_epx.NormalRecord.dispatch(_epx.NormalShape(num_ranks, num_ranks * 4, hidden, hidden_bytes,
                                                                    0, 16)),
                        _epx.NormalRecord.combine(hidden, 16), _epx.NormalRecord.combine(hidden, 0)):
-            _epx.check_normal_layout_fits(_epx.NormalLayout.of(num_ranks, config, record), hint)
+            _epx.check_normal_map_fits(_epx.NormalBufferMap.of(num_ranks, config, record), hint)
         if hidden % 128 == 0:
             fp8 = _epx.NormalShape(num_ranks, num_ranks * 4, hidden, hidden, hidden // 128, 16)
-            _epx.check_normal_layout_fits(_epx.NormalLayout.of(num_ranks, config, _epx.NormalRecord.dispatch(fp8)),
+            _epx.check_normal_map_fits(_epx.NormalBufferMap.of(num_ranks, config, _epx.NormalRecord.dispatch(fp8)),
                                           hint)
     # The default config is the default argument.
     assert epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks) == \
@@ -131,13 +131,13 @@ def test_normal_size_hint_grows_with_channels_and_queue_tokens_only():
     assert hint(num_max_nvl_chunked_send_tokens=1) == hint(num_max_nvl_chunked_send_tokens=256) == hint()
     assert hint(num_max_rdma_chunked_send_tokens=20, num_max_rdma_chunked_recv_tokens=128) == hint()
     # Queue bytes scale linearly: twice the channels or twice the queue tokens, twice the queues.
-    queues = hint() - _epx.NormalLayout.QUEUES_OFFSET
-    assert hint(num_sms=40) - _epx.NormalLayout.QUEUES_OFFSET == 2 * queues
-    assert hint(num_max_nvl_chunked_recv_tokens=512) - _epx.NormalLayout.QUEUES_OFFSET == 2 * queues
+    queues = hint() - _epx.NormalBufferMap.QUEUES_OFFSET
+    assert hint(num_sms=40) - _epx.NormalBufferMap.QUEUES_OFFSET == 2 * queues
+    assert hint(num_max_nvl_chunked_recv_tokens=512) - _epx.NormalBufferMap.QUEUES_OFFSET == 2 * queues
     # More ranks and wider rows need more; one rank needs no queues at all.
     by_ranks = [_epx.normal_nvl_buffer_size_hint(hidden_bytes, r) for r in range(1, 9)]
     assert by_ranks == sorted(set(by_ranks))
-    assert by_ranks[0] == align(_epx.NormalLayout.QUEUES_OFFSET, 128)
+    assert by_ranks[0] == align(_epx.NormalBufferMap.QUEUES_OFFSET, 128)
     assert _epx.normal_nvl_buffer_size_hint(4096 * 2, num_ranks) < _epx.normal_nvl_buffer_size_hint(hidden_bytes,
                                                                                                     num_ranks)
 
@@ -145,18 +145,18 @@ def test_normal_size_hint_grows_with_channels_and_queue_tokens_only():
 def test_normal_layout_of_a_config():
     config = _epx.Config(num_sms=24, num_max_nvl_chunked_recv_tokens=128)
     record = _epx.NormalRecord.largest(7168 * 2)
-    layout = _epx.NormalLayout.of(4, config, record)
+    layout = _epx.NormalBufferMap.of(4, config, record)
     assert (layout.num_ranks, layout.num_channels, layout.queue_tokens, layout.record_bytes) == (4, 12, 128,
                                                                                                  record.bytes())
     assert layout.queue_bytes() == 128 * record.bytes()
-    assert layout.total_bytes() == _epx.NormalLayout.QUEUES_OFFSET + 3 * 12 * layout.queue_bytes()
-    offsets = [_epx.NormalLayout.CONTROL_OFFSET, _epx.NormalLayout.COUNTERS_OFFSET, _epx.NormalLayout.NOTIFY_OFFSET,
-               _epx.NormalLayout.QUEUES_OFFSET]
+    assert layout.total_bytes() == _epx.NormalBufferMap.QUEUES_OFFSET + 3 * 12 * layout.queue_bytes()
+    bm = _epx.NormalBufferMap
+    offsets = [bm.CONTROL_OFFSET, bm.COUNTERS_OFFSET, bm.NOTIFY_OFFSET, bm.QUEUES_OFFSET]
     assert offsets == sorted(set(offsets)) and offsets[0] == 0
     assert all(offset % 128 == 0 for offset in offsets)
-    assert _epx.NormalLayout.NOTIFY_OFFSET + 2 * _epx.NormalLayout.NOTIFY_HALF_BYTES == _epx.NormalLayout.QUEUES_OFFSET
+    assert bm.NOTIFY_OFFSET + 2 * bm.NOTIFY_HALF_BYTES == bm.QUEUES_OFFSET
     # Owners keep no queue from themselves.
-    assert [_epx.NormalLayout.source_slot(src, 2) for src in (0, 1, 3)] == [0, 1, 2]
+    assert [_epx.NormalBufferMap.source_slot(src, 2) for src in (0, 1, 3)] == [0, 1, 2]
     assert _epx.MAX_CHANNELS == 128
 
 
@@ -193,11 +193,11 @@ def test_channel_token_ranges_cover_the_batch_in_order(num_tokens, num_channels)
 
 
 def test_a_call_that_does_not_fit_names_the_bytes_it_needs():
-    layout = _epx.NormalLayout.of(8, _epx.Config(), _epx.NormalRecord.largest(7168 * 2))
-    _epx.check_normal_layout_fits(layout, layout.total_bytes())
+    layout = _epx.NormalBufferMap.of(8, _epx.Config(), _epx.NormalRecord.largest(7168 * 2))
+    _epx.check_normal_map_fits(layout, layout.total_bytes())
     with pytest.raises(epx.EpxError, match=f"invalid num_nvl_bytes = {layout.total_bytes() - 1}: must be >= "
                                            f"{layout.total_bytes()} for this call \\(8 ranks, 10 channels, 256 tokens"):
-        _epx.check_normal_layout_fits(layout, layout.total_bytes() - 1)
+        _epx.check_normal_map_fits(layout, layout.total_bytes() - 1)
 
 
 @pytest.mark.parametrize("fields,message", [
@@ -253,8 +253,8 @@ def test_megatron_sizing_is_below_deep_ep(num_ranks, num_sms):
     assert ours < theirs, (ours, theirs)
     # Each config's queues fit what Megatron allocates.
     for config in configs:
-        layout = _epx.NormalLayout.of(num_ranks, config.to_native(), _epx.NormalRecord.largest(hidden_bytes))
-        _epx.check_normal_layout_fits(layout, ours)
+        layout = _epx.NormalBufferMap.of(num_ranks, config.to_native(), _epx.NormalRecord.largest(hidden_bytes))
+        _epx.check_normal_map_fits(layout, ours)
 
 
 def test_runtime_buffer_has_a_config_property():
@@ -264,8 +264,8 @@ def test_runtime_buffer_has_a_config_property():
 
 
 def test_low_latency_layout_control_depends_only_on_ranks():
-    a = _epx.LowLatencyLayout(128, 7168, 4, 288)
-    b = _epx.LowLatencyLayout(16, 256, 4, 8)
+    a = _epx.LowLatencyBufferMap(128, 7168, 4, 288)
+    b = _epx.LowLatencyBufferMap(16, 256, 4, 8)
     assert a.control_end_offset() == b.control_end_offset()
     assert a.recv_flag_offset(1, 1, 3) == b.recv_flag_offset(1, 1, 3)
     assert a.num_local_experts() == 72 and a.num_recv_rows() == 512 and a.num_groups() == 56
@@ -283,7 +283,7 @@ def test_size_hint_errors_name_argument_value_and_rule():
     error = info.value
     assert "invalid hidden = 100: must be a multiple of 128" in str(error)
     assert error.message.startswith("invalid hidden = 100")
-    assert error.file.endswith("low_latency_layout.hpp")
+    assert error.file.endswith("low_latency_buffer_map.hpp")
     assert isinstance(error.line, int) and error.line > 0
     assert str(error) == f"{error.file}:{error.line}: {error.message}"
     with pytest.raises(epx.EpxError, match="invalid num_experts = 10: must be a multiple of the number of ranks"):

@@ -1,8 +1,8 @@
-#include "epx/layout/normal_layout.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 
+#include "buffer_map/buffer_map_checks.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "layout/layout_checks.hpp"
 
 namespace epx {
 
@@ -43,7 +43,7 @@ void validate_normal_shape(const NormalShape& shape) {
   EPX_CHECK(shape.num_topk <= kMaxTopk, "num_topk", shape.num_topk, "must be <= 16");
 }
 
-void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes) {
+void check_normal_map_fits(const NormalBufferMap& layout, size_t buffer_bytes) {
   detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_nvl_bytes",
                            detail::concat(layout.num_ranks, " ranks"), layout.num_channels,
                            layout.queue_tokens, layout.record_bytes, "Config::get_nvl_buffer_size_hint");
@@ -57,7 +57,7 @@ size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Con
   // DeepEP's convention: one node up to 8 ranks (the normal queues), nodes beyond (the forwarding queues).
   // Virtual nodes on up to 8 ranks need less than one node's queues, so this hint covers them too.
   if (num_ranks > kMaxNvlRanks) return forward_nvl_buffer_size_hint(hidden_bytes, num_ranks, config);
-  const NormalLayout layout = NormalLayout::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
+  const NormalBufferMap layout = NormalBufferMap::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
   return align_up(layout.total_bytes(), kNormalAlign);
 }
 

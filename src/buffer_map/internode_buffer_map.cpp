@@ -1,10 +1,10 @@
-#include "epx/layout/internode_layout.hpp"
+#include "epx/buffer_map/internode_buffer_map.hpp"
 
 #include <algorithm>
 
+#include "buffer_map/buffer_map_checks.hpp"
+#include "buffer_map/normal_nodes.hpp"
 #include "epx/error.hpp"
-#include "layout/layout_checks.hpp"
-#include "layout/normal_nodes.hpp"
 
 namespace epx {
 
@@ -21,13 +21,13 @@ void validate_node_split(int num_ranks, int ranks_per_node, const char* name) {
                 .c_str());
 }
 
-void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_bytes) {
+void check_internode_map_fits(const InternodeBufferMap& layout, size_t buffer_bytes) {
   detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_rdma_bytes",
                            detail::concat(layout.num_nodes, " nodes"), layout.num_channels,
                            layout.queue_tokens, layout.record_bytes, "Config::get_rdma_buffer_size_hint");
 }
 
-void check_forward_layout_fits(const ForwardLayout& layout, size_t buffer_bytes) {
+void check_forward_map_fits(const ForwardBufferMap& layout, size_t buffer_bytes) {
   EPX_CHECK(layout.queue_tokens >= 1, "num_max_nvl_chunked_recv_tokens",
             layout.queue_tokens * layout.num_nodes,
             detail::concat("must be >= the number of nodes (", layout.num_nodes,
@@ -46,8 +46,8 @@ size_t forward_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Co
        ++ranks_per_node) {
     const int num_nodes = num_ranks / ranks_per_node;
     if (num_ranks % ranks_per_node != 0 || num_nodes > kMaxNormalNodes) continue;
-    const ForwardLayout layout =
-        ForwardLayout::of(ranks_per_node, num_nodes, config, InternodeRecord::largest(hidden_bytes));
+    const ForwardBufferMap layout =
+        ForwardBufferMap::of(ranks_per_node, num_nodes, config, InternodeRecord::largest(hidden_bytes));
     most = std::max(most, align_up(layout.total_bytes(), kNormalAlign));
   }
   return most;
@@ -62,8 +62,8 @@ size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int r
   const NodeMap nodes{num_ranks, ranks_per_node};
   if (!nodes.spans_nodes()) return 0;
   check_normal_node_layout(num_ranks, ranks_per_node);
-  const InternodeLayout layout =
-      InternodeLayout::of(nodes.num_nodes(), config, InternodeRecord::largest(hidden_bytes));
+  const InternodeBufferMap layout =
+      InternodeBufferMap::of(nodes.num_nodes(), config, InternodeRecord::largest(hidden_bytes));
   return align_up(layout.total_bytes(), kNormalAlign);
 }
 

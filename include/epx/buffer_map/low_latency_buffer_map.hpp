@@ -3,12 +3,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/host_device.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/fp8.hpp"
 #include "epx/formats/logfmt.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
 
 namespace epx {
 
@@ -65,15 +65,15 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 // collectively.
 //
 // NOTES: one Buffer serves low-latency mode and normal mode across nodes with one symmetric buffer. Normal
-// mode's fixed area (InternodeLayout::Head, its monotonic counters) comes first and low-latency calls never
-// touch it; the clean barrier (monotonic too) follows and normal mode never touches it; the rest holds either
-// mode's queues and messages. So a low-latency call after normal-mode calls across nodes needs
+// mode's fixed area (InternodeBufferMap::Head, its monotonic counters) comes first and low-latency calls
+// never touch it; the clean barrier (monotonic too) follows and normal mode never touches it; the rest holds
+// either mode's queues and messages. So a low-latency call after normal-mode calls across nodes needs
 // clean_low_latency_buffer() first (the host refuses it otherwise), and the clean's barrier also orders it
 // after every rank's normal-mode calls. Normal mode needs nothing after low-latency calls: its queues are
 // written before they are read, and its count exchange waits for every peer to reach it.
 //
-//   normal-mode head                 InternodeLayout::kHeadBytes, untouched here
-//   barrier                          clean-barrier signals (InternodeLayout::kLowLatencyBarrierBytes)
+//   normal-mode head                 InternodeBufferMap::kHeadBytes, untouched here
+//   barrier                          clean-barrier signals (InternodeBufferMap::kLowLatencyBarrierBytes)
 //   control                          per half h: recv_flag[op][R], send_finish[op][R], num_uses[op],
 //                                    recv_done[op], source_decision[op][R] (offsets depend on R only)
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
@@ -85,16 +85,16 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
 //     combine_recv_slots[M][kMaxTopk] expert outputs returned for (token, top-k position)
-struct LowLatencyLayout {
+struct LowLatencyBufferMap {
   int num_max_tokens;  // M: tokens per rank per call at most
   int hidden;          // H
   int num_ranks;       // R
   int num_experts;     // E
 
-  LowLatencyLayout() = default;
+  LowLatencyBufferMap() = default;
   // Validates the shape (host only); throws epx::Error naming the bad argument.
-  LowLatencyLayout(int num_max_dispatch_tokens_per_rank, int hidden_size, int num_ranks_in_group,
-                   int num_experts_total)
+  LowLatencyBufferMap(int num_max_dispatch_tokens_per_rank, int hidden_size, int num_ranks_in_group,
+                      int num_experts_total)
       : num_max_tokens(num_max_dispatch_tokens_per_rank),
         hidden(hidden_size),
         num_ranks(num_ranks_in_group),
@@ -136,10 +136,10 @@ struct LowLatencyLayout {
   // ---- Control: the clean barrier and both halves' signals. Their offsets depend only on R, so operations
   // of different shapes (M, H, E) on one buffer still agree on them. ----
   EPX_HD size_t barrier_signal_offset(int src_rank) const {
-    return InternodeLayout::kLowLatencyBarrierOffset + sizeof(int) * size_t(src_rank);
+    return InternodeBufferMap::kLowLatencyBarrierOffset + sizeof(int) * size_t(src_rank);
   }
   EPX_HD size_t barrier_count_offset() const {
-    return InternodeLayout::kLowLatencyBarrierOffset + sizeof(int) * size_t(num_ranks);
+    return InternodeBufferMap::kLowLatencyBarrierOffset + sizeof(int) * size_t(num_ranks);
   }
   EPX_HD size_t barrier_bytes() const {
     return align_up(sizeof(int) * (size_t(num_ranks) + 1), kLowLatencyAlign);
@@ -150,7 +150,7 @@ struct LowLatencyLayout {
                     kLowLatencyAlign);
   }
   EPX_HD size_t signals_offset(int half) const {
-    return InternodeLayout::kQueuesOffset + size_t(half) * signals_bytes();
+    return InternodeBufferMap::kQueuesOffset + size_t(half) * signals_bytes();
   }
   // Where the control area ends (its offset from the start of the buffer: the normal-mode head included).
   EPX_HD size_t control_end_offset() const { return signals_offset(2); }
@@ -275,14 +275,14 @@ struct LowLatencyLayout {
     return reinterpret_cast<T*>(static_cast<char*>(base) + offset);
   }
 };
-static_assert(sizeof(int) * (kMaxLowLatencyRanks + 1) <= InternodeLayout::kLowLatencyBarrierBytes,
+static_assert(sizeof(int) * (kMaxLowLatencyRanks + 1) <= InternodeBufferMap::kLowLatencyBarrierBytes,
               "the clean barrier of the largest group must fit its reserved place");
 
 // Low-latency buffer bytes per rank (what Buffer::get_low_latency_rdma_size_hint returns): the layout's
-// total, rounded up to a multiple of 2 MiB. Validates like LowLatencyLayout.
+// total, rounded up to a multiple of 2 MiB. Validates like LowLatencyBufferMap.
 inline size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
                                              int num_experts) {
-  const LowLatencyLayout layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+  const LowLatencyBufferMap layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
   return align_up(layout.total_bytes(), kLowLatencySizeHintAlign);
 }
 

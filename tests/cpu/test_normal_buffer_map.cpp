@@ -8,14 +8,14 @@
 #include <string>
 #include <vector>
 
+#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
-#include "epx/layout/normal_layout.hpp"
 
 namespace {
 
 using epx::Config;
-using epx::NormalLayout;
+using epx::NormalBufferMap;
 using epx::NormalRecord;
 using epx::NormalShape;
 
@@ -23,7 +23,7 @@ NormalShape bf16_shape(int ranks = 4, int hidden = 7168, int topk = 8) {
   return NormalShape{ranks, 256, hidden, hidden * 2, 0, topk};
 }
 
-TEST(NormalLayout, ChannelRangesCoverTheBatchInOrder) {
+TEST(NormalBufferMap, ChannelRangesCoverTheBatchInOrder) {
   for (int tokens : {0, 1, 31, 4095, 4097, 65536}) {
     for (int channels : {1, 3, 10, 12, 24, 64}) {
       int next = 0;
@@ -39,7 +39,7 @@ TEST(NormalLayout, ChannelRangesCoverTheBatchInOrder) {
   }
 }
 
-TEST(NormalLayout, RecordFieldsAreContiguousAndAligned) {
+TEST(NormalBufferMap, RecordFieldsAreContiguousAndAligned) {
   const NormalRecord bf16 = NormalRecord::dispatch(bf16_shape());
   EXPECT_EQ(bf16.scales_offset(), 14336u);
   EXPECT_EQ(bf16.topk_idx_offset(), 14336u);
@@ -62,16 +62,16 @@ TEST(NormalLayout, RecordFieldsAreContiguousAndAligned) {
   }
 }
 
-TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
+TEST(NormalBufferMap, QueuesAreDisjointAndInsideTheBuffer) {
   Config config;
   config.num_sms = 6;  // 3 channels
   config.num_max_nvl_chunked_recv_tokens = 5;
   const int ranks = 4;
-  const NormalLayout layout =
-      NormalLayout::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
+  const NormalBufferMap layout =
+      NormalBufferMap::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
   EXPECT_EQ(layout.num_channels, 3);
   EXPECT_EQ(layout.total_bytes(),
-            NormalLayout::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * layout.record_bytes);
+            NormalBufferMap::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * layout.record_bytes);
   std::vector<char> owner_buffer(layout.total_bytes());
   for (int owner = 0; owner < ranks; ++owner) {
     std::set<size_t> offsets;
@@ -81,7 +81,7 @@ TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
         for (uint32_t entry = 0; entry < 5; ++entry) {
           const size_t offset =
               layout.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
-          EXPECT_GE(offset, NormalLayout::kQueuesOffset);
+          EXPECT_GE(offset, NormalBufferMap::kQueuesOffset);
           EXPECT_LE(offset + layout.record_bytes, layout.total_bytes());
           EXPECT_EQ(offset % 16, 0u);
           EXPECT_TRUE(offsets.insert(offset).second) << "record used twice";
@@ -95,15 +95,15 @@ TEST(NormalLayout, QueuesAreDisjointAndInsideTheBuffer) {
   }
   // The fixed areas: control is 32 ints and the launch fingerprints, the counters cover every (rank,
   // channel).
-  EXPECT_EQ(sizeof(NormalLayout::Control), 128u + 8u * epx::kMaxNvlRanks);
-  EXPECT_EQ(NormalLayout::kCountersOffset, 256u);
-  EXPECT_EQ(sizeof(NormalLayout::QueueCounters), 4u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
+  EXPECT_EQ(sizeof(NormalBufferMap::Control), 128u + 8u * epx::kMaxNvlRanks);
+  EXPECT_EQ(NormalBufferMap::kCountersOffset, 256u);
+  EXPECT_EQ(sizeof(NormalBufferMap::QueueCounters), 4u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
 }
 
 // The protocol of one queue, played on the CPU with counters that wrap: a sender writes whatever room a
 // chunk allows, a receiver takes what landed, both starting from their own running counts. Every record
 // arrives once, in order, and no record is overwritten before it was read.
-TEST(NormalLayout, QueueProtocolDeliversInOrderAcrossCounterWrap) {
+TEST(NormalBufferMap, QueueProtocolDeliversInOrderAcrossCounterWrap) {
   std::mt19937 rng(7);
   for (int queue_tokens : {1, 2, 3, 7, 256}) {
     for (int chunk : {1, 2, 6, queue_tokens}) {
@@ -148,17 +148,17 @@ TEST(NormalLayout, QueueProtocolDeliversInOrderAcrossCounterWrap) {
 }
 
 // Pinned hints of the default config (10 channels of 256 tokens), as docs/ARCHITECTURE.md lists them.
-TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
+TEST(NormalBufferMap, SizeHintDependsOnTheConfigNotOnTokens) {
   const Config config;
   EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 2),
             epx::normal_nvl_buffer_size_hint(7168 * 2, 2, config));
   for (int ranks : {1, 2, 4, 8}) {
     for (size_t hidden : {4096u, 7168u}) {
       const size_t hint = config.get_nvl_buffer_size_hint(hidden * 2, ranks);
-      const NormalLayout layout = NormalLayout::of(ranks, config, NormalRecord::largest(hidden * 2));
+      const NormalBufferMap layout = NormalBufferMap::of(ranks, config, NormalRecord::largest(hidden * 2));
       EXPECT_EQ(hint, epx::align_up(layout.total_bytes(), epx::kNormalAlign));
       EXPECT_EQ(hint,
-                NormalLayout::kQueuesOffset +
+                NormalBufferMap::kQueuesOffset +
                     size_t(ranks - 1) * 10 * 256 * epx::align_up(hidden * 2 + 2 * 4 * epx::kMaxTopk + 4, 16));
     }
   }
@@ -172,13 +172,14 @@ TEST(NormalLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   EXPECT_THROW(epx::normal_nvl_buffer_size_hint(7168 * 2, 65), epx::Error);
   // Across nodes the NVLink buffer holds the forwarding queues: (L - 1) N C (Q / N) records for the largest
   // node split, here nodes of 8.
-  const epx::ForwardLayout forward =
-      epx::ForwardLayout::of(8, 2, config, epx::InternodeRecord::largest(7168 * 2));
+  const epx::ForwardBufferMap forward =
+      epx::ForwardBufferMap::of(8, 2, config, epx::InternodeRecord::largest(7168 * 2));
   EXPECT_EQ(config.get_nvl_buffer_size_hint(7168 * 2, 16), epx::align_up(forward.total_bytes(), 128));
   EXPECT_EQ(forward.total_bytes(),
-            epx::ForwardLayout::kQueuesOffset + size_t(7) * 2 * 10 * 128 * forward.record_bytes);
+            epx::ForwardBufferMap::kQueuesOffset + size_t(7) * 2 * 10 * 128 * forward.record_bytes);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 8), 0u);
-  EXPECT_GT(config.get_rdma_buffer_size_hint(7168 * 2, 16), 0u);  // two nodes of 8: test_internode_layout.cpp
+  EXPECT_GT(config.get_rdma_buffer_size_hint(7168 * 2, 16),
+            0u);  // two nodes of 8: test_internode_buffer_map.cpp
 }
 
 std::string message_of(const std::function<void()>& call) {
@@ -190,7 +191,7 @@ std::string message_of(const std::function<void()>& call) {
   return "";
 }
 
-TEST(NormalLayout, ConfigChecksNameTheField) {
+TEST(NormalBufferMap, ConfigChecksNameTheField) {
   Config config;
   EXPECT_EQ(message_of([&] { epx::validate_config(config); }), "");
   config.num_max_nvl_chunked_send_tokens = 300;
@@ -207,15 +208,15 @@ TEST(NormalLayout, ConfigChecksNameTheField) {
   EXPECT_EQ(config.num_channels(), 1);
 }
 
-TEST(NormalLayout, TooSmallBufferNamesTheBytesNeeded) {
-  const NormalLayout layout = NormalLayout::of(2, Config{}, NormalRecord::dispatch(bf16_shape(2)));
-  EXPECT_EQ(message_of([&] { epx::check_normal_layout_fits(layout, layout.total_bytes()); }), "");
-  const std::string message = message_of([&] { epx::check_normal_layout_fits(layout, 1000); });
+TEST(NormalBufferMap, TooSmallBufferNamesTheBytesNeeded) {
+  const NormalBufferMap layout = NormalBufferMap::of(2, Config{}, NormalRecord::dispatch(bf16_shape(2)));
+  EXPECT_EQ(message_of([&] { epx::check_normal_map_fits(layout, layout.total_bytes()); }), "");
+  const std::string message = message_of([&] { epx::check_normal_map_fits(layout, 1000); });
   EXPECT_NE(message.find("num_nvl_bytes = 1000"), std::string::npos) << message;
   EXPECT_NE(message.find(std::to_string(layout.total_bytes())), std::string::npos) << message;
 }
 
-TEST(NormalLayout, ShapeChecksNameTheArgument) {
+TEST(NormalBufferMap, ShapeChecksNameTheArgument) {
   const auto shape_message = [](const NormalShape& shape) {
     return message_of([&] { epx::validate_normal_shape(shape); });
   };

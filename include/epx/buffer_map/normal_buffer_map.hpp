@@ -107,7 +107,7 @@ struct NormalRecord {
 // A call's queues are carved for its own shape, so before a source writes into a peer's queues it waits
 // until that peer finished its previous dispatch or combine launch (Control::done_signal): then nothing of
 // an earlier call, whatever its shape, is still unread there.
-struct NormalLayout {
+struct NormalBufferMap {
   int num_ranks;
   int num_channels;
   int queue_tokens;  // Q: records one queue holds
@@ -176,7 +176,7 @@ struct NormalLayout {
   }
 
   // The layout of a call with `config` and records of `record` on `num_ranks` ranks.
-  static NormalLayout of(int num_ranks, const Config& config, const NormalRecord& record) {
+  static NormalBufferMap of(int num_ranks, const Config& config, const NormalRecord& record) {
     return {num_ranks, config.num_channels(), config.num_max_nvl_chunked_recv_tokens,
             static_cast<int>(record.bytes())};
   }
@@ -186,7 +186,7 @@ struct NormalLayout {
 void validate_normal_shape(const NormalShape& shape);
 
 // Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`.
-void check_normal_layout_fits(const NormalLayout& layout, size_t buffer_bytes);
+void check_normal_map_fits(const NormalBufferMap& layout, size_t buffer_bytes);
 
 // NVLink bytes per rank for normal-mode calls with `config` (what Config::get_nvl_buffer_size_hint returns):
 // (R - 1) * C * Q records of the largest record for `hidden_bytes`, plus the fixed control and notify areas.

@@ -8,12 +8,12 @@
 #include <utility>
 #include <vector>
 
+#include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/low_latency_layout.hpp"
 
 namespace {
 
-using epx::LowLatencyLayout;
+using epx::LowLatencyBufferMap;
 using epx::LowLatencyOp;
 
 struct Region {
@@ -22,9 +22,9 @@ struct Region {
   size_t end;
 };
 
-std::vector<Region> regions_of(const LowLatencyLayout& layout) {
+std::vector<Region> regions_of(const LowLatencyBufferMap& layout) {
   std::vector<Region> regions;
-  regions.push_back({"normal-mode head", 0, epx::InternodeLayout::kHeadBytes});
+  regions.push_back({"normal-mode head", 0, epx::InternodeBufferMap::kHeadBytes});
   regions.push_back(
       {"barrier", layout.barrier_signal_offset(0), layout.barrier_signal_offset(0) + layout.barrier_bytes()});
   for (int half = 0; half < 2; ++half) {
@@ -67,7 +67,7 @@ void expect_inside(const std::vector<Region>& regions, const std::string& name, 
   EXPECT_LE(offset + bytes, region.end) << name;
 }
 
-void check_structure(const LowLatencyLayout& layout) {
+void check_structure(const LowLatencyBufferMap& layout) {
   SCOPED_TRACE("M=" + std::to_string(layout.num_max_tokens) + " H=" + std::to_string(layout.hidden) +
                " R=" + std::to_string(layout.num_ranks) + " E=" + std::to_string(layout.num_experts));
   std::vector<Region> regions = regions_of(layout);
@@ -159,9 +159,9 @@ void check_structure(const LowLatencyLayout& layout) {
   EXPECT_LT(hint - layout.total_bytes(), size_t(2) << 20);
 }
 
-TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
+TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   // The decode benchmark shape: 128 tokens per rank, hidden 7168, 4 ranks, 288 experts.
-  const LowLatencyLayout layout(128, 7168, 4, 288);
+  const LowLatencyBufferMap layout(128, 7168, 4, 288);
   EXPECT_EQ(layout.num_local_experts(), 72);
   EXPECT_EQ(layout.num_groups(), 56);
   EXPECT_EQ(layout.num_recv_rows(), 512);
@@ -184,8 +184,8 @@ TEST(LowLatencyLayout, DefaultShapeSizesArePinned) {
   check_structure(layout);
 }
 
-TEST(LowLatencyLayout, SmallestShape) {
-  const LowLatencyLayout layout(1, 128, 1, 1);
+TEST(LowLatencyBufferMap, SmallestShape) {
+  const LowLatencyBufferMap layout(1, 128, 1, 1);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
   EXPECT_EQ(layout.half_bytes(), 5248u);
@@ -194,9 +194,9 @@ TEST(LowLatencyLayout, SmallestShape) {
   check_structure(layout);
 }
 
-TEST(LowLatencyLayout, OddShapes) {
+TEST(LowLatencyBufferMap, OddShapes) {
   {
-    const LowLatencyLayout layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
+    const LowLatencyBufferMap layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 327552u);
@@ -204,19 +204,19 @@ TEST(LowLatencyLayout, OddShapes) {
     check_structure(layout);
   }
   {
-    const LowLatencyLayout layout(256, 4096, 8, 256);
+    const LowLatencyBufferMap layout(256, 4096, 8, 256);
     EXPECT_EQ(layout.total_bytes(), 652537216u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }
   for (int hidden : {128, 2048, 2688, 8192})
-    for (int ranks : {1, 2, 5, 64}) check_structure(LowLatencyLayout(7, hidden, ranks, ranks * 3));
+    for (int ranks : {1, 2, 5, 64}) check_structure(LowLatencyBufferMap(7, hidden, ranks, ranks * 3));
 }
 
-TEST(LowLatencyLayout, SignalsDoNotMoveWithTheShape) {
+TEST(LowLatencyBufferMap, SignalsDoNotMoveWithTheShape) {
   // Operations of different M / hidden / E on one buffer must agree on the monotonic signal words.
-  const LowLatencyLayout a(128, 7168, 4, 288);
-  const LowLatencyLayout b(3, 2688, 4, 8);
+  const LowLatencyBufferMap a(128, 7168, 4, 288);
+  const LowLatencyBufferMap b(3, 2688, 4, 8);
   for (int half = 0; half < 2; ++half) {
     for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
       for (int r = 0; r < 4; ++r) {
@@ -234,19 +234,19 @@ TEST(LowLatencyLayout, SignalsDoNotMoveWithTheShape) {
 // One symmetric buffer serves low-latency mode and normal mode across nodes: low-latency calls never write
 // normal mode's head, normal mode's queues start after the clean barrier of the largest group, and the
 // barrier and signals keep their offsets for any shape.
-TEST(LowLatencyLayout, SharesTheSymmetricBufferWithNormalMode) {
+TEST(LowLatencyBufferMap, SharesTheSymmetricBufferWithNormalMode) {
   for (int ranks : {1, 2, 16, epx::kMaxLowLatencyRanks}) {
-    const LowLatencyLayout layout(7, 256, ranks, 2 * ranks);
-    EXPECT_EQ(layout.barrier_signal_offset(0), epx::InternodeLayout::kHeadBytes) << ranks;
-    EXPECT_LE(layout.barrier_count_offset() + sizeof(int), epx::InternodeLayout::kQueuesOffset) << ranks;
-    EXPECT_EQ(layout.signals_offset(0), epx::InternodeLayout::kQueuesOffset) << ranks;
+    const LowLatencyBufferMap layout(7, 256, ranks, 2 * ranks);
+    EXPECT_EQ(layout.barrier_signal_offset(0), epx::InternodeBufferMap::kHeadBytes) << ranks;
+    EXPECT_LE(layout.barrier_count_offset() + sizeof(int), epx::InternodeBufferMap::kQueuesOffset) << ranks;
+    EXPECT_EQ(layout.signals_offset(0), epx::InternodeBufferMap::kQueuesOffset) << ranks;
     check_structure(layout);
   }
 }
 
 void expect_rejected(int m, int hidden, int ranks, int experts, const std::string& argument) {
   try {
-    const LowLatencyLayout layout(m, hidden, ranks, experts);
+    const LowLatencyBufferMap layout(m, hidden, ranks, experts);
     FAIL() << "expected epx::Error for " << argument;
   } catch (const epx::Error& error) {
     EXPECT_NE(error.message().find("invalid " + argument), std::string::npos) << error.message();
@@ -254,7 +254,7 @@ void expect_rejected(int m, int hidden, int ranks, int experts, const std::strin
   EXPECT_THROW(epx::get_low_latency_rdma_size_hint(m, hidden, ranks, experts), epx::Error);
 }
 
-TEST(LowLatencyLayout, RejectsBadShapes) {
+TEST(LowLatencyBufferMap, RejectsBadShapes) {
   expect_rejected(0, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
   expect_rejected(-5, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
   expect_rejected(epx::kMaxLowLatencyTokensPerRank + 1, 7168, 4, 288, "num_max_dispatch_tokens_per_rank");
@@ -266,11 +266,11 @@ TEST(LowLatencyLayout, RejectsBadShapes) {
   expect_rejected(128, 7168, 4, 0, "num_experts");
   expect_rejected(128, 7168, 4, 290, "num_experts");
   expect_rejected(128, 7168, 4, 4100, "num_experts");
-  EXPECT_NO_THROW(LowLatencyLayout(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
+  EXPECT_NO_THROW(LowLatencyBufferMap(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
 }
 
 // The index-list entry round-trips every (token, top-k position) the layout allows, at both extremes.
-TEST(LowLatencyLayout, IndexEntryKeepsTokenAndTopkPosition) {
+TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
   for (int token : {0, 1, 4095, epx::kMaxLowLatencyTokensPerRank - 1}) {
     for (int topk_pos = 0; topk_pos < epx::kMaxTopk; ++topk_pos) {
       const int entry = epx::pack_recv_index_entry(token, topk_pos);
@@ -284,7 +284,7 @@ TEST(LowLatencyLayout, IndexEntryKeepsTokenAndTopkPosition) {
 }  // namespace
 
 // deep_ep callers decode recv_layout_range as int64 begin << 32 | count: EPX's ranges are that int64.
-TEST(LowLatencyLayout, RangeReadsAsDeepEpPackedInt64) {
+TEST(LowLatencyBufferMap, RangeReadsAsDeepEpPackedInt64) {
   const epx::LowLatencyRange range{.count = 7, .begin = 300};
   int64_t packed = 0;
   std::memcpy(&packed, &range, sizeof(packed));

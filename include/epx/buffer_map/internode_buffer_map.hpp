@@ -3,12 +3,12 @@
 #include <cstddef>
 #include <cstdint>
 
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/host_device.hpp"
 #include "epx/config.hpp"
-#include "epx/layout/normal_layout.hpp"
 
 // Normal mode across nodes: which rank is where, and the queues of the symmetric (NVSHMEM) buffer that carry
-// tokens between nodes. The host sizes `num_rdma_bytes` with InternodeLayout; kernels address it with the
+// tokens between nodes. The host sizes `num_rdma_bytes` with InternodeBufferMap; kernels address it with the
 // same struct.
 namespace epx {
 
@@ -68,15 +68,15 @@ struct InternodeRecord {
 
 // Layout of one rank's symmetric buffer for normal mode across nodes.
 //
-// NOTES: as in NormalLayout, tokens stream through bounded queues, so the size depends on (nodes, channels,
-// queue tokens, record bytes), never on the batch. Rank s of node m talks over the network only to its rail
-// peers: for every node n and channel c it owns a receive queue (records from its rail peer on n) of
+// NOTES: as in NormalBufferMap, tokens stream through bounded queues, so the size depends on (nodes,
+// channels, queue tokens, record bytes), never on the batch. Rank s of node m talks over the network only to
+// its rail peers: for every node n and channel c it owns a receive queue (records from its rail peer on n) of
 // Q = num_max_rdma_chunked_recv_tokens records, and for every other node a send ring of Q records (records
 // staged for n: network puts read from the symmetric heap). Its own node's queue is written in place (no
 // put), so that node needs no ring. Dispatch and combine use the same queues in opposite directions: dispatch
 // records travel from a token's source to the rail peers that forward it, combine partial sums back.
 //
-// Flow control is NormalLayout's: a monotonic tail in the owner's buffer (records the source put) and a
+// Flow control is NormalBufferMap's: a monotonic tail in the owner's buffer (records the source put) and a
 // monotonic head in the source's buffer (records the owner consumed), counts taken as differences from the
 // call's start, entry e in slot e mod Q. The counters are uint64_t NVSHMEM signal words, always advanced by
 // NVSHMEM_SIGNAL_ADD (a put followed by its tail update is one put-with-signal): additions commute, so
@@ -88,10 +88,10 @@ struct InternodeRecord {
 //         NotifyHalf x 2 the count exchange: one message per source rank (double-buffered by the parity of
 //                        the notify sequence: a fast rank may write notify n+1 while a slow one reads n)
 //         NotifySend     this rank's outgoing messages, staged for the puts
-//   low-latency barrier  LowLatencyLayout's clean barrier (untouched by normal mode)
+//   low-latency barrier  LowLatencyBufferMap's clean barrier (untouched by normal mode)
 //   send rings        [N - 1 destination nodes][C channels][Q records]
 //   receive queues    [N source nodes][C channels][Q records]
-struct InternodeLayout {
+struct InternodeBufferMap {
   int num_nodes;
   int num_channels;
   int queue_tokens;  // Q: records one queue (and one send ring) holds
@@ -156,7 +156,7 @@ struct InternodeLayout {
     alignas(kNormalAlign) NotifySend send;
   };
   static constexpr size_t kHeadBytes = align_up(sizeof(Head), kNormalAlign);
-  // One Buffer's symmetric buffer also serves low-latency mode (LowLatencyLayout): the low-latency clean
+  // One Buffer's symmetric buffer also serves low-latency mode (LowLatencyBufferMap): the low-latency clean
   // barrier sits between the head and the queues, so each mode's monotonic counters survive the other's
   // calls.
   static constexpr size_t kLowLatencyBarrierOffset = kHeadBytes;
@@ -187,7 +187,7 @@ struct InternodeLayout {
 
   // The layout of a call with `config` (its channels and num_max_rdma_chunked_recv_tokens) and records of
   // `record` on `num_nodes` nodes.
-  static InternodeLayout of(int num_nodes, const Config& config, const InternodeRecord& record) {
+  static InternodeBufferMap of(int num_nodes, const Config& config, const InternodeRecord& record) {
     return {num_nodes, config.num_channels(), config.num_max_rdma_chunked_recv_tokens,
             static_cast<int>(record.bytes())};
   }
@@ -208,13 +208,13 @@ struct InternodeLayout {
 // that rank (m, local f) sends l on channel c, in token order, so l places them without any routing
 // information, and streams from different source nodes never wait for each other (a full sub-queue stalls
 // only its own source node). Combine sends rows back through the same sub-queues (l -> f, m, c), in the
-// order l received them. Counters are NormalLayout's (uint32, monotonic, differences from the call's
+// order l received them. Counters are NormalBufferMap's (uint32, monotonic, differences from the call's
 // start), per (local peer, source node, channel).
 //
 //   Control        "previous call done" signals of the node's ranks
 //   QueueCounters  tail / head per (local peer, source node, channel), and own running counts
 //   queues         [L - 1 local writers][N source nodes][C channels][Q / N records]
-struct ForwardLayout {
+struct ForwardBufferMap {
   int ranks_per_node;  // L
   int num_nodes;       // N
   int num_channels;
@@ -252,8 +252,8 @@ struct ForwardLayout {
   }
 
   // The layout of a call with `config` on nodes of `ranks_per_node` ranks; Q / N rounds down.
-  static ForwardLayout of(int ranks_per_node, int num_nodes, const Config& config,
-                          const InternodeRecord& record) {
+  static ForwardBufferMap of(int ranks_per_node, int num_nodes, const Config& config,
+                             const InternodeRecord& record) {
     return {ranks_per_node, num_nodes, config.num_channels(),
             config.num_max_nvl_chunked_recv_tokens / num_nodes, static_cast<int>(record.bytes())};
   }
@@ -261,11 +261,11 @@ struct ForwardLayout {
 
 // Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
 // (num_nvl_bytes), or when its sub-queues would hold no record (num_max_nvl_chunked_recv_tokens < nodes).
-void check_forward_layout_fits(const ForwardLayout& layout, size_t buffer_bytes);
+void check_forward_map_fits(const ForwardBufferMap& layout, size_t buffer_bytes);
 
 // Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
 // (num_rdma_bytes).
-void check_internode_layout_fits(const InternodeLayout& layout, size_t buffer_bytes);
+void check_internode_map_fits(const InternodeBufferMap& layout, size_t buffer_bytes);
 
 // Symmetric-buffer bytes per rank for normal mode across nodes with `config` (what
 // Config::get_rdma_buffer_size_hint returns): 2 (N - 1) C Q records of the largest record for `hidden_bytes`

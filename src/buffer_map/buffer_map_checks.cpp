@@ -1,4 +1,4 @@
-#include "layout/layout_checks.hpp"
+#include "buffer_map/buffer_map_checks.hpp"
 
 #include "epx/error.hpp"
 

@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <string>
 
-// Checks the buffer layouts share (normal_layout.cpp, internode_layout.cpp).
+// Checks the buffer maps share (normal_buffer_map.cpp, internode_buffer_map.cpp).
 namespace epx::detail {
 
 // Row bytes a size hint is asked for: > 0 and a multiple of 16.

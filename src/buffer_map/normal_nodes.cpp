@@ -1,7 +1,7 @@
-#include "layout/normal_nodes.hpp"
+#include "buffer_map/normal_nodes.hpp"
 
+#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/normal_layout.hpp"
 
 namespace epx {
 

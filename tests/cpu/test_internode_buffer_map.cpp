@@ -7,13 +7,13 @@
 #include <string>
 #include <vector>
 
+#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/layout/internode_layout.hpp"
 
 namespace {
 
 using epx::Config;
-using epx::InternodeLayout;
+using epx::InternodeBufferMap;
 using epx::InternodeRecord;
 using epx::NodeMap;
 using epx::NormalShape;
@@ -34,7 +34,7 @@ void expect_message(const std::function<void()>& call, const std::string& needle
   }
 }
 
-TEST(InternodeLayout, NodeMapNamesNodesLocalRanksAndRails) {
+TEST(InternodeBufferMap, NodeMapNamesNodesLocalRanksAndRails) {
   const NodeMap nodes{16, 8};
   EXPECT_EQ(nodes.num_nodes(), 2);
   EXPECT_TRUE(nodes.spans_nodes());
@@ -56,7 +56,7 @@ TEST(InternodeLayout, NodeMapNamesNodesLocalRanksAndRails) {
   EXPECT_EQ(wide.local_mask(~0ull, 0), 0xFFFFFFFFu);
 }
 
-TEST(InternodeLayout, NodeSplitRulesNameTheArgument) {
+TEST(InternodeBufferMap, NodeSplitRulesNameTheArgument) {
   expect_message([] { epx::validate_node_split(16, 8); }, "");
   expect_message([] { epx::validate_node_split(4, 1); }, "");
   expect_message([] { epx::validate_node_split(16, 16); }, "");  // one node: its size is not limited here
@@ -68,7 +68,7 @@ TEST(InternodeLayout, NodeSplitRulesNameTheArgument) {
 }
 
 // An internode record is the normal-mode record with the rank mask after the source index, padded to 16.
-TEST(InternodeLayout, RecordCarriesTheNodeRankMaskAfterTheNormalFields) {
+TEST(InternodeBufferMap, RecordCarriesTheNodeRankMaskAfterTheNormalFields) {
   const InternodeRecord largest = InternodeRecord::largest(7168 * 2);
   EXPECT_EQ(largest.bytes(), 14480u);  // 14336 + 16 ids + 16 weights + source index + rank mask
   for (const int row_bytes : {7168 * 2, 7168}) {
@@ -88,17 +88,17 @@ TEST(InternodeLayout, RecordCarriesTheNodeRankMaskAfterTheNormalFields) {
 
 // Every send ring and receive queue record of every (own node, peer node, channel, entry) tiles the area
 // after the fixed head exactly once, record after record; entry e and e + Q share a slot.
-TEST(InternodeLayout, SendRingsAndQueuesTileTheBufferAfterTheHead) {
+TEST(InternodeBufferMap, SendRingsAndQueuesTileTheBufferAfterTheHead) {
   Config config;
   config.num_sms = 6;  // 3 channels
   config.num_max_rdma_chunked_recv_tokens = 5;
   const int num_nodes = 4, queue_tokens = 5;
-  const InternodeLayout layout =
-      InternodeLayout::of(num_nodes, config, InternodeRecord::dispatch(NormalShape{8, 64, 256, 512, 0, 4}));
+  const InternodeBufferMap layout = InternodeBufferMap::of(
+      num_nodes, config, InternodeRecord::dispatch(NormalShape{8, 64, 256, 512, 0, 4}));
   ASSERT_EQ(layout.num_channels, 3);
   ASSERT_EQ(layout.queue_tokens, queue_tokens);
   const size_t num_records = (2 * size_t(num_nodes) - 1) * 3 * queue_tokens;
-  EXPECT_EQ(layout.total_bytes(), InternodeLayout::kQueuesOffset + num_records * layout.record_bytes);
+  EXPECT_EQ(layout.total_bytes(), InternodeBufferMap::kQueuesOffset + num_records * layout.record_bytes);
   std::vector<char> buffer(layout.total_bytes());
   char* base = buffer.data();
   for (int own = 0; own < num_nodes; ++own) {
@@ -119,22 +119,22 @@ TEST(InternodeLayout, SendRingsAndQueuesTileTheBufferAfterTheHead) {
     std::sort(offsets.begin(), offsets.end());
     ASSERT_EQ(offsets.size(), num_records);
     for (size_t i = 0; i < num_records; ++i)
-      ASSERT_EQ(offsets[i], InternodeLayout::kQueuesOffset + i * layout.record_bytes) << "node " << own;
+      ASSERT_EQ(offsets[i], InternodeBufferMap::kQueuesOffset + i * layout.record_bytes) << "node " << own;
   }
   // The head keeps its size whatever the call: counters and notify counts stay at stable addresses.
-  EXPECT_EQ(sizeof(InternodeLayout::Control), 776u);
-  EXPECT_EQ(offsetof(InternodeLayout::Head, counters), 896u);
-  EXPECT_EQ(sizeof(InternodeLayout::QueueCounters), 4u * epx::kMaxRdmaNodes * epx::kMaxChannels * 8);
-  EXPECT_EQ(offsetof(InternodeLayout::Head, notify) % 128, 0u);
-  EXPECT_EQ(InternodeLayout::kQueuesOffset, 320384u);
-  EXPECT_EQ(static_cast<void*>(&InternodeLayout::head(base)->notify[1]),
-            static_cast<void*>(base + offsetof(InternodeLayout::Head, notify) +
-                               sizeof(InternodeLayout::NotifyHalf)));
+  EXPECT_EQ(sizeof(InternodeBufferMap::Control), 776u);
+  EXPECT_EQ(offsetof(InternodeBufferMap::Head, counters), 896u);
+  EXPECT_EQ(sizeof(InternodeBufferMap::QueueCounters), 4u * epx::kMaxRdmaNodes * epx::kMaxChannels * 8);
+  EXPECT_EQ(offsetof(InternodeBufferMap::Head, notify) % 128, 0u);
+  EXPECT_EQ(InternodeBufferMap::kQueuesOffset, 320384u);
+  EXPECT_EQ(static_cast<void*>(&InternodeBufferMap::head(base)->notify[1]),
+            static_cast<void*>(base + offsetof(InternodeBufferMap::Head, notify) +
+                               sizeof(InternodeBufferMap::NotifyHalf)));
 }
 
 // Pinned hints, as docs/ARCHITECTURE.md lists them: hidden 7168, 2 and 4 nodes of 8, DeepEP's recommended
 // network queue of 128 tokens.
-TEST(InternodeLayout, SizeHintDependsOnTheConfigNotOnTokens) {
+TEST(InternodeBufferMap, SizeHintDependsOnTheConfigNotOnTokens) {
   Config config;
   config.num_max_rdma_chunked_recv_tokens = 128;
   const size_t record = 14480;
@@ -162,7 +162,7 @@ TEST(InternodeLayout, SizeHintDependsOnTheConfigNotOnTokens) {
   EXPECT_GT(deep.get_rdma_buffer_size_hint(7168 * 2, 16), config.get_rdma_buffer_size_hint(7168 * 2, 16));
 }
 
-TEST(InternodeLayout, SizeHintAndFitErrorsNameTheArgument) {
+TEST(InternodeBufferMap, SizeHintAndFitErrorsNameTheArgument) {
   const Config config;
   expect_message([&] { config.get_rdma_buffer_size_hint(7168 * 2, 12); },
                  "invalid num_ranks = 12: must be a multiple of 8 above 8 ranks");
@@ -188,10 +188,10 @@ TEST(InternodeLayout, SizeHintAndFitErrorsNameTheArgument) {
       [&] { epx::validate_config(bad); },
       "invalid num_max_rdma_chunked_send_tokens = 300: must be <= num_max_rdma_chunked_recv_tokens (256)");
 
-  const InternodeLayout layout = InternodeLayout::of(2, config, InternodeRecord::largest(7168 * 2));
-  expect_message([&] { epx::check_internode_layout_fits(layout, layout.total_bytes()); }, "");
+  const InternodeBufferMap layout = InternodeBufferMap::of(2, config, InternodeRecord::largest(7168 * 2));
+  expect_message([&] { epx::check_internode_map_fits(layout, layout.total_bytes()); }, "");
   expect_message(
-      [&] { epx::check_internode_layout_fits(layout, layout.total_bytes() - 1); },
+      [&] { epx::check_internode_map_fits(layout, layout.total_bytes() - 1); },
       "invalid num_rdma_bytes = " + std::to_string(layout.total_bytes() - 1) +
           ": must be >= " + std::to_string(layout.total_bytes()) +
           " for this call (2 nodes, 10 channels, 256 tokens per queue, 14480-byte records); size it "
