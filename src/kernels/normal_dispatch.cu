@@ -36,8 +36,9 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
       args.recv_x, args.recv_x_scales, args.recv_topk_idx, args.recv_topk_weights, args.handle.recv_src_idx,
       false};
   if (args.published == nullptr) return given;
-  // The notify before this launch wrote the row count; the host decides the same from the same count (a
-  // count that disagreed with it aborted the group, and this launch returned at its start).
+  // The count exchange (the notify before this launch, or this launch's own blocks) wrote the row count; the
+  // host decides the same from the announced totals (totals that disagreed with it aborted the group, and
+  // the blocks that write rows returned before this).
   if (args.guess_rows > 0 &&
       args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels] <= args.guess_rows) {
     return given;

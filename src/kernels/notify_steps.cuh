@@ -93,10 +93,11 @@ __device__ int scan_channel_offsets(const NotifyArgs& args, const NormalBufferMa
   return threadIdx.x < num_ranks ? source_totals[threadIdx.x] : 0;
 }
 
-// With the layout's per-rank totals (the first channel block, once its own counts are out): the host sized
-// the outputs by the totals, so a source whose channels carry another count would write past them. The group
-// stops here; the dispatch that follows sees the abort at its start.
-// Returns false (in every thread) when the group is aborted, by this check or before it.
+// With the layout's per-rank totals (the notify kernel's first channel block once its own counts are out, or
+// every block of a dispatch that runs the exchange and writes rows): the host sized the outputs by the
+// totals, so a source whose channels carry another count would write past them. The group stops here; a
+// dispatch launched after sees the abort at its start. Returns false (in every thread) when the group is
+// aborted, by this check or before it.
 template <int kThreads>
 __device__ bool scan_and_check_totals(const NotifyArgs& args) {
   const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, args.sequence);

@@ -24,6 +24,7 @@
 namespace epx {
 
 namespace {
+
 // The host's bound on notify's counts: the device's bound plus a grace second. The device gives up first and
 // publishes its counts with a record naming the peer; the host bound only catches a notify that never ran.
 uint64_t host_bound_ns(uint64_t device_bound_ns) {
@@ -89,13 +90,12 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::abort_words(buffer)};
 }
 
-// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
-// queues' config.
 // The format field of a notify's fingerprint: the bit that says num_tokens_per_rank was given.
 constexpr int kNotifyWithRankTotals = 4;
 
-// `with_rank_totals`: the caller gave num_tokens_per_rank. Every rank must, or none: a rank given them waits
-// for every peer's totals, which a rank without them never posts.
+// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
+// queues' config. `with_rank_totals`: the caller gave num_tokens_per_rank. Every rank must, or none: a rank
+// given them waits for every peer's totals, which a rank without them never posts.
 ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config,
                                           bool with_rank_totals = false) {
   int32_t values[kNumShapeFields] = {};

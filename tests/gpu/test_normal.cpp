@@ -656,8 +656,7 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
     bad_out.recv_x = recv_x.get<char>() + 4;
     expect_error([&] { notify_guessing({bad_out, static_cast<int>(rows)}); }, "invalid recv_x = 0x");
     const epx::DispatchPlan guessed = notify_guessing({out, static_cast<int>(rows)});
-    const char* launch_env = std::getenv("EPX_LAUNCH_RECEIVE");  // "0": no launched receive, no guess
-    if (launch_env == nullptr || std::string(launch_env) != "0") {
+    if (epx::test::launched_receives_enabled()) {
       if (!guessed.rows_in_guess) throw std::runtime_error("rows_in_guess is false for a guess with room");
       bad_out = out;
       bad_out.recv_topk_weights = recv_weights.get<float>() + K;

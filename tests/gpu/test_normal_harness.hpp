@@ -110,6 +110,13 @@ struct NormalCase {
 };
 
 // The config of the iterations that use `num_sms` SMs.
+// Whether dispatch_notify launches receives (and uses guesses): EPX_LAUNCH_RECEIVE=0 (compute-sanitizer runs)
+// turns them off, as DispatchOverlap::kLaunchReceive documents.
+inline bool launched_receives_enabled() {
+  const char* text = std::getenv("EPX_LAUNCH_RECEIVE");
+  return text == nullptr || std::string(text) != "0";
+}
+
 inline Config normal_config(const NormalCase& c, int num_sms) {
   Config config;
   config.num_sms = num_sms;
@@ -666,13 +673,10 @@ class NormalRunner {
         dispatch_notify(*buffer_, in, order_for(s), nullptr,
                         s.launch_receive ? DispatchOverlap::kLaunchReceive : DispatchOverlap::kNone, &guess);
     check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
-    // EPX_LAUNCH_RECEIVE=0 (compute-sanitizer runs) turns launched receives off, and guesses with them.
-    const char* launch_env = std::getenv("EPX_LAUNCH_RECEIVE");
-    const bool launches = launch_env == nullptr || std::string(launch_env) != "0";
     const bool one_node =
         buffer_->ranks_per_node() == buffer_->num_ranks();  // across nodes: no launched receive
     if (slot.plan.rows_in_guess !=
-        (s.guess == NormalGuess::kFits && s.num_worst_tokens == 0 && launches && one_node))
+        (s.guess == NormalGuess::kFits && s.num_worst_tokens == 0 && launched_receives_enabled() && one_node))
       fail_at(s, std::string("dispatch_notify: rows_in_guess is ") +
                      (slot.plan.rows_in_guess ? "true" : "false"));
     finished(s, dispatch_receive(*buffer_, slot.plan, in, out, order_for(s)), "dispatch_receive");
