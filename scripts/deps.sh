@@ -27,6 +27,16 @@ $PYTHON -c 'import numpy' 2>/dev/null || missing_pips+=(numpy)
 $PYTHON -c 'import scikit_build_core' 2>/dev/null || missing_pips+=(scikit-build-core)
 $PYTHON -m ruff --version >/dev/null 2>&1 || missing_pips+=(ruff)
 $PYTHON -c 'import matplotlib' 2>/dev/null || missing_pips+=(matplotlib)  # python -m epx.plot's drawing tests
+# EPX_DEPS_FRAMEWORKS=1 (CI): torch and megatron-core too, so the CPU tests of the torch layer and of
+# Megatron-LM's fused_a2a run instead of skipping (megatron-core without its optional dependencies).
+if [ "${EPX_DEPS_FRAMEWORKS:-0}" = 1 ]; then
+  $PYTHON -c 'import torch' 2>/dev/null || missing_pips+=(torch)
+  $PYTHON -c 'import packaging' 2>/dev/null || missing_pips+=(packaging)
+  if ! $PYTHON -c 'import megatron.core' 2>/dev/null; then
+    echo "deps: installing megatron-core (without its dependencies)"
+    $PYTHON -m pip install -q --no-deps megatron-core
+  fi
+fi
 if [ ${#missing_pips[@]} -gt 0 ]; then
   echo "deps: installing Python packages: ${missing_pips[*]}"
   $PYTHON -m pip install -q "${missing_pips[@]}"

@@ -39,7 +39,8 @@ def megatron(monkeypatch):
     buffer, binding = install(monkeypatch)
     built = []
 
-    def fake_epx_buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, *, num_sms, bootstrap=None):
+    # Keyword options deep_ep.Buffer forwards (num_sms, enable_shrink, bootstrap, ...) do not matter here.
+    def fake_epx_buffer(group, num_nvl_bytes, num_rdma_bytes, low_latency_mode, **options):
         built.append((num_nvl_bytes, num_rdma_bytes, low_latency_mode))
         return buffer
 
