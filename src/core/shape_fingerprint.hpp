@@ -22,8 +22,10 @@ enum class ShapeField : int32_t {
   // low latency: FP8, rounded scales, UE8M0, LogFMT bits; normal launches: operation and FP8; normal notify:
   // whether num_tokens_per_rank was given
   kFormat = 8,
+  kNetworkQueueTokens =
+      9,  // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens)
 };
-constexpr int kNumShapeFields = 9;
+constexpr int kNumShapeFields = 10;
 
 struct ShapeFingerprint {
   int32_t hash;  // of the values: receivers compare it first, one word

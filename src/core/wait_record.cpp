@@ -142,6 +142,8 @@ const char* shape_field_name(int field) {
       return "num_max_nvl_chunked_recv_tokens";
     case ShapeField::kMaxTokens:
       return "num_max_dispatch_tokens_per_rank";
+    case ShapeField::kNetworkQueueTokens:
+      return "num_max_rdma_chunked_recv_tokens";
     case ShapeField::kFormat:
       return "format (use_fp8, round_scale, use_ue8m0, use_logfmt; in normal mode the operation, dispatch or "
              "combine, use_fp8, and whether num_tokens_per_rank was given: 4)";

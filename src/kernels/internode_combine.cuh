@@ -122,6 +122,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
   int self_taken = 0;
   int got[kMaxNvlRanks];
   for (int l = 0; l < kMaxNvlRanks; ++l) got[l] = 0;
+  unsigned shapes_seen = 0;  // lane 0's: local ranks whose launch fingerprint it checked
   const int num_vectors = r.x_bytes / 16;
   for (int done = 0; done < count;) {
     if (group.leader()) {
@@ -145,6 +146,12 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
         const unsigned with_l = __ballot_sync(~0u, (lane_mask >> l) & 1u);
         entry[l] = __popc(with_l & lanes_below(i));
         if (lane == 0 && l != me && ((mask >> l) & 1u)) {
+          // A row of another shape is never summed unchecked: on a mismatch the group aborts, naming the
+          // field (what this rank then reads lies inside its own queues and goes to outputs the error voids).
+          if (!((shapes_seen >> l) & 1u)) {
+            shapes_seen |= 1u << l;
+            check_local_launch_shape(context, calls, args.shape, l, WaitPhase::kCombineReduce);
+          }
           device::wait_count_since(&my_nvl->tail[l][node][channel], my_nvl->consumed[l][node][channel],
                                    got[l] + entry[l] + 1, wait, own * nodes.ranks_per_node + l,
                                    WaitPhase::kCombineReduce);
@@ -219,7 +226,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
 // ---- Final reduce: each token's node partials in node order, then the biases, one rounding. ----
 template <typename Remote>
 __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, const WarpGroup& group,
-                              unsigned* batch_end) {
+                              unsigned* batch_end, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_nodes = nodes.num_nodes();
@@ -234,6 +241,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
   const int num_vectors = r.x_bytes / 16;
   unsigned released[kMaxRdmaNodes];
   for (int n = 0; n < kMaxRdmaNodes; ++n) released[n] = 0;
+  unsigned shapes_seen = 0;  // lane 0's: nodes whose rail peer's launch fingerprint it checked
   if (group.leader()) {
     for (int n = 0; n < kMaxRdmaNodes; ++n) batch_end[n] = 0;
   }
@@ -245,6 +253,10 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
       for (int n = 0; n < num_nodes; ++n) {
         entry[n] = args.handle.send_head[static_cast<size_t>(t) * num_nodes + n];
         if (entry[n] >= 0 && lane == 0) {
+          if (n != own && !((shapes_seen >> n) & 1u)) {  // as in reduce_for_node
+            shapes_seen |= 1u << n;
+            check_rail_launch_shape(context, calls, args.shape, n, WaitPhase::kCombineReduce);
+          }
           device::wait_count_since_u64(&head->counters.tail[n][channel], head->counters.consumed[n][channel],
                                        entry[n] + 1, wait, nodes.rail_peer(context.peers.rank, n),
                                        WaitPhase::kCombineReduce);
@@ -307,6 +319,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
   const uint64_t calls = calls_before(context);
   // A combine after an aborted dispatch must not trust the handle it left.
   if (device::block_sees_abort(wait_context(context), WaitPhase::kCombineReduce)) return;
+  post_launch_shapes<Remote>(context, calls, args.shape);
   const int channel = blockIdx.x / 2;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -323,7 +336,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
       }
     } else {
       const WarpGroup group{ranks_per_node, warp - kHalf, kHalf, lane};
-      reduce_tokens<Remote>(args, channel, group, batch_end);
+      reduce_tokens<Remote>(args, channel, group, batch_end, calls);
     }
   } else {
     const int warps_per_node = kCombineWarps / num_nodes;

@@ -7,6 +7,7 @@
 #include "gpu/cuda_check.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_queue.cuh"
+#include "kernels/shape_check.cuh"
 #include "kernels/warp_copy.cuh"
 
 // What the kernels of normal mode across nodes share. They reach the network through `Remote`, a transport
@@ -102,6 +103,94 @@ __device__ __forceinline__ void wait_rail_peer_ready(const InternodeContext& con
   device::wait_count_since_u64(&rdma_head(context)->control.done_signal[node], 0, static_cast<int64_t>(calls),
                                wait_context(context), context.nodes.rail_peer(context.peers.rank, node),
                                WaitPhase::kPreviousCall);
+}
+
+// ---- Launch fingerprints across nodes: a dispatch or combine whose shape (or operation) differs between
+// ranks reads records of another layout. Block 0 posts the launch's fingerprint to the node's ranks (NVLink:
+// ForwardBufferMap::Control, the values in the abort-words slots) and to its rail peers (network:
+// InternodeBufferMap::LaunchShapes) at the launch's start; a receiver checks a source's before it reads the
+// source's first record of the launch. ----
+
+static_assert(sizeof(ShapeFingerprint) == sizeof(int) * InternodeBufferMap::kShapeInts,
+              "a launch fingerprint slot holds one ShapeFingerprint after the launch number");
+
+// Block 0: threads l < L post to local rank l, warp 1 puts to every rail peer and waits for the puts (the
+// staging slot is rewritten two launches later). `calls`: calls_before().
+template <typename Remote>
+__device__ __forceinline__ void post_launch_shapes(const InternodeContext& context, uint64_t calls,
+                                                   const ShapeFingerprint& shape) {
+  if (blockIdx.x != 0) return;
+  const NodeMap& nodes = context.nodes;
+  const PeerContext& peers = context.peers;
+  const int me = own_local(context);
+  const int own = own_node(context);
+  const uint32_t launch = static_cast<uint32_t>(calls + 1);
+  const int t = threadIdx.x;
+  if (t < nodes.ranks_per_node && t != me) {
+    const int peer = own * nodes.ranks_per_node + t;
+    post_launch_shape_to(peers.abort.peers[peer] != nullptr
+                             ? AbortWordsMap::normal_launch_shape(peers.abort.peers[peer], peers.rank)
+                             : nullptr,
+                         &ForwardBufferMap::head(nvl_base(context, t))->control.launch_shape[me], launch,
+                         shape);
+  }
+  if (t / 32 != 1 || nodes.num_nodes() == 1) return;
+  auto* shapes = &rdma_head(context)->launch_shapes;
+  const int parity = static_cast<int>(calls % 2);
+  int* staged = shapes->own[parity];
+  const int lane = t % 32;
+  if (lane == 0) staged[0] = static_cast<int>(launch);
+  if (lane == 1) staged[1] = shape.hash;
+  if (lane >= 2 && lane < InternodeBufferMap::kLaunchShapeInts) staged[lane] = shape.values[lane - 2];
+  __threadfence();  // the staged slot is complete before the puts that read it
+  __syncwarp();
+  for (int node = 0; node < nodes.num_nodes(); ++node) {
+    if (node == own) continue;
+    Remote::put_signal_warp(shapes->from_node[parity][own], staged,
+                            sizeof(int) * InternodeBufferMap::kLaunchShapeInts, &shapes->signal[own], 1,
+                            nodes.rail_peer(peers.rank, node));
+  }
+  Remote::quiet();
+}
+
+// One thread, before reading the first record of this launch from the rail peer on `node`: false when the
+// wait was abandoned or the peer's fingerprint differs (the group is then aborted, naming the field).
+__device__ __forceinline__ bool check_rail_launch_shape(const InternodeContext& context, uint64_t calls,
+                                                        const ShapeFingerprint& shape, int node,
+                                                        WaitPhase phase) {
+  auto* shapes = &rdma_head(context)->launch_shapes;
+  const int peer = context.nodes.rail_peer(context.peers.rank, node);
+  const device::WaitContext wait = wait_context(context);
+  device::wait_count_since_u64(&shapes->signal[node], 0, static_cast<int64_t>(calls + 1), wait, peer, phase);
+  if (device::read_abort_word(wait) != 0) return false;
+  const volatile int* slot = shapes->from_node[calls % 2][node];
+  // Its signal counts its launches, so launch calls + 1 landed; a later one writes the other parity.
+  if (static_cast<uint32_t>(slot[0]) != static_cast<uint32_t>(calls + 1) || slot[1] == shape.hash)
+    return true;
+  report_shape_mismatch(wait, peer, shape, reinterpret_cast<const volatile ShapeFingerprint*>(slot + 1));
+  return false;
+}
+
+// One thread, before reading the first record of this launch from local rank `local` (NVLink).
+__device__ __forceinline__ bool check_local_launch_shape(const InternodeContext& context, uint64_t calls,
+                                                         const ShapeFingerprint& shape, int local,
+                                                         WaitPhase phase) {
+  const PeerContext& peers = context.peers;
+  const int peer = own_node(context) * context.nodes.ranks_per_node + local;
+  return check_launch_shape_at(
+      wait_context(context), peer, &ForwardBufferMap::head(peers.local_base)->control.launch_shape[local],
+      peers.abort.peers[peer] != nullptr ? AbortWordsMap::normal_launch_shape(peers.abort.local, peer)
+                                         : nullptr,
+      static_cast<uint32_t>(calls + 1), shape, phase);
+}
+
+// Whether local rank `local` has started this launch (posted its fingerprint here): a stalled stream it
+// forwards waits for its source then, not for it.
+__device__ __forceinline__ bool local_rank_started(const InternodeContext& context, uint64_t calls,
+                                                   int local) {
+  const uint64_t word = device::ld_acquire_sys_u64(
+      &ForwardBufferMap::head(context.peers.local_base)->control.launch_shape[local]);
+  return static_cast<int32_t>(tagged_sequence(word) - static_cast<uint32_t>(calls + 1)) >= 0;
 }
 
 // Output row `row` of dispatch from a queue record (which peers rewrite while the kernel runs, so it is read

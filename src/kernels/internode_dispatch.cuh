@@ -142,7 +142,8 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   }
   device::StallClock stall;
   stall.restart();
-  bool stop = false;  // the leader's: the group was aborted, leave the loop
+  bool stop = false;         // the leader's: the group was aborted, leave the loop
+  unsigned shapes_seen = 0;  // the leader's: source nodes whose launch fingerprint it checked
   while (done_nodes < num_nodes) {
     bool moved = false;
     for (int m = 0; m < num_nodes; ++m) {
@@ -162,6 +163,11 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
                                                reinterpret_cast<const int*>(&my_nvl->head[dst][m][channel]))),
                                            nvl_base_count);
           room = queue_room(sent[m], consumed, args.nvl.queue_tokens);
+        }
+        // Records of another shape are never read: the group aborts, naming the field.
+        if (landed > 0 && m != own && !((shapes_seen >> m) & 1u)) {
+          shapes_seen |= 1u << m;
+          stop |= !check_rail_launch_shape(context, calls, args.shape, m, WaitPhase::kDispatchReceive);
         }
         shared.values[group.group] = room > 0 ? min(landed, 32) : 0;
         shared.values[group.group] |= min(room, 32) << 16;
@@ -239,7 +245,14 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      stop = stall.check(wait, -1, WaitPhase::kDispatchReceive, 0, done_nodes);
+      // Name the rail peer of the first source node still short of records.
+      int waiting_for = context.peers.rank;
+      for (int m = num_nodes - 1; m >= 0; --m) {
+        const int count = args.handle.node_channel_offset[m * num_channels + channel + 1] -
+                          args.handle.node_channel_offset[m * num_channels + channel];
+        if (progress[m] < count) waiting_for = nodes.rail_peer(context.peers.rank, m);
+      }
+      stop = stall.check(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
     }
   }
   if (!to_self && group.leader()) {
@@ -249,7 +262,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
 
 // ---- Receive: the rows local rank `src` forwarded, from its sub-queues into their final rows. ----
 __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int src, const WarpGroup& group,
-                             int* shared) {
+                             int* shared, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_nodes = nodes.num_nodes();
@@ -267,7 +280,8 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
   }
   device::StallClock stall;
   stall.restart();
-  bool stop = false;  // the leader's: the group was aborted, leave the loop
+  bool stop = false;           // the leader's: the group was aborted, leave the loop
+  bool shape_checked = false;  // the leader's: src's launch fingerprint was checked
   while (done_nodes < num_nodes) {
     bool moved = false;
     for (int m = 0; m < num_nodes; ++m) {
@@ -280,6 +294,11 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
         const int landed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
                                            reinterpret_cast<const int*>(&my_nvl->tail[src][m][channel]))),
                                        base);
+        // Records of another shape are never read: the group aborts, naming the field.
+        if (!stop && !shape_checked && min(landed, count) > got[m]) {
+          shape_checked = true;
+          stop = !check_local_launch_shape(context, calls, args.shape, src, WaitPhase::kDispatchReceive);
+        }
         *shared = stop ? kStopPolling : min(landed, count) - got[m];
       }
       group.sync();
@@ -304,8 +323,17 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      stop = stall.check(wait, own_node(context) * nodes.ranks_per_node + src, WaitPhase::kDispatchReceive, 0,
-                         done_nodes);
+      // Name src while it has not started this launch; then the source rank of the first stream still short
+      // of rows (src forwards what that rank sent, and waits for it).
+      int waiting_for = own_node(context) * nodes.ranks_per_node + src;
+      if (local_rank_started(context, calls, src)) {
+        for (int m = num_nodes - 1; m >= 0; --m) {
+          const int cell = (m * nodes.ranks_per_node + src) * num_channels + channel;
+          if (got[m] < args.handle.recv_channel_offset[cell + 1] - args.handle.recv_channel_offset[cell])
+            waiting_for = m * nodes.ranks_per_node + src;
+        }
+      }
+      stop = stall.check(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
     }
   }
   if (group.leader()) {
@@ -321,6 +349,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
   const uint64_t calls = calls_before(context);
   // A dispatch after an aborted notify must not trust the offsets it left.
   if (device::block_sees_abort(wait_context(context), WaitPhase::kDispatchReceive)) return;
+  post_launch_shapes<Remote>(context, calls, args.shape);
   const int channel = blockIdx.x / 2;
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
@@ -348,7 +377,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
         // Named barriers 1..L serve the forwarders, L + 1 .. 2L - 1 the receivers (at most 15).
         const int slot = local < own_local(context) ? local : local - 1;
         const WarpGroup group{ranks_per_node + slot, half_warp % warps_per_rank, warps_per_rank, lane};
-        receive_from(args, channel, local, group, &group_values[local]);
+        receive_from(args, channel, local, group, &group_values[local], calls);
       }
     }
   }

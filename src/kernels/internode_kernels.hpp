@@ -57,6 +57,7 @@ struct InternodeDispatchArgs {
   float* recv_x_scales;
   int64_t* recv_topk_idx;
   float* recv_topk_weights;
+  ShapeFingerprint shape;  // the launch's: checked by every receiver before a source's first record
 };
 void launch_internode_dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
 
@@ -75,6 +76,7 @@ struct InternodeCombineArgs {
   const void* bias1;
   void* combined_x;
   float* combined_topk_weights;
+  ShapeFingerprint shape;  // the launch's: checked by every reducer before a source's first row
 };
 void launch_internode_combine(const InternodeCombineArgs& args, cudaStream_t stream);
 

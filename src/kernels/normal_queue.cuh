@@ -69,38 +69,27 @@ __device__ __forceinline__ void finish_launch(const PeerContext& peers, int call
 // records of another layout. Every launch posts its ShapeFingerprint to every peer at its start; a receiver
 // checks a source's before it reads the source's first record. ----
 
-// Block 0, threads r < R: this launch's fingerprint into peer r's slots (values, then the tagged hash with
-// release). `calls`: calls_before().
+// Block 0, threads r < R: this launch's fingerprint to peer r (shape_check.cuh). `calls`: calls_before().
 __device__ __forceinline__ void post_launch_shape(const PeerContext& peers, int calls,
                                                   const ShapeFingerprint& shape) {
   const int peer = threadIdx.x;
   if (blockIdx.x != 0 || peer >= peers.num_ranks || peer == peers.rank) return;
-  if (peers.abort.peers[peer] != nullptr)
-    post_shape(AbortWordsMap::normal_launch_shape(peers.abort.peers[peer], peers.rank), shape);
-  device::st_release_sys_u64(&NormalBufferMap::control(peers.peer_bases[peer])->launch_shape[peers.rank],
-                             pack_tagged(static_cast<uint32_t>(calls + 1), shape.hash));
+  post_launch_shape_to(peers.abort.peers[peer] != nullptr
+                           ? AbortWordsMap::normal_launch_shape(peers.abort.peers[peer], peers.rank)
+                           : nullptr,
+                       &NormalBufferMap::control(peers.peer_bases[peer])->launch_shape[peers.rank],
+                       static_cast<uint32_t>(calls + 1), shape);
 }
 
 // One thread, before reading `src`'s records of this launch: false (the group aborted, naming the field)
-// when src's launch has another fingerprint. Records of this launch follow its post, so it is there; a
-// source already in a later launch (it sent nothing more here) overwrote it, and is not checked.
+// when src's launch has another fingerprint. Records of this launch follow its post, so it is there.
 __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int calls,
                                                    const ShapeFingerprint& shape, int src, WaitPhase phase) {
-  const auto* slot = &NormalBufferMap::control(peers.local_base)->launch_shape[src];
-  const uint32_t expected = static_cast<uint32_t>(calls + 1);
-  uint64_t word = 0;
-  const auto posted = [expected](uint64_t w) {
-    return static_cast<int32_t>(tagged_sequence(w) - expected) >= 0;
-  };
-  const bool arrived =
-      device::spin_until_loaded([slot] { return device::ld_acquire_sys_u64(slot); }, posted,
-                                [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); }, expected,
-                                wait_context(peers), src, phase, word);
-  if (!arrived || tagged_sequence(word) != expected || tagged_value(word) == shape.hash) return arrived;
-  if (peers.abort.peers[src] == nullptr) return true;  // no values to name the field by: nothing to report
-  report_shape_mismatch(wait_context(peers), src, shape,
-                        AbortWordsMap::normal_launch_shape(peers.abort.local, src));
-  return false;
+  return check_launch_shape_at(
+      wait_context(peers), src, &NormalBufferMap::control(peers.local_base)->launch_shape[src],
+      peers.abort.peers[src] != nullptr ? AbortWordsMap::normal_launch_shape(peers.abort.local, src)
+                                        : nullptr,
+      static_cast<uint32_t>(calls + 1), shape, phase);
 }
 
 // What the two ends of one queue share: who they are, and how a group agrees on a value its leader read.

@@ -2,7 +2,9 @@
 
 #include "core/abort_word.hpp"
 #include "core/shape_fingerprint.hpp"
+#include "device/ptx.cuh"
 #include "device/wait.cuh"
+#include "epx/common/tagged_word.hpp"
 
 // Cross-rank agreement on shapes (core/shape_fingerprint.hpp): a sender posts its fingerprint into the
 // receiver's abort-words allocation, in a slot of its own, before the signal that publishes its data; the
@@ -35,6 +37,38 @@ __device__ __forceinline__ bool check_shape(const device::WaitContext& ctx, int 
                                             const ShapeFingerprint& mine, const ShapeFingerprint* slot) {
   if (*reinterpret_cast<const volatile int32_t*>(&slot->hash) == mine.hash) return true;
   report_shape_mismatch(ctx, peer, mine, slot);
+  return false;
+}
+
+// ---- Launch fingerprints over NVLink (normal mode): a launch posts its fingerprint to a peer at its start,
+// the values into the peer's abort-words slot for this rank (`values`; nullptr: not mapped) and then a tagged
+// word (the launch number, the hash) with release; the peer checks it before it reads this rank's first
+// record of the launch. ----
+
+// One thread.
+__device__ __forceinline__ void post_launch_shape_to(ShapeFingerprint* values, uint64_t* tag, uint32_t launch,
+                                                     const ShapeFingerprint& shape) {
+  if (values != nullptr) post_shape(values, shape);
+  device::st_release_sys_u64(tag, pack_tagged(launch, shape.hash));
+}
+
+// One thread, before reading `peer`'s records of launch `launch`: waits (bounded) for the peer's tagged word
+// at `tag` and compares; false when the wait was abandoned or the fingerprint differs (then the group is
+// aborted, naming the field; `values`: the peer's values, nullptr when not mapped: nothing to name, no
+// report). A peer already in a later launch (it sent nothing more here) overwrote its word and is not
+// checked.
+__device__ __forceinline__ bool check_launch_shape_at(const device::WaitContext& ctx, int peer,
+                                                      const uint64_t* tag, const ShapeFingerprint* values,
+                                                      uint32_t launch, const ShapeFingerprint& shape,
+                                                      WaitPhase phase) {
+  uint64_t word = 0;
+  const auto posted = [launch](uint64_t w) { return static_cast<int32_t>(tagged_sequence(w) - launch) >= 0; };
+  const bool arrived = device::spin_until_loaded(
+      [tag] { return device::ld_acquire_sys_u64(tag); }, posted,
+      [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); }, launch, ctx, peer, phase, word);
+  if (!arrived || tagged_sequence(word) != launch || tagged_value(word) == shape.hash) return arrived;
+  if (values == nullptr) return true;
+  report_shape_mismatch(ctx, peer, shape, values);
   return false;
 }
 

@@ -262,7 +262,9 @@ void Buffer::destroy() {
   } catch (const std::exception& error) {
     barrier_error = error.what();
   }
-  state->free_local();
+  // Peers that missed the barrier would never join the collective free of NVSHMEM memory either: without
+  // them it stays allocated until the process ends.
+  state->free_local(barrier_error.empty());
   if (!barrier_error.empty())
     EPX_FAIL("Buffer::destroy: peers did not reach the teardown barrier: ", barrier_error);
 }

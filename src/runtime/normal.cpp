@@ -94,9 +94,10 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
 constexpr int kNotifyWithRankTotals = 4;
 
 // What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
-// queues' config. `with_rank_totals`: the caller gave num_tokens_per_rank. Every rank must, or none: a rank
-// given them waits for every peer's totals, which a rank without them never posts.
-ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config,
+// queues' config (across nodes, the network queues' too). `with_rank_totals`: the caller gave
+// num_tokens_per_rank. Every rank must, or none: a rank given them waits for every peer's totals, which a
+// rank without them never posts.
+ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config, bool across_nodes,
                                           bool with_rank_totals = false) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = shape.hidden;
@@ -107,24 +108,34 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
   values[static_cast<int>(ShapeField::kNumChannels)] = config.num_channels();
   values[static_cast<int>(ShapeField::kQueueTokens)] = config.num_max_nvl_chunked_recv_tokens;
   values[static_cast<int>(ShapeField::kFormat)] = with_rank_totals ? kNotifyWithRankTotals : 0;
+  if (across_nodes)
+    values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = config.num_max_rdma_chunked_recv_tokens;
   return make_shape_fingerprint(values);
 }
 
 // What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
-// source's records (kernels/normal_queue.cuh): the queues' layout, the records, and the operation.
+// source's records (kernels/normal_queue.cuh, kernels/internode_common.cuh): the queues' layout, the records,
+// and the operation. `network_queue_tokens`: records per network queue across nodes (0 within one node).
 enum class NormalOperation { kDispatch = 1, kCombine = 2 };
-ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
-                                           int hidden, int num_experts, NormalOperation op, bool fp8) {
+ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
+                                           const NormalRecord& record, int hidden, int num_experts,
+                                           NormalOperation op, bool fp8) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = hidden;
   values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
   values[static_cast<int>(ShapeField::kNumScales)] = record.num_scales;
   values[static_cast<int>(ShapeField::kNumTopk)] = std::max(record.num_topk_idx, record.num_topk_weights);
   values[static_cast<int>(ShapeField::kNumExperts)] = num_experts;
-  values[static_cast<int>(ShapeField::kNumChannels)] = layout.num_channels;
-  values[static_cast<int>(ShapeField::kQueueTokens)] = layout.queue_tokens;
+  values[static_cast<int>(ShapeField::kNumChannels)] = num_channels;
+  values[static_cast<int>(ShapeField::kQueueTokens)] = queue_tokens;
   values[static_cast<int>(ShapeField::kFormat)] = 2 * static_cast<int>(op) + (fp8 ? 1 : 0);
+  values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = network_queue_tokens;
   return make_shape_fingerprint(values);
+}
+ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
+                                           int hidden, int num_experts, NormalOperation op, bool fp8) {
+  return normal_launch_fingerprint(layout.num_channels, layout.queue_tokens, 0, record, hidden, num_experts,
+                                   op, fp8);
 }
 
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
@@ -500,34 +511,35 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const bool notify_in_receive = guess_rows > 0 && in.num_tokens_per_rank != nullptr;
   kernels::NotifyArgs notify_args{};
   if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{internode_context(buffer),
-                                            state->num_channels,
-                                            reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                                            in.num_tokens_per_expert,
-                                            in.num_tokens,
-                                            in.num_experts,
-                                            state->expert_alignment,
-                                            state->arrays,
-                                            host,
-                                            invalid_id,
-                                            normal_shape_fingerprint(shape, queue_config(buffer, *state))};
-    kernels::launch_internode_notify(args, stream);
-  } else {
-    notify_args = kernels::NotifyArgs{
-        peer_context(buffer),
-        scratch.notify_sequence,
+    const kernels::InternodeNotifyArgs args{
+        internode_context(buffer),
         state->num_channels,
         reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
         in.num_tokens_per_expert,
-        in.num_tokens_per_rank,
         in.num_tokens,
         in.num_experts,
         state->expert_alignment,
-        state->num_worst_tokens,
         state->arrays,
         host,
         invalid_id,
-        normal_shape_fingerprint(shape, queue_config(buffer, *state), in.num_tokens_per_rank != nullptr)};
+        normal_shape_fingerprint(shape, queue_config(buffer, *state), true)};
+    kernels::launch_internode_notify(args, stream);
+  } else {
+    notify_args = kernels::NotifyArgs{peer_context(buffer),
+                                      scratch.notify_sequence,
+                                      state->num_channels,
+                                      reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                                      in.num_tokens_per_expert,
+                                      in.num_tokens_per_rank,
+                                      in.num_tokens,
+                                      in.num_experts,
+                                      state->expert_alignment,
+                                      state->num_worst_tokens,
+                                      state->arrays,
+                                      host,
+                                      invalid_id,
+                                      normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
+                                                               in.num_tokens_per_rank != nullptr)};
     // With a guess and the per-rank totals the receive launched below runs the exchange itself.
     if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
   }
@@ -654,24 +666,29 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     const InternodeRecord record = InternodeRecord::dispatch(state.shape);
     const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
     const Config& config = buffer.config();
-    const kernels::InternodeDispatchArgs args{internode_context(buffer),
-                                              layouts.rdma,
-                                              layouts.nvl,
-                                              record,
-                                              state.num_tokens,
-                                              state.shape.num_experts,
-                                              config.num_max_rdma_chunked_send_tokens,
-                                              config.num_max_nvl_chunked_send_tokens,
-                                              state.arrays.is_token_in_rank,
-                                              in.x,
-                                              in.x_scales,
-                                              in.topk_idx,
-                                              in.topk_weights,
-                                              state.arrays,
-                                              out.recv_x,
-                                              out.recv_x_scales,
-                                              out.recv_topk_idx,
-                                              out.recv_topk_weights};
+    const kernels::InternodeDispatchArgs args{
+        internode_context(buffer),
+        layouts.rdma,
+        layouts.nvl,
+        record,
+        state.num_tokens,
+        state.shape.num_experts,
+        config.num_max_rdma_chunked_send_tokens,
+        config.num_max_nvl_chunked_send_tokens,
+        state.arrays.is_token_in_rank,
+        in.x,
+        in.x_scales,
+        in.topk_idx,
+        in.topk_weights,
+        state.arrays,
+        out.recv_x,
+        out.recv_x_scales,
+        out.recv_topk_idx,
+        out.recv_topk_weights,
+        normal_launch_fingerprint(layouts.rdma.num_channels, layouts.nvl.queue_tokens,
+                                  layouts.rdma.queue_tokens, record.normal, state.shape.hidden,
+                                  state.shape.num_experts, NormalOperation::kDispatch,
+                                  state.format == TokenFormat::kFp8)};
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
@@ -713,20 +730,24 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
     const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
     begin_on_comm_stream(buffer, order);
     const Config& config = buffer.config();
-    const kernels::InternodeCombineArgs args{internode_context(buffer),
-                                             layouts.rdma,
-                                             layouts.nvl,
-                                             record,
-                                             state.num_tokens,
-                                             config.num_max_rdma_chunked_send_tokens,
-                                             config.num_max_nvl_chunked_send_tokens,
-                                             state.arrays,
-                                             in.x,
-                                             in.topk_weights,
-                                             in.bias0,
-                                             in.bias1,
-                                             out.combined_x,
-                                             out.combined_topk_weights};
+    const kernels::InternodeCombineArgs args{
+        internode_context(buffer),
+        layouts.rdma,
+        layouts.nvl,
+        record,
+        state.num_tokens,
+        config.num_max_rdma_chunked_send_tokens,
+        config.num_max_nvl_chunked_send_tokens,
+        state.arrays,
+        in.x,
+        in.topk_weights,
+        in.bias0,
+        in.bias1,
+        out.combined_x,
+        out.combined_topk_weights,
+        normal_launch_fingerprint(layouts.rdma.num_channels, layouts.nvl.queue_tokens,
+                                  layouts.rdma.queue_tokens, record.normal, hidden, state.shape.num_experts,
+                                  NormalOperation::kCombine, false)};
     kernels::launch_internode_combine(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }

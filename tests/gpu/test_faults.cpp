@@ -86,9 +86,11 @@ std::vector<std::string> expected_phases(Fault fault) {
   return {};
 }
 
-epx::test::NormalCase normal_case(int num_ranks) {
+// `ranks_per_node`: 0 for one node, else normal mode runs across (virtual) nodes of that many ranks.
+epx::test::NormalCase normal_case(int num_ranks, int ranks_per_node = 0) {
   epx::test::NormalCase c;
   c.num_ranks = num_ranks;
+  c.ranks_per_node = ranks_per_node;
   c.hidden = 256;
   c.num_experts = 4 * num_ranks;
   c.num_topk = 2;
@@ -96,9 +98,10 @@ epx::test::NormalCase normal_case(int num_ranks) {
   return c;
 }
 
-epx::test::LowLatencyCase low_latency_case(int num_ranks) {
+epx::test::LowLatencyCase low_latency_case(int num_ranks, int ranks_per_node = 0) {
   epx::test::LowLatencyCase c;
   c.num_ranks = num_ranks;
+  c.ranks_per_node = ranks_per_node;
   c.num_max_tokens = 16;
   c.hidden = 256;
   c.num_experts = 4 * num_ranks;
@@ -108,21 +111,34 @@ epx::test::LowLatencyCase low_latency_case(int num_ranks) {
 
 // Buffer options with the short bound. EPX_WAIT_TIMEOUT_S overrides BufferOptions::wait_timeout_s (and the
 // GPU scripts set it): each rank process (forked by the launcher) sets it to the test's bound.
-epx::BufferOptions fault_buffer_options(int num_ranks) {
+epx::BufferOptions fault_buffer_options(int num_ranks, int ranks_per_node = 0) {
   setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kWaitTimeoutS).c_str(), 1);
   const epx::test::LowLatencyCase ll = low_latency_case(num_ranks);
+  const epx::test::NormalCase normal = normal_case(num_ranks, ranks_per_node);
   epx::BufferOptions options;
-  options.num_nvl_bytes = epx::test::normal_buffer_bytes(normal_case(num_ranks));
+  options.num_nvl_bytes = epx::test::normal_buffer_bytes(normal);
   options.num_rdma_bytes =
-      epx::get_low_latency_rdma_size_hint(ll.num_max_tokens, ll.hidden, num_ranks, ll.num_experts);
+      std::max(epx::test::normal_rdma_buffer_bytes(normal),
+               epx::get_low_latency_rdma_size_hint(ll.num_max_tokens, ll.hidden, num_ranks, ll.num_experts));
+  options.ranks_per_node = ranks_per_node;
   options.wait_timeout_s = kWaitTimeoutS;
   return options;
+}
+
+// The node split of `buffer` as the cases take it: 0 when it is one node.
+int ranks_per_node_of(const epx::Buffer& buffer) {
+  return buffer.ranks_per_node() < buffer.num_ranks() ? buffer.ranks_per_node() : 0;
 }
 
 // Correct calls of both modes on `buffer`, checked bit-exactly against the reference.
 void run_checked_calls(const epx::test::NormalCase& normal, const epx::test::LowLatencyCase& low_latency,
                        epx::Buffer& buffer) {
   epx::test::NormalRunner(normal, buffer).run();
+  // Across nodes the two modes share the symmetric buffer: low latency after normal mode needs a clean.
+  if (normal.spans_nodes()) {
+    epx::clean_low_latency_buffer(buffer, low_latency.num_max_tokens, low_latency.hidden,
+                                  low_latency.num_experts, epx::StreamOrder{});
+  }
   epx::test::LowLatencyRunner(low_latency, buffer).run();
 }
 
@@ -131,7 +147,9 @@ void run_checked_calls(const epx::test::NormalCase& normal, const epx::test::Low
 class FaultCalls {
  public:
   FaultCalls(epx::Buffer& buffer, int num_ranks)
-      : buffer_(buffer), normal_(normal_case(num_ranks)), ll_(low_latency_case(num_ranks)) {
+      : buffer_(buffer),
+        normal_(normal_case(num_ranks, ranks_per_node_of(buffer))),
+        ll_(low_latency_case(num_ranks, ranks_per_node_of(buffer))) {
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream_, cudaStreamNonBlocking));
     const int T = normal_.num_tokens[0];
     const int K = normal_.num_topk;
@@ -157,6 +175,8 @@ class FaultCalls {
   void set_low_latency_hidden(int hidden) { ll_.hidden = hidden; }
   // Channels of this rank's normal-mode combine (0: the dispatch's), e.g. another value on one rank.
   void set_combine_hidden(int hidden) { combine_hidden_ = hidden; }
+  // > 0: after the combine, a cached re-dispatch with the handle, of rows this wide (x's stride).
+  void set_cached_hidden(int hidden) { cached_hidden_ = hidden; }
   // > 0: normal-mode dispatch in worst-case mode (no host wait) with outputs of this many rows.
   void set_num_worst_tokens(int rows) { num_worst_tokens_ = rows; }
   // Non-zero: the num_tokens_per_rank this rank passes says `delta` tokens more for the last rank than the
@@ -219,6 +239,14 @@ class FaultCalls {
     combine_in.x = recv_x_.get();
     combine_in.hidden = combine_hidden_;  // <= the dispatch's: x's rows are recv_x's, read with this stride
     epx::combine(buffer_, plan.handle, combine_in, {combined_.get(), nullptr}, order);
+    buffer_.synchronize(stream_);
+    if (cached_hidden_ == 0) return;
+    epx::DispatchInput cached_in = in;
+    cached_in.hidden = cached_hidden_;  // <= the dispatch's: x and recv_x have room
+    const epx::DispatchPlan cached = epx::dispatch_notify(buffer_, cached_in, order, &plan.handle);
+    epx::dispatch_receive(buffer_, cached, cached_in,
+                          {recv_x_.get(), nullptr, recv_idx_.get<int64_t>(), recv_weights_.get<float>()},
+                          order);
     buffer_.synchronize(stream_);
   }
 
@@ -292,6 +320,7 @@ class FaultCalls {
   int num_worst_tokens_ = 0;
   int last_rank_count_error_ = 0;
   int combine_hidden_ = 0;
+  int cached_hidden_ = 0;
   bool pass_rank_totals_ = true;
   bool receive_into_guess_ = false;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
@@ -333,15 +362,33 @@ void expect_victim_named(const std::string& where, const std::string& error, dou
   if (!buffer.is_aborted()) throw std::runtime_error(where + ": the Buffer is not aborted");
 }
 
+// Across nodes the abort word reaches only a node's ranks, and a rank on another node may wait for the
+// victim through a rank of its own node or a rail peer, which it then names: every rank must report within
+// the bound + 1 s, naming some peer and the phase, and the victim's own node and its rail peers name it.
+void expect_error_across_nodes(const std::string& where, const std::string& error, double seconds, int rank,
+                               int victim, int ranks_per_node, Fault fault, const epx::Buffer& buffer) {
+  const bool near_victim =
+      rank / ranks_per_node == victim / ranks_per_node || rank % ranks_per_node == victim % ranks_per_node;
+  if (near_victim) return expect_victim_named(where, error, seconds, victim, fault, buffer);
+  if (error.find("peer ") == std::string::npos || !contains_any(error, expected_phases(fault)))
+    throw std::runtime_error(where + ": the error names neither a peer nor the phase: " + error);
+  if (seconds > kWaitTimeoutS + 1.0)
+    throw std::runtime_error(where + ": the error took " + std::to_string(seconds) + " s: " + error);
+  if (!buffer.is_aborted()) throw std::runtime_error(where + ": the Buffer is not aborted");
+}
+
 // One rank (the last) skips the call of `fault`; the others must see the error, then everybody recovers.
-void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
+// `ranks_per_node` > 0: normal mode across (virtual) nodes of that many ranks.
+void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild, int ranks_per_node = 0) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
   const int victim = num_ranks - 1;
   const bool skip = rank == victim;
-  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+  const epx::test::NormalCase normal = normal_case(num_ranks, ranks_per_node);
+  const epx::test::LowLatencyCase low_latency = low_latency_case(num_ranks, ranks_per_node);
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks, ranks_per_node));
   // A good round trip in both modes first: the fault hits a Buffer in use.
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  run_checked_calls(normal, low_latency, *buffer);
 
   std::string error;
   const auto start = std::chrono::steady_clock::now();
@@ -357,23 +404,28 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
   const std::string where = std::string("rank ") + std::to_string(rank) + ", fault " + fault_name(fault);
   if (skip) {
     if (!error.empty()) throw std::runtime_error(where + ": the skipping rank got an error: " + error);
+  } else if (normal.spans_nodes()) {
+    expect_error_across_nodes(where, error, seconds, rank, victim, ranks_per_node, fault, *buffer);
   } else {
     expect_victim_named(where, error, seconds, victim, fault, *buffer);
   }
   bootstrap.barrier();  // every waiting rank saw its error: the victim's abort word is set
-  if (skip) expect_error([&] { buffer->check(); }, "the group was aborted");
+  // (Across nodes only by the ranks of its node: a victim alone on its node is not told.)
+  const bool victim_told = !normal.spans_nodes() || ranks_per_node > 1;
+  if (skip && victim_told) expect_error([&] { buffer->check(); }, "the group was aborted");
   expect_context_alive(rank);
   // Every call on an aborted Buffer is refused.
-  expect_error([&] { FaultCalls(*buffer, num_ranks).run(fault, false); }, skip ? "aborted" : error);
+  if (!skip || victim_told)
+    expect_error([&] { FaultCalls(*buffer, num_ranks).run(fault, false); }, skip ? "aborted" : error);
 
   if (rebuild) {
     buffer->destroy();
-    buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
+    buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks, ranks_per_node));
   } else {
     buffer->reset();
     if (buffer->is_aborted()) throw std::runtime_error(where + ": still aborted after reset()");
   }
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  run_checked_calls(normal, low_latency, *buffer);
   // The interrupted sequence itself runs again, with every rank.
   FaultCalls(*buffer, num_ranks).run(fault, false);
   buffer->destroy();
@@ -383,19 +435,31 @@ void run_fault(epx::Bootstrap& bootstrap, Fault fault, bool rebuild) {
 // must raise the shape check's error (no timeout: the fingerprints travel with the counts and the flags),
 // then reset() and checked calls.
 // Where the last rank's shapes differ from the others'.
-enum class MismatchAt { kNormalNotify, kNormalCombine, kRankTotalsLeftOut, kLowLatency };
+enum class MismatchAt {
+  kNormalNotify,
+  kNormalCombine,
+  kNormalCachedDispatch,
+  kRankTotalsLeftOut,
+  kLowLatency
+};
 
-void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
+// `ranks_per_node` > 0: normal mode across (virtual) nodes of that many ranks.
+void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at, int ranks_per_node = 0) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
-  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  const epx::test::NormalCase normal = normal_case(num_ranks, ranks_per_node);
+  const epx::test::LowLatencyCase low_latency = low_latency_case(num_ranks, ranks_per_node);
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks, ranks_per_node));
+  run_checked_calls(normal, low_latency, buffer);
   const auto start = std::chrono::steady_clock::now();
   {
     FaultCalls calls(buffer, num_ranks);
+    // Every rank re-dispatches; the last one with rows of another width.
+    if (at == MismatchAt::kNormalCachedDispatch) calls.set_cached_hidden(256);
     if (rank == num_ranks - 1) {
       if (at == MismatchAt::kNormalNotify) calls.set_hidden(128);
       if (at == MismatchAt::kNormalCombine) calls.set_combine_hidden(128);  // the dispatch agrees
+      if (at == MismatchAt::kNormalCachedDispatch) calls.set_cached_hidden(128);
       if (at == MismatchAt::kRankTotalsLeftOut) calls.set_pass_rank_totals(false);
       if (at == MismatchAt::kLowLatency) calls.set_low_latency_hidden(128);
     }
@@ -415,7 +479,7 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at) {
                              std::to_string(seconds) + " s (it must not wait for a timeout)");
   expect_context_alive(rank);
   buffer.reset();
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
+  run_checked_calls(normal, low_latency, buffer);
 }
 
 // Every rank runs the normal calls with `configure(calls, rank, num_ranks)` applied; each must fail with an
@@ -516,6 +580,18 @@ void run_hooks_after_abort(epx::Bootstrap& bootstrap) {
 void run_fault_group(Fault fault, bool rebuild) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
+}
+
+// Normal mode across virtual nodes: 2 nodes of 1 rank, then (where 4 ranks can start) 2 nodes of 2.
+void run_node_fault_groups(Fault fault) {
+#ifndef EPX_HAVE_NVSHMEM
+  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
+#endif
+  for (const int num_ranks : {2, 4}) {
+    if (num_ranks > epx::test::test_rank_capacity()) continue;
+    epx::test::run_ranks(
+        num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, false, num_ranks / 2); });
+  }
 }
 
 // release() (what a collected Python Buffer runs) meets no peer: the last rank releases while the others
@@ -747,6 +823,28 @@ TEST(Faults, NormalCombineShapesThatDifferFailOnEveryRank) {
 }
 // One rank leaves num_tokens_per_rank out: the others would wait for its totals; the notify's fingerprint
 // says so at once instead.
+// A cached re-dispatch whose rows differ on one rank: no count exchange runs, the launch fingerprints catch
+// it.
+TEST(Faults, NormalCachedDispatchShapesThatDifferFailOnEveryRank) {
+  const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) {
+    run_shape_mismatch(bootstrap, MismatchAt::kNormalCachedDispatch);
+  });
+}
+// Across (virtual) nodes: the forwarders check their rail peers' launch fingerprints, the receivers and node
+// reducers their local ranks', the final reducers their rail peers'.
+TEST(Faults, NodesCombineAndCachedDispatchShapesThatDifferFailOnEveryRank) {
+#ifndef EPX_HAVE_NVSHMEM
+  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
+#endif
+  for (const int num_ranks : {2, 4}) {
+    if (num_ranks > epx::test::test_rank_capacity()) continue;
+    for (const MismatchAt at : {MismatchAt::kNormalCombine, MismatchAt::kNormalCachedDispatch}) {
+      epx::test::run_ranks(
+          num_ranks, [&](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, at, num_ranks / 2); });
+    }
+  }
+}
 TEST(Faults, RankTotalsGivenOnSomeRanksOnlyFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) {
@@ -757,6 +855,18 @@ TEST(Faults, LowLatencyShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(
       num_ranks, [](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, MismatchAt::kLowLatency); });
+}
+
+// The same across (virtual) nodes: the count exchange, the forwarders and the node reducers wait with bounds
+// too, and every rank reports within the bound + 1 s.
+TEST(Faults, NodesNotifySkippedThenReset) {
+  run_node_fault_groups(Fault::kNotify);
+}
+TEST(Faults, NodesDispatchReceiveSkippedThenReset) {
+  run_node_fault_groups(Fault::kDispatchReceive);
+}
+TEST(Faults, NodesCombineSkippedThenReset) {
+  run_node_fault_groups(Fault::kCombine);
 }
 
 // A rank exits before each phase; the survivors report it and rebuild among themselves.

@@ -88,6 +88,7 @@ struct InternodeRecord {
 //         NotifyHalf x 2 the count exchange: one message per source rank (double-buffered by the parity of
 //                        the notify sequence: a fast rank may write notify n+1 while a slow one reads n)
 //         NotifySend     this rank's outgoing messages, staged for the puts
+//         LaunchShapes   the rail peers' launch fingerprints, and this rank's staged for the puts
 //   low-latency barrier  LowLatencyBufferMap's clean barrier (untouched by normal mode)
 //   send rings        [N - 1 destination nodes][C channels][Q records]
 //   receive queues    [N source nodes][C channels][Q records]
@@ -127,7 +128,7 @@ struct InternodeBufferMap {
     int* node_channel_counts;  // [C]
     int* expert_counts;        // [E / R]
   };
-  static constexpr int kShapeInts = 10;  // ints of a ShapeFingerprint (checked where kernels use it)
+  static constexpr int kShapeInts = 11;  // ints of a ShapeFingerprint (checked where kernels use it)
   static constexpr int kNotifyInts = kMaxInternodeRanks * (kShapeInts + 2 * kMaxChannels) + kMaxExperts;
   struct NotifyHalf {
     int messages[kNotifyInts];  // [source rank]
@@ -148,12 +149,25 @@ struct InternodeBufferMap {
     return {m, counts, counts + num_channels, counts + 2 * num_channels};
   }
 
+  // Launch fingerprints across nodes (kernels/internode_common.cuh): every dispatch and combine launch puts
+  // its launch number and ShapeFingerprint to its rail peers at its start; a rail peer checks it before it
+  // reads the launch's first record from this rank. Double-buffered by the launch's parity: a rail peer
+  // cannot finish launch k + 1 before this rank finished launch k (it waits for that before it sends here),
+  // so its launch k + 2 never overwrites what launch k reads.
+  static constexpr int kLaunchShapeInts = 1 + kShapeInts;  // the launch number, then the fingerprint
+  struct LaunchShapes {
+    uint64_t signal[kMaxRdmaNodes];  // added by the rail peer on node n once its fingerprint landed
+    int from_node[2][kMaxRdmaNodes][kLaunchShapeInts];  // [launch parity][n]: the rail peer's
+    int own[2][kLaunchShapeInts];                       // this rank's, staged for the puts
+  };
+
   // The fixed areas, each 128-byte aligned, at the start of the buffer; the queues follow.
   struct Head {
     alignas(kNormalAlign) Control control;
     alignas(kNormalAlign) QueueCounters counters;
     alignas(kNormalAlign) NotifyHalf notify[2];
     alignas(kNormalAlign) NotifySend send;
+    alignas(kNormalAlign) LaunchShapes launch_shapes;
   };
   static constexpr size_t kHeadBytes = align_up(sizeof(Head), kNormalAlign);
   // One Buffer's symmetric buffer also serves low-latency mode (LowLatencyBufferMap): the low-latency clean
@@ -211,7 +225,7 @@ struct InternodeBufferMap {
 // order l received them. Counters are NormalBufferMap's (uint32, monotonic, differences from the call's
 // start), per (local peer, source node, channel).
 //
-//   Control        "previous call done" signals of the node's ranks
+//   Control        "previous call done" signals and launch fingerprints of the node's ranks
 //   QueueCounters  tail / head per (local peer, source node, channel), and own running counts
 //   queues         [L - 1 local writers][N source nodes][C channels][Q / N records]
 struct ForwardBufferMap {
@@ -224,6 +238,9 @@ struct ForwardBufferMap {
   struct Control {
     int done_signal[kMaxNvlRanks];  // written by local rank l: the launches it finished
     int pad[32 - kMaxNvlRanks];
+    // Written by local rank l at the start of each launch: the launch number tagged with its fingerprint's
+    // hash (the values go to the abort-words slot; kernels/shape_check.cuh).
+    uint64_t launch_shape[kMaxNvlRanks];
   };
   struct QueueCounters {
     uint32_t tail[kMaxNvlRanks][kMaxRdmaNodes][kMaxChannels];      // [writer][m][c]: records it wrote to me
