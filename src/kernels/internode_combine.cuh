@@ -133,10 +133,12 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
                             args.rdma_chunk_tokens),
                         count - done),
                     32);
+      if (group_aborted(context)) *shared = kStopPolling;  // the room may not be there
     }
     group.sync();
     const int take = *shared;
     group.sync();
+    if (take == kStopPolling) break;
     const uint32_t lane_mask = lane < take ? args.handle.forward_mask[first + done + lane] : 0u;
     for (int i = group.warp; i < take; i += group.num_warps) {
       const uint32_t mask = __shfl_sync(~0u, lane_mask, i);
@@ -193,7 +195,10 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
     }
     __threadfence();
     group.sync();
-    if (node == own) {
+    // A wait of this group that was abandoned (rows never received) has set the abort word by now.
+    if (group.warp == 0 && group_aborted(context)) {
+      // Nothing more leaves: the partials may be wrong.
+    } else if (node == own) {
       if (group.leader()) device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
     } else if (group.warp == 0) {
       put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + done, take,
@@ -236,6 +241,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
   const int num_topk = r.num_topk_weights;
   InternodeBufferMap::Head* head = rdma_head(context);
   const device::WaitContext wait = wait_context(context);
+  const device::WaitContext own_wait = own_blocks_wait_context(context);  // this node's partial: own blocks
   const TokenRange range = channel_token_range(args.num_tokens, args.rdma.num_channels, channel);
   const int batch = min(group.num_warps, args.rdma.queue_tokens);
   const int num_vectors = r.x_bytes / 16;
@@ -258,8 +264,8 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
             check_rail_launch_shape(context, calls, args.shape, n, WaitPhase::kCombineReduce);
           }
           device::wait_count_since_u64(&head->counters.tail[n][channel], head->counters.consumed[n][channel],
-                                       entry[n] + 1, wait, nodes.rail_peer(context.peers.rank, n),
-                                       WaitPhase::kCombineReduce);
+                                       entry[n] + 1, n == own ? own_wait : wait,
+                                       nodes.rail_peer(context.peers.rank, n), WaitPhase::kCombineReduce);
           atomicMax(&batch_end[n], static_cast<unsigned>(entry[n] + 1));
         }
       }

@@ -105,6 +105,22 @@ __device__ __forceinline__ void wait_rail_peer_ready(const InternodeContext& con
                                WaitPhase::kPreviousCall);
 }
 
+// The abort word does not reach other nodes, so an aborted rank must not feed them: a group whose wait was
+// abandoned (the waits then return as if satisfied) would put rows it never received, or overwrite ring slots
+// a put still reads. Every network sender checks this after its waits and before each put (one load); the
+// peers on other nodes then stop by their own bound, naming this rank, instead of receiving wrong rows.
+__device__ __forceinline__ bool group_aborted(const InternodeContext& context) {
+  return device::read_abort_word(wait_context(context)) != 0;
+}
+
+// A wait for what this rank's own blocks produce (its node's partials, its own records): twice the bound, so
+// the blocks' own bounded waits, which name the peer they wait for, give up first.
+__device__ __forceinline__ device::WaitContext own_blocks_wait_context(const InternodeContext& context) {
+  device::WaitContext wait = wait_context(context);
+  wait.timeout_ns = wait.timeout_ns > UINT64_MAX / 2 ? UINT64_MAX : 2 * wait.timeout_ns;
+  return wait;
+}
+
 // ---- Launch fingerprints across nodes: a dispatch or combine whose shape (or operation) differs between
 // ranks reads records of another layout. Block 0 posts the launch's fingerprint to the node's ranks (NVLink:
 // ForwardBufferMap::Control, the values in the abort-words slots) and to its rail peers (network:

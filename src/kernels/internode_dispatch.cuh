@@ -46,10 +46,12 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
                                        wait, dst_rank, WaitPhase::kDispatchSend);
       *shared = min(min(queue_room(pushed, static_cast<int>(consumed), queue_tokens), args.rdma_chunk_tokens),
                     range.end - t0);
+      if (node != own && group_aborted(context)) *shared = kStopPolling;  // the room may not be there
     }
     group.sync();
     const int granted = *shared;
     group.sync();
+    if (granted == kStopPolling) break;
     int taken = 0;
     while (taken < granted && t0 < range.end) {
       const int t = t0 + lane;
