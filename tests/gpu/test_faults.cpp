@@ -632,12 +632,16 @@ void run_release_meets_no_peer(epx::Bootstrap& bootstrap) {
 // group without the failed rank.
 constexpr std::chrono::seconds kSurvivorsTimeout{60};
 
-void run_exit(epx::Bootstrap& bootstrap, epx::bootstrap::SharedSegment& survivors, Fault fault) {
+// `ranks_per_node` > 0: the group runs across (virtual) nodes of that many ranks; the survivors rebuild as
+// one node.
+void run_exit(epx::Bootstrap& bootstrap, epx::bootstrap::SharedSegment& survivors, Fault fault,
+              int ranks_per_node = 0) {
   const int num_ranks = bootstrap.num_ranks();
   const int rank = bootstrap.rank();
   const int victim = num_ranks - 1;
-  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks));
-  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), *buffer);
+  auto buffer = std::make_unique<epx::Buffer>(bootstrap, fault_buffer_options(num_ranks, ranks_per_node));
+  run_checked_calls(normal_case(num_ranks, ranks_per_node), low_latency_case(num_ranks, ranks_per_node),
+                    *buffer);
   if (rank == victim) {
     FaultCalls calls(*buffer, num_ranks);
     calls.run(fault, true);  // the calls before the one of `fault`
@@ -655,7 +659,12 @@ void run_exit(epx::Bootstrap& bootstrap, epx::bootstrap::SharedSegment& survivor
     }
   }
   const std::string where = "rank " + std::to_string(rank) + ", exit before " + fault_name(fault);
-  expect_victim_named(where, error, seconds_since(start), victim, fault, *buffer);
+  if (ranks_per_node > 0) {
+    expect_error_across_nodes(where, error, seconds_since(start), rank, victim, ranks_per_node, fault,
+                              *buffer);
+  } else {
+    expect_victim_named(where, error, seconds_since(start), victim, fault, *buffer);
+  }
   expect_context_alive(rank);
   expect_error([&] { FaultCalls(*buffer, num_ranks).run(fault, false); }, error);
 
@@ -676,6 +685,19 @@ void run_exit_group(Fault fault) {
   // Made before run_ranks forks the ranks, so every rank maps the same pages.
   epx::bootstrap::SharedSegment survivors(num_ranks - 1, epx::LocalLaunchOptions{}.max_gather_bytes);
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault); });
+}
+
+// Across virtual nodes: 2 nodes of 1 rank, then (where 4 ranks can start) 2 nodes of 2.
+void run_node_exit_groups(Fault fault) {
+#ifndef EPX_HAVE_NVSHMEM
+  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
+#endif
+  for (const int num_ranks : {2, 4}) {
+    if (num_ranks > epx::test::test_rank_capacity()) continue;
+    epx::bootstrap::SharedSegment survivors(num_ranks - 1, epx::LocalLaunchOptions{}.max_gather_bytes);
+    epx::test::run_ranks(
+        num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault, num_ranks / 2); });
+  }
 }
 
 // ---- destroy() that one rank never calls ----
@@ -887,6 +909,16 @@ TEST(Faults, RankExitsBeforeLowLatencyCombine) {
 }
 TEST(Faults, RankExitsBeforeClean) {
   run_exit_group(Fault::kClean);
+}
+// ... and across (virtual) nodes, in the count exchange, the forwarding receive and the combine.
+TEST(Faults, NodesRankExitsBeforeNotify) {
+  run_node_exit_groups(Fault::kNotify);
+}
+TEST(Faults, NodesRankExitsBeforeDispatchReceive) {
+  run_node_exit_groups(Fault::kDispatchReceive);
+}
+TEST(Faults, NodesRankExitsBeforeCombine) {
+  run_node_exit_groups(Fault::kCombine);
 }
 TEST(Faults, DestroyAfterARankLeftWithoutIt) {
   epx::test::run_ranks(fault_test_ranks(),
