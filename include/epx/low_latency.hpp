@@ -8,6 +8,7 @@
 
 #include "epx/buffer.hpp"
 #include "epx/buffer_map/low_latency_buffer_map.hpp"
+#include "epx/common/fields.hpp"
 #include "epx/event.hpp"
 
 // Low-latency (decode) mode on raw device pointers: dispatch into the fixed per-expert layout [L, R*M, H] and
@@ -36,6 +37,26 @@ struct LowLatencyDispatchInput {
   int* cumulative_local_expert_recv_stats = nullptr;  // [L] or null: += received rows per local expert
   int64_t* dispatch_wait_recv_cost_stats = nullptr;   // [R] or null: += ns the receive waited per source
 };
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<LowLatencyDispatchInput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("x", &LowLatencyDispatchInput::x);
+    v("topk_idx", &LowLatencyDispatchInput::topk_idx);
+    v("num_tokens", &LowLatencyDispatchInput::num_tokens);
+    v("num_topk", &LowLatencyDispatchInput::num_topk);
+    v("hidden", &LowLatencyDispatchInput::hidden);
+    v("num_max_dispatch_tokens_per_rank", &LowLatencyDispatchInput::num_max_dispatch_tokens_per_rank);
+    v("num_experts", &LowLatencyDispatchInput::num_experts);
+    v("use_fp8", &LowLatencyDispatchInput::use_fp8);
+    v("round_scale", &LowLatencyDispatchInput::round_scale);
+    v("use_ue8m0", &LowLatencyDispatchInput::use_ue8m0);
+    v("return_recv_hook", &LowLatencyDispatchInput::return_recv_hook);
+    v("cumulative_local_expert_recv_stats", &LowLatencyDispatchInput::cumulative_local_expert_recv_stats);
+    v("dispatch_wait_recv_cost_stats", &LowLatencyDispatchInput::dispatch_wait_recv_cost_stats);
+  }
+};
 
 // Caller-allocated outputs (sizes: low_latency_dispatch_sizes). Rows past recv_count[le] are unspecified.
 struct LowLatencyDispatchOutput {
@@ -47,6 +68,19 @@ struct LowLatencyDispatchOutput {
   int* recv_src_info = nullptr;                  // [L, R*M] source token index of each row
   int* recv_topk_pos = nullptr;                  // [L, R*M] top-k position of the token's (first) listing
   LowLatencyRange* recv_layout_range = nullptr;  // [L, R]
+};
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<LowLatencyDispatchOutput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("recv_x", &LowLatencyDispatchOutput::recv_x);
+    v("recv_x_scales", &LowLatencyDispatchOutput::recv_x_scales);
+    v("recv_count", &LowLatencyDispatchOutput::recv_count);
+    v("recv_src_info", &LowLatencyDispatchOutput::recv_src_info);
+    v("recv_topk_pos", &LowLatencyDispatchOutput::recv_topk_pos);
+    v("recv_layout_range", &LowLatencyDispatchOutput::recv_layout_range);
+  }
 };
 
 struct LowLatencyDispatchSizes {
@@ -113,6 +147,22 @@ struct LowLatencyCombineInput {
   bool zero_copy = false;
   bool return_recv_hook = false;
   int64_t* combine_wait_recv_cost_stats = nullptr;  // [R] or null
+};
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<LowLatencyCombineInput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("x", &LowLatencyCombineInput::x);
+    v("topk_idx", &LowLatencyCombineInput::topk_idx);
+    v("topk_weights", &LowLatencyCombineInput::topk_weights);
+    v("num_tokens", &LowLatencyCombineInput::num_tokens);
+    v("num_topk", &LowLatencyCombineInput::num_topk);
+    v("use_logfmt", &LowLatencyCombineInput::use_logfmt);
+    v("zero_copy", &LowLatencyCombineInput::zero_copy);
+    v("return_recv_hook", &LowLatencyCombineInput::return_recv_hook);
+    v("combine_wait_recv_cost_stats", &LowLatencyCombineInput::combine_wait_recv_cost_stats);
+  }
 };
 
 struct LowLatencyCombineResult {

@@ -7,6 +7,7 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
+#include "epx/common/fields.hpp"
 #include "epx/event.hpp"
 
 // Normal (high-throughput) mode within one NVLink domain: layout, dispatch and combine on raw device
@@ -22,6 +23,17 @@ struct DispatchLayoutOutput {
   // Optional: [R / Buffer::ranks_per_node()] tokens per node (a token counts once per node; DeepEP's
   // num_tokens_per_rdma_rank), or nullptr when not wanted.
   int* num_tokens_per_rdma_rank = nullptr;
+};
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<DispatchLayoutOutput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("num_tokens_per_rank", &DispatchLayoutOutput::num_tokens_per_rank);
+    v("num_tokens_per_expert", &DispatchLayoutOutput::num_tokens_per_expert);
+    v("is_token_in_rank", &DispatchLayoutOutput::is_token_in_rank);
+    v("num_tokens_per_rdma_rank", &DispatchLayoutOutput::num_tokens_per_rdma_rank);
+  }
 };
 
 // Tokens per rank (a token counts once per rank), per expert, per node (when asked), and the token-in-rank
@@ -52,6 +64,28 @@ struct DispatchInput {
   const int* num_tokens_per_rank = nullptr;
   int expert_alignment = 1;
   int num_worst_tokens = 0;  // > 0: no CPU sync, outputs sized num_worst_tokens rows
+};
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<DispatchInput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("x", &DispatchInput::x);
+    v("format", &DispatchInput::format);
+    v("x_scales", &DispatchInput::x_scales);
+    v("num_scales", &DispatchInput::num_scales);
+    v("num_tokens", &DispatchInput::num_tokens);
+    v("hidden", &DispatchInput::hidden);
+    v("topk_idx", &DispatchInput::topk_idx);
+    v("topk_weights", &DispatchInput::topk_weights);
+    v("num_topk", &DispatchInput::num_topk);
+    v("num_experts", &DispatchInput::num_experts);
+    v("is_token_in_rank", &DispatchInput::is_token_in_rank);
+    v("num_tokens_per_expert", &DispatchInput::num_tokens_per_expert);
+    v("num_tokens_per_rank", &DispatchInput::num_tokens_per_rank);
+    v("expert_alignment", &DispatchInput::expert_alignment);
+    v("num_worst_tokens", &DispatchInput::num_worst_tokens);
+  }
 };
 
 // What combine and a cached re-dispatch need. Copyable (shared); device memory is freed with the last copy.
@@ -114,6 +148,17 @@ struct DispatchOutput {
   int64_t* recv_topk_idx = nullptr;    // [rows, K] local expert ids, -1 elsewhere (only with top-k input)
   float* recv_topk_weights = nullptr;  // [rows, K]
 };
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<DispatchOutput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("recv_x", &DispatchOutput::recv_x);
+    v("recv_x_scales", &DispatchOutput::recv_x_scales);
+    v("recv_topk_idx", &DispatchOutput::recv_topk_idx);
+    v("recv_topk_weights", &DispatchOutput::recv_topk_weights);
+  }
+};
 
 // Which step launches the receive of a dispatch whose host waits for the counts.
 enum class DispatchOverlap {
@@ -167,10 +212,32 @@ struct CombineInput {
   // experts whose output width is not their input's): the handle fixes only which rows go where.
   int hidden = 0;
 };
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<CombineInput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("x", &CombineInput::x);
+    v("topk_weights", &CombineInput::topk_weights);
+    v("num_topk", &CombineInput::num_topk);
+    v("bias0", &CombineInput::bias0);
+    v("bias1", &CombineInput::bias1);
+    v("hidden", &CombineInput::hidden);
+  }
+};
 
 struct CombineOutput {
   void* combined_x = nullptr;              // [T, hidden] BF16 (the combine's hidden)
   float* combined_topk_weights = nullptr;  // [T, K] (when topk_weights given)
+};
+// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+template <>
+struct Fields<CombineOutput> {
+  template <typename Visit>
+  static constexpr void visit(Visit&& v) {
+    v("combined_x", &CombineOutput::combined_x);
+    v("combined_topk_weights", &CombineOutput::combined_topk_weights);
+  }
 };
 
 // Sums, without weights, every copy of each token returned by the ranks it went to, then adds the biases.

@@ -12,6 +12,8 @@
 #include <utility>
 #include <vector>
 
+#include "epx/common/fields.hpp"
+
 namespace epx::python {
 
 namespace py = pybind11;
@@ -25,6 +27,19 @@ void def_pointer(py::class_<Class>& cls, const char* name, Pointer Class::*membe
       [member](Class& self, uintptr_t address) {
         self.*member = reinterpret_cast<Pointer>(address);  // NOLINT(performance-no-int-to-ptr)
       });
+}
+
+// Every field Fields<Class> lists (epx/common/fields.hpp): pointers as int properties, the rest as values.
+template <typename Class>
+void def_fields(py::class_<Class>& cls) {
+  Fields<Class>::visit([&cls](const char* name, auto member) {
+    using Member = std::remove_reference_t<decltype(std::declval<Class&>().*member)>;
+    if constexpr (std::is_pointer_v<Member>) {
+      def_pointer(cls, name, member);
+    } else {
+      cls.def_readwrite(name, member);
+    }
+  });
 }
 
 template <typename Pointer>

@@ -157,10 +157,7 @@ void bind_normal(py::module_& m) {
 
   py::class_<DispatchLayoutOutput> layout_out(m, "DispatchLayoutOutput");
   layout_out.def(py::init<>());
-  def_pointer(layout_out, "num_tokens_per_rank", &DispatchLayoutOutput::num_tokens_per_rank);
-  def_pointer(layout_out, "num_tokens_per_expert", &DispatchLayoutOutput::num_tokens_per_expert);
-  def_pointer(layout_out, "is_token_in_rank", &DispatchLayoutOutput::is_token_in_rank);
-  def_pointer(layout_out, "num_tokens_per_rdma_rank", &DispatchLayoutOutput::num_tokens_per_rdma_rank);
+  def_fields(layout_out);
   m.def(
       "get_dispatch_layout",
       [](PyBuffer& buffer, uintptr_t topk_idx, int num_tokens, int num_topk, int num_experts,
@@ -174,22 +171,8 @@ void bind_normal(py::module_& m) {
       py::arg("num_experts"), py::arg("out"), py::arg("order"));
 
   py::class_<DispatchInput> in(m, "DispatchInput");
-  in.def(py::init<>())
-      .def_readwrite("format", &DispatchInput::format)
-      .def_readwrite("num_tokens", &DispatchInput::num_tokens)
-      .def_readwrite("hidden", &DispatchInput::hidden)
-      .def_readwrite("num_scales", &DispatchInput::num_scales)
-      .def_readwrite("num_topk", &DispatchInput::num_topk)
-      .def_readwrite("num_experts", &DispatchInput::num_experts)
-      .def_readwrite("expert_alignment", &DispatchInput::expert_alignment)
-      .def_readwrite("num_worst_tokens", &DispatchInput::num_worst_tokens);
-  def_pointer(in, "x", &DispatchInput::x);
-  def_pointer(in, "x_scales", &DispatchInput::x_scales);
-  def_pointer(in, "topk_idx", &DispatchInput::topk_idx);
-  def_pointer(in, "topk_weights", &DispatchInput::topk_weights);
-  def_pointer(in, "is_token_in_rank", &DispatchInput::is_token_in_rank);
-  def_pointer(in, "num_tokens_per_expert", &DispatchInput::num_tokens_per_expert);
-  def_pointer(in, "num_tokens_per_rank", &DispatchInput::num_tokens_per_rank);
+  in.def(py::init<>());
+  def_fields(in);
 
   py::class_<DispatchHandle>(m, "DispatchHandle")
       .def_property_readonly("valid", &DispatchHandle::valid)
@@ -230,10 +213,7 @@ void bind_normal(py::module_& m) {
 
   py::class_<DispatchOutput> out(m, "DispatchOutput");
   out.def(py::init<>());
-  def_pointer(out, "recv_x", &DispatchOutput::recv_x);
-  def_pointer(out, "recv_x_scales", &DispatchOutput::recv_x_scales);
-  def_pointer(out, "recv_topk_idx", &DispatchOutput::recv_topk_idx);
-  def_pointer(out, "recv_topk_weights", &DispatchOutput::recv_topk_weights);
+  def_fields(out);
 
   py::class_<DispatchOutputGuess>(m, "DispatchOutputGuess")
       .def(py::init<>())
@@ -270,18 +250,12 @@ void bind_normal(py::module_& m) {
       py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"));
 
   py::class_<CombineInput> combine_in(m, "CombineInput");
-  combine_in.def(py::init<>())
-      .def_readwrite("num_topk", &CombineInput::num_topk)
-      .def_readwrite("hidden", &CombineInput::hidden);
-  def_pointer(combine_in, "x", &CombineInput::x);
-  def_pointer(combine_in, "topk_weights", &CombineInput::topk_weights);
-  def_pointer(combine_in, "bias0", &CombineInput::bias0);
-  def_pointer(combine_in, "bias1", &CombineInput::bias1);
+  combine_in.def(py::init<>());
+  def_fields(combine_in);
 
   py::class_<CombineOutput> combine_out(m, "CombineOutput");
   combine_out.def(py::init<>());
-  def_pointer(combine_out, "combined_x", &CombineOutput::combined_x);
-  def_pointer(combine_out, "combined_topk_weights", &CombineOutput::combined_topk_weights);
+  def_fields(combine_out);
 
   m.def(
       "combine",
@@ -295,30 +269,13 @@ void bind_normal(py::module_& m) {
 void bind_low_latency(py::module_& m) {
   using In = LowLatencyDispatchInput;
   py::class_<In> in(m, "LowLatencyDispatchInput");
-  in.def(py::init<>())
-      .def_readwrite("num_tokens", &In::num_tokens)
-      .def_readwrite("num_topk", &In::num_topk)
-      .def_readwrite("hidden", &In::hidden)
-      .def_readwrite("num_max_dispatch_tokens_per_rank", &In::num_max_dispatch_tokens_per_rank)
-      .def_readwrite("num_experts", &In::num_experts)
-      .def_readwrite("use_fp8", &In::use_fp8)
-      .def_readwrite("round_scale", &In::round_scale)
-      .def_readwrite("use_ue8m0", &In::use_ue8m0)
-      .def_readwrite("return_recv_hook", &In::return_recv_hook);
-  def_pointer(in, "x", &In::x);
-  def_pointer(in, "topk_idx", &In::topk_idx);
-  def_pointer(in, "cumulative_local_expert_recv_stats", &In::cumulative_local_expert_recv_stats);
-  def_pointer(in, "dispatch_wait_recv_cost_stats", &In::dispatch_wait_recv_cost_stats);
+  in.def(py::init<>());
+  def_fields(in);
 
   using Out = LowLatencyDispatchOutput;
   py::class_<Out> out(m, "LowLatencyDispatchOutput");
   out.def(py::init<>());
-  def_pointer(out, "recv_x", &Out::recv_x);
-  def_pointer(out, "recv_x_scales", &Out::recv_x_scales);
-  def_pointer(out, "recv_count", &Out::recv_count);
-  def_pointer(out, "recv_src_info", &Out::recv_src_info);
-  def_pointer(out, "recv_topk_pos", &Out::recv_topk_pos);
-  def_pointer(out, "recv_layout_range", &Out::recv_layout_range);
+  def_fields(out);
 
   using Sizes = LowLatencyDispatchSizes;
   py::class_<Sizes>(m, "LowLatencyDispatchSizes")
@@ -369,16 +326,8 @@ void bind_low_latency(py::module_& m) {
 
   using CIn = LowLatencyCombineInput;
   py::class_<CIn> combine_in(m, "LowLatencyCombineInput");
-  combine_in.def(py::init<>())
-      .def_readwrite("num_tokens", &CIn::num_tokens)
-      .def_readwrite("num_topk", &CIn::num_topk)
-      .def_readwrite("use_logfmt", &CIn::use_logfmt)
-      .def_readwrite("zero_copy", &CIn::zero_copy)
-      .def_readwrite("return_recv_hook", &CIn::return_recv_hook);
-  def_pointer(combine_in, "x", &CIn::x);
-  def_pointer(combine_in, "topk_idx", &CIn::topk_idx);
-  def_pointer(combine_in, "topk_weights", &CIn::topk_weights);
-  def_pointer(combine_in, "combine_wait_recv_cost_stats", &CIn::combine_wait_recv_cost_stats);
+  combine_in.def(py::init<>());
+  def_fields(combine_in);
 
   py::class_<LowLatencyCombineResult>(m, "LowLatencyCombineResult")
       .def_readonly("event", &LowLatencyCombineResult::event)

@@ -68,11 +68,11 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
       for (int k = group.warp; k < take; k += group.num_warps) {
         const int row = row0 + pushed[m] + k;
         char* record = args.nvl.record(dst_base, me, dst, m, channel, base + pushed[m] + k);
-        warp_copy<false>(record, static_cast<const char*>(args.x) + static_cast<size_t>(row) * r.x_bytes,
+        warp_copy<false>(record, static_cast<const char*>(args.in.x) + static_cast<size_t>(row) * r.x_bytes,
                          r.x_bytes, group.lane);
         if (group.lane < r.num_topk_weights) {
           reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
-              args.topk_weights[static_cast<size_t>(row) * r.num_topk_weights + group.lane];
+              args.in.topk_weights[static_cast<size_t>(row) * r.num_topk_weights + group.lane];
         }
       }
       group.sync();
@@ -162,7 +162,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
       __syncwarp();
       const auto row_of = [&](int l) -> const char* {
         if (l == me) {
-          return static_cast<const char*>(args.x) +
+          return static_cast<const char*>(args.in.x) +
                  static_cast<size_t>(self_row0 + self_taken + entry[l]) * r.x_bytes;
         }
         return args.nvl.record(context.peers.local_base, l, me, node, channel,
@@ -185,7 +185,8 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
           if (!((mask >> l) & 1u)) continue;
           if (l == me) {
             weight +=
-                args.topk_weights[static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane];
+                args.in
+                    .topk_weights[static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane];
           } else {
             weight += reinterpret_cast<const volatile float*>(row_of(l) + r.topk_weights_offset())[lane];
           }
@@ -274,7 +275,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
         return args.rdma.recv_record(context.rdma_base, n, channel,
                                      head->counters.consumed[n][channel] + entry[n]);
       };
-      bool any_source = args.bias0 != nullptr || args.bias1 != nullptr;
+      bool any_source = args.in.bias0 != nullptr || args.in.bias1 != nullptr;
       for (int n = 0; n < num_nodes; ++n) any_source |= entry[n] >= 0;
       for (int v = lane; v < num_vectors; v += 32) {
         float acc[8];
@@ -283,17 +284,17 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
           if (entry[n] >= 0) add_bf16x8(acc, device::ld_v4(reinterpret_cast<const int4*>(partial(n)) + v));
         }
         const size_t offset = static_cast<size_t>(t) * num_vectors + v;
-        if (args.bias0 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias0)[offset]);
-        if (args.bias1 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.bias1)[offset]);
-        static_cast<int4*>(args.combined_x)[offset] = any_source ? round_bf16x8(acc) : int4{0, 0, 0, 0};
+        if (args.in.bias0 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.in.bias0)[offset]);
+        if (args.in.bias1 != nullptr) add_bf16x8(acc, static_cast<const int4*>(args.in.bias1)[offset]);
+        static_cast<int4*>(args.out.combined_x)[offset] = any_source ? round_bf16x8(acc) : int4{0, 0, 0, 0};
       }
-      if (args.combined_topk_weights != nullptr && lane < num_topk) {
+      if (args.out.combined_topk_weights != nullptr && lane < num_topk) {
         float weight = 0.0f;
         for (int n = 0; n < num_nodes; ++n) {
           if (entry[n] >= 0)
             weight += reinterpret_cast<const volatile float*>(partial(n) + r.topk_weights_offset())[lane];
         }
-        args.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = weight;
+        args.out.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = weight;
       }
     }
     group.sync();

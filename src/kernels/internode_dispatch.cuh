@@ -82,7 +82,8 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
         const uint64_t position = base + pushed + entry;
         char* record = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
                                    : args.rdma.send_record(context.rdma_base, node, own, channel, position);
-        write_token_record(record, r, args.x, args.x_scales, args.topk_idx, args.topk_weights, token, lane);
+        write_token_record(record, r, args.in.x, args.in.x_scales, args.in.topk_idx, args.in.topk_weights,
+                           token, lane);
         const uint32_t token_mask = __shfl_sync(~0u, local_mask, bit);
         if (lane == 0) *reinterpret_cast<uint32_t*>(record + args.record.rank_mask_offset()) = token_mask;
       }

@@ -47,16 +47,10 @@ struct InternodeDispatchArgs {
   int num_experts;
   int rdma_chunk_tokens;  // records per put-with-signal
   int nvl_chunk_tokens;   // unused by dispatch's forwarders (they publish what they took), kept for symmetry
-  const uint8_t* is_token_in_rank;  // [T, R]
-  const void* x;
-  const float* x_scales;
-  const int64_t* topk_idx;
-  const float* topk_weights;
+  const uint8_t* is_token_in_rank;  // [T, R]: the input's, or a cached handle's copy
+  DispatchInput in;                 // the caller's (x, scales, top-k: what the kernel reads of it)
   HandleArrays handle;
-  void* recv_x;
-  float* recv_x_scales;
-  int64_t* recv_topk_idx;
-  float* recv_topk_weights;
+  DispatchOutput out;
   ShapeFingerprint shape;  // the launch's: checked by every receiver before a source's first record
 };
 void launch_internode_dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
@@ -70,12 +64,8 @@ struct InternodeCombineArgs {
   int rdma_chunk_tokens;
   int nvl_chunk_tokens;
   HandleArrays handle;
-  const void* x;  // [rows, hidden] BF16
-  const float* topk_weights;
-  const void* bias0;
-  const void* bias1;
-  void* combined_x;
-  float* combined_topk_weights;
+  CombineInput in;  // the caller's (x, top-k weights, biases)
+  CombineOutput out;
   ShapeFingerprint shape;  // the launch's: checked by every reducer before a source's first row
 };
 void launch_internode_combine(const InternodeCombineArgs& args, cudaStream_t stream);

@@ -31,11 +31,11 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
       const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
       if (group.lane == 0)
-        device::bulk_prefetch_l2(static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes);
-      warp_copy<false>(record, static_cast<const char*>(args.x) + row * r.x_bytes, r.x_bytes, group.lane);
+        device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
+      warp_copy<false>(record, static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes, group.lane);
       if (group.lane < r.num_topk_weights) {
         reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
-            args.topk_weights[row * r.num_topk_weights + group.lane];
+            args.in.topk_weights[row * r.num_topk_weights + group.lane];
       }
     }
     queue.publish(granted);
@@ -47,7 +47,7 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
 __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, int entry, int channel,
                                                 int own_row0) {
   if (r == args.peers.rank) {
-    return static_cast<const char*>(args.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
+    return static_cast<const char*>(args.in.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
   }
   return args.layout.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
 }
@@ -55,7 +55,7 @@ __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, 
 // Output chunk c of token t: the sum, rounded once to BF16.
 __device__ __forceinline__ void store_chunk(const CombineArgs& args, int t, int c, int num_chunks,
                                             const float (&acc)[8]) {
-  static_cast<int4*>(args.combined_x)[static_cast<size_t>(t) * num_chunks + c] = round_bf16x8(acc);
+  static_cast<int4*>(args.out.combined_x)[static_cast<size_t>(t) * num_chunks + c] = round_bf16x8(acc);
 }
 
 // Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
@@ -69,11 +69,11 @@ __device__ __forceinline__ const char* token_source(const CombineArgs& args, int
   if (j < num_copies) return copy_row(args, r, entry_r, channel, own_row0);
   const size_t bias_row = static_cast<size_t>(t) * args.record.x_bytes;
   j -= num_copies;
-  if (args.bias0 != nullptr) {
-    if (j == 0) return static_cast<const char*>(args.bias0) + bias_row;
+  if (args.in.bias0 != nullptr) {
+    if (j == 0) return static_cast<const char*>(args.in.bias0) + bias_row;
     --j;
   }
-  if (args.bias1 != nullptr && j == 0) return static_cast<const char*>(args.bias1) + bias_row;
+  if (args.in.bias1 != nullptr && j == 0) return static_cast<const char*>(args.in.bias1) + bias_row;
   return nullptr;
 }
 
@@ -101,7 +101,7 @@ struct ReduceContext {
     return lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
   }
   __device__ int num_sources(unsigned copies) const {
-    return __popc(copies) + (args.bias0 != nullptr ? 1 : 0) + (args.bias1 != nullptr ? 1 : 0);
+    return __popc(copies) + (args.in.bias0 != nullptr ? 1 : 0) + (args.in.bias1 != nullptr ? 1 : 0);
   }
 };
 
@@ -155,7 +155,7 @@ class WarpReducer {
       if (num_sources == 1) {
         for (int piece = 0; piece < num_pieces_; ++piece, ++item) {
           const int4* landed = next_landed(item);
-          auto* out = static_cast<int4*>(c_.args.combined_x) + static_cast<size_t>(t) * num_chunks_;
+          auto* out = static_cast<int4*>(c_.args.out.combined_x) + static_cast<size_t>(t) * num_chunks_;
           const int first = piece * kPieceChunks;
 #pragma unroll
           for (int u = 0; u < kChunksPerLane; ++u) {
@@ -255,10 +255,10 @@ class WarpReducer {
     for (int r = 0; r < kMaxNvlRanks; ++r) {
       const int entry_r = __shfl_sync(~0u, entry, r);
       weights[r] = 0.0f;
-      if (c_.args.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
+      if (c_.args.out.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
         continue;
       if (r == c_.args.peers.rank) {
-        weights[r] = c_.args.topk_weights[static_cast<size_t>(c_.own_row0 + entry_r) * num_topk + c_.lane];
+        weights[r] = c_.args.in.topk_weights[static_cast<size_t>(c_.own_row0 + entry_r) * num_topk + c_.lane];
       } else {
         const char* record = copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
         weights[r] =
@@ -270,13 +270,13 @@ class WarpReducer {
   // The weights summed in ascending rank order.
   __device__ void store_topk_weights(int t, unsigned copies, const float (&weights)[kMaxNvlRanks]) const {
     const int num_topk = c_.args.record.num_topk_weights;
-    if (c_.args.combined_topk_weights == nullptr || c_.lane >= num_topk) return;
+    if (c_.args.out.combined_topk_weights == nullptr || c_.lane >= num_topk) return;
     float sum = 0.0f;
 #pragma unroll
     for (int r = 0; r < kMaxNvlRanks; ++r) {
       if ((copies >> r) & 1u) sum += weights[r];
     }
-    c_.args.combined_topk_weights[static_cast<size_t>(t) * num_topk + c_.lane] = sum;
+    c_.args.out.combined_topk_weights[static_cast<size_t>(t) * num_topk + c_.lane] = sum;
   }
 
   const ReduceContext& c_;

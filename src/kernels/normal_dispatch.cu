@@ -32,9 +32,9 @@ struct RowOutputs {
 // device memory for the other blocks, since host-memory reads by every block slowed the whole copy that
 // followed ~2.5x (H200, 24 SMs).
 __device__ RowOutputs row_outputs(const DispatchArgs& args) {
-  const RowOutputs given{
-      args.recv_x, args.recv_x_scales, args.recv_topk_idx, args.recv_topk_weights, args.handle.recv_src_idx,
-      false};
+  const RowOutputs given{args.out.recv_x,          args.out.recv_x_scales,
+                         args.out.recv_topk_idx,   args.out.recv_topk_weights,
+                         args.handle.recv_src_idx, false};
   if (args.published == nullptr) return given;
   // The count exchange (the notify before this launch, or this launch's own blocks) wrote the row count; the
   // host decides the same from the announced totals (totals that disagreed with it aborted the group, and
@@ -120,9 +120,10 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, const RowOut
 __device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane) {
   const NormalRecord& r = args.record;
   if (lane == 0)
-    device::bulk_prefetch_l2(static_cast<const char*>(args.x) + static_cast<size_t>(token) * r.x_bytes,
+    device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes,
                              r.x_bytes);
-  write_token_record(record, r, args.x, args.x_scales, args.topk_idx, args.topk_weights, token, lane);
+  write_token_record(record, r, args.in.x, args.in.x_scales, args.in.topk_idx, args.in.topk_weights, token,
+                     lane);
 }
 
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
@@ -155,10 +156,11 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
       const int token = t0 + bit;
       const size_t k = static_cast<size_t>(token) * num_topk;
       write_row<false>(args, out, row0 + entry,
-                       static_cast<const char*>(args.x) + static_cast<size_t>(token) * args.record.x_bytes,
-                       args.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
-                       args.topk_idx + k, args.topk_weights == nullptr ? nullptr : args.topk_weights + k,
-                       token, lane, copier);
+                       static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * args.record.x_bytes,
+                       args.in.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
+                       args.in.topk_idx + k,
+                       args.in.topk_weights == nullptr ? nullptr : args.in.topk_weights + k, token, lane,
+                       copier);
     }
     count += __popc(mask);
   }
@@ -250,10 +252,10 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
   const int stride = args.layout.num_channels * kQueueThreads;
   for (int row = num_rows + channel * kQueueThreads + threadIdx.x; row < args.num_out_rows; row += stride) {
     args.handle.recv_src_idx[row] = -1;
-    if (args.recv_topk_idx == nullptr) continue;
+    if (args.out.recv_topk_idx == nullptr) continue;
     for (int k = 0; k < num_topk; ++k) {
-      args.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = -1;
-      args.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = 0.0f;
+      args.out.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = -1;
+      args.out.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = 0.0f;
     }
   }
 }

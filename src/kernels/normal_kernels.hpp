@@ -7,6 +7,7 @@
 #include "core/shape_fingerprint.hpp"
 #include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/host_device.hpp"
+#include "epx/normal.hpp"
 #include "kernels/peer_context.hpp"
 
 // Launchers of the normal-mode kernels; each takes one Args struct of plain pointers.
@@ -101,17 +102,11 @@ struct DispatchArgs {
   int num_tokens;
   int num_experts;
   int chunk_tokens;                 // records per published chunk
-  const uint8_t* is_token_in_rank;  // [T, R]
-  const void* x;
-  const float* x_scales;
-  const int64_t* topk_idx;
-  const float* topk_weights;
+  const uint8_t* is_token_in_rank;  // [T, R]: the input's, or a cached handle's copy
+  DispatchInput in;                 // the caller's (x, scales, top-k: what the kernel reads of it)
   HandleArrays handle;
   int num_out_rows;  // rows of the outputs (N, or num_worst_tokens)
-  void* recv_x;
-  float* recv_x_scales;
-  int64_t* recv_topk_idx;
-  float* recv_topk_weights;
+  DispatchOutput out;
   // Non-null: the outputs above (and handle.recv_src_idx) are not known yet; they arrive here.
   ShapeFingerprint shape{};  // of this launch (normal_launch_fingerprint), checked by every receiver
   const PublishedOutputs* published = nullptr;
@@ -135,12 +130,8 @@ struct CombineArgs {
   int num_tokens;
   int chunk_tokens;
   HandleArrays handle;
-  const void* x;  // [rows, hidden] BF16
-  const float* topk_weights;
-  const void* bias0;
-  const void* bias1;
-  void* combined_x;
-  float* combined_topk_weights;
+  CombineInput in;  // the caller's (x, top-k weights, biases)
+  CombineOutput out;
   ShapeFingerprint shape{};  // of this launch (normal_launch_fingerprint), checked by every receiver
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);

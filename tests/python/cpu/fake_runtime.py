@@ -19,6 +19,37 @@ class Struct:
         self.__dict__.update(fields)
 
 
+class BoundStruct(Struct):
+    """Plays one struct of the binding with exactly its fields and defaults (read off the compiled struct):
+    a field the torch layer sets that the binding does not have fails here, as it would on the GPU."""
+
+    native = None
+
+    def __init__(self, **fields):
+        defaults = self.native()
+        for name in self.fields():
+            object.__setattr__(self, name, getattr(defaults, name))
+        for name, value in fields.items():
+            setattr(self, name, value)
+
+    @classmethod
+    def fields(cls):
+        return [name for name, value in vars(cls.native).items() if isinstance(value, property)]
+
+    def __setattr__(self, name, value):
+        if name not in self.fields():
+            raise AttributeError(f"{self.native.__name__} has no field {name!r} in the binding")
+        object.__setattr__(self, name, value)
+
+
+def bound_struct(name):
+    """The fake of the binding's struct `name`: a BoundStruct when the binding has it, else a plain Struct."""
+    native = getattr(_epx, name, None)
+    if native is None:
+        return Struct
+    return type(name, (BoundStruct,), {"native": native})
+
+
 class FakeEvent:
     """Plays an epx Event (handle); as previous_event it passes its cuda_event (as a torch.cuda.Event does)."""
 
@@ -137,15 +168,15 @@ class FakeBinding:
     TokenFormat = SimpleNamespace(BF16="bf16", FP8="fp8")
     DispatchOverlap = SimpleNamespace(NONE="none", LAUNCH_RECEIVE="launch receive")
     StreamOrder = Struct
-    DispatchLayoutOutput = Struct
-    DispatchInput = Struct
-    DispatchOutput = Struct
+    DispatchLayoutOutput = bound_struct("DispatchLayoutOutput")
+    DispatchInput = bound_struct("DispatchInput")
+    DispatchOutput = bound_struct("DispatchOutput")
     DispatchOutputGuess = Struct
-    CombineInput = Struct
-    CombineOutput = Struct
-    LowLatencyDispatchInput = Struct
-    LowLatencyDispatchOutput = Struct
-    LowLatencyCombineInput = Struct
+    CombineInput = bound_struct("CombineInput")
+    CombineOutput = bound_struct("CombineOutput")
+    LowLatencyDispatchInput = bound_struct("LowLatencyDispatchInput")
+    LowLatencyDispatchOutput = bound_struct("LowLatencyDispatchOutput")
+    LowLatencyCombineInput = bound_struct("LowLatencyCombineInput")
 
     def __init__(self):
         self.registry = {}

@@ -419,3 +419,17 @@ def test_rank_mask_calls_reach_the_runtime(compat):
         wrapper.low_latency_query_mask_buffer(torch.zeros(2, dtype=torch.int32))
     with pytest.raises(epx.EpxError, match="invalid rank_to_mask = '1': must be an int"):
         wrapper.low_latency_update_mask_buffer("1", True)
+
+
+def test_fake_structs_take_exactly_the_bindings_fields():
+    """The fake runtime's structs are read off the compiled binding: a field the layer sets that the binding
+    lacks fails on the CPU too, and defaults match."""
+    from fake_runtime import FakeBinding
+
+    from epx import _epx
+
+    fake_in = FakeBinding.DispatchInput(num_tokens=3)
+    assert fake_in.num_tokens == 3 and fake_in.expert_alignment == _epx.DispatchInput().expert_alignment
+    with pytest.raises(AttributeError, match="DispatchInput has no field 'num_tokens_per_rnk'"):
+        fake_in.num_tokens_per_rnk = 1
+    assert set(FakeBinding.LowLatencyCombineInput.fields()) >= {"use_logfmt", "zero_copy", "topk_weights"}
