@@ -19,7 +19,8 @@ template <typename Remote>
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
   const LowLatencyBufferMap& layout = args.layout;
   const PeerContext& peers = args.peers;
-  // Both halves' signals are contiguous: [signals_offset(0), control_end_offset()).
+  // Both halves' signals and the remote shape slots are contiguous: [signals_offset(0), control_end_offset())
+  // (a zeroed shape slot never matches: hashes are never 0).
   const int num_signal_ints =
       static_cast<int>((layout.control_end_offset() - layout.signals_offset(0)) / sizeof(int));
   int* signals = local_at<int>(peers, layout.signals_offset(0));

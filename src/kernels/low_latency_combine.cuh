@@ -319,7 +319,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
-    post_shapes(args.peers, args.half, LowLatencyOp::kCombine, args.shape, masked);
+    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers = send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
@@ -328,7 +328,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).
-    const SourceWait wait = wait_all_sources(
+    const SourceWait wait = wait_all_sources<Remote>(
         args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
         WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape, args.mask, &small.left_out);
     stamp_phase(args.phase_stamps, kStampArrived);

@@ -84,7 +84,7 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // NOTES: the barrier puts every store and completed put of the block before the arriving thread's arrival, an
 // acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival also
 // acquires the other blocks' arrivals, and its release store of the flag then orders every data store and put
-// of every block before the receiver's reads (the shape fingerprints post_shapes wrote at the start of the
+// of every block before the receiver's reads (the shape fingerprints post_shapes posted at the start of the
 // send phase included). One release per arriving thread, not a fence per thread of the grid. The counter is
 // reset after the flag: the next operation on this half is a later launch. Masked destinations get nothing
 // (their counters stay untouched until a clean).
@@ -105,11 +105,25 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   }
 }
 
-// Called at the start of a send phase: block 0 writes this rank's shape fingerprint into every NVLink
-// destination's abort-words allocation, early, so the stores are long complete when publish_sends releases
-// them with the flag (they add nothing to the flag's latency).
-__device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, LowLatencyOp op,
-                                            const ShapeFingerprint& shape, unsigned long long masked) {
+static_assert(sizeof(ShapeFingerprint) <= kLowLatencyShapeSlotBytes,
+              "a shape fingerprint must fit its slot of the low-latency buffer");
+
+// Called by every thread of every block at the start of a send phase: block 0 posts this rank's shape
+// fingerprint to every unmasked destination, early, so it is long complete when publish_sends releases it
+// with the flag (it adds nothing to the flag's latency). NVLink destinations get plain stores into their
+// abort-words allocation; destinations on other nodes get a put of this rank's staged fingerprint into their
+// remote_shapes slot for this rank (put_warp is warp-collective: block 0's warps share the destinations, so
+// many remote ranks do not hold one warp, and with it block 0's first token, for long).
+// NOTES: the puts are complete before any flag that releases them, in dispatch and in combine alike: block 0
+// is always a publishing block (dispatch_publishers and combine_publishers, work_split.hpp, count it even
+// with nothing else to send), and in publish_sends every thread of it, the warps that issued these puts
+// included, calls Remote::quiet() before the barrier and its arrival, which the last arriver for a
+// destination acquires before it signals the flag. The staged slot is rewritten only by the next send of this
+// op on this half, a later launch, so never while a put still reads it.
+template <typename Remote>
+__device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowLatencyBufferMap& layout,
+                                            int half, LowLatencyOp op, const ShapeFingerprint& shape,
+                                            unsigned long long masked) {
   if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
@@ -117,6 +131,36 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, int half, 
         AbortWordsMap::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
         shape);
   }
+  if constexpr (Remote::kEnabled) {
+    auto* staged = local_at<ShapeFingerprint>(peers, layout.staged_shape_offset(half, op));
+    if (threadIdx.x == 0) {
+      post_shape(staged, shape);
+      __threadfence_system();  // visible to a transport that reads it from outside the SM
+    }
+    // The staged slot is complete before any warp's put reads it (as for every staged row).
+    __syncthreads();
+    for (int dst = threadIdx.x / 32; dst < peers.num_ranks; dst += blockDim.x / 32) {
+      if (is_direct<Remote>(peers, dst) || rank_masked(masked, dst)) continue;  // warp-uniform
+      Remote::put_warp(local_at<ShapeFingerprint>(peers, layout.remote_shape_offset(half, op, peers.rank)),
+                       staged, sizeof(ShapeFingerprint), dst);
+    }
+  }
+}
+
+// After acquiring source `src`'s flag: whether the fingerprint the flag released is this rank's shape (else
+// the group is aborted, naming the field). An NVLink source posted it into this rank's abort words, a source
+// on another node put it into remote_shapes.
+template <typename Remote>
+__device__ __forceinline__ bool source_shape_agrees(const device::WaitContext& ctx, const PeerContext& peers,
+                                                    const LowLatencyBufferMap& layout, int half,
+                                                    LowLatencyOp op, int src, const ShapeFingerprint& shape) {
+  if (!is_direct<Remote>(peers, src)) {
+    return check_shape(ctx, src, shape,
+                       local_at<ShapeFingerprint>(peers, layout.remote_shape_offset(half, op, src)));
+  }
+  if (peers.abort.peers[src] == nullptr) return true;
+  return check_shape(ctx, src, shape,
+                     AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
 }
 
 // What a receive's wait for its sources found.
@@ -133,6 +177,7 @@ struct SourceWait {
 // enable_shrink a wait that times out leaves its source out instead of aborting (every block agrees through
 // decide_source) and masks it. `left_out` (block shared memory) holds the mask at entry and is complete after
 // the call.
+template <typename Remote>
 __device__ __forceinline__ SourceWait
 wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op,
                  int expected, WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape,
@@ -163,10 +208,7 @@ wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, in
         }
       }
     }
-    if (ok && peers.abort.peers[src] != nullptr) {
-      ok = check_shape(ctx, src, shape,
-                       AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
-    }
+    if (ok) ok = source_shape_agrees<Remote>(ctx, peers, layout, half, op, src, shape);
     arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),

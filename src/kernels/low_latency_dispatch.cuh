@@ -325,6 +325,7 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
 // receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
 // out (masked, or timed out with enable_shrink) count 0 rows.
+template <typename Remote>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -333,9 +334,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
   const SourceWait wait =
       aborted ? SourceWait{false, 0ull}
-              : wait_all_sources(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                 WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats, args.shape,
-                                 args.mask, &small.left_out);
+              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
+                                         WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats,
+                                         args.shape, args.mask, &small.left_out);
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
@@ -410,7 +411,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
-    post_shapes(args.peers, args.half, LowLatencyOp::kDispatch, args.shape, masked);
+    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
     send_tokens<Remote>(args, small);
     stamp_phase(args.phase_stamps, kStampSent);
@@ -419,7 +420,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
         dispatch_publishers(args.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
-  if (args.phases & kLowLatencyRecv) receive_tokens(args, large, small, num_uses, aborted);
+  if (args.phases & kLowLatencyRecv) receive_tokens<Remote>(args, large, small, num_uses, aborted);
 }
 
 template <typename Remote>

@@ -8,8 +8,9 @@
 
 // Cross-rank agreement on shapes (core/shape_fingerprint.hpp): a sender posts its fingerprint into the
 // receiver's abort-words allocation, in a slot of its own, before the signal that publishes its data; the
-// receiver compares it after acquiring that signal. Only ranks of this NVLink node are checked (the
-// allocation is mapped there).
+// receiver compares it after acquiring that signal. That allocation is mapped within an NVLink node; ranks on
+// other nodes get the fingerprint through the symmetric buffer instead (internode_common.cuh,
+// low_latency_common.cuh), and compare it with the same helpers.
 namespace epx::kernels {
 
 // Writes `mine` into `slot` (one thread). Plain stores: the caller's signal releases them.

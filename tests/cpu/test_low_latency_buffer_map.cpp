@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstring>
+#include <iterator>
 #include <set>
 #include <string>
 #include <utility>
@@ -31,6 +32,10 @@ std::vector<Region> regions_of(const LowLatencyBufferMap& layout) {
     regions.push_back({"signals[" + std::to_string(half) + "]", layout.signals_offset(half),
                        layout.signals_offset(half) + layout.signals_bytes()});
   }
+  regions.push_back({"remote_shapes", layout.remote_shapes_offset(),
+                     layout.remote_shapes_offset() + layout.remote_shapes_bytes()});
+  regions.push_back({"staged_shapes", layout.staged_shapes_offset(),
+                     layout.staged_shapes_offset() + layout.staged_shapes_bytes()});
   regions.push_back({"combine_send", layout.combine_send_offset(),
                      layout.combine_send_offset() + layout.combine_send_bytes()});
   regions.push_back({"combine_send_meta", layout.combine_send_meta_offset(),
@@ -65,6 +70,33 @@ void expect_inside(const std::vector<Region>& regions, const std::string& name, 
   const Region& region = find_region(regions, name);
   EXPECT_GE(offset, region.begin) << name;
   EXPECT_LE(offset + bytes, region.end) << name;
+}
+
+// The shape fingerprint slots: one per (half, op, source) and one staged per (half, op), all distinct, each
+// inside its region (so off every other region), and inside the control area a clean zeroes.
+void check_shape_slots(const LowLatencyBufferMap& layout, const std::vector<Region>& regions) {
+  const size_t slot_bytes = epx::kLowLatencyShapeSlotBytes;
+  std::set<size_t> slots;
+  for (int half = 0; half < 2; ++half) {
+    for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
+      for (int r = 0; r < layout.num_ranks; ++r) {
+        const size_t slot = layout.remote_shape_offset(half, op, r);
+        slots.insert(slot);
+        expect_inside(regions, "remote_shapes", slot, slot_bytes);
+        EXPECT_EQ(slot % sizeof(int), 0u);
+      }
+      const size_t staged = layout.staged_shape_offset(half, op);
+      slots.insert(staged);
+      expect_inside(regions, "staged_shapes", staged, slot_bytes);
+      EXPECT_EQ(staged % sizeof(int), 0u);
+    }
+  }
+  // All distinct, and no two overlap (a set iterates in ascending order).
+  EXPECT_EQ(slots.size(), size_t(2 * epx::kNumLowLatencyOps * (layout.num_ranks + 1)));
+  for (auto next = std::next(slots.begin()); next != slots.end(); ++next)
+    EXPECT_GE(*next - *std::prev(next), slot_bytes);
+  EXPECT_GE(layout.remote_shapes_offset(), layout.signals_offset(0));
+  EXPECT_LE(layout.staged_shapes_offset() + layout.staged_shapes_bytes(), layout.control_end_offset());
 }
 
 void check_structure(const LowLatencyBufferMap& layout) {
@@ -148,6 +180,7 @@ void check_structure(const LowLatencyBufferMap& layout) {
   }
   // Every signal word is distinct across halves, ops and ranks.
   EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (3 * layout.num_ranks + 2)));
+  check_shape_slots(layout, regions);
   // The two halves have the same shape, one half_bytes() apart.
   EXPECT_EQ(layout.half_offset(1) - layout.half_offset(0), layout.half_bytes());
   EXPECT_EQ(layout.total_bytes(), layout.half_offset(0) + 2 * layout.half_bytes());
@@ -168,8 +201,12 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
-  EXPECT_EQ(layout.control_end_offset(), 320640u);     // normal-mode head, barrier, 2 x signals
-  EXPECT_EQ(layout.combine_send_bytes(), 528482304u);  // [72][512][7168] BF16
+  // Pinned from kQueuesOffset: the normal-mode head before it is InternodeBufferMap's to size.
+  const size_t queues = epx::InternodeBufferMap::kQueuesOffset;
+  EXPECT_EQ(layout.remote_shapes_bytes(), 1024u);          // [2][2][4] slots of 64 bytes
+  EXPECT_EQ(layout.staged_shapes_bytes(), 256u);           // [2][2] slots
+  EXPECT_EQ(layout.control_end_offset() - queues, 1536u);  // 2 x signals, then the shape slots
+  EXPECT_EQ(layout.combine_send_bytes(), 528482304u);      // [72][512][7168] BF16
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
   EXPECT_EQ(layout.dispatch_recv_index_bytes(), 147456u);
@@ -179,7 +216,7 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
   EXPECT_EQ(layout.half_bytes(), 39289984u);
-  EXPECT_EQ(layout.total_bytes(), 615640448u);
+  EXPECT_EQ(layout.total_bytes() - queues, 615321344u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
@@ -189,7 +226,7 @@ TEST(LowLatencyBufferMap, SmallestShape) {
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
   EXPECT_EQ(layout.half_bytes(), 5248u);
-  EXPECT_EQ(layout.total_bytes(), 331520u);
+  EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 11648u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
 }
@@ -200,12 +237,12 @@ TEST(LowLatencyBufferMap, OddShapes) {
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes(), 1123200u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 803840u);
     check_structure(layout);
   }
   {
     const LowLatencyBufferMap layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes(), 652537216u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 652219136u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }
@@ -214,7 +251,8 @@ TEST(LowLatencyBufferMap, OddShapes) {
 }
 
 TEST(LowLatencyBufferMap, SignalsDoNotMoveWithTheShape) {
-  // Operations of different M / hidden / E on one buffer must agree on the monotonic signal words.
+  // Operations of different M / hidden / E on one buffer must agree on the monotonic signal words and the
+  // shape fingerprint slots.
   const LowLatencyBufferMap a(128, 7168, 4, 288);
   const LowLatencyBufferMap b(3, 2688, 4, 8);
   for (int half = 0; half < 2; ++half) {
@@ -225,6 +263,10 @@ TEST(LowLatencyBufferMap, SignalsDoNotMoveWithTheShape) {
       }
       EXPECT_EQ(a.num_uses_offset(half, op), b.num_uses_offset(half, op));
       EXPECT_EQ(a.recv_done_offset(half, op), b.recv_done_offset(half, op));
+      // A source of another shape puts its fingerprint where the receiver looks for it.
+      for (int r = 0; r < 4; ++r)
+        EXPECT_EQ(a.remote_shape_offset(half, op, r), b.remote_shape_offset(half, op, r));
+      EXPECT_EQ(a.staged_shape_offset(half, op), b.staged_shape_offset(half, op));
     }
   }
   EXPECT_EQ(a.barrier_count_offset(), b.barrier_count_offset());

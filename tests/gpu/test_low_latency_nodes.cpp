@@ -3,7 +3,12 @@
 // using NVLink stores. Same harness and CPU reference as test_low_latency.cpp.
 #include <gtest/gtest.h>
 
+#include <stdlib.h>
+
+#include <chrono>
 #include <memory>
+#include <stdexcept>
+#include <string>
 
 #include "epx/local_launcher.hpp"
 #include "epx/low_latency.hpp"
@@ -128,6 +133,50 @@ TEST(LowLatencyNodes, CleanThenReuse) {
   });
 }
 
+// The last rank dispatches tokens of another hidden size. The abort word reaches only the ranks of its node,
+// so every rank must find the mismatch in the fingerprints its sources sent with their flags (put into the
+// symmetric buffer by sources on other nodes, into the abort words by NVLink peers), or be released by a rank
+// of its node that found it first: every rank's call raises the shape check's error well before the wait
+// bound (nobody waits for a timeout). Then a collective reset() and a checked round trip.
+void run_shapes_that_differ_across_nodes(int num_nodes, int ranks_per_node) {
+  const LowLatencyCase c = nodes_case(num_nodes, ranks_per_node);
+  constexpr int kOtherHidden = 1024;  // the last rank's (c.hidden on the others)
+  constexpr double kWaitTimeoutS = 5.0;
+  run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
+    // EPX_WAIT_TIMEOUT_S overrides the option (the GPU scripts set it): this rank process takes the test's.
+    setenv("EPX_WAIT_TIMEOUT_S", std::to_string(kWaitTimeoutS).c_str(), 1);
+    const int rank = bootstrap.rank();
+    epx::BufferOptions options;
+    // The last rank lays out its buffer, and its writes into its peers, for its own hidden: every rank's
+    // buffer holds the larger layout.
+    options.num_rdma_bytes =
+        epx::get_low_latency_rdma_size_hint(c.num_max_tokens, kOtherHidden, c.num_ranks, c.num_experts);
+    options.ranks_per_node = c.ranks_per_node;
+    options.wait_timeout_s = kWaitTimeoutS;
+    epx::Buffer buffer(bootstrap, options);
+    if (!buffer.spans_nodes()) throw std::runtime_error("the buffer should span nodes");
+    epx::test::LowLatencyRunner(c, buffer).run();  // agreeing fingerprints pass
+
+    LowLatencyCase mine = c;
+    if (rank == c.num_ranks - 1) mine.hidden = kOtherHidden;
+    const auto start = std::chrono::steady_clock::now();
+    // "peer P called with hidden = ..." (this rank's check), or "... called with other shapes" (released).
+    epx::test::expect_error([&] { epx::test::LowLatencyRunner(mine, buffer).run(); }, "called with");
+    const double seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
+    if (seconds >= kWaitTimeoutS)
+      throw std::runtime_error("rank " + std::to_string(rank) + ": the shape check took " +
+                               std::to_string(seconds) + " s (it must not wait for a timeout)");
+
+    buffer.reset();
+    epx::test::LowLatencyRunner(c, buffer).run();
+    buffer.destroy();
+  });
+}
+
+TEST(LowLatencyNodes, ShapesThatDifferFailOnEveryRankTwoNodesOfOne) {
+  run_shapes_that_differ_across_nodes(2, 1);
+}
+
 TEST(LowLatencyNodes, RanksPerNodeMustDivideRanks) {
   run_ranks(2, [&](epx::Bootstrap& bootstrap) {
     epx::BufferOptions options;
@@ -154,6 +203,11 @@ TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
   c.pending_pairs = true;
   c.num_iterations = 4;
   run_case(c);
+}
+
+// Rank 3's node neighbour finds the mismatch over NVLink, ranks 0 and 1 across nodes.
+TEST(LowLatencyNodes, ShapesThatDifferFailOnEveryRankTwoNodesOfTwo) {
+  run_shapes_that_differ_across_nodes(2, 2);
 }
 
 TEST(LowLatencyNodes, GraphReplayFourNodesOfOne) {

@@ -16,6 +16,8 @@ constexpr int kMaxLowLatencyRanks = 64;               // the Buffer's limit
 constexpr int kMaxLowLatencyTokensPerRank = 1 << 16;  // keeps R*M rows and packed index entries in int
 constexpr size_t kLowLatencyAlign = 128;              // every region starts on a cache line
 constexpr size_t kLowLatencySizeHintAlign = size_t(2) << 20;  // size hints are whole 2 MiB pages
+// One shape fingerprint slot: room for a ShapeFingerprint (checked where kernels use it) and more fields.
+constexpr size_t kLowLatencyShapeSlotBytes = 64;
 // FP8 scales and LogFMT metadata both cover groups of this many channels, so one group count serves both.
 constexpr int kLowLatencyGroupSize = kFp8GroupSize;
 static_assert(kLogfmtGroupSize == kLowLatencyGroupSize, "FP8 and LogFMT groups must coincide");
@@ -72,10 +74,20 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 // after every rank's normal-mode calls. Normal mode needs nothing after low-latency calls: its queues are
 // written before they are read, and its count exchange waits for every peer to reach it.
 //
+// NOTES: shapes are checked across nodes too. A source on another node puts its shape fingerprint
+// (core/shape_fingerprint.hpp) into remote_shapes[half][op][source] of the receiver before the flag that
+// publishes the operation, from its own staged_shapes[half][op] (a put reads this rank's symmetric buffer).
+// Sources on this rank's NVLink node post theirs into the abort words instead (AbortWordsMap). A clean zeroes
+// the fingerprints with the signals (both lie in [signals_offset(0), control_end_offset())): a zero hash
+// never matches, and no flag releases them until a source posts again.
+//
 //   normal-mode head                 InternodeBufferMap::kHeadBytes, untouched here
 //   barrier                          clean-barrier signals (InternodeBufferMap::kLowLatencyBarrierBytes)
-//   control                          per half h: recv_flag[op][R], send_finish[op][R], num_uses[op],
-//                                    recv_done[op], source_decision[op][R] (offsets depend on R only)
+//   control (offsets depend on R only):
+//     signals[2]                     per half h: recv_flag[op][R], send_finish[op][R], num_uses[op],
+//                                    recv_done[op], source_decision[op][R]
+//     remote_shapes[2][op][R]        fingerprints that sources on other nodes put here
+//     staged_shapes[2][op]           this rank's fingerprints, read by its puts
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
 //   per half h in {0, 1}:
@@ -133,8 +145,9 @@ struct LowLatencyBufferMap {
     return align_up(bf16_bytes > logfmt_bytes ? bf16_bytes : logfmt_bytes, 16);
   }
 
-  // ---- Control: the clean barrier and both halves' signals. Their offsets depend only on R, so operations
-  // of different shapes (M, H, E) on one buffer still agree on them. ----
+  // ---- Control: the clean barrier, both halves' signals and the shape fingerprints of sources on other
+  // nodes. Their offsets depend only on R, so operations of different shapes (M, H, E) on one buffer still
+  // agree on them (a fingerprint that differs is what the receiver must find, not a misplaced one). ----
   EPX_HD size_t barrier_signal_offset(int src_rank) const {
     return InternodeBufferMap::kLowLatencyBarrierOffset + sizeof(int) * size_t(src_rank);
   }
@@ -152,8 +165,18 @@ struct LowLatencyBufferMap {
   EPX_HD size_t signals_offset(int half) const {
     return InternodeBufferMap::kQueuesOffset + size_t(half) * signals_bytes();
   }
+  // Shape fingerprints that sources on other nodes put here: [half][op][src].
+  EPX_HD size_t remote_shapes_offset() const { return signals_offset(2); }
+  EPX_HD size_t remote_shapes_bytes() const {
+    return align_up(kLowLatencyShapeSlotBytes * 2 * kNumLowLatencyOps * size_t(num_ranks), kLowLatencyAlign);
+  }
+  // This rank's fingerprint staged for those puts: [half][op].
+  EPX_HD size_t staged_shapes_offset() const { return remote_shapes_offset() + remote_shapes_bytes(); }
+  EPX_HD size_t staged_shapes_bytes() const {
+    return align_up(kLowLatencyShapeSlotBytes * 2 * kNumLowLatencyOps, kLowLatencyAlign);
+  }
   // Where the control area ends (its offset from the start of the buffer: the normal-mode head included).
-  EPX_HD size_t control_end_offset() const { return signals_offset(2); }
+  EPX_HD size_t control_end_offset() const { return staged_shapes_offset() + staged_shapes_bytes(); }
 
   // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
   EPX_HD size_t combine_send_offset() const { return control_end_offset(); }
@@ -243,6 +266,18 @@ struct LowLatencyBufferMap {
     return signals_offset(half) +
            sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps +
                           size_t(static_cast<int>(op)) * num_ranks + src_rank);
+  }
+  // Written by `src_rank` on another node (a put): the shape fingerprint of its operation of kind `op` in
+  // this half, released by its recv_flag.
+  EPX_HD size_t remote_shape_offset(int half, LowLatencyOp op, int src_rank) const {
+    return remote_shapes_offset() +
+           kLowLatencyShapeSlotBytes *
+               ((size_t(half) * kNumLowLatencyOps + static_cast<int>(op)) * num_ranks + src_rank);
+  }
+  // Local: this rank's fingerprint of its running operation of kind `op` in this half, read by the puts.
+  EPX_HD size_t staged_shape_offset(int half, LowLatencyOp op) const {
+    return staged_shapes_offset() +
+           kLowLatencyShapeSlotBytes * (size_t(half) * kNumLowLatencyOps + static_cast<int>(op));
   }
   EPX_HD size_t dispatch_recv_count_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_counts_rel() +

@@ -24,13 +24,15 @@ struct AnyValue {
   template <typename U>
   constexpr operator U() const noexcept;  // NOLINT(google-explicit-constructor): converts to any field
 };
+// Whether T{v_0, ..., v_{n-1}} compiles for the index sequence 0..n-1.
+template <typename T, typename Indices, typename = void>
+struct Takes : std::false_type {};
 template <typename T, std::size_t... I>
-constexpr bool takes(std::index_sequence<I...>) {
-  return requires { T{(static_cast<void>(I), AnyValue{})...}; };
-}
+struct Takes<T, std::index_sequence<I...>, std::void_t<decltype(T{(static_cast<void>(I), AnyValue{})...})>>
+    : std::true_type {};
 template <typename T, std::size_t N>
 constexpr std::size_t count_from() {
-  if constexpr (N > 64 || !takes<T>(std::make_index_sequence<N + 1>{})) {
+  if constexpr (N > 64 || !Takes<T, std::make_index_sequence<N + 1>>::value) {
     return N;
   } else {
     return count_from<T, N + 1>();
