@@ -113,7 +113,7 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   const size_t row_bytes = size_t(layout.hidden) * 2;
   char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
   char* slot = local_at<char>(args.peers, slot_offset);
-  if (args.use_logfmt) {
+  if (args.in.use_logfmt) {
     // Codes (at most the BF16 row's G * 256 bytes) in the staging row, metadata beside it.
     uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) + row_idx * num_groups;
     encode_logfmt_row(staged, meta, row, num_groups, lane);
@@ -140,13 +140,14 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;
   const int hidden = layout.hidden;
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) prefix[p] = args.recv_range[p].count;
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
+    prefix[p] = args.handle.recv_layout_range[p].count;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
 
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = args.use_logfmt || Remote::kEnabled ? 1 : row_pieces(size_t(hidden) * 2);
+  const int num_pieces = args.in.use_logfmt || Remote::kEnabled ? 1 : row_pieces(size_t(hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
@@ -155,18 +156,18 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const int pair = find_pair(prefix, num_pairs, j);
     const int dst = pair % num_ranks;
     if (rank_masked(masked, dst)) continue;
-    const size_t row_idx =
-        size_t(pair / num_ranks) * layout.num_recv_rows() + args.recv_range[pair].begin + (j - prefix[pair]);
-    const int token = args.recv_src_info[row_idx];
-    const int topk_pos = args.recv_topk_pos[row_idx];
-    const uint16_t* row = static_cast<const uint16_t*>(args.x) + row_idx * hidden;
+    const size_t row_idx = size_t(pair / num_ranks) * layout.num_recv_rows() +
+                           args.handle.recv_layout_range[pair].begin + (j - prefix[pair]);
+    const int token = args.handle.recv_src_info[row_idx];
+    const int topk_pos = args.handle.recv_topk_pos[row_idx];
+    const uint16_t* row = static_cast<const uint16_t*>(args.in.x) + row_idx * hidden;
     const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, topk_pos);
     if (!is_direct<Remote>(args.peers, dst)) {
       put_expert_output<Remote>(args, row, row_idx, dst, slot_offset, lane);
       continue;
     }
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
-    if (args.use_logfmt) {
+    if (args.in.use_logfmt) {
       encode_logfmt_row(
           slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
           layout.num_groups(), lane);
@@ -224,17 +225,17 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
                               unsigned long long left_out) {
   const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
-  const int num_topk = args.num_topk;
+  const int num_topk = args.in.num_topk;
   const int num_chunks = hidden / 8;
-  const int parts = reduce_parts(args.num_tokens, static_cast<int>(gridDim.x), num_chunks, kNumThreads);
-  for (int item = blockIdx.x; item < args.num_tokens * parts; item += gridDim.x) {
+  const int parts = reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), num_chunks, kNumThreads);
+  for (int item = blockIdx.x; item < args.in.num_tokens * parts; item += gridDim.x) {
     const int token = item / parts;
     const WordRange chunks = part_chunks(num_chunks, item % parts, parts);
     __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const size_t entry = size_t(token) * num_topk + lane;
-      const int expert = lane < num_topk ? expert_at(args.topk_idx, entry, layout.num_experts) : -1;
+      const int expert = lane < num_topk ? expert_at(args.in.topk_idx, entry, layout.num_experts) : -1;
       int first = lane;
       for (int k = num_topk - 1; k >= 0; --k) {
         const int other = __shfl_sync(kFullMask, expert, k);
@@ -243,7 +244,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       if (lane < num_topk) {
         const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
         small.slot_pos[lane] = kept ? first : -1;
-        small.weights[lane] = args.topk_weights[entry];
+        small.weights[lane] = args.in.topk_weights[entry];
       }
     }
     __syncthreads();
@@ -252,7 +253,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      if (args.use_logfmt) {
+      if (args.in.use_logfmt) {
         for (int k = 0; k < num_topk; ++k) {
           const int pos = small.slot_pos[k];
           if (pos < 0) continue;
@@ -328,9 +329,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   }
   if (args.phases & kLowLatencyRecv) {
     // An abandoned wait leaves the slots unread (the output is not written).
-    const SourceWait wait = wait_all_sources<Remote>(
-        args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-        WaitPhase::kLowLatencyCombineRecv, args.wait_recv_cost_stats, args.shape, args.mask, &small.left_out);
+    const SourceWait wait =
+        wait_all_sources<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+                                 WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
+                                 args.shape, args.mask, &small.left_out);
     stamp_phase(args.phase_stamps, kStampArrived);
     if (wait.arrived) reduce_tokens(args, small, wait.left_out);
     stamp_phase(args.phase_stamps, kStampDelivered);

@@ -46,7 +46,7 @@ size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
 // The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
                                              unsigned long long masked) {
-  const int expert = first_listed_expert(args.topk_idx, entry, args.num_topk, args.layout.num_experts);
+  const int expert = first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.layout.num_experts);
   return expert >= 0 && rank_masked(masked, expert / args.layout.num_local_experts()) ? -1 : expert;
 }
 
@@ -79,7 +79,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
   const int num_local = layout.num_local_experts();
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int num_entries = args.num_tokens * args.num_topk;
+  const int num_entries = args.in.num_tokens * args.in.num_topk;
 
   for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kNumThreads) hist[i] = 0;
   __syncthreads();
@@ -141,8 +141,8 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
                             args.peers, dst,
                             layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
                       : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
-      const int token = entry / args.num_topk;
-      list[slot] = pack_recv_index_entry(token, entry % args.num_topk);
+      const int token = entry / args.in.num_topk;
+      list[slot] = pack_recv_index_entry(token, entry % args.in.num_topk);
     }
     __syncwarp();
     if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
@@ -168,13 +168,14 @@ __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale)
 template <typename Remote>
 __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small) {
   const int lane = threadIdx.x;
-  const int expert = lane < args.num_topk ? expert_at(args.topk_idx, size_t(token) * args.num_topk + lane,
-                                                      args.layout.num_experts)
-                                          : -1;
+  const int expert =
+      lane < args.in.num_topk
+          ? expert_at(args.in.topk_idx, size_t(token) * args.in.num_topk + lane, args.layout.num_experts)
+          : -1;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   bool first = dst >= 0;
-  for (int k = 0; k < args.num_topk; ++k) {
+  for (int k = 0; k < args.in.num_topk; ++k) {
     const int other = __shfl_sync(kFullMask, dst, k);
     if (k < lane && other == dst) first = false;
   }
@@ -207,17 +208,17 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
   const int octet = threadIdx.x / 8;
   const int sub = threadIdx.x % 8;
   const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
-  for (int token = blockIdx.x; token < args.num_tokens; token += gridDim.x) {
+  for (int token = blockIdx.x; token < args.in.num_tokens; token += gridDim.x) {
     __syncthreads();  // the previous token's destinations are no longer read
     if (threadIdx.x < 32) find_destinations<Remote>(args, token, small);
     __syncthreads();
     const int num_dsts = small.num_dsts;
-    const int4* row = static_cast<const int4*>(args.x) + size_t(token) * hidden / 8;
+    const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * hidden / 8;
     for (int group = octet; group < num_groups; group += kNumThreads / 8) {
       const int chunk = group * 16 + sub * 2;  // int4 index of this lane's 16 channels
       const int4 v0 = device::ld_nc_v4(row + chunk);
       const int4 v1 = device::ld_nc_v4(row + chunk + 1);
-      if (!args.use_fp8) {
+      if (!args.in.use_fp8) {
         for (int d = 0; d < num_dsts; ++d) {
           int4* out = reinterpret_cast<int4*>(small.dst_msgs[d]) + chunk;
           out[0] = v0;
@@ -234,7 +235,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 2));
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 4));
-      const Fp8GroupScale scale = fp8_group_scale(amax, args.round_scale);
+      const Fp8GroupScale scale = fp8_group_scale(amax, args.in.round_scale);
       const int4 codes = make_int4(static_cast<int>(cast_e4m3x4(values, scale.inv_scale)),
                                    static_cast<int>(cast_e4m3x4(values + 4, scale.inv_scale)),
                                    static_cast<int>(cast_e4m3x4(values + 8, scale.inv_scale)),
@@ -254,7 +255,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
         const int warp = threadIdx.x / 32;
         if (warp < small.num_remote) {
           const size_t bytes =
-              args.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
+              args.in.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
           Remote::put_warp(
               local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
@@ -275,8 +276,8 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   const int hidden = layout.hidden;
   const int num_rows = layout.num_recv_rows();
   const size_t row_idx = size_t(local_expert) * num_rows + row;
-  if (!args.use_fp8) {
-    warp_copy_piece<true>(static_cast<char*>(args.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2,
+  if (!args.in.use_fp8) {
+    warp_copy_piece<true>(static_cast<char*>(args.out.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2,
                           piece, num_pieces, lane);
     return;
   }
@@ -289,14 +290,14 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   if (piece == 0) {
 #pragma unroll
     for (int i = 0; i < kAhead; ++i) {
-      const int group = args.use_ue8m0 ? 4 * lane + i : lane + 32 * i;
+      const int group = args.in.use_ue8m0 ? 4 * lane + i : lane + 32 * i;
       ahead[i] = group < num_groups ? __ldcg(scales + group) : 0.0f;
     }
   }
-  warp_copy_piece<true>(static_cast<char*>(args.recv_x) + row_idx * hidden, msg, size_t(hidden), piece,
+  warp_copy_piece<true>(static_cast<char*>(args.out.recv_x) + row_idx * hidden, msg, size_t(hidden), piece,
                         num_pieces, lane);
   if (piece != 0) return;
-  if (args.use_ue8m0) {
+  if (args.in.use_ue8m0) {
     // ceil(G / 4) words; bytes past the last group stay 0.
     const int num_words = ue8m0_num_words(num_groups);
     for (int word = lane; word < num_words; word += 32) {
@@ -307,12 +308,13 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
         if (group < num_groups)
           bytes[i] = ue8m0_from_pow2_scale(word == lane ? ahead[i] : __ldcg(scales + group));
       }
-      static_cast<uint32_t*>(args.recv_scales)[ll_scale_index(local_expert, row, word, num_rows, num_words)] =
+      static_cast<uint32_t*>(
+          args.out.recv_x_scales)[ll_scale_index(local_expert, row, word, num_rows, num_words)] =
           pack_ue8m0x4(bytes[0], bytes[1], bytes[2], bytes[3]);
     }
     return;
   }
-  float* out = static_cast<float*>(args.recv_scales);
+  float* out = static_cast<float*>(args.out.recv_x_scales);
 #pragma unroll
   for (int i = 0; i < kAhead; ++i) {
     const int group = lane + 32 * i;
@@ -332,11 +334,12 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  const SourceWait wait =
-      aborted ? SourceWait{false, 0ull}
-              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                         WaitPhase::kLowLatencyDispatchRecv, args.wait_recv_cost_stats,
-                                         args.shape, args.mask, &small.left_out);
+  const SourceWait wait = aborted
+                              ? SourceWait{false, 0ull}
+                              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch,
+                                                         num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
+                                                         args.in.dispatch_wait_recv_cost_stats, args.shape,
+                                                         args.mask, &small.left_out);
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
@@ -351,21 +354,21 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   if (blockIdx.x == 0) {
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
       const int expert_begin = prefix[p / num_ranks * num_ranks];
-      args.recv_range[p] =
+      args.out.recv_layout_range[p] =
           LowLatencyRange{.count = prefix[p + 1] - prefix[p], .begin = prefix[p] - expert_begin};
     }
     for (int le = threadIdx.x; le < layout.num_local_experts(); le += kNumThreads) {
       const int count = prefix[(le + 1) * num_ranks] - prefix[le * num_ranks];
-      args.recv_count[le] = count;
-      if (args.cumulative_local_expert_recv_stats != nullptr)
-        args.cumulative_local_expert_recv_stats[le] += count;
+      args.out.recv_count[le] = count;
+      if (args.in.cumulative_local_expert_recv_stats != nullptr)
+        args.in.cumulative_local_expert_recv_stats[le] += count;
     }
   }
 
   // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = row_pieces(args.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
+  const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
@@ -383,8 +386,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
                 local_expert, row, piece, num_pieces, lane);
     if (lane == 0 && piece == 0) {
       const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
-      args.recv_src_info[row_idx] = token;
-      args.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
+      args.out.recv_src_info[row_idx] = token;
+      args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }
   }
   stamp_phase(args.phase_stamps, kStampDelivered);
@@ -417,7 +420,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
         args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
-        dispatch_publishers(args.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
+        dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) receive_tokens<Remote>(args, large, small, num_uses, aborted);

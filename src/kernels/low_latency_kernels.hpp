@@ -6,6 +6,7 @@
 
 #include "core/shape_fingerprint.hpp"
 #include "epx/buffer_map/low_latency_buffer_map.hpp"
+#include "epx/low_latency.hpp"
 #include "kernels/peer_context.hpp"
 
 // Launchers of the low-latency (decode) kernels; each takes one Args struct of plain pointers.
@@ -52,25 +53,9 @@ struct LowLatencyDispatchArgs {
   int phases;      // LowLatencyPhase bits
   int num_blocks;  // one block per SM: every block must be resident (receivers spin on senders)
 
-  // Send phase: this rank's tokens.
-  const void* x;            // [T, H] BF16
-  const int64_t* topk_idx;  // [T, K]; -1 (and anything outside [0, E)) means no expert
-  int num_tokens;           // T <= M
-  int num_topk;             // K in [1, 16]
-  bool use_fp8;             // cast per 128 channels in the kernel
-  bool round_scale;         // FP8 scales rounded up to powers of two
-  bool use_ue8m0;           // scales packed as 4 UE8M0 bytes per int32 (needs round_scale)
-
-  // Receive phase outputs (caller memory).
-  void* recv_x;        // [L, R*M, H] BF16 or FP8 e4m3
-  void* recv_scales;   // FP8: float [L, G, R*M] (column-major [L, R*M, G]); UE8M0: int32 [L, ceil(G/4), R*M]
-  int* recv_count;     // [L]
-  int* recv_src_info;  // [L, R*M] source token index of each row
-  int* recv_topk_pos;  // [L, R*M] top-k position of the token's first listing of the row's expert
-  LowLatencyRange* recv_range;              // [L, R]
-  int* cumulative_local_expert_recv_stats;  // [L] or nullptr: += received rows
-  int64_t* wait_recv_cost_stats;            // [R] or nullptr: += ns the receive waited for each source
-  ShapeFingerprint shape;                   // posted with the receive flags, compared by every receiver
+  LowLatencyDispatchInput in;    // the caller's: the send phase's tokens and format, the statistics
+  LowLatencyDispatchOutput out;  // the receive phase's outputs (caller memory)
+  ShapeFingerprint shape;        // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
   uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)
 };
@@ -86,21 +71,12 @@ struct LowLatencyCombineArgs {
   int phases;
   int num_blocks;
 
-  // Send phase: expert outputs in the dispatch output order, and the dispatch handle that names their tokens.
-  const void* x;                      // [L, R*M, H] BF16 (the caller's, or the layout's combine_send rows)
-  const int* recv_src_info;           // [L, R*M]
-  const int* recv_topk_pos;           // [L, R*M]
-  const LowLatencyRange* recv_range;  // [L, R]
-  bool use_logfmt;                    // LogFMT-10 on the wire instead of BF16
-
-  // Receive phase: this rank's tokens.
-  const int64_t* topk_idx;    // [T, K], the same as dispatch's
-  const float* topk_weights;  // [T, K]
-  int num_tokens;
-  int num_topk;
-  void* out;                      // [T, H] BF16
-  int64_t* wait_recv_cost_stats;  // [R] or nullptr
-  ShapeFingerprint shape;         // posted with the receive flags, compared by every receiver
+  // The caller's; `in.x` is the expert outputs in the dispatch output order: the caller's, or (zero copy) the
+  // layout's combine_send rows.
+  LowLatencyCombineInput in;
+  LowLatencyHandle handle;  // the dispatch's: which tokens the rows belong to
+  void* out;                // [T, H] BF16
+  ShapeFingerprint shape;   // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
   uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)
 };
