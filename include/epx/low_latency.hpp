@@ -57,6 +57,8 @@ struct Fields<LowLatencyDispatchInput> {
     v("dispatch_wait_recv_cost_stats", &LowLatencyDispatchInput::dispatch_wait_recv_cost_stats);
   }
 };
+static_assert(lists_every_field<LowLatencyDispatchInput>(),
+              "Fields<LowLatencyDispatchInput> must list every field");
 
 // Caller-allocated outputs (sizes: low_latency_dispatch_sizes). Rows past recv_count[le] are unspecified.
 struct LowLatencyDispatchOutput {
@@ -82,6 +84,8 @@ struct Fields<LowLatencyDispatchOutput> {
     v("recv_layout_range", &LowLatencyDispatchOutput::recv_layout_range);
   }
 };
+static_assert(lists_every_field<LowLatencyDispatchOutput>(),
+              "Fields<LowLatencyDispatchOutput> must list every field");
 
 struct LowLatencyDispatchSizes {
   int num_local_experts = 0;    // L
@@ -164,6 +168,8 @@ struct Fields<LowLatencyCombineInput> {
     v("combine_wait_recv_cost_stats", &LowLatencyCombineInput::combine_wait_recv_cost_stats);
   }
 };
+static_assert(lists_every_field<LowLatencyCombineInput>(),
+              "Fields<LowLatencyCombineInput> must list every field");
 
 struct LowLatencyCombineResult {
   Event event;

@@ -35,6 +35,8 @@ struct Fields<DispatchLayoutOutput> {
     v("num_tokens_per_rdma_rank", &DispatchLayoutOutput::num_tokens_per_rdma_rank);
   }
 };
+static_assert(lists_every_field<DispatchLayoutOutput>(),
+              "Fields<DispatchLayoutOutput> must list every field");
 
 // Tokens per rank (a token counts once per rank), per expert, per node (when asked), and the token-in-rank
 // map.
@@ -87,6 +89,7 @@ struct Fields<DispatchInput> {
     v("num_worst_tokens", &DispatchInput::num_worst_tokens);
   }
 };
+static_assert(lists_every_field<DispatchInput>(), "Fields<DispatchInput> must list every field");
 
 // What combine and a cached re-dispatch need. Copyable (shared); device memory is freed with the last copy.
 class DispatchHandle {
@@ -159,6 +162,7 @@ struct Fields<DispatchOutput> {
     v("recv_topk_weights", &DispatchOutput::recv_topk_weights);
   }
 };
+static_assert(lists_every_field<DispatchOutput>(), "Fields<DispatchOutput> must list every field");
 
 // Which step launches the receive of a dispatch whose host waits for the counts.
 enum class DispatchOverlap {
@@ -225,6 +229,7 @@ struct Fields<CombineInput> {
     v("hidden", &CombineInput::hidden);
   }
 };
+static_assert(lists_every_field<CombineInput>(), "Fields<CombineInput> must list every field");
 
 struct CombineOutput {
   void* combined_x = nullptr;              // [T, hidden] BF16 (the combine's hidden)
@@ -239,6 +244,7 @@ struct Fields<CombineOutput> {
     v("combined_topk_weights", &CombineOutput::combined_topk_weights);
   }
 };
+static_assert(lists_every_field<CombineOutput>(), "Fields<CombineOutput> must list every field");
 
 // Sums, without weights, every copy of each token returned by the ranks it went to, then adds the biases.
 // The outputs must not overlap x or topk_weights: the reduce that writes them reads own rows from there.

@@ -54,4 +54,10 @@ constexpr std::size_t listed_field_count() {
   return count;
 }
 
+// Whether Fields<T> lists every field of T (each list is followed by a static_assert of it).
+template <typename T>
+constexpr bool lists_every_field() {
+  return listed_field_count<T>() == aggregate_field_count<T>();
+}
+
 }  // namespace epx
