@@ -86,21 +86,26 @@ __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, 
 // go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g's payload
 // covers only group g's input bytes and is written after they were read, so `slot` may be `row` itself
 // (encoding in place).
-__device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* row, int num_groups, int lane) {
+// Groups [group_begin, group_end) only: a piece of the row (work_split.hpp's logfmt_row_pieces).
+__device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
+                                     int group_end, int lane) {
   // kBatch groups' loads in flight together; a batch is loaded before any of its payloads is written.
   constexpr int kBatch = 8;
-  for (int group0 = 0; group0 < num_groups; group0 += kBatch) {
+  for (int group0 = group_begin; group0 < group_end; group0 += kBatch) {
     uint2 batch[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (group0 + u < num_groups)
+      if (group0 + u < group_end)
         batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
     }
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (group0 + u < num_groups) encode_logfmt_group(slot, meta, group0 + u, batch[u], lane);
+      if (group0 + u < group_end) encode_logfmt_group(slot, meta, group0 + u, batch[u], lane);
     }
   }
+}
+__device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* row, int num_groups, int lane) {
+  encode_logfmt_groups(slot, meta, row, 0, num_groups, lane);
 }
 
 // One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
@@ -129,10 +134,10 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   Remote::put_warp(slot, staged, row_bytes, dst);
 }
 
-// Rows of every (local expert, source) block, in pieces spread over every warp of the grid (a BF16 row stored
-// straight into an NVLink peer may take several pieces; an encoded or put row is one); each goes to slot
-// (token, first top-k position) of its source rank, unless that rank is masked. Returns the blocks that sent
-// anything (block 0 always counts: it posted the shapes).
+// Rows of every (local expert, source) block, in pieces spread over every warp of the grid (a row stored
+// straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
+// goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
+// blocks that sent anything (block 0 always counts: it posted the shapes).
 template <typename Remote>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked) {
@@ -147,7 +152,10 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = args.in.use_logfmt || Remote::kEnabled ? 1 : row_pieces(size_t(hidden) * 2);
+  // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
+  const int num_pieces = Remote::kEnabled     ? 1
+                         : args.in.use_logfmt ? logfmt_row_pieces(layout.num_groups())
+                                              : row_pieces(size_t(hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
@@ -168,9 +176,10 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     }
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
     if (args.in.use_logfmt) {
-      encode_logfmt_row(
+      const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
+      encode_logfmt_groups(
           slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
-          layout.num_groups(), lane);
+          groups.begin, groups.end, lane);
     } else {
       warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }

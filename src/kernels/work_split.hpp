@@ -32,6 +32,14 @@ EPX_HD WordRange piece_words(int words, int piece, int num_pieces) {
   return {begin, begin + per_piece < words ? begin + per_piece : words};
 }
 
+// LogFMT rows are encoded in pieces of at most kLogfmtPieceGroups groups (of 128 channels), one warp per
+// piece: a group's encode is a chain of dependent steps (two warp reductions, the codes, their packing), so a
+// row left to one warp would take its groups in series.
+constexpr int kLogfmtPieceGroups = 8;
+EPX_HD int logfmt_row_pieces(int num_groups) {
+  return num_groups <= kLogfmtPieceGroups ? 1 : (num_groups + kLogfmtPieceGroups - 1) / kLogfmtPieceGroups;
+}
+
 // ---- Publishers of a send phase ----
 // The blocks that wrote anything in a send phase arrive at the per-destination counters (the others skip
 // publish_sends): how many there are, and whether block `block` is one of them.

@@ -41,6 +41,20 @@ TEST(WorkSplit, RowPiecesTileTheRowAndFitOneRound) {
   EXPECT_EQ(epx::kernels::row_pieces(8192 + 16), 2);
 }
 
+TEST(WorkSplit, LogfmtPiecesTileTheGroups) {
+  for (int groups = 1; groups <= 128; ++groups) {
+    const int pieces = epx::kernels::logfmt_row_pieces(groups);
+    expect_tiling(groups, pieces);
+    for (int p = 0; p < pieces; ++p) {
+      const WordRange range = epx::kernels::piece_words(groups, p, pieces);
+      EXPECT_LE(range.end - range.begin, epx::kernels::kLogfmtPieceGroups) << groups;
+      EXPECT_GT(range.end - range.begin, 0) << groups << " groups, piece " << p;
+    }
+  }
+  EXPECT_EQ(epx::kernels::logfmt_row_pieces(56), 7);  // hidden 7168
+  EXPECT_EQ(epx::kernels::logfmt_row_pieces(8), 1);
+}
+
 TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
   for (int blocks : {1, 2, 3, 132}) {
     for (int tokens : {0, 1, 2, blocks - 2, blocks - 1, blocks, blocks + 5, 4 * blocks}) {
