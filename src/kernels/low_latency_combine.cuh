@@ -198,43 +198,32 @@ __device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t 
                                0x3FFu);
 }
 
-// Channels 8q..8q+7 of a LogFMT row as loaded: the group's metadata, the eight 10-bit codes, and the same
-// bytes read as a BF16 chunk (what a fallback group holds). Both readings are loaded at once, so a batch of
-// listings needs one round of loads instead of a metadata load followed by a payload load each.
-struct LogfmtChunk {
-  uint32_t meta;
-  unsigned long long low;  // codes: bits [80q, 80q + 80) of the group's stream
-  uint32_t high;
-  int4 raw;  // a fallback group's BF16 channels
-};
-
-__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int num_groups, int chunk) {
+// Values of channels 8q..8q+7 of a returned row, as the reference's combine sees them.
+__device__ __forceinline__ void load_returned8(const char* slot, int num_groups, int chunk, bool use_logfmt,
+                                               float* values) {
+  if (!use_logfmt) {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(slot) + chunk), values);
+    return;
+  }
   const int group = chunk / 16;
   const int q = chunk % 16;  // 8-channel chunk inside the group
   const char* payload = slot + size_t(group) * kLogfmtPayloadStride;
-  LogfmtChunk loaded;
-  loaded.meta =
+  const uint32_t meta =
       __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
-  loaded.raw = __ldcg(reinterpret_cast<const int4*>(payload) + q);
-  // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
-  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
-  loaded.low = 0;
-#pragma unroll
-  for (int i = 0; i < 4; ++i) loaded.low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
-  loaded.high = __ldcg(halves + 4);
-  return loaded;
-}
-
-// Its values, as the reference's combine sees them.
-__device__ __forceinline__ void decode_logfmt_chunk(const LogfmtChunk& loaded, float* values) {
-  const uint16_t max_bits = static_cast<uint16_t>(loaded.meta & 0xFFFFu);
+  const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
   if (max_bits == kLogfmtFallbackMarker) {
-    unpack_bf16x8(loaded.raw, values);
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + q), values);
     return;
   }
-  const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(loaded.meta >> 16));
+  const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+  // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
+  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
+  unsigned long long low = 0;
 #pragma unroll
-  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(loaded.low, loaded.high, j), params);
+  for (int i = 0; i < 4; ++i) low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
+  const uint32_t high = __ldcg(halves + 4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
 }
 
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
@@ -274,28 +263,15 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
       if (args.in.use_logfmt) {
-        // As below: kBatch listings' loads in flight together, then decoded and added in top-k order.
-        constexpr int kBatch = 8;
-        for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
-          LogfmtChunk loaded[kBatch];
+        for (int k = 0; k < num_topk; ++k) {
+          const int pos = small.slot_pos[k];
+          if (pos < 0) continue;
+          float values[8];
+          load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
+                         layout.num_groups(), chunk, true, values);
+          const float weight = small.weights[k];
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-            if (pos >= 0) {
-              loaded[u] = load_logfmt_chunk(
-                  local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
-                  layout.num_groups(), chunk);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
-            float values[8];
-            decode_logfmt_chunk(loaded[u], values);
-            const float weight = small.weights[k0 + u];
-#pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-          }
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
         }
       } else {
         // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
