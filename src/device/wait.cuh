@@ -230,22 +230,29 @@ __device__ __forceinline__ int64_t wait_count_since_u64(const uint64_t* counter,
 // check() after a round in which nothing did. check() returns true when the loop must stop polling: the
 // group is aborted (looked at every kAbortPollSpins idle rounds), or nothing moved for the timeout (this
 // rank then raises the abort). The caller leaves its loop then, without reading what it waited for.
+// `peer_of()` names the peer waited for; it runs only when the loop stops (the report), not every idle round.
 struct StallClock {
   uint64_t since = 0;
   uint32_t idle_rounds = 0;
   __device__ void restart() { since = global_timer_ns(); }
-  __device__ bool check(const WaitContext& ctx, int peer, WaitPhase phase, int64_t expected, int64_t seen) {
+  template <typename PeerOf>
+  __device__ bool check_naming(const WaitContext& ctx, PeerOf peer_of, WaitPhase phase, int64_t expected,
+                               int64_t seen) {
     if (++idle_rounds % kAbortPollSpins == 0) {
       const int32_t word = read_abort_word(ctx);
       if (word != 0) {
-        note_abort(ctx, peer, phase, expected, seen, word);
+        note_abort(ctx, peer_of(), phase, expected, seen, word);
         return true;
       }
     }
     const uint64_t waited = global_timer_ns() - since;
     if (waited <= ctx.timeout_ns) return false;
-    raise_abort(ctx, peer, phase, expected, seen, waited);
+    raise_abort(ctx, peer_of(), phase, expected, seen, waited);
     return true;
+  }
+  __device__ bool check(const WaitContext& ctx, int peer, WaitPhase phase, int64_t expected, int64_t seen) {
+    return check_naming(
+        ctx, [peer] { return peer; }, phase, expected, seen);
   }
 };
 

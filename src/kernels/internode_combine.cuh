@@ -196,14 +196,15 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
     }
     __threadfence();
     group.sync();
-    // A wait of this group that was abandoned (rows never received) has set the abort word by now.
-    if (group.warp == 0 && group_aborted(context)) {
-      // Nothing more leaves: the partials may be wrong.
-    } else if (node == own) {
-      if (group.leader()) device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
-    } else if (group.warp == 0) {
-      put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + done, take,
-                             &head->counters.tail[own][channel], dst_rank);
+    // Warp 0 publishes the partials, unless a wait of this group was abandoned (rows never received: it has
+    // set the abort word by now); then nothing more leaves.
+    if (group.warp == 0 && !group_aborted(context)) {
+      if (node != own) {
+        put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + done, take,
+                               &head->counters.tail[own][channel], dst_rank);
+      } else if (group.leader()) {
+        device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
+      }
     }
     for (int l = 0; l < nodes.ranks_per_node; ++l) {
       const int used = __popc(__ballot_sync(~0u, (lane_mask >> l) & 1u));

@@ -178,7 +178,7 @@ __device__ __forceinline__ bool check_rail_launch_shape(const InternodeContext& 
   const int peer = context.nodes.rail_peer(context.peers.rank, node);
   const device::WaitContext wait = wait_context(context);
   device::wait_count_since_u64(&shapes->signal[node], 0, static_cast<int64_t>(calls + 1), wait, peer, phase);
-  if (device::read_abort_word(wait) != 0) return false;
+  if (group_aborted(context)) return false;
   const volatile int* slot = shapes->from_node[calls % 2][node];
   // Its signal counts its launches, so launch calls + 1 landed; a later one writes the other parity.
   if (static_cast<uint32_t>(slot[0]) != static_cast<uint32_t>(calls + 1) || slot[1] == shape.hash)
@@ -204,9 +204,9 @@ __device__ __forceinline__ bool check_local_launch_shape(const InternodeContext&
 // forwards waits for its source then, not for it.
 __device__ __forceinline__ bool local_rank_started(const InternodeContext& context, uint64_t calls,
                                                    int local) {
-  const uint64_t word = device::ld_acquire_sys_u64(
-      &ForwardBufferMap::head(context.peers.local_base)->control.launch_shape[local]);
-  return static_cast<int32_t>(tagged_sequence(word) - static_cast<uint32_t>(calls + 1)) >= 0;
+  return launch_posted(device::ld_acquire_sys_u64(
+                           &ForwardBufferMap::head(context.peers.local_base)->control.launch_shape[local]),
+                       static_cast<uint32_t>(calls + 1));
 }
 
 // Output row `row` of dispatch from a queue record (which peers rewrite while the kernel runs, so it is read

@@ -248,14 +248,16 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      // Name the rail peer of the first source node still short of records.
-      int waiting_for = context.peers.rank;
-      for (int m = num_nodes - 1; m >= 0; --m) {
-        const int count = args.handle.node_channel_offset[m * num_channels + channel + 1] -
-                          args.handle.node_channel_offset[m * num_channels + channel];
-        if (progress[m] < count) waiting_for = nodes.rail_peer(context.peers.rank, m);
-      }
-      stop = stall.check(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
+      // Named: the rail peer of the first source node still short of records.
+      const auto waiting_for = [&] {
+        for (int m = 0; m < num_nodes; ++m) {
+          const int count = args.handle.node_channel_offset[m * num_channels + channel + 1] -
+                            args.handle.node_channel_offset[m * num_channels + channel];
+          if (progress[m] < count) return nodes.rail_peer(context.peers.rank, m);
+        }
+        return context.peers.rank;
+      };
+      stop = stall.check_naming(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
     }
   }
   if (!to_self && group.leader()) {
@@ -326,17 +328,19 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
     if (moved) {
       stall.restart();
     } else if (group.leader()) {
-      // Name src while it has not started this launch; then the source rank of the first stream still short
-      // of rows (src forwards what that rank sent, and waits for it).
-      int waiting_for = own_node(context) * nodes.ranks_per_node + src;
-      if (local_rank_started(context, calls, src)) {
-        for (int m = num_nodes - 1; m >= 0; --m) {
+      // Named: src while it has not started this launch; then the source rank of the first stream still
+      // short of rows (src forwards what that rank sent, and waits for it).
+      const auto waiting_for = [&] {
+        const int forwarder = own_node(context) * nodes.ranks_per_node + src;
+        if (!local_rank_started(context, calls, src)) return forwarder;
+        for (int m = 0; m < num_nodes; ++m) {
           const int cell = (m * nodes.ranks_per_node + src) * num_channels + channel;
           if (got[m] < args.handle.recv_channel_offset[cell + 1] - args.handle.recv_channel_offset[cell])
-            waiting_for = m * nodes.ranks_per_node + src;
+            return m * nodes.ranks_per_node + src;
         }
-      }
-      stop = stall.check(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
+        return forwarder;
+      };
+      stop = stall.check_naming(wait, waiting_for, WaitPhase::kDispatchReceive, 0, done_nodes);
     }
   }
   if (group.leader()) {

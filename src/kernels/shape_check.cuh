@@ -46,6 +46,11 @@ __device__ __forceinline__ bool check_shape(const device::WaitContext& ctx, int 
 // word (the launch number, the hash) with release; the peer checks it before it reads this rank's first
 // record of the launch. ----
 
+// Whether a tagged launch word carries launch `launch` or a later one.
+__device__ __forceinline__ bool launch_posted(uint64_t word, uint32_t launch) {
+  return static_cast<int32_t>(tagged_sequence(word) - launch) >= 0;
+}
+
 // One thread.
 __device__ __forceinline__ void post_launch_shape_to(ShapeFingerprint* values, uint64_t* tag, uint32_t launch,
                                                      const ShapeFingerprint& shape) {
@@ -63,7 +68,7 @@ __device__ __forceinline__ bool check_launch_shape_at(const device::WaitContext&
                                                       uint32_t launch, const ShapeFingerprint& shape,
                                                       WaitPhase phase) {
   uint64_t word = 0;
-  const auto posted = [launch](uint64_t w) { return static_cast<int32_t>(tagged_sequence(w) - launch) >= 0; };
+  const auto posted = [launch](uint64_t w) { return launch_posted(w, launch); };
   const bool arrived = device::spin_until_loaded(
       [tag] { return device::ld_acquire_sys_u64(tag); }, posted,
       [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); }, launch, ctx, peer, phase, word);
