@@ -47,6 +47,17 @@ inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& work
   ASSERT_TRUE(result.ok()) << result.summary();
 }
 
+// run_ranks for groups that span (virtual) nodes: also skips where EPX was built without the NVSHMEM
+// transport, which those groups need.
+inline void run_ranks_across_nodes(
+    int num_ranks, const std::function<void(Bootstrap&)>& worker,
+    std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(300000)) {
+#ifndef EPX_HAVE_NVSHMEM
+  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
+#endif
+  run_ranks(num_ranks, worker, bootstrap_timeout);
+}
+
 // Name generator for suites parametrized by the rank count (INSTANTIATE_TEST_SUITE_P's last argument): the
 // names end in /TwoRanks, /FourRanks, /EightRanks rather than /0, /1, so a filter or a log line says how
 // many ranks ran and stays valid when a count is added.

@@ -582,16 +582,20 @@ void run_fault_group(Fault fault, bool rebuild) {
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, rebuild); });
 }
 
-// Normal mode across virtual nodes: 2 nodes of 1 rank, then (where 4 ranks can start) 2 nodes of 2.
+// The virtual-node splits of the fault tests across nodes: 2 nodes of 1 rank (run_ranks skips the test where
+// 2 ranks cannot start), then, where 4 ranks can start, 2 nodes of 2. `run(num_ranks, ranks_per_node)` runs
+// one split (through run_ranks_across_nodes).
+template <typename Run>
+void for_each_node_split(Run run) {
+  run(2, 1);
+  if (epx::test::test_rank_capacity() >= 4) run(4, 2);
+}
+
 void run_node_fault_groups(Fault fault) {
-#ifndef EPX_HAVE_NVSHMEM
-  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-#endif
-  for (const int num_ranks : {2, 4}) {
-    if (num_ranks > epx::test::test_rank_capacity()) continue;
-    epx::test::run_ranks(
-        num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, false, num_ranks / 2); });
-  }
+  for_each_node_split([&](int num_ranks, int ranks_per_node) {
+    epx::test::run_ranks_across_nodes(
+        num_ranks, [&](epx::Bootstrap& bootstrap) { run_fault(bootstrap, fault, false, ranks_per_node); });
+  });
 }
 
 // release() (what a collected Python Buffer runs) meets no peer: the last rank releases while the others
@@ -687,17 +691,13 @@ void run_exit_group(Fault fault) {
   epx::test::run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault); });
 }
 
-// Across virtual nodes: 2 nodes of 1 rank, then (where 4 ranks can start) 2 nodes of 2.
+// Across virtual nodes (for_each_node_split).
 void run_node_exit_groups(Fault fault) {
-#ifndef EPX_HAVE_NVSHMEM
-  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-#endif
-  for (const int num_ranks : {2, 4}) {
-    if (num_ranks > epx::test::test_rank_capacity()) continue;
+  for_each_node_split([&](int num_ranks, int ranks_per_node) {
     epx::bootstrap::SharedSegment survivors(num_ranks - 1, epx::LocalLaunchOptions{}.max_gather_bytes);
-    epx::test::run_ranks(
-        num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault, num_ranks / 2); });
-  }
+    epx::test::run_ranks_across_nodes(
+        num_ranks, [&](epx::Bootstrap& bootstrap) { run_exit(bootstrap, survivors, fault, ranks_per_node); });
+  });
 }
 
 // ---- destroy() that one rank never calls ----
@@ -859,16 +859,12 @@ TEST(Faults, NormalCachedDispatchShapesThatDifferFailOnEveryRank) {
 // Across (virtual) nodes: the forwarders check their rail peers' launch fingerprints, the receivers and node
 // reducers their local ranks', the final reducers their rail peers'.
 TEST(Faults, NodesCombineAndCachedDispatchShapesThatDifferFailOnEveryRank) {
-#ifndef EPX_HAVE_NVSHMEM
-  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-#endif
-  for (const int num_ranks : {2, 4}) {
-    if (num_ranks > epx::test::test_rank_capacity()) continue;
+  for_each_node_split([](int num_ranks, int ranks_per_node) {
     for (const MismatchAt at : {MismatchAt::kNormalCombine, MismatchAt::kNormalCachedDispatch}) {
-      epx::test::run_ranks(
-          num_ranks, [&](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, at, num_ranks / 2); });
+      epx::test::run_ranks_across_nodes(
+          num_ranks, [&](epx::Bootstrap& bootstrap) { run_shape_mismatch(bootstrap, at, ranks_per_node); });
     }
-  }
+  });
 }
 TEST(Faults, RankTotalsGivenOnSomeRanksOnlyFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
@@ -933,10 +929,7 @@ TEST(Faults, DestroyWhileALiveRankNeverCallsIt) {
       kShortBootstrapTimeout);
 }
 TEST(Faults, NodesDestroyWhileALiveRankNeverCallsIt) {
-#ifndef EPX_HAVE_NVSHMEM
-  GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-#endif
-  epx::test::run_ranks(
+  epx::test::run_ranks_across_nodes(
       2, [](epx::Bootstrap& bootstrap) { run_destroy_without_live_rank(bootstrap, 1); },
       kShortBootstrapTimeout);
 }

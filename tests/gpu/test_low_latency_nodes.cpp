@@ -22,16 +22,9 @@ namespace {
 
 using epx::test::LowLatencyCase;
 
-#ifdef EPX_HAVE_NVSHMEM
-constexpr bool kHaveNvshmem = true;
-#else
-constexpr bool kHaveNvshmem = false;
-#endif
-
 // Runs `body` with one process per GPU; skips without enough GPUs or without the NVSHMEM transport.
 void run_ranks(int num_ranks, const std::function<void(epx::Bootstrap&)>& body) {
-  if (!kHaveNvshmem) GTEST_SKIP() << "EPX was built without the NVSHMEM transport";
-  epx::test::run_ranks(num_ranks, body);
+  epx::test::run_ranks_across_nodes(num_ranks, body);
 }
 
 void run_case(const LowLatencyCase& c) {

@@ -6,8 +6,8 @@
 
 // The named fields of EPX's plain input and output structs, listed once beside each struct. Tools walk the
 // list instead of naming the fields again: the Python binding binds every field it lists (so a new field
-// costs its declaration and one line in the list), and a CPU test checks that the list counts as many
-// fields as the struct has.
+// costs its declaration and one line in the list), and a static_assert after each list (lists_every_field)
+// checks that it counts as many fields as the struct has.
 namespace epx {
 
 // Specialised beside each struct T:

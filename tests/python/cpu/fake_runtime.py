@@ -24,20 +24,21 @@ class BoundStruct(Struct):
     a field the torch layer sets that the binding does not have fails here, as it would on the GPU."""
 
     native = None
+    field_names = frozenset()  # the native struct's properties, read once by bound_struct
 
     def __init__(self, **fields):
         defaults = self.native()
-        for name in self.fields():
+        for name in self.field_names:
             object.__setattr__(self, name, getattr(defaults, name))
         for name, value in fields.items():
             setattr(self, name, value)
 
     @classmethod
     def fields(cls):
-        return [name for name, value in vars(cls.native).items() if isinstance(value, property)]
+        return sorted(cls.field_names)
 
     def __setattr__(self, name, value):
-        if name not in self.fields():
+        if name not in self.field_names:
             raise AttributeError(f"{self.native.__name__} has no field {name!r} in the binding")
         object.__setattr__(self, name, value)
 
@@ -47,7 +48,8 @@ def bound_struct(name):
     native = getattr(_epx, name, None)
     if native is None:
         return Struct
-    return type(name, (BoundStruct,), {"native": native})
+    field_names = frozenset(field for field, value in vars(native).items() if isinstance(value, property))
+    return type(name, (BoundStruct,), {"native": native, "field_names": field_names})
 
 
 class FakeEvent:
