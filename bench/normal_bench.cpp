@@ -300,6 +300,26 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       // The receive launched with the count exchange, its outputs handed over through host-mapped memory
       // (within one node: across nodes the receive always follows the host's wait).
       if (!across_nodes) {
+        // As callers run it: each dispatch right after its get_dispatch_layout (run untimed, before the L2
+        // flush), so the host reads its counts off the layout board instead of waiting for the notify kernel.
+        const auto layout_then_flush = [&] {
+          get_dispatch_layout(buffer, ws.topk_idx.get(), o.num_tokens, o.num_topk, o.num_experts,
+                              DispatchLayoutOutput{ws.num_tokens_per_rank.get(),
+                                                   ws.num_tokens_per_expert.get(), ws.is_token_in_rank.get()},
+                              StreamOrder{stream, nullptr, false});
+          flush();
+        };
+        const double after_layout_us = median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush,
+                                                 [&] { dispatch(buffer, in, dout, stream); });
+        out.push_back({bf16 ? "dispatch BF16 after its layout" : "dispatch FP8 after its layout", sms,
+                       after_layout_us, nvl_bytes});
+        const double notify_after_layout_us =
+            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, [&] {
+              dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
+            });
+        out.push_back(
+            {bf16 ? "  of which notify after its layout (BF16)" : "  of which notify after its layout (FP8)",
+             sms, notify_after_layout_us, 0});
         const double launched_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
           dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive);
         });
@@ -313,6 +333,12 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         });
         out.push_back({bf16 ? "dispatch BF16 receive into guess" : "dispatch FP8 receive into guess", sms,
                        guessed_us, nvl_bytes});
+        const double guessed_after_layout_us =
+            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush,
+                      [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
+        out.push_back(
+            {bf16 ? "dispatch BF16 into guess after its layout" : "dispatch FP8 into guess after its layout",
+             sms, guessed_after_layout_us, nvl_bytes});
         // Of that, the step up to the host having the counts (the count exchange runs inside the receive's
         // launch): dispatch_notify alone, the receive completed before the next run.
         const StreamOrder order{stream, nullptr, false};

@@ -20,7 +20,7 @@ find_path(EPX_NCCL_INCLUDE_DIR nccl.h HINTS ${_epx_nccl_wheel}/include ${CUDAToo
 find_library(EPX_NCCL_LIBRARY NAMES nccl libnccl.so.2 HINTS ${_epx_nccl_wheel}/lib ${CUDAToolkit_LIBRARY_DIR})
 
 file(GLOB EPX_CUDA_SOURCES CONFIGURE_DEPENDS src/gpu/*.cpp src/runtime/*.cpp src/kernels/*.cu
-     src/transport/cuda_ipc/*.cpp)
+     src/transport/cuda_ipc/*.cpp src/transport/shared_host/*.cpp)
 add_library(epx_cuda STATIC ${EPX_CUDA_SOURCES})
 target_include_directories(epx_cuda PUBLIC ${PROJECT_SOURCE_DIR}/include PRIVATE ${PROJECT_SOURCE_DIR}/src)
 # No libcuda link: CI and dev machines have no driver; driver entry points come via cudaGetDriverEntryPoint.

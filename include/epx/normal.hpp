@@ -143,6 +143,9 @@ struct DispatchPlan {
   // The launched receive writes into the guess's outputs (DispatchOutputGuess): pass those to
   // dispatch_receive, which then only completes the call.
   bool rows_in_guess = false;
+  // The host read the counts off the layout board, posted by every rank's get_dispatch_layout just before
+  // (one node, num_tokens_per_rank given as the layout's output), instead of waiting for the notify kernel.
+  bool counts_from_layout = false;
 };
 
 struct DispatchOutput {

@@ -209,7 +209,8 @@ void bind_normal(py::module_& m) {
       .def_readonly("num_recv_rows", &DispatchPlan::num_recv_rows)
       .def_readonly("num_recv_tokens_per_expert", &DispatchPlan::num_recv_tokens_per_expert)
       .def_readonly("handle", &DispatchPlan::handle)
-      .def_readonly("rows_in_guess", &DispatchPlan::rows_in_guess);
+      .def_readonly("rows_in_guess", &DispatchPlan::rows_in_guess)
+      .def_readonly("counts_from_layout", &DispatchPlan::counts_from_layout);
 
   py::class_<DispatchOutput> out(m, "DispatchOutput");
   out.def(py::init<>());

@@ -2,6 +2,7 @@
 
 #include <atomic>
 #include <cstdio>
+#include <string>
 
 #include "core/abort_word.hpp"
 #include "core/shape_fingerprint.hpp"
@@ -43,6 +44,8 @@ const char* wait_phase_name(WaitPhase phase) {
       return "dispatch receive (waiting for this rank's host to call dispatch_receive with the outputs)";
     case WaitPhase::kRankCounts:
       return "dispatch notify (num_tokens_per_rank check)";
+    case WaitPhase::kLayoutCounts:
+      return "dispatch notify (layout board check)";
   }
   return "unknown phase";
 }
@@ -77,6 +80,20 @@ std::string describe_failure(const FailureRecord& record) {
                           record.expected, " tokens for this rank, but its is_token_in_rank marks ",
                           record.seen, " (pass get_dispatch_layout's outputs unchanged)");
   }
+  if (phase == WaitPhase::kLayoutCounts && record.peer < 0) {
+    return detail::concat("rank ", record.rank, ": the host sized the dispatch outputs for ", record.expected,
+                          " rows from the counts the layouts posted, but ", record.seen, " rows arrive");
+  }
+  if (phase == WaitPhase::kLayoutCounts) {
+    const std::string what = record.detail == 0
+                                 ? std::string("tokens")
+                                 : detail::concat("tokens for local expert ", record.detail - 1);
+    return detail::concat(
+        "rank ", record.rank, ": peer ", record.peer, "'s get_dispatch_layout posted ", record.seen, " ",
+        what, " for this rank, but its dispatch sends ", record.expected,
+        " (each rank must pass its own last get_dispatch_layout's outputs, unchanged, to the "
+        "dispatch after it)");
+  }
   if (phase == WaitPhase::kShapeMismatch) {
     return detail::concat("rank ", record.rank, ": peer ", record.peer, " called with ",
                           shape_field_name(record.detail), " = ", record.seen, ", this rank with ",
@@ -93,6 +110,14 @@ std::string describe_abort_cause(const AbortCause& cause) {
   }
   if (cause.phase == WaitPhase::kShapeMismatch) {
     return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
+  }
+  if (cause.phase == WaitPhase::kLayoutCounts && cause.peer < 0) {
+    return detail::concat("rank ", cause.rank,
+                          " got more dispatch rows than the outputs its host sized hold");
+  }
+  if (cause.phase == WaitPhase::kLayoutCounts) {
+    return detail::concat("rank ", cause.rank, " found that the counts peer ", cause.peer,
+                          "'s get_dispatch_layout posted disagree with its dispatch");
   }
   if (cause.phase == WaitPhase::kRankCounts) {
     return detail::concat("rank ", cause.rank, " found that the num_tokens_per_rank of peer ", cause.peer,

@@ -62,7 +62,12 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
     control->outputs_mirror[2] = reinterpret_cast<uint64_t>(p.recv_topk_idx);
     control->outputs_mirror[3] = reinterpret_cast<uint64_t>(p.recv_topk_weights);
     control->outputs_mirror[4] = reinterpret_cast<uint64_t>(p.recv_src_idx);
-    control->outputs_cancelled = arrived ? p.cancelled : 1;
+    // Outputs the host sized by counts that were not this call's (a peer's layout posted other counts than
+    // its dispatch sends, which the count exchange reports too) must not be written past.
+    const int rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+    const bool fits = !arrived || p.cancelled || rows <= p.rows;
+    if (!fits) device::raise_abort(ctx, -1, WaitPhase::kLayoutCounts, p.rows, rows, 0);
+    control->outputs_cancelled = arrived && fits ? p.cancelled : 1;
     device::st_release_gpu(reinterpret_cast<int*>(&control->outputs_sequence), static_cast<int>(sequence));
   } else {
     const int* mirror_sequence = reinterpret_cast<const int*>(&control->outputs_sequence);

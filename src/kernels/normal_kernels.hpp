@@ -5,6 +5,7 @@
 #include <cstdint>
 
 #include "core/shape_fingerprint.hpp"
+#include "epx/buffer_map/layout_board_map.hpp"
 #include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/host_device.hpp"
 #include "epx/normal.hpp"
@@ -34,6 +35,13 @@ struct LayoutArgs {
   int* invalid_id_flag;  // host-mapped: set to 1 + the first bad id's token index when an id is out of range
   int ranks_per_node;    // nodes are blocks of this many consecutive ranks
   int* num_tokens_per_rdma_rank;  // [num_ranks / ranks_per_node] tokens per node (once per node), or nullptr
+  // One node: the last block posts the counts into every rank's row of the layout board under
+  // `board_sequence` (the notify this layout feeds). `board` nullptr: nothing is posted.
+  uint64_t* board = nullptr;
+  LayoutBoardMap board_map{1};
+  uint32_t board_sequence = 0;
+  int rank = 0;
+  unsigned* blocks_done = nullptr;  // device counter of finished blocks, zero between launches
 };
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
@@ -69,6 +77,7 @@ struct PublishedOutputs {
   float* recv_topk_weights;
   int* recv_src_idx;
   int cancelled;
+  int rows;           // rows the outputs hold (the host sized them by its counts)
   uint32_t sequence;  // written last
 };
 
@@ -89,6 +98,11 @@ struct NotifyArgs {
   HostCounts host;
   const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
   ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
+  // This rank's half of the layout board for `sequence` (LayoutBoardMap::row), when its host may read its
+  // counts there: what each source posted under `sequence` is checked against what it sends
+  // (WaitPhase::kLayoutCounts). nullptr: not read.
+  const uint64_t* board_half = nullptr;
+  int board_words_per_source = 0;
 };
 // The count exchange: one block per channel counts what it will send to each rank and posts the counts as
 // tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost

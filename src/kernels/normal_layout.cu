@@ -1,3 +1,6 @@
+#include <algorithm>
+
+#include "device/ptx.cuh"
 #include "epx/buffer_map/internode_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
@@ -13,6 +16,37 @@ constexpr int kLayoutThreads = 256;
 // Nodes counted per token: num_ranks / ranks_per_node when the caller asked for num_tokens_per_rdma_rank.
 __host__ __device__ int layout_num_nodes(const LayoutArgs& args) {
   return args.num_tokens_per_rdma_rank != nullptr ? args.num_ranks / args.ranks_per_node : 0;
+}
+
+// The last block to finish posts this rank's counts into every rank's row of the layout board: for rank d,
+// the tokens it gets, then its experts' tokens, each a tagged word of the notify sequence the layout feeds.
+// Called by every thread of every block once the block's counts are added.
+// NOTES: every thread fences before the block counts itself done, so the last block, which sees every other
+// block's count, reads their sums complete. The closing system fence pushes the words out of the GPU's
+// caches: the notify kernel queued behind may otherwise keep them there (see kernels/host_counts.cuh).
+__device__ void post_to_board(const LayoutArgs& args) {
+  __shared__ bool is_last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) is_last = atomicAdd(args.blocks_done, 1u) == gridDim.x - 1;
+  __syncthreads();
+  if (!is_last) return;
+  __threadfence();
+  const int num_local_experts = args.num_experts / args.num_ranks;
+  const int words = 1 + num_local_experts;
+  for (int i = threadIdx.x; i < args.num_ranks * words; i += blockDim.x) {
+    const int dest = i / words;
+    const int word = i % words;
+    const int value = word == 0 ? __ldcg(&args.num_tokens_per_rank[dest])
+                                : __ldcg(&args.num_tokens_per_expert[dest * num_local_experts + word - 1]);
+    uint64_t* slot = args.board + args.board_map.slot(dest, args.board_sequence, args.rank);
+    device::st_relaxed_sys_u64(slot + word, pack_tagged(args.board_sequence, value));
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    *args.blocks_done = 0;  // for the next launch (stream order)
+    __threadfence_system();
+  }
 }
 
 // One thread per token. Counts go through shared-memory histograms first so the global atomics are one per
@@ -38,6 +72,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args)
       if (expert == -1) continue;
       if (expert < -1 || expert >= args.num_experts) {
         atomicCAS(args.invalid_id_flag, 0, token_idx + 1);
+        __threadfence_system();  // before the board's words, which tell the host the layout ran
         continue;
       }
       bool repeated = false;  // a token counts once per expert even if its top-k repeats it
@@ -67,6 +102,7 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args)
       atomicAdd(&args.num_tokens_per_rdma_rank[i - args.num_ranks - args.num_experts], shared_counts[i]);
     }
   }
+  if (args.board != nullptr) post_to_board(args);
 }
 
 }  // namespace
@@ -80,8 +116,9 @@ void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
   if (num_nodes > 0) {
     EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
   }
-  if (args.num_tokens == 0) return;
-  const int blocks = (args.num_tokens + kLayoutThreads - 1) / kLayoutThreads;
+  // With no tokens a block still runs when the counts (zeros) go to the board.
+  if (args.num_tokens == 0 && args.board == nullptr) return;
+  const int blocks = std::max((args.num_tokens + kLayoutThreads - 1) / kLayoutThreads, 1);
   const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts + num_nodes);
   launch(layout_kernel, {unsigned(blocks), kLayoutThreads, shared_bytes, Residency::kIndependent}, stream,
          args);

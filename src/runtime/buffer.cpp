@@ -14,6 +14,7 @@
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/layout_board_map.hpp"
 #include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "epx/buffer_map/normal_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
@@ -24,6 +25,7 @@
 #include "runtime/low_latency_state.hpp"
 #include "runtime/remote_memory.hpp"
 #include "transport/cuda_ipc/ipc_memory.hpp"
+#include "transport/shared_host/shared_host_memory.hpp"
 
 namespace epx {
 
@@ -93,6 +95,10 @@ struct Buffer::State {
   FailureRecord* failure_record_device = nullptr;
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
+  // Normal mode on one node: where get_dispatch_layout posts the counts each rank's host reads
+  // (epx/buffer_map/layout_board_map.hpp), and the layout kernel's count of finished blocks (device).
+  std::optional<SharedHostMemory> layout_board;
+  unsigned* layout_blocks_done = nullptr;
   std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
   std::optional<IpcMemory> abort_memory;         // this rank's abort word, mapped into the node's ranks
   void* const* abort_table = nullptr;   // device [kMaxLowLatencyRanks]: every rank's word (nullptr: off node)
@@ -115,6 +121,9 @@ struct Buffer::State {
     if (abort_table != nullptr) cudaFree(const_cast<void**>(abort_table));
     if (rank_mask != nullptr) cudaFree(rank_mask);
     rank_mask = nullptr;
+    if (layout_board) layout_board->release();
+    if (layout_blocks_done != nullptr) cudaFree(layout_blocks_done);
+    layout_blocks_done = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
@@ -208,6 +217,12 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     s.abort_table = upload_table(s.abort_memory->bases());
     s.nvl.emplace(bootstrap, options.num_nvl_bytes, "NVLink buffer", s.ranks_per_node);
     s.nvl_table = upload_table(s.nvl->bases());
+    // Every rank has the same NVLink buffer size (checked just above), so every rank joins or none does.
+    if (options.num_nvl_bytes > 0 && s.ranks_per_node == s.num_ranks) {
+      s.layout_board.emplace(bootstrap, LayoutBoardMap{s.num_ranks}.num_bytes());
+      EPX_CUDA_CHECK(cudaMalloc(&s.layout_blocks_done, sizeof(unsigned)));
+      EPX_CUDA_CHECK(cudaMemset(s.layout_blocks_done, 0, sizeof(unsigned)));
+    }
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
       s.symmetric_table = upload_table(s.symmetric_remote->bases);
@@ -379,6 +394,13 @@ ExclusiveUse::Claim BufferAccess::enter_call(const Buffer& buffer, const char* c
   return s.exclusive_use.claim(call, s.rank);
 }
 
+BufferAccess::LayoutBoard BufferAccess::layout_board(const Buffer& buffer) {
+  const Buffer::State& s = buffer.live();
+  if (!s.layout_board || !s.layout_board->valid()) return {};
+  return {static_cast<uint64_t*>(s.layout_board->host()), static_cast<uint64_t*>(s.layout_board->device()),
+          LayoutBoardMap{s.num_ranks}, s.layout_blocks_done};
+}
+
 cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
   return buffer.live().probe_stream;
 }
@@ -439,7 +461,14 @@ void Buffer::reset() {
   EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));  // no rank masked
   if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
   if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(symmetric_buffer(), 0, num_rdma_bytes()));
+  if (s.layout_blocks_done != nullptr) EPX_CUDA_CHECK(cudaMemset(s.layout_blocks_done, 0, sizeof(unsigned)));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  // This rank's row of the layout board: the notify sequence restarts below, and a count posted before the
+  // reset must not pass for one posted after it.
+  if (s.layout_board && s.layout_board->valid()) {
+    const LayoutBoardMap map{s.num_ranks};
+    std::fill_n(static_cast<uint64_t*>(s.layout_board->host()) + map.row(s.rank, 0), map.row_words(), 0);
+  }
   *s.failure_record = FailureRecord{};
   // The host scratch too: normal mode's notify sequence restarts at the same value on every rank (a rank that
   // skipped a notify is one behind the others otherwise), with no receive pending.

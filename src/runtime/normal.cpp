@@ -9,6 +9,7 @@
 
 #include "buffer_map/normal_nodes.hpp"
 #include "epx/buffer_map/internode_buffer_map.hpp"
+#include "epx/buffer_map/layout_board_map.hpp"
 #include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/common/tagged_word.hpp"
 #include "epx/error.hpp"
@@ -32,16 +33,51 @@ uint64_t host_bound_ns(uint64_t device_bound_ns) {
   return device_bound_ns > UINT64_MAX - kGraceNs ? UINT64_MAX : device_bound_ns + kGraceNs;
 }
 
+// Where a notify's host may also find its counts: its half of the layout board, posted by every rank's
+// get_dispatch_layout (epx/buffer_map/layout_board_map.hpp).
+struct BoardCounts {
+  const volatile uint64_t* half;
+  LayoutBoardMap map;
+  int num_local_experts;
+  int expert_alignment;
+  bool with_experts;
+};
+
+// The counts in HostCountIndex's order from the board, when every source posted them under `sequence`.
+bool read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
+                       const kernels::HostCountIndex& index, std::vector<int>& values) {
+  PostedCounts posted{};
+  int* expert_rows = board.with_experts ? values.data() + index.expert(0) : nullptr;
+  if (!read_posted_counts(board.half, board.map, sequence, board.num_local_experts, board.expert_alignment,
+                          posted, expert_rows)) {
+    return false;
+  }
+  values[index.rows()] = posted.rows;
+  std::copy_n(posted.rows_from, board.map.num_ranks, values.begin() + index.rows_from(0));
+  // The layout kernel set the flag before it posted this rank's own words, which are among those read.
+  std::atomic_thread_fence(std::memory_order_acquire);
+  values[index.invalid_id()] = *static_cast<const volatile int*>(&normal_host_scratch(buffer).invalid_id);
+  return true;
+}
+
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
-// carries `sequence` (no flag: each word says itself whether it is current), and returns their values.
-// Bounded like the device waits; a failed launch raises its error.
-std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence,
-                                 int num_words) {
+// carries `sequence` (no flag: each word says itself whether it is current), or, with `board`, until every
+// source's layout posted them there for `sequence`, and returns their values. Bounded like the device waits;
+// a failed launch raises its error.
+std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence, int num_words,
+                                 const BoardCounts* board, const kernels::HostCountIndex& index,
+                                 bool& from_board) {
+  from_board = false;
   const volatile uint64_t* words = normal_host_scratch(buffer).counts;
   std::vector<int> values(num_words);
   int done = 0;  // words [0, done) carry the sequence
   const auto start = std::chrono::steady_clock::now();
+  std::vector<int> board_values(board != nullptr ? num_words : 0);
   for (uint64_t spin = 0;; ++spin) {
+    if (board != nullptr && read_board_counts(buffer, *board, sequence, index, board_values)) {
+      from_board = true;
+      return board_values;
+    }
     for (; done < num_words; ++done) {
       const uint64_t word = words[done];
       if (tagged_sequence(word) != sequence) break;
@@ -375,6 +411,18 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
                            device_address(buffer, &scratch.invalid_id),
                            buffer.ranks_per_node(),
                            out.num_tokens_per_rdma_rank};
+  // One node: the counts go to the layout board too, for the notify after this layout.
+  const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
+  scratch.layout_post = {};
+  if (board.device != nullptr) {
+    args.board = board.device;
+    args.board_map = board.map;
+    args.board_sequence = next_sequence(scratch.notify_sequence);
+    args.rank = buffer.rank();
+    args.blocks_done = board.blocks_done;
+    scratch.layout_post = {out.num_tokens_per_rank, out.num_tokens_per_expert, num_experts,
+                           args.board_sequence};
+  }
   kernels::launch_layout(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
@@ -408,7 +456,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
 // its outputs to a later call's receive. The fields are written before the sequence; x86 stores become
 // visible in program order, and the kernel reads the sequence with acquire before the fields.
 void publish_outputs(const Buffer& buffer, uint32_t sequence, const DispatchOutput& out, int* recv_src_idx,
-                     bool cancelled) {
+                     int rows, bool cancelled) {
   NormalHostScratch& scratch = normal_host_scratch(buffer);
   if (sequence == 0 || scratch.pending_receive != sequence) return;
   kernels::PublishedOutputs& p = scratch.outputs;
@@ -418,6 +466,7 @@ void publish_outputs(const Buffer& buffer, uint32_t sequence, const DispatchOutp
   p.recv_topk_weights = out.recv_topk_weights;
   p.recv_src_idx = recv_src_idx;
   p.cancelled = cancelled ? 1 : 0;
+  p.rows = rows;
   std::atomic_thread_fence(std::memory_order_release);
   *static_cast<volatile uint32_t*>(&p.sequence) = sequence;
   scratch.pending_receive = 0;
@@ -425,7 +474,7 @@ void publish_outputs(const Buffer& buffer, uint32_t sequence, const DispatchOutp
 
 // The receive launched with `sequence`, if it still waits, drains its queues and writes nothing.
 void cancel_receive(const Buffer& buffer, uint32_t sequence) {
-  publish_outputs(buffer, sequence, DispatchOutput{}, nullptr, true);
+  publish_outputs(buffer, sequence, DispatchOutput{}, nullptr, 0, true);
 }
 
 }  // namespace
@@ -498,6 +547,16 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   scratch.notify_sequence = next_sequence(scratch.notify_sequence);
+  // The counts are on the layout board when this notify's inputs are the outputs of the layout just before
+  // it (no notify in between): the host reads them there, as soon as every peer's layout ran.
+  const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
+  const NormalHostScratch::LayoutPost& post = scratch.layout_post;
+  const bool counts_on_board =
+      board.host != nullptr && host_waits && state->num_nodes == 1 && in.num_tokens_per_rank != nullptr &&
+      post.sequence == scratch.notify_sequence && post.num_tokens_per_rank == in.num_tokens_per_rank &&
+      post.num_experts == in.num_experts &&
+      (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
+  const size_t board_half = board.map.row(buffer.rank(), scratch.notify_sequence);
   const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
@@ -534,6 +593,10 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                       invalid_id,
                                       normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
                                                                in.num_tokens_per_rank != nullptr)};
+    if (counts_on_board) {
+      notify_args.board_half = board.device + board_half;
+      notify_args.board_words_per_source = board.map.words_per_source();
+    }
     // With a guess and the per-rank totals the receive launched below runs the exchange itself.
     if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
   }
@@ -575,9 +638,14 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
+  bool from_board = false;
   try {
+    const BoardCounts board_counts{counts_on_board ? board.host + board_half : nullptr, board.map,
+                                   num_local_experts, state->expert_alignment,
+                                   in.num_tokens_per_expert != nullptr};
     counts =
-        wait_for_counts(buffer, stream, scratch.notify_sequence, count_index.num_words(state->num_nodes > 1));
+        wait_for_counts(buffer, stream, scratch.notify_sequence, count_index.num_words(state->num_nodes > 1),
+                        counts_on_board ? &board_counts : nullptr, count_index, from_board);
   } catch (...) {
     cancel_receive(buffer, state->launched_receive);
     throw;
@@ -607,6 +675,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
             "must be -1 or in [0, num_experts)");
   DispatchPlan plan = plan_of(std::move(state));
   plan.rows_in_guess = rows_in_guess;
+  plan.counts_from_layout = from_board;
   return plan;
 }
 
@@ -650,7 +719,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     if (state.guessed_outputs) {
       normal_host_scratch(buffer).pending_receive = 0;  // received: it needs nothing more
     } else {
-      publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, false);
+      publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, rows, false);
     }
     return end_on_comm_stream(buffer, order);
   }

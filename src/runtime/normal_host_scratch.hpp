@@ -25,6 +25,14 @@ struct NormalHostScratch {
   uint32_t pending_receive;
   // Host only: the rows the last notify received (sizes the next one's rows allocation before its counts).
   int last_recv_rows;
+  // Host only: what the last get_dispatch_layout posted to the layout board, under the sequence of the
+  // notify after it (0: nothing). A notify whose inputs are these outputs reads its counts there.
+  struct LayoutPost {
+    const int* num_tokens_per_rank;
+    const int* num_tokens_per_expert;
+    int num_experts;
+    uint32_t sequence;
+  } layout_post;
 };
 static_assert(sizeof(NormalHostScratch) <= sizeof(int) * BufferAccess::kHostScratchInts,
               "BufferAccess::kHostScratchInts must hold NormalHostScratch");

@@ -44,7 +44,7 @@ epx::FailureRecord failure_record() {
 TEST(AbortWord, RoundTripsEveryRankPeerAndPhase) {
   for (int rank = 0; rank < 64; ++rank) {
     for (int peer = -1; peer < 64; ++peer) {
-      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kRankCounts); ++phase) {
+      for (int phase = 0; phase <= static_cast<int>(WaitPhase::kLayoutCounts); ++phase) {
         const int32_t word = epx::encode_abort_word(rank, peer, static_cast<WaitPhase>(phase));
         ASSERT_TRUE(epx::abort_word_is_set(word));
         const epx::AbortCause cause = epx::decode_abort_word(word);
@@ -105,6 +105,23 @@ TEST(WaitRecord, RankCountsNameThePeerAndBothCounts) {
       epx::describe_abort_word(2, epx::encode_abort_word(1, 0, WaitPhase::kRankCounts)),
       "rank 2: the group was aborted: rank 1 found that the num_tokens_per_rank of peer 0 disagrees with "
       "its is_token_in_rank");
+}
+
+TEST(WaitRecord, LayoutCountsNameThePeerWhatItPostedAndWhatItSends) {
+  epx::FailureRecord record = record_of(1, 0, WaitPhase::kLayoutCounts, 41, 40);
+  EXPECT_EQ(epx::describe_failure(record),
+            "rank 1: peer 0's get_dispatch_layout posted 40 tokens for this rank, but its dispatch sends 41 (each "
+            "rank must pass its own last get_dispatch_layout's outputs, unchanged, to the dispatch after it)");
+  record.detail = 3;
+  EXPECT_NE(epx::describe_failure(record).find("posted 40 tokens for local expert 2 for this rank"),
+            std::string::npos);
+  record.peer = -1;
+  EXPECT_EQ(epx::describe_failure(record),
+            "rank 1: the host sized the dispatch outputs for 41 rows from the counts the layouts posted, but 40 "
+            "rows arrive");
+  EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(1, 0, WaitPhase::kLayoutCounts)),
+            "rank 2: the group was aborted: rank 1 found that the counts peer 0's get_dispatch_layout posted "
+            "disagree with its dispatch");
 }
 
 TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {

@@ -184,6 +184,9 @@ class FaultCalls {
   void set_last_rank_count_error(int delta) { last_rank_count_error_ = delta; }
   // false: this rank's dispatch leaves num_tokens_per_rank out.
   void set_pass_rank_totals(bool pass) { pass_rank_totals_ = pass; }
+  // true: after the layout its dispatch uses, this rank runs another one (of its tokens routed nowhere, into
+  // other arrays), so the layout board holds counts its dispatch does not send.
+  void set_layout_after(bool layout_after) { layout_after_ = layout_after; }
   // true: the receive is launched with the count exchange, into outputs with room for every row (a guess),
   // so the exchange runs inside the receive's launch.
   void set_receive_into_guess(bool guess) { receive_into_guess_ = guess; }
@@ -194,6 +197,17 @@ class FaultCalls {
     epx::get_dispatch_layout(buffer_, topk_idx_.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
                              normal_.num_experts,
                              {per_rank_.get<int>(), per_expert_.get<int>(), in_rank_.get<bool>()}, order);
+    if (layout_after_) {
+      const size_t cells = size_t(normal_.num_tokens[0]) * normal_.num_topk;
+      DeviceArray nowhere(cells * sizeof(int64_t)), per_rank(buffer_.num_ranks() * sizeof(int)),
+          per_expert(normal_.num_experts * sizeof(int)),
+          in_rank(size_t(normal_.num_tokens[0]) * buffer_.num_ranks());
+      nowhere.upload(std::vector<int64_t>(cells, -1), stream_);
+      epx::get_dispatch_layout(buffer_, nowhere.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
+                               normal_.num_experts,
+                               {per_rank.get<int>(), per_expert.get<int>(), in_rank.get<bool>()}, order);
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+    }
     if (last_rank_count_error_ != 0) {
       EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
       std::vector<int> per_rank = per_rank_.download<int>(buffer_.num_ranks());
@@ -323,6 +337,7 @@ class FaultCalls {
   int cached_hidden_ = 0;
   bool pass_rank_totals_ = true;
   bool receive_into_guess_ = false;
+  bool layout_after_ = false;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -538,6 +553,20 @@ void run_rank_counts_disagree(epx::Bootstrap& bootstrap, bool into_guess) {
                                ? "num_tokens_per_rank of peer 0 gives"
                                : "num_tokens_per_rank of peer 0 disagrees with its is_token_in_rank");
       });
+}
+
+// Rank 0 runs a second get_dispatch_layout after the one its dispatch uses, so the counts it posted to the
+// layout board (none) are not what it sends. The other ranks read their counts off the board; their notify
+// (or the receive that runs the exchange) finds the difference before any receive writes, and every rank
+// names rank 0's layout.
+void run_layout_counts_disagree(epx::Bootstrap& bootstrap, bool into_guess) {
+  run_expecting_group_error(
+      bootstrap,
+      [into_guess](FaultCalls& calls, int rank, int) {
+        calls.set_receive_into_guess(into_guess);
+        calls.set_layout_after(rank == 0);
+      },
+      [](int, int) { return std::string("peer 0's get_dispatch_layout posted"); });
 }
 
 // Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
@@ -832,6 +861,14 @@ TEST(Faults, RankCountsThatDisagreeAbortEveryRankInsideTheReceive) {
   const int num_ranks = fault_test_ranks();
   epx::test::run_ranks(num_ranks,
                        [](epx::Bootstrap& bootstrap) { run_rank_counts_disagree(bootstrap, true); });
+}
+TEST(Faults, LayoutBoardCountsThatDisagreeAbortEveryRank) {
+  const int num_ranks = fault_test_ranks();
+  for (const bool into_guess : {false, true}) {
+    epx::test::run_ranks(num_ranks, [into_guess](epx::Bootstrap& bootstrap) {
+      run_layout_counts_disagree(bootstrap, into_guess);
+    });
+  }
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();
