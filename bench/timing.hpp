@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -42,6 +43,24 @@ inline double median_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, i
   }
   cudaEventDestroy(start);
   cudaEventDestroy(stop);
+  return median(std::move(times));
+}
+
+// Host time of `body` (steady clock, from the call to its return) with the GPU idle when it starts: what a
+// call that waits on the host costs the caller's thread. Median in microseconds.
+inline double median_host_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, int iters,
+                             const std::function<void()>& prepare, const std::function<void()>& body) {
+  std::vector<float> times;
+  for (int i = 0; i < warmup + iters; ++i) {
+    if (prepare) prepare();
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    bootstrap.barrier();
+    const auto start = std::chrono::steady_clock::now();
+    body();
+    const auto stop = std::chrono::steady_clock::now();
+    if (i >= warmup) times.push_back(std::chrono::duration<float, std::micro>(stop - start).count());
+  }
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   return median(std::move(times));
 }
 

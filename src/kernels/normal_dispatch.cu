@@ -35,14 +35,19 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   const RowOutputs given{args.out.recv_x,          args.out.recv_x_scales,
                          args.out.recv_topk_idx,   args.out.recv_topk_weights,
                          args.handle.recv_src_idx, false};
-  if (args.published == nullptr) return given;
+  const int rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+  if (args.published == nullptr) {
+    // Outputs the host sized by counts that were not this call's (a peer's layout posted other counts than
+    // its dispatch sends; check_board_counts names it) are not written past. (Worst-case outputs: the notify
+    // checked the rows against them.)
+    if (rows <= args.num_out_rows) return given;
+    device::raise_abort(wait_context(args.peers), -1, WaitPhase::kLayoutCounts, args.num_out_rows, rows, 0);
+    return {nullptr, nullptr, nullptr, nullptr, nullptr, true};
+  }
   // The count exchange (the notify before this launch, or this launch's own blocks) wrote the row count; the
   // host decides the same from the announced totals (totals that disagreed with it aborted the group, and
   // the blocks that write rows returned before this).
-  if (args.guess_rows > 0 &&
-      args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels] <= args.guess_rows) {
-    return given;
-  }
+  if (args.guess_rows > 0 && rows <= args.guess_rows) return given;
   const uint32_t sequence = args.published_sequence;
   const device::WaitContext ctx = wait_context(args.peers);
   auto* control = NormalBufferMap::control(args.peers.local_base);
@@ -62,9 +67,7 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
     control->outputs_mirror[2] = reinterpret_cast<uint64_t>(p.recv_topk_idx);
     control->outputs_mirror[3] = reinterpret_cast<uint64_t>(p.recv_topk_weights);
     control->outputs_mirror[4] = reinterpret_cast<uint64_t>(p.recv_src_idx);
-    // Outputs the host sized by counts that were not this call's (a peer's layout posted other counts than
-    // its dispatch sends, which the count exchange reports too) must not be written past.
-    const int rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+    // Outputs the host sized by counts that were not this call's are not written past (as above).
     const bool fits = !arrived || p.cancelled || rows <= p.rows;
     if (!fits) device::raise_abort(ctx, -1, WaitPhase::kLayoutCounts, p.rows, rows, 0);
     control->outputs_cancelled = arrived && fits ? p.cancelled : 1;
@@ -265,6 +268,44 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
   }
 }
 
+// The counts this rank's host read off the layout board (DispatchArgs::board) against what each source
+// sends: rows by the channel offsets, tokens per local expert by the counts the source's notify posted. A
+// source whose layout posted others aborts the group, naming it (the outputs themselves are never written
+// past: see row_outputs). Called by every thread of one block at its end, off the rows' path.
+// NOTES: a word not posted under the notify's sequence was not read by the host, which reads a source's
+// words only once all carry it; none changes before this check (a source posts to this half again two
+// notifies on, which needs this rank's next notify first). Each source's layout posted before its notify
+// ran, whose counts this rank's notify received: the system fence acquires what the layouts posted.
+__device__ void check_board_counts(const DispatchArgs& args) {
+  const BoardCheck& board = args.board;
+  if (board.half == nullptr) return;
+  const int num_ranks = args.peers.num_ranks;
+  const int num_channels = args.layout.num_channels;
+  const int experts_per_rank = args.num_experts / num_ranks;
+  const int words = 1 + (board.experts ? experts_per_rank : 0);
+  const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, board.sequence);
+  __threadfence_system();
+  for (int i = threadIdx.x; i < num_ranks * words; i += kQueueThreads) {
+    const int src = i / words;
+    const int word = i % words;
+    const uint64_t posted = *reinterpret_cast<const volatile uint64_t*>(
+        board.half + static_cast<size_t>(src) * board.words_per_source + word);
+    if (tagged_sequence(posted) != board.sequence) continue;
+    int sent = 0;
+    if (word == 0) {
+      const int* offsets = args.handle.recv_channel_offset;
+      sent = offsets[(src + 1) * num_channels] - offsets[src * num_channels];
+    } else {
+      const uint64_t count = arrived->expert_counts[src * experts_per_rank + word - 1];
+      if (tagged_sequence(count) != board.sequence) continue;  // the notify aborted before it arrived
+      sent = tagged_value(count);
+    }
+    if (tagged_value(posted) != sent)
+      device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent, tagged_value(posted),
+                          0, word);
+  }
+}
+
 // Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
 // the rows this rank keeps. With one rank there are no queues and both blocks copy. Only blocks that write
 // rows wait for published outputs: senders start as soon as the launch does.
@@ -323,6 +364,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   }
   if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);
   copier.finish();
+  if (blockIdx.x == 1) check_board_counts(args);
   finish_launch(args.peers, calls);
 }
 

@@ -98,16 +98,21 @@ struct NotifyArgs {
   HostCounts host;
   const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
   ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
-  // This rank's half of the layout board for `sequence` (LayoutBoardMap::row), when its host may read its
-  // counts there: what each source posted under `sequence` is checked against what it sends
-  // (WaitPhase::kLayoutCounts). nullptr: not read.
-  const uint64_t* board_half = nullptr;
-  int board_words_per_source = 0;
 };
 // The count exchange: one block per channel counts what it will send to each rank and posts the counts as
 // tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost
 // in T apart from the per-channel counting.
 void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
+
+// What this rank's host may have read off the layout board for one notify (its half for `sequence`,
+// LayoutBoardMap::row), checked by the dispatch launch against what each source sends
+// (WaitPhase::kLayoutCounts). `half` nullptr: the host did not read the board.
+struct BoardCheck {
+  const uint64_t* half = nullptr;
+  int words_per_source = 0;
+  uint32_t sequence = 0;
+  bool experts = false;  // the per-expert words too (the notify had num_tokens_per_expert)
+};
 
 struct DispatchArgs {
   PeerContext peers;
@@ -134,6 +139,7 @@ struct DispatchArgs {
   // caller's map (the senders copy it into the handle).
   bool with_notify = false;
   NotifyArgs notify{};
+  BoardCheck board{};
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

@@ -93,51 +93,6 @@ __device__ int scan_channel_offsets(const NotifyArgs& args, const NormalBufferMa
   return threadIdx.x < num_ranks ? source_totals[threadIdx.x] : 0;
 }
 
-// ---- The layout board's check: what this rank's host may have read off the board (NotifyArgs::board_half)
-// against what each source's dispatch sends. A source whose layout posted other counts aborts the group,
-// since the host sized the outputs by them; the data launch then writes nothing. A word not posted under
-// this sequence was not read: the host reads a source's words only once all carry it, and none can change
-// before these checks (a source posts to this half again only two notifies on, which needs this rank's next
-// notify first). ----
-
-// Word `word` of what `src` posted for this rank under this notify's sequence, or -1 if it posted none.
-// NOTES: the source's counts arrived, and its layout posted before its notify ran: the caller's system fence
-// after those waits acquires what the layout posted.
-__device__ __forceinline__ int64_t posted_board_word(const NotifyArgs& args, int src, int word) {
-  const uint64_t posted = *reinterpret_cast<const volatile uint64_t*>(
-      args.board_half + static_cast<size_t>(src) * args.board_words_per_source + word);
-  return tagged_sequence(posted) == args.sequence ? tagged_value(posted) : -1;
-}
-
-// Called by thread `src` < R with the rows `src` sends this rank by its channel counts.
-__device__ __forceinline__ void check_board_rows(const NotifyArgs& args, const device::WaitContext& ctx,
-                                                 int src, int rows) {
-  if (args.board_half == nullptr) return;
-  __threadfence_system();
-  const int64_t posted = posted_board_word(args, src, 0);
-  if (posted >= 0 && posted != rows)
-    device::raise_abort(ctx, src, WaitPhase::kLayoutCounts, rows, posted, 0, 0);
-}
-
-// Called by every thread of the exchange block once every source's per-expert counts arrived.
-template <int kThreads>
-__device__ void check_board_experts(const NotifyArgs& args, const NormalBufferMap::NotifyHalf* arrived,
-                                    const device::WaitContext& ctx) {
-  if (args.board_half == nullptr || args.num_tokens_per_expert == nullptr) return;
-  const int num_ranks = args.peers.num_ranks;
-  const int experts_per_rank = args.num_experts / num_ranks;
-  __threadfence_system();
-  for (int i = threadIdx.x; i < num_ranks * experts_per_rank; i += kThreads) {
-    const int src = i / experts_per_rank;
-    const int le = i % experts_per_rank;
-    const int64_t posted = posted_board_word(args, src, 1 + le);
-    if (posted < 0) continue;
-    const int sent =
-        device::wait_tagged(&arrived->expert_counts[i], args.sequence, ctx, src, WaitPhase::kDispatchNotify);
-    if (posted != sent) device::raise_abort(ctx, src, WaitPhase::kLayoutCounts, sent, posted, 0, 1 + le);
-  }
-}
-
 // With the layout's per-rank totals (the notify kernel's first channel block once its own counts are out, or
 // every block of a dispatch that runs the exchange and writes rows): the host sized the outputs by the
 // totals, so a source whose channels carry another count would write past them. The group stops here; a
@@ -156,8 +111,6 @@ __device__ bool scan_and_check_totals(const NotifyArgs& args) {
     if (rows != announced) {
       device::raise_abort(ctx, threadIdx.x, WaitPhase::kRankCounts, announced, rows, 0);
       agrees = false;
-    } else if (blockIdx.x == 1) {  // one block reads the board (host memory)
-      check_board_rows(args, ctx, threadIdx.x, rows);
     }
   }
   return __syncthreads_and(agrees && !abort_word_is_set(device::read_abort_word(ctx)));
@@ -265,7 +218,6 @@ __device__ void exchange_counts(const NotifyArgs& args) {
   }
   gather_expert_counts<kThreads>(args, arrived, ctx, index);
   flush_host_counts(args.host);
-  check_board_experts<kThreads>(args, arrived, ctx);
 }
 
 }  // namespace epx::kernels

@@ -23,6 +23,9 @@ struct DispatchHandle::State {
   // The sequence of the notify that launched the receive (DispatchOverlap::kLaunchReceive), 0: none. Outputs
   // go only to the receive of this sequence, so a spent or stale plan cannot feed a later notify's receive.
   uint32_t launched_receive = 0;
+  // What the host read off the layout board for this dispatch, checked by its launch (none for a cached
+  // dispatch: no notify ran).
+  kernels::BoardCheck board;
   // The launched receive writes into these outputs (they held the rows: DispatchPlan::rows_in_guess).
   std::optional<DispatchOutput> guessed_outputs;
   std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode

@@ -448,7 +448,13 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.num_recv_rows,
       out,
       normal_launch_fingerprint(layout, record, state.shape.hidden, state.shape.num_experts,
-                                NormalOperation::kDispatch, state.format == TokenFormat::kFp8)};
+                                NormalOperation::kDispatch, state.format == TokenFormat::kFp8),
+      nullptr,
+      0,
+      0,
+      false,
+      {},
+      state.board};
 }
 
 // Tells the receive dispatch_notify launched with `sequence` where its rows go (cancelled: nowhere, it only
@@ -517,6 +523,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   state->shape = shape;
   state->launched_receive = 0;
   state->guessed_outputs.reset();
+  state->board = {};
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
     internode_buffer_maps(buffer, *state, InternodeRecord::dispatch(shape));
@@ -557,6 +564,10 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
   const size_t board_half = board.map.row(buffer.rank(), scratch.notify_sequence);
+  if (counts_on_board) {
+    state->board = {board.device + board_half, board.map.words_per_source(), scratch.notify_sequence,
+                    in.num_tokens_per_expert != nullptr};
+  }
   const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
@@ -593,10 +604,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                       invalid_id,
                                       normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
                                                                in.num_tokens_per_rank != nullptr)};
-    if (counts_on_board) {
-      notify_args.board_half = board.device + board_half;
-      notify_args.board_words_per_source = board.map.words_per_source();
-    }
+
     // With a guess and the per-rank totals the receive launched below runs the exchange itself.
     if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
   }

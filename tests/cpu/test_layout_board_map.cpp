@@ -88,7 +88,8 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
             EXPECT_EQ(experts[le], (sum + alignment - 1) / alignment * alignment);
           }
           // Without the per-expert counts only the rows are read.
-          EXPECT_TRUE(epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts, nullptr));
+          EXPECT_TRUE(
+              epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts, nullptr));
           // A half of another sequence is not this call's.
           EXPECT_FALSE(epx::read_posted_counts(half, map, sequence + 2, experts_per_rank, alignment, counts,
                                                experts.data()));

@@ -49,7 +49,8 @@ SharedHostMemory::SharedHostMemory(Bootstrap& bootstrap, size_t bytes) : bytes_(
   const SharedName shared = all_gather_value(bootstrap, name)[0];
   if (bootstrap.rank() != 0 && shared.text[0] != '\0') base = map_shared(shared.text, bytes, false);
   if (base != nullptr) {
-    registered_ = cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) == cudaSuccess;
+    registered_ =
+        cudaHostRegister(base, bytes, cudaHostRegisterMapped | cudaHostRegisterPortable) == cudaSuccess;
     if (registered_ && cudaHostGetDevicePointer(&device_, base, 0) != cudaSuccess) device_ = nullptr;
     cudaGetLastError();  // a failed registration is not the next call's error
   }
