@@ -320,6 +320,20 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         out.push_back(
             {bf16 ? "  of which notify after its layout (BF16)" : "  of which notify after its layout (FP8)",
              sms, notify_after_layout_us, 0});
+        // The same on the host's clock: the call's return, with its counts (the notify kernel may still run).
+        const double notify_host_us =
+            median_host_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, [&] {
+              dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
+            });
+        out.push_back(
+            {bf16 ? "  host has counts after its layout (BF16)" : "  host has counts after its layout (FP8)",
+             sms, notify_host_us, 0});
+        const double notify_host_old_us = median_host_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+          dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
+        });
+        out.push_back({bf16 ? "  host has counts, no layout before (BF16)"
+                            : "  host has counts, no layout before (FP8)",
+                       sms, notify_host_old_us, 0});
         const double launched_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
           dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive);
         });
