@@ -268,29 +268,58 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
   }
 }
 
-// The counts this rank's host read off the layout board (DispatchArgs::board) against what each source
-// sends: rows by the channel offsets, tokens per local expert by the counts the source's notify posted. A
-// source whose layout posted others aborts the group, naming it (the outputs themselves are never written
-// past: see row_outputs). Called by every thread of one block at its end, off the rows' path.
-// NOTES: a word not posted under the notify's sequence was not read by the host, which reads a source's
-// words only once all carry it; none changes before this check (a source posts to this half again two
-// notifies on, which needs this rank's next notify first). Each source's layout posted before its notify
-// ran, whose counts this rank's notify received: the system fence acquires what the layouts posted.
-__device__ void check_board_counts(const DispatchArgs& args) {
+// ---- The layout board's check: the counts this rank's host read off the board (DispatchArgs::board) against
+// what each source sends (rows by the channel offsets, tokens per local expert by the counts the source's
+// notify posted). A source whose layout posted others aborts the group, naming it; the outputs themselves are
+// never written past (row_outputs). Block 1 loads the board's words right after the count exchange and
+// compares them at its end: the host-memory loads fly while it moves rows. ----
+
+// Board words one thread loads: R * (1 + L) <= kMaxNvlRanks + kMaxExperts words over the block.
+constexpr int kBoardWordsPerThread = (kMaxNvlRanks + kMaxExperts + kQueueThreads - 1) / kQueueThreads;
+struct BoardWords {
+  uint64_t words[kBoardWordsPerThread];
+};
+
+__device__ __forceinline__ int board_words_per_rank(const DispatchArgs& args) {
+  return 1 + (args.board.experts ? args.num_experts / args.peers.num_ranks : 0);
+}
+
+// Called by every thread of block 1 once the count exchange is over (the sources' counts arrived).
+// NOTES: each source's layout posted before its notify ran, whose counts this rank's notify received: the
+// system fence acquires what the layouts posted. A word not posted under the notify's sequence was not read
+// by the host, which reads a source's words only once all carry it; none changes before the check (a source
+// posts to this half again two notifies on, which needs this rank's next notify first).
+__device__ BoardWords load_board_words(const DispatchArgs& args) {
+  BoardWords loaded{};
+  if (args.board.half == nullptr) return loaded;
+  const int words = board_words_per_rank(args);
+  const int total = args.peers.num_ranks * words;
+  __threadfence_system();
+#pragma unroll
+  for (int k = 0; k < kBoardWordsPerThread; ++k) {
+    const int i = threadIdx.x + k * kQueueThreads;
+    if (i < total) {
+      loaded.words[k] = *reinterpret_cast<const volatile uint64_t*>(
+          args.board.half + static_cast<size_t>(i / words) * args.board.words_per_source + i % words);
+    }
+  }
+  return loaded;
+}
+
+__device__ void check_board_counts(const DispatchArgs& args, const BoardWords& loaded) {
   const BoardCheck& board = args.board;
   if (board.half == nullptr) return;
-  const int num_ranks = args.peers.num_ranks;
   const int num_channels = args.layout.num_channels;
-  const int experts_per_rank = args.num_experts / num_ranks;
-  const int words = 1 + (board.experts ? experts_per_rank : 0);
+  const int experts_per_rank = args.num_experts / args.peers.num_ranks;
+  const int words = board_words_per_rank(args);
+  const int total = args.peers.num_ranks * words;
   const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, board.sequence);
-  __threadfence_system();
-  for (int i = threadIdx.x; i < num_ranks * words; i += kQueueThreads) {
+#pragma unroll
+  for (int k = 0; k < kBoardWordsPerThread; ++k) {
+    const int i = threadIdx.x + k * kQueueThreads;
+    if (i >= total || tagged_sequence(loaded.words[k]) != board.sequence) continue;
     const int src = i / words;
     const int word = i % words;
-    const uint64_t posted = *reinterpret_cast<const volatile uint64_t*>(
-        board.half + static_cast<size_t>(src) * board.words_per_source + word);
-    if (tagged_sequence(posted) != board.sequence) continue;
     int sent = 0;
     if (word == 0) {
       const int* offsets = args.handle.recv_channel_offset;
@@ -300,9 +329,9 @@ __device__ void check_board_counts(const DispatchArgs& args) {
       if (tagged_sequence(count) != board.sequence) continue;  // the notify aborted before it arrived
       sent = tagged_value(count);
     }
-    if (tagged_value(posted) != sent)
-      device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent, tagged_value(posted),
-                          0, word);
+    const int posted = tagged_value(loaded.words[k]);
+    if (posted != sent)
+      device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent, posted, 0, word);
   }
 }
 
@@ -335,6 +364,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       return;
     }
   }
+  const BoardWords board_words = blockIdx.x == 1 ? load_board_words(args) : BoardWords{};
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
     __syncthreads();
@@ -364,7 +394,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   }
   if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);
   copier.finish();
-  if (blockIdx.x == 1) check_board_counts(args);
+  if (blockIdx.x == 1) check_board_counts(args, board_words);
   finish_launch(args.peers, calls);
 }
 

@@ -22,8 +22,9 @@ __host__ __device__ int layout_num_nodes(const LayoutArgs& args) {
 // the tokens it gets, then its experts' tokens, each a tagged word of the notify sequence the layout feeds.
 // Called by every thread of every block once the block's counts are added.
 // NOTES: every thread fences before the block counts itself done, so the last block, which sees every other
-// block's count, reads their sums complete. The closing system fence pushes the words out of the GPU's
-// caches: the notify kernel queued behind may otherwise keep them there (see kernels/host_counts.cuh).
+// block's count, reads their sums complete. Each posting thread's closing system fence pushes its words out
+// of the GPU's caches: the kernels queued behind may otherwise keep them there (kernels/host_counts.cuh), and
+// a peer's host must see them no later than the notify counts that follow them.
 __device__ void post_to_board(const LayoutArgs& args) {
   __shared__ bool is_last;
   __threadfence();
@@ -42,11 +43,8 @@ __device__ void post_to_board(const LayoutArgs& args) {
     uint64_t* slot = args.board + args.board_map.slot(dest, args.board_sequence, args.rank);
     device::st_relaxed_sys_u64(slot + word, pack_tagged(args.board_sequence, value));
   }
-  __syncthreads();
-  if (threadIdx.x == 0) {
-    *args.blocks_done = 0;  // for the next launch (stream order)
-    __threadfence_system();
-  }
+  __threadfence_system();
+  if (threadIdx.x == 0) *args.blocks_done = 0;  // for the next launch (stream order)
 }
 
 // One thread per token. Counts go through shared-memory histograms first so the global atomics are one per

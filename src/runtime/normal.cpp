@@ -83,7 +83,15 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
       if (tagged_sequence(word) != sequence) break;
       values[done] = tagged_value(word);
     }
-    if (done == num_words) break;
+    if (done == num_words) {
+      // Every source's layout posted before its notify ran, so the board is complete by now too: the counts
+      // come from it whenever the host read it (a deterministic DispatchPlan::counts_from_layout).
+      if (board != nullptr && read_board_counts(buffer, *board, sequence, index, board_values)) {
+        from_board = true;
+        return board_values;
+      }
+      break;
+    }
     if (spin % 1024 != 1023) continue;
     const cudaError_t status = cudaStreamQuery(stream);
     if (status != cudaSuccess && status != cudaErrorNotReady) buffer.synchronize(stream);  // raises
@@ -558,13 +566,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // it (no notify in between): the host reads them there, as soon as every peer's layout ran.
   const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
   const NormalHostScratch::LayoutPost& post = scratch.layout_post;
+  static const bool ab_board = std::getenv("EPX_AB_BOARD") == nullptr;        // TEMP A/B
+  static const bool ab_check = std::getenv("EPX_AB_BOARD_CHECK") == nullptr;  // TEMP A/B
   const bool counts_on_board =
-      board.host != nullptr && host_waits && state->num_nodes == 1 && in.num_tokens_per_rank != nullptr &&
-      post.sequence == scratch.notify_sequence && post.num_tokens_per_rank == in.num_tokens_per_rank &&
-      post.num_experts == in.num_experts &&
+      ab_board && board.host != nullptr && host_waits && state->num_nodes == 1 &&
+      in.num_tokens_per_rank != nullptr && post.sequence == scratch.notify_sequence &&
+      post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
   const size_t board_half = board.map.row(buffer.rank(), scratch.notify_sequence);
-  if (counts_on_board) {
+  if (counts_on_board && ab_check) {
     state->board = {board.device + board_half, board.map.words_per_source(), scratch.notify_sequence,
                     in.num_tokens_per_expert != nullptr};
   }
