@@ -26,6 +26,9 @@ struct DispatchHandle::State {
   // What the host read off the layout board for this dispatch, checked by its launch (none for a cached
   // dispatch: no notify ran).
   kernels::BoardCheck board;
+  // The count exchange still to run, inside the receive's launch (dispatch_receive): the host read its counts
+  // off the layout board before any launch.
+  std::optional<kernels::NotifyArgs> exchange;
   // The launched receive writes into these outputs (they held the rows: DispatchPlan::rows_in_guess).
   std::optional<DispatchOutput> guessed_outputs;
   std::vector<int> num_recv_per_rank;           // host copy; empty in worst-case mode

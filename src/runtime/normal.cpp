@@ -44,20 +44,46 @@ struct BoardCounts {
 };
 
 // The counts in HostCountIndex's order from the board, when every source posted them under `sequence`.
-bool read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
-                       const kernels::HostCountIndex& index, std::vector<int>& values) {
+Posted read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
+                         const kernels::HostCountIndex& index, std::vector<int>& values) {
   PostedCounts posted{};
   int* expert_rows = board.with_experts ? values.data() + index.expert(0) : nullptr;
-  if (!read_posted_counts(board.half, board.map, sequence, board.num_local_experts, board.expert_alignment,
-                          posted, expert_rows)) {
-    return false;
-  }
+  const Posted state = read_posted_counts(board.half, board.map, sequence, board.num_local_experts,
+                                          board.expert_alignment, posted, expert_rows);
+  if (state != Posted::kAll) return state;
   values[index.rows()] = posted.rows;
   std::copy_n(posted.rows_from, board.map.num_ranks, values.begin() + index.rows_from(0));
   // The layout kernel set the flag before it posted this rank's own words, which are among those read.
   std::atomic_thread_fence(std::memory_order_acquire);
   values[index.invalid_id()] = *static_cast<const volatile int*>(&normal_host_scratch(buffer).invalid_id);
-  return true;
+  return Posted::kAll;
+}
+
+// Spins until every source's layout posted this rank's counts for `sequence` on the board (true, `values`
+// filled) or one of them marked that it posts none (false: the count exchange must run before the host has
+// its counts). Bounded like the device waits.
+bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
+                    const kernels::HostCountIndex& index, std::vector<int>& values) {
+  const auto start = std::chrono::steady_clock::now();
+  for (uint64_t spin = 0;; ++spin) {
+    const Posted state = read_board_counts(buffer, board, sequence, index, values);
+    if (state != Posted::kPending) return state == Posted::kAll;
+    if (spin % 1024 != 1023) continue;
+    const auto waited =
+        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
+    if (static_cast<uint64_t>(waited.count()) > host_bound_ns(buffer.wait_timeout_ns())) {
+      buffer.check_timeout();
+      int missing = 0;  // the first source whose words are not all there
+      while (missing < board.map.num_ranks &&
+             tagged_sequence(board.half[static_cast<size_t>(missing) * board.map.words_per_source()]) ==
+                 sequence)
+        ++missing;
+      EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9, " s waiting for peer ",
+               missing,
+               "'s get_dispatch_layout counts on the layout board (phase dispatch notify; the peer may not "
+               "have called get_dispatch_layout and dispatch)");
+    }
+  }
 }
 
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
@@ -74,10 +100,13 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
   const auto start = std::chrono::steady_clock::now();
   std::vector<int> board_values(board != nullptr ? num_words : 0);
   for (uint64_t spin = 0;; ++spin) {
-    if (board != nullptr && read_board_counts(buffer, *board, sequence, index, board_values)) {
+    const Posted posted =
+        board != nullptr ? read_board_counts(buffer, *board, sequence, index, board_values) : Posted::kNone;
+    if (posted == Posted::kAll) {
       from_board = true;
       return board_values;
     }
+    if (posted == Posted::kNone) board = nullptr;  // a source posts nothing: the notify's counts come
     for (; done < num_words; ++done) {
       const uint64_t word = words[done];
       if (tagged_sequence(word) != sequence) break;
@@ -86,7 +115,8 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
     if (done == num_words) {
       // Every source's layout posted before its notify ran, so the board is complete by now too: the counts
       // come from it whenever the host read it (a deterministic DispatchPlan::counts_from_layout).
-      if (board != nullptr && read_board_counts(buffer, *board, sequence, index, board_values)) {
+      if (board != nullptr &&
+          read_board_counts(buffer, *board, sequence, index, board_values) == Posted::kAll) {
         from_board = true;
         return board_values;
       }
@@ -491,6 +521,28 @@ void cancel_receive(const Buffer& buffer, uint32_t sequence) {
   publish_outputs(buffer, sequence, DispatchOutput{}, nullptr, 0, true);
 }
 
+// The host's copy of the counts a notify published (HostCountIndex's order), into `state`.
+void take_counts(DispatchHandle::State& state, const std::vector<int>& counts,
+                 const kernels::HostCountIndex& index, bool with_experts) {
+  state.num_recv_rows = counts[index.rows()];
+  state.num_recv_per_rank.assign(counts.begin() + index.rows_from(0),
+                                 counts.begin() + index.rows_from(index.num_ranks));
+  // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
+  if (with_experts) {
+    state.num_recv_tokens_per_expert.assign(counts.begin() + index.expert(0),
+                                            counts.begin() + index.expert(index.num_local_experts));
+  } else {
+    state.num_recv_tokens_per_expert.clear();
+  }
+  if (state.num_nodes > 1) state.num_forward_records = counts[index.forward_records()];
+}
+
+void check_no_invalid_id(const std::vector<int>& counts, const kernels::HostCountIndex& index) {
+  const int invalid = counts[index.invalid_id()];
+  EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
+            "must be -1 or in [0, num_experts)");
+}
+
 }  // namespace
 
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
@@ -532,6 +584,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   state->launched_receive = 0;
   state->guessed_outputs.reset();
   state->board = {};
+  state->exchange.reset();
   // The queues this dispatch needs must fit before anything is launched.
   if (state->num_nodes > 1) {
     internode_buffer_maps(buffer, *state, InternodeRecord::dispatch(shape));
@@ -578,6 +631,19 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     state->board = {board.device + board_half, board.map.words_per_source(), scratch.notify_sequence,
                     in.num_tokens_per_expert != nullptr};
   }
+  const BoardCounts board_counts{counts_on_board ? board.host + board_half : nullptr, board.map,
+                                 num_local_experts, state->expert_alignment,
+                                 in.num_tokens_per_expert != nullptr};
+  // This rank's layout posted nothing for this notify: it says so on the board, so a peer that waits there
+  // for its counts takes them from the count exchange instead.
+  if (board.host != nullptr && state->num_nodes == 1 && post.sequence != scratch.notify_sequence) {
+    for (int dest = 0; dest < num_ranks; ++dest) {
+      const size_t mark =
+          board.map.slot(dest, scratch.notify_sequence, buffer.rank()) + board.map.mark_word();
+      *static_cast<volatile uint64_t*>(board.host + mark) =
+          pack_tagged(scratch.notify_sequence, kNothingPosted);
+    }
+  }
   const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
                                  scratch.notify_sequence};
   const int* invalid_id = device_address(buffer, &scratch.invalid_id);
@@ -615,6 +681,24 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                       normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
                                                                in.num_tokens_per_rank != nullptr)};
 
+    // Counts on the board and the receive launched by dispatch_receive: once every peer's layout posted, the
+    // host has its counts without any launch, and the count exchange runs inside the receive's launch (the
+    // host waits for nothing it publishes).
+    if (counts_on_board && !launches_receive) {
+      std::vector<int> counts(count_index.num_words(false));
+      if (wait_for_board(buffer, board_counts, scratch.notify_sequence, count_index, counts)) {
+        check_no_invalid_id(counts, count_index);
+        take_counts(*state, counts, count_index, in.num_tokens_per_expert != nullptr);
+        scratch.last_recv_rows = state->num_recv_rows;
+        state->allocate_rows(buffer, state->num_recv_rows);
+        state->exchange = notify_args;
+        state->exchange->handle = state->arrays;  // with the rows
+        state->exchange->host.words = nullptr;
+        DispatchPlan plan = plan_of(std::move(state));
+        plan.counts_from_layout = true;
+        return plan;
+      }
+    }
     // With a guess and the per-rank totals the receive launched below runs the exchange itself.
     if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
   }
@@ -658,9 +742,6 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   std::vector<int> counts;
   bool from_board = false;
   try {
-    const BoardCounts board_counts{counts_on_board ? board.host + board_half : nullptr, board.map,
-                                   num_local_experts, state->expert_alignment,
-                                   in.num_tokens_per_expert != nullptr};
     counts =
         wait_for_counts(buffer, stream, scratch.notify_sequence, count_index.num_words(state->num_nodes > 1),
                         counts_on_board ? &board_counts : nullptr, count_index, from_board);
@@ -668,17 +749,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     cancel_receive(buffer, state->launched_receive);
     throw;
   }
-  state->num_recv_rows = counts[count_index.rows()];
-  state->num_recv_per_rank.assign(counts.begin() + count_index.rows_from(0),
-                                  counts.begin() + count_index.rows_from(num_ranks));
-  // Per-expert counts exist only when the layout's per-expert counts were given (as the reference says).
-  if (in.num_tokens_per_expert != nullptr) {
-    state->num_recv_tokens_per_expert.assign(counts.begin() + count_index.expert(0),
-                                             counts.begin() + count_index.expert(num_local_experts));
-  } else {
-    state->num_recv_tokens_per_expert.clear();
-  }
-  if (state->num_nodes > 1) state->num_forward_records = counts[count_index.forward_records()];
+  take_counts(*state, counts, count_index, in.num_tokens_per_expert != nullptr);
   scratch.last_recv_rows = state->num_recv_rows;
   const bool rows_in_guess = guess_rows > 0 && state->num_recv_rows <= guess_rows;
   if (rows_in_guess) {
@@ -687,10 +758,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   } else if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
     state->allocate_rows(buffer, state->num_recv_rows, rows_stream);
   }
-  const int invalid = counts[count_index.invalid_id()];
-  if (invalid != 0) cancel_receive(buffer, state->launched_receive);
-  EPX_CHECK(invalid == 0, "topk_idx", detail::concat("an id of token ", invalid - 1),
-            "must be -1 or in [0, num_experts)");
+  if (counts[count_index.invalid_id()] != 0) cancel_receive(buffer, state->launched_receive);
+  check_no_invalid_id(counts, count_index);
   DispatchPlan plan = plan_of(std::move(state));
   plan.rows_in_guess = rows_in_guess;
   plan.counts_from_layout = from_board;
@@ -767,7 +836,14 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
-  kernels::launch_dispatch(dispatch_args(buffer, state, in, out), buffer.comm_stream());
+  kernels::DispatchArgs args = dispatch_args(buffer, state, in, out);
+  if (state.exchange) {
+    // The count exchange of a notify that read its counts off the layout board runs here.
+    args.with_notify = true;
+    args.notify = *state.exchange;
+    args.is_token_in_rank = args.notify.is_token_in_rank;  // the handle's is being copied
+  }
+  kernels::launch_dispatch(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
 

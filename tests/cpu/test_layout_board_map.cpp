@@ -11,6 +11,7 @@
 namespace {
 
 using epx::LayoutBoardMap;
+using epx::Posted;
 using epx::PostedCounts;
 
 // Every (destination, parity, source, word) has its own word, inside the board, and a destination's row
@@ -19,7 +20,8 @@ TEST(LayoutBoardMap, SlotsAreDisjointAndRowsContiguous) {
   for (int ranks : {1, 2, 3, 4, 8}) {
     const LayoutBoardMap map{ranks};
     const int words = map.words_per_source();
-    EXPECT_GE(words, 1 + epx::kMaxExperts / ranks);
+    EXPECT_GE(words, 2 + epx::kMaxExperts / ranks);  // the counts of any expert count, and the mark
+    EXPECT_EQ(map.mark_word(), words - 1);
     std::set<size_t> seen;
     for (int dest = 0; dest < ranks; ++dest) {
       for (uint32_t sequence : {1u, 2u}) {
@@ -74,8 +76,9 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
           PostedCounts counts{};
           std::vector<int> experts(experts_per_rank, -1);
           const uint64_t* half = board.data() + map.row(d, sequence);
-          ASSERT_TRUE(epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts,
-                                              experts.data()));
+          ASSERT_EQ(epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts,
+                                            experts.data()),
+                    Posted::kAll);
           int rows = 0;
           for (int s = 0; s < ranks; ++s) {
             EXPECT_EQ(counts.rows_from[s], per_rank[s][d]);
@@ -88,11 +91,13 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
             EXPECT_EQ(experts[le], (sum + alignment - 1) / alignment * alignment);
           }
           // Without the per-expert counts only the rows are read.
-          EXPECT_TRUE(
-              epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts, nullptr));
+          EXPECT_EQ(
+              epx::read_posted_counts(half, map, sequence, experts_per_rank, alignment, counts, nullptr),
+              Posted::kAll);
           // A half of another sequence is not this call's.
-          EXPECT_FALSE(epx::read_posted_counts(half, map, sequence + 2, experts_per_rank, alignment, counts,
-                                               experts.data()));
+          EXPECT_EQ(epx::read_posted_counts(half, map, sequence + 2, experts_per_rank, alignment, counts,
+                                            experts.data()),
+                    Posted::kPending);
         }
         // One word of the last source missing (an expert count, then a row count): nothing is read.
         for (int word : {experts_per_rank, 0}) {
@@ -101,10 +106,23 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
           last = epx::pack_tagged(sequence - 1, 0);
           PostedCounts counts{};
           std::vector<int> experts(experts_per_rank);
-          EXPECT_FALSE(epx::read_posted_counts(board.data() + map.row(0, sequence), map, sequence,
-                                               experts_per_rank, alignment, counts, experts.data()));
+          EXPECT_EQ(epx::read_posted_counts(board.data() + map.row(0, sequence), map, sequence,
+                                            experts_per_rank, alignment, counts, experts.data()),
+                    Posted::kPending);
           last = kept;
         }
+        // A source that marks it posts nothing under the sequence: the counts never come from the board, even
+        // with its words there (a mark of another sequence means nothing).
+        uint64_t& mark = board[map.slot(ranks - 1, sequence, ranks - 1) + map.mark_word()];
+        mark = epx::pack_tagged(sequence + 2, epx::kNothingPosted);
+        PostedCounts counts{};
+        EXPECT_EQ(epx::read_posted_counts(board.data() + map.row(ranks - 1, sequence), map, sequence,
+                                          experts_per_rank, alignment, counts, nullptr),
+                  Posted::kAll);
+        mark = epx::pack_tagged(sequence, epx::kNothingPosted);
+        EXPECT_EQ(epx::read_posted_counts(board.data() + map.row(ranks - 1, sequence), map, sequence,
+                                          experts_per_rank, alignment, counts, nullptr),
+                  Posted::kNone);
       }
     }
   }

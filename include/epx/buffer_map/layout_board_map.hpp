@@ -18,11 +18,13 @@ namespace epx {
 //
 // Layout: row `dest` (the rank whose host reads it), then the sequence's parity (the next layout posts into
 // the other half while a notify still checks this one), then source rank, then words_per_source() words:
-// [0] tokens from the source, [1 + le] its tokens for local expert le of `dest`.
+// [0] tokens from the source, [1 + le] its tokens for local expert le of `dest`, and last the source host's
+// mark (kNothingPosted under a sequence its layout posted nothing for; no kernel writes it).
 struct LayoutBoardMap {
   int num_ranks;
 
-  EPX_HD int words_per_source() const { return 1 + kMaxExperts / num_ranks; }
+  EPX_HD int words_per_source() const { return 2 + kMaxExperts / num_ranks; }
+  EPX_HD int mark_word() const { return words_per_source() - 1; }
   // First word of what `src` posted for `dest` under `sequence`.
   EPX_HD size_t slot(int dest, uint32_t sequence, int src) const {
     return ((static_cast<size_t>(dest) * 2 + (sequence & 1u)) * num_ranks + src) * words_per_source();
@@ -42,31 +44,43 @@ struct PostedCounts {
   int rows;
 };
 
-// Reads `half` (a rank's half for `sequence`, LayoutBoardMap::row) when every source posted under
-// `sequence`: fills `counts` and `expert_rows` ([num_local_experts], when not null) and returns true; false
-// when some source has not (yet) posted for this sequence.
-inline bool read_posted_counts(const volatile uint64_t* half, const LayoutBoardMap& map, uint32_t sequence,
-                               int num_local_experts, int expert_alignment, PostedCounts& counts,
-                               int* expert_rows) {
+// The mark's value: the source's layout posted nothing under the mark's sequence (and never will).
+constexpr int kNothingPosted = -1;
+
+enum class Posted {
+  kAll,      // every source posted under the sequence: the counts are read
+  kPending,  // some source has not (yet) posted
+  kNone,     // some source marked that it posts nothing under the sequence
+};
+
+// Reads `half` (a rank's half for `sequence`, LayoutBoardMap::row): when every source posted under
+// `sequence`, fills `counts` and `expert_rows` ([num_local_experts], when not null).
+inline Posted read_posted_counts(const volatile uint64_t* half, const LayoutBoardMap& map, uint32_t sequence,
+                                 int num_local_experts, int expert_alignment, PostedCounts& counts,
+                                 int* expert_rows) {
   const int stride = map.words_per_source();
+  bool pending = false;
   counts.rows = 0;
   for (int src = 0; src < map.num_ranks; ++src) {
-    const uint64_t word = half[static_cast<size_t>(src) * stride];
-    if (tagged_sequence(word) != sequence) return false;
+    const volatile uint64_t* slot = half + static_cast<size_t>(src) * stride;
+    if (slot[map.mark_word()] == pack_tagged(sequence, kNothingPosted)) return Posted::kNone;
+    const uint64_t word = slot[0];
+    pending |= tagged_sequence(word) != sequence;
     counts.rows_from[src] = tagged_value(word);
     counts.rows += counts.rows_from[src];
   }
-  if (expert_rows == nullptr) return true;
+  if (pending) return Posted::kPending;
+  if (expert_rows == nullptr) return Posted::kAll;
   for (int le = 0; le < num_local_experts; ++le) {
     int sum = 0;
     for (int src = 0; src < map.num_ranks; ++src) {
       const uint64_t word = half[static_cast<size_t>(src) * stride + 1 + le];
-      if (tagged_sequence(word) != sequence) return false;
+      if (tagged_sequence(word) != sequence) return Posted::kPending;
       sum += tagged_value(word);
     }
     expert_rows[le] = (sum + expert_alignment - 1) / expert_alignment * expert_alignment;
   }
-  return true;
+  return Posted::kAll;
 }
 
 }  // namespace epx
