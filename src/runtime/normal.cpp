@@ -59,6 +59,14 @@ Posted read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_
   return Posted::kAll;
 }
 
+// Marks on every rank's row of the board that this rank's layout posted nothing for notify `sequence`.
+void mark_nothing_posted(const BufferAccess::LayoutBoard& board, int rank, uint32_t sequence) {
+  for (int dest = 0; dest < board.map.num_ranks; ++dest) {
+    const size_t mark = board.map.slot(dest, sequence, rank) + board.map.mark_word();
+    *static_cast<volatile uint64_t*>(board.host + mark) = pack_tagged(sequence, kNothingPosted);
+  }
+}
+
 // Spins until every source's layout posted this rank's counts for `sequence` on the board (true, `values`
 // filled) or one of them marked that it posts none (false: the count exchange must run before the host has
 // its counts). Bounded like the device waits.
@@ -87,41 +95,21 @@ bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t seq
 }
 
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
-// carries `sequence` (no flag: each word says itself whether it is current), or, with `board`, until every
-// source's layout posted them there for `sequence`, and returns their values. Bounded like the device waits;
-// a failed launch raises its error.
-std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence, int num_words,
-                                 const BoardCounts* board, const kernels::HostCountIndex& index,
-                                 bool& from_board) {
-  from_board = false;
+// carries `sequence` (no flag: each word says itself whether it is current), and returns their values.
+// Bounded like the device waits; a failed launch raises its error.
+std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint32_t sequence,
+                                 int num_words) {
   const volatile uint64_t* words = normal_host_scratch(buffer).counts;
   std::vector<int> values(num_words);
   int done = 0;  // words [0, done) carry the sequence
   const auto start = std::chrono::steady_clock::now();
-  std::vector<int> board_values(board != nullptr ? num_words : 0);
   for (uint64_t spin = 0;; ++spin) {
-    const Posted posted =
-        board != nullptr ? read_board_counts(buffer, *board, sequence, index, board_values) : Posted::kNone;
-    if (posted == Posted::kAll) {
-      from_board = true;
-      return board_values;
-    }
-    if (posted == Posted::kNone) board = nullptr;  // a source posts nothing: the notify's counts come
     for (; done < num_words; ++done) {
       const uint64_t word = words[done];
       if (tagged_sequence(word) != sequence) break;
       values[done] = tagged_value(word);
     }
-    if (done == num_words) {
-      // Every source's layout posted before its notify ran, so the board is complete by now too: the counts
-      // come from it whenever the host read it (a deterministic DispatchPlan::counts_from_layout).
-      if (board != nullptr &&
-          read_board_counts(buffer, *board, sequence, index, board_values) == Posted::kAll) {
-        from_board = true;
-        return board_values;
-      }
-      break;
-    }
+    if (done == num_words) break;
     if (spin % 1024 != 1023) continue;
     const cudaError_t status = cudaStreamQuery(stream);
     if (status != cudaSuccess && status != cudaErrorNotReady) buffer.synchronize(stream);  // raises
@@ -606,50 +594,73 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   cancel_receive(buffer, scratch.pending_receive);
   // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
   if (is_cached) return plan_of(std::move(state));
-  begin_on_comm_stream(buffer, order);
 
   const cudaStream_t stream = buffer.comm_stream();
-  // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
-  // receive's launch.
-  state->allocate_routing(buffer, num_local_experts, guess_rows);
   const bool host_waits = state->num_worst_tokens == 0;
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   scratch.notify_sequence = next_sequence(scratch.notify_sequence);
-  // The counts are on the layout board when this notify's inputs are the outputs of the layout just before
-  // it (no notify in between): the host reads them there, as soon as every peer's layout ran.
+  const uint32_t sequence = scratch.notify_sequence;
+  const int* invalid_id = device_address(buffer, &scratch.invalid_id);
+  // The single-node count exchange, run by a notify kernel or inside the receive's launch.
+  const auto notify_args = [&](const kernels::HostCounts& host) {
+    return kernels::NotifyArgs{peer_context(buffer),
+                               sequence,
+                               state->num_channels,
+                               reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                               in.num_tokens_per_expert,
+                               in.num_tokens_per_rank,
+                               in.num_tokens,
+                               in.num_experts,
+                               state->expert_alignment,
+                               state->num_worst_tokens,
+                               state->arrays,
+                               host,
+                               invalid_id,
+                               normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
+                                                        in.num_tokens_per_rank != nullptr)};
+  };
+
+  // The layout board (one node): a rank whose layout posted nothing for this notify says so there, so a peer
+  // waiting for its counts takes the count exchange's instead.
   const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
   const NormalHostScratch::LayoutPost& post = scratch.layout_post;
-  static const bool ab_board = std::getenv("EPX_AB_BOARD") == nullptr;        // TEMP A/B
-  static const bool ab_check = std::getenv("EPX_AB_BOARD_CHECK") == nullptr;  // TEMP A/B
+  const bool one_node_board = board.host != nullptr && state->num_nodes == 1;
+  if (one_node_board && post.sequence != sequence) mark_nothing_posted(board, buffer.rank(), sequence);
+  // The inputs are the outputs of the layout just before this notify and dispatch_receive launches the
+  // receive: once every peer's layout posted, the host has its counts off the board before any launch, and
+  // the count exchange runs inside the receive's launch (checked there against the board).
   const bool counts_on_board =
-      ab_board && board.host != nullptr && host_waits && state->num_nodes == 1 &&
-      in.num_tokens_per_rank != nullptr && post.sequence == scratch.notify_sequence &&
-      post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
+      one_node_board && host_waits && !launches_receive && in.num_tokens_per_rank != nullptr &&
+      post.sequence == sequence && post.num_tokens_per_rank == in.num_tokens_per_rank &&
+      post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
-  const size_t board_half = board.map.row(buffer.rank(), scratch.notify_sequence);
-  if (counts_on_board && ab_check) {
-    state->board = {board.device + board_half, board.map.words_per_source(), scratch.notify_sequence,
-                    in.num_tokens_per_expert != nullptr};
-  }
-  const BoardCounts board_counts{counts_on_board ? board.host + board_half : nullptr, board.map,
-                                 num_local_experts, state->expert_alignment,
-                                 in.num_tokens_per_expert != nullptr};
-  // This rank's layout posted nothing for this notify: it says so on the board, so a peer that waits there
-  // for its counts takes them from the count exchange instead.
-  if (board.host != nullptr && state->num_nodes == 1 && post.sequence != scratch.notify_sequence) {
-    for (int dest = 0; dest < num_ranks; ++dest) {
-      const size_t mark =
-          board.map.slot(dest, scratch.notify_sequence, buffer.rank()) + board.map.mark_word();
-      *static_cast<volatile uint64_t*>(board.host + mark) =
-          pack_tagged(scratch.notify_sequence, kNothingPosted);
+  if (counts_on_board) {
+    const size_t half = board.map.row(buffer.rank(), sequence);
+    const bool with_experts = in.num_tokens_per_expert != nullptr;
+    const BoardCounts board_counts{board.host + half, board.map, num_local_experts, state->expert_alignment,
+                                   with_experts};
+    std::vector<int> counts(count_index.num_words(false));
+    if (wait_for_board(buffer, board_counts, sequence, count_index, counts)) {
+      check_no_invalid_id(counts, count_index);
+      take_counts(*state, counts, count_index, with_experts);
+      scratch.last_recv_rows = state->num_recv_rows;
+      // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
+      state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
+      state->board = {board.device + half, board.map.words_per_source(), sequence, with_experts};
+      state->exchange = notify_args({nullptr, sequence});  // the host waits for nothing it publishes
+      DispatchPlan plan = plan_of(std::move(state));
+      plan.counts_from_layout = true;
+      return plan;
     }
   }
-  const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr,
-                                 scratch.notify_sequence};
-  const int* invalid_id = device_address(buffer, &scratch.invalid_id);
+
+  begin_on_comm_stream(buffer, order);
+  // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
+  // receive's launch.
+  state->allocate_routing(buffer, num_local_experts, guess_rows);
+  const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr, sequence};
   // One launch for the count exchange and the receive: the host's counts come one launch after the call.
   const bool notify_in_receive = guess_rows > 0 && in.num_tokens_per_rank != nullptr;
-  kernels::NotifyArgs notify_args{};
   if (state->num_nodes > 1) {
     const kernels::InternodeNotifyArgs args{
         internode_context(buffer),
@@ -664,43 +675,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
         invalid_id,
         normal_shape_fingerprint(shape, queue_config(buffer, *state), true)};
     kernels::launch_internode_notify(args, stream);
-  } else {
-    notify_args = kernels::NotifyArgs{peer_context(buffer),
-                                      scratch.notify_sequence,
-                                      state->num_channels,
-                                      reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                                      in.num_tokens_per_expert,
-                                      in.num_tokens_per_rank,
-                                      in.num_tokens,
-                                      in.num_experts,
-                                      state->expert_alignment,
-                                      state->num_worst_tokens,
-                                      state->arrays,
-                                      host,
-                                      invalid_id,
-                                      normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
-                                                               in.num_tokens_per_rank != nullptr)};
-
-    // Counts on the board and the receive launched by dispatch_receive: once every peer's layout posted, the
-    // host has its counts without any launch, and the count exchange runs inside the receive's launch (the
-    // host waits for nothing it publishes).
-    if (counts_on_board && !launches_receive) {
-      std::vector<int> counts(count_index.num_words(false));
-      if (wait_for_board(buffer, board_counts, scratch.notify_sequence, count_index, counts)) {
-        check_no_invalid_id(counts, count_index);
-        take_counts(*state, counts, count_index, in.num_tokens_per_expert != nullptr);
-        scratch.last_recv_rows = state->num_recv_rows;
-        state->allocate_rows(buffer, state->num_recv_rows);
-        state->exchange = notify_args;
-        state->exchange->handle = state->arrays;  // with the rows
-        state->exchange->host.words = nullptr;
-        DispatchPlan plan = plan_of(std::move(state));
-        plan.counts_from_layout = true;
-        return plan;
-      }
-    }
+  } else if (!notify_in_receive) {
     // With a guess and the per-rank totals the receive launched below runs the exchange itself.
-    if (!notify_in_receive) kernels::launch_dispatch_notify(notify_args, stream);
+    kernels::launch_dispatch_notify(notify_args(host), stream);
   }
   if (!host_waits) {
     state->num_recv_rows = state->num_worst_tokens;
@@ -721,7 +698,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     args.guess_rows = guess_rows;
     if (notify_in_receive) {
       args.with_notify = true;
-      args.notify = notify_args;
+      args.notify = notify_args(host);
       args.is_token_in_rank =
           reinterpret_cast<const uint8_t*>(in.is_token_in_rank);  // the handle's is being copied
     }
@@ -740,11 +717,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
-  bool from_board = false;
   try {
-    counts =
-        wait_for_counts(buffer, stream, scratch.notify_sequence, count_index.num_words(state->num_nodes > 1),
-                        counts_on_board ? &board_counts : nullptr, count_index, from_board);
+    counts = wait_for_counts(buffer, stream, sequence, count_index.num_words(state->num_nodes > 1));
   } catch (...) {
     cancel_receive(buffer, state->launched_receive);
     throw;
@@ -762,7 +736,6 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   check_no_invalid_id(counts, count_index);
   DispatchPlan plan = plan_of(std::move(state));
   plan.rows_in_guess = rows_in_guess;
-  plan.counts_from_layout = from_board;
   return plan;
 }
 
