@@ -35,7 +35,18 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   const RowOutputs given{args.out.recv_x,          args.out.recv_x_scales,
                          args.out.recv_topk_idx,   args.out.recv_topk_weights,
                          args.handle.recv_src_idx, false};
-  const int rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+  const int num_channels = args.layout.num_channels;
+  const int* offsets = args.handle.recv_channel_offset;
+  const int rows = offsets[args.peers.num_ranks * num_channels];
+  // Rows the host read off the layout board for each source, against what the source sends: a source whose
+  // layout posted another count is named before anything is written.
+  for (int src = 0; args.board.half != nullptr && src < args.peers.num_ranks; ++src) {
+    const int sent = offsets[(src + 1) * num_channels] - offsets[src * num_channels];
+    if (sent == args.board.rows_from[src]) continue;
+    device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent,
+                        args.board.rows_from[src], 0, 0);
+    return {nullptr, nullptr, nullptr, nullptr, nullptr, true};
+  }
   if (args.published == nullptr) {
     // Outputs the host sized by counts that were not this call's (a peer's layout posted other counts than
     // its dispatch sends; check_board_counts names it) are not written past. (Worst-case outputs: the notify
@@ -268,70 +279,58 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
   }
 }
 
-// ---- The layout board's check: the counts this rank's host read off the board (DispatchArgs::board) against
-// what each source sends (rows by the channel offsets, tokens per local expert by the counts the source's
-// notify posted). A source whose layout posted others aborts the group, naming it; the outputs themselves are
-// never written past (row_outputs). Block 1 loads the board's words right after the count exchange and
-// compares them at its end: the host-memory loads fly while it moves rows. ----
+// ---- The layout board's check of the per-expert counts: the tokens per local expert this rank's host read
+// off the board (DispatchArgs::board) against the counts each source's notify posted. A source whose layout
+// posted others aborts the group, naming it (the rows are checked before anything is written: row_outputs).
+// Block 1 loads the board's words right after the count exchange and compares them at its end: the
+// host-memory loads fly while it moves rows. ----
 
-// Board words one thread loads: R * (1 + L) <= kMaxNvlRanks + kMaxExperts words over the block.
-constexpr int kBoardWordsPerThread = (kMaxNvlRanks + kMaxExperts + kQueueThreads - 1) / kQueueThreads;
+// Board words one thread loads: R * L <= kMaxExperts words over the block.
+constexpr int kBoardWordsPerThread = (kMaxExperts + kQueueThreads - 1) / kQueueThreads;
 struct BoardWords {
   uint64_t words[kBoardWordsPerThread];
 };
 
-__device__ __forceinline__ int board_words_per_rank(const DispatchArgs& args) {
-  return 1 + (args.board.experts ? args.num_experts / args.peers.num_ranks : 0);
-}
-
-// Called by every thread of block 1 once the count exchange is over (the sources' counts arrived).
-// NOTES: each source's layout posted before its notify ran, whose counts this rank's notify received: the
+// Called by every thread of block 1 once the count exchange (in this launch) is over: the sources' counts
+// arrived. NOTES: each source's layout posted before its exchange ran, whose counts this rank received: the
 // system fence acquires what the layouts posted. A word not posted under the notify's sequence was not read
 // by the host, which reads a source's words only once all carry it; none changes before the check (a source
 // posts to this half again two notifies on, which needs this rank's next notify first).
 __device__ BoardWords load_board_words(const DispatchArgs& args) {
   BoardWords loaded{};
-  if (args.board.half == nullptr) return loaded;
-  const int words = board_words_per_rank(args);
-  const int total = args.peers.num_ranks * words;
+  if (args.board.half == nullptr || !args.board.experts) return loaded;
+  const int experts_per_rank = args.num_experts / args.peers.num_ranks;
+  const int total = args.peers.num_ranks * experts_per_rank;
   __threadfence_system();
 #pragma unroll
   for (int k = 0; k < kBoardWordsPerThread; ++k) {
     const int i = threadIdx.x + k * kQueueThreads;
     if (i < total) {
       loaded.words[k] = *reinterpret_cast<const volatile uint64_t*>(
-          args.board.half + static_cast<size_t>(i / words) * args.board.words_per_source + i % words);
+          args.board.half + static_cast<size_t>(i / experts_per_rank) * args.board.words_per_source + 1 +
+          i % experts_per_rank);
     }
   }
   return loaded;
 }
 
-__device__ void check_board_counts(const DispatchArgs& args, const BoardWords& loaded) {
+__device__ void check_board_experts(const DispatchArgs& args, const BoardWords& loaded) {
   const BoardCheck& board = args.board;
-  if (board.half == nullptr) return;
-  const int num_channels = args.layout.num_channels;
+  if (board.half == nullptr || !board.experts) return;
   const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-  const int words = board_words_per_rank(args);
-  const int total = args.peers.num_ranks * words;
+  const int total = args.peers.num_ranks * experts_per_rank;
   const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, board.sequence);
 #pragma unroll
   for (int k = 0; k < kBoardWordsPerThread; ++k) {
-    const int i = threadIdx.x + k * kQueueThreads;
+    const int i = threadIdx.x + k * kQueueThreads;  // src * L + le, as expert_counts
     if (i >= total || tagged_sequence(loaded.words[k]) != board.sequence) continue;
-    const int src = i / words;
-    const int word = i % words;
-    int sent = 0;
-    if (word == 0) {
-      const int* offsets = args.handle.recv_channel_offset;
-      sent = offsets[(src + 1) * num_channels] - offsets[src * num_channels];
-    } else {
-      const uint64_t count = arrived->expert_counts[src * experts_per_rank + word - 1];
-      if (tagged_sequence(count) != board.sequence) continue;  // the notify aborted before it arrived
-      sent = tagged_value(count);
-    }
+    const uint64_t count = arrived->expert_counts[i];
+    if (tagged_sequence(count) != board.sequence) continue;  // the notify aborted before it arrived
     const int posted = tagged_value(loaded.words[k]);
-    if (posted != sent)
-      device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent, posted, 0, word);
+    if (posted != tagged_value(count)) {
+      device::raise_abort(wait_context(args.peers), i / experts_per_rank, WaitPhase::kLayoutCounts,
+                          tagged_value(count), posted, 0, 1 + i % experts_per_rank);
+    }
   }
 }
 
@@ -394,7 +393,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   }
   if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);
   copier.finish();
-  if (blockIdx.x == 1) check_board_counts(args, board_words);
+  if (blockIdx.x == 1) check_board_experts(args, board_words);
   finish_launch(args.peers, calls);
 }
 

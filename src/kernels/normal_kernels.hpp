@@ -111,7 +111,8 @@ struct BoardCheck {
   const uint64_t* half = nullptr;
   int words_per_source = 0;
   uint32_t sequence = 0;
-  bool experts = false;  // the per-expert words too (the notify had num_tokens_per_expert)
+  bool experts = false;              // the per-expert words too (the notify had num_tokens_per_expert)
+  int rows_from[kMaxNvlRanks] = {};  // the rows the host read for each source
 };
 
 struct DispatchArgs {

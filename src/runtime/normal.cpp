@@ -646,7 +646,9 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       scratch.last_recv_rows = state->num_recv_rows;
       // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
       state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
-      state->board = {board.device + half, board.map.words_per_source(), sequence, with_experts};
+      state->board = {board.device + half, board.map.words_per_source(), sequence, with_experts, {}};
+      for (int src = 0; src < num_ranks; ++src)
+        state->board.rows_from[src] = counts[count_index.rows_from(src)];
       state->exchange = notify_args({nullptr, sequence});  // the host waits for nothing it publishes
       DispatchPlan plan = plan_of(std::move(state));
       plan.counts_from_layout = true;
