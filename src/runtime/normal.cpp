@@ -626,13 +626,12 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   const NormalHostScratch::LayoutPost& post = scratch.layout_post;
   const bool one_node_board = board.host != nullptr && state->num_nodes == 1;
   if (one_node_board && post.sequence != sequence) mark_nothing_posted(board, buffer.rank(), sequence);
-  // The inputs are the outputs of the layout just before this notify and dispatch_receive launches the
-  // receive: once every peer's layout posted, the host has its counts off the board before any launch, and
-  // the count exchange runs inside the receive's launch (checked there against the board).
+  // The inputs are the outputs of the layout just before this notify: once every peer's layout posted, the
+  // host has its counts off the board before any launch, and the count exchange runs inside the receive's
+  // launch (checked there against the board): now, into a guess the rows fit, else in dispatch_receive.
   const bool counts_on_board =
-      one_node_board && host_waits && !launches_receive && in.num_tokens_per_rank != nullptr &&
-      post.sequence == sequence && post.num_tokens_per_rank == in.num_tokens_per_rank &&
-      post.num_experts == in.num_experts &&
+      one_node_board && host_waits && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
+      post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
   if (counts_on_board) {
     const size_t half = board.map.row(buffer.rank(), sequence);
@@ -649,8 +648,24 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       state->board = {board.device + half, board.map.words_per_source(), sequence, with_experts, {}};
       for (int src = 0; src < num_ranks; ++src)
         state->board.rows_from[src] = counts[count_index.rows_from(src)];
-      state->exchange = notify_args({nullptr, sequence});  // the host waits for nothing it publishes
+      const kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
+      const bool rows_in_guess = launches_receive && guess_rows > 0 && state->num_recv_rows <= guess_rows;
+      if (rows_in_guess) {
+        // The guess's outputs are the outputs: the receive goes out now and needs nothing more from the host.
+        begin_on_comm_stream(buffer, order);
+        kernels::DispatchArgs args = dispatch_args(buffer, *state, in, guess->outputs);
+        args.with_notify = true;
+        args.notify = exchange;
+        args.is_token_in_rank = exchange.is_token_in_rank;  // the handle's is being copied
+        kernels::launch_dispatch(args, stream);
+        scratch.pending_receive = sequence;  // dispatch_receive completes the call
+        state->launched_receive = sequence;
+        state->guessed_outputs = guess->outputs;
+      } else {
+        state->exchange = exchange;
+      }
       DispatchPlan plan = plan_of(std::move(state));
+      plan.rows_in_guess = rows_in_guess;
       plan.counts_from_layout = true;
       return plan;
     }
