@@ -675,10 +675,8 @@ class NormalRunner {
     check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
     const bool one_node =
         buffer_->ranks_per_node() == buffer_->num_ranks();  // across nodes: no launched receive
-    // One node, a host wait, the receive launched by dispatch_receive and the layout's num_tokens_per_rank:
-    // the counts come off the layout board.
-    const bool from_layout = one_node && s.num_worst_tokens == 0 && s.with_topk() &&
-                             !(s.launch_receive && launched_receives_enabled());
+    // One node, a host wait and the layout's num_tokens_per_rank: the counts come off the layout board.
+    const bool from_layout = one_node && s.num_worst_tokens == 0 && s.with_topk();
     if (slot.plan.counts_from_layout != from_layout)
       fail_at(s, std::string("dispatch_notify: counts_from_layout is ") +
                      (slot.plan.counts_from_layout ? "true" : "false"));
