@@ -347,6 +347,13 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         });
         out.push_back({bf16 ? "dispatch BF16 receive into guess" : "dispatch FP8 receive into guess", sms,
                        guessed_us, nvl_bytes});
+        // As epx.Buffer.dispatch runs it: after its layout, into a guess the rows fit.
+        const double guessed_after_layout_us =
+            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush,
+                      [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
+        out.push_back(
+            {bf16 ? "dispatch BF16 into guess after its layout" : "dispatch FP8 into guess after its layout",
+             sms, guessed_after_layout_us, nvl_bytes});
         // Of that, the step up to the host having the counts (the count exchange runs inside the receive's
         // launch): dispatch_notify alone, the receive completed before the next run.
         const StreamOrder order{stream, nullptr, false};
