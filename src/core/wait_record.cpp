@@ -80,17 +80,21 @@ std::string describe_failure(const FailureRecord& record) {
                           record.expected, " tokens for this rank, but its is_token_in_rank marks ",
                           record.seen, " (pass get_dispatch_layout's outputs unchanged)");
   }
+  if (phase == WaitPhase::kLayoutCounts && record.peer < 0 && record.detail == 1) {
+    return detail::concat(
+        "rank ", record.rank,
+        ": the tokens per local expert this rank's host read off the layout board differ from "
+        "what the peers' dispatches send (each rank must pass its own last "
+        "get_dispatch_layout's outputs, unchanged, to the dispatch after it)");
+  }
   if (phase == WaitPhase::kLayoutCounts && record.peer < 0) {
-    return detail::concat("rank ", record.rank, ": the host sized the dispatch outputs for ", record.expected,
-                          " rows from the counts the layouts posted, but ", record.seen, " rows arrive");
+    return detail::concat("rank ", record.rank, ": the dispatch outputs hold ", record.expected,
+                          " rows, but ", record.seen, " rows arrive");
   }
   if (phase == WaitPhase::kLayoutCounts) {
-    const std::string what = record.detail == 0
-                                 ? std::string("tokens")
-                                 : detail::concat("tokens for local expert ", record.detail - 1);
     return detail::concat(
-        "rank ", record.rank, ": peer ", record.peer, "'s get_dispatch_layout posted ", record.seen, " ",
-        what, " for this rank, but its dispatch sends ", record.expected,
+        "rank ", record.rank, ": peer ", record.peer, "'s get_dispatch_layout posted ", record.seen,
+        " tokens for this rank, but its dispatch sends ", record.expected,
         " (each rank must pass its own last get_dispatch_layout's outputs, unchanged, to the "
         "dispatch after it)");
   }
@@ -112,8 +116,9 @@ std::string describe_abort_cause(const AbortCause& cause) {
     return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
   }
   if (cause.phase == WaitPhase::kLayoutCounts && cause.peer < 0) {
-    return detail::concat("rank ", cause.rank,
-                          " got more dispatch rows than the outputs its host sized hold");
+    return detail::concat(
+        "rank ", cause.rank,
+        " found that the counts its host read off the layout board disagree with the dispatches");
   }
   if (cause.phase == WaitPhase::kLayoutCounts) {
     return detail::concat("rank ", cause.rank, " found that the counts peer ", cause.peer,

@@ -40,7 +40,7 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   const int rows = offsets[args.peers.num_ranks * num_channels];
   // Rows the host read off the layout board for each source, against what the source sends: a source whose
   // layout posted another count is named before anything is written.
-  for (int src = 0; args.board.half != nullptr && src < args.peers.num_ranks; ++src) {
+  for (int src = 0; args.board.active && src < args.peers.num_ranks; ++src) {
     const int sent = offsets[(src + 1) * num_channels] - offsets[src * num_channels];
     if (sent == args.board.rows_from[src]) continue;
     device::raise_abort(wait_context(args.peers), src, WaitPhase::kLayoutCounts, sent,
@@ -48,9 +48,8 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
     return {nullptr, nullptr, nullptr, nullptr, nullptr, true};
   }
   if (args.published == nullptr) {
-    // Outputs the host sized by counts that were not this call's (a peer's layout posted other counts than
-    // its dispatch sends; check_board_counts names it) are not written past. (Worst-case outputs: the notify
-    // checked the rows against them.)
+    // Outputs smaller than the rows are never written past (not expected: the host's counts are the
+    // exchange's, or were checked per source just above; worst-case outputs were checked by the notify).
     if (rows <= args.num_out_rows) return given;
     device::raise_abort(wait_context(args.peers), -1, WaitPhase::kLayoutCounts, args.num_out_rows, rows, 0);
     return {nullptr, nullptr, nullptr, nullptr, nullptr, true};
@@ -78,7 +77,7 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
     control->outputs_mirror[2] = reinterpret_cast<uint64_t>(p.recv_topk_idx);
     control->outputs_mirror[3] = reinterpret_cast<uint64_t>(p.recv_topk_weights);
     control->outputs_mirror[4] = reinterpret_cast<uint64_t>(p.recv_src_idx);
-    // Outputs the host sized by counts that were not this call's are not written past (as above).
+    // Outputs smaller than the rows are not written past (as above).
     const bool fits = !arrived || p.cancelled || rows <= p.rows;
     if (!fits) device::raise_abort(ctx, -1, WaitPhase::kLayoutCounts, p.rows, rows, 0);
     control->outputs_cancelled = arrived && fits ? p.cancelled : 1;
@@ -279,61 +278,6 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
   }
 }
 
-// ---- The layout board's check of the per-expert counts: the tokens per local expert this rank's host read
-// off the board (DispatchArgs::board) against the counts each source's notify posted. A source whose layout
-// posted others aborts the group, naming it (the rows are checked before anything is written: row_outputs).
-// Block 1 loads the board's words right after the count exchange and compares them at its end: the
-// host-memory loads fly while it moves rows. ----
-
-// Board words one thread loads: R * L <= kMaxExperts words over the block.
-constexpr int kBoardWordsPerThread = (kMaxExperts + kQueueThreads - 1) / kQueueThreads;
-struct BoardWords {
-  uint64_t words[kBoardWordsPerThread];
-};
-
-// Called by every thread of block 1 once the count exchange (in this launch) is over: the sources' counts
-// arrived. NOTES: each source's layout posted before its exchange ran, whose counts this rank received: the
-// system fence acquires what the layouts posted. A word not posted under the notify's sequence was not read
-// by the host, which reads a source's words only once all carry it; none changes before the check (a source
-// posts to this half again two notifies on, which needs this rank's next notify first).
-__device__ BoardWords load_board_words(const DispatchArgs& args) {
-  BoardWords loaded{};
-  if (args.board.half == nullptr || !args.board.experts) return loaded;
-  const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-  const int total = args.peers.num_ranks * experts_per_rank;
-  __threadfence_system();
-#pragma unroll
-  for (int k = 0; k < kBoardWordsPerThread; ++k) {
-    const int i = threadIdx.x + k * kQueueThreads;
-    if (i < total) {
-      loaded.words[k] = *reinterpret_cast<const volatile uint64_t*>(
-          args.board.half + static_cast<size_t>(i / experts_per_rank) * args.board.words_per_source + 1 +
-          i % experts_per_rank);
-    }
-  }
-  return loaded;
-}
-
-__device__ void check_board_experts(const DispatchArgs& args, const BoardWords& loaded) {
-  const BoardCheck& board = args.board;
-  if (board.half == nullptr || !board.experts) return;
-  const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-  const int total = args.peers.num_ranks * experts_per_rank;
-  const NormalBufferMap::NotifyHalf* arrived = NormalBufferMap::notify(args.peers.local_base, board.sequence);
-#pragma unroll
-  for (int k = 0; k < kBoardWordsPerThread; ++k) {
-    const int i = threadIdx.x + k * kQueueThreads;  // src * L + le, as expert_counts
-    if (i >= total || tagged_sequence(loaded.words[k]) != board.sequence) continue;
-    const uint64_t count = arrived->expert_counts[i];
-    if (tagged_sequence(count) != board.sequence) continue;  // the notify aborted before it arrived
-    const int posted = tagged_value(loaded.words[k]);
-    if (posted != tagged_value(count)) {
-      device::raise_abort(wait_context(args.peers), i / experts_per_rank, WaitPhase::kLayoutCounts,
-                          tagged_value(count), posted, 0, 1 + i % experts_per_rank);
-    }
-  }
-}
-
 // Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
 // the rows this rank keeps. With one rank there are no queues and both blocks copy. Only blocks that write
 // rows wait for published outputs: senders start as soon as the launch does.
@@ -363,7 +307,6 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       return;
     }
   }
-  const BoardWords board_words = blockIdx.x == 1 ? load_board_words(args) : BoardWords{};
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
     __syncthreads();
@@ -393,7 +336,6 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   }
   if (!is_sender && !outputs.cancelled) mark_padding_rows(args, channel);
   copier.finish();
-  if (blockIdx.x == 1) check_board_experts(args, board_words);
   finish_launch(args.peers, calls);
 }
 

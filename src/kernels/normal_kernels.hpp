@@ -98,21 +98,21 @@ struct NotifyArgs {
   HostCounts host;
   const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
   ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
+  // The host read the per-expert rows off the layout board: their hash (the sum of expert_rows_term), which
+  // the exchange checks against the rows it gathers (WaitPhase::kLayoutCounts).
+  bool check_expert_rows = false;
+  uint64_t expert_rows_hash = 0;
 };
 // The count exchange: one block per channel counts what it will send to each rank and posts the counts as
 // tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost
 // in T apart from the per-channel counting.
 void launch_dispatch_notify(const NotifyArgs& args, cudaStream_t stream);
 
-// What this rank's host may have read off the layout board for one notify (its half for `sequence`,
-// LayoutBoardMap::row), checked by the dispatch launch against what each source sends
-// (WaitPhase::kLayoutCounts). `half` nullptr: the host did not read the board.
+// What this rank's host read off the layout board for one notify, checked by the launch that runs its count
+// exchange against what the sources send (WaitPhase::kLayoutCounts), before any row is written.
 struct BoardCheck {
-  const uint64_t* half = nullptr;
-  int words_per_source = 0;
-  uint32_t sequence = 0;
-  bool experts = false;              // the per-expert words too (the notify had num_tokens_per_expert)
-  int rows_from[kMaxNvlRanks] = {};  // the rows the host read for each source
+  bool active = false;               // the host read its counts off the board
+  int rows_from[kMaxNvlRanks] = {};  // the rows it read for each source
 };
 
 struct DispatchArgs {

@@ -645,10 +645,15 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       scratch.last_recv_rows = state->num_recv_rows;
       // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
       state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
-      state->board = {board.device + half, board.map.words_per_source(), sequence, with_experts, {}};
+      // The launch that runs the exchange checks what the host read: the rows from each source before it
+      // writes any, the per-expert rows by their hash.
+      state->board.active = true;
       for (int src = 0; src < num_ranks; ++src)
         state->board.rows_from[src] = counts[count_index.rows_from(src)];
-      const kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
+      kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
+      exchange.check_expert_rows = with_experts;
+      for (int le = 0; with_experts && le < num_local_experts; ++le)
+        exchange.expert_rows_hash += expert_rows_term(le, counts[count_index.expert(le)]);
       const bool rows_in_guess = launches_receive && guess_rows > 0 && state->num_recv_rows <= guess_rows;
       if (rows_in_guess) {
         // The guess's outputs are the outputs: the receive goes out now and needs nothing more from the host.

@@ -113,17 +113,19 @@ TEST(WaitRecord, LayoutCountsNameThePeerWhatItPostedAndWhatItSends) {
       epx::describe_failure(record),
       "rank 1: peer 0's get_dispatch_layout posted 40 tokens for this rank, but its dispatch sends 41 (each "
       "rank must pass its own last get_dispatch_layout's outputs, unchanged, to the dispatch after it)");
-  record.detail = 3;
-  EXPECT_NE(epx::describe_failure(record).find("posted 40 tokens for local expert 2 for this rank"),
-            std::string::npos);
-  record.peer = -1;
-  EXPECT_EQ(
-      epx::describe_failure(record),
-      "rank 1: the host sized the dispatch outputs for 41 rows from the counts the layouts posted, but 40 "
-      "rows arrive");
   EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(1, 0, WaitPhase::kLayoutCounts)),
             "rank 2: the group was aborted: rank 1 found that the counts peer 0's get_dispatch_layout posted "
             "disagree with its dispatch");
+  record.peer = -1;
+  EXPECT_EQ(epx::describe_failure(record), "rank 1: the dispatch outputs hold 41 rows, but 40 rows arrive");
+  record.detail = 1;
+  EXPECT_NE(
+      epx::describe_failure(record).find("the tokens per local expert this rank's host read off the layout "
+                                         "board differ"),
+      std::string::npos);
+  EXPECT_EQ(epx::describe_abort_word(2, epx::encode_abort_word(1, -1, WaitPhase::kLayoutCounts)),
+            "rank 2: the group was aborted: rank 1 found that the counts its host read off the layout board "
+            "disagree with the dispatches");
 }
 
 TEST(AbortState, StaysAbortedWithTheFirstMessageUntilReset) {

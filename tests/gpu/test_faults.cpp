@@ -186,9 +186,11 @@ class FaultCalls {
   void set_last_rank_count_error(int delta) { last_rank_count_error_ = delta; }
   // false: this rank's dispatch leaves num_tokens_per_rank out.
   void set_pass_rank_totals(bool pass) { pass_rank_totals_ = pass; }
-  // true: after the layout its dispatch uses, this rank runs another one (of its tokens routed nowhere, into
-  // other arrays), so the layout board holds counts its dispatch does not send.
-  void set_layout_after(bool layout_after) { layout_after_ = layout_after; }
+  // After the layout its dispatch uses, this rank runs another one into other arrays, so the layout board
+  // holds counts its dispatch does not send: of its tokens routed nowhere, or to the first local expert of
+  // each rank they go to (the same rows per rank, other rows per expert).
+  enum class LayoutAfter { kNone, kNowhere, kFirstExpertOfEachRank };
+  void set_layout_after(LayoutAfter layout_after) { layout_after_ = layout_after; }
   // true: the receive is launched with the count exchange, into outputs with room for every row (a guess),
   // so the exchange runs inside the receive's launch.
   void set_receive_into_guess(bool guess) { receive_into_guess_ = guess; }
@@ -199,13 +201,17 @@ class FaultCalls {
     epx::get_dispatch_layout(buffer_, topk_idx_.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
                              normal_.num_experts,
                              {per_rank_.get<int>(), per_expert_.get<int>(), in_rank_.get<bool>()}, order);
-    if (layout_after_) {
+    if (layout_after_ != LayoutAfter::kNone) {
       const size_t cells = size_t(normal_.num_tokens[0]) * normal_.num_topk;
-      DeviceArray nowhere(cells * sizeof(int64_t)), per_rank(buffer_.num_ranks() * sizeof(int)),
+      DeviceArray other(cells * sizeof(int64_t)), per_rank(buffer_.num_ranks() * sizeof(int)),
           per_expert(normal_.num_experts * sizeof(int)),
           in_rank(size_t(normal_.num_tokens[0]) * buffer_.num_ranks());
-      nowhere.upload(std::vector<int64_t>(cells, -1), stream_);
-      epx::get_dispatch_layout(buffer_, nowhere.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
+      std::vector<int64_t> ids = topk_idx_.download<int64_t>(cells);
+      const int experts_per_rank = normal_.num_experts / buffer_.num_ranks();
+      for (int64_t& id : ids)
+        id = layout_after_ == LayoutAfter::kNowhere ? -1 : id / experts_per_rank * experts_per_rank;
+      other.upload(ids, stream_);
+      epx::get_dispatch_layout(buffer_, other.get<int64_t>(), normal_.num_tokens[0], normal_.num_topk,
                                normal_.num_experts,
                                {per_rank.get<int>(), per_expert.get<int>(), in_rank.get<bool>()}, order);
       EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
@@ -339,7 +345,7 @@ class FaultCalls {
   int cached_hidden_ = 0;
   bool pass_rank_totals_ = true;
   bool receive_into_guess_ = false;
-  bool layout_after_ = false;
+  LayoutAfter layout_after_ = LayoutAfter::kNone;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -561,10 +567,17 @@ void run_rank_counts_disagree(epx::Bootstrap& bootstrap, bool into_guess) {
 // layout board (none) are not what it sends. The other ranks read their counts off the board; their receive,
 // which runs the count exchange, finds the difference before it writes anything, and every rank names rank
 // 0's layout.
-void run_layout_counts_disagree(epx::Bootstrap& bootstrap) {
+void run_layout_counts_disagree(epx::Bootstrap& bootstrap, FaultCalls::LayoutAfter layout_after) {
+  const bool rows_differ = layout_after == FaultCalls::LayoutAfter::kNowhere;
   run_expecting_group_error(
-      bootstrap, [](FaultCalls& calls, int rank, int) { calls.set_layout_after(rank == 0); },
-      [](int, int) { return std::string("peer 0's get_dispatch_layout posted"); });
+      bootstrap,
+      [layout_after](FaultCalls& calls, int rank, int) {
+        calls.set_layout_after(rank == 0 ? layout_after : FaultCalls::LayoutAfter::kNone);
+      },
+      [rows_differ](int, int) {
+        // Per-expert rows are checked by their sum's hash: no peer is named then.
+        return std::string(rows_differ ? "peer 0's get_dispatch_layout posted" : "read off the layout board");
+      });
 }
 
 // Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
@@ -862,7 +875,11 @@ TEST(Faults, RankCountsThatDisagreeAbortEveryRankInsideTheReceive) {
 }
 TEST(Faults, LayoutBoardCountsThatDisagreeAbortEveryRank) {
   const int num_ranks = fault_test_ranks();
-  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_layout_counts_disagree(bootstrap); });
+  for (const auto after :
+       {FaultCalls::LayoutAfter::kNowhere, FaultCalls::LayoutAfter::kFirstExpertOfEachRank}) {
+    epx::test::run_ranks(
+        num_ranks, [after](epx::Bootstrap& bootstrap) { run_layout_counts_disagree(bootstrap, after); });
+  }
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {
   const int num_ranks = fault_test_ranks();

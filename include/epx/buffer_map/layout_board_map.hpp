@@ -44,6 +44,18 @@ struct PostedCounts {
   int rows;
 };
 
+// One local expert's term of the hash the count exchange checks the host's per-expert rows with: the sum over
+// local experts (any order) of a 64-bit mix of (expert, aligned rows).
+EPX_HD uint64_t expert_rows_term(int local_expert, int rows) {
+  uint64_t x =
+      (static_cast<uint64_t>(static_cast<uint32_t>(local_expert)) << 32) | static_cast<uint32_t>(rows);
+  x ^= x >> 30;
+  x *= 0xbf58476d1ce4e5b9ull;
+  x ^= x >> 27;
+  x *= 0x94d049bb133111ebull;
+  return x ^ (x >> 31);
+}
+
 // The mark's value: the source's layout posted nothing under the mark's sequence (and never will).
 constexpr int kNothingPosted = -1;
 
