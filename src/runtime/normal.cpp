@@ -629,8 +629,10 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // The inputs are the outputs of the layout just before this notify: once every peer's layout posted, the
   // host has its counts off the board before any launch, and the count exchange runs inside the receive's
   // launch (checked there against the board): now, into a guess the rows fit, else in dispatch_receive.
+  static const bool ab_board = std::getenv("EPX_AB_BOARD") == nullptr;  // TEMP A/B
+  static const bool ab_guess = std::getenv("EPX_AB_NO_GUESS_BOARD") == nullptr;  // TEMP A/B
   const bool counts_on_board =
-      one_node_board && host_waits && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
+      ab_board && (ab_guess || !launches_receive) && one_node_board && host_waits && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
       post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
   if (counts_on_board) {
@@ -651,7 +653,8 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       for (int src = 0; src < num_ranks; ++src)
         state->board.rows_from[src] = counts[count_index.rows_from(src)];
       kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
-      exchange.check_expert_rows = with_experts;
+      static const bool ab_hash = std::getenv("EPX_AB_NO_HASH") == nullptr;  // TEMP A/B
+      exchange.check_expert_rows = with_experts && ab_hash;
       for (int le = 0; with_experts && le < num_local_experts; ++le)
         exchange.expert_rows_hash += expert_rows_term(le, counts[count_index.expert(le)]);
       const bool rows_in_guess = launches_receive && guess_rows > 0 && state->num_recv_rows <= guess_rows;

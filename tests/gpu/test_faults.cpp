@@ -14,6 +14,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstdlib>
+#include <functional>
 #include <memory>
 #include <stdexcept>
 #include <string>
@@ -191,6 +192,9 @@ class FaultCalls {
   // each rank they go to (the same rows per rank, other rows per expert).
   enum class LayoutAfter { kNone, kNowhere, kFirstExpertOfEachRank };
   void set_layout_after(LayoutAfter layout_after) { layout_after_ = layout_after; }
+  // Runs on every rank after its layouts, before its dispatch_notify (e.g. a barrier, so a peer's second
+  // layout has posted before anyone reads the board).
+  void set_before_notify(std::function<void()> before_notify) { before_notify_ = std::move(before_notify); }
   // true: the receive is launched with the count exchange, into outputs with room for every row (a guess),
   // so the exchange runs inside the receive's launch.
   void set_receive_into_guess(bool guess) { receive_into_guess_ = guess; }
@@ -222,6 +226,7 @@ class FaultCalls {
       per_rank.back() += last_rank_count_error_;
       per_rank_.upload(per_rank, stream_);
     }
+    if (before_notify_) before_notify_();
     if (skip && fault == Fault::kNotify) return;
     epx::DispatchInput in;
     in.x = x_.get();
@@ -346,6 +351,7 @@ class FaultCalls {
   bool pass_rank_totals_ = true;
   bool receive_into_guess_ = false;
   LayoutAfter layout_after_ = LayoutAfter::kNone;
+  std::function<void()> before_notify_;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -571,8 +577,11 @@ void run_layout_counts_disagree(epx::Bootstrap& bootstrap, FaultCalls::LayoutAft
   const bool rows_differ = layout_after == FaultCalls::LayoutAfter::kNowhere;
   run_expecting_group_error(
       bootstrap,
-      [layout_after](FaultCalls& calls, int rank, int) {
+      [layout_after, &bootstrap](FaultCalls& calls, int rank, int) {
         calls.set_layout_after(rank == 0 ? layout_after : FaultCalls::LayoutAfter::kNone);
+        // Both of rank 0's layouts post under the next notify's sequence: the others read the board only once
+        // the second one has, so they read its counts.
+        calls.set_before_notify([&bootstrap] { bootstrap.barrier(); });
       },
       [rows_differ](int, int) {
         // Per-expert rows are checked by their sum's hash: no peer is named then.
