@@ -80,13 +80,6 @@ std::string describe_failure(const FailureRecord& record) {
                           record.expected, " tokens for this rank, but its is_token_in_rank marks ",
                           record.seen, " (pass get_dispatch_layout's outputs unchanged)");
   }
-  if (phase == WaitPhase::kLayoutCounts && record.peer < 0 && record.detail == 1) {
-    return detail::concat(
-        "rank ", record.rank,
-        ": the tokens per local expert this rank's host read off the layout board differ from "
-        "what the peers' dispatches send (each rank must pass its own last "
-        "get_dispatch_layout's outputs, unchanged, to the dispatch after it)");
-  }
   if (phase == WaitPhase::kLayoutCounts && record.peer < 0) {
     return detail::concat("rank ", record.rank, ": the dispatch outputs hold ", record.expected,
                           " rows, but ", record.seen, " rows arrive");
@@ -116,9 +109,7 @@ std::string describe_abort_cause(const AbortCause& cause) {
     return detail::concat("rank ", cause.rank, " found that peer ", cause.peer, " called with other shapes");
   }
   if (cause.phase == WaitPhase::kLayoutCounts && cause.peer < 0) {
-    return detail::concat(
-        "rank ", cause.rank,
-        " found that the counts its host read off the layout board disagree with the dispatches");
+    return detail::concat("rank ", cause.rank, " got more dispatch rows than its outputs hold");
   }
   if (cause.phase == WaitPhase::kLayoutCounts) {
     return detail::concat("rank ", cause.rank, " found that the counts peer ", cause.peer,

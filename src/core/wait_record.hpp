@@ -26,10 +26,9 @@ enum class WaitPhase : int32_t {
   // Not a wait: a peer's num_tokens_per_rank (expected) disagrees with its is_token_in_rank (seen) for this
   // rank, so the outputs sized by it would not hold the rows.
   kRankCounts = 15,
-  // Not a wait: a peer's get_dispatch_layout posted other counts for this rank than its dispatch sends
-  // (expected: what it sends, seen: what it posted), so this rank's host sized its outputs wrongly. Peer -1:
-  // detail 1, the per-expert rows differ (by their hash); detail 0, the outputs hold `expected` rows and
-  // `seen` arrive.
+  // Not a wait: a peer's get_dispatch_layout posted other rows for this rank than its dispatch sends
+  // (expected: what it sends, seen: what it posted: the layout's outputs were changed in place), so this
+  // rank's host sized its outputs wrongly. Peer -1: the outputs hold `expected` rows and `seen` arrive.
   kLayoutCounts = 16,
 };
 

@@ -98,10 +98,6 @@ struct NotifyArgs {
   HostCounts host;
   const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
   ShapeFingerprint shape;  // what every rank must agree on; travels with the counts
-  // The host read the per-expert rows off the layout board: their hash (the sum of expert_rows_term), which
-  // the exchange checks against the rows it gathers (WaitPhase::kLayoutCounts).
-  bool check_expert_rows = false;
-  uint64_t expert_rows_hash = 0;
 };
 // The count exchange: one block per channel counts what it will send to each rank and posts the counts as
 // tagged words; one block posts the per-expert counts and gathers what arrives. No barrier: constant cost

@@ -121,18 +121,11 @@ __device__ bool scan_and_check_totals(const NotifyArgs& args) {
 
 // Waits for every source's counts for each local expert; writes their aligned sums to the handle and the
 // host.
-// With NotifyArgs::check_expert_rows, compares the rows' hash with the one of the rows the host read off the
-// layout board: a difference aborts the group (a source's layout posted other per-expert counts than its
-// dispatch sends).
 template <int kThreads>
 __device__ void gather_expert_counts(const NotifyArgs& args, const NormalBufferMap::NotifyHalf* arrived,
                                      const device::WaitContext& ctx, const HostCountIndex& index) {
-  __shared__ unsigned long long rows_hash;
   const int num_ranks = args.peers.num_ranks;
   const int experts_per_rank = args.num_experts / num_ranks;
-  if (args.check_expert_rows && threadIdx.x == 0) rows_hash = 0;
-  if (args.check_expert_rows) __syncthreads();
-  uint64_t hash = 0;
   for (int le = threadIdx.x; le < experts_per_rank; le += kThreads) {
     int sum = 0;
     for (int s = 0; s < num_ranks; ++s) {
@@ -142,13 +135,7 @@ __device__ void gather_expert_counts(const NotifyArgs& args, const NormalBufferM
     const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     args.handle.num_recv_tokens_per_expert[le] = aligned;
     publish_host_count(args.host, index.expert(le), aligned);
-    hash += expert_rows_term(le, aligned);
   }
-  if (!args.check_expert_rows) return;
-  if (hash != 0) atomicAdd(&rows_hash, static_cast<unsigned long long>(hash));
-  __syncthreads();
-  if (threadIdx.x == 0 && rows_hash != args.expert_rows_hash)
-    device::raise_abort(ctx, -1, WaitPhase::kLayoutCounts, 0, 0, 0, 1);
 }
 
 template <int kThreads>

@@ -59,17 +59,19 @@ Posted read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_
   return Posted::kAll;
 }
 
-// Marks on every rank's row of the board that this rank's layout posted nothing for notify `sequence`.
-void mark_nothing_posted(const BufferAccess::LayoutBoard& board, int rank, uint32_t sequence) {
+// Marks on every rank's row of the board whether this rank's dispatch for notify `sequence` sends what its
+// layout posted there (LayoutBoardMap::mark_word).
+void mark_posted_counts(const BufferAccess::LayoutBoard& board, int rank, uint32_t sequence, bool hold) {
   for (int dest = 0; dest < board.map.num_ranks; ++dest) {
     const size_t mark = board.map.slot(dest, sequence, rank) + board.map.mark_word();
-    *static_cast<volatile uint64_t*>(board.host + mark) = pack_tagged(sequence, kNothingPosted);
+    *static_cast<volatile uint64_t*>(board.host + mark) =
+        pack_tagged(sequence, hold ? kPostedCountsHold : kNothingPosted);
   }
 }
 
-// Spins until every source's layout posted this rank's counts for `sequence` on the board (true, `values`
-// filled) or one of them marked that it posts none (false: the count exchange must run before the host has
-// its counts). Bounded like the device waits.
+// Spins until every source's layout posted this rank's counts for `sequence` on the board and its host marked
+// that they hold (true, `values` filled), or one of them marked that they do not (false: the count exchange
+// must run before the host has its counts). Bounded like the device waits.
 bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
                     const kernels::HostCountIndex& index, std::vector<int>& values) {
   const auto start = std::chrono::steady_clock::now();
@@ -81,15 +83,18 @@ bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t seq
         std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
     if (static_cast<uint64_t>(waited.count()) > host_bound_ns(buffer.wait_timeout_ns())) {
       buffer.check_timeout();
-      int missing = 0;  // the first source whose words are not all there
-      while (missing < board.map.num_ranks &&
-             tagged_sequence(board.half[static_cast<size_t>(missing) * board.map.words_per_source()]) ==
-                 sequence)
-        ++missing;
+      int missing = 0;  // the first source whose mark or counts are not there
+      for (; missing < board.map.num_ranks; ++missing) {
+        const volatile uint64_t* slot =
+            board.half + static_cast<size_t>(missing) * board.map.words_per_source();
+        if (slot[board.map.mark_word()] != pack_tagged(sequence, kPostedCountsHold) ||
+            tagged_sequence(slot[0]) != sequence)
+          break;
+      }
       EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9, " s waiting for peer ",
                missing,
-               "'s get_dispatch_layout counts on the layout board (phase dispatch notify; the peer may not "
-               "have called get_dispatch_layout and dispatch)");
+               "'s counts on the layout board (phase dispatch notify; the peer has not called dispatch after "
+               "its get_dispatch_layout)");
     }
   }
 }
@@ -620,21 +625,22 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
                                                         in.num_tokens_per_rank != nullptr)};
   };
 
-  // The layout board (one node): a rank whose layout posted nothing for this notify says so there, so a peer
-  // waiting for its counts takes the count exchange's instead.
+  // The layout board (one node): this rank's dispatch sends what its layout posted for this notify when it
+  // passes that layout's outputs. Its mark says whether it does, so a peer reads this rank's counts off the
+  // board only then, and otherwise takes the count exchange's.
   const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
   const NormalHostScratch::LayoutPost& post = scratch.layout_post;
   const bool one_node_board = board.host != nullptr && state->num_nodes == 1;
-  if (one_node_board && post.sequence != sequence) mark_nothing_posted(board, buffer.rank(), sequence);
-  // The inputs are the outputs of the layout just before this notify: once every peer's layout posted, the
-  // host has its counts off the board before any launch, and the count exchange runs inside the receive's
-  // launch (checked there against the board): now, into a guess the rows fit, else in dispatch_receive.
-  static const bool ab_board = std::getenv("EPX_AB_BOARD") == nullptr;  // TEMP A/B
-  static const bool ab_guess = std::getenv("EPX_AB_NO_GUESS_BOARD") == nullptr;  // TEMP A/B
-  const bool counts_on_board =
-      ab_board && (ab_guess || !launches_receive) && one_node_board && host_waits && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
+  const bool posted_counts_hold =
+      one_node_board && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
       post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
+  if (one_node_board) mark_posted_counts(board, buffer.rank(), sequence, posted_counts_hold);
+  // Then, once every peer's layout posted and its mark says its counts hold, the host has its counts off the
+  // board before any launch, and the count exchange runs inside the receive's launch (which checks the rows
+  // from each source against the board's before it writes any): now, into a guess the rows fit, else in
+  // dispatch_receive.
+  const bool counts_on_board = posted_counts_hold && host_waits;
   if (counts_on_board) {
     const size_t half = board.map.row(buffer.rank(), sequence);
     const bool with_experts = in.num_tokens_per_expert != nullptr;
@@ -647,16 +653,11 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       scratch.last_recv_rows = state->num_recv_rows;
       // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
       state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
-      // The launch that runs the exchange checks what the host read: the rows from each source before it
-      // writes any, the per-expert rows by their hash.
+      // The launch that runs the exchange checks the rows from each source against these before it writes.
       state->board.active = true;
       for (int src = 0; src < num_ranks; ++src)
         state->board.rows_from[src] = counts[count_index.rows_from(src)];
-      kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
-      static const bool ab_hash = std::getenv("EPX_AB_NO_HASH") == nullptr;  // TEMP A/B
-      exchange.check_expert_rows = with_experts && ab_hash;
-      for (int le = 0; with_experts && le < num_local_experts; ++le)
-        exchange.expert_rows_hash += expert_rows_term(le, counts[count_index.expert(le)]);
+      const kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
       const bool rows_in_guess = launches_receive && guess_rows > 0 && state->num_recv_rows <= guess_rows;
       if (rows_in_guess) {
         // The guess's outputs are the outputs: the receive goes out now and needs nothing more from the host.

@@ -63,10 +63,12 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
           for (int& v : per_rank[s]) v = static_cast<int>(rng() % 5000);
           for (int& v : per_expert[s]) v = rng() % 4 == 0 ? 0 : static_cast<int>(rng() % 300);
         }
-        // Posts as the layout kernel does; the destinations read only complete halves.
+        // Posts as the layout kernel does, with each source host's mark that its counts hold; the
+        // destinations read only complete halves.
         for (int s = 0; s < ranks; ++s) {
           for (int d = 0; d < ranks; ++d) {
             uint64_t* slot = board.data() + map.slot(d, sequence, s);
+            slot[map.mark_word()] = epx::pack_tagged(sequence, epx::kPostedCountsHold);
             slot[0] = epx::pack_tagged(sequence, per_rank[s][d]);
             for (int le = 0; le < experts_per_rank; ++le)
               slot[1 + le] = epx::pack_tagged(sequence, per_expert[s][d * experts_per_rank + le]);
@@ -99,8 +101,8 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
                                             experts.data()),
                     Posted::kPending);
         }
-        // One word of the last source missing (an expert count, then a row count): nothing is read.
-        for (int word : {experts_per_rank, 0}) {
+        // One word of the last source missing (an expert count, a row count, its mark): nothing is read.
+        for (int word : {experts_per_rank, 0, map.mark_word()}) {
           uint64_t& last = board[map.slot(0, sequence, ranks - 1) + word];
           const uint64_t kept = last;
           last = epx::pack_tagged(sequence - 1, 0);
@@ -111,14 +113,14 @@ TEST(LayoutBoardMap, ReadsBackWhatEverySourcePosted) {
                     Posted::kPending);
           last = kept;
         }
-        // A source that marks it posts nothing under the sequence: the counts never come from the board, even
-        // with its words there (a mark of another sequence means nothing).
+        // A source whose mark says its counts do not hold: the counts never come from the board, even with
+        // its words there (a mark of another sequence holds nothing either way).
         uint64_t& mark = board[map.slot(ranks - 1, sequence, ranks - 1) + map.mark_word()];
         mark = epx::pack_tagged(sequence + 2, epx::kNothingPosted);
         PostedCounts counts{};
         EXPECT_EQ(epx::read_posted_counts(board.data() + map.row(ranks - 1, sequence), map, sequence,
                                           experts_per_rank, alignment, counts, nullptr),
-                  Posted::kAll);
+                  Posted::kPending);
         mark = epx::pack_tagged(sequence, epx::kNothingPosted);
         EXPECT_EQ(epx::read_posted_counts(board.data() + map.row(ranks - 1, sequence), map, sequence,
                                           experts_per_rank, alignment, counts, nullptr),

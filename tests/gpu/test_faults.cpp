@@ -192,9 +192,11 @@ class FaultCalls {
   // each rank they go to (the same rows per rank, other rows per expert).
   enum class LayoutAfter { kNone, kNowhere, kFirstExpertOfEachRank };
   void set_layout_after(LayoutAfter layout_after) { layout_after_ = layout_after; }
-  // Runs on every rank after its layouts, before its dispatch_notify (e.g. a barrier, so a peer's second
-  // layout has posted before anyone reads the board).
-  void set_before_notify(std::function<void()> before_notify) { before_notify_ = std::move(before_notify); }
+  // true: after its layout this rank takes one token off the last rank in both is_token_in_rank and
+  // num_tokens_per_rank (in place: they agree, but not with what the layout posted to the layout board).
+  void set_drop_last_rank_token(bool drop) { drop_last_rank_token_ = drop; }
+  // Whether the last dispatch_notify read its counts off the layout board.
+  bool counts_from_layout() const { return counts_from_layout_; }
   // true: the receive is launched with the count exchange, into outputs with room for every row (a guess),
   // so the exchange runs inside the receive's launch.
   void set_receive_into_guess(bool guess) { receive_into_guess_ = guess; }
@@ -226,7 +228,21 @@ class FaultCalls {
       per_rank.back() += last_rank_count_error_;
       per_rank_.upload(per_rank, stream_);
     }
-    if (before_notify_) before_notify_();
+    if (drop_last_rank_token_) {
+      const int R = buffer_.num_ranks();
+      const size_t cells = size_t(normal_.num_tokens[0]) * R;
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream_));
+      std::vector<uint8_t> in_rank = in_rank_.download<uint8_t>(cells);
+      std::vector<int> per_rank = per_rank_.download<int>(R);
+      for (size_t cell = R - 1; cell < cells; cell += R) {
+        if (in_rank[cell] == 0) continue;
+        in_rank[cell] = 0;
+        per_rank[R - 1] -= 1;
+        break;
+      }
+      in_rank_.upload(in_rank, stream_);
+      per_rank_.upload(per_rank, stream_);
+    }
     if (skip && fault == Fault::kNotify) return;
     epx::DispatchInput in;
     in.x = x_.get();
@@ -254,6 +270,7 @@ class FaultCalls {
     const epx::DispatchPlan plan = epx::dispatch_notify(
         buffer_, in, order, nullptr,
         receive_into_guess_ ? epx::DispatchOverlap::kLaunchReceive : epx::DispatchOverlap::kNone, &guess);
+    counts_from_layout_ = plan.counts_from_layout;
     if (!plan.rows_in_guess) allocate_outputs(plan.num_recv_rows);
     if (skip && fault == Fault::kDispatchReceive) return;
     epx::dispatch_receive(buffer_, plan, in,
@@ -351,7 +368,8 @@ class FaultCalls {
   bool pass_rank_totals_ = true;
   bool receive_into_guess_ = false;
   LayoutAfter layout_after_ = LayoutAfter::kNone;
-  std::function<void()> before_notify_;
+  bool drop_last_rank_token_ = false;
+  bool counts_from_layout_ = false;
   DeviceArray x_, topk_idx_, weights_, per_rank_, per_expert_, in_rank_;
   DeviceArray recv_x_, recv_idx_, recv_weights_, combined_;
   DeviceArray ll_recv_x_, ll_count_, ll_info_, ll_pos_, ll_range_, ll_out_;
@@ -569,24 +587,31 @@ void run_rank_counts_disagree(epx::Bootstrap& bootstrap, bool into_guess) {
       });
 }
 
-// Rank 0 runs a second get_dispatch_layout after the one its dispatch uses, so the counts it posted to the
-// layout board (none) are not what it sends. The other ranks read their counts off the board; their receive,
-// which runs the count exchange, finds the difference before it writes anything, and every rank names rank
-// 0's layout.
-void run_layout_counts_disagree(epx::Bootstrap& bootstrap, FaultCalls::LayoutAfter layout_after) {
-  const bool rows_differ = layout_after == FaultCalls::LayoutAfter::kNowhere;
+// Rank 0 changes its layout's outputs in place (one token less for the last rank, in is_token_in_rank and
+// num_tokens_per_rank alike), so the counts its layout posted to the layout board are not what it sends. The
+// last rank read them off the board; its receive, which runs the count exchange, finds the difference before
+// it writes anything, and every rank names rank 0's layout.
+void run_layout_counts_disagree(epx::Bootstrap& bootstrap) {
   run_expecting_group_error(
-      bootstrap,
-      [layout_after, &bootstrap](FaultCalls& calls, int rank, int) {
-        calls.set_layout_after(rank == 0 ? layout_after : FaultCalls::LayoutAfter::kNone);
-        // Both of rank 0's layouts post under the next notify's sequence: the others read the board only once
-        // the second one has, so they read its counts.
-        calls.set_before_notify([&bootstrap] { bootstrap.barrier(); });
-      },
-      [rows_differ](int, int) {
-        // Per-expert rows are checked by their sum's hash: no peer is named then.
-        return std::string(rows_differ ? "peer 0's get_dispatch_layout posted" : "read off the layout board");
-      });
+      bootstrap, [](FaultCalls& calls, int rank, int) { calls.set_drop_last_rank_token(rank == 0); },
+      [](int, int) { return std::string("peer 0's get_dispatch_layout posted"); });
+}
+
+// Rank 0 runs a second get_dispatch_layout after the one its dispatch uses: its host marks on the layout
+// board that the posted counts do not hold, so every rank takes its counts from the count exchange instead,
+// and the calls succeed.
+void run_layout_not_used(epx::Bootstrap& bootstrap, FaultCalls::LayoutAfter layout_after) {
+  const int num_ranks = bootstrap.num_ranks();
+  const int rank = bootstrap.rank();
+  epx::Buffer buffer(bootstrap, fault_buffer_options(num_ranks));
+  {
+    FaultCalls calls(buffer, num_ranks);
+    calls.set_layout_after(rank == 0 ? layout_after : FaultCalls::LayoutAfter::kNone);
+    calls.run(Fault::kCombine, false);
+    if (calls.counts_from_layout())
+      throw std::runtime_error("rank " + std::to_string(rank) + ": counts read off the layout board");
+  }
+  run_checked_calls(normal_case(num_ranks), low_latency_case(num_ranks), buffer);
 }
 
 // Receive hooks and events: the event of a call that gave up raises the failure from synchronize(); after
@@ -884,10 +909,14 @@ TEST(Faults, RankCountsThatDisagreeAbortEveryRankInsideTheReceive) {
 }
 TEST(Faults, LayoutBoardCountsThatDisagreeAbortEveryRank) {
   const int num_ranks = fault_test_ranks();
+  epx::test::run_ranks(num_ranks, [](epx::Bootstrap& bootstrap) { run_layout_counts_disagree(bootstrap); });
+}
+TEST(Faults, LayoutBoardNotUsedWhereADispatchPassesAnotherLayoutsCounts) {
+  const int num_ranks = fault_test_ranks();
   for (const auto after :
        {FaultCalls::LayoutAfter::kNowhere, FaultCalls::LayoutAfter::kFirstExpertOfEachRank}) {
-    epx::test::run_ranks(
-        num_ranks, [after](epx::Bootstrap& bootstrap) { run_layout_counts_disagree(bootstrap, after); });
+    epx::test::run_ranks(num_ranks,
+                         [after](epx::Bootstrap& bootstrap) { run_layout_not_used(bootstrap, after); });
   }
 }
 TEST(Faults, NormalShapesThatDifferFailOnEveryRank) {

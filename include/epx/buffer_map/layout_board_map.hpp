@@ -19,7 +19,7 @@ namespace epx {
 // Layout: row `dest` (the rank whose host reads it), then the sequence's parity (the next layout posts into
 // the other half while a notify still checks this one), then source rank, then words_per_source() words:
 // [0] tokens from the source, [1 + le] its tokens for local expert le of `dest`, and last the source host's
-// mark (kNothingPosted under a sequence its layout posted nothing for; no kernel writes it).
+// mark (kPostedCountsHold or kNothingPosted with the sequence; no kernel writes it).
 struct LayoutBoardMap {
   int num_ranks;
 
@@ -44,25 +44,16 @@ struct PostedCounts {
   int rows;
 };
 
-// One local expert's term of the hash the count exchange checks the host's per-expert rows with: the sum over
-// local experts (any order) of a 64-bit mix of (expert, aligned rows).
-EPX_HD uint64_t expert_rows_term(int local_expert, int rows) {
-  uint64_t x =
-      (static_cast<uint64_t>(static_cast<uint32_t>(local_expert)) << 32) | static_cast<uint32_t>(rows);
-  x ^= x >> 30;
-  x *= 0xbf58476d1ce4e5b9ull;
-  x ^= x >> 27;
-  x *= 0x94d049bb133111ebull;
-  return x ^ (x >> 31);
-}
-
-// The mark's value: the source's layout posted nothing under the mark's sequence (and never will).
+// The mark's values, written by a source's host when its dispatch_notify starts: its dispatch sends what its
+// layout posted under the mark's sequence (it passes that layout's outputs), or its counts must come from the
+// count exchange (no layout posted for this notify, or its dispatch passes other counts).
+constexpr int kPostedCountsHold = 1;
 constexpr int kNothingPosted = -1;
 
 enum class Posted {
-  kAll,      // every source posted under the sequence: the counts are read
-  kPending,  // some source has not (yet) posted
-  kNone,     // some source marked that it posts nothing under the sequence
+  kAll,      // every source posted under the sequence and marked that its counts hold: the counts are read
+  kPending,  // some source has not (yet) posted or marked
+  kNone,     // some source marked that its counts come from the count exchange
 };
 
 // Reads `half` (a rank's half for `sequence`, LayoutBoardMap::row): when every source posted under
@@ -75,9 +66,10 @@ inline Posted read_posted_counts(const volatile uint64_t* half, const LayoutBoar
   counts.rows = 0;
   for (int src = 0; src < map.num_ranks; ++src) {
     const volatile uint64_t* slot = half + static_cast<size_t>(src) * stride;
-    if (slot[map.mark_word()] == pack_tagged(sequence, kNothingPosted)) return Posted::kNone;
+    const uint64_t mark = slot[map.mark_word()];
+    if (mark == pack_tagged(sequence, kNothingPosted)) return Posted::kNone;
     const uint64_t word = slot[0];
-    pending |= tagged_sequence(word) != sequence;
+    pending |= mark != pack_tagged(sequence, kPostedCountsHold) || tagged_sequence(word) != sequence;
     counts.rows_from[src] = tagged_value(word);
     counts.rows += counts.rows_from[src];
   }
