@@ -180,6 +180,11 @@ enum class DispatchOverlap {
   // environment sets EPX_LAUNCH_RECEIVE=0 (for compute-sanitizer's memcheck, which checks a kernel's
   // accesses against the allocations made before its launch).
   kLaunchReceive,
+  // As kNone, and the handle's device arrays (recv_channel_offset, num_recv_tokens_per_expert, the map copy)
+  // are written on the comm stream before dispatch_notify returns, so work the caller queues there before
+  // dispatch_receive may read them. (With kNone the counts may come off the layout board, and the exchange
+  // that writes those arrays then runs inside dispatch_receive's launch.)
+  kHandleBeforeReceive,
 };
 
 // Outputs a receive that dispatch_notify launches (DispatchOverlap::kLaunchReceive) writes into at once when

@@ -401,7 +401,9 @@ class Buffer:
         # (only allocations happen in between; after_counts queues work that must come first, so it rules
         # this out).
         launches = launch_receive and after_counts is None
-        overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launches else _epx.DispatchOverlap.NONE
+        # after_counts reads the handle's arrays before the receive: they must be written first.
+        overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launches else \
+            _epx.DispatchOverlap.HANDLE_BEFORE_RECEIVE if after_counts is not None else _epx.DispatchOverlap.NONE
         # The receive writes into outputs allocated now, for the last dispatch's rows plus a margin, when the
         # rows fit (DispatchOutputGuess): then nothing crosses from the host to the receive after the counts.
         guess: Optional[Tuple[Any, ...]] = None

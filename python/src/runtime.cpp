@@ -223,7 +223,8 @@ void bind_normal(py::module_& m) {
 
   py::enum_<DispatchOverlap>(m, "DispatchOverlap")
       .value("NONE", DispatchOverlap::kNone)
-      .value("LAUNCH_RECEIVE", DispatchOverlap::kLaunchReceive);
+      .value("LAUNCH_RECEIVE", DispatchOverlap::kLaunchReceive)
+      .value("HANDLE_BEFORE_RECEIVE", DispatchOverlap::kHandleBeforeReceive);
   m.def(
       "dispatch_notify",
       [](PyBuffer& buffer, const DispatchInput& input, const StreamOrder& order,

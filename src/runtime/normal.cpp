@@ -646,7 +646,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
       scratch.last_recv_rows = state->num_recv_rows;
       // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
       state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
-      // The launch that runs the exchange checks the rows from each source against these before it writes.
+      // The receive's launch checks the rows from each source against these before it writes.
       state->board.active = true;
       for (int src = 0; src < num_ranks; ++src)
         state->board.rows_from[src] = counts[count_index.rows_from(src)];
@@ -663,6 +663,10 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
         scratch.pending_receive = sequence;  // dispatch_receive completes the call
         state->launched_receive = sequence;
         state->guessed_outputs = guess->outputs;
+      } else if (overlap == DispatchOverlap::kHandleBeforeReceive) {
+        // The caller reads the handle before the receive: the exchange runs now, in a notify kernel.
+        begin_on_comm_stream(buffer, order);
+        kernels::launch_dispatch_notify(exchange, stream);
       } else {
         state->exchange = exchange;
       }

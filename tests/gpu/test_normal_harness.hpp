@@ -669,9 +669,12 @@ class NormalRunner {
                 topk ? slot.small_topk_weights.get<float>() : nullptr},
                std::max(want.num_rows - 1, 0)};
     }
-    slot.plan =
-        dispatch_notify(*buffer_, in, order_for(s), nullptr,
-                        s.launch_receive ? DispatchOverlap::kLaunchReceive : DispatchOverlap::kNone, &guess);
+    // Without a launched receive, odd steps ask for the handle before the receive (the exchange then runs in
+    // dispatch_notify even with counts off the layout board).
+    const DispatchOverlap overlap = s.launch_receive       ? DispatchOverlap::kLaunchReceive
+                                    : s.iteration % 2 != 0 ? DispatchOverlap::kHandleBeforeReceive
+                                                           : DispatchOverlap::kNone;
+    slot.plan = dispatch_notify(*buffer_, in, order_for(s), nullptr, overlap, &guess);
     check_plan(s, want, slot.plan, want.num_recv_tokens_per_expert_list, "dispatch_notify");
     const bool one_node =
         buffer_->ranks_per_node() == buffer_->num_ranks();  // across nodes: no launched receive

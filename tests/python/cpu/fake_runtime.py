@@ -168,7 +168,8 @@ class FakeBinding:
     WITH_CUDA = True
     WITH_NVSHMEM = False
     TokenFormat = SimpleNamespace(BF16="bf16", FP8="fp8")
-    DispatchOverlap = SimpleNamespace(NONE="none", LAUNCH_RECEIVE="launch receive")
+    DispatchOverlap = SimpleNamespace(NONE="none", LAUNCH_RECEIVE="launch receive",
+                                      HANDLE_BEFORE_RECEIVE="handle before receive")
     StreamOrder = Struct
     DispatchLayoutOutput = bound_struct("DispatchLayoutOutput")
     DispatchInput = bound_struct("DispatchInput")
