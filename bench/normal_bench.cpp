@@ -293,9 +293,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       const double network_bytes = bf16 ? bf16_network_bytes : fp8_network_bytes;
       out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, nvl_bytes, network_bytes});
       // The first step alone (count exchange and host sync): the rest of the time moves the rows.
-      const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-        dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
-      });
+      const auto notify_alone = [&] { dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false}); };
+      const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, notify_alone);
       out.push_back({bf16 ? "  of which notify (BF16)" : "  of which notify (FP8)", sms, notify_us, 0});
       // The receive launched with the count exchange, its outputs handed over through host-mapped memory
       // (within one node: across nodes the receive always follows the host's wait).
@@ -314,23 +313,18 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         out.push_back({bf16 ? "dispatch BF16 after its layout" : "dispatch FP8 after its layout", sms,
                        after_layout_us, nvl_bytes});
         const double notify_after_layout_us =
-            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, [&] {
-              dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
-            });
+            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, notify_alone);
         out.push_back(
             {bf16 ? "  of which notify after its layout (BF16)" : "  of which notify after its layout (FP8)",
              sms, notify_after_layout_us, 0});
         // The same on the host's clock: the call's return, with its counts (the notify kernel may still run).
         const double notify_host_us =
-            median_host_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, [&] {
-              dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
-            });
+            median_host_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, notify_alone);
         out.push_back(
             {bf16 ? "  host has counts after its layout (BF16)" : "  host has counts after its layout (FP8)",
              sms, notify_host_us, 0});
-        const double notify_host_old_us = median_host_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-          dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false});
-        });
+        const double notify_host_old_us =
+            median_host_us(bootstrap, stream, o.warmup, o.iters, flush, notify_alone);
         out.push_back({bf16 ? "  host has counts, no layout before (BF16)"
                             : "  host has counts, no layout before (FP8)",
                        sms, notify_host_old_us, 0});
