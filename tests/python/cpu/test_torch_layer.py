@@ -76,11 +76,12 @@ def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure
     second = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
     assert second.recv_x.shape == first.recv_x.shape and torch.equal(second.recv_x, first.recv_x)
     assert torch.equal(second.recv_topk_idx, first.recv_topk_idx)
-    # after_counts queues work that must precede the receive: then dispatch_receive launches it.
+    # after_counts queues work that must precede the receive and reads the handle: then dispatch_receive
+    # launches the receive, and the handle's arrays are written before dispatch_notify returns.
     buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS, launch_receive=True,
                     after_counts=lambda h: [])
-    none, launch = binding.DispatchOverlap.NONE, binding.DispatchOverlap.LAUNCH_RECEIVE
-    assert binding.overlaps == [none, launch, none]
+    overlap = binding.DispatchOverlap
+    assert binding.overlaps == [overlap.NONE, overlap.LAUNCH_RECEIVE, overlap.HANDLE_BEFORE_RECEIVE]
     assert binding.guesses[0] is None and binding.guesses[1].rows == 5 + 64 and binding.guesses[2] is None
 
     # Outputs that cannot be allocated: the launched receive is cancelled (it drains) and the error surfaces.
