@@ -9,7 +9,8 @@ namespace epx {
 
 // A POSIX shared-memory object that every rank of a group on one host maps: rank 0 creates it, zeroed, under
 // a fresh name, and every rank opens it by that name (one all_gather over the bootstrap). unlink() removes
-// the name once every rank has opened it, which the caller's next collective guarantees; the mappings stay.
+// the name once every rank has opened it, which the caller's next collective guarantees (so does the
+// destructor: destroy it only after a collective); the mappings stay.
 // A rank that cannot map it (no /dev/shm, rank 0 could not create it) has a null base(): the caller decides,
 // collectively, what to do then. Plain host code: tested in CI without a GPU.
 class SharedObject {

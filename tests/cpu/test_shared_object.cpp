@@ -31,6 +31,7 @@ TEST(SharedObject, EveryRankMapsTheSameZeroedMemoryAndTheNameGoes) {
     const auto result = epx::launch_local(options_for(num_ranks), [](epx::Bootstrap& group) {
       const int rank = group.rank();
       epx::SharedObject object(group, 4096);
+      group.barrier();  // every rank opened it
       expect(object.base() != nullptr, rank, "no mapping");
       expect(!object.name().empty(), rank, "no name");
       auto* words = static_cast<std::atomic<uint64_t>*>(object.base());
@@ -57,9 +58,12 @@ TEST(SharedObject, TwoObjectsHaveTheirOwnNames) {
   const auto result = epx::launch_local(options_for(2), [](epx::Bootstrap& group) {
     epx::SharedObject first(group, 4096);
     epx::SharedObject second(group, 4096);
+    group.barrier();  // every rank opened both: rank 0 may remove the names from here on
+    expect(first.base() != nullptr && second.base() != nullptr, group.rank(), "no mapping");
     expect(first.name() != second.name(), group.rank(), "one name twice: " + first.name());
     static_cast<char*>(first.base())[0] = 1;
     expect(static_cast<char*>(second.base())[0] == 0, group.rank(), "the objects share memory");
+    group.barrier();  // nobody unmaps before everyone checked
     return 0;
   });
   EXPECT_TRUE(result.ok()) << result.summary();
