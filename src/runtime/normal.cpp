@@ -71,16 +71,17 @@ void mark_posted_counts(const BufferAccess::LayoutBoard& board, int rank, uint32
 
 // How long a host spins on the layout board before it runs the count exchange instead: a peer that comes
 // later than this (a straggler, a rank that skipped the call or died) is then waited for by the exchange's
-// bounded device waits, which name it and abort the group. The host waits for that peer either way.
-constexpr uint64_t kBoardWaitNs = 50'000'000;
+// bounded device waits, which name it and abort the group. The host waits for that peer either way; the
+// quarter of the wait bound keeps a missing peer reported soon after the bound.
+constexpr uint64_t kBoardWaitNs = 250'000'000;
 
 // Spins until every source's layout posted this rank's counts for `sequence` on the board and its host marked
 // that they hold (true, `values` filled); false when one of them marked that they do not, or after
-// kBoardWaitNs (at most the Buffer's wait bound): the count exchange must then run before the host has its
-// counts.
+// kBoardWaitNs (at most a quarter of the Buffer's wait bound): the count exchange must then run before the
+// host has its counts.
 bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
                     const kernels::HostCountIndex& index, std::vector<int>& values) {
-  const uint64_t bound_ns = std::min(kBoardWaitNs, buffer.wait_timeout_ns());
+  const uint64_t bound_ns = std::min(kBoardWaitNs, buffer.wait_timeout_ns() / 4);
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t spin = 0;; ++spin) {
     const Posted state = read_board_counts(buffer, board, sequence, index, values);
