@@ -482,6 +482,14 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.board};
 }
 
+// The dispatch launch `args` runs the count exchange `exchange` too (DispatchArgs::with_notify). Its senders
+// then read the caller's is_token_in_rank, since they write the handle's copy.
+void exchange_in_launch(kernels::DispatchArgs& args, const kernels::NotifyArgs& exchange) {
+  args.with_notify = true;
+  args.notify = exchange;
+  args.is_token_in_rank = exchange.is_token_in_rank;
+}
+
 // Tells the receive dispatch_notify launched with `sequence` where its rows go (cancelled: nowhere, it only
 // drains its queues), if that receive still waits; a no-op otherwise, so a spent or stale plan can never hand
 // its outputs to a later call's receive. The fields are written before the sequence; x86 stores become
@@ -657,9 +665,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
         // The guess's outputs are the outputs: the receive goes out now and needs nothing more from the host.
         begin_on_comm_stream(buffer, order);
         kernels::DispatchArgs args = dispatch_args(buffer, *state, in, guess->outputs);
-        args.with_notify = true;
-        args.notify = exchange;
-        args.is_token_in_rank = exchange.is_token_in_rank;  // the handle's is being copied
+        exchange_in_launch(args, exchange);
         kernels::launch_dispatch(args, stream);
         scratch.pending_receive = sequence;  // dispatch_receive completes the call
         state->launched_receive = sequence;
@@ -720,12 +726,7 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
     args.published = device_address(buffer, &scratch.outputs);
     args.published_sequence = scratch.notify_sequence;
     args.guess_rows = guess_rows;
-    if (notify_in_receive) {
-      args.with_notify = true;
-      args.notify = notify_args(host);
-      args.is_token_in_rank =
-          reinterpret_cast<const uint8_t*>(in.is_token_in_rank);  // the handle's is being copied
-    }
+    if (notify_in_receive) exchange_in_launch(args, notify_args(host));
     kernels::launch_dispatch(args, stream);
     scratch.pending_receive = scratch.notify_sequence;
     state->launched_receive = scratch.notify_sequence;
@@ -834,12 +835,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     return end_on_comm_stream(buffer, order);
   }
   kernels::DispatchArgs args = dispatch_args(buffer, state, in, out);
-  if (state.exchange) {
-    // The count exchange of a notify that read its counts off the layout board runs here.
-    args.with_notify = true;
-    args.notify = *state.exchange;
-    args.is_token_in_rank = args.notify.is_token_in_rank;  // the handle's is being copied
-  }
+  // The count exchange of a notify that read its counts off the layout board runs here.
+  if (state.exchange) exchange_in_launch(args, *state.exchange);
   kernels::launch_dispatch(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
