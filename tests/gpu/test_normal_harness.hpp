@@ -457,8 +457,8 @@ class NormalRunner {
 
   void run() {
     for (int i = 0; i < c_.num_iterations; ++i) run_step(normal_step(c_, i));
-    // A host falls back to the count exchange when a peer comes late to the board (ranks drift apart while
-    // they compute the reference), so not every step reads the board, but some must.
+    // A host falls back to the count exchange when a peer comes late to the board (time slicing can delay a
+    // peer's layout kernel), so not every step reads the board, but some must.
     if (board_steps_ > 0 && board_reads_ == 0)
       fail(rank_, c_.num_iterations,
            "no dispatch_notify read its counts off the layout board (of " + std::to_string(board_steps_) +
@@ -724,6 +724,10 @@ class NormalRunner {
     buffer_->set_config(normal_config(c_, s.num_sms));
     const NormalExpected e = expect_normal(c_, s);
     NormalSlot slot = make_slot(s, e);
+    // The ranks meet before they issue: computing the reference drifts them apart (past 250 ms at 65,536
+    // tokens with ranks sharing a GPU), and a host that waits that long for a peer's layout takes the count
+    // exchange instead of the layout board, which the checks below require on some steps.
+    buffer_->bootstrap().barrier();
     last_event_ = Event::record(stream_);  // previous-event order: the first call starts after the uploads
     std::optional<StreamGate> gate;
     // The gate's 10 s bound is below the Buffer's 20 s device wait bound, so a call that wrongly waits is
