@@ -18,6 +18,7 @@
 #include "epx/formats/bf16.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/reference/test_data.hpp"
+#include "launch_floor.hpp"
 #include "low_latency_phases.hpp"
 #include "nccl_baseline.hpp"
 #include "timing.hpp"
@@ -222,6 +223,15 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     }
   });
   out.push_back({"LL combine BF16, graph replay", 0, combine_graph_us, bf16_bytes});
+  // The launch floor: an empty kernel of the same grid, as a call and in a graph replay. A call's overhead
+  // over its graph replay that this row shows too is the launch's, not the library's.
+  const int num_blocks = buffer.num_device_sms();
+  const double empty_call_us = median_us(bootstrap, stream, o.warmup, o.iters, nullptr,
+                                         [&] { launch_empty_kernel(num_blocks, stream); });
+  out.push_back({"empty kernel, same grid (launch floor)", 0, empty_call_us, 0});
+  const double empty_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 1,
+                                                [&] { launch_empty_kernel(num_blocks, stream); });
+  out.push_back({"empty kernel, same grid, graph replay", 0, empty_graph_us, 0});
 
   // Hook mode: the send and the receive phase timed apart.
   const auto [dispatch_send, dispatch_recv] =
@@ -246,11 +256,14 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     low_latency_dispatch(buffer, dispatch_input(s, xs[stamped_call++ % kInputSets].get(), ids.get(), true),
                          fp8_out.view(true), order);
   });
-  print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters, "LL combine BF16", [&] {
-    low_latency_combine(buffer, d.handle,
-                        combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), false),
-                        combined.get(), order);
-  });
+  for (bool logfmt : {false, true}) {
+    print_low_latency_phases(
+        buffer, bootstrap, stream, o.warmup, o.iters, logfmt ? "LL combine LogFMT" : "LL combine BF16", [&] {
+          low_latency_combine(buffer, d.handle,
+                              combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), logfmt),
+                              combined.get(), order);
+        });
+  }
 
   // NCCL: every (token, expert) selection as one row to the expert's rank, FP8-sized then BF16-sized.
   NcclAllToAll nccl(bootstrap, o.ranks_per_gpu == 1);
