@@ -229,9 +229,20 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   const double empty_call_us = median_us(bootstrap, stream, o.warmup, o.iters, nullptr,
                                          [&] { launch_empty_kernel(num_blocks, stream); });
   out.push_back({"empty kernel, same grid (launch floor)", 0, empty_call_us, 0});
-  const double empty_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 1,
-                                                [&] { launch_empty_kernel(num_blocks, stream); });
+  const double empty_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+    for (int i = 0; i < 2; ++i) launch_empty_kernel(num_blocks, stream);
+  });
   out.push_back({"empty kernel, same grid, graph replay", 0, empty_graph_us, 0});
+  // Of a call, the host's part (steady clock, call to return): the library's checks and the launch API.
+  int host_call = 0;
+  const double dispatch_host_us = median_host_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] {
+    low_latency_dispatch(buffer, dispatch_input(s, xs[host_call++ % kInputSets].get(), ids.get(), true),
+                         fp8_out.view(true), order);
+  });
+  out.push_back({"LL dispatch FP8, host clock", 0, dispatch_host_us, 0});
+  const double empty_host_us = median_host_us(bootstrap, stream, o.warmup, o.iters, nullptr,
+                                              [&] { launch_empty_kernel(num_blocks, stream); });
+  out.push_back({"empty kernel, same grid, host clock", 0, empty_host_us, 0});
 
   // Hook mode: the send and the receive phase timed apart.
   const auto [dispatch_send, dispatch_recv] =

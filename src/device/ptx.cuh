@@ -1,6 +1,5 @@
 #pragma once
 
-#include <cstddef>
 #include <cstdint>
 
 // Memory-ordering primitives for talking to peer GPUs over NVLink. Peers' buffers are mapped with CUDA IPC,
@@ -65,16 +64,6 @@ __device__ __forceinline__ int atomic_add_acq_rel_sys(int* address, int value) {
                : "l"(address), "r"(value)
                : "memory");
   return old;
-}
-
-// Asks for the 128-byte lines of [p, p + bytes) in this SM's L1, spread over the block's threads (no thread
-// waits): a kernel issues it for what its first steps read before a check that has to come first, so the
-// check's round trip and the lines' overlap.
-__device__ __forceinline__ void prefetch_l1_block(const void* p, size_t bytes) {
-  const uintptr_t first = reinterpret_cast<uintptr_t>(p) & ~uintptr_t{127};
-  const uintptr_t end = reinterpret_cast<uintptr_t>(p) + bytes;
-  for (uintptr_t line = first + uintptr_t{128} * threadIdx.x; line < end; line += uintptr_t{128} * blockDim.x)
-    asm volatile("prefetch.global.L1 [%0];" ::"l"(line));
 }
 
 __device__ __forceinline__ uint64_t global_timer_ns() {

@@ -149,6 +149,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     prefix[p] = args.handle.recv_layout_range[p].count;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
+  stamp_phase(args.phase_stamps, kStampCounted);
 
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
@@ -198,99 +199,38 @@ __device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t 
                                0x3FFu);
 }
 
-// The bytes of channels 8q..8q+7 of one returned row, loaded before any is decoded so that the loads of every
-// listing of a token are in flight together (one round trip, not one per listing): the 16 BF16 bytes (the
-// chunk of a BF16 row, or of a LogFMT fallback group) and, with LogFMT, the group's metadata word and the
-// chunk's 80 code bits. A LogFMT group's kind is known only from its metadata, so both forms are loaded.
-template <bool kLogfmt>
-struct ReturnedChunk {
-  int4 bf16;
-  uint32_t meta;
-  unsigned short halves[5];
-};
-template <>
-struct ReturnedChunk<false> {
-  int4 bf16;
-};
-
-template <bool kLogfmt>
-__device__ __forceinline__ ReturnedChunk<kLogfmt> load_returned_chunk(const char* slot, int num_groups,
-                                                                      int chunk) {
-  ReturnedChunk<kLogfmt> loaded;
-  if constexpr (!kLogfmt) {
-    loaded.bf16 = __ldcg(reinterpret_cast<const int4*>(slot) + chunk);
-  } else {
-    const int group = chunk / 16;
-    const int q = chunk % 16;  // 8-channel chunk inside the group
-    const char* payload = slot + size_t(group) * kLogfmtPayloadStride;
-    loaded.meta =
-        __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
-    loaded.bf16 = __ldcg(reinterpret_cast<const int4*>(payload) + q);
-    // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
-    const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
-#pragma unroll
-    for (int i = 0; i < 5; ++i) loaded.halves[i] = __ldcg(halves + i);
+// Values of channels 8q..8q+7 of a returned row, as the reference's combine sees them.
+__device__ __forceinline__ void load_returned8(const char* slot, int num_groups, int chunk, bool use_logfmt,
+                                               float* values) {
+  if (!use_logfmt) {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(slot) + chunk), values);
+    return;
   }
-  return loaded;
+  const int group = chunk / 16;
+  const int q = chunk % 16;  // 8-channel chunk inside the group
+  const char* payload = slot + size_t(group) * kLogfmtPayloadStride;
+  const uint32_t meta =
+      __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
+  const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
+  if (max_bits == kLogfmtFallbackMarker) {
+    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + q), values);
+    return;
+  }
+  const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+  // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
+  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
+  unsigned long long low = 0;
+#pragma unroll
+  for (int i = 0; i < 4; ++i) low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
+  const uint32_t high = __ldcg(halves + 4);
+#pragma unroll
+  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
 }
 
-// The values of a loaded chunk, as the reference's combine sees them.
-template <bool kLogfmt>
-__device__ __forceinline__ void decode_returned8(const ReturnedChunk<kLogfmt>& loaded, float* values) {
-  if constexpr (kLogfmt) {
-    const uint16_t max_bits = static_cast<uint16_t>(loaded.meta & 0xFFFFu);
-    if (max_bits != kLogfmtFallbackMarker) {
-      const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(loaded.meta >> 16));
-      unsigned long long low = 0;
-#pragma unroll
-      for (int i = 0; i < 4; ++i) low |= static_cast<unsigned long long>(loaded.halves[i]) << (16 * i);
-      const uint32_t high = loaded.halves[4];
-#pragma unroll
-      for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
-      return;
-    }
-  }
-  unpack_bf16x8(loaded.bf16, values);
-}
-
-// acc = +0; acc += w_k * v_k over channels 8 chunk..8 chunk+7 of the token's returned rows, in top-k order
-// with separate IEEE multiply and add (as the reference writes it). kBatch listings' loads are in flight
-// together (top-8 in one round), then added in order.
-template <bool kLogfmt>
-__device__ __forceinline__ void reduce_chunk(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
-                                             int token, int chunk, float* acc) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int num_topk = args.in.num_topk;
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-  constexpr int kBatch = 8;
-  for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
-    ReturnedChunk<kLogfmt> loaded[kBatch];
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-      if (pos >= 0) {
-        loaded[u] = load_returned_chunk<kLogfmt>(
-            local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
-            layout.num_groups(), chunk);
-      }
-    }
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
-      float values[8];
-      decode_returned8<kLogfmt>(loaded[u], values);
-      const float weight = small.weights[k0 + u];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-    }
-  }
-}
-
-// Per token, per 8 channels (a thread each): the weighted sum of reduce_chunk, then BF16 round to nearest
-// even. Experts on ranks in `left_out` count as -1 entries. A token is split into `parts` ranges of channels,
-// one block each, when the grid has blocks to spare, so every thread holds at most one chunk (one round of
-// loads) in small calls.
+// Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
+// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
+// `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
+// grid has blocks to spare, so every thread holds at most one chunk (one round of loads) in small calls.
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -318,13 +258,47 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       }
     }
     __syncthreads();
+    if (item == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
     for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
       float acc[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
       if (args.in.use_logfmt) {
-        reduce_chunk<true>(args, small, token, chunk, acc);
+        for (int k = 0; k < num_topk; ++k) {
+          const int pos = small.slot_pos[k];
+          if (pos < 0) continue;
+          float values[8];
+          load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
+                         layout.num_groups(), chunk, true, values);
+          const float weight = small.weights[k];
+#pragma unroll
+          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+        }
       } else {
-        reduce_chunk<false>(args, small, token, chunk, acc);
+        // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
+        constexpr int kBatch = 8;
+        for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
+          int4 raw[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+            if (pos >= 0) {
+              raw[u] = __ldcg(
+                  local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)) +
+                  chunk);
+            }
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
+            float values[8];
+            unpack_bf16x8(raw[u], values);
+            const float weight = small.weights[k0 + u];
+#pragma unroll
+            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+          }
+        }
       }
       uint32_t words[4];
 #pragma unroll
@@ -337,24 +311,6 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
   }
 }
 
-// What this block reads first, asked for while the prologue checks the abort word: the send's per-pair counts
-// (every block scans them), the receive's top-k ids and weights of its first token.
-__device__ __forceinline__ void prefetch_combine_inputs(const LowLatencyCombineArgs& args) {
-  if (args.phases & kLowLatencySend)
-    device::prefetch_l1_block(args.handle.recv_layout_range,
-                              sizeof(LowLatencyRange) * args.layout.num_experts);
-  if (args.phases & kLowLatencyRecv) {
-    const int parts =
-        reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8, kNumThreads);
-    const int token = static_cast<int>(blockIdx.x) / parts;
-    if (token < args.in.num_tokens) {
-      const size_t entry = size_t(token) * args.in.num_topk;
-      device::prefetch_l1_block(args.in.topk_idx + entry, sizeof(int64_t) * args.in.num_topk);
-      device::prefetch_l1_block(args.in.topk_weights + entry, sizeof(float) * args.in.num_topk);
-    }
-  }
-}
-
 // Named combine, in a namespace, because profiler tooling written for DeepEP looks for kernel names
 // ending in ::combine. With a receive hook, the send and the receive launch are both this kernel.
 template <typename Remote>
@@ -363,7 +319,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
   stamp_phase(args.phase_stamps, kStampEntry);
-  prefetch_combine_inputs(args);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier

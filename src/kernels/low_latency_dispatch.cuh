@@ -149,6 +149,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
     __syncwarp();
   }
   if constexpr (Remote::kEnabled) put_staged_lists<Remote>(args, hist + (kNumWarps - 1) * num_experts);
+  stamp_phase(args.phase_stamps, kStampCounted);
 }
 
 // ---- Send: token data ----
@@ -212,6 +213,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
     __syncthreads();  // the previous token's destinations are no longer read
     if (threadIdx.x < 32) find_destinations<Remote>(args, token, small);
     __syncthreads();
+    if (token == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     const int num_dsts = small.num_dsts;
     const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * hidden / 8;
     for (int group = octet; group < num_groups; group += kNumThreads / 8) {
@@ -395,21 +397,6 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   stamp_phase(args.phase_stamps, kStampExit);
 }
 
-// What this block's send reads first, asked for while the prologue checks the abort word: the routing block
-// reads every top-k id, the others their first token's row and ids.
-__device__ __forceinline__ void prefetch_send_inputs(const LowLatencyDispatchArgs& args) {
-  const int token = static_cast<int>(blockIdx.x);
-  const size_t topk_row_bytes = sizeof(int64_t) * args.in.num_topk;
-  if (blockIdx.x == gridDim.x - 1) {
-    device::prefetch_l1_block(args.in.topk_idx, topk_row_bytes * args.in.num_tokens);
-  } else if (token < args.in.num_tokens) {
-    device::prefetch_l1_block(static_cast<const char*>(args.in.x) + size_t(token) * args.layout.hidden * 2,
-                              size_t(args.layout.hidden) * 2);
-    device::prefetch_l1_block(reinterpret_cast<const char*>(args.in.topk_idx) + token * topk_row_bytes,
-                              topk_row_bytes);
-  }
-}
-
 // Named dispatch, in a namespace, because profiler tooling written for DeepEP looks for kernel names
 // ending in ::dispatch. With a receive hook, the send and the receive launch are both this kernel.
 template <typename Remote>
@@ -418,7 +405,6 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   stamp_phase(args.phase_stamps, kStampEntry);
-  if (args.phases & kLowLatencySend) prefetch_send_inputs(args);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
