@@ -321,10 +321,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
-  load_peer_tables(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
-  // inside also hands the mask and the peer tables to every thread (their loads are in flight with the abort
-  // word's).
+  // inside also hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
       wait_context(args.peers),
       args.phases & kLowLatencySend ? WaitPhase::kLowLatencyCombineSend : WaitPhase::kLowLatencyCombineRecv,

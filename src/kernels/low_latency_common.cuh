@@ -29,28 +29,9 @@ __device__ __forceinline__ T* local_at(const PeerContext& peers, size_t offset) 
   return LowLatencyBufferMap::at<T>(peers.local_base, offset);
 }
 
-// The peers' buffer and abort-word addresses in shared memory, for the dispatch and combine kernels: each
-// block copies them at its start, their loads in flight with the prologue's, so a block's first store to a
-// peer (a count, a message, a row) does not wait a global round trip for the address.
-struct PeerTables {
-  void* bases[kMaxLowLatencyRanks];
-  int* aborts[kMaxLowLatencyRanks];
-};
-__shared__ PeerTables peer_tables;
-
-// Called by every thread of a dispatch or combine block before its prologue's barrier, which makes the copy
-// visible to the block; peer_at and the shape posts read it after.
-__device__ __forceinline__ void load_peer_tables(const PeerContext& peers) {
-  for (int r = threadIdx.x; r < peers.num_ranks; r += blockDim.x) {
-    peer_tables.bases[r] = peers.peer_bases[r];
-    peer_tables.aborts[r] = peers.abort.peers != nullptr ? peers.abort.peers[r] : nullptr;
-  }
-}
-
-// Where `offset` of rank `rank`'s buffer is mapped (load_peer_tables ran in this block).
 template <typename T>
-__device__ __forceinline__ T* peer_at(const PeerContext&, int rank, size_t offset) {
-  return LowLatencyBufferMap::at<T>(peer_tables.bases[rank], offset);
+__device__ __forceinline__ T* peer_at(const PeerContext& peers, int rank, size_t offset) {
+  return LowLatencyBufferMap::at<T>(peers.peer_bases[rank], offset);
 }
 
 // ---- Rank masks ----
@@ -145,9 +126,10 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowL
                                             unsigned long long masked) {
   if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
-    int* const abort_words = peer_tables.aborts[dst];
-    if (abort_words == nullptr || rank_masked(masked, dst)) continue;
-    post_shape(AbortWordsMap::low_latency_shape(abort_words, half, static_cast<int>(op), peers.rank), shape);
+    if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
+    post_shape(
+        AbortWordsMap::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+        shape);
   }
   if constexpr (Remote::kEnabled) {
     auto* staged = local_at<ShapeFingerprint>(peers, layout.staged_shape_offset(half, op));
@@ -176,7 +158,7 @@ __device__ __forceinline__ bool source_shape_agrees(const device::WaitContext& c
     return check_shape(ctx, src, shape,
                        local_at<ShapeFingerprint>(peers, layout.remote_shape_offset(half, op, src)));
   }
-  if (peer_tables.aborts[src] == nullptr) return true;
+  if (peers.abort.peers[src] == nullptr) return true;
   return check_shape(ctx, src, shape,
                      AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
 }

@@ -407,9 +407,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
-  load_peer_tables(args.peers);
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
-  // hands the mask and the peer tables to every thread (their loads are in flight with the abort word's).
+  // hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
       wait_context(args.peers),
       args.phases & kLowLatencySend ? WaitPhase::kLowLatencyDispatchSend : WaitPhase::kLowLatencyDispatchRecv,
