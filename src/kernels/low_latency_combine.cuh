@@ -138,15 +138,22 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
 // straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
 // blocks that sent anything (block 0 always counts: it posted the shapes).
+// The send's row count of pair threadIdx.x (0 past the pairs), loaded by the kernel before its prologue's
+// barrier so that the load and the abort check overlap.
+__device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& args) {
+  const int p = static_cast<int>(threadIdx.x);
+  return p < args.layout.num_experts ? args.handle.recv_layout_range[p].count : 0;
+}
+
 template <typename Remote>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
-                                          unsigned long long masked) {
+                                          unsigned long long masked, int first_count) {
   const LowLatencyBufferMap& layout = args.layout;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;
   const int hidden = layout.hidden;
   for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
-    prefix[p] = args.handle.recv_layout_range[p].count;
+    prefix[p] = p == static_cast<int>(threadIdx.x) ? first_count : args.handle.recv_layout_range[p].count;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
   stamp_phase(args.phase_stamps, kStampCounted);
@@ -231,21 +238,47 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
 // `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
 // grid has blocks to spare, so every thread holds at most one chunk (one round of loads) in small calls.
+// Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
+struct TopkEntry {
+  int expert;
+  float weight;
+};
+__device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs& args, int token, int lane) {
+  if (lane >= args.in.num_topk) return {-1, 0.0f};
+  const size_t entry = size_t(token) * args.in.num_topk + lane;
+  return {expert_at(args.in.topk_idx, entry, args.layout.num_experts), args.in.topk_weights[entry]};
+}
+
+// The item (token part) a block reduces first, and its token.
+__device__ __forceinline__ int reduce_parts_of(const LowLatencyCombineArgs& args) {
+  return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8, kNumThreads);
+}
+
+// Warp 0's entries of the block's first token, loaded before the receive waits for its sources: the caller's
+// top-k does not depend on them, so the load is off the path from the last flag to the first row.
+__device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArgs& args) {
+  const int item = static_cast<int>(blockIdx.x);
+  const int parts = reduce_parts_of(args);
+  if (threadIdx.x >= 32 || item >= args.in.num_tokens * parts) return {-1, 0.0f};
+  return load_topk_entry(args, item / parts, static_cast<int>(threadIdx.x));
+}
+
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
-                              unsigned long long left_out) {
+                              unsigned long long left_out, TopkEntry first_entry) {
   const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_topk = args.in.num_topk;
   const int num_chunks = hidden / 8;
-  const int parts = reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), num_chunks, kNumThreads);
+  const int parts = reduce_parts_of(args);
   for (int item = blockIdx.x; item < args.in.num_tokens * parts; item += gridDim.x) {
     const int token = item / parts;
     const WordRange chunks = part_chunks(num_chunks, item % parts, parts);
     __syncthreads();
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
-      const size_t entry = size_t(token) * num_topk + lane;
-      const int expert = lane < num_topk ? expert_at(args.in.topk_idx, entry, layout.num_experts) : -1;
+      const TopkEntry mine =
+          item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry(args, token, lane);
+      const int expert = mine.expert;
       int first = lane;
       for (int k = num_topk - 1; k >= 0; --k) {
         const int other = __shfl_sync(kFullMask, expert, k);
@@ -254,7 +287,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       if (lane < num_topk) {
         const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
         small.slot_pos[lane] = kept ? first : -1;
-        small.weights[lane] = args.in.topk_weights[entry];
+        small.weights[lane] = mine.weight;
       }
     }
     __syncthreads();
@@ -321,6 +354,10 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // Inputs that do not depend on any peer, loaded now so that their round trips overlap the prologue's (a
+  // value read from an aborted dispatch's handle is never used).
+  const int first_count = args.phases & kLowLatencySend ? first_pair_count(args) : 0;
+  const TopkEntry first_entry = args.phases & kLowLatencyRecv ? first_topk_entry(args) : TopkEntry{-1, 0.0f};
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
   // inside also hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
@@ -332,7 +369,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
-    const Publishers publishers = send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked);
+    const Publishers publishers =
+        send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked, first_count);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
@@ -345,7 +383,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
                                  WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
                                  args.shape, args.mask, &small.left_out);
     stamp_phase(args.phase_stamps, kStampArrived);
-    if (wait.arrived) reduce_tokens(args, small, wait.left_out);
+    if (wait.arrived) reduce_tokens(args, small, wait.left_out, first_entry);
     stamp_phase(args.phase_stamps, kStampDelivered);
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
     stamp_phase(args.phase_stamps, kStampExit);

@@ -289,9 +289,11 @@ __device__ __forceinline__ int find_pair(const int* prefix, int n, int row) {
 }
 
 // An expert id of topk_idx, or -1 for "no expert" (ids outside [0, E) are treated as -1).
-__device__ __forceinline__ int expert_at(const int64_t* topk_idx, size_t i, int num_experts) {
-  const int64_t id = topk_idx[i];
+__device__ __forceinline__ int expert_of(int64_t id, int num_experts) {
   return id >= 0 && id < num_experts ? static_cast<int>(id) : -1;
+}
+__device__ __forceinline__ int expert_at(const int64_t* topk_idx, size_t i, int num_experts) {
+  return expert_of(topk_idx[i], num_experts);
 }
 
 // 8 BF16 values (16 bytes) widened to float.
@@ -310,17 +312,22 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
 // listing.
 // NOTES: the earlier listings are loaded unrolled and predicated, so their loads are in flight together
 // instead of one round trip each (this runs on the routing block's critical path).
+// `id`: topk_idx[entry], when the caller loaded it already.
 __device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
-                                                   int num_experts) {
+                                                   int num_experts, int64_t id) {
   const int first = entry - entry % num_topk;
   int64_t earlier[kMaxTopk - 1];
 #pragma unroll
   for (int j = 0; j < kMaxTopk - 1; ++j) earlier[j] = first + j < entry ? __ldg(topk_idx + first + j) : -1;
-  const int expert = expert_at(topk_idx, entry, num_experts);
+  const int expert = expert_of(id, num_experts);
   bool repeated = false;
 #pragma unroll
   for (int j = 0; j < kMaxTopk - 1; ++j) repeated |= earlier[j] == expert;
   return repeated ? -1 : expert;
+}
+__device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
+                                                   int num_experts) {
+  return first_listed_expert(topk_idx, entry, num_topk, num_experts, topk_idx[entry]);
 }
 
 }  // namespace epx::kernels::low_latency

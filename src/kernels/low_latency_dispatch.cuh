@@ -45,8 +45,9 @@ size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
 
 // The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
-                                             unsigned long long masked) {
-  const int expert = first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.layout.num_experts);
+                                             unsigned long long masked, int64_t id) {
+  const int expert =
+      first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.layout.num_experts, id);
   return expert >= 0 && rank_masked(masked, expert / args.layout.num_local_experts()) ? -1 : expert;
 }
 
@@ -67,25 +68,66 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
   }
 }
 
+// What a block's send reads first, loaded before the kernel's prologue barrier so that these round trips and
+// the abort check's overlap. The routing block: each lane's first top-k entry of its warp's segment. A
+// sending block: warp 0's top-k entries of its first token (lane < K) and every thread's first 16 channels of
+// it.
+struct SendPreload {
+  bool first_token = false;  // a sending block's: id, v0 and v1 are of token blockIdx.x
+  int64_t id = -1;
+  int4 v0{}, v1{};
+};
+
+// The entries [begin, end) of the T*K top-k entries warp `warp` of the routing block histograms.
+__device__ __forceinline__ WordRange routing_segment(const LowLatencyDispatchArgs& args, int warp) {
+  const int num_entries = args.in.num_tokens * args.in.num_topk;
+  const int per_warp = (num_entries + kNumWarps - 1) / kNumWarps;
+  const int begin = min(num_entries, warp * per_warp);
+  return {begin, min(num_entries, begin + per_warp)};
+}
+
+__device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs& args) {
+  SendPreload pre;
+  const int lane = threadIdx.x % 32;
+  if (blockIdx.x == gridDim.x - 1) {
+    const WordRange segment = routing_segment(args, static_cast<int>(threadIdx.x) / 32);
+    if (segment.begin + lane < segment.end) pre.id = args.in.topk_idx[segment.begin + lane];
+    return pre;
+  }
+  const int token = static_cast<int>(blockIdx.x);
+  if (token >= args.in.num_tokens) return pre;
+  pre.first_token = true;
+  if (threadIdx.x < 32 && lane < args.in.num_topk)
+    pre.id = args.in.topk_idx[size_t(token) * args.in.num_topk + lane];
+  const int group = threadIdx.x / 8;  // send_tokens' first group of this thread
+  if (group < args.layout.num_groups()) {
+    const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * args.layout.hidden / 8;
+    const int chunk = group * 16 + threadIdx.x % 8 * 2;
+    pre.v0 = device::ld_nc_v4(row + chunk);
+    pre.v1 = device::ld_nc_v4(row + chunk + 1);
+  }
+  return pre;
+}
+
 // For every expert e, the ordered list of this rank's (token, top-k position) entries that chose it (first
 // listing only), and its length, written into the rank that owns e. Entry order = ascending token, so a
 // token's slot in the list is the number of earlier entries with the same expert. One block computes it:
 // every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
-__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked) {
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
+                              const SendPreload& pre) {
   const LowLatencyBufferMap& layout = args.layout;
   const int num_experts = layout.num_experts;
   const int num_local = layout.num_local_experts();
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int num_entries = args.in.num_tokens * args.in.num_topk;
 
   for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kNumThreads) hist[i] = 0;
   __syncthreads();
-  const int per_warp = (num_entries + kNumWarps - 1) / kNumWarps;
-  const int seg_begin = min(num_entries, warp * per_warp);
-  const int seg_end = min(num_entries, seg_begin + per_warp);
+  const WordRange segment = routing_segment(args, warp);
+  const int seg_begin = segment.begin;
+  const int seg_end = segment.end;
   int* warp_hist = hist + warp * num_experts;
 
   // The first kCachedRounds rounds' experts stay in registers for the second pass (no second round trip).
@@ -93,7 +135,10 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
   int cached[kCachedRounds];
   int round = 0;
   for (int base = seg_begin; base < seg_end; base += 32, ++round) {
-    const int expert = base + lane < seg_end ? routed_expert(args, base + lane, masked) : -1;
+    const int entry = base + lane;
+    const int expert = entry < seg_end
+                           ? routed_expert(args, entry, masked, round == 0 ? pre.id : args.in.topk_idx[entry])
+                           : -1;
 #pragma unroll
     for (int r = 0; r < kCachedRounds; ++r)
       if (r == round) cached[r] = expert;
@@ -130,7 +175,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
       for (int r = 0; r < kCachedRounds; ++r)
         if (r == round) expert = cached[r];
     } else if (entry < seg_end) {
-      expert = routed_expert(args, entry, masked);
+      expert = routed_expert(args, entry, masked, args.in.topk_idx[entry]);
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0) {
@@ -166,12 +211,16 @@ __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale)
 
 // This token's distinct destination ranks (first top-k occurrence order) and its message address in each.
 // Run by warp 0.
+// `pre`: the kernel's preload, which holds the block's first token's ids.
 template <typename Remote>
-__device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small) {
+__device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small,
+                                  const SendPreload& pre) {
   const int lane = threadIdx.x;
+  const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x);
   const int expert =
       lane < args.in.num_topk
-          ? expert_at(args.in.topk_idx, size_t(token) * args.in.num_topk + lane, args.layout.num_experts)
+          ? expert_of(preloaded ? pre.id : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
+                      args.layout.num_experts)
           : -1;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
@@ -202,7 +251,8 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
 // One block per token: 8 lanes per group of 128 channels, 16 channels (two 16-byte loads) per lane, so a lane
 // writes one 16-byte FP8 chunk (or two BF16 chunks) straight into every destination's receive slot.
 template <typename Remote>
-__device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small) {
+__device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small,
+                            const SendPreload& pre) {
   const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_groups = layout.num_groups();
@@ -211,15 +261,16 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
   const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
   for (int token = blockIdx.x; token < args.in.num_tokens; token += gridDim.x) {
     __syncthreads();  // the previous token's destinations are no longer read
-    if (threadIdx.x < 32) find_destinations<Remote>(args, token, small);
+    if (threadIdx.x < 32) find_destinations<Remote>(args, token, small, pre);
     __syncthreads();
     if (token == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     const int num_dsts = small.num_dsts;
     const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * hidden / 8;
     for (int group = octet; group < num_groups; group += kNumThreads / 8) {
       const int chunk = group * 16 + sub * 2;  // int4 index of this lane's 16 channels
-      const int4 v0 = device::ld_nc_v4(row + chunk);
-      const int4 v1 = device::ld_nc_v4(row + chunk + 1);
+      const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x) && group == octet;
+      const int4 v0 = preloaded ? pre.v0 : device::ld_nc_v4(row + chunk);
+      const int4 v1 = preloaded ? pre.v1 : device::ld_nc_v4(row + chunk + 1);
       if (!args.in.use_fp8) {
         for (int d = 0; d < num_dsts; ++d) {
           int4* out = reinterpret_cast<int4*>(small.dst_msgs[d]) + chunk;
@@ -407,6 +458,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  const SendPreload pre = args.phases & kLowLatencySend ? preload_send(args) : SendPreload{};
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
   // hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
@@ -417,8 +469,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
-    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked);
-    send_tokens<Remote>(args, small);
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
+    send_tokens<Remote>(args, small, pre);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
         args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
