@@ -166,7 +166,9 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
                                               : row_pieces(size_t(hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
+  for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
+                             static_cast<int>(gridDim.x));
+       item < num_items; item += num_grid_warps) {
     const int j = item / num_pieces;
     const int piece = item % num_pieces;
     const int pair = find_pair(prefix, num_pairs, j);
@@ -192,7 +194,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
       warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }
   }
-  return combine_publishers(num_items, static_cast<int>(gridDim.x), kNumWarps, static_cast<int>(blockIdx.x));
+  return combine_publishers(num_items, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x));
 }
 
 // ---- Receive ----
@@ -237,7 +239,7 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
 // `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
-// grid has blocks to spare, so every thread holds at most one chunk (one round of loads) in small calls.
+// grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
 // Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
 struct TopkEntry {
   int expert;
@@ -251,7 +253,7 @@ __device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs
 
 // The item (token part) a block reduces first, and its token.
 __device__ __forceinline__ int reduce_parts_of(const LowLatencyCombineArgs& args) {
-  return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8, kNumThreads);
+  return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8);
 }
 
 // Warp 0's entries of the block's first token, loaded before the receive waits for its sources: the caller's

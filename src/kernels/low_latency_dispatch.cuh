@@ -424,7 +424,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  for (int item = blockIdx.x * kNumWarps + threadIdx.x / 32; item < num_items; item += num_grid_warps) {
+  for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
+                             static_cast<int>(gridDim.x));
+       item < num_items; item += num_grid_warps) {
     const int j = item / num_pieces;
     const int piece = item % num_pieces;
     const int pair = find_pair(prefix, num_pairs, j);

@@ -2,6 +2,7 @@
 // publishing block, enumerated as the kernels walk them, covers its work exactly once.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <vector>
 
 #include "kernels/work_split.hpp"
@@ -74,37 +75,64 @@ TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
   }
 }
 
+TEST(WorkSplit, ItemsGoToBlocksFirstAndEachOnce) {
+  constexpr int kWarps = 16;
+  for (int blocks : {1, 2, 132}) {
+    for (int items : {0, 1, 15, 131, 132, 133, blocks * kWarps, blocks * kWarps + 1, 5 * blocks * kWarps}) {
+      std::vector<int> seen(items, 0);
+      std::vector<int> per_block(blocks, 0);
+      for (int b = 0; b < blocks; ++b) {
+        for (int w = 0; w < kWarps; ++w) {
+          // The kernels' walk.
+          for (int item = epx::kernels::first_item(b, w, blocks); item < items; item += blocks * kWarps) {
+            ++seen[item];
+            ++per_block[b];
+          }
+        }
+      }
+      for (int item = 0; item < items; ++item) EXPECT_EQ(seen[item], 1) << item << " of " << items;
+      // Spread: no block holds two more items than another.
+      const auto [lo, hi] = std::minmax_element(per_block.begin(), per_block.end());
+      EXPECT_LE(*hi - *lo, 1) << items << " items over " << blocks << " blocks";
+    }
+  }
+}
+
 TEST(WorkSplit, CombinePublishersAreTheBlocksHoldingPieces) {
   constexpr int kWarps = 16;
   for (int blocks : {1, 2, 132}) {
     for (int items : {0, 1, 15, 16, 17, 100, blocks * kWarps, blocks * kWarps + 1, 5 * blocks * kWarps}) {
       std::vector<bool> holds(blocks, false);
-      for (int item = 0; item < items; ++item) holds[(item / kWarps) % blocks] = true;  // the kernels' walk
-      holds[0] = true;                                                                  // posts the shapes
+      for (int b = 0; b < blocks; ++b) {
+        for (int w = 0; w < kWarps; ++w)
+          holds[b] = holds[b] || epx::kernels::first_item(b, w, blocks) < items;
+      }
+      holds[0] = true;  // posts the shapes
       int publishing = 0;
       for (int b = 0; b < blocks; ++b) {
-        const epx::kernels::Publishers p = epx::kernels::combine_publishers(items, blocks, kWarps, b);
+        const epx::kernels::Publishers p = epx::kernels::combine_publishers(items, blocks, b);
         EXPECT_EQ(p.this_block, holds[b]) << items << " items, block " << b << " of " << blocks;
         publishing += p.this_block;
       }
-      EXPECT_EQ(epx::kernels::combine_publishers(items, blocks, kWarps, 0).count, publishing);
+      EXPECT_EQ(epx::kernels::combine_publishers(items, blocks, 0).count, publishing);
     }
   }
 }
 
 TEST(WorkSplit, ReducePartsCoverEveryChunkOnce) {
-  constexpr int kThreads = 512;
   for (int chunks : {16, 896, 1024, 2048}) {
     for (int tokens : {1, 2, 66, 67, 128, 1000}) {
-      const int parts = epx::kernels::reduce_parts(tokens, 132, chunks, kThreads);
+      const int parts = epx::kernels::reduce_parts(tokens, 132, chunks);
       EXPECT_GE(parts, 1);
       EXPECT_LE(parts * tokens, tokens > 132 ? parts * tokens : 132) << "more parts than blocks";
       expect_tiling(chunks, parts);
     }
   }
-  EXPECT_EQ(epx::kernels::reduce_parts(1, 132, 896, kThreads), 2);  // hidden 7168: one chunk per thread
-  EXPECT_EQ(epx::kernels::reduce_parts(128, 132, 896, kThreads), 1);
-  EXPECT_EQ(epx::kernels::reduce_parts(0, 132, 896, kThreads), 1);
+  // hidden 7168: one token over 28 blocks of a warp's 32 chunks; a full grid's worth of tokens unsplit.
+  EXPECT_EQ(epx::kernels::reduce_parts(1, 132, 896), 28);
+  EXPECT_EQ(epx::kernels::reduce_parts(8, 132, 896), 16);
+  EXPECT_EQ(epx::kernels::reduce_parts(128, 132, 896), 1);
+  EXPECT_EQ(epx::kernels::reduce_parts(0, 132, 896), 1);
 }
 
 }  // namespace
