@@ -161,10 +161,9 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
   // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
-  const int num_pieces = Remote::kEnabled ? 1
-                         : args.in.use_logfmt
-                             ? logfmt_row_pieces(layout.num_groups())
-                             : spread_row_pieces(size_t(hidden) * 2, total_rows, static_cast<int>(gridDim.x));
+  const int num_pieces = Remote::kEnabled     ? 1
+                         : args.in.use_logfmt ? logfmt_row_pieces(layout.num_groups())
+                                              : row_pieces(size_t(hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,

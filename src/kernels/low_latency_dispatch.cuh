@@ -421,9 +421,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces =
-      spread_row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2, total_rows,
-                        static_cast<int>(gridDim.x));
+  const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,

@@ -21,21 +21,6 @@ EPX_HD int row_pieces(size_t bytes) {
   return words <= kRowPieceWords ? 1 : (words + kRowPieceWords - 1) / kRowPieceWords;
 }
 
-// Pieces of each of `num_rows` rows of `bytes` in a call: row_pieces, or finer when the rows are fewer than
-// the grid's blocks, so that the pieces reach every block (items go to blocks first, see first_item), down to
-// kMinPieceWords words a piece (one 16-byte word per lane). At 1 token, 8 rows on 8 blocks took ~1 us longer
-// than on every block.
-constexpr int kMinPieceWords = 32;
-EPX_HD int spread_row_pieces(size_t bytes, int num_rows, int num_blocks) {
-  const int pieces = row_pieces(bytes);
-  if (num_rows <= 0) return pieces;
-  const int words = static_cast<int>(bytes / 16);
-  const int wanted = (num_blocks + num_rows - 1) / num_rows;
-  const int finest = words / kMinPieceWords > 1 ? words / kMinPieceWords : 1;
-  const int spread = wanted < finest ? wanted : finest;
-  return spread > pieces ? spread : pieces;
-}
-
 // The 16-byte words [begin, end) of piece `piece` of `num_pieces` of a row of `words` words.
 struct WordRange {
   int begin;

@@ -42,25 +42,6 @@ TEST(WorkSplit, RowPiecesTileTheRowAndFitOneRound) {
   EXPECT_EQ(epx::kernels::row_pieces(8192 + 16), 2);
 }
 
-TEST(WorkSplit, FewRowsAreCutFinerToReachEveryBlock) {
-  for (size_t bytes : {size_t(16), size_t(512), size_t(7168), size_t(14336), size_t(65536 + 16)}) {
-    const int words = static_cast<int>(bytes / 16);
-    for (int rows : {0, 1, 8, 100, 132, 1024}) {
-      const int pieces = epx::kernels::spread_row_pieces(bytes, rows, 132);
-      EXPECT_GE(pieces, epx::kernels::row_pieces(bytes)) << bytes << " bytes, " << rows << " rows";
-      expect_tiling(words, pieces);
-      // Finer than the plain split only down to one 16-byte word per lane, and only while rows are few.
-      if (pieces > epx::kernels::row_pieces(bytes)) {
-        EXPECT_GE(words / pieces, epx::kernels::kMinPieceWords) << bytes << " bytes, " << rows << " rows";
-        EXPECT_LT(rows * (pieces - 1), 132) << bytes << " bytes, " << rows << " rows";
-      }
-    }
-  }
-  EXPECT_EQ(epx::kernels::spread_row_pieces(14336, 8, 132), 17);  // 1 token, top-8, BF16 rows of hidden 7168
-  EXPECT_EQ(epx::kernels::spread_row_pieces(7168, 8, 132), 14);   // its FP8 rows: 32 words a piece
-  EXPECT_EQ(epx::kernels::spread_row_pieces(14336, 1024, 132), 2);
-}
-
 TEST(WorkSplit, LogfmtPiecesTileTheGroups) {
   for (int groups = 1; groups <= 128; ++groups) {
     const int pieces = epx::kernels::logfmt_row_pieces(groups);
