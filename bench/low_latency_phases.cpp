@@ -16,7 +16,8 @@ namespace epx::bench {
 namespace {
 
 constexpr const char* kStampNames[kernels::kNumPhaseStamps] = {
-    "entry", "prologue", "counted", "ids", "sent", "published", "arrived", "scanned", "delivered", "exit"};
+    "entry", "prologue",  "histogram", "counts stored", "counted",   "ids",
+    "sent",  "published", "arrived",   "scanned",       "delivered", "exit"};
 
 // Microseconds from the first block's entry to the last block's stamp of each phase in one call's stamps
 // ([blocks][kNumPhaseStamps], 0 = not stamped); -1 where no block stamped. The entry phase holds the spread
