@@ -72,24 +72,11 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
 // the abort check's overlap. The routing block: each lane's first top-k entry of its warp's segment. A
 // sending block: warp 0's top-k entries of its first token (lane < K) and every thread's first 16 channels of
 // it.
-// The routing block keeps the experts of its first kRoutingCachedRounds rounds of 32 entries per warp in
-// registers, and loads their ids before the prologue's barrier.
-constexpr int kRoutingCachedRounds = 4;
-
 struct SendPreload {
-  bool first_token = false;  // a sending block's: id[0], v0 and v1 are of token blockIdx.x
-  int64_t id[kRoutingCachedRounds] = {-1, -1, -1, -1};
+  bool first_token = false;  // a sending block's: id, v0 and v1 are of token blockIdx.x
+  int64_t id = -1;
   int4 v0{}, v1{};
 };
-
-// Round `round`'s id of a SendPreload (a select over the unrolled rounds, so the array stays in registers).
-__device__ __forceinline__ int64_t preloaded_id(const SendPreload& pre, int round) {
-  int64_t id = -1;
-#pragma unroll
-  for (int r = 0; r < kRoutingCachedRounds; ++r)
-    if (r == round) id = pre.id[r];
-  return id;
-}
 
 // The entries [begin, end) of the T*K top-k entries warp `warp` of the routing block histograms.
 __device__ __forceinline__ WordRange routing_segment(const LowLatencyDispatchArgs& args, int warp) {
@@ -104,18 +91,14 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
   const int lane = threadIdx.x % 32;
   if (blockIdx.x == gridDim.x - 1) {
     const WordRange segment = routing_segment(args, static_cast<int>(threadIdx.x) / 32);
-#pragma unroll
-    for (int r = 0; r < kRoutingCachedRounds; ++r) {
-      const int entry = segment.begin + 32 * r + lane;
-      if (entry < segment.end) pre.id[r] = args.in.topk_idx[entry];
-    }
+    if (segment.begin + lane < segment.end) pre.id = args.in.topk_idx[segment.begin + lane];
     return pre;
   }
   const int token = static_cast<int>(blockIdx.x);
   if (token >= args.in.num_tokens) return pre;
   pre.first_token = true;
   if (threadIdx.x < 32 && lane < args.in.num_topk)
-    pre.id[0] = args.in.topk_idx[size_t(token) * args.in.num_topk + lane];
+    pre.id = args.in.topk_idx[size_t(token) * args.in.num_topk + lane];
   const int group = threadIdx.x / 8;  // send_tokens' first group of this thread
   if (group < args.layout.num_groups()) {
     const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * args.layout.hidden / 8;
@@ -148,21 +131,20 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
   int* warp_hist = hist + warp * num_experts;
 
   // The first kCachedRounds rounds' experts stay in registers for the second pass (no second round trip).
-  constexpr int kCachedRounds = kRoutingCachedRounds;
+  constexpr int kCachedRounds = 4;
   int cached[kCachedRounds];
   int round = 0;
   for (int base = seg_begin; base < seg_end; base += 32, ++round) {
     const int entry = base + lane;
-    const int expert = entry < seg_end ? routed_expert(args, entry, masked,
-                                                       round < kCachedRounds ? preloaded_id(pre, round)
-                                                                             : args.in.topk_idx[entry])
-                                       : -1;
+    const int expert = entry < seg_end
+                           ? routed_expert(args, entry, masked, round == 0 ? pre.id : args.in.topk_idx[entry])
+                           : -1;
 #pragma unroll
     for (int r = 0; r < kCachedRounds; ++r)
       if (r == round) cached[r] = expert;
-    const unsigned same = __match_any_sync(kFullMask, expert);
-    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
-    __syncwarp();
+    // Counts need no order: a shared-memory add per entry (lanes of one warp that share an expert are
+    // serialized by the hardware), no lane matching.
+    if (expert >= 0) atomicAdd(&warp_hist[expert], 1);
   }
   __syncthreads();
   stamp_phase(args.phase_stamps, kStampHistogram);
@@ -239,7 +221,7 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x);
   const int expert =
       lane < args.in.num_topk
-          ? expert_of(preloaded ? pre.id[0] : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
+          ? expert_of(preloaded ? pre.id : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
                       args.layout.num_experts)
           : -1;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
