@@ -142,9 +142,9 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
 #pragma unroll
     for (int r = 0; r < kCachedRounds; ++r)
       if (r == round) cached[r] = expert;
-    // Counts need no order: a shared-memory add per entry (lanes of one warp that share an expert are
-    // serialized by the hardware), no lane matching.
-    if (expert >= 0) atomicAdd(&warp_hist[expert], 1);
+    const unsigned same = __match_any_sync(kFullMask, expert);
+    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
+    __syncwarp();
   }
   __syncthreads();
   stamp_phase(args.phase_stamps, kStampHistogram);
