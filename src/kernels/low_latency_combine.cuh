@@ -134,10 +134,6 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   Remote::put_warp(slot, staged, row_bytes, dst);
 }
 
-// Rows of every (local expert, source) block, in pieces spread over every warp of the grid (a row stored
-// straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
-// goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
-// blocks that sent anything (block 0 always counts: it posted the shapes).
 // The send's row count of pair threadIdx.x (0 past the pairs), loaded by the kernel before its prologue's
 // barrier so that the load and the abort check overlap.
 __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& args) {
@@ -145,6 +141,10 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
   return p < args.layout.num_experts ? args.handle.recv_layout_range[p].count : 0;
 }
 
+// Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
+// straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
+// goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
+// blocks that sent anything (block 0 always counts: it posted the shapes).
 template <typename Remote>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked, int first_count) {
@@ -236,10 +236,6 @@ __device__ __forceinline__ void load_returned8(const char* slot, int num_groups,
   for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
 }
 
-// Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
-// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
-// `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
-// grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
 // Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
 struct TopkEntry {
   int expert;
@@ -251,7 +247,7 @@ __device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs
   return {expert_at(args.in.topk_idx, entry, args.layout.num_experts), args.in.topk_weights[entry]};
 }
 
-// The item (token part) a block reduces first, and its token.
+// Parts of each token the reduction splits it into (reduce_parts over this launch's grid).
 __device__ __forceinline__ int reduce_parts_of(const LowLatencyCombineArgs& args) {
   return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8);
 }
@@ -265,6 +261,10 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
   return load_topk_entry(args, item / parts, static_cast<int>(threadIdx.x));
 }
 
+// Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
+// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
+// `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
+// grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out, TopkEntry first_entry) {
   const LowLatencyBufferMap& layout = args.layout;

@@ -312,7 +312,7 @@ __device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
 // listing.
 // NOTES: the earlier listings are loaded unrolled and predicated, so their loads are in flight together
 // instead of one round trip each (this runs on the routing block's critical path).
-// `id`: topk_idx[entry], when the caller loaded it already.
+// `id`: topk_idx[entry], loaded by the caller (the routing block loads its first round's early).
 __device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
                                                    int num_experts, int64_t id) {
   const int first = entry - entry % num_topk;
@@ -324,10 +324,6 @@ __device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int 
 #pragma unroll
   for (int j = 0; j < kMaxTopk - 1; ++j) repeated |= earlier[j] == expert;
   return repeated ? -1 : expert;
-}
-__device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
-                                                   int num_experts) {
-  return first_listed_expert(topk_idx, entry, num_topk, num_experts, topk_idx[entry]);
 }
 
 }  // namespace epx::kernels::low_latency
