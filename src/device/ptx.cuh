@@ -66,6 +66,12 @@ __device__ __forceinline__ int atomic_add_acq_rel_sys(int* address, int value) {
   return old;
 }
 
+// Atomic add with release semantics at system scope and no result: releases what this thread ordered before
+// it (cumulatively: what a barrier made its own) without waiting for the add's round trip.
+__device__ __forceinline__ void red_add_release_sys(int* address, int value) {
+  asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));

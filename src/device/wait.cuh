@@ -5,6 +5,7 @@
 #include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 #include "device/ptx.cuh"
+#include "epx/common/counter.hpp"
 #include "epx/common/tagged_word.hpp"
 
 namespace epx::device {
@@ -170,18 +171,20 @@ __device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t seq
   return arrived ? tagged_value(word) : 0;
 }
 
-// Waits until *address >= expected. Returns the value seen (expected when abandoned).
+// Waits until *address >= expected (counter_reached: modulo 2^32). Returns the value seen (expected when
+// abandoned).
 __device__ __forceinline__ int wait_at_least(const int* address, int expected, const WaitContext& ctx,
                                              int peer, WaitPhase phase) {
   return wait_until(
-      address, [expected](int value) { return value >= expected; }, expected, ctx, peer, phase);
+      address, [expected](int value) { return counter_reached(value, expected); }, expected, ctx, peer,
+      phase);
 }
 
 // As wait_at_least, but says whether the value really arrived (false: the wait was abandoned), for callers
 // that must not read what the awaited signal guards.
 __device__ __forceinline__ bool try_wait_at_least(const int* address, int expected, const WaitContext& ctx,
                                                   int peer, WaitPhase phase) {
-  const auto done = [expected](int value) { return value >= expected; };
+  const auto done = [expected](int value) { return counter_reached(value, expected); };
   int value = ld_acquire_sys(address);
   return done(value) || spin_until(address, done, expected, ctx, peer, phase, value);
 }
@@ -191,7 +194,7 @@ __device__ __forceinline__ bool try_wait_at_least(const int* address, int expect
 __device__ __forceinline__ WaitOutcome wait_at_least_outcome(const int* address, int expected,
                                                              const WaitContext& ctx, int peer,
                                                              WaitPhase phase, OnTimeout on_timeout) {
-  const auto done = [expected](int value) { return value >= expected; };
+  const auto done = [expected](int value) { return counter_reached(value, expected); };
   int value = ld_acquire_sys(address);
   if (done(value)) return WaitOutcome::kArrived;
   return spin_until_outcome([address] { return ld_acquire_sys(address); }, done,

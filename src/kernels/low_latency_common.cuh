@@ -79,27 +79,37 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 }
 
 // Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
-// from values all blocks share) once its sends are issued. The last of the `count` publishing blocks to
-// arrive for a destination publishes `value` into that destination's receive flag for this rank.
-// NOTES: the barrier puts every store and completed put of the block before the arriving thread's arrival, an
-// acquire-release atomic at system scope that releases them (cumulatively); the last arriver's arrival also
-// acquires the other blocks' arrivals, and its release store of the flag then orders every data store and put
-// of every block before the receiver's reads (the shape fingerprints post_shapes posted at the start of the
-// send phase included). One release per arriving thread, not a fence per thread of the grid. The counter is
-// reset after the flag: the next operation on this half is a later launch. Masked destinations get nothing
-// (their counters stay untouched until a clean).
+// from values all blocks share) once its sends are issued: operation `num_ops` of this rank's sends is
+// published to every unmasked destination.
+// NVLink destinations: each block adds its share (publish_share, work_split.hpp) to the destination's flag
+// for this rank with one release reduction at system scope, so the flag reaches flag_target(num_ops) when the
+// last block's add lands, and no block waits for a round trip. Destinations reached by puts: the last of the
+// `count` blocks to arrive at this rank's counter for the destination puts the flag's new value. NOTES: the
+// barrier puts every store and completed put of the block before the publishing thread's add or arrival, a
+// release at system scope that covers them (cumulatively). Adds are read-modify-writes, so the receiver's
+// acquire of the final value synchronizes with every block's release (the shape fingerprints post_shapes
+// posted at the start of the send phase included). For puts, the last arriver's arrival acquires the other
+// blocks' arrivals, and its put after them orders every block's data first; the counter is reset after the
+// flag: the next operation on this half is a later launch. Masked destinations get nothing (their flags and
+// counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& layout,
-                                              int half, LowLatencyOp op, int value, unsigned long long masked,
-                                              Publishers publishers) {
+                                              int half, LowLatencyOp op, int num_ops,
+                                              unsigned long long masked, Publishers publishers) {
   if (!publishers.this_block) return;
   Remote::quiet();
   __syncthreads();
+  const int share = publish_share(static_cast<int>(blockIdx.x), publishers);
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (rank_masked(masked, dst)) continue;
+    if (is_direct<Remote>(peers, dst)) {
+      device::red_add_release_sys(peer_at<int>(peers, dst, layout.recv_flag_offset(half, op, peers.rank)),
+                                  share);
+      continue;
+    }
     int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
     if (device::atomic_add_acq_rel_sys(finish, 1) == publishers.count - 1) {
-      signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), value);
+      signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), flag_target(num_ops));
       atomicExch(finish, 0);
     }
   }
@@ -171,7 +181,8 @@ struct SourceWait {
   unsigned long long left_out;
 };
 
-// Every block waits until every unmasked source published `expected`; block 0 adds the waited time per
+// Every block waits until every unmasked source published operation `expected` (its flag reached
+// flag_target(expected)); block 0 adds the waited time per
 // source. `arrived` is false (for the whole block) when a wait was abandoned (the group is aborted) or a
 // source's shapes differ (then this rank aborts it): nothing the sources were to write may be read then. With
 // enable_shrink a wait that times out leaves its source out instead of aborting (every block agrees through
@@ -191,16 +202,16 @@ wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, in
     const int* flag = local_at<int>(peers, layout.recv_flag_offset(half, op, src));
     bool ok = true;
     if (!mask.shrink) {
-      ok = device::try_wait_at_least(flag, expected, ctx, src, phase);
+      ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
     } else {
-      const device::WaitOutcome outcome =
-          device::wait_at_least_outcome(flag, expected, ctx, src, phase, device::OnTimeout::kGiveUp);
+      const device::WaitOutcome outcome = device::wait_at_least_outcome(flag, flag_target(expected), ctx, src,
+                                                                        phase, device::OnTimeout::kGiveUp);
       ok = outcome == device::WaitOutcome::kArrived;
       if (outcome != device::WaitOutcome::kAborted) {
         int* decision = local_at<int>(peers, layout.source_decision_offset(half, op, src));
         if (decide_source(decision, expected, ok)) {
           // Another block saw the flag: it is there, this look finds it.
-          if (!ok) ok = device::try_wait_at_least(flag, expected, ctx, src, phase);
+          if (!ok) ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
         } else {
           if (!ok) mask_timed_out_peer(mask, src);  // the block whose wait timed out (not a late flag)
           atomicOr(left_out, 1ull << src);

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "epx/common/host_device.hpp"
 
@@ -47,6 +48,19 @@ struct Publishers {
   int count;
   bool this_block;
 };
+
+// A source's receive flag grows by kLowLatencyPublishUnit per operation: every publishing block adds its
+// share (publish_share: block 0, which publishes always, the rest of the unit after one per other block), so
+// operation n (counted from 1) has arrived exactly when the flag reaches flag_target(n), modulo 2^32 (the
+// flag wraps after 2^20 operations; waits compare with counter_reached). The unit must exceed any grid:
+// launches check num_blocks < kLowLatencyPublishUnit.
+constexpr int kLowLatencyPublishUnit = 1 << 12;
+EPX_HD int flag_target(int num_ops) {
+  return static_cast<int>(static_cast<uint32_t>(num_ops) * static_cast<uint32_t>(kLowLatencyPublishUnit));
+}
+EPX_HD int publish_share(int block, const Publishers& publishers) {
+  return block == 0 ? kLowLatencyPublishUnit - (publishers.count - 1) : 1;
+}
 
 // Dispatch: blocks 0..T-1 send a token each (block 0 also posts the shapes, so it counts when T = 0), and the
 // last block routes.

@@ -6,6 +6,7 @@
 #include "epx/formats/ue8m0.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/low_latency_kernels.hpp"
+#include "kernels/work_split.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
 #include "runtime/stream_order.hpp"
@@ -119,6 +120,8 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
   check_low_latency_signals_clean(*state);
   check_low_latency_half_free(*state, args.half);
   args.num_blocks = buffer.num_device_sms();
+  EPX_CHECK(args.num_blocks < kernels::kLowLatencyPublishUnit, "num_device_sms", args.num_blocks,
+            "must be below 4096 for the low-latency kernels (each block adds a share to the flags)");
   if (return_recv_hook) {
     if (order.previous_event != nullptr)
       EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, order.previous_event, 0));
