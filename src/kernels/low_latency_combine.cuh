@@ -110,7 +110,7 @@ __device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* ro
 
 // One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
 // combine_send) and puts.
-template <typename Remote>
+template <typename Remote, bool kLogfmt>
 __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint16_t* row, size_t row_idx,
                                   int dst, size_t slot_offset, int lane) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -118,7 +118,7 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   const size_t row_bytes = size_t(layout.hidden) * 2;
   char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
   char* slot = local_at<char>(args.peers, slot_offset);
-  if (args.in.use_logfmt) {
+  if constexpr (kLogfmt) {
     // Codes (at most the BF16 row's G * 256 bytes) in the staging row, metadata beside it.
     uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) + row_idx * num_groups;
     encode_logfmt_row(staged, meta, row, num_groups, lane);
@@ -145,7 +145,7 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
 // straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
 // blocks that sent anything (block 0 always counts: it posted the shapes).
-template <typename Remote>
+template <typename Remote, bool kLogfmt>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked, int first_count) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -161,9 +161,9 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
   // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
-  const int num_pieces = Remote::kEnabled     ? 1
-                         : args.in.use_logfmt ? logfmt_row_pieces(layout.num_groups())
-                                              : row_pieces(size_t(hidden) * 2);
+  const int num_pieces = Remote::kEnabled ? 1
+                         : kLogfmt        ? logfmt_row_pieces(layout.num_groups())
+                                          : row_pieces(size_t(hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
@@ -181,11 +181,11 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const uint16_t* row = static_cast<const uint16_t*>(args.in.x) + row_idx * hidden;
     const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, topk_pos);
     if (!is_direct<Remote>(args.peers, dst)) {
-      put_expert_output<Remote>(args, row, row_idx, dst, slot_offset, lane);
+      put_expert_output<Remote, kLogfmt>(args, row, row_idx, dst, slot_offset, lane);
       continue;
     }
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
-    if (args.in.use_logfmt) {
+    if constexpr (kLogfmt) {
       const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
       encode_logfmt_groups(
           slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
@@ -265,6 +265,7 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
 // `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
 // grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
+template <bool kLogfmt>
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out, TopkEntry first_entry) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -299,7 +300,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       float acc[8];
 #pragma unroll
       for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      if (args.in.use_logfmt) {
+      if constexpr (kLogfmt) {
         for (int k = 0; k < num_topk; ++k) {
           const int pos = small.slot_pos[k];
           if (pos < 0) continue;
@@ -348,7 +349,9 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
 
 // Named combine, in a namespace, because profiler tooling written for DeepEP looks for kernel names
 // ending in ::combine. With a receive hook, the send and the receive launch are both this kernel.
-template <typename Remote>
+// kLogfmt: the wire format. A template argument, so each format's kernel holds only its own code and the
+// LogFMT encode and decode do not take registers from the BF16 kernel (they share the 128-register cap).
+template <typename Remote, bool kLogfmt>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombineArgs args) {
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
@@ -372,7 +375,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   if (args.phases & kLowLatencySend) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
-        send_expert_outputs<Remote>(args, prefix, small.warp_sums, masked, first_count);
+        send_expert_outputs<Remote, kLogfmt>(args, prefix, small.warp_sums, masked, first_count);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
@@ -385,7 +388,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
                                  WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
                                  args.shape, args.mask, &small.left_out);
     stamp_phase(args.phase_stamps, kStampArrived);
-    if (wait.arrived) reduce_tokens(args, small, wait.left_out, first_entry);
+    if (wait.arrived) reduce_tokens<kLogfmt>(args, small, wait.left_out, first_entry);
     stamp_phase(args.phase_stamps, kStampDelivered);
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
     stamp_phase(args.phase_stamps, kStampExit);
@@ -395,14 +398,15 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
 template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = combine_smem_bytes(args.layout);
-  allow_dynamic_smem(combine<Remote>, smem_bytes);
-  launch(combine<Remote>, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident},
-         stream, args);
+  const auto kernel = args.in.use_logfmt ? combine<Remote, true> : combine<Remote, false>;
+  allow_dynamic_smem(kernel, smem_bytes);
+  launch(kernel, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident}, stream, args);
 }
 
 template <typename Remote>
 void preload_low_latency_combine_with() {
-  preload_kernel(combine<Remote>);
+  preload_kernel(combine<Remote, false>);
+  preload_kernel(combine<Remote, true>);
 }
 
 }  // namespace

@@ -71,6 +71,7 @@ struct LogfmtParams {
   float max_abs;          // level 511; 0 for an all-zero group
   float min_abs;          // level 1 unless clipped
   float step;             // log2 distance of adjacent levels
+  float inv_step;         // 1 / step (0 when step == 0): the encoder's level guess multiplies by it
   int max_log2_exponent;  // log2(max) = exponent + fraction (repro_log2_split)
   float max_log2_fraction;
   bool clipped;
@@ -96,9 +97,9 @@ EPX_HD bool logfmt_group_qualifies(float max_key) {
 }
 
 EPX_HD LogfmtParams logfmt_params_from_meta(uint16_t max_bits, uint16_t min_bits) {
-  LogfmtParams params{max_bits, min_bits, 0.0f, 0.0f, 0.0f, 0, 0.0f, false};
+  LogfmtParams params{max_bits, min_bits, 0.0f, 0.0f, 0.0f, 0.0f, 0, 0.0f, false};
   const float max_abs = bf16_to_float(max_bits);
-  if (!(max_abs > 0.0f)) return LogfmtParams{0, 0, 0.0f, 0.0f, 0.0f, 0, 0.0f, false};
+  if (!(max_abs > 0.0f)) return LogfmtParams{0, 0, 0.0f, 0.0f, 0.0f, 0.0f, 0, 0.0f, false};
   const float min_bits_value = bf16_to_float(min_bits);
   const float min_abs = min_bits_value < max_abs ? min_bits_value : max_abs;  // NaN bits: treated as max
   const detail::Log2Split max_log2 = detail::repro_log2_split(max_abs);
@@ -118,6 +119,7 @@ EPX_HD LogfmtParams logfmt_params_from_meta(uint16_t max_bits, uint16_t min_bits
     if (params.clipped) range = kLogfmtMaxLog2Range;
   }
   params.step = range / static_cast<float>(kLogfmtMaxLevel - 1);
+  params.inv_step = params.step > 0.0f ? 1.0f / params.step : 0.0f;
   return params;
 }
 
@@ -157,25 +159,32 @@ EPX_HD uint16_t logfmt_encode_value(float x, const LogfmtParams& params) {
     const detail::Log2Split log2_x = detail::repro_log2_split(abs_x);
     const float below_max = static_cast<float>(log2_x.exponent - params.max_log2_exponent) +
                             (log2_x.fraction - params.max_log2_fraction);
-    const float guess = static_cast<float>(kLogfmtMaxLevel) + below_max / params.step;
+    const float guess = static_cast<float>(kLogfmtMaxLevel) + below_max * params.inv_step;
     level = guess < 1.0f ? 1 : static_cast<int>(guess + 0.5f);
     if (level > kLogfmtMaxLevel) level = kLogfmtMaxLevel;
   }
   // The guess is within one level; a few comparisons with linear midpoints make it the nearest level.
-  // The bound on the steps keeps the loop short for a warp even for inputs outside the contract.
+  // The bound on the steps keeps the loop short for a warp even for inputs outside the contract. Only one
+  // direction can move: the midpoint above the guess is at least its level and the one below at most, so a
+  // value at or above the guess's level never moves down (and after a move up it is past the midpoint it
+  // crossed), and one below it never moves up. Each level evaluated costs an exp2, so the other direction's
+  // first comparison, which could not move, is skipped.
   constexpr int kMaxFixupSteps = 4;
   float current = logfmt_level(level, params);
-  for (int i = 0; i < kMaxFixupSteps && level < kLogfmtMaxLevel; ++i) {
-    const float above = logfmt_level(level + 1, params);
-    if (!(abs_x >= (current + above) * 0.5f)) break;
-    ++level;
-    current = above;
-  }
-  for (int i = 0; i < kMaxFixupSteps && level > 1; ++i) {
-    const float below = logfmt_level(level - 1, params);
-    if (abs_x >= (below + current) * 0.5f) break;
-    --level;
-    current = below;
+  if (abs_x >= current) {
+    for (int i = 0; i < kMaxFixupSteps && level < kLogfmtMaxLevel; ++i) {
+      const float above = logfmt_level(level + 1, params);
+      if (!(abs_x >= (current + above) * 0.5f)) break;
+      ++level;
+      current = above;
+    }
+  } else {
+    for (int i = 0; i < kMaxFixupSteps && level > 1; ++i) {
+      const float below = logfmt_level(level - 1, params);
+      if (abs_x >= (below + current) * 0.5f) break;
+      --level;
+      current = below;
+    }
   }
   if (level == 1 && abs_x < current * 0.5f) return sign;
   return static_cast<uint16_t>(sign | level);
