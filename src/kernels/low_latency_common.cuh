@@ -83,15 +83,16 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // published to every unmasked destination.
 // NVLink destinations: each block adds its share (publish_share, work_split.hpp) to the destination's flag
 // for this rank with one release reduction at system scope, so the flag reaches flag_target(num_ops) when the
-// last block's add lands, and no block waits for a round trip. Destinations reached by puts: the last of the
-// `count` blocks to arrive at this rank's counter for the destination puts the flag's new value. NOTES: the
-// barrier puts every store and completed put of the block before the publishing thread's add or arrival, a
-// release at system scope that covers them (cumulatively). Adds are read-modify-writes, so the receiver's
-// acquire of the final value synchronizes with every block's release (the shape fingerprints post_shapes
-// posted at the start of the send phase included). For puts, the last arriver's arrival acquires the other
-// blocks' arrivals, and its put after them orders every block's data first; the counter is reset after the
-// flag: the next operation on this half is a later launch. Masked destinations get nothing (their flags and
-// counters stay untouched until a clean).
+// last block's add lands, and no block waits for a round trip.
+// Destinations reached by puts: the last of the `count` blocks to arrive at this rank's counter for the
+// destination puts the flag's new value.
+// NOTES: the barrier puts every store and completed put of the block before the publishing thread's add or
+// arrival, a release at system scope that covers them (cumulatively). Adds are read-modify-writes, so the
+// receiver's acquire of the final value synchronizes with every block's release (the shape fingerprints
+// post_shapes posted at the start of the send phase included). For puts, the last arriver's arrival acquires
+// the other blocks' arrivals, and its put after them orders every block's data first; the counter is reset
+// after the flag: the next operation on this half is a later launch. Masked destinations get nothing (their
+// flags and counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& layout,
                                               int half, LowLatencyOp op, int num_ops,
@@ -182,12 +183,11 @@ struct SourceWait {
 };
 
 // Every block waits until every unmasked source published operation `expected` (its flag reached
-// flag_target(expected)); block 0 adds the waited time per
-// source. `arrived` is false (for the whole block) when a wait was abandoned (the group is aborted) or a
-// source's shapes differ (then this rank aborts it): nothing the sources were to write may be read then. With
-// enable_shrink a wait that times out leaves its source out instead of aborting (every block agrees through
-// decide_source) and masks it. `left_out` (block shared memory) holds the mask at entry and is complete after
-// the call.
+// flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for the whole block)
+// when a wait was abandoned (the group is aborted) or a source's shapes differ (then this rank aborts it):
+// nothing the sources were to write may be read then. With enable_shrink a wait that times out leaves its
+// source out instead of aborting (every block agrees through decide_source) and masks it. `left_out` (block
+// shared memory) holds the mask at entry and is complete after the call.
 template <typename Remote>
 __device__ __forceinline__ SourceWait
 wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op,
