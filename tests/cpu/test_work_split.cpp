@@ -78,27 +78,35 @@ TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
 
 TEST(WorkSplit, PublishSharesMakeTheFlagReachEachTargetOnlyWhenAllLanded) {
   using epx::kernels::flag_target;
-  for (int blocks : {1, 2, 132}) {
-    for (int tokens : {0, 1, 7, 500}) {
-      const epx::kernels::Publishers p = epx::kernels::dispatch_publishers(tokens, blocks, 0);
-      // Operations from near the start and across the 2^32 wrap of the flag.
-      for (const int first_op : {1, (1 << 20) - 3}) {
-        int flag = flag_target(first_op - 1);
-        for (int op = first_op; op < first_op + 6; ++op) {
-          int landed = 0;
-          for (int b = 0; b < blocks; ++b) {
-            if (!epx::kernels::dispatch_publishers(tokens, blocks, b).this_block) continue;
-            EXPECT_FALSE(epx::counter_reached(flag, flag_target(op))) << "op " << op << " after " << landed;
-            EXPECT_TRUE(epx::counter_reached(flag, flag_target(op - 1))) << "op " << op;
-            flag = static_cast<int>(static_cast<uint32_t>(flag) +
-                                    static_cast<uint32_t>(epx::kernels::publish_share(b, p)));
-            ++landed;
+  using epx::kernels::Publishers;
+  // Dispatch's publishers by tokens, combine's by row pieces: both kernels publish with these shares.
+  const auto publishers_of = [](bool dispatch, int work, int blocks, int block) -> Publishers {
+    return dispatch ? epx::kernels::dispatch_publishers(work, blocks, block)
+                    : epx::kernels::combine_publishers(work, blocks, block);
+  };
+  for (const bool dispatch : {true, false}) {
+    for (int blocks : {1, 2, 132}) {
+      for (int work : {0, 1, 7, 500}) {
+        const Publishers p = publishers_of(dispatch, work, blocks, 0);
+        // Operations from near the start and across the 2^32 wrap of the flag.
+        for (const int first_op : {1, (1 << 20) - 3}) {
+          int flag = flag_target(first_op - 1);
+          for (int op = first_op; op < first_op + 6; ++op) {
+            int landed = 0;
+            for (int b = 0; b < blocks; ++b) {
+              if (!publishers_of(dispatch, work, blocks, b).this_block) continue;
+              EXPECT_FALSE(epx::counter_reached(flag, flag_target(op))) << "op " << op << " after " << landed;
+              EXPECT_TRUE(epx::counter_reached(flag, flag_target(op - 1))) << "op " << op;
+              flag = static_cast<int>(static_cast<uint32_t>(flag) +
+                                      static_cast<uint32_t>(epx::kernels::publish_share(b, p)));
+              ++landed;
+            }
+            EXPECT_EQ(landed, p.count);
+            EXPECT_EQ(flag, flag_target(op)) << (dispatch ? "dispatch" : "combine") << ", op " << op << ", "
+                                             << blocks << " blocks, " << work << " tokens or pieces";
+            EXPECT_TRUE(epx::counter_reached(flag, flag_target(op)));
+            EXPECT_FALSE(epx::counter_reached(flag, flag_target(op + 1)));
           }
-          EXPECT_EQ(landed, p.count);
-          EXPECT_EQ(flag, flag_target(op))
-              << "op " << op << ", " << blocks << " blocks, " << tokens << " tokens";
-          EXPECT_TRUE(epx::counter_reached(flag, flag_target(op)));
-          EXPECT_FALSE(epx::counter_reached(flag, flag_target(op + 1)));
         }
       }
     }
