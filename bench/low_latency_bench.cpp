@@ -38,16 +38,20 @@ struct Outputs {
   DeviceArray<uint8_t> recv_x, recv_scales;
   DeviceArray<int> recv_count, src_info, topk_pos;
   DeviceArray<LowLatencyRange> range;
+  DeviceArray<LowLatencyListing> listings;  // for pre-reduced combines
   explicit Outputs(const LowLatencyDispatchSizes& s)
       : recv_x(s.recv_x_bytes),
         recv_scales(std::max<size_t>(s.recv_x_scales_bytes, 16)),
         recv_count(s.recv_count_bytes / sizeof(int)),
         src_info(s.recv_src_info_bytes / sizeof(int)),
         topk_pos(s.recv_src_info_bytes / sizeof(int)),
-        range(s.recv_layout_range_bytes / sizeof(LowLatencyRange)) {}
+        range(s.recv_layout_range_bytes / sizeof(LowLatencyRange)),
+        listings(std::max<size_t>(s.recv_token_listings_bytes / sizeof(LowLatencyListing), 1)) {}
   LowLatencyDispatchOutput view(bool fp8) const {
-    return {recv_x.get(), fp8 ? recv_scales.get() : nullptr, recv_count.get(), src_info.get(), topk_pos.get(),
-            range.get()};
+    return {recv_x.get(),     fp8 ? recv_scales.get() : nullptr,
+            recv_count.get(), src_info.get(),
+            topk_pos.get(),   range.get(),
+            listings.get()};
   }
 };
 
@@ -65,7 +69,7 @@ LowLatencyDispatchInput dispatch_input(const Shape& s, const void* x, const int6
 }
 
 LowLatencyCombineInput combine_input(const Shape& s, const void* x, const int64_t* topk_idx,
-                                     const float* weights, bool logfmt) {
+                                     const float* weights, bool logfmt, bool pre_reduce = false) {
   LowLatencyCombineInput in;
   in.x = x;
   in.topk_idx = topk_idx;
@@ -73,22 +77,44 @@ LowLatencyCombineInput combine_input(const Shape& s, const void* x, const int64_
   in.num_tokens = s.num_tokens;
   in.num_topk = s.num_topk;
   in.use_logfmt = logfmt;
+  in.pre_reduce = pre_reduce;
   return in;
 }
 
-// BF16 dispatch, identity experts, weighted combine: each token must come back as sum_k w_k * x in top-k
-// order.
+// The combine rows one rank sends: one per selection, or with pre_reduce one per (token, rank holding some
+// of its experts).
+double combine_rows(const Shape& s, const std::vector<int64_t>& ids, bool pre_reduce) {
+  double rows = 0;
+  for (int t = 0; t < s.num_tokens; ++t) {
+    for (int k = 0; k < s.num_topk; ++k) {
+      const int64_t e = ids[size_t(t) * s.num_topk + k];
+      if (e < 0) continue;
+      bool counted = false;
+      for (int j = 0; j < k && pre_reduce; ++j) {
+        const int64_t other = ids[size_t(t) * s.num_topk + j];
+        counted |= other >= 0 && other / s.num_local() == e / s.num_local();
+      }
+      rows += counted ? 0 : 1;
+    }
+  }
+  return rows;
+}
+
+// BF16 dispatch, identity experts, weighted combine (plain or pre-reduced): each token must come back as
+// sum_k w_k * x.
 void check_round_trip(Buffer& buffer, const Shape& s, const std::vector<uint16_t>& x_host,
                       const std::vector<int64_t>& ids_host, const std::vector<float>& weights_host,
                       const DeviceArray<uint16_t>& x, const DeviceArray<int64_t>& ids,
-                      const DeviceArray<float>& weights, Outputs& outputs, cudaStream_t stream) {
+                      const DeviceArray<float>& weights, Outputs& outputs, bool pre_reduce,
+                      cudaStream_t stream) {
   const StreamOrder order{stream, nullptr, false};
-  const LowLatencyDispatchResult d =
-      low_latency_dispatch(buffer, dispatch_input(s, x.get(), ids.get(), false), outputs.view(false), order);
+  LowLatencyDispatchInput in = dispatch_input(s, x.get(), ids.get(), false);
+  if (pre_reduce) in.topk_weights = weights.get();
+  const LowLatencyDispatchResult d = low_latency_dispatch(buffer, in, outputs.view(false), order);
   DeviceArray<uint16_t> combined(size_t(s.num_tokens) * s.hidden);
   low_latency_combine(buffer, d.handle,
-                      combine_input(s, outputs.recv_x.get(), ids.get(), weights.get(), false), combined.get(),
-                      order);
+                      combine_input(s, outputs.recv_x.get(), ids.get(), weights.get(), false, pre_reduce),
+                      combined.get(), order);
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   const std::vector<uint16_t> got = combined.download(size_t(s.num_tokens) * s.hidden);
   for (int t = 0; t < s.num_tokens; ++t) {
@@ -174,13 +200,18 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   Outputs fp8_out(sizes), bf16_out(bf16_sizes);
   DeviceArray<uint16_t> combined(size_t(s.num_tokens) * s.hidden);
 
-  check_round_trip(buffer, s, xs_host[1], ids_host, weights_host, xs[1], ids, weights, bf16_out, stream);
+  for (const bool pre_reduce : {false, true})
+    check_round_trip(buffer, s, xs_host[1], ids_host, weights_host, xs[1], ids, weights, bf16_out, pre_reduce,
+                     stream);
 
   const double selections =
       static_cast<double>(std::count_if(ids_host.begin(), ids_host.end(), [](int64_t e) { return e >= 0; }));
   const double fp8_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kFp8);
   const double bf16_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
   const double logfmt_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kLogFmt);
+  // Pre-reduced: the rows that cross are one per (token, rank), BF16.
+  const double pre_reduced_bytes =
+      combine_rows(s, ids_host, true) * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
   const StreamOrder order{stream, nullptr, false};
   std::vector<BenchRow> out;
 
@@ -205,6 +236,22 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     out.push_back(
         {logfmt ? "LL combine LogFMT" : "LL combine BF16", 0, us, logfmt ? logfmt_bytes : bf16_bytes});
   }
+  // The pre-reduced combine needs a dispatch that carried the weights (its handle names the listings).
+  LowLatencyDispatchInput weighted_in = dispatch_input(s, xs[0].get(), ids.get(), false);
+  weighted_in.topk_weights = weights.get();
+  const LowLatencyDispatchResult weighted =
+      low_latency_dispatch(buffer, weighted_in, bf16_out.view(false), order);
+  const auto pre_reduced_combine = [&](bool logfmt) {
+    low_latency_combine(buffer, weighted.handle,
+                        combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), logfmt, true),
+                        combined.get(), order);
+  };
+  for (bool logfmt : {false, true}) {
+    const double us =
+        median_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] { pre_reduced_combine(logfmt); });
+    out.push_back({logfmt ? "LL combine LogFMT pre-reduced" : "LL combine BF16 pre-reduced", 0, us,
+                   logfmt ? pre_reduced_bytes * logfmt_bytes / bf16_bytes : pre_reduced_bytes});
+  }
 
   // The same calls captured in a CUDA graph and replayed back to back: GPU time without the host's issue
   // cost (what a graph-captured decode step pays, and what kernel-time measurements report). Two calls per
@@ -223,6 +270,10 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     }
   });
   out.push_back({"LL combine BF16, graph replay", 0, combine_graph_us, bf16_bytes});
+  const double pre_reduced_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+    for (int i = 0; i < 2; ++i) pre_reduced_combine(false);
+  });
+  out.push_back({"LL combine BF16 pre-reduced, graph replay", 0, pre_reduced_graph_us, pre_reduced_bytes});
   // The launch floor: an empty kernel of the same grid, as a call and in a graph replay. A call's overhead
   // over its graph replay that this row shows too is the launch's, not the library's.
   const int num_blocks = buffer.num_device_sms();
@@ -275,6 +326,8 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
                               combined.get(), order);
         });
   }
+  print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters, "LL combine BF16 pre-reduced",
+                           [&] { pre_reduced_combine(false); });
 
   // NCCL: every (token, expert) selection as one row to the expert's rank, FP8-sized then BF16-sized.
   NcclAllToAll nccl(bootstrap, o.ranks_per_gpu == 1);

@@ -22,6 +22,16 @@
 // that half again throws instead of overwriting it. So at most two results are pending at once.
 namespace epx {
 
+// A top-k listing of a source token as the rank holding its expert sees it (a dispatch given topk_weights
+// writes one per listing, for the pre-reduced combine): `row` is the flat row (local expert * R*M + row) of
+// this rank's dispatch output that holds the listing's expert (duplicate listings name the same row), -1 when
+// the expert lies on another rank or the id is -1; `weight` is the listing's top-k weight.
+struct LowLatencyListing {
+  int row;
+  float weight;
+};
+static_assert(sizeof(LowLatencyListing) == 8, "a listing is two 32-bit words");
+
 struct LowLatencyDispatchInput {
   const void* x = nullptr;            // [T, H] BF16, 16-byte aligned
   const int64_t* topk_idx = nullptr;  // [T, K] global expert ids, -1 = none (ids outside [-1, E) are ignored)
@@ -36,6 +46,10 @@ struct LowLatencyDispatchInput {
   bool return_recv_hook = false;  // only send now; LowLatencyRecvHook receives later
   int* cumulative_local_expert_recv_stats = nullptr;  // [L] or null: += received rows per local expert
   int64_t* dispatch_wait_recv_cost_stats = nullptr;   // [R] or null: += ns the receive waited per source
+  // [T, K] or null: with them each message carries its token's top-k ids and weights and the receive fills
+  // LowLatencyDispatchOutput::recv_token_listings, which a pre-reduced combine needs. Every rank passes them
+  // or none does.
+  const float* topk_weights = nullptr;
 };
 // Its fields by name, for the binding and tools (epx/common/fields.hpp).
 template <>
@@ -55,6 +69,7 @@ struct Fields<LowLatencyDispatchInput> {
     v("return_recv_hook", &LowLatencyDispatchInput::return_recv_hook);
     v("cumulative_local_expert_recv_stats", &LowLatencyDispatchInput::cumulative_local_expert_recv_stats);
     v("dispatch_wait_recv_cost_stats", &LowLatencyDispatchInput::dispatch_wait_recv_cost_stats);
+    v("topk_weights", &LowLatencyDispatchInput::topk_weights);
   }
 };
 static_assert(lists_every_field<LowLatencyDispatchInput>(),
@@ -70,6 +85,9 @@ struct LowLatencyDispatchOutput {
   int* recv_src_info = nullptr;                  // [L, R*M] source token index of each row
   int* recv_topk_pos = nullptr;                  // [L, R*M] top-k position of the token's (first) listing
   LowLatencyRange* recv_layout_range = nullptr;  // [L, R]
+  // With input topk_weights (required then, else ignored): [R, M, K], listing k of token t of source s at
+  // (s * M + t) * K + k. Entries of tokens that sent this rank nothing are unspecified.
+  LowLatencyListing* recv_token_listings = nullptr;
 };
 // Its fields by name, for the binding and tools (epx/common/fields.hpp).
 template <>
@@ -82,6 +100,7 @@ struct Fields<LowLatencyDispatchOutput> {
     v("recv_src_info", &LowLatencyDispatchOutput::recv_src_info);
     v("recv_topk_pos", &LowLatencyDispatchOutput::recv_topk_pos);
     v("recv_layout_range", &LowLatencyDispatchOutput::recv_layout_range);
+    v("recv_token_listings", &LowLatencyDispatchOutput::recv_token_listings);
   }
 };
 static_assert(lists_every_field<LowLatencyDispatchOutput>(),
@@ -96,6 +115,7 @@ struct LowLatencyDispatchSizes {
   size_t recv_count_bytes = 0;
   size_t recv_src_info_bytes = 0;  // also recv_topk_pos
   size_t recv_layout_range_bytes = 0;
+  size_t recv_token_listings_bytes = 0;  // R * M * K listings
 };
 LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer,
                                                    const LowLatencyDispatchInput& input);
@@ -110,6 +130,7 @@ struct LowLatencyHandle {
   const int* recv_src_info = nullptr;
   const int* recv_topk_pos = nullptr;
   const LowLatencyRange* recv_layout_range = nullptr;
+  const LowLatencyListing* recv_token_listings = nullptr;  // null unless the dispatch had topk_weights
 };
 
 // Completes a send-only call: launches its receive phase on `stream` (the caller's). Runs once.
@@ -148,6 +169,12 @@ struct LowLatencyCombineInput {
   int num_tokens = 0;                   // T of the dispatch
   int num_topk = 0;                     // K of the dispatch
   bool use_logfmt = false;              // LogFMT-10 on the wire
+  // The expert side sums each token's rows over its own experts first (the weights come from the dispatch,
+  // which must have had topk_weights) and sends one row per (token, rank) instead of one per (token,
+  // expert); the token's rank adds those partial rows in ascending rank order. The roundings differ from
+  // the default's wherever a rank holds several of a token's experts (reference::LowLatencyCombineOptions).
+  // Every rank passes the same value.
+  bool pre_reduce = false;
   bool zero_copy = false;
   bool return_recv_hook = false;
   int64_t* combine_wait_recv_cost_stats = nullptr;  // [R] or null
@@ -163,6 +190,7 @@ struct Fields<LowLatencyCombineInput> {
     v("num_tokens", &LowLatencyCombineInput::num_tokens);
     v("num_topk", &LowLatencyCombineInput::num_topk);
     v("use_logfmt", &LowLatencyCombineInput::use_logfmt);
+    v("pre_reduce", &LowLatencyCombineInput::pre_reduce);
     v("zero_copy", &LowLatencyCombineInput::zero_copy);
     v("return_recv_hook", &LowLatencyCombineInput::return_recv_hook);
     v("combine_wait_recv_cost_stats", &LowLatencyCombineInput::combine_wait_recv_cost_stats);
@@ -177,7 +205,8 @@ struct LowLatencyCombineResult {
 };
 
 // combined_x [T, H] BF16 (caller memory, 16-byte aligned) = sum over the token's experts of weight * output,
-// in top-k order with float accumulation (a duplicated expert counts once per listing).
+// in top-k order with float accumulation (a duplicated expert counts once per listing); with pre_reduce in
+// the order reference::LowLatencyCombineOptions::pre_reduce defines.
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
                                             const LowLatencyCombineInput& input, void* combined_x,
                                             const StreamOrder& order);

@@ -513,8 +513,11 @@ class Buffer:
                              *, cumulative_local_expert_recv_stats: Any = None,
                              dispatch_wait_recv_cost_stats: Any = None, use_fp8: bool = True,
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
-                             return_recv_hook: bool = False) -> LowLatencyDispatchResult:
+                             return_recv_hook: bool = False, topk_weights: Any = None) -> LowLatencyDispatchResult:
         """Dispatch into the fixed per-expert layout [L, R*M, H] (CUDA-graph capturable, no CPU sync).
+
+        topk_weights (float32 [T, K], optional; every rank passes them or none does) travel with the tokens,
+        so that low_latency_combine(..., pre_reduce=True) can sum each token's rows on the expert side.
 
         At most two low-latency results may be pending at once (double buffering): a third call raises
         EpxError until an earlier one's hook has run.
@@ -537,6 +540,9 @@ class Buffer:
         native_in.return_recv_hook = bool(return_recv_hook)
         native_in.cumulative_local_expert_recv_stats = pointer(cumulative_local_expert_recv_stats)
         native_in.dispatch_wait_recv_cost_stats = pointer(dispatch_wait_recv_cost_stats)
+        if topk_weights is not None:
+            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, topk_idx.size(1)))
+            native_in.topk_weights = pointer(topk_weights)
         sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)  # validates the shape
         num_local, num_rows = sizes.num_local_experts, sizes.num_rows_per_expert
         if cumulative_local_expert_recv_stats is not None:
@@ -565,15 +571,20 @@ class Buffer:
         out.recv_src_info = pointer(src_info)
         out.recv_topk_pos = pointer(topk_pos)
         out.recv_layout_range = pointer(layout_range)
+        listings = None
+        if topk_weights is not None:
+            listings = t.empty(self.num_ranks, int(num_max_dispatch_tokens_per_rank), topk_idx.size(1), 2,
+                               dtype=t.int32, device=dev)
+            out.recv_token_listings = pointer(listings)
         result = _epx.low_latency_dispatch(self.runtime, native_in, out, self._order(None, async_finish))
 
         handle = LowLatencyHandle(native=result.handle, buffer_id=id(self), recv_src_info=src_info,
                                   recv_topk_pos=topk_pos, recv_layout_range=layout_range,
                                   num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
                                   hidden=hidden, num_experts=int(num_experts), num_tokens=num_tokens,
-                                  num_topk=topk_idx.size(1))
+                                  num_topk=topk_idx.size(1), recv_token_listings=listings)
         tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range,
-                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats)
+                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, topk_weights, listings)
         hook = RecvHook(result.hook, tensors) if return_recv_hook else None
         event = EventOverlap(result.event, tensors if async_finish else None)
         return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
@@ -581,10 +592,16 @@ class Buffer:
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, *,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Any = None,
-                            combine_wait_recv_cost_stats: Any = None) -> LowLatencyCombineResult:
+                            combine_wait_recv_cost_stats: Any = None,
+                            pre_reduce: bool = False) -> LowLatencyCombineResult:
         """Weighted combine of the expert outputs x [L, R*M, H] (in the dispatch's layout) back to each token's
         rank: combined_x[t] = sum over k of topk_weights[t, k] * output of (t, k). With zero_copy, x is (or the
-        rows were written to) get_next_low_latency_combine_buffer(handle)."""
+        rows were written to) get_next_low_latency_combine_buffer(handle).
+
+        pre_reduce: each rank first sums a token's rows over its own experts with the weights its dispatch
+        carried (the dispatch needs topk_weights; topk_weights here may be None) and sends one row per
+        (token, rank); the token's rank adds those in ascending rank order (reference:
+        LowLatencyCombineOptions.pre_reduce). Every rank passes the same value."""
         t = torch()
         check(isinstance(handle, LowLatencyHandle), "handle", type(handle).__name__,
               "must be the handle of a low_latency_dispatch")
@@ -596,7 +613,11 @@ class Buffer:
                          shape=(handle.num_experts // self.num_ranks, num_rows, hidden))
         check(zero_copy or x is not None, "x", None, "is required without zero_copy")
         topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, handle.num_topk))
-        check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, handle.num_topk))
+        check(not pre_reduce or handle.recv_token_listings is not None, "pre_reduce", True,
+              "needs a handle from a low_latency_dispatch given topk_weights")
+        if topk_weights is not None or not pre_reduce:
+            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2,
+                         shape=(num_tokens, handle.num_topk))
         if combine_wait_recv_cost_stats is not None:
             check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", dtype=t.int64, ndim=1,
                          shape=(self.num_ranks,))
@@ -613,13 +634,14 @@ class Buffer:
         native_in.num_tokens = topk_idx.size(0)
         native_in.num_topk = topk_idx.size(1)
         native_in.use_logfmt = bool(use_logfmt)
+        native_in.pre_reduce = bool(pre_reduce)
         native_in.zero_copy = bool(zero_copy)
         native_in.return_recv_hook = bool(return_recv_hook)
         native_in.combine_wait_recv_cost_stats = pointer(combine_wait_recv_cost_stats)
         result = _epx.low_latency_combine(self.runtime, handle.native, native_in, pointer(out),
                                           self._order(None, async_finish))
         tensors = (x, topk_idx, topk_weights, out, handle.recv_src_info, handle.recv_topk_pos,
-                   handle.recv_layout_range, combine_wait_recv_cost_stats)
+                   handle.recv_layout_range, handle.recv_token_listings, combine_wait_recv_cost_stats)
         hook = RecvHook(result.hook, tensors) if return_recv_hook else None
         event = EventOverlap(result.event, tensors if async_finish else None)
         return LowLatencyCombineResult(out, event, hook)

@@ -241,10 +241,11 @@ def low_latency_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray]
 
 
 def low_latency_combine(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], topk_weights: Sequence[np.ndarray],
-                        params: Any, *, use_logfmt: bool = False) -> List[np.ndarray]:
+                        params: Any, *, use_logfmt: bool = False, pre_reduce: bool = False) -> List[np.ndarray]:
     """Weighted low-latency combine: per rank combined_x BF16 bits [T_r, H]. x[r] is rank r's expert outputs
-    [L, R*M, H] (BF16 bits) in its dispatch layout."""
+    [L, R*M, H] (BF16 bits) in its dispatch layout. pre_reduce: the order of the pre-reduced combine."""
     options = native.LowLatencyCombineOptions(use_logfmt=use_logfmt)
+    options.pre_reduce = pre_reduce
     inputs = [native.LowLatencyCombineRankInput(num_tokens=int(np.asarray(ir).shape[0]), x=np.asarray(xr).reshape(-1),
                                                 topk_idx=np.asarray(ir).reshape(-1),
                                                 topk_weights=np.asarray(wr).reshape(-1))

@@ -168,6 +168,9 @@ class LowLatencyHandle:
     num_experts: int
     num_tokens: int
     num_topk: int
+    # int32 [R, M, K, 2] (row, weight bits) of each source token's listings, with a dispatch given topk_weights
+    # (what a pre_reduce combine needs); None otherwise
+    recv_token_listings: Any = None
 
 
 @dataclass

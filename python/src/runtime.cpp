@@ -288,7 +288,8 @@ void bind_low_latency(py::module_& m) {
       .def_readonly("recv_x_scales_bytes", &Sizes::recv_x_scales_bytes)
       .def_readonly("recv_count_bytes", &Sizes::recv_count_bytes)
       .def_readonly("recv_src_info_bytes", &Sizes::recv_src_info_bytes)
-      .def_readonly("recv_layout_range_bytes", &Sizes::recv_layout_range_bytes);
+      .def_readonly("recv_layout_range_bytes", &Sizes::recv_layout_range_bytes)
+      .def_readonly("recv_token_listings_bytes", &Sizes::recv_token_listings_bytes);
   m.def(
       "low_latency_dispatch_sizes",
       [](const PyBuffer& buffer, const In& input) { return low_latency_dispatch_sizes(buffer.get(), input); },
@@ -304,6 +305,7 @@ void bind_low_latency(py::module_& m) {
   def_pointer(handle, "recv_src_info", &LowLatencyHandle::recv_src_info);
   def_pointer(handle, "recv_topk_pos", &LowLatencyHandle::recv_topk_pos);
   def_pointer(handle, "recv_layout_range", &LowLatencyHandle::recv_layout_range);
+  def_pointer(handle, "recv_token_listings", &LowLatencyHandle::recv_token_listings);
 
   py::class_<LowLatencyRecvHook>(m, "LowLatencyRecvHook")
       .def_property_readonly("valid", &LowLatencyRecvHook::valid)

@@ -134,6 +134,110 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   Remote::put_warp(slot, staged, row_bytes, dst);
 }
 
+// ---- Send, pre-reduced ----
+
+// Channels 8c..8c+7 for chunks c in [chunk_begin, chunk_end) of a token's partial row: +0, then weight *
+// row added for each listing in top-k order (separate IEEE multiply and add, as the reference writes it),
+// rounded to BF16 into dst[c]. Lane k holds listing k (row -1: none here); the warp runs it together.
+__device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listing_row, float listing_weight,
+                             int num_topk, int chunk_begin, int chunk_end, int lane) {
+  constexpr int kBatch = 8;  // listings' loads in flight together (top-8 in one round)
+  for (int chunk0 = chunk_begin; chunk0 < chunk_end; chunk0 += 32) {
+    const int chunk = chunk0 + lane;
+    const bool active = chunk < chunk_end;
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
+      int rows[kBatch];
+      int4 raw[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int row = __shfl_sync(kFullMask, listing_row, (k0 + u) % 32);
+        rows[u] = k0 + u < num_topk ? row : -1;
+        if (active && rows[u] >= 0) raw[u] = __ldcg(x + size_t(rows[u]) * row_chunks + chunk);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const float weight = __shfl_sync(kFullMask, listing_weight, (k0 + u) % 32);
+        if (!active || rows[u] < 0) continue;
+        float values[8];
+        unpack_bf16x8(raw[u], values);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+      }
+    }
+    if (!active) continue;
+    uint32_t words[4];
+#pragma unroll
+    for (int i = 0; i < 4; ++i)
+      words[i] = float_to_bf16(acc[2 * i]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * i + 1])) << 16);
+    dst[chunk] = make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                           static_cast<int>(words[3]));
+  }
+}
+
+// Item `piece` of row `row_idx` (token `token` of source `dst`, its expert first listed at `topk_pos`) in a
+// pre-reduced send: the token's partial row over this rank's listings goes to slot (token, first listing
+// here) of `dst`. The token's n distinct rows here share the work: row i of n takes the i-th share of each
+// piece's channels (LogFMT: of its groups), reading all n rows for them, so the pre-reduced send spreads over
+// as many warps as the plain one. A put row is summed whole, into the staging row of the token's first row
+// here, by that row's item.
+template <typename Remote, bool kLogfmt>
+__device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row_idx, int token, int topk_pos,
+                                   int dst, int piece, int num_pieces, int lane) {
+  const LowLatencyBufferMap& layout = args.layout;
+  const int num_topk = args.in.num_topk;
+  const LowLatencyListing mine =
+      lane < num_topk
+          ? args.handle.recv_token_listings[(size_t(dst) * layout.num_max_tokens + token) * num_topk + lane]
+          : LowLatencyListing{-1, 0.0f};
+  // Lanes whose listing is the first of its row (a duplicate listing shares its first one's row).
+  bool first_of_row = mine.row >= 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int other = __shfl_sync(kFullMask, mine.row, k);
+    if (k < lane && other == mine.row) first_of_row = false;
+  }
+  const unsigned row_lanes = __ballot_sync(kFullMask, first_of_row);
+  const int first_pos = __ffs(row_lanes) - 1;
+  const int first_row = __shfl_sync(kFullMask, mine.row, first_pos);
+  const int share = __popc(row_lanes & ((1u << topk_pos) - 1u));
+  const int num_shares = __popc(row_lanes);
+  const int row_chunks = layout.hidden / 8;
+  const int4* x = static_cast<const int4*>(args.in.x);
+  const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, first_pos);
+  int4* staged = local_at<int4>(args.peers, layout.combine_send_offset()) + size_t(first_row) * row_chunks;
+  if (!is_direct<Remote>(args.peers, dst)) {
+    if (share != 0) return;
+    sum_listings(staged, x, row_chunks, mine.row, mine.weight, num_topk, 0, row_chunks, lane);
+    __syncwarp();
+    put_expert_output<Remote, kLogfmt>(args, reinterpret_cast<const uint16_t*>(staged), size_t(first_row),
+                                       dst, slot_offset, lane);
+    return;
+  }
+  char* slot = peer_at<char>(args.peers, dst, slot_offset);
+  if constexpr (kLogfmt) {
+    // The partial's BF16 groups go to the staging row first (each share writes only its own groups), then
+    // are encoded from there into the slot.
+    const WordRange piece_groups = piece_words(layout.num_groups(), piece, num_pieces);
+    const WordRange part = piece_words(piece_groups.end - piece_groups.begin, share, num_shares);
+    const int group_begin = piece_groups.begin + part.begin;
+    const int group_end = piece_groups.begin + part.end;
+    constexpr int kGroupChunks = kLogfmtGroupSize / 8;
+    sum_listings(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
+                 group_end * kGroupChunks, lane);
+    __syncwarp();
+    encode_logfmt_groups(
+        slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride),
+        reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
+  } else {
+    const WordRange piece_chunks = piece_words(row_chunks, piece, num_pieces);
+    const WordRange part = piece_words(piece_chunks.end - piece_chunks.begin, share, num_shares);
+    sum_listings(reinterpret_cast<int4*>(slot), x, row_chunks, mine.row, mine.weight, num_topk,
+                 piece_chunks.begin + part.begin, piece_chunks.begin + part.end, lane);
+  }
+}
+
 // The send's row count of pair threadIdx.x (0 past the pairs), loaded by the kernel before its prologue's
 // barrier so that the load and the abort check overlap.
 __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& args) {
@@ -145,7 +249,7 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
 // straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
 // blocks that sent anything (block 0 always counts: it posted the shapes).
-template <typename Remote, bool kLogfmt>
+template <typename Remote, bool kLogfmt, bool kPreReduce>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked, int first_count) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -179,6 +283,10 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const int token = args.handle.recv_src_info[row_idx];
     const int topk_pos = args.handle.recv_topk_pos[row_idx];
     const uint16_t* row = static_cast<const uint16_t*>(args.in.x) + row_idx * hidden;
+    if constexpr (kPreReduce) {
+      send_partial_piece<Remote, kLogfmt>(args, row_idx, token, topk_pos, dst, piece, num_pieces, lane);
+      continue;
+    }
     const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, topk_pos);
     if (!is_direct<Remote>(args.peers, dst)) {
       put_expert_output<Remote, kLogfmt>(args, row, row_idx, dst, slot_offset, lane);
@@ -244,7 +352,9 @@ struct TopkEntry {
 __device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs& args, int token, int lane) {
   if (lane >= args.in.num_topk) return {-1, 0.0f};
   const size_t entry = size_t(token) * args.in.num_topk + lane;
-  return {expert_at(args.in.topk_idx, entry, args.layout.num_experts), args.in.topk_weights[entry]};
+  // A pre-reduced combine's partial rows carry their weights already (and topk_weights may be null).
+  return {expert_at(args.in.topk_idx, entry, args.layout.num_experts),
+          args.in.pre_reduce ? 1.0f : args.in.topk_weights[entry]};
 }
 
 // Parts of each token the reduction splits it into (reduce_parts over this launch's grid).
@@ -261,11 +371,36 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
   return load_topk_entry(args, item / parts, static_cast<int>(threadIdx.x));
 }
 
+// A pre-reduced combine's reduction order, by warp 0 from lane k's expert: one entry per rank holding some
+// of the token's experts (not left out), in ascending rank order, naming the slot its partial row went to
+// (the token's first listing on that rank) with weight 1 (the partial is weighted already, and 1 * v is v);
+// entries past the ranks are -1.
+__device__ void list_partial_slots(CombineSmallSmem& small, int expert, int num_local, int num_topk,
+                                   unsigned long long left_out, int lane) {
+  const int rank = expert >= 0 && !rank_masked(left_out, expert / num_local) ? expert / num_local : -1;
+  bool first_of_rank = rank >= 0;
+  for (int k = 0; k < num_topk; ++k) {
+    const int other = __shfl_sync(kFullMask, rank, k);
+    if (k < lane && other == rank) first_of_rank = false;
+  }
+  const unsigned firsts = __ballot_sync(kFullMask, first_of_rank);
+  int order = 0;  // entries before this lane's: the ranks below its rank
+  for (int k = 0; k < num_topk; ++k) {
+    const int other = __shfl_sync(kFullMask, rank, k);
+    if ((firsts >> k & 1u) != 0 && other < rank) ++order;
+  }
+  if (first_of_rank) {
+    small.slot_pos[order] = lane;
+    small.weights[order] = 1.0f;
+  }
+  if (lane < num_topk && lane >= __popc(firsts)) small.slot_pos[lane] = -1;
+}
+
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
 // `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
 // grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
-template <bool kLogfmt>
+template <bool kLogfmt, bool kPreReduce>
 __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               unsigned long long left_out, TopkEntry first_entry) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -282,15 +417,19 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       const TopkEntry mine =
           item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry(args, token, lane);
       const int expert = mine.expert;
-      int first = lane;
-      for (int k = num_topk - 1; k >= 0; --k) {
-        const int other = __shfl_sync(kFullMask, expert, k);
-        if (k < lane && other == expert) first = k;
-      }
-      if (lane < num_topk) {
-        const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
-        small.slot_pos[lane] = kept ? first : -1;
-        small.weights[lane] = mine.weight;
+      if constexpr (kPreReduce) {
+        list_partial_slots(small, expert, layout.num_local_experts(), num_topk, left_out, lane);
+      } else {
+        int first = lane;
+        for (int k = num_topk - 1; k >= 0; --k) {
+          const int other = __shfl_sync(kFullMask, expert, k);
+          if (k < lane && other == expert) first = k;
+        }
+        if (lane < num_topk) {
+          const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
+          small.slot_pos[lane] = kept ? first : -1;
+          small.weights[lane] = mine.weight;
+        }
       }
     }
     __syncthreads();
@@ -349,9 +488,10 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
 
 // Named combine, in a namespace, because profiler tooling written for DeepEP looks for kernel names
 // ending in ::combine. With a receive hook, the send and the receive launch are both this kernel.
-// kLogfmt: the wire format. A template argument, so each format's kernel holds only its own code and the
-// LogFMT encode and decode do not take registers from the BF16 kernel (they share the 128-register cap).
-template <typename Remote, bool kLogfmt>
+// kLogfmt: the wire format; kPreReduce: the pre-reduced send and order. Template arguments, so each kernel
+// holds only its own code and, say, the LogFMT encode does not take registers from the BF16 kernel (they
+// would share the 128-register cap and spill).
+template <typename Remote, bool kLogfmt, bool kPreReduce>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombineArgs args) {
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
@@ -375,7 +515,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   if (args.phases & kLowLatencySend) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
-        send_expert_outputs<Remote, kLogfmt>(args, prefix, small.warp_sums, masked, first_count);
+        send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_count);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
@@ -388,7 +528,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
                                  WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
                                  args.shape, args.mask, &small.left_out);
     stamp_phase(args.phase_stamps, kStampArrived);
-    if (wait.arrived) reduce_tokens<kLogfmt>(args, small, wait.left_out, first_entry);
+    if (wait.arrived) reduce_tokens<kLogfmt, kPreReduce>(args, small, wait.left_out, first_entry);
     stamp_phase(args.phase_stamps, kStampDelivered);
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
     stamp_phase(args.phase_stamps, kStampExit);
@@ -398,15 +538,20 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
 template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = combine_smem_bytes(args.layout);
-  const auto kernel = args.in.use_logfmt ? combine<Remote, true> : combine<Remote, false>;
+  const auto kernel = args.in.use_logfmt
+                          ? (args.in.pre_reduce ? combine<Remote, true, true> : combine<Remote, true, false>)
+                      : args.in.pre_reduce ? combine<Remote, false, true>
+                                           : combine<Remote, false, false>;
   allow_dynamic_smem(kernel, smem_bytes);
   launch(kernel, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident}, stream, args);
 }
 
 template <typename Remote>
 void preload_low_latency_combine_with() {
-  preload_kernel(combine<Remote, false>);
-  preload_kernel(combine<Remote, true>);
+  preload_kernel(combine<Remote, false, false>);
+  preload_kernel(combine<Remote, true, false>);
+  preload_kernel(combine<Remote, false, true>);
+  preload_kernel(combine<Remote, true, true>);
 }
 
 }  // namespace

@@ -211,19 +211,21 @@ __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale)
   return static_cast<uint32_t>(lo) | (static_cast<uint32_t>(hi) << 16);
 }
 
-// This token's distinct destination ranks (first top-k occurrence order) and its message address in each.
-// Run by warp 0.
+// This token's distinct destination ranks (first top-k occurrence order) and its message address in each;
+// with top-k weights, also the message's listings (the token's ids and weights) in every destination. Run by
+// warp 0.
 // `pre`: the kernel's preload, which holds the block's first token's ids.
 template <typename Remote>
 __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small,
                                   const SendPreload& pre) {
   const int lane = threadIdx.x;
   const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x);
-  const int expert =
-      lane < args.in.num_topk
-          ? expert_of(preloaded ? pre.id : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
-                      args.layout.num_experts)
-          : -1;
+  const size_t entry = size_t(token) * args.in.num_topk + lane;
+  const bool listings = args.in.topk_weights != nullptr;
+  const float weight = listings && lane < args.in.num_topk ? args.in.topk_weights[entry] : 0.0f;
+  const int expert = lane < args.in.num_topk
+                         ? expert_of(preloaded ? pre.id : args.in.topk_idx[entry], args.layout.num_experts)
+                         : -1;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   bool first = dst >= 0;
@@ -246,6 +248,16 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
     if (remotes != 0) {
       small.dst_msgs[small.num_dsts++] =
           local_at<char>(args.peers, args.layout.dispatch_send_msg_offset(args.half, token));
+    }
+  }
+  if (!listings) return;
+  __syncwarp();
+  if (lane < args.in.num_topk) {
+    const size_t offset = args.layout.dispatch_msg_listings_offset(args.in.use_fp8);
+    for (int d = 0; d < small.num_dsts; ++d) {
+      int* ids = reinterpret_cast<int*>(small.dst_msgs[d] + offset);
+      ids[lane] = expert;
+      reinterpret_cast<float*>(ids + kMaxTopk)[lane] = weight;
     }
   }
 }
@@ -309,8 +321,10 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
         __syncthreads();
         const int warp = threadIdx.x / 32;
         if (warp < small.num_remote) {
-          const size_t bytes =
-              args.in.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
+          const size_t payload = layout.dispatch_msg_listings_offset(args.in.use_fp8);
+          const size_t bytes = args.in.topk_weights != nullptr ? payload + kLowLatencyMsgListingsBytes
+                               : args.in.use_fp8               ? size_t(hidden) + sizeof(float) * num_groups
+                                                               : payload;
           Remote::put_warp(
               local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
@@ -379,6 +393,32 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
     out[ll_scale_index(local_expert, row, group, num_rows, num_groups)] = __ldcg(scales + group);
 }
 
+// The pre-reduced combine's table entries of token `token` of source `src` that row `row_idx` (of local
+// expert `local_expert`, first listed at top-k position `topk_pos`) accounts for, from the message's
+// listings: every listing of this expert names the row; the row of the token's first listing on this rank
+// also marks the listings of other ranks' experts (and -1 ids) with row -1, so every entry of a token that
+// reached this rank is written exactly once.
+__device__ void write_listings(const LowLatencyDispatchArgs& args, const char* msg, int src, int token,
+                               int local_expert, int row_idx, int topk_pos, int lane) {
+  const LowLatencyBufferMap& layout = args.layout;
+  const int num_topk = args.in.num_topk;
+  const int* ids = reinterpret_cast<const int*>(msg + layout.dispatch_msg_listings_offset(args.in.use_fp8));
+  const int id = lane < num_topk ? __ldcg(ids + lane) : -1;
+  const float weight = lane < num_topk ? __ldcg(reinterpret_cast<const float*>(ids + kMaxTopk) + lane) : 0.0f;
+  const int num_local = layout.num_local_experts();
+  const bool here = id >= 0 && id / num_local == args.peers.rank;
+  const unsigned here_lanes = __ballot_sync(kFullMask, here);
+  const bool first_here = topk_pos == __ffs(here_lanes) - 1;
+  if (lane >= num_topk) return;
+  LowLatencyListing* listings =
+      args.out.recv_token_listings + (size_t(src) * layout.num_max_tokens + token) * num_topk;
+  if (here && id % num_local == local_expert) {
+    listings[lane] = LowLatencyListing{row_idx, weight};
+  } else if (!here && first_here) {
+    listings[lane] = LowLatencyListing{-1, 0.0f};
+  }
+}
+
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
 // receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
 // out (masked, or timed out with enable_shrink) count 0 rows.
@@ -439,10 +479,13 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
         __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
                (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
-    deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
-                local_expert, row, piece, num_pieces, lane);
+    const char* msg = local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token));
+    const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
+    if (piece == 0 && args.out.recv_token_listings != nullptr)
+      write_listings(args, msg, src, token, local_expert, static_cast<int>(row_idx),
+                     recv_index_entry_topk_pos(entry), lane);
+    deliver_row(args, msg, local_expert, row, piece, num_pieces, lane);
     if (lane == 0 && piece == 0) {
-      const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
       args.out.recv_src_info[row_idx] = token;
       args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }

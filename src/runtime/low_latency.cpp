@@ -101,6 +101,8 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
   EPX_CHECK(out.recv_src_info != nullptr, "recv_src_info", "null", "must point to [L, R*M] ints");
   EPX_CHECK(out.recv_topk_pos != nullptr, "recv_topk_pos", "null", "must point to [L, R*M] ints");
   EPX_CHECK(out.recv_layout_range != nullptr, "recv_layout_range", "null", "must point to [L, R] ranges");
+  EPX_CHECK(in.topk_weights == nullptr || out.recv_token_listings != nullptr, "recv_token_listings", "null",
+            "must point to [R, M, K] listings when topk_weights is given");
   const size_t smem_bytes = kernels::low_latency_dispatch_smem_bytes(layout);
   EPX_CHECK(smem_bytes <= static_cast<size_t>(state.max_smem_bytes), "num_experts", layout.num_experts,
             detail::concat("needs ", smem_bytes, " bytes of shared memory for routing, more than the GPU's ",
@@ -167,6 +169,8 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
   sizes.recv_src_info_bytes = sizeof(int) * rows;
   sizes.recv_layout_range_bytes =
       sizeof(LowLatencyRange) * size_t(sizes.num_local_experts) * layout.num_ranks;
+  sizes.recv_token_listings_bytes =
+      sizeof(LowLatencyListing) * size_t(layout.num_ranks) * layout.num_max_tokens * in.num_topk;
   return sizes;
 }
 
@@ -182,8 +186,10 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.layout = layout;
   args.in = in;
   args.out = out;
-  args.shape = low_latency_shape_fingerprint(
-      layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) | (in.use_ue8m0 ? 4 : 0));
+  args.shape = low_latency_shape_fingerprint(layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) |
+                                                         (in.use_ue8m0 ? 4 : 0) |
+                                                         (in.topk_weights != nullptr ? 16 : 0));
+  if (in.topk_weights == nullptr) args.out.recv_token_listings = nullptr;
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
@@ -191,9 +197,15 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
                                                   : kernels::launch_low_latency_dispatch);
 
   LowLatencyDispatchResult result;
-  result.handle = LowLatencyHandle{
-      in.num_tokens,  in.num_topk,       in.hidden,         in.num_max_dispatch_tokens_per_rank,
-      in.num_experts, out.recv_src_info, out.recv_topk_pos, out.recv_layout_range};
+  result.handle = LowLatencyHandle{in.num_tokens,
+                                   in.num_topk,
+                                   in.hidden,
+                                   in.num_max_dispatch_tokens_per_rank,
+                                   in.num_experts,
+                                   out.recv_src_info,
+                                   out.recv_topk_pos,
+                                   out.recv_layout_range,
+                                   args.out.recv_token_listings};
   result.event = std::move(event);
   result.hook = std::move(hook);
   return result;
@@ -219,11 +231,13 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
             detail::concat("must equal the dispatch's (", handle.num_tokens, ")").c_str());
   EPX_CHECK(in.num_topk == handle.num_topk, "num_topk", in.num_topk,
             detail::concat("must equal the dispatch's (", handle.num_topk, ")").c_str());
-  EPX_CHECK(in.num_tokens == 0 || in.topk_weights != nullptr, "topk_weights", "null",
-            "must point to [num_tokens, num_topk] weights");
+  EPX_CHECK(in.num_tokens == 0 || in.pre_reduce || in.topk_weights != nullptr, "topk_weights", "null",
+            "must point to [num_tokens, num_topk] weights (pre_reduce takes the dispatch's instead)");
   EPX_CHECK(in.num_tokens == 0 || combined_x != nullptr, "combined_x", "null",
             "must point to [num_tokens, hidden]");
   EPX_CHECK(aligned16(combined_x), "combined_x", combined_x, "must be 16-byte aligned");
+  EPX_CHECK(!in.pre_reduce || handle.recv_token_listings != nullptr, "pre_reduce", in.pre_reduce,
+            "needs a handle from a dispatch given topk_weights (its recv_token_listings)");
   EPX_CHECK(!(in.return_recv_hook && order.async_finish), "async_finish", order.async_finish,
             "must be false with return_recv_hook (the hook orders the receive)");
   void* const zero_copy_rows = next_low_latency_combine_buffer(buffer, handle);
@@ -244,7 +258,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.in.x = x;
   args.handle = handle;
   args.out = combined_x;
-  args.shape = low_latency_shape_fingerprint(layout, in.use_logfmt ? 8 : 0);
+  args.shape = low_latency_shape_fingerprint(layout, (in.use_logfmt ? 8 : 0) | (in.pre_reduce ? 32 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,

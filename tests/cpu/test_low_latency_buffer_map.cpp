@@ -123,6 +123,14 @@ void check_structure(const LowLatencyBufferMap& layout) {
   EXPECT_GE(layout.dispatch_msg_bytes(), size_t(layout.hidden) * 2);
   EXPECT_GE(layout.dispatch_msg_bytes(),
             layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups()));
+  // The listings follow each format's payload, 16-byte aligned, and fit the message.
+  for (const bool fp8 : {false, true}) {
+    const size_t listings = layout.dispatch_msg_listings_offset(fp8);
+    EXPECT_EQ(listings % 16, 0u);
+    EXPECT_GE(listings, fp8 ? layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups())
+                            : size_t(layout.hidden) * 2);
+    EXPECT_LE(listings + epx::kLowLatencyMsgListingsBytes, layout.dispatch_msg_bytes());
+  }
 
   expect_inside(regions, "barrier", layout.barrier_signal_offset(last_rank), sizeof(int));
   expect_inside(regions, "barrier", layout.barrier_count_offset(), sizeof(int));
@@ -198,7 +206,7 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.num_local_experts(), 72);
   EXPECT_EQ(layout.num_groups(), 56);
   EXPECT_EQ(layout.num_recv_rows(), 512);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 14464u);  // BF16 row + listings; FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
   // Pinned from kQueuesOffset: the normal-mode head before it is InternodeBufferMap's to size.
@@ -210,23 +218,23 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
   EXPECT_EQ(layout.dispatch_recv_index_bytes(), 147456u);
-  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
-  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
+  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1851392u);
+  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7405568u);
   EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
-  EXPECT_EQ(layout.half_bytes(), 39289984u);
-  EXPECT_EQ(layout.total_bytes() - queues, 615321344u);
+  EXPECT_EQ(layout.half_bytes(), 39371904u);
+  EXPECT_EQ(layout.total_bytes() - queues, 615485184u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
 
 TEST(LowLatencyBufferMap, SmallestShape) {
   const LowLatencyBufferMap layout(1, 128, 1, 1);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 384u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
-  EXPECT_EQ(layout.half_bytes(), 5248u);
-  EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 11648u);
+  EXPECT_EQ(layout.half_bytes(), 5504u);
+  EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 12160u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
 }
@@ -234,15 +242,15 @@ TEST(LowLatencyBufferMap, SmallestShape) {
 TEST(LowLatencyBufferMap, OddShapes) {
   {
     const LowLatencyBufferMap layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
-    EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
+    EXPECT_EQ(layout.dispatch_msg_bytes(), 5504u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 803840u);
+    EXPECT_EQ(layout.half_bytes(), 329088u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 806912u);
     check_structure(layout);
   }
   {
     const LowLatencyBufferMap layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 652219136u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 652808960u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }

@@ -169,6 +169,96 @@ TEST(LowLatency, TopkSixteenManyExperts) {
   run_low_latency_case(c);
 }
 
+// ---- Pre-reduced combine (the dispatch carries the weights; one row per token and rank returns) ----
+
+TEST(LowLatency, PreReduceBf16OneTwoFourRanks) {
+  for (const int num_ranks : {1, 2, 4}) {
+    LowLatencyCase c = small_low_latency_case(num_ranks);
+    c.pre_reduce = true;
+    c.num_iterations = 2;
+    c.seed = 40 + num_ranks;
+    SCOPED_TRACE(std::to_string(num_ranks) + " ranks");
+    run_low_latency_case(c);
+  }
+}
+
+TEST(LowLatency, PreReduceFp8LogfmtFourRanks) {
+  LowLatencyCase c = small_low_latency_case(4);
+  c.use_fp8 = true;
+  c.use_logfmt = true;
+  c.pre_reduce = true;
+  c.num_iterations = 2;
+  run_low_latency_case(c);
+}
+
+// 0 and 1 tokens, -1 ids, a rank whose experts get nothing, duplicate listings (a row weighted twice), top-9.
+TEST(LowLatency, PreReduceOddCountsUnbalancedDuplicates) {
+  LowLatencyCase c = small_low_latency_case(4);
+  c.num_tokens = {0, 1, c.num_max_tokens, 5};
+  c.unbalanced = true;
+  c.duplicates = true;
+  c.drop_probability = 0.2;
+  c.num_topk = 9;
+  c.hidden = 2688;
+  c.use_fp8 = true;
+  c.pre_reduce = true;
+  c.num_iterations = 3;
+  run_low_latency_case(c);
+}
+
+TEST(LowLatency, PreReduceHiddenSizesAndLogfmt) {
+  int i = 0;
+  for (const int hidden : {128, 1024, 7168}) {
+    for (const bool logfmt : {false, true}) {
+      LowLatencyCase c = small_low_latency_case(2);
+      c.hidden = hidden;
+      c.num_topk = 8;
+      c.num_experts = 16;
+      c.num_max_tokens = 8;
+      c.use_logfmt = logfmt;
+      c.pre_reduce = true;
+      c.seed = 300 + i++;
+      SCOPED_TRACE("hidden " + std::to_string(hidden) + (logfmt ? " LogFMT" : " BF16"));
+      run_low_latency_case(c);
+    }
+  }
+}
+
+// The decode benchmark shape on one rank: every listing local, eight rows summed per token.
+TEST(LowLatency, PreReduceDefaultShapeOneAndFourRanks) {
+  for (const int num_ranks : {1, 4}) {
+    LowLatencyCase c;
+    c.num_ranks = num_ranks;
+    c.num_max_tokens = 128;
+    c.hidden = 7168;
+    c.num_experts = 288;
+    c.num_topk = 8;
+    c.use_fp8 = true;
+    c.pre_reduce = true;
+    SCOPED_TRACE(std::to_string(num_ranks) + " ranks");
+    run_low_latency_case(c);
+  }
+}
+
+TEST(LowLatency, PreReduceGraphHooksZeroCopyLogfmt) {
+  LowLatencyCase c = small_low_latency_case(4);
+  c.dispatch_hook = c.combine_hook = c.zero_copy = c.use_logfmt = true;
+  c.pre_reduce = true;
+  c.num_iterations = 3;
+  c.graph = true;
+  run_low_latency_case(c);
+}
+
+TEST(LowLatency, PreReduceBackToBackWithPendingHooks) {
+  LowLatencyCase c = small_low_latency_case(2);
+  c.dispatch_hook = c.combine_hook = true;
+  c.pending_pairs = true;
+  c.pre_reduce = true;
+  c.batch = 4;
+  c.num_iterations = 8;
+  run_low_latency_case(c);
+}
+
 // ---- Many calls, graphs ----
 
 TEST(LowLatency, ThousandBackToBackCalls) {

@@ -83,6 +83,9 @@ TEST(LowLatencyErrors, RejectedCallsLeaveTheBufferUsable) {
     bad_out = o;
     bad_out.recv_layout_range = nullptr;
     expect_error([&] { dispatch(in, bad_out, order); }, "recv_layout_range");
+    bad = in;
+    bad.topk_weights = weights.get<float>();  // weights without a table for their listings
+    expect_error([&] { dispatch(bad, o, order); }, "recv_token_listings");
 
     // Two pending receives are fine, a third call on a busy half is not; a hook runs once.
     auto hooked = in;
@@ -108,6 +111,10 @@ TEST(LowLatencyErrors, RejectedCallsLeaveTheBufferUsable) {
     expect_error([&] { epx::low_latency_combine(buffer, second.handle, comb, out.get(), order); },
                  "num_topk");
     comb.num_topk = 2;
+    comb.pre_reduce = true;  // the dispatch had no topk_weights
+    expect_error([&] { epx::low_latency_combine(buffer, second.handle, comb, out.get(), order); },
+                 "pre_reduce");
+    comb.pre_reduce = false;
     comb.x = nullptr;
     expect_error([&] { epx::low_latency_combine(buffer, second.handle, comb, out.get(), order); },
                  "zero_copy");
@@ -118,6 +125,9 @@ TEST(LowLatencyErrors, RejectedCallsLeaveTheBufferUsable) {
     epx::clean_low_latency_buffer(buffer, 8, 256, 4, order);
     c.seed = 2;
     c.dispatch_hook = true;
+    epx::test::LowLatencyRunner(c, buffer).run();
+    c.seed = 3;
+    c.pre_reduce = true;
     epx::test::LowLatencyRunner(c, buffer).run();
     return 0;
   });

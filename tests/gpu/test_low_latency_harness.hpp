@@ -42,6 +42,8 @@ struct LowLatencyCase {
   bool round_scale = false;
   bool use_ue8m0 = false;
   bool use_logfmt = false;
+  // Pre-reduced combine: the dispatch carries the top-k weights, the combine passes none of its own.
+  bool pre_reduce = false;
   bool dispatch_hook = false;
   bool combine_hook = false;
   bool zero_copy = false;
@@ -177,9 +179,9 @@ inline std::vector<std::vector<uint16_t>> make_expert_outputs(
 
 // Device buffers of one in-flight iteration.
 struct Slot {
-  DeviceArray x, topk_idx, weights;                                        // dispatch / combine inputs
-  DeviceArray recv_x, recv_scales, recv_count, src_info, topk_pos, range;  // dispatch outputs
-  DeviceArray expert_x, combined;                                          // combine input / output
+  DeviceArray x, topk_idx, weights;  // dispatch / combine inputs
+  DeviceArray recv_x, recv_scales, recv_count, src_info, topk_pos, range, listings;  // dispatch outputs
+  DeviceArray expert_x, combined;                                                    // combine input / output
   LowLatencyDispatchResult dispatch;
   LowLatencyCombineResult combine;
 };
@@ -337,6 +339,7 @@ class LowLatencyRunner {
     s.src_info = DeviceArray(sizes_.recv_src_info_bytes);
     s.topk_pos = DeviceArray(sizes_.recv_src_info_bytes);
     s.range = DeviceArray(sizes_.recv_layout_range_bytes);
+    s.listings = DeviceArray(sizes_.recv_token_listings_bytes);
     s.expert_x = DeviceArray(size_t(num_local_) * sizes_.num_rows_per_expert * H * 2);
     s.combined = DeviceArray(T * H * 2);
     return s;
@@ -354,6 +357,7 @@ class LowLatencyRunner {
     in.topk_idx = s.topk_idx.get<int64_t>();
     in.num_tokens = num_tokens;
     in.return_recv_hook = hook;
+    if (c_.pre_reduce) in.topk_weights = s.weights.get<float>();
     if (c_.stats) {
       in.cumulative_local_expert_recv_stats = cumulative_.get<int>();
       in.dispatch_wait_recv_cost_stats = dispatch_wait_.get<int64_t>();
@@ -365,6 +369,7 @@ class LowLatencyRunner {
     out.recv_src_info = s.src_info.get<int>();
     out.recv_topk_pos = s.topk_pos.get<int>();
     out.recv_layout_range = s.range.get<LowLatencyRange>();
+    out.recv_token_listings = c_.pre_reduce ? s.listings.get<LowLatencyListing>() : nullptr;
     StreamOrder o = order();
     o.async_finish = c_.async_finish && !hook;
     LowLatencyDispatchResult result = low_latency_dispatch(*buffer_, in, out, o);
@@ -372,10 +377,10 @@ class LowLatencyRunner {
     return result;
   }
 
-  // Fills the outputs with 0xFF bytes: counts and ranges read -1, payloads NaN.
+  // Fills the outputs with 0xFF bytes: counts and ranges read -1, payloads and weights NaN.
   void poison_outputs(const Slot& s) const {
-    for (const DeviceArray* out :
-         {&s.recv_x, &s.recv_scales, &s.recv_count, &s.src_info, &s.topk_pos, &s.range, &s.combined})
+    for (const DeviceArray* out : {&s.recv_x, &s.recv_scales, &s.recv_count, &s.src_info, &s.topk_pos,
+                                   &s.range, &s.listings, &s.combined})
       EPX_CUDA_CHECK(cudaMemsetAsync(out->get(), 0xFF, out->bytes(), stream_));
   }
 
@@ -397,10 +402,11 @@ class LowLatencyRunner {
     LowLatencyCombineInput in;
     in.x = x;
     in.topk_idx = s.topk_idx.get<int64_t>();
-    in.topk_weights = s.weights.get<float>();
+    in.topk_weights = c_.pre_reduce ? nullptr : s.weights.get<float>();  // the dispatch's are used
     in.num_tokens = handle.num_tokens;
     in.num_topk = c_.num_topk;
     in.use_logfmt = c_.use_logfmt;
+    in.pre_reduce = c_.pre_reduce;
     in.zero_copy = c_.zero_copy;
     in.return_recv_hook = hook;
     if (c_.stats) in.combine_wait_recv_cost_stats = combine_wait_.get<int64_t>();
@@ -430,7 +436,7 @@ class LowLatencyRunner {
     std::vector<reference::LowLatencyCombineRankInput> combine_in(c_.num_ranks);
     for (int r = 0; r < c_.num_ranks; ++r)
       combine_in[r] = {e.inputs.num_tokens[r], e.expert_x[r], e.inputs.topk_idx[r], e.inputs.weights[r]};
-    e.combined = reference::low_latency_combine(params_, {c_.use_logfmt}, combine_in);
+    e.combined = reference::low_latency_combine(params_, {c_.use_logfmt, c_.pre_reduce}, combine_in);
     return e;
   }
 

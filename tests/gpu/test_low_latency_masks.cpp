@@ -63,6 +63,16 @@ TEST(LowLatencyMasks, TwoMaskedRanksHooksLogfmtFourRanks) {
   run_low_latency_case(c);
 }
 
+// The pre-reduced combine leaves a masked rank's partial rows out like its experts.
+TEST(LowLatencyMasks, PreReduceMaskedRanksFourRanks) {
+  LowLatencyCase c = small_low_latency_case(4);
+  c.duplicates = true;
+  c.pre_reduce = true;
+  c.masks = {{1}, {}, {0, 2}};
+  c.num_iterations = 3;
+  run_low_latency_case(c);
+}
+
 // ---- Masking and unmasking between calls (unmasking cleans every rank's buffer) ----
 
 // Four ranks: FP8 and zero-copy combine, two ranks masked at once.

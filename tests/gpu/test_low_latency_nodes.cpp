@@ -72,6 +72,30 @@ TEST(LowLatencyNodes, UnbalancedDuplicatesOddCounts) {
   run_case(c);
 }
 
+// Partial rows summed into the staging row and put whole, to the other (virtual) node.
+TEST(LowLatencyNodes, PreReduceOddCountsDuplicates) {
+  for (const bool logfmt : {false, true}) {
+    LowLatencyCase c = nodes_case(2, 1);
+    c.num_tokens = {1, c.num_max_tokens, 0, 9};
+    c.duplicates = true;
+    c.drop_probability = 0.1;
+    c.use_logfmt = logfmt;
+    c.zero_copy = logfmt;
+    c.pre_reduce = true;
+    c.num_iterations = 3;
+    SCOPED_TRACE(logfmt ? "LogFMT, zero copy" : "BF16");
+    run_case(c);
+  }
+}
+
+TEST(LowLatencyNodes, PreReduceTwoNodesOfTwo) {
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_fp8 = true;
+  c.pre_reduce = true;
+  c.num_iterations = 2;
+  run_case(c);
+}
+
 TEST(LowLatencyNodes, DefaultShapeFp8) {
   LowLatencyCase c = nodes_case(2, 1);
   c.num_max_tokens = 128;

@@ -37,6 +37,10 @@ EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
   return entry & ((1 << kRecvIndexTopkBits) - 1);
 }
 
+// The listings a dispatched message carries after its payload when the dispatch has top-k weights: ids, then
+// weights, kMaxTopk of each.
+constexpr size_t kLowLatencyMsgListingsBytes = 2 * sizeof(int32_t) * kMaxTopk;
+
 // The two operations that talk through the low-latency buffer; each has its own signals in each half.
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
 constexpr int kNumLowLatencyOps = 2;
@@ -131,13 +135,20 @@ struct LowLatencyBufferMap {
   EPX_HD int num_groups() const { return hidden / kLowLatencyGroupSize; }
   EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M
 
-  // One dispatched token: BF16 row, or FP8 row followed by its float scales (the largest of the two).
+  // One dispatched token: its payload (the BF16 row, or the FP8 row followed by its float scales), then its
+  // listings when the dispatch carries top-k weights (dispatch_msg_listings_offset); room for the larger.
   EPX_HD size_t dispatch_msg_bytes() const {
-    const size_t bf16_bytes = size_t(hidden) * 2;
-    const size_t fp8_bytes = size_t(hidden) + sizeof(float) * num_groups();
-    return align_up(bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes, 16);
+    const size_t bf16_bytes = dispatch_msg_listings_offset(false) + kLowLatencyMsgListingsBytes;
+    const size_t fp8_bytes = dispatch_msg_listings_offset(true) + kLowLatencyMsgListingsBytes;
+    return bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes;
   }
   EPX_HD size_t dispatch_msg_scales_offset() const { return size_t(hidden); }  // FP8 messages only
+  // Where a message's listings start: kMaxTopk int32 expert ids (-1 for none), then kMaxTopk float weights,
+  // the token's whole top-k, so a receiver finds every listing of the token on its own rank (the
+  // pre-reduced combine's table). Right after the payload, so a put of a message moves no gap.
+  EPX_HD size_t dispatch_msg_listings_offset(bool use_fp8) const {
+    return use_fp8 ? align_up(size_t(hidden) + sizeof(float) * num_groups(), 16) : size_t(hidden) * 2;
+  }
   // One returned expert output: BF16 row, or LogFMT with the worst-case group slot (the largest).
   EPX_HD size_t combine_slot_bytes() const {
     const size_t bf16_bytes = size_t(hidden) * 2;

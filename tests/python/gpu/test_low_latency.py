@@ -24,6 +24,7 @@ class Case:
     combine_hook: bool = False
     zero_copy: bool = False
     async_finish: bool = False
+    pre_reduce: bool = False  # epx's own API (deep_ep has no pre-reduced combine): pre_reduced_round
 
 
 CASES = [
@@ -70,7 +71,7 @@ class World:
                                                             False).reshape(count, HIDDEN)
             self.expert_out.append(out)
         self.combined = ref.low_latency_combine(self.expert_out, self.ids, self.weights, self.params,
-                                                use_logfmt=case.use_logfmt)
+                                                use_logfmt=case.use_logfmt, pre_reduce=case.pre_reduce)
 
     def inputs(self, rank, device):
         import torch
@@ -125,6 +126,35 @@ def one_round(buffer, world, rank, num_experts, case, device, stats=None):
     np.testing.assert_array_equal(ref.bf16_bits(combined), world.combined[rank])
 
 
+def pre_reduced_round(buffer, world, rank, num_experts, case, device):
+    """A dispatch that carries the top-k weights, then the pre-reduced combine, through epx's Buffer."""
+    import epx.reference as ref
+
+    x, topk_idx, weights, expert_out = world.inputs(rank, device)
+    dispatched = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=case.use_fp8,
+                                             return_recv_hook=case.dispatch_hook, topk_weights=weights)
+    if dispatched.hook is not None:
+        dispatched.hook()
+    recv_x = (dispatched.recv_x, dispatched.recv_x_scales) if case.use_fp8 else dispatched.recv_x
+    check_received(world.received[rank], recv_x, dispatched.recv_count, case)
+    if case.zero_copy:
+        rows = buffer.get_next_low_latency_combine_buffer(dispatched.handle)
+        rows.copy_(expert_out)
+        expert_out = rows
+    combined = buffer.low_latency_combine(expert_out, topk_idx, None, dispatched.handle, use_logfmt=case.use_logfmt,
+                                          zero_copy=case.zero_copy, return_recv_hook=case.combine_hook,
+                                          pre_reduce=True)
+    if combined.hook is not None:
+        combined.hook()
+    np.testing.assert_array_equal(ref.bf16_bits(combined.combined_x), world.combined[rank])
+
+
+PRE_REDUCED_CASES = [
+    Case(pre_reduce=True),
+    Case(use_fp8=True, use_logfmt=True, dispatch_hook=True, combine_hook=True, zero_copy=True, pre_reduce=True),
+]
+
+
 def low_latency_worker(rank, num_ranks, group):
     import torch
 
@@ -146,6 +176,13 @@ def low_latency_worker(rank, num_ranks, group):
         world = World(num_ranks, num_experts, 100 + i, case, stats=ref_stats)
         one_round(buffer, world, rank, num_experts, case, device, stats=stats)
     np.testing.assert_array_equal(stats.cpu().numpy(), ref_stats[rank])
+    for i, case in enumerate(PRE_REDUCED_CASES):
+        pre_reduced_round(buffer.runtime, World(num_ranks, num_experts, 200 + i, case), rank, num_experts, case,
+                          device)
+    with pytest.raises(epx.EpxError, match="pre_reduce"):
+        x, topk_idx, weights, expert_out = World(num_ranks, num_experts, 5, Case()).inputs(rank, device)
+        plain = buffer.runtime.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=False)
+        buffer.runtime.low_latency_combine(expert_out, topk_idx, weights, plain.handle, pre_reduce=True)
 
     # ---- Wait-cost statistics and a caller-provided output ----
     case = Case()
@@ -239,6 +276,9 @@ def virtual_nodes_worker(rank, num_ranks, group):
     assert buffer.runtime.runtime.spans_nodes
     for i, case in enumerate(CASES):
         one_round(buffer, World(num_ranks, num_experts, 300 + i, case), rank, num_experts, case, device)
+    for i, case in enumerate(PRE_REDUCED_CASES):
+        pre_reduced_round(buffer.runtime, World(num_ranks, num_experts, 400 + i, case), rank, num_experts, case,
+                          device)
     buffer.destroy()
 
 
