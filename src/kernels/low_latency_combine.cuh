@@ -139,9 +139,10 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
 // Channels 8c..8c+7 for chunks c in [chunk_begin, chunk_end) of a token's partial row: +0, then weight *
 // row added for each listing in top-k order (separate IEEE multiply and add, as the reference writes it),
 // rounded to BF16 into dst[c]. Lane k holds listing k (row -1: none here); the warp runs it together.
+// kBatch: listings' loads in flight together (8: top-8 in one round).
+template <int kBatch = 8>
 __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listing_row, float listing_weight,
                              int num_topk, int chunk_begin, int chunk_end, int lane) {
-  constexpr int kBatch = 8;  // listings' loads in flight together (top-8 in one round)
   for (int chunk0 = chunk_begin; chunk0 < chunk_end; chunk0 += 32) {
     const int chunk = chunk0 + lane;
     const bool active = chunk < chunk_end;
@@ -224,8 +225,9 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
     const int group_begin = piece_groups.begin + part.begin;
     const int group_end = piece_groups.begin + part.end;
     constexpr int kGroupChunks = kLogfmtGroupSize / 8;
-    sum_listings(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
-                 group_end * kGroupChunks, lane);
+    // Four loads in flight: with eight the LogFMT kernel spills (the encode's registers are live too).
+    sum_listings<4>(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
+                    group_end * kGroupChunks, lane);
     __syncwarp();
     encode_logfmt_groups(
         slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride),
@@ -265,11 +267,15 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
   // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
-  const int num_pieces = Remote::kEnabled ? 1
-                         : kLogfmt        ? logfmt_row_pieces(layout.num_groups())
-                                          : row_pieces(size_t(hidden) * 2);
-  const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
+  const int base_pieces = Remote::kEnabled ? 1
+                          : kLogfmt        ? logfmt_row_pieces(layout.num_groups())
+                                           : row_pieces(size_t(hidden) * 2);
+  const int num_pieces = kPreReduce && !Remote::kEnabled
+                             ? pre_reduce_row_pieces(base_pieces, total_rows, num_grid_warps,
+                                                     kLogfmt ? layout.num_groups() : hidden / 8 / 32)
+                             : base_pieces;
+  const int num_items = total_rows * num_pieces;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
                              static_cast<int>(gridDim.x));
        item < num_items; item += num_grid_warps) {

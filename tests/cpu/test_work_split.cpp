@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "epx/common/counter.hpp"
@@ -55,6 +56,34 @@ TEST(WorkSplit, LogfmtPiecesTileTheGroups) {
   }
   EXPECT_EQ(epx::kernels::logfmt_row_pieces(56), 7);  // hidden 7168
   EXPECT_EQ(epx::kernels::logfmt_row_pieces(8), 1);
+}
+
+// Every (piece, share) range of a pre-reduced send covers each unit of the row once, whatever the share
+// count.
+TEST(WorkSplit, PreReducePiecesAndSharesTileTheRow) {
+  using epx::kernels::pre_reduce_row_pieces;
+  for (const int units : {1, 4, 21, 28, 56, 896}) {
+    for (const int rows : {0, 1, 8, 100, 1024, 100000}) {
+      const int base = units >= 2 ? 2 : 1;
+      const int pieces = pre_reduce_row_pieces(base, rows, 132 * 16, units);
+      EXPECT_GE(pieces, base);
+      EXPECT_LE(pieces, std::max(base, units));
+      if (rows > 0 && pieces > base) EXPECT_LE(int64_t(rows) * pieces, 132 * 16);
+      for (int shares = 1; shares <= 16; ++shares) {
+        std::vector<int> covered(units, 0);
+        for (int piece = 0; piece < pieces; ++piece) {
+          const WordRange p = epx::kernels::piece_words(units, piece, pieces);
+          for (int share = 0; share < shares; ++share) {
+            const WordRange part = epx::kernels::piece_words(p.end - p.begin, share, shares);
+            for (int u = p.begin + part.begin; u < p.begin + part.end; ++u) ++covered[u];
+          }
+        }
+        for (int u = 0; u < units; ++u) EXPECT_EQ(covered[u], 1) << units << " units, unit " << u;
+      }
+    }
+  }
+  EXPECT_EQ(pre_reduce_row_pieces(2, 8, 132 * 16, 28), 28);    // 1 token, top-8, BF16 hidden 7168
+  EXPECT_EQ(pre_reduce_row_pieces(2, 1024, 132 * 16, 28), 2);  // 128 tokens: the plain split
 }
 
 TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
