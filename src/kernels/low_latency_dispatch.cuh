@@ -27,6 +27,7 @@ struct DispatchSmallSmem {
   // Where this token's message is written: each NVLink destination's receive slot, plus this rank's staging
   // slot when some destination is reached by puts.
   char* dst_msgs[kMaxTopk + 1];
+  int* dst_listings[kMaxTopk + 1];  // likewise for the token's listings (dispatches with top-k weights)
   int num_dsts;
   int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
   int num_remote;
@@ -215,14 +216,13 @@ __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale)
 // with top-k weights, also the message's listings (the token's ids and weights) in every destination. Run by
 // warp 0.
 // `pre`: the kernel's preload, which holds the block's first token's ids.
-template <typename Remote>
+template <typename Remote, bool kListings>
 __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token, DispatchSmallSmem& small,
                                   const SendPreload& pre) {
   const int lane = threadIdx.x;
   const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x);
   const size_t entry = size_t(token) * args.in.num_topk + lane;
-  const bool listings = args.in.topk_weights != nullptr;
-  const float weight = listings && lane < args.in.num_topk ? args.in.topk_weights[entry] : 0.0f;
+  const float weight = kListings && lane < args.in.num_topk ? args.in.topk_weights[entry] : 0.0f;
   const int expert = lane < args.in.num_topk
                          ? expert_of(preloaded ? pre.id : args.in.topk_idx[entry], args.layout.num_experts)
                          : -1;
@@ -240,31 +240,35 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   if (direct) {
     small.dst_msgs[__popc(directs & lower)] = peer_at<char>(
         args.peers, dst, args.layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
+    if constexpr (kListings) {
+      small.dst_listings[__popc(directs & lower)] = peer_at<int>(
+          args.peers, dst, args.layout.dispatch_recv_listings_offset(args.half, args.peers.rank, token));
+    }
   }
   if (first && !direct) small.remote_dsts[__popc(remotes & lower)] = dst;
   if (lane == 0) {
     small.num_dsts = __popc(directs);
     small.num_remote = __popc(remotes);
     if (remotes != 0) {
+      small.dst_listings[small.num_dsts] =
+          local_at<int>(args.peers, args.layout.dispatch_send_listings_offset(args.half, token));
       small.dst_msgs[small.num_dsts++] =
           local_at<char>(args.peers, args.layout.dispatch_send_msg_offset(args.half, token));
     }
   }
-  if (!listings) return;
+  if constexpr (!kListings) return;
   __syncwarp();
   if (lane < args.in.num_topk) {
-    const size_t offset = args.layout.dispatch_msg_listings_offset(args.in.use_fp8);
     for (int d = 0; d < small.num_dsts; ++d) {
-      int* ids = reinterpret_cast<int*>(small.dst_msgs[d] + offset);
-      ids[lane] = expert;
-      reinterpret_cast<float*>(ids + kMaxTopk)[lane] = weight;
+      small.dst_listings[d][lane] = expert;
+      reinterpret_cast<float*>(small.dst_listings[d] + kMaxTopk)[lane] = weight;
     }
   }
 }
 
 // One block per token: 8 lanes per group of 128 channels, 16 channels (two 16-byte loads) per lane, so a lane
 // writes one 16-byte FP8 chunk (or two BF16 chunks) straight into every destination's receive slot.
-template <typename Remote>
+template <typename Remote, bool kListings>
 __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small,
                             const SendPreload& pre) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -275,7 +279,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
   const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
   for (int token = blockIdx.x; token < args.in.num_tokens; token += gridDim.x) {
     __syncthreads();  // the previous token's destinations are no longer read
-    if (threadIdx.x < 32) find_destinations<Remote>(args, token, small, pre);
+    if (threadIdx.x < 32) find_destinations<Remote, kListings>(args, token, small, pre);
     __syncthreads();
     if (token == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     const int num_dsts = small.num_dsts;
@@ -321,13 +325,17 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
         __syncthreads();
         const int warp = threadIdx.x / 32;
         if (warp < small.num_remote) {
-          const size_t payload = layout.dispatch_msg_listings_offset(args.in.use_fp8);
-          const size_t bytes = args.in.topk_weights != nullptr ? payload + kLowLatencyMsgListingsBytes
-                               : args.in.use_fp8               ? size_t(hidden) + sizeof(float) * num_groups
-                                                               : payload;
+          const size_t bytes =
+              args.in.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
           Remote::put_warp(
               local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
+          if constexpr (kListings) {
+            Remote::put_warp(
+                local_at<char>(args.peers,
+                               layout.dispatch_recv_listings_offset(args.half, args.peers.rank, token)),
+                small.dst_listings[small.num_dsts - 1], kLowLatencyListingsBytes, small.remote_dsts[warp]);
+          }
         }
       }
     }
@@ -394,17 +402,19 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
 }
 
 // The pre-reduced combine's table entries of token `token` of source `src` that row `row_idx` (of local
-// expert `local_expert`, first listed at top-k position `topk_pos`) accounts for, from the message's
+// expert `local_expert`, first listed at top-k position `topk_pos`) accounts for, from the token's received
 // listings: every listing of this expert names the row; the row of the token's first listing on this rank
 // also marks the listings of other ranks' experts (and -1 ids) with row -1, so every entry of a token that
 // reached this rank is written exactly once.
-__device__ void write_listings(const LowLatencyDispatchArgs& args, const char* msg, int src, int token,
-                               int local_expert, int row_idx, int topk_pos, int lane) {
+__device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int token, int local_expert,
+                               int row_idx, int topk_pos, int lane) {
   const LowLatencyBufferMap& layout = args.layout;
   const int num_topk = args.in.num_topk;
-  const int* ids = reinterpret_cast<const int*>(msg + layout.dispatch_msg_listings_offset(args.in.use_fp8));
-  const int id = lane < num_topk ? __ldcg(ids + lane) : -1;
-  const float weight = lane < num_topk ? __ldcg(reinterpret_cast<const float*>(ids + kMaxTopk) + lane) : 0.0f;
+  const int* received =
+      local_at<int>(args.peers, layout.dispatch_recv_listings_offset(args.half, src, token));
+  const int id = lane < num_topk ? __ldcg(received + lane) : -1;
+  const float weight =
+      lane < num_topk ? __ldcg(reinterpret_cast<const float*>(received + kMaxTopk) + lane) : 0.0f;
   const int num_local = layout.num_local_experts();
   const bool here = id >= 0 && id / num_local == args.peers.rank;
   const unsigned here_lanes = __ballot_sync(kFullMask, here);
@@ -422,7 +432,7 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, const char* m
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
 // receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
 // out (masked, or timed out with enable_shrink) count 0 rows.
-template <typename Remote>
+template <typename Remote, bool kListings>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
   const LowLatencyBufferMap& layout = args.layout;
@@ -479,12 +489,14 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
         __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
                (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
-    const char* msg = local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token));
     const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
-    if (piece == 0 && args.out.recv_token_listings != nullptr)
-      write_listings(args, msg, src, token, local_expert, static_cast<int>(row_idx),
+    // A dispatch with top-k weights: the token's listings first (loaded alongside the row, their values would
+    // stay live across its copy and spill).
+    if (kListings && piece == 0)
+      write_listings(args, src, token, local_expert, static_cast<int>(row_idx),
                      recv_index_entry_topk_pos(entry), lane);
-    deliver_row(args, msg, local_expert, row, piece, num_pieces, lane);
+    deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
+                local_expert, row, piece, num_pieces, lane);
     if (lane == 0 && piece == 0) {
       args.out.recv_src_info[row_idx] = token;
       args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
@@ -497,7 +509,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
 
 // Named dispatch, in a namespace, because profiler tooling written for DeepEP looks for kernel names
 // ending in ::dispatch. With a receive hook, the send and the receive launch are both this kernel.
-template <typename Remote>
+// kListings: the dispatch carries top-k weights (the pre-reduced combine's listings). A template argument, so
+// the plain kernel holds none of that code and keeps its registers (with it as a runtime branch it spilled).
+template <typename Remote, bool kListings>
 __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispatchArgs args) {
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
@@ -517,27 +531,29 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
-    send_tokens<Remote>(args, small, pre);
+    send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
         args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
         dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
-  if (args.phases & kLowLatencyRecv) receive_tokens<Remote>(args, large, small, num_uses, aborted);
+  if (args.phases & kLowLatencyRecv) receive_tokens<Remote, kListings>(args, large, small, num_uses, aborted);
 }
 
 template <typename Remote>
 void launch_low_latency_dispatch_with(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = dispatch_smem_bytes(args.layout);
-  allow_dynamic_smem(dispatch<Remote>, smem_bytes);
-  launch(dispatch<Remote>, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident},
-         stream, args);
+  // A dispatch with top-k weights (the listings) is a kernel of its own: the plain one keeps its registers.
+  const auto kernel = args.in.topk_weights != nullptr ? dispatch<Remote, true> : dispatch<Remote, false>;
+  allow_dynamic_smem(kernel, smem_bytes);
+  launch(kernel, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident}, stream, args);
 }
 
 template <typename Remote>
 void preload_low_latency_dispatch_with() {
-  preload_kernel(dispatch<Remote>);
+  preload_kernel(dispatch<Remote, false>);
+  preload_kernel(dispatch<Remote, true>);
 }
 
 }  // namespace

@@ -53,6 +53,10 @@ std::vector<Region> regions_of(const LowLatencyBufferMap& layout) {
                        base + layout.dispatch_send_msgs_rel() + layout.dispatch_send_msgs_bytes()});
     regions.push_back({"dispatch_recv_msgs" + h, base + layout.dispatch_recv_msgs_rel(),
                        base + layout.dispatch_recv_msgs_rel() + layout.dispatch_recv_msgs_bytes()});
+    regions.push_back({"dispatch_send_listings" + h, base + layout.dispatch_send_listings_rel(),
+                       base + layout.dispatch_send_listings_rel() + layout.dispatch_send_listings_bytes()});
+    regions.push_back({"dispatch_recv_listings" + h, base + layout.dispatch_recv_listings_rel(),
+                       base + layout.dispatch_recv_listings_rel() + layout.dispatch_recv_listings_bytes()});
     regions.push_back({"combine_recv_slots" + h, base + layout.combine_recv_slots_rel(),
                        base + layout.combine_recv_slots_rel() + layout.combine_recv_slots_bytes()});
   }
@@ -123,14 +127,6 @@ void check_structure(const LowLatencyBufferMap& layout) {
   EXPECT_GE(layout.dispatch_msg_bytes(), size_t(layout.hidden) * 2);
   EXPECT_GE(layout.dispatch_msg_bytes(),
             layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups()));
-  // The listings follow each format's payload, 16-byte aligned, and fit the message.
-  for (const bool fp8 : {false, true}) {
-    const size_t listings = layout.dispatch_msg_listings_offset(fp8);
-    EXPECT_EQ(listings % 16, 0u);
-    EXPECT_GE(listings, fp8 ? layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups())
-                            : size_t(layout.hidden) * 2);
-    EXPECT_LE(listings + epx::kLowLatencyMsgListingsBytes, layout.dispatch_msg_bytes());
-  }
 
   expect_inside(regions, "barrier", layout.barrier_signal_offset(last_rank), sizeof(int));
   expect_inside(regions, "barrier", layout.barrier_count_offset(), sizeof(int));
@@ -179,6 +175,11 @@ void check_structure(const LowLatencyBufferMap& layout) {
                   layout.dispatch_msg_bytes());
     expect_inside(regions, "dispatch_recv_msgs" + h,
                   layout.dispatch_recv_msg_offset(half, last_rank, last_token), layout.dispatch_msg_bytes());
+    expect_inside(regions, "dispatch_send_listings" + h,
+                  layout.dispatch_send_listings_offset(half, last_token), epx::kLowLatencyListingsBytes);
+    expect_inside(regions, "dispatch_recv_listings" + h,
+                  layout.dispatch_recv_listings_offset(half, last_rank, last_token),
+                  epx::kLowLatencyListingsBytes);
     expect_inside(regions, "combine_recv_slots" + h,
                   layout.combine_recv_slot_offset(half, last_token, epx::kMaxTopk - 1),
                   layout.combine_slot_bytes());
@@ -206,7 +207,7 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.num_local_experts(), 72);
   EXPECT_EQ(layout.num_groups(), 56);
   EXPECT_EQ(layout.num_recv_rows(), 512);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 14464u);  // BF16 row + listings; FP8 row + scales (7392) is smaller
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
   EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
   EXPECT_EQ(layout.barrier_bytes(), 128u);
   // Pinned from kQueuesOffset: the normal-mode head before it is InternodeBufferMap's to size.
@@ -218,8 +219,10 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.signals_bytes(), 128u);
   EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
   EXPECT_EQ(layout.dispatch_recv_index_bytes(), 147456u);
-  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1851392u);
-  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7405568u);
+  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
+  EXPECT_EQ(layout.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
+  EXPECT_EQ(layout.dispatch_recv_listings_bytes(), 65536u);  // [4][128]
+  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
   EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
@@ -231,7 +234,7 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
 
 TEST(LowLatencyBufferMap, SmallestShape) {
   const LowLatencyBufferMap layout(1, 128, 1, 1);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 384u);
+  EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
   EXPECT_EQ(layout.half_bytes(), 5504u);
   EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 12160u);
@@ -242,7 +245,7 @@ TEST(LowLatencyBufferMap, SmallestShape) {
 TEST(LowLatencyBufferMap, OddShapes) {
   {
     const LowLatencyBufferMap layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
-    EXPECT_EQ(layout.dispatch_msg_bytes(), 5504u);
+    EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 329088u);
     EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 806912u);

@@ -37,9 +37,10 @@ EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
   return entry & ((1 << kRecvIndexTopkBits) - 1);
 }
 
-// The listings a dispatched message carries after its payload when the dispatch has top-k weights: ids, then
-// weights, kMaxTopk of each.
-constexpr size_t kLowLatencyMsgListingsBytes = 2 * sizeof(int32_t) * kMaxTopk;
+// One dispatched token's listings (sent beside its message when the dispatch has top-k weights): the token's
+// whole top-k, kMaxTopk int32 expert ids (-1 for none) then kMaxTopk float weights, so that a receiver finds
+// every listing of the token on its own rank (the pre-reduced combine's table).
+constexpr size_t kLowLatencyListingsBytes = 2 * sizeof(int32_t) * kMaxTopk;
 
 // The two operations that talk through the low-latency buffer; each has its own signals in each half.
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
@@ -100,6 +101,8 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
+//     dispatch_send_listings[M]      this rank's tokens' listings (staging for RDMA puts)
+//     dispatch_recv_listings[R][M]   listings of the tokens received (dispatches with top-k weights only)
 //     combine_recv_slots[M][kMaxTopk] expert outputs returned for (token, top-k position)
 struct LowLatencyBufferMap {
   int num_max_tokens;  // M: tokens per rank per call at most
@@ -135,20 +138,13 @@ struct LowLatencyBufferMap {
   EPX_HD int num_groups() const { return hidden / kLowLatencyGroupSize; }
   EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M
 
-  // One dispatched token: its payload (the BF16 row, or the FP8 row followed by its float scales), then its
-  // listings when the dispatch carries top-k weights (dispatch_msg_listings_offset); room for the larger.
+  // One dispatched token: BF16 row, or FP8 row followed by its float scales (the largest of the two).
   EPX_HD size_t dispatch_msg_bytes() const {
-    const size_t bf16_bytes = dispatch_msg_listings_offset(false) + kLowLatencyMsgListingsBytes;
-    const size_t fp8_bytes = dispatch_msg_listings_offset(true) + kLowLatencyMsgListingsBytes;
-    return bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes;
+    const size_t bf16_bytes = size_t(hidden) * 2;
+    const size_t fp8_bytes = size_t(hidden) + sizeof(float) * num_groups();
+    return align_up(bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes, 16);
   }
   EPX_HD size_t dispatch_msg_scales_offset() const { return size_t(hidden); }  // FP8 messages only
-  // Where a message's listings start: kMaxTopk int32 expert ids (-1 for none), then kMaxTopk float weights,
-  // the token's whole top-k, so a receiver finds every listing of the token on its own rank (the
-  // pre-reduced combine's table). Right after the payload, so a put of a message moves no gap.
-  EPX_HD size_t dispatch_msg_listings_offset(bool use_fp8) const {
-    return use_fp8 ? align_up(size_t(hidden) + sizeof(float) * num_groups(), 16) : size_t(hidden) * 2;
-  }
   // One returned expert output: BF16 row, or LogFMT with the worst-case group slot (the largest).
   EPX_HD size_t combine_slot_bytes() const {
     const size_t bf16_bytes = size_t(hidden) * 2;
@@ -223,6 +219,12 @@ struct LowLatencyBufferMap {
   EPX_HD size_t dispatch_recv_msgs_bytes() const {
     return align_up(size_t(num_ranks) * num_max_tokens * dispatch_msg_bytes(), kLowLatencyAlign);
   }
+  EPX_HD size_t dispatch_send_listings_bytes() const {
+    return align_up(size_t(num_max_tokens) * kLowLatencyListingsBytes, kLowLatencyAlign);
+  }
+  EPX_HD size_t dispatch_recv_listings_bytes() const {
+    return align_up(size_t(num_ranks) * num_max_tokens * kLowLatencyListingsBytes, kLowLatencyAlign);
+  }
   EPX_HD size_t combine_recv_slots_bytes() const {
     return align_up(size_t(num_max_tokens) * kMaxTopk * combine_slot_bytes(), kLowLatencyAlign);
   }
@@ -240,8 +242,14 @@ struct LowLatencyBufferMap {
   EPX_HD size_t dispatch_recv_msgs_rel() const {
     return dispatch_send_msgs_rel() + dispatch_send_msgs_bytes();
   }
-  EPX_HD size_t combine_recv_slots_rel() const {
+  EPX_HD size_t dispatch_send_listings_rel() const {
     return dispatch_recv_msgs_rel() + dispatch_recv_msgs_bytes();
+  }
+  EPX_HD size_t dispatch_recv_listings_rel() const {
+    return dispatch_send_listings_rel() + dispatch_send_listings_bytes();
+  }
+  EPX_HD size_t combine_recv_slots_rel() const {
+    return dispatch_recv_listings_rel() + dispatch_recv_listings_bytes();
   }
   EPX_HD size_t half_bytes() const { return combine_recv_slots_rel() + combine_recv_slots_bytes(); }
 
@@ -309,6 +317,13 @@ struct LowLatencyBufferMap {
   EPX_HD size_t dispatch_recv_msg_offset(int half, int src_rank, int token) const {
     return half_offset(half) + dispatch_recv_msgs_rel() +
            (size_t(src_rank) * num_max_tokens + token) * dispatch_msg_bytes();
+  }
+  EPX_HD size_t dispatch_send_listings_offset(int half, int token) const {
+    return half_offset(half) + dispatch_send_listings_rel() + size_t(token) * kLowLatencyListingsBytes;
+  }
+  EPX_HD size_t dispatch_recv_listings_offset(int half, int src_rank, int token) const {
+    return half_offset(half) + dispatch_recv_listings_rel() +
+           (size_t(src_rank) * num_max_tokens + token) * kLowLatencyListingsBytes;
   }
   EPX_HD size_t combine_recv_slot_offset(int half, int token, int topk_pos) const {
     return half_offset(half) + combine_recv_slots_rel() +
