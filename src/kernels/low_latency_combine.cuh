@@ -355,12 +355,13 @@ struct TopkEntry {
   int expert;
   float weight;
 };
+template <bool kPreReduce>
 __device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs& args, int token, int lane) {
   if (lane >= args.in.num_topk) return {-1, 0.0f};
   const size_t entry = size_t(token) * args.in.num_topk + lane;
   // A pre-reduced combine's partial rows carry their weights already (and topk_weights may be null).
   return {expert_at(args.in.topk_idx, entry, args.layout.num_experts),
-          args.in.pre_reduce ? 1.0f : args.in.topk_weights[entry]};
+          kPreReduce ? 1.0f : args.in.topk_weights[entry]};
 }
 
 // Parts of each token the reduction splits it into (reduce_parts over this launch's grid).
@@ -370,11 +371,12 @@ __device__ __forceinline__ int reduce_parts_of(const LowLatencyCombineArgs& args
 
 // Warp 0's entries of the block's first token, loaded before the receive waits for its sources: the caller's
 // top-k does not depend on them, so the load is off the path from the last flag to the first row.
+template <bool kPreReduce>
 __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArgs& args) {
   const int item = static_cast<int>(blockIdx.x);
   const int parts = reduce_parts_of(args);
   if (threadIdx.x >= 32 || item >= args.in.num_tokens * parts) return {-1, 0.0f};
-  return load_topk_entry(args, item / parts, static_cast<int>(threadIdx.x));
+  return load_topk_entry<kPreReduce>(args, item / parts, static_cast<int>(threadIdx.x));
 }
 
 // A pre-reduced combine's reduction order, by warp 0 from lane k's expert: one entry per rank holding some
@@ -421,7 +423,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     if (threadIdx.x < 32) {
       const int lane = threadIdx.x;
       const TopkEntry mine =
-          item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry(args, token, lane);
+          item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry<kPreReduce>(args, token, lane);
       const int expert = mine.expert;
       if constexpr (kPreReduce) {
         list_partial_slots(small, expert, layout.num_local_experts(), num_topk, left_out, lane);
@@ -508,7 +510,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   // Inputs that do not depend on any peer, loaded now so that their round trips overlap the prologue's (a
   // value read from an aborted dispatch's handle is never used).
   const int first_count = args.phases & kLowLatencySend ? first_pair_count(args) : 0;
-  const TopkEntry first_entry = args.phases & kLowLatencyRecv ? first_topk_entry(args) : TopkEntry{-1, 0.0f};
+  const TopkEntry first_entry =
+      args.phases & kLowLatencyRecv ? first_topk_entry<kPreReduce>(args) : TopkEntry{-1, 0.0f};
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
   // inside also hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(

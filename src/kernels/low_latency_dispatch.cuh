@@ -27,13 +27,13 @@ struct DispatchSmallSmem {
   // Where this token's message is written: each NVLink destination's receive slot, plus this rank's staging
   // slot when some destination is reached by puts.
   char* dst_msgs[kMaxTopk + 1];
-  int* dst_listings[kMaxTopk + 1];  // likewise for the token's listings (dispatches with top-k weights)
   int num_dsts;
   int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
   int num_remote;
   int warp_sums[kNumWarps];
-  unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
-  unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
+  unsigned long long masked;        // the rank mask as this launch sees it (load_rank_mask)
+  unsigned long long left_out;      // sources the receive leaves out (wait_all_sources)
+  int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
 };
 
 size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
@@ -221,11 +221,14 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
                                   const SendPreload& pre) {
   const int lane = threadIdx.x;
   const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x);
-  const size_t entry = size_t(token) * args.in.num_topk + lane;
-  const float weight = kListings && lane < args.in.num_topk ? args.in.topk_weights[entry] : 0.0f;
-  const int expert = lane < args.in.num_topk
-                         ? expert_of(preloaded ? pre.id : args.in.topk_idx[entry], args.layout.num_experts)
-                         : -1;
+  const int expert =
+      lane < args.in.num_topk
+          ? expert_of(preloaded ? pre.id : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
+                      args.layout.num_experts)
+          : -1;
+  const float weight = kListings && lane < args.in.num_topk
+                           ? args.in.topk_weights[size_t(token) * args.in.num_topk + lane]
+                           : 0.0f;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   bool first = dst >= 0;
@@ -489,15 +492,15 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
         __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
                (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
-    const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
     // A dispatch with top-k weights: the token's listings first (loaded alongside the row, their values would
     // stay live across its copy and spill).
     if (kListings && piece == 0)
-      write_listings(args, src, token, local_expert, static_cast<int>(row_idx),
+      write_listings(args, src, token, local_expert, local_expert * layout.num_recv_rows() + row,
                      recv_index_entry_topk_pos(entry), lane);
     deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
                 local_expert, row, piece, num_pieces, lane);
     if (lane == 0 && piece == 0) {
+      const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
       args.out.recv_src_info[row_idx] = token;
       args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }

@@ -53,10 +53,11 @@ std::vector<Region> regions_of(const LowLatencyBufferMap& layout) {
                        base + layout.dispatch_send_msgs_rel() + layout.dispatch_send_msgs_bytes()});
     regions.push_back({"dispatch_recv_msgs" + h, base + layout.dispatch_recv_msgs_rel(),
                        base + layout.dispatch_recv_msgs_rel() + layout.dispatch_recv_msgs_bytes()});
-    regions.push_back({"dispatch_send_listings" + h, base + layout.dispatch_send_listings_rel(),
-                       base + layout.dispatch_send_listings_rel() + layout.dispatch_send_listings_bytes()});
-    regions.push_back({"dispatch_recv_listings" + h, base + layout.dispatch_recv_listings_rel(),
-                       base + layout.dispatch_recv_listings_rel() + layout.dispatch_recv_listings_bytes()});
+    const size_t listings = layout.listings_offset(half);
+    regions.push_back(
+        {"dispatch_send_listings" + h, listings, listings + layout.dispatch_send_listings_bytes()});
+    regions.push_back({"dispatch_recv_listings" + h, listings + layout.dispatch_send_listings_bytes(),
+                       listings + layout.listings_half_bytes()});
     regions.push_back({"combine_recv_slots" + h, base + layout.combine_recv_slots_rel(),
                        base + layout.combine_recv_slots_rel() + layout.combine_recv_slots_bytes()});
   }
@@ -192,7 +193,8 @@ void check_structure(const LowLatencyBufferMap& layout) {
   check_shape_slots(layout, regions);
   // The two halves have the same shape, one half_bytes() apart.
   EXPECT_EQ(layout.half_offset(1) - layout.half_offset(0), layout.half_bytes());
-  EXPECT_EQ(layout.total_bytes(), layout.half_offset(0) + 2 * layout.half_bytes());
+  EXPECT_EQ(layout.listings_offset(0), layout.half_offset(0) + 2 * layout.half_bytes());
+  EXPECT_EQ(layout.total_bytes(), layout.listings_offset(0) + 2 * layout.listings_half_bytes());
 
   const size_t hint = epx::get_low_latency_rdma_size_hint(layout.num_max_tokens, layout.hidden,
                                                           layout.num_ranks, layout.num_experts);
@@ -226,7 +228,8 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
-  EXPECT_EQ(layout.half_bytes(), 39371904u);
+  EXPECT_EQ(layout.half_bytes(), 39289984u);
+  EXPECT_EQ(layout.listings_half_bytes(), 81920u);
   EXPECT_EQ(layout.total_bytes() - queues, 615485184u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
@@ -236,7 +239,7 @@ TEST(LowLatencyBufferMap, SmallestShape) {
   const LowLatencyBufferMap layout(1, 128, 1, 1);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
   EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
-  EXPECT_EQ(layout.half_bytes(), 5504u);
+  EXPECT_EQ(layout.half_bytes(), 5248u);
   EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 12160u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
   check_structure(layout);
@@ -247,7 +250,7 @@ TEST(LowLatencyBufferMap, OddShapes) {
     const LowLatencyBufferMap layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(layout.half_bytes(), 329088u);
+    EXPECT_EQ(layout.half_bytes(), 327552u);
     EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 806912u);
     check_structure(layout);
   }

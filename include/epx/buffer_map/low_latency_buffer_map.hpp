@@ -101,9 +101,11 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
-//     dispatch_send_listings[M]      this rank's tokens' listings (staging for RDMA puts)
-//     dispatch_recv_listings[R][M]   listings of the tokens received (dispatches with top-k weights only)
 //     combine_recv_slots[M][kMaxTopk] expert outputs returned for (token, top-k position)
+//   listings of each half h in {0, 1} (dispatches with top-k weights only; after the halves, so the offsets
+//   above, which the kernels compute on the fly, keep their few terms):
+//     dispatch_send_listings[M]      this rank's tokens' listings (staging for RDMA puts)
+//     dispatch_recv_listings[R][M]   listings of the tokens received
 struct LowLatencyBufferMap {
   int num_max_tokens;  // M: tokens per rank per call at most
   int hidden;          // H
@@ -242,21 +244,22 @@ struct LowLatencyBufferMap {
   EPX_HD size_t dispatch_recv_msgs_rel() const {
     return dispatch_send_msgs_rel() + dispatch_send_msgs_bytes();
   }
-  EPX_HD size_t dispatch_send_listings_rel() const {
-    return dispatch_recv_msgs_rel() + dispatch_recv_msgs_bytes();
-  }
-  EPX_HD size_t dispatch_recv_listings_rel() const {
-    return dispatch_send_listings_rel() + dispatch_send_listings_bytes();
-  }
   EPX_HD size_t combine_recv_slots_rel() const {
-    return dispatch_recv_listings_rel() + dispatch_recv_listings_bytes();
+    return dispatch_recv_msgs_rel() + dispatch_recv_msgs_bytes();
   }
   EPX_HD size_t half_bytes() const { return combine_recv_slots_rel() + combine_recv_slots_bytes(); }
 
   EPX_HD size_t half_offset(int half) const {
     return combine_send_meta_offset() + combine_send_meta_bytes() + size_t(half) * half_bytes();
   }
-  EPX_HD size_t total_bytes() const { return half_offset(2); }
+  // Listings of half `half`: dispatch_send_listings, then dispatch_recv_listings.
+  EPX_HD size_t listings_half_bytes() const {
+    return dispatch_send_listings_bytes() + dispatch_recv_listings_bytes();
+  }
+  EPX_HD size_t listings_offset(int half) const {
+    return half_offset(2) + size_t(half) * listings_half_bytes();
+  }
+  EPX_HD size_t total_bytes() const { return listings_offset(2); }
 
   // ---- Absolute byte offsets of single items ----
   // Written by `src_rank`: how many operations of kind `op` it has sent into this half (monotonic).
@@ -319,10 +322,10 @@ struct LowLatencyBufferMap {
            (size_t(src_rank) * num_max_tokens + token) * dispatch_msg_bytes();
   }
   EPX_HD size_t dispatch_send_listings_offset(int half, int token) const {
-    return half_offset(half) + dispatch_send_listings_rel() + size_t(token) * kLowLatencyListingsBytes;
+    return listings_offset(half) + size_t(token) * kLowLatencyListingsBytes;
   }
   EPX_HD size_t dispatch_recv_listings_offset(int half, int src_rank, int token) const {
-    return half_offset(half) + dispatch_recv_listings_rel() +
+    return listings_offset(half) + dispatch_send_listings_bytes() +
            (size_t(src_rank) * num_max_tokens + token) * kLowLatencyListingsBytes;
   }
   EPX_HD size_t combine_recv_slot_offset(int half, int token, int topk_pos) const {
