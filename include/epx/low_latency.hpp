@@ -22,10 +22,11 @@
 // that half again throws instead of overwriting it. So at most two results are pending at once.
 namespace epx {
 
-// A top-k listing of a source token as the rank holding its expert sees it (a dispatch given topk_weights
-// writes one per listing, for the pre-reduced combine): `row` is the flat row (local expert * R*M + row) of
-// this rank's dispatch output that holds the listing's expert (duplicate listings name the same row), -1 when
-// the expert lies on another rank or the id is -1; `weight` is the listing's top-k weight.
+// A top-k listing of a source token as the rank holding its expert sees it (a dispatch given
+// recv_token_listings writes one per listing, for the pre-reduced combine): `row` is the flat row (local
+// expert * R*M + row) of this rank's dispatch output that holds the listing's expert (duplicate listings name
+// the same row), -1 when the expert lies on another rank or the id is -1; `weight` is the listing's top-k
+// weight.
 struct LowLatencyListing {
   int row;
   float weight;
@@ -46,9 +47,9 @@ struct LowLatencyDispatchInput {
   bool return_recv_hook = false;  // only send now; LowLatencyRecvHook receives later
   int* cumulative_local_expert_recv_stats = nullptr;  // [L] or null: += received rows per local expert
   int64_t* dispatch_wait_recv_cost_stats = nullptr;   // [R] or null: += ns the receive waited per source
-  // [T, K] or null: with them each message carries its token's top-k ids and weights and the receive fills
-  // LowLatencyDispatchOutput::recv_token_listings, which a pre-reduced combine needs. Every rank passes them
-  // or none does.
+  // [T, K]: required when LowLatencyDispatchOutput::recv_token_listings is given (null allowed with T = 0),
+  // refused without it. Each message then carries its token's top-k ids and weights, for the pre-reduced
+  // combine.
   const float* topk_weights = nullptr;
 };
 // Its fields by name, for the binding and tools (epx/common/fields.hpp).
@@ -85,8 +86,9 @@ struct LowLatencyDispatchOutput {
   int* recv_src_info = nullptr;                  // [L, R*M] source token index of each row
   int* recv_topk_pos = nullptr;                  // [L, R*M] top-k position of the token's (first) listing
   LowLatencyRange* recv_layout_range = nullptr;  // [L, R]
-  // With input topk_weights (required then, else ignored): [R, M, K], listing k of token t of source s at
-  // (s * M + t) * K + k. Entries of tokens that sent this rank nothing are unspecified.
+  // [R, M, K] or null: given, the dispatch carries the top-k weights (every rank gives it or none does) and
+  // fills listing k of token t of source s at (s * M + t) * K + k, which a pre-reduced combine reads.
+  // Entries of tokens that sent this rank nothing are unspecified.
   LowLatencyListing* recv_token_listings = nullptr;
 };
 // Its fields by name, for the binding and tools (epx/common/fields.hpp).
@@ -130,7 +132,7 @@ struct LowLatencyHandle {
   const int* recv_src_info = nullptr;
   const int* recv_topk_pos = nullptr;
   const LowLatencyRange* recv_layout_range = nullptr;
-  const LowLatencyListing* recv_token_listings = nullptr;  // null unless the dispatch had topk_weights
+  const LowLatencyListing* recv_token_listings = nullptr;  // the dispatch's, or null
 };
 
 // Completes a send-only call: launches its receive phase on `stream` (the caller's). Runs once.
@@ -170,7 +172,7 @@ struct LowLatencyCombineInput {
   int num_topk = 0;                     // K of the dispatch
   bool use_logfmt = false;              // LogFMT-10 on the wire
   // The expert side sums each token's rows over its own experts first (the weights come from the dispatch,
-  // which must have had topk_weights) and sends one row per (token, rank) instead of one per (token,
+  // which must have had recv_token_listings) and sends one row per (token, rank) instead of one per (token,
   // expert); the token's rank adds those partial rows in ascending rank order. The roundings differ from
   // the default's wherever a rank holds several of a token's experts (reference::LowLatencyCombineOptions).
   // Every rank passes the same value.

@@ -548,7 +548,8 @@ template <typename Remote>
 void launch_low_latency_dispatch_with(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
   const size_t smem_bytes = dispatch_smem_bytes(args.layout);
   // A dispatch with top-k weights (the listings) is a kernel of its own: the plain one keeps its registers.
-  const auto kernel = args.in.topk_weights != nullptr ? dispatch<Remote, true> : dispatch<Remote, false>;
+  const auto kernel =
+      args.out.recv_token_listings != nullptr ? dispatch<Remote, true> : dispatch<Remote, false>;
   allow_dynamic_smem(kernel, smem_bytes);
   launch(kernel, {unsigned(args.num_blocks), kNumThreads, smem_bytes, Residency::kCoResident}, stream, args);
 }

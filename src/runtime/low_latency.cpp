@@ -101,8 +101,13 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
   EPX_CHECK(out.recv_src_info != nullptr, "recv_src_info", "null", "must point to [L, R*M] ints");
   EPX_CHECK(out.recv_topk_pos != nullptr, "recv_topk_pos", "null", "must point to [L, R*M] ints");
   EPX_CHECK(out.recv_layout_range != nullptr, "recv_layout_range", "null", "must point to [L, R] ranges");
+  // With listings every rank's messages carry weights, so the choice can not depend on this rank's tokens
+  // (a rank with none may pass no weights).
   EPX_CHECK(in.topk_weights == nullptr || out.recv_token_listings != nullptr, "recv_token_listings", "null",
             "must point to [R, M, K] listings when topk_weights is given");
+  EPX_CHECK(in.num_tokens == 0 || out.recv_token_listings == nullptr || in.topk_weights != nullptr,
+            "topk_weights", "null",
+            "must point to [num_tokens, num_topk] weights when recv_token_listings is given");
   const size_t smem_bytes = kernels::low_latency_dispatch_smem_bytes(layout);
   EPX_CHECK(smem_bytes <= static_cast<size_t>(state.max_smem_bytes), "num_experts", layout.num_experts,
             detail::concat("needs ", smem_bytes, " bytes of shared memory for routing, more than the GPU's ",
@@ -188,8 +193,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.out = out;
   args.shape = low_latency_shape_fingerprint(layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) |
                                                          (in.use_ue8m0 ? 4 : 0) |
-                                                         (in.topk_weights != nullptr ? 16 : 0));
-  if (in.topk_weights == nullptr) args.out.recv_token_listings = nullptr;
+                                                         (out.recv_token_listings != nullptr ? 16 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
@@ -237,7 +241,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
             "must point to [num_tokens, hidden]");
   EPX_CHECK(aligned16(combined_x), "combined_x", combined_x, "must be 16-byte aligned");
   EPX_CHECK(!in.pre_reduce || handle.recv_token_listings != nullptr, "pre_reduce", in.pre_reduce,
-            "needs a handle from a dispatch given topk_weights (its recv_token_listings)");
+            "needs a handle from a dispatch given recv_token_listings and topk_weights");
   EPX_CHECK(!(in.return_recv_hook && order.async_finish), "async_finish", order.async_finish,
             "must be false with return_recv_hook (the hook orders the receive)");
   void* const zero_copy_rows = next_low_latency_combine_buffer(buffer, handle);

@@ -86,6 +86,10 @@ TEST(LowLatencyErrors, RejectedCallsLeaveTheBufferUsable) {
     bad = in;
     bad.topk_weights = weights.get<float>();  // weights without a table for their listings
     expect_error([&] { dispatch(bad, o, order); }, "recv_token_listings");
+    DeviceArray listings(sizeof(epx::LowLatencyListing) * 8 * 2);
+    bad_out = o;
+    bad_out.recv_token_listings = listings.get<epx::LowLatencyListing>();  // a table, but no weights
+    expect_error([&] { dispatch(in, bad_out, order); }, "topk_weights");
 
     // Two pending receives are fine, a third call on a busy half is not; a hook runs once.
     auto hooked = in;

@@ -357,7 +357,8 @@ class LowLatencyRunner {
     in.topk_idx = s.topk_idx.get<int64_t>();
     in.num_tokens = num_tokens;
     in.return_recv_hook = hook;
-    if (c_.pre_reduce) in.topk_weights = s.weights.get<float>();
+    // A rank without tokens passes no weights (its peers' messages still carry theirs).
+    if (c_.pre_reduce && num_tokens > 0) in.topk_weights = s.weights.get<float>();
     if (c_.stats) {
       in.cumulative_local_expert_recv_stats = cumulative_.get<int>();
       in.dispatch_wait_recv_cost_stats = dispatch_wait_.get<int64_t>();
