@@ -136,6 +136,16 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
 
 // ---- Send, pre-reduced ----
 
+// 8 floats as 4 words of BF16 pairs, rounded to nearest even.
+__device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
+  uint32_t words[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i)
+    words[i] = float_to_bf16(acc[2 * i]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * i + 1])) << 16);
+  return make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+                   static_cast<int>(words[3]));
+}
+
 // Channels 8c..8c+7 for chunks c in [chunk_begin, chunk_end) of a token's partial row: +0, then weight *
 // row added for each listing in top-k order (separate IEEE multiply and add, as the reference writes it),
 // rounded to BF16 into dst[c]. Lane k holds listing k (row -1: none here); the warp runs it together.
@@ -168,13 +178,7 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
         for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
       }
     }
-    if (!active) continue;
-    uint32_t words[4];
-#pragma unroll
-    for (int i = 0; i < 4; ++i)
-      words[i] = float_to_bf16(acc[2 * i]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * i + 1])) << 16);
-    dst[chunk] = make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
-                           static_cast<int>(words[3]));
+    if (active) dst[chunk] = pack_bf16x8(acc);
   }
 }
 
@@ -404,6 +408,51 @@ __device__ void list_partial_slots(CombineSmallSmem& small, int expert, int num_
   if (lane < num_topk && lane >= __popc(firsts)) small.slot_pos[lane] = -1;
 }
 
+// A pre-reduced BF16 combine's reduction of one token's chunks: acc = +0, plus each partial row in the order
+// list_partial_slots set (the partials carry their weights), rounded to BF16. A token has one partial per
+// rank holding its experts, often one or two, so each thread takes two chunks at once: both chunks' loads
+// are in flight together, and a part of up to 2 * kNumThreads chunks is one round trip.
+__device__ void add_partial_rows(const LowLatencyCombineArgs& args, const CombineSmallSmem& small, int token,
+                                 WordRange chunks, uint16_t* out_row) {
+  constexpr int kBatch = 4;  // partial rows per round, each loaded for both chunks
+  const LowLatencyBufferMap& layout = args.layout;
+  const int num_topk = args.in.num_topk;
+  for (int chunk0 = chunks.begin + static_cast<int>(threadIdx.x); chunk0 < chunks.end;
+       chunk0 += 2 * kNumThreads) {
+    const int chunk1 = chunk0 + kNumThreads;
+    const bool second = chunk1 < chunks.end;
+    float acc0[8], acc1[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc0[i] = acc1[i] = 0.0f;
+    for (int k0 = 0; k0 < num_topk && small.slot_pos[k0] >= 0; k0 += kBatch) {
+      int4 raw0[kBatch], raw1[kBatch];
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+        if (pos < 0) continue;
+        const int4* slot =
+            local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos));
+        raw0[u] = __ldcg(slot + chunk0);
+        if (second) raw1[u] = __ldcg(slot + chunk1);
+      }
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) {
+        if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
+        float values[8];
+        unpack_bf16x8(raw0[u], values);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc0[i] = __fadd_rn(acc0[i], values[i]);
+        if (!second) continue;
+        unpack_bf16x8(raw1[u], values);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc1[i] = __fadd_rn(acc1[i], values[i]);
+      }
+    }
+    reinterpret_cast<int4*>(out_row)[chunk0] = pack_bf16x8(acc0);
+    if (second) reinterpret_cast<int4*>(out_row)[chunk1] = pack_bf16x8(acc1);
+  }
+}
+
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
 // `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
@@ -443,6 +492,10 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     __syncthreads();
     if (item == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
+    if constexpr (kPreReduce && !kLogfmt) {
+      add_partial_rows(args, small, token, chunks, out_row);
+      continue;
+    }
     for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
       float acc[8];
 #pragma unroll
@@ -483,13 +536,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           }
         }
       }
-      uint32_t words[4];
-#pragma unroll
-      for (int i = 0; i < 4; ++i)
-        words[i] = float_to_bf16(acc[2 * i]) | (static_cast<uint32_t>(float_to_bf16(acc[2 * i + 1])) << 16);
-      reinterpret_cast<int4*>(out_row)[chunk] =
-          make_int4(static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
-                    static_cast<int>(words[3]));
+      reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
     }
   }
 }
