@@ -494,49 +494,49 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
     if constexpr (kPreReduce && !kLogfmt) {
       add_partial_rows(args, small, token, chunks, out_row);
-      continue;
-    }
-    for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
-      float acc[8];
+    } else {
+      for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
+        float acc[8];
 #pragma unroll
-      for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-      if constexpr (kLogfmt) {
-        for (int k = 0; k < num_topk; ++k) {
-          const int pos = small.slot_pos[k];
-          if (pos < 0) continue;
-          float values[8];
-          load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
-                         layout.num_groups(), chunk, true, values);
-          const float weight = small.weights[k];
-#pragma unroll
-          for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-        }
-      } else {
-        // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
-        constexpr int kBatch = 8;
-        for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
-          int4 raw[kBatch];
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-            if (pos >= 0) {
-              raw[u] = __ldcg(
-                  local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)) +
-                  chunk);
-            }
-          }
-#pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+        if constexpr (kLogfmt) {
+          for (int k = 0; k < num_topk; ++k) {
+            const int pos = small.slot_pos[k];
+            if (pos < 0) continue;
             float values[8];
-            unpack_bf16x8(raw[u], values);
-            const float weight = small.weights[k0 + u];
+            load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
+                           layout.num_groups(), chunk, true, values);
+            const float weight = small.weights[k];
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
           }
+        } else {
+          // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
+          constexpr int kBatch = 8;
+          for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
+            int4 raw[kBatch];
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+              if (pos >= 0) {
+                raw[u] = __ldcg(
+                    local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)) +
+                    chunk);
+              }
+            }
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
+              float values[8];
+              unpack_bf16x8(raw[u], values);
+              const float weight = small.weights[k0 + u];
+#pragma unroll
+              for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+            }
+          }
         }
+        reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
       }
-      reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
     }
   }
 }

@@ -68,7 +68,9 @@ TEST(WorkSplit, PreReducePiecesAndSharesTileTheRow) {
       const int pieces = pre_reduce_row_pieces(base, rows, 132 * 16, units);
       EXPECT_GE(pieces, base);
       EXPECT_LE(pieces, std::max(base, units));
-      if (rows > 0 && pieces > base) EXPECT_LE(int64_t(rows) * pieces, 132 * 16);
+      if (rows > 0 && pieces > base) {
+        EXPECT_LE(int64_t(rows) * pieces, 132 * 16);
+      }
       for (int shares = 1; shares <= 16; ++shares) {
         std::vector<int> covered(units, 0);
         for (int piece = 0; piece < pieces; ++piece) {
