@@ -47,11 +47,11 @@ struct Outputs {
         topk_pos(s.recv_src_info_bytes / sizeof(int)),
         range(s.recv_layout_range_bytes / sizeof(LowLatencyRange)),
         listings(std::max<size_t>(s.recv_token_listings_bytes / sizeof(LowLatencyListing), 1)) {}
-  LowLatencyDispatchOutput view(bool fp8) const {
-    return {recv_x.get(),     fp8 ? recv_scales.get() : nullptr,
-            recv_count.get(), src_info.get(),
-            topk_pos.get(),   range.get(),
-            listings.get()};
+  // weighted: the dispatch carries top-k weights (the listings a pre-reduced combine reads).
+  LowLatencyDispatchOutput view(bool fp8, bool weighted = false) const {
+    return {
+        recv_x.get(), fp8 ? recv_scales.get() : nullptr,  recv_count.get(), src_info.get(), topk_pos.get(),
+        range.get(),  weighted ? listings.get() : nullptr};
   }
 };
 
@@ -110,7 +110,7 @@ void check_round_trip(Buffer& buffer, const Shape& s, const std::vector<uint16_t
   const StreamOrder order{stream, nullptr, false};
   LowLatencyDispatchInput in = dispatch_input(s, x.get(), ids.get(), false);
   if (pre_reduce) in.topk_weights = weights.get();
-  const LowLatencyDispatchResult d = low_latency_dispatch(buffer, in, outputs.view(false), order);
+  const LowLatencyDispatchResult d = low_latency_dispatch(buffer, in, outputs.view(false, pre_reduce), order);
   DeviceArray<uint16_t> combined(size_t(s.num_tokens) * s.hidden);
   low_latency_combine(buffer, d.handle,
                       combine_input(s, outputs.recv_x.get(), ids.get(), weights.get(), false, pre_reduce),
@@ -240,7 +240,7 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   LowLatencyDispatchInput weighted_in = dispatch_input(s, xs[0].get(), ids.get(), false);
   weighted_in.topk_weights = weights.get();
   const LowLatencyDispatchResult weighted =
-      low_latency_dispatch(buffer, weighted_in, bf16_out.view(false), order);
+      low_latency_dispatch(buffer, weighted_in, bf16_out.view(false, true), order);
   const auto pre_reduced_combine = [&](bool logfmt) {
     low_latency_combine(buffer, weighted.handle,
                         combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), logfmt, true),
