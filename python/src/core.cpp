@@ -287,6 +287,8 @@ void bind_low_latency_layout(py::module_& m) {
       .def("combine_send_bytes", &LowLatencyBufferMap::combine_send_bytes)
       .def("half_bytes", &LowLatencyBufferMap::half_bytes)
       .def("half_offset", &LowLatencyBufferMap::half_offset, py::arg("half"))
+      .def("listings_half_bytes", &LowLatencyBufferMap::listings_half_bytes)
+      .def("listings_offset", &LowLatencyBufferMap::listings_offset, py::arg("half"))
       .def("total_bytes", &LowLatencyBufferMap::total_bytes)
       .def(
           "recv_flag_offset",

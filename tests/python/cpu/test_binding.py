@@ -270,7 +270,8 @@ def test_low_latency_layout_control_depends_only_on_ranks():
     assert a.recv_flag_offset(1, 1, 3) == b.recv_flag_offset(1, 1, 3)
     assert a.num_local_experts() == 72 and a.num_recv_rows() == 512 and a.num_groups() == 56
     assert a.half_offset(1) - a.half_offset(0) == a.half_bytes()
-    assert a.total_bytes() == a.half_offset(2)
+    assert a.listings_offset(0) == a.half_offset(2)  # the listings of both halves follow the halves
+    assert a.total_bytes() == a.listings_offset(2) == a.listings_offset(0) + 2 * a.listings_half_bytes()
     assert a.dispatch_recv_msg_offset(0, 1, 0) - a.dispatch_recv_msg_offset(0, 0, 0) == 128 * a.dispatch_msg_bytes()
 
 
