@@ -30,41 +30,71 @@ struct DispatchSmallSmem {
   int num_dsts;
   int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
   int num_remote;
-  int route_experts[kMaxTopk];  // the token's first-listed experts on unmasked ranks, by top-k position (-1)
-  int route_counts[kMaxTopk];   // route_pass: earlier tokens listing each, the list slot
   int warp_sums[kNumWarps];
   unsigned long long masked;        // the rank mask as this launch sees it (load_rank_mask)
   unsigned long long left_out;      // sources the receive leaves out (wait_all_sources)
   int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
 };
 
-// The large area: the send's owned expert counts (at most E), then the receive's prefix over (expert,
-// source) pairs (E + 1).
 size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
-  return align_up(sizeof(DispatchSmallSmem), 16) + sizeof(int) * (size_t(layout.num_experts) + 1);
+  const size_t routing = sizeof(int) * size_t(kNumWarps) * layout.num_experts;
+  const size_t prefix = sizeof(int) * (size_t(layout.num_experts) + 1);
+  return align_up(sizeof(DispatchSmallSmem), 16) + (routing > prefix ? routing : prefix);
 }
 
 // ---- Send: routing ----
-// No block routes for the others: every sending block finds the list slots of its own tokens, and the counts
-// are split over the publishing blocks (expert e's by block e % S of S = dispatch_publishers(...).count),
-// each in one pass over the T*K top-k entries. A one-block router took 4.6 µs at 128 tokens (two dependent
-// passes of 64 entries per warp), longer than the sends it gated.
+
+// The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
+__device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
+                                             unsigned long long masked, int64_t id) {
+  const int expert =
+      first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.layout.num_experts, id);
+  return expert >= 0 && rank_masked(masked, expert / args.layout.num_local_experts()) ? -1 : expert;
+}
+
+// Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
+template <typename Remote>
+__device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* totals) {
+  const LowLatencyBufferMap& layout = args.layout;
+  const int num_local = layout.num_local_experts();
+  __syncthreads();
+  for (int expert = threadIdx.x / 32; expert < layout.num_experts; expert += kNumWarps) {
+    const int dst = expert / num_local;
+    const int count = totals[expert];
+    if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
+    Remote::put_warp(local_at<int>(args.peers, layout.dispatch_recv_index_offset(
+                                                   args.half, expert % num_local, args.peers.rank)),
+                     local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert)),
+                     sizeof(int) * count, dst);
+  }
+}
 
 // What a block's send reads first, loaded before the kernel's prologue barrier so that these round trips and
-// the abort check's overlap: warp 0's top-k entries of the block's first token (lane < K), every thread's
-// first 16 channels of it, and every thread's first entry of the routing pass.
+// the abort check's overlap. The routing block: each lane's first top-k entry of its warp's segment. A
+// sending block: warp 0's top-k entries of its first token (lane < K) and every thread's first 16 channels of
+// it.
 struct SendPreload {
-  bool first_token = false;  // id, v0 and v1 are of token blockIdx.x
+  bool first_token = false;  // a sending block's: id, v0 and v1 are of token blockIdx.x
   int64_t id = -1;
   int4 v0{}, v1{};
-  int64_t scan_id = -1;  // entry threadIdx.x of the T*K entries (-1 past them)
 };
+
+// The entries [begin, end) of the T*K top-k entries warp `warp` of the routing block histograms.
+__device__ __forceinline__ WordRange routing_segment(const LowLatencyDispatchArgs& args, int warp) {
+  const int num_entries = args.in.num_tokens * args.in.num_topk;
+  const int per_warp = (num_entries + kNumWarps - 1) / kNumWarps;
+  const int begin = min(num_entries, warp * per_warp);
+  return {begin, min(num_entries, begin + per_warp)};
+}
 
 __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs& args) {
   SendPreload pre;
   const int lane = threadIdx.x % 32;
-  if (static_cast<int>(threadIdx.x) < args.in.num_tokens * args.in.num_topk)
-    pre.scan_id = args.in.topk_idx[threadIdx.x];
+  if (blockIdx.x == gridDim.x - 1) {
+    const WordRange segment = routing_segment(args, static_cast<int>(threadIdx.x) / 32);
+    if (segment.begin + lane < segment.end) pre.id = args.in.topk_idx[segment.begin + lane];
+    return pre;
+  }
   const int token = static_cast<int>(blockIdx.x);
   if (token >= args.in.num_tokens) return pre;
   pre.first_token = true;
@@ -80,70 +110,94 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
   return pre;
 }
 
-// One pass of a block over the top-k entries, after find_destinations set small.route_experts for `token`
-// (-1: no token) and zeroed small.route_counts, and, for an `owner` pass, after `owned_counts` was zeroed:
-// - token's list slots: for each of its (first-listed, unmasked) experts, the earlier tokens listing it, so
-//   every (expert, source) list is in ascending token order; then its list entries are written;
-// - with `owner`: the counts of the experts this block owns (e % num_owners == blockIdx.x), then written.
-// A listing counts once per token (its first), and not when its expert's rank is masked.
+// For every expert e, the ordered list of this rank's (token, top-k position) entries that chose it (first
+// listing only), and its length, written into the rank that owns e. Entry order = ascending token, so a
+// token's slot in the list is the number of earlier entries with the same expert. One block computes it:
+// every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
+// expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
-__device__ void route_pass(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small, int* owned_counts,
-                           int token, bool owner, int num_owners, unsigned long long masked,
-                           const SendPreload& pre) {
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
+                              const SendPreload& pre) {
   const LowLatencyBufferMap& layout = args.layout;
-  const int num_topk = args.in.num_topk;
   const int num_experts = layout.num_experts;
   const int num_local = layout.num_local_experts();
-  const int block = static_cast<int>(blockIdx.x);
-  const int earlier_entries = token >= 0 ? token * num_topk : 0;
-  const int num_entries = owner ? args.in.num_tokens * num_topk : earlier_entries;
-  for (int entry = threadIdx.x; entry < num_entries; entry += kNumThreads) {
-    const int64_t raw =
-        owner && entry == static_cast<int>(threadIdx.x) ? pre.scan_id : args.in.topk_idx[entry];
-    const int expert = expert_of(raw, num_experts);
-    if (expert < 0 || rank_masked(masked, expert / num_local)) continue;
-    const bool owned = owner && expert % num_owners == block;
-    int match = -1;
-    if (entry < earlier_entries) {
-      for (int k = 0; k < num_topk; ++k)
-        if (small.route_experts[k] == expert) match = k;
-    }
-    if (!owned && match < 0) continue;
-    if (first_listed_expert(args.in.topk_idx, entry, num_topk, num_experts, raw) < 0) continue;  // a repeat
-    if (owned) atomicAdd(owned_counts + expert / num_owners, 1);
-    if (match >= 0) atomicAdd(small.route_counts + match, 1);
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+
+  for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kNumThreads) hist[i] = 0;
+  __syncthreads();
+  const WordRange segment = routing_segment(args, warp);
+  const int seg_begin = segment.begin;
+  const int seg_end = segment.end;
+  int* warp_hist = hist + warp * num_experts;
+
+  // The first kCachedRounds rounds' experts stay in registers for the second pass (no second round trip).
+  constexpr int kCachedRounds = 4;
+  int cached[kCachedRounds];
+  int round = 0;
+  for (int base = seg_begin; base < seg_end; base += 32, ++round) {
+    const int entry = base + lane;
+    const int expert = entry < seg_end
+                           ? routed_expert(args, entry, masked, round == 0 ? pre.id : args.in.topk_idx[entry])
+                           : -1;
+#pragma unroll
+    for (int r = 0; r < kCachedRounds; ++r)
+      if (r == round) cached[r] = expert;
+    const unsigned same = __match_any_sync(kFullMask, expert);
+    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
+    __syncwarp();
   }
   __syncthreads();
-  if (owner) stamp_phase(args.phase_stamps, kStampHistogram);
-  if (owner) {
-    for (int i = threadIdx.x; i * num_owners + block < num_experts; i += kNumThreads) {
-      const int expert = i * num_owners + block;
-      const int dst = expert / num_local;
-      if (rank_masked(masked, dst)) continue;  // nothing goes to a masked rank
-      const size_t offset = layout.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
-      if (is_direct<Remote>(args.peers, dst)) {
-        *peer_at<int>(args.peers, dst, offset) = owned_counts[i];
-      } else {
-        Remote::put_int(local_at<int>(args.peers, offset), owned_counts[i], dst);
-      }
+  stamp_phase(args.phase_stamps, kStampHistogram);
+
+  for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) {
+    int running = 0;
+    for (int w = 0; w < kNumWarps; ++w) {
+      const int count = hist[w * num_experts + expert];
+      hist[w * num_experts + expert] = running;
+      running += count;
+    }
+    const int dst = expert / num_local;
+    if (rank_masked(masked, dst)) continue;  // nothing goes to a masked rank
+    const size_t offset = layout.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+    if (is_direct<Remote>(args.peers, dst)) {
+      *peer_at<int>(args.peers, dst, offset) = running;
+    } else {
+      Remote::put_int(local_at<int>(args.peers, offset), running, dst);
     }
   }
-  if (static_cast<int>(threadIdx.x) < num_topk && token >= 0) {
-    const int k = static_cast<int>(threadIdx.x);
-    const int expert = small.route_experts[k];
+  __syncthreads();
+  stamp_phase(args.phase_stamps, kStampCountsStored);
+
+  round = 0;
+  for (int base = seg_begin; base < seg_end; base += 32, ++round) {
+    const int entry = base + lane;
+    int expert = -1;
+    if (round < kCachedRounds) {
+#pragma unroll
+      for (int r = 0; r < kCachedRounds; ++r)
+        if (r == round) expert = cached[r];
+    } else if (entry < seg_end) {
+      expert = routed_expert(args, entry, masked, args.in.topk_idx[entry]);
+    }
+    const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0) {
+      const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
       const int dst = expert / num_local;
-      const size_t offset =
-          layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank) +
-          sizeof(int) * size_t(small.route_counts[k]);
-      if (is_direct<Remote>(args.peers, dst)) {
-        *peer_at<int>(args.peers, dst, offset) = pack_recv_index_entry(token, k);
-      } else {
-        Remote::put_int(local_at<int>(args.peers, offset), pack_recv_index_entry(token, k), dst);
-      }
+      int* list = is_direct<Remote>(args.peers, dst)
+                      ? peer_at<int>(
+                            args.peers, dst,
+                            layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
+                      : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
+      const int token = entry / args.in.num_topk;
+      list[slot] = pack_recv_index_entry(token, entry % args.in.num_topk);
     }
+    __syncwarp();
+    if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
+    __syncwarp();
   }
-  if (owner) stamp_phase(args.phase_stamps, kStampCounted);
+  if constexpr (Remote::kEnabled) put_staged_lists<Remote>(args, hist + (kNumWarps - 1) * num_experts);
+  stamp_phase(args.phase_stamps, kStampCounted);
 }
 
 // ---- Send: token data ----
@@ -178,16 +232,9 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   bool first = dst >= 0;
-  bool first_listing = dst >= 0;  // of its expert (the lists hold a token once per expert)
   for (int k = 0; k < args.in.num_topk; ++k) {
     const int other = __shfl_sync(kFullMask, dst, k);
     if (k < lane && other == dst) first = false;
-    const int other_expert = __shfl_sync(kFullMask, expert, k);
-    if (k < lane && other_expert == expert) first_listing = false;
-  }
-  if (lane < args.in.num_topk) {
-    small.route_experts[lane] = first_listing ? expert : -1;
-    small.route_counts[lane] = 0;
   }
   const bool direct = first && is_direct<Remote>(args.peers, dst);
   const unsigned directs = __ballot_sync(kFullMask, direct);
@@ -224,9 +271,8 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
 
 // One block per token: 8 lanes per group of 128 channels, 16 channels (two 16-byte loads) per lane, so a lane
 // writes one 16-byte FP8 chunk (or two BF16 chunks) straight into every destination's receive slot.
-// `owned_counts`: shared memory for route_pass (E ints).
 template <typename Remote, bool kListings>
-__device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small, int* owned_counts,
+__device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small,
                             const SendPreload& pre) {
   const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
@@ -234,20 +280,11 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
   const int octet = threadIdx.x / 8;
   const int sub = threadIdx.x % 8;
   const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
-  const int num_owners =
-      dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x))
-          .count;
   for (int token = blockIdx.x; token < args.in.num_tokens; token += gridDim.x) {
     __syncthreads();  // the previous token's destinations are no longer read
-    const bool owner = token == static_cast<int>(blockIdx.x);  // the block's first token: counts too
-    if (threadIdx.x < 32) {
-      find_destinations<Remote, kListings>(args, token, small, pre);
-    } else if (owner) {
-      for (int i = threadIdx.x - 32; i < layout.num_experts; i += kNumThreads - 32) owned_counts[i] = 0;
-    }
+    if (threadIdx.x < 32) find_destinations<Remote, kListings>(args, token, small, pre);
     __syncthreads();
-    if (owner) stamp_phase(args.phase_stamps, kStampIds);
-    route_pass<Remote>(args, small, owned_counts, token, owner, num_owners, small.masked, pre);
+    if (token == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     const int num_dsts = small.num_dsts;
     const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * hidden / 8;
     for (int group = octet; group < num_groups; group += kNumThreads / 8) {
@@ -496,12 +533,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
-    send_tokens<Remote, kListings>(args, small, large, pre);
-    if (args.in.num_tokens == 0 && blockIdx.x == 0) {  // no token to send: the counts (all 0) still go out
-      for (int i = threadIdx.x; i < args.layout.num_experts; i += kNumThreads) large[i] = 0;
-      __syncthreads();
-      route_pass<Remote>(args, small, large, -1, true, 1, masked, pre);
-    }
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
+    send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
         args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,

@@ -29,9 +29,9 @@ enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLaten
 
 // Phase boundaries the low-latency kernels stamp when `phase_stamps` is set (EPX_LL_PHASE_STAMPS=1, for
 // epx-bench's breakdown): thread 0 of block b writes the global timer (ns) at
-// phase_stamps[b * kNumPhaseStamps + stamp]. Dispatch: entry, prologue (abort check, mask), ids (a sending
-// block's first token's destinations found), histogram (its routing pass over the top-k entries), counted
-// (its expert counts and list entries written), "counts stored" unused, sent
+// phase_stamps[b * kNumPhaseStamps + stamp]. Dispatch: entry, prologue (abort check, mask), histogram and
+// counts stored (the routing block's first pass and its scan), counted (the routing block's counts and lists
+// written), ids (a sending block's first token's destinations found), sent
 // (tokens and routing written), published (flags released), arrived (every source's flag seen), scanned
 // (counts scanned), delivered (rows copied out), exit. Combine: the same, with "counted" when the send's pair
 // counts are scanned, "ids" when the receive read its token's top-k ids and weights, "delivered" after the

@@ -72,13 +72,12 @@ EPX_HD int publish_share(int block, const Publishers& publishers) {
   return block == 0 ? kLowLatencyPublishUnit - (publishers.count - 1) : 1;
 }
 
-// Dispatch: blocks 0..T-1 send a token each (block b also tokens b + blocks, ...) and, with S of them
-// publishing, block b counts the experts e with e % S == b; with T = 0 block 0 alone posts the shapes and the
-// (zero) counts. So the publishers are blocks 0..S-1, S = min(max(T, 1), blocks).
+// Dispatch: blocks 0..T-1 send a token each (block 0 also posts the shapes, so it counts when T = 0), and the
+// last block routes.
 EPX_HD Publishers dispatch_publishers(int num_tokens, int num_blocks, int block) {
   const int senders = num_tokens > 1 ? num_tokens : 1;
-  const int count = senders < num_blocks ? senders : num_blocks;
-  return {count, block < count};
+  const int count = senders + 1 < num_blocks ? senders + 1 : num_blocks;
+  return {count, block < senders || block == num_blocks - 1};
 }
 
 // ---- Items over the grid ----

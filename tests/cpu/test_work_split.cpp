@@ -88,15 +88,15 @@ TEST(WorkSplit, PreReducePiecesAndSharesTileTheRow) {
   EXPECT_EQ(pre_reduce_row_pieces(2, 1024, 132 * 16, 28), 2);  // 128 tokens: the plain split
 }
 
-TEST(WorkSplit, DispatchPublishersAreTheSendersAndCounters) {
+TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
   for (int blocks : {1, 2, 3, 132}) {
     for (int tokens : {0, 1, 2, blocks - 2, blocks - 1, blocks, blocks + 5, 4 * blocks}) {
       if (tokens < 0) continue;
       int publishing = 0;
       for (int b = 0; b < blocks; ++b) {
         const epx::kernels::Publishers p = epx::kernels::dispatch_publishers(tokens, blocks, b);
-        // Block b sends tokens b, b + blocks, ... and counts experts; block 0 posts the shapes.
-        const bool writes = b < tokens || b == 0;
+        // Block b sends tokens b, b + blocks, ...; the last block routes; block 0 posts the shapes.
+        const bool writes = b < tokens || b == blocks - 1 || b == 0;
         EXPECT_EQ(p.this_block, writes) << tokens << " tokens, block " << b << " of " << blocks;
         publishing += p.this_block;
         EXPECT_EQ(p.count, epx::kernels::dispatch_publishers(tokens, blocks, 0).count);
