@@ -161,6 +161,20 @@ TEST(LowLatency, HiddenSizesAndTopk) {
   }
 }
 
+// More tokens than blocks: a block sends several tokens; the routing block lists all of them.
+TEST(LowLatency, MoreTokensThanBlocks) {
+  LowLatencyCase c = small_low_latency_case(2);
+  c.num_max_tokens = 300;
+  c.hidden = 256;
+  c.num_tokens = {300, 133};
+  c.duplicates = true;
+  c.drop_probability = 0.1;
+  c.use_fp8 = true;
+  c.stats = true;
+  c.num_iterations = 2;
+  run_low_latency_case(c);
+}
+
 TEST(LowLatency, TopkSixteenManyExperts) {
   LowLatencyCase c = small_low_latency_case(4);
   c.num_topk = 16;
