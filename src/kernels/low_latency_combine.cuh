@@ -31,6 +31,7 @@ struct CombineSmallSmem {
   int warp_sums[kNumWarps];
   unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
   unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
+  unsigned long long needed;    // the ranks the block's current token has experts on (reduce_tokens)
 };
 
 size_t combine_smem_bytes(const LowLatencyBufferMap& layout) {
@@ -454,12 +455,17 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
 }
 
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
-// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks in
-// `left_out` count as -1 entries. A token is split into `parts` ranges of channels, one block each, when the
-// grid has blocks to spare (reduce_parts), so a small call's loads spread over many SMs.
-template <bool kLogfmt, bool kPreReduce>
-__device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
-                              unsigned long long left_out, TopkEntry first_entry) {
+// multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks the
+// receive leaves out (small.left_out) count as -1 entries. A token is split into `parts` ranges of channels,
+// one block each, when the grid has blocks to spare (reduce_parts), so a small call's loads spread over many
+// SMs.
+// Rows are reduced as they arrive: before a token, the block waits only for the sources its experts lie on
+// that it has not awaited yet (`awaited`, updated), so a block whose tokens' sources have landed reduces
+// while later sources are still sending. Returns false when a wait was abandoned (the group is aborted, or a
+// source's shapes differ): nothing more is read then.
+template <typename Remote, bool kLogfmt, bool kPreReduce>
+__device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
+                              TopkEntry first_entry, int num_uses, unsigned long long& awaited) {
   const LowLatencyBufferMap& layout = args.layout;
   const int hidden = layout.hidden;
   const int num_topk = args.in.num_topk;
@@ -469,10 +475,29 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     const int token = item / parts;
     const WordRange chunks = part_chunks(num_chunks, item % parts, parts);
     __syncthreads();
+    const int lane = threadIdx.x % 32;
+    TopkEntry mine{-1, 0.0f};
     if (threadIdx.x < 32) {
-      const int lane = threadIdx.x;
-      const TopkEntry mine =
+      mine =
           item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry<kPreReduce>(args, token, lane);
+      unsigned long long ranks = mine.expert >= 0 ? 1ull << (mine.expert / layout.num_local_experts()) : 0ull;
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1) ranks |= __shfl_xor_sync(kFullMask, ranks, offset);
+      if (lane == 0) small.needed = ranks;
+    }
+    __syncthreads();
+    const unsigned long long missing = small.needed & ~awaited;  // block-uniform
+    if (missing != 0) {
+      const SourceWait wait =
+          wait_all_sources<Remote>(args.peers, layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+                                   WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
+                                   args.shape, args.mask, &small.left_out, missing);
+      awaited |= missing;
+      if (!wait.arrived) return false;
+    }
+    if (item == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampArrived);
+    const unsigned long long left_out = small.left_out;  // complete for this token's sources
+    if (threadIdx.x < 32) {
       const int expert = mine.expert;
       if constexpr (kPreReduce) {
         list_partial_slots(small, expert, layout.num_local_experts(), num_topk, left_out, lane);
@@ -539,6 +564,7 @@ __device__ void reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
       }
     }
   }
+  return true;
 }
 
 // Named combine, in a namespace, because profiler tooling written for DeepEP looks for kernel names
@@ -578,14 +604,19 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
     stamp_phase(args.phase_stamps, kStampPublished);
   }
   if (args.phases & kLowLatencyRecv) {
-    // An abandoned wait leaves the slots unread (the output is not written).
-    const SourceWait wait =
+    // Each block awaits its tokens' sources as it reaches them (an abandoned wait stops its reading), then
+    // every source it has not awaited, so that every block checks every source's shapes, decides each
+    // timed-out source the same way (enable_shrink) and the statistics count each source once.
+    unsigned long long awaited = 0;
+    if (reduce_tokens<Remote, kLogfmt, kPreReduce>(args, small, first_entry, num_uses, awaited)) {
+      stamp_phase(args.phase_stamps, kStampDelivered);
+      const unsigned long long all = args.peers.num_ranks == 64 ? ~0ull : (1ull << args.peers.num_ranks) - 1;
+      if ((all & ~awaited) != 0) {
         wait_all_sources<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
                                  WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
-                                 args.shape, args.mask, &small.left_out);
-    stamp_phase(args.phase_stamps, kStampArrived);
-    if (wait.arrived) reduce_tokens<kLogfmt, kPreReduce>(args, small, wait.left_out, first_entry);
-    stamp_phase(args.phase_stamps, kStampDelivered);
+                                 args.shape, args.mask, &small.left_out, all & ~awaited);
+      }
+    }
     finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
     stamp_phase(args.phase_stamps, kStampExit);
   }

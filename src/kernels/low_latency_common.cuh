@@ -182,23 +182,23 @@ struct SourceWait {
   unsigned long long left_out;
 };
 
-// Every block waits until every unmasked source published operation `expected` (its flag reached
-// flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for the whole block)
-// when a wait was abandoned (the group is aborted) or a source's shapes differ (then this rank aborts it):
-// nothing the sources were to write may be read then. With enable_shrink a wait that times out leaves its
-// source out instead of aborting (every block agrees through decide_source) and masks it. `left_out` (block
-// shared memory) holds the mask at entry and is complete after the call.
+// Every block waits until every unmasked source in `wanted` (all by default) published operation `expected`
+// (its flag reached flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for
+// the whole block) when a wait was abandoned (the group is aborted) or a source's shapes differ (then this
+// rank aborts it): nothing the sources were to write may be read then. With enable_shrink a wait that times
+// out leaves its source out instead of aborting (every block agrees through decide_source) and masks it.
+// `left_out` (block shared memory) holds the mask at entry and is complete after the call.
 template <typename Remote>
-__device__ __forceinline__ SourceWait
-wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op,
-                 int expected, WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape,
-                 const LowLatencyMaskArgs& mask, unsigned long long* left_out) {
+__device__ __forceinline__ SourceWait wait_all_sources(
+    const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op, int expected,
+    WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape, const LowLatencyMaskArgs& mask,
+    unsigned long long* left_out, unsigned long long wanted = ~0ull) {
   const uint64_t start = device::global_timer_ns();
   const device::WaitContext ctx = wait_context(peers);
   const unsigned long long masked = *left_out;
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    if (rank_masked(masked, src)) continue;
+    if (rank_masked(masked, src) || ((wanted >> src) & 1ull) == 0) continue;
     const int* flag = local_at<int>(peers, layout.recv_flag_offset(half, op, src));
     bool ok = true;
     if (!mask.shrink) {
