@@ -88,14 +88,6 @@ TEST(LowLatencyNodes, PreReduceOddCountsDuplicates) {
   }
 }
 
-TEST(LowLatencyNodes, PreReduceTwoNodesOfTwo) {
-  LowLatencyCase c = nodes_case(2, 2);
-  c.use_fp8 = true;
-  c.pre_reduce = true;
-  c.num_iterations = 2;
-  run_case(c);
-}
-
 TEST(LowLatencyNodes, DefaultShapeFp8) {
   LowLatencyCase c = nodes_case(2, 1);
   c.num_max_tokens = 128;
@@ -206,11 +198,15 @@ TEST(LowLatencyNodes, RanksPerNodeMustDivideRanks) {
 // ---- 4 GPUs as 2 nodes x 2: NVLink inside a node, NVSHMEM between nodes ----
 
 TEST(LowLatencyNodes, Fp8TwoNodesOfTwo) {
-  LowLatencyCase c = nodes_case(2, 2);
-  c.use_fp8 = true;
-  c.unbalanced = true;
-  c.num_iterations = 3;
-  run_case(c);
+  for (const bool pre_reduce : {false, true}) {
+    LowLatencyCase c = nodes_case(2, 2);
+    c.use_fp8 = true;
+    c.unbalanced = true;
+    c.pre_reduce = pre_reduce;
+    c.num_iterations = 3;
+    SCOPED_TRACE(pre_reduce ? "pre-reduced combine" : "default combine");
+    run_case(c);
+  }
 }
 
 TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
