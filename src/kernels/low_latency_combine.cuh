@@ -199,11 +199,7 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
           ? args.handle.recv_token_listings[(size_t(dst) * layout.num_max_tokens + token) * num_topk + lane]
           : LowLatencyListing{-1, 0.0f};
   // Lanes whose listing is the first of its row (a duplicate listing shares its first one's row).
-  bool first_of_row = mine.row >= 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int other = __shfl_sync(kFullMask, mine.row, k);
-    if (k < lane && other == mine.row) first_of_row = false;
-  }
+  const bool first_of_row = first_lane_with(mine.row, num_topk, lane) && mine.row >= 0;
   const unsigned row_lanes = __ballot_sync(kFullMask, first_of_row);
   const int first_pos = __ffs(row_lanes) - 1;
   const int first_row = __shfl_sync(kFullMask, mine.row, first_pos);
@@ -391,11 +387,7 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
 __device__ void list_partial_slots(CombineSmallSmem& small, int expert, int num_local, int num_topk,
                                    unsigned long long left_out, int lane) {
   const int rank = expert >= 0 && !rank_masked(left_out, expert / num_local) ? expert / num_local : -1;
-  bool first_of_rank = rank >= 0;
-  for (int k = 0; k < num_topk; ++k) {
-    const int other = __shfl_sync(kFullMask, rank, k);
-    if (k < lane && other == rank) first_of_rank = false;
-  }
+  const bool first_of_rank = first_lane_with(rank, num_topk, lane) && rank >= 0;
   const unsigned firsts = __ballot_sync(kFullMask, first_of_rank);
   int order = 0;  // entries before this lane's: the ranks below its rank
   for (int k = 0; k < num_topk; ++k) {

@@ -307,6 +307,18 @@ __device__ __forceinline__ int expert_at(const int64_t* topk_idx, size_t i, int 
   return expert_of(topk_idx[i], num_experts);
 }
 
+// Whether no lower lane among the top-k lanes 0..num_topk-1 holds this lane's `value`: the lane of its first
+// top-k position. Warp-collective (it shuffles): every lane calls it, so callers test their own validity
+// after the call, not before.
+__device__ __forceinline__ bool first_lane_with(int value, int num_topk, int lane) {
+  bool first = true;
+  for (int k = 0; k < num_topk; ++k) {
+    const int other = __shfl_sync(kFullMask, value, k);
+    if (k < lane && other == value) first = false;
+  }
+  return first;
+}
+
 // 8 BF16 values (16 bytes) widened to float.
 __device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
   const uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),

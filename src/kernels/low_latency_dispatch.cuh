@@ -231,11 +231,7 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
                            : 0.0f;
   const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
-  bool first = dst >= 0;
-  for (int k = 0; k < args.in.num_topk; ++k) {
-    const int other = __shfl_sync(kFullMask, dst, k);
-    if (k < lane && other == dst) first = false;
-  }
+  const bool first = first_lane_with(dst, args.in.num_topk, lane) && dst >= 0;
   const bool direct = first && is_direct<Remote>(args.peers, dst);
   const unsigned directs = __ballot_sync(kFullMask, direct);
   const unsigned remotes = __ballot_sync(kFullMask, first && !direct);
