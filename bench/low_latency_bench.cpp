@@ -81,16 +81,15 @@ LowLatencyCombineInput combine_input(const Shape& s, const void* x, const int64_
   return in;
 }
 
-// The combine rows one rank sends: one per selection, or with pre_reduce one per (token, rank holding some
-// of its experts).
-double combine_rows(const Shape& s, const std::vector<int64_t>& ids, bool pre_reduce) {
+// The rows a pre-reduced combine returns to this rank: one per (its token, rank holding some of its experts).
+double pre_reduced_rows(const Shape& s, const std::vector<int64_t>& ids) {
   double rows = 0;
   for (int t = 0; t < s.num_tokens; ++t) {
     for (int k = 0; k < s.num_topk; ++k) {
       const int64_t e = ids[size_t(t) * s.num_topk + k];
       if (e < 0) continue;
       bool counted = false;
-      for (int j = 0; j < k && pre_reduce; ++j) {
+      for (int j = 0; j < k; ++j) {
         const int64_t other = ids[size_t(t) * s.num_topk + j];
         counted |= other >= 0 && other / s.num_local() == e / s.num_local();
       }
@@ -211,7 +210,7 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   const double logfmt_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kLogFmt);
   // Pre-reduced: the rows that cross are one per (token, rank), BF16.
   const double pre_reduced_bytes =
-      combine_rows(s, ids_host, true) * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
+      pre_reduced_rows(s, ids_host) * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
   const StreamOrder order{stream, nullptr, false};
   std::vector<BenchRow> out;
 
