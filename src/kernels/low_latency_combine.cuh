@@ -3,6 +3,8 @@
 // Low-latency combine: send phase (every expert output row goes back to its source token's slot on the
 // source rank, BF16 or LogFMT-10) and receive phase (wait, then the weighted sum in top-k order). Templated
 // on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh).
+#include <type_traits>
+
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/logfmt.hpp"
 #include "gpu/cuda_check.hpp"
@@ -40,6 +42,31 @@ size_t combine_smem_bytes(const LowLatencyBufferMap& layout) {
 
 // ---- Send ----
 
+// A lane's four codes, bit for bit logfmt_encode_value's: one hardware log2 settles most values
+// (logfmt_encode_settled); the rest take the reference one per round, so the warp runs the reference as
+// many times as its lane with the most unsettled values holds (often none or once), not four times.
+__device__ __forceinline__ unsigned long long logfmt_encode4(const float (&values)[4],
+                                                             const LogfmtParams& params) {
+  const LogfmtFastEncode fast = logfmt_fast_encode_setup(params);
+  const auto log2_mantissa = [](float m) { return __log2f(m); };
+  int codes[4];
+#pragma unroll
+  for (int i = 0; i < 4; ++i) codes[i] = logfmt_encode_settled(values[i], params, fast, log2_mantissa);
+  for (;;) {
+    // The first unsettled value, picked with selects so that values and codes stay in registers.
+    const int pick = codes[0] < 0 ? 0 : codes[1] < 0 ? 1 : codes[2] < 0 ? 2 : codes[3] < 0 ? 3 : -1;
+    if (!__any_sync(kFullMask, pick >= 0)) break;
+    if (pick >= 0) {
+      const float x = pick == 0 ? values[0] : pick == 1 ? values[1] : pick == 2 ? values[2] : values[3];
+      const int code = logfmt_encode_value(x, params);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) codes[i] = pick == i ? code : codes[i];
+    }
+  }
+  return logfmt_pack_codes4(static_cast<uint16_t>(codes[0]), static_cast<uint16_t>(codes[1]),
+                            static_cast<uint16_t>(codes[2]), static_cast<uint16_t>(codes[3]));
+}
+
 // Group `group` of a row (lane l holds channels 4l..4l+3 in `raw`) into its payload and metadata word.
 __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, int group, const uint2 raw,
                                                     int lane) {
@@ -64,9 +91,7 @@ __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, 
     return;
   }
   const LogfmtParams params = logfmt_params(max_key, min_key);
-  const unsigned long long packed =
-      logfmt_pack_codes4(logfmt_encode_value(values[0], params), logfmt_encode_value(values[1], params),
-                         logfmt_encode_value(values[2], params), logfmt_encode_value(values[3], params));
+  const unsigned long long packed = logfmt_encode4(values, params);
 #pragma unroll
   for (int round = 0; round < 2; ++round) {
     const int word = lane + 32 * round;
@@ -323,32 +348,62 @@ __device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t 
                                0x3FFu);
 }
 
-// Values of channels 8q..8q+7 of a returned row, as the reference's combine sees them.
-__device__ __forceinline__ void load_returned8(const char* slot, int num_groups, int chunk, bool use_logfmt,
-                                               float* values) {
-  if (!use_logfmt) {
-    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(slot) + chunk), values);
-    return;
-  }
-  const int group = chunk / 16;
-  const int q = chunk % 16;  // 8-channel chunk inside the group
-  const char* payload = slot + size_t(group) * kLogfmtPayloadStride;
-  const uint32_t meta =
-      __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
-  const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
-  if (max_bits == kLogfmtFallbackMarker) {
-    unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + q), values);
-    return;
-  }
-  const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
-  // Codes 8q..8q+7 are bits [80q, 80q + 80): bytes 10q.., 2-byte aligned.
-  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
-  unsigned long long low = 0;
+// Channels 8q..8q+7 of a returned row as loaded: the BF16 words, or the LogFMT group's metadata word and
+// codes 8q..8q+7 (bits [80q, 80q + 80) of the group's code stream: bytes 10q.., 2-byte aligned). A batch of
+// listings' chunks is loaded before any is decoded, so their round trips overlap.
+struct LogfmtChunk {
+  uint32_t meta;
+  unsigned long long low;  // code bits 0..63
+  uint32_t high;           // code bits 64..79
+};
+template <bool kLogfmt>
+using ReturnedChunk = std::conditional_t<kLogfmt, LogfmtChunk, int4>;
+
+template <bool kLogfmt>
+__device__ __forceinline__ ReturnedChunk<kLogfmt> load_returned_chunk(const char* slot, int num_groups,
+                                                                      int chunk) {
+  if constexpr (!kLogfmt) {
+    return __ldcg(reinterpret_cast<const int4*>(slot) + chunk);
+  } else {
+    const int group = chunk / 16;
+    const int q = chunk % 16;  // 8-channel chunk inside the group
+    const unsigned short* halves =
+        reinterpret_cast<const unsigned short*>(slot + size_t(group) * kLogfmtPayloadStride + 10 * q);
+    LogfmtChunk loaded;
+    loaded.meta =
+        __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
+    loaded.low = 0;
 #pragma unroll
-  for (int i = 0; i < 4; ++i) low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
-  const uint32_t high = __ldcg(halves + 4);
+    for (int i = 0; i < 4; ++i) loaded.low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
+    loaded.high = __ldcg(halves + 4);
+    return loaded;
+  }
+}
+
+// The values of a loaded chunk, as the reference's combine sees them. A LogFMT fallback group's BF16 words
+// are loaded here (a second round trip, only for groups holding some |x| >= 1).
+template <bool kLogfmt>
+__device__ __forceinline__ void decode_returned_chunk(const char* slot, int chunk,
+                                                      const ReturnedChunk<kLogfmt>& loaded, float* values) {
+  if constexpr (!kLogfmt) {
+    unpack_bf16x8(loaded, values);
+  } else {
+    const uint16_t max_bits = static_cast<uint16_t>(loaded.meta & 0xFFFFu);
+    if (max_bits == kLogfmtFallbackMarker) {
+      const char* payload = slot + size_t(chunk / 16) * kLogfmtPayloadStride;
+      unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + chunk % 16), values);
+      return;
+    }
+    const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(loaded.meta >> 16));
 #pragma unroll
-  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
+    for (int j = 0; j < 8; ++j)
+      values[j] = logfmt_decode_value(code_of_80(loaded.low, loaded.high, j), params);
+  }
+}
+
+// Slot (token, top-k position `pos`) of this rank's receive half: where a returned row lands.
+__device__ __forceinline__ const char* returned_slot(const LowLatencyCombineArgs& args, int token, int pos) {
+  return local_at<const char>(args.peers, args.layout.combine_recv_slot_offset(args.half, token, pos));
 }
 
 // Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
@@ -408,7 +463,6 @@ __device__ void list_partial_slots(CombineSmallSmem& small, int expert, int num_
 __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const CombineSmallSmem& small, int token,
                                  WordRange chunks, uint16_t* out_row) {
   constexpr int kBatch = 4;  // partial rows per round, each loaded for both chunks
-  const LowLatencyBufferMap& layout = args.layout;
   const int num_topk = args.in.num_topk;
   for (int chunk0 = chunks.begin + static_cast<int>(threadIdx.x); chunk0 < chunks.end;
        chunk0 += 2 * kNumThreads) {
@@ -423,8 +477,7 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
       for (int u = 0; u < kBatch; ++u) {
         const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
         if (pos < 0) continue;
-        const int4* slot =
-            local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos));
+        const int4* slot = reinterpret_cast<const int4*>(returned_slot(args, token, pos));
         raw0[u] = __ldcg(slot + chunk0);
         if (second) raw1[u] = __ldcg(slot + chunk1);
       }
@@ -462,6 +515,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
   const int hidden = layout.hidden;
   const int num_topk = args.in.num_topk;
   const int num_chunks = hidden / 8;
+  const int num_groups = layout.num_groups();
   const int parts = reduce_parts_of(args);
   for (int item = blockIdx.x; item < args.in.num_tokens * parts; item += gridDim.x) {
     const int token = item / parts;
@@ -516,40 +570,25 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
         float acc[8];
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-        if constexpr (kLogfmt) {
-          for (int k = 0; k < num_topk; ++k) {
-            const int pos = small.slot_pos[k];
-            if (pos < 0) continue;
+        // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
+        constexpr int kBatch = 8;
+        for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
+          ReturnedChunk<kLogfmt> loaded[kBatch];
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+            if (pos >= 0)
+              loaded[u] = load_returned_chunk<kLogfmt>(returned_slot(args, token, pos), num_groups, chunk);
+          }
+#pragma unroll
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
             float values[8];
-            load_returned8(local_at<char>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)),
-                           layout.num_groups(), chunk, true, values);
-            const float weight = small.weights[k];
+            decode_returned_chunk<kLogfmt>(returned_slot(args, token, small.slot_pos[k0 + u]), chunk,
+                                           loaded[u], values);
+            const float weight = small.weights[k0 + u];
 #pragma unroll
             for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-          }
-        } else {
-          // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
-          constexpr int kBatch = 8;
-          for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
-            int4 raw[kBatch];
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-              if (pos >= 0) {
-                raw[u] = __ldcg(
-                    local_at<const int4>(args.peers, layout.combine_recv_slot_offset(args.half, token, pos)) +
-                    chunk);
-              }
-            }
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
-              float values[8];
-              unpack_bf16x8(raw[u], values);
-              const float weight = small.weights[k0 + u];
-#pragma unroll
-              for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-            }
           }
         }
         reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);

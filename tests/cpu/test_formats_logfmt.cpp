@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -256,6 +257,83 @@ TEST(FormatsLogfmt, EncodeMatchesNearestLevelReference) {
         ASSERT_LE(error,
                   std::fabs(std::fabs(static_cast<double>(x)) - levels[k]) + std::ldexp(levels[level], -23));
       }
+    }
+  }
+}
+
+// The fast encode (one approximate log2, the reference where that does not settle the level) must give the
+// reference's code for every BF16 input, with a log2 of the mantissa off by up to 2^-21 either way (the
+// bound its margin assumes; the GPU's hardware log2 is within 2^-22 on [1, 2)).
+TEST(FormatsLogfmt, FastEncodeIsTheReferenceForEveryBf16Input) {
+  std::mt19937 rng(31);
+  std::uniform_int_distribution<int> below_one(1, 0x3F7F);  // positive BF16 below 1
+  struct Case {
+    uint16_t max_bits, min_bits;
+  };
+  std::vector<Case> cases = {
+      {0x3F00, 0x3E80},                    // range 1: the finest common ladder
+      {0x3F7F, 0x3F7E},                    // adjacent BF16 values: the smallest nonzero step
+      {0x3F7F, 0x3F70}, {0x3C00, 0x0001},  // range clipped at 32 (min subnormal)
+      {0x3F00, 0x0000},                    // no usable min: clipped
+      {0x0500, 0x0400}, {0x0280, 0x0100},  // tiny max: near and past the normal-level bound
+      {0x3E00, 0x3E00},                    // step 0
+  };
+  for (int i = 0; i < 48; ++i) {
+    const uint16_t a = static_cast<uint16_t>(below_one(rng)), b = static_cast<uint16_t>(below_one(rng));
+    cases.push_back({std::max(a, b), std::min(a, b)});
+  }
+  const auto exact = [](float m) { return static_cast<float>(std::log2(static_cast<double>(m))); };
+  const auto high = [](float m) { return static_cast<float>(std::log2(static_cast<double>(m)) + 0x1p-21); };
+  const auto low = [](float m) { return static_cast<float>(std::log2(static_cast<double>(m)) - 0x1p-21); };
+  long settled = 0, checked = 0;
+  for (const Case& c : cases) {
+    const LogfmtParams params = epx::logfmt_params_from_meta(c.max_bits, c.min_bits);
+    const epx::LogfmtFastEncode fast = epx::logfmt_fast_encode_setup(params);
+    for (uint32_t bits = 0; bits <= c.max_bits; ++bits) {
+      for (uint32_t sign : {0u, 0x8000u}) {
+        const float x = bf16_to_float(static_cast<uint16_t>(bits | sign));
+        const uint16_t want = epx::logfmt_encode_value(x, params);
+        ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, exact), want)
+            << std::hex << c.max_bits << " " << bits;
+        ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, high), want)
+            << std::hex << c.max_bits << " " << bits;
+        ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, low), want)
+            << std::hex << c.max_bits << " " << bits;
+        const int level = want & kLogfmtMaxLevel;
+        if (level < 3 || level > 509) continue;  // never settled: ends of the ladder, zero rule
+        settled += epx::logfmt_encode_settled(x, params, fast, exact) >= 0;
+        ++checked;
+      }
+    }
+  }
+  // Not speed, coverage: the fast path must settle most values on the ladder, or the test above checks
+  // little.
+  EXPECT_GT(static_cast<double>(settled) / static_cast<double>(checked), 0.9) << settled << " of " << checked;
+}
+
+// Random floats (the per-value API) and groups of every kind (make_group) agree too.
+TEST(FormatsLogfmt, FastEncodeIsTheReferenceForRandomGroupsAndFloats) {
+  std::mt19937 rng(37);
+  const auto hardware_like = [](float m) { return static_cast<float>(std::log2(static_cast<double>(m))); };
+  for (int group_idx = 0; group_idx < 160; ++group_idx) {
+    const std::vector<uint16_t> group = make_group(rng, group_idx % kNumGroupKinds);
+    float max_key = 0.0f, min_key = std::numeric_limits<float>::infinity();
+    for (uint16_t bits : group) {
+      max_key = std::fmax(max_key, epx::logfmt_abs_for_max(bf16_to_float(bits)));
+      min_key = std::fmin(min_key, epx::logfmt_abs_for_min(bf16_to_float(bits)));
+    }
+    if (!epx::logfmt_group_qualifies(max_key)) continue;
+    const LogfmtParams params = epx::logfmt_params(max_key, min_key);
+    const epx::LogfmtFastEncode fast = epx::logfmt_fast_encode_setup(params);
+    std::uniform_real_distribution<float> magnitude(0.0f, params.max_abs);
+    for (uint16_t bits : group) {
+      const float x = bf16_to_float(bits);
+      ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, hardware_like), epx::logfmt_encode_value(x, params));
+    }
+    for (int i = 0; i < 2000; ++i) {
+      const float x = magnitude(rng) * (i % 2 != 0 ? -1.0f : 1.0f);
+      ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, hardware_like), epx::logfmt_encode_value(x, params))
+          << x;
     }
   }
 }
