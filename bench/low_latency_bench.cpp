@@ -261,14 +261,17 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
                            order);
   });
   out.push_back({"LL dispatch FP8, graph replay", 0, dispatch_graph_us, fp8_bytes});
-  const double combine_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
-    for (int i = 0; i < 2; ++i) {
-      low_latency_combine(buffer, d.handle,
-                          combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), false),
-                          combined.get(), order);
-    }
-  });
-  out.push_back({"LL combine BF16, graph replay", 0, combine_graph_us, bf16_bytes});
+  for (bool logfmt : {false, true}) {
+    const double combine_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+      for (int i = 0; i < 2; ++i) {
+        low_latency_combine(buffer, d.handle,
+                            combine_input(s, bf16_out.recv_x.get(), ids.get(), weights.get(), logfmt),
+                            combined.get(), order);
+      }
+    });
+    out.push_back({logfmt ? "LL combine LogFMT, graph replay" : "LL combine BF16, graph replay", 0,
+                   combine_graph_us, logfmt ? logfmt_bytes : bf16_bytes});
+  }
   const double pre_reduced_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
     for (int i = 0; i < 2; ++i) pre_reduced_combine(false);
   });

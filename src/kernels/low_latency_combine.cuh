@@ -124,9 +124,12 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
       if (group0 + u < group_end)
         batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
     }
+    // Rolled, the batch rotating to the front (so it stays in registers): one copy of the encode.
+#pragma unroll 1
+    for (int u = 0; u < kBatch && group0 + u < group_end; ++u) {
+      encode_logfmt_group(slot, meta, group0 + u, batch[0], lane);
 #pragma unroll
-    for (int u = 0; u < kBatch; ++u) {
-      if (group0 + u < group_end) encode_logfmt_group(slot, meta, group0 + u, batch[u], lane);
+      for (int v = 0; v + 1 < kBatch; ++v) batch[v] = batch[v + 1];
     }
   }
 }
@@ -339,26 +342,22 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 
 // ---- Receive ----
 
-// 10-bit code j (0..7) of 80 little-endian bits held as (low 64 bits, high 16 bits).
-__device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t high, int j) {
-  const int bit = 10 * j;
-  if (bit + 10 <= 64) return static_cast<uint16_t>((low >> bit) & 0x3FFu);
-  if (bit >= 64) return static_cast<uint16_t>((high >> (bit - 64)) & 0x3FFu);
-  return static_cast<uint16_t>(((low >> bit) | (static_cast<unsigned long long>(high) << (64 - bit))) &
-                               0x3FFu);
-}
-
-// Channels 8q..8q+7 of a returned row as loaded: the BF16 words, or the LogFMT group's metadata word and
-// codes 8q..8q+7 (bits [80q, 80q + 80) of the group's code stream: bytes 10q.., 2-byte aligned). A batch of
-// listings' chunks is loaded before any is decoded, so their round trips overlap.
+// Channels 8q..8q+7 of a returned LogFMT row as loaded: the group's metadata word, and either codes
+// 8q..8q+7 (bits [80q, 80q + 80) of the group's code stream, bytes 10q.. (2-byte aligned), in words 0..2)
+// or, in a fallback group, the chunk's 8 BF16 values (words 0..3).
 struct LogfmtChunk {
   uint32_t meta;
-  unsigned long long low;  // code bits 0..63
-  uint32_t high;           // code bits 64..79
+  uint32_t words[4];
 };
 template <bool kLogfmt>
 using ReturnedChunk = std::conditional_t<kLogfmt, LogfmtChunk, int4>;
 
+__device__ __forceinline__ bool is_fallback(const LogfmtChunk& loaded) {
+  return static_cast<uint16_t>(loaded.meta & 0xFFFFu) == kLogfmtFallbackMarker;
+}
+
+// The chunk's words as loaded: BF16, or a LogFMT group's metadata and codes (a fallback group's BF16 words
+// follow in load_fallback_chunk, once the metadata has said so).
 template <bool kLogfmt>
 __device__ __forceinline__ ReturnedChunk<kLogfmt> load_returned_chunk(const char* slot, int num_groups,
                                                                       int chunk) {
@@ -372,32 +371,54 @@ __device__ __forceinline__ ReturnedChunk<kLogfmt> load_returned_chunk(const char
     LogfmtChunk loaded;
     loaded.meta =
         __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
-    loaded.low = 0;
-#pragma unroll
-    for (int i = 0; i < 4; ++i) loaded.low |= static_cast<unsigned long long>(__ldcg(halves + i)) << (16 * i);
-    loaded.high = __ldcg(halves + 4);
+    loaded.words[0] = __ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16);
+    loaded.words[1] = __ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16);
+    loaded.words[2] = __ldcg(halves + 4);
+    loaded.words[3] = 0;
     return loaded;
   }
 }
 
-// The values of a loaded chunk, as the reference's combine sees them. A LogFMT fallback group's BF16 words
-// are loaded here (a second round trip, only for groups holding some |x| >= 1).
-template <bool kLogfmt>
-__device__ __forceinline__ void decode_returned_chunk(const char* slot, int chunk,
-                                                      const ReturnedChunk<kLogfmt>& loaded, float* values) {
-  if constexpr (!kLogfmt) {
-    unpack_bf16x8(loaded, values);
-  } else {
-    const uint16_t max_bits = static_cast<uint16_t>(loaded.meta & 0xFFFFu);
-    if (max_bits == kLogfmtFallbackMarker) {
-      const char* payload = slot + size_t(chunk / 16) * kLogfmtPayloadStride;
-      unpack_bf16x8(__ldcg(reinterpret_cast<const int4*>(payload) + chunk % 16), values);
-      return;
-    }
-    const LogfmtParams params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(loaded.meta >> 16));
+__device__ __forceinline__ void load_fallback_chunk(const char* slot, int chunk, LogfmtChunk& loaded) {
+  const int4 raw =
+      __ldcg(reinterpret_cast<const int4*>(slot + size_t(chunk / 16) * kLogfmtPayloadStride) + chunk % 16);
+  loaded.words[0] = static_cast<uint32_t>(raw.x);
+  loaded.words[1] = static_cast<uint32_t>(raw.y);
+  loaded.words[2] = static_cast<uint32_t>(raw.z);
+  loaded.words[3] = static_cast<uint32_t>(raw.w);
+}
+
+// acc[i] += weight * value i of the chunk, with separate IEEE multiply and add (the reference's order).
+__device__ __forceinline__ void add_weighted8(float* acc, float weight, const int4& raw) {
+  float values[8];
+  unpack_bf16x8(raw, values);
 #pragma unroll
-    for (int j = 0; j < 8; ++j)
-      values[j] = logfmt_decode_value(code_of_80(loaded.low, loaded.high, j), params);
+  for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+}
+__device__ __forceinline__ void add_weighted8(float* acc, float weight, const LogfmtChunk& loaded) {
+  if (is_fallback(loaded)) {
+    add_weighted8(acc, weight,
+                  make_int4(static_cast<int>(loaded.words[0]), static_cast<int>(loaded.words[1]),
+                            static_cast<int>(loaded.words[2]), static_cast<int>(loaded.words[3])));
+    return;
+  }
+  const LogfmtParams params = logfmt_params_from_meta(static_cast<uint16_t>(loaded.meta & 0xFFFFu),
+                                                      static_cast<uint16_t>(loaded.meta >> 16));
+  // The 80 code bits as a shift register, and acc as a rotation: each round decodes the lowest code into
+  // acc[0] and rotates acc by one, so after 8 rounds every channel is back in place. The loop stays rolled:
+  // one copy of the level's exp2 instead of eight (unrolled, the LogFMT kernels ran to 20,000+
+  // instructions and their reduction waited on instruction fetch).
+  unsigned long long low = loaded.words[0] | (static_cast<unsigned long long>(loaded.words[1]) << 32);
+  uint32_t high = loaded.words[2];
+#pragma unroll 1
+  for (int j = 0; j < 8; ++j) {
+    const uint16_t code = static_cast<uint16_t>(low & 0x3FFu);
+    low = (low >> 10) | (static_cast<unsigned long long>(high) << 54);
+    high >>= 10;
+    const float sum = __fadd_rn(acc[0], __fmul_rn(weight, logfmt_decode_value(code, params)));
+#pragma unroll
+    for (int i = 0; i < 7; ++i) acc[i] = acc[i + 1];
+    acc[7] = sum;
   }
 }
 
@@ -580,15 +601,28 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
             if (pos >= 0)
               loaded[u] = load_returned_chunk<kLogfmt>(returned_slot(args, token, pos), num_groups, chunk);
           }
+          if constexpr (kLogfmt) {
+            // Fallback groups' BF16 words, all in flight together.
 #pragma unroll
-          for (int u = 0; u < kBatch; ++u) {
-            if (k0 + u >= num_topk || small.slot_pos[k0 + u] < 0) continue;
-            float values[8];
-            decode_returned_chunk<kLogfmt>(returned_slot(args, token, small.slot_pos[k0 + u]), chunk,
-                                           loaded[u], values);
-            const float weight = small.weights[k0 + u];
+            for (int u = 0; u < kBatch; ++u) {
+              const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
+              if (pos >= 0 && is_fallback(loaded[u]))
+                load_fallback_chunk(returned_slot(args, token, pos), chunk, loaded[u]);
+            }
+            // Rolled, the batch rotating to the front (so it stays in registers): one copy of the decode.
+#pragma unroll 1
+            for (int u = 0; u < kBatch; ++u) {
+              if (k0 + u < num_topk && small.slot_pos[k0 + u] >= 0)
+                add_weighted8(acc, small.weights[k0 + u], loaded[0]);
 #pragma unroll
-            for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+              for (int v = 0; v + 1 < kBatch; ++v) loaded[v] = loaded[v + 1];
+            }
+          } else {
+#pragma unroll
+            for (int u = 0; u < kBatch; ++u) {
+              if (k0 + u < num_topk && small.slot_pos[k0 + u] >= 0)
+                add_weighted8(acc, small.weights[k0 + u], loaded[u]);
+            }
           }
         }
         reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
