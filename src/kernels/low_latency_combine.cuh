@@ -3,8 +3,6 @@
 // Low-latency combine: send phase (every expert output row goes back to its source token's slot on the
 // source rank, BF16 or LogFMT-10) and receive phase (wait, then the weighted sum in top-k order). Templated
 // on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh).
-#include <type_traits>
-
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/logfmt.hpp"
 #include "gpu/cuda_check.hpp"
@@ -300,9 +298,9 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   const int base_pieces = Remote::kEnabled ? 1
                           : kLogfmt        ? logfmt_row_pieces(layout.num_groups())
                                            : row_pieces(size_t(hidden) * 2);
-  const int num_pieces = kPreReduce && !Remote::kEnabled
-                             ? pre_reduce_row_pieces(base_pieces, total_rows, num_grid_warps,
-                                                     kLogfmt ? layout.num_groups() : hidden / 8 / 32)
+  const int num_pieces = (kPreReduce || kLogfmt) && !Remote::kEnabled
+                             ? spread_row_pieces(base_pieces, total_rows, num_grid_warps,
+                                                 kLogfmt ? layout.num_groups() : hidden / 8 / 32)
                              : base_pieces;
   const int num_items = total_rows * num_pieces;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
@@ -349,34 +347,26 @@ struct LogfmtChunk {
   uint32_t meta;
   uint32_t words[4];
 };
-template <bool kLogfmt>
-using ReturnedChunk = std::conditional_t<kLogfmt, LogfmtChunk, int4>;
 
 __device__ __forceinline__ bool is_fallback(const LogfmtChunk& loaded) {
   return static_cast<uint16_t>(loaded.meta & 0xFFFFu) == kLogfmtFallbackMarker;
 }
 
-// The chunk's words as loaded: BF16, or a LogFMT group's metadata and codes (a fallback group's BF16 words
-// follow in load_fallback_chunk, once the metadata has said so).
-template <bool kLogfmt>
-__device__ __forceinline__ ReturnedChunk<kLogfmt> load_returned_chunk(const char* slot, int num_groups,
-                                                                      int chunk) {
-  if constexpr (!kLogfmt) {
-    return __ldcg(reinterpret_cast<const int4*>(slot) + chunk);
-  } else {
-    const int group = chunk / 16;
-    const int q = chunk % 16;  // 8-channel chunk inside the group
-    const unsigned short* halves =
-        reinterpret_cast<const unsigned short*>(slot + size_t(group) * kLogfmtPayloadStride + 10 * q);
-    LogfmtChunk loaded;
-    loaded.meta =
-        __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
-    loaded.words[0] = __ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16);
-    loaded.words[1] = __ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16);
-    loaded.words[2] = __ldcg(halves + 4);
-    loaded.words[3] = 0;
-    return loaded;
-  }
+// The chunk's metadata and codes (a fallback group's BF16 words follow in load_fallback_chunk, once the
+// metadata has said so).
+__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int num_groups, int chunk) {
+  const int group = chunk / 16;
+  const int q = chunk % 16;  // 8-channel chunk inside the group
+  const unsigned short* halves =
+      reinterpret_cast<const unsigned short*>(slot + size_t(group) * kLogfmtPayloadStride + 10 * q);
+  LogfmtChunk loaded;
+  loaded.meta =
+      __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
+  loaded.words[0] = __ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16);
+  loaded.words[1] = __ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16);
+  loaded.words[2] = __ldcg(halves + 4);
+  loaded.words[3] = 0;
+  return loaded;
 }
 
 __device__ __forceinline__ void load_fallback_chunk(const char* slot, int chunk, LogfmtChunk& loaded) {
@@ -388,38 +378,34 @@ __device__ __forceinline__ void load_fallback_chunk(const char* slot, int chunk,
   loaded.words[3] = static_cast<uint32_t>(raw.w);
 }
 
-// acc[i] += weight * value i of the chunk, with separate IEEE multiply and add (the reference's order).
+// The chunk's 8 values, as the reference's combine sees them.
+__device__ __forceinline__ void decode_logfmt_chunk(const LogfmtChunk& loaded, float* values) {
+  if (is_fallback(loaded)) {
+    unpack_bf16x8(make_int4(static_cast<int>(loaded.words[0]), static_cast<int>(loaded.words[1]),
+                            static_cast<int>(loaded.words[2]), static_cast<int>(loaded.words[3])),
+                  values);
+    return;
+  }
+  const LogfmtParams params = logfmt_params_from_meta(static_cast<uint16_t>(loaded.meta & 0xFFFFu),
+                                                      static_cast<uint16_t>(loaded.meta >> 16));
+  const unsigned long long low = loaded.words[0] | (static_cast<unsigned long long>(loaded.words[1]) << 32);
+  const uint32_t high = loaded.words[2];
+#pragma unroll
+  for (int j = 0; j < 8; ++j) {
+    const int bit = 10 * j;
+    const uint32_t code = bit + 10 <= 64 ? static_cast<uint32_t>(low >> bit)
+                          : bit >= 64    ? high >> (bit - 64)
+                                         : static_cast<uint32_t>(low >> bit) | (high << (64 - bit));
+    values[j] = logfmt_decode_value(static_cast<uint16_t>(code & 0x3FFu), params);
+  }
+}
+
+// acc[i] += weight * value i of 8 BF16 values, with separate IEEE multiply and add (the reference's order).
 __device__ __forceinline__ void add_weighted8(float* acc, float weight, const int4& raw) {
   float values[8];
   unpack_bf16x8(raw, values);
 #pragma unroll
   for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
-}
-__device__ __forceinline__ void add_weighted8(float* acc, float weight, const LogfmtChunk& loaded) {
-  if (is_fallback(loaded)) {
-    add_weighted8(acc, weight,
-                  make_int4(static_cast<int>(loaded.words[0]), static_cast<int>(loaded.words[1]),
-                            static_cast<int>(loaded.words[2]), static_cast<int>(loaded.words[3])));
-    return;
-  }
-  const LogfmtParams params = logfmt_params_from_meta(static_cast<uint16_t>(loaded.meta & 0xFFFFu),
-                                                      static_cast<uint16_t>(loaded.meta >> 16));
-  // The 80 code bits as a shift register, and acc as a rotation: each round decodes the lowest code into
-  // acc[0] and rotates acc by one, so after 8 rounds every channel is back in place. The loop stays rolled:
-  // one copy of the level's exp2 instead of eight (unrolled, the LogFMT kernels ran to 20,000+
-  // instructions and their reduction waited on instruction fetch).
-  unsigned long long low = loaded.words[0] | (static_cast<unsigned long long>(loaded.words[1]) << 32);
-  uint32_t high = loaded.words[2];
-#pragma unroll 1
-  for (int j = 0; j < 8; ++j) {
-    const uint16_t code = static_cast<uint16_t>(low & 0x3FFu);
-    low = (low >> 10) | (static_cast<unsigned long long>(high) << 54);
-    high >>= 10;
-    const float sum = __fadd_rn(acc[0], __fmul_rn(weight, logfmt_decode_value(code, params)));
-#pragma unroll
-    for (int i = 0; i < 7; ++i) acc[i] = acc[i + 1];
-    acc[7] = sum;
-  }
 }
 
 // Slot (token, top-k position `pos`) of this rank's receive half: where a returned row lands.
@@ -520,6 +506,57 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
   }
 }
 
+// A LogFMT reduction of one token's chunks, its listings spread over lanes: lane (c, k) of a warp (kLanes
+// lanes per chunk: 8 up to top-8, 16 above) loads, decodes and weighs listing k's chunk c, and the chunk's
+// lanes add the products in top-k order through shuffles (acc = +0, then acc + w_k * v_k as the reference
+// writes it; -1 and left-out listings skipped). A value's decode is a chain of dependent steps (its level's
+// exp2), so with a thread per chunk a token's listings were decoded in series. The next chunk's words are
+// loaded while the current one decodes.
+__device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
+                                     int token, WordRange chunks, uint16_t* out_row) {
+  const int num_topk = args.in.num_topk;
+  const int num_groups = args.layout.num_groups();
+  const int lanes_per_chunk = num_topk <= 8 ? 8 : 16;  // kMaxTopk is 16
+  const int chunks_per_warp = 32 / lanes_per_chunk;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const int k = lane % lanes_per_chunk;
+  const int first_lane = lane - k;  // the chunk's lane of listing 0
+  const int pos = k < num_topk ? small.slot_pos[k] : -1;
+  const float weight = k < num_topk ? small.weights[k] : 0.0f;
+  const char* slot = pos >= 0 ? returned_slot(args, token, pos) : nullptr;
+  const int stride = kNumWarps * chunks_per_warp;
+  int chunk = chunks.begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + lane / lanes_per_chunk;
+  LogfmtChunk next{};
+  if (pos >= 0 && chunk < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk);
+  for (; chunk - lane / lanes_per_chunk < chunks.end; chunk += stride) {  // warp-uniform condition
+    const bool active = pos >= 0 && chunk < chunks.end;
+    LogfmtChunk loaded = next;
+    if (pos >= 0 && chunk + stride < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk + stride);
+    float products[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) products[i] = 0.0f;
+    if (active) {
+      if (is_fallback(loaded)) load_fallback_chunk(slot, chunk, loaded);
+      float values[8];
+      decode_logfmt_chunk(loaded, values);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) products[i] = __fmul_rn(weight, values[i]);
+    }
+    float acc[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+    for (int j = 0; j < num_topk; ++j) {
+      const bool listed = small.slot_pos[j] >= 0;  // warp-uniform
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        const float product = __shfl_sync(kFullMask, products[i], first_lane + j);
+        if (listed) acc[i] = __fadd_rn(acc[i], product);
+      }
+    }
+    if (k == 0 && chunk < chunks.end) reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
+  }
+}
+
 // Per token, per 8 channels (a thread each): acc = +0; acc += w_k * v_k in top-k order with separate IEEE
 // multiply and add (as the reference writes it), then BF16 round to nearest even. Experts on ranks the
 // receive leaves out (small.left_out) count as -1 entries. A token is split into `parts` ranges of channels,
@@ -536,7 +573,6 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
   const int hidden = layout.hidden;
   const int num_topk = args.in.num_topk;
   const int num_chunks = hidden / 8;
-  const int num_groups = layout.num_groups();
   const int parts = reduce_parts_of(args);
   for (int item = blockIdx.x; item < args.in.num_tokens * parts; item += gridDim.x) {
     const int token = item / parts;
@@ -584,7 +620,9 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     __syncthreads();
     if (item == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
-    if constexpr (kPreReduce && !kLogfmt) {
+    if constexpr (kLogfmt) {
+      reduce_logfmt_chunks(args, small, token, chunks, out_row);
+    } else if constexpr (kPreReduce) {
       add_partial_rows(args, small, token, chunks, out_row);
     } else {
       for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
@@ -594,35 +632,17 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
         // kBatch listings' loads in flight together (top-8 in one round), then added in top-k order.
         constexpr int kBatch = 8;
         for (int k0 = 0; k0 < num_topk; k0 += kBatch) {
-          ReturnedChunk<kLogfmt> loaded[kBatch];
+          int4 raw[kBatch];
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
             if (pos >= 0)
-              loaded[u] = load_returned_chunk<kLogfmt>(returned_slot(args, token, pos), num_groups, chunk);
+              raw[u] = __ldcg(reinterpret_cast<const int4*>(returned_slot(args, token, pos)) + chunk);
           }
-          if constexpr (kLogfmt) {
-            // Fallback groups' BF16 words, all in flight together.
 #pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-              if (pos >= 0 && is_fallback(loaded[u]))
-                load_fallback_chunk(returned_slot(args, token, pos), chunk, loaded[u]);
-            }
-            // Rolled, the batch rotating to the front (so it stays in registers): one copy of the decode.
-#pragma unroll 1
-            for (int u = 0; u < kBatch; ++u) {
-              if (k0 + u < num_topk && small.slot_pos[k0 + u] >= 0)
-                add_weighted8(acc, small.weights[k0 + u], loaded[0]);
-#pragma unroll
-              for (int v = 0; v + 1 < kBatch; ++v) loaded[v] = loaded[v + 1];
-            }
-          } else {
-#pragma unroll
-            for (int u = 0; u < kBatch; ++u) {
-              if (k0 + u < num_topk && small.slot_pos[k0 + u] >= 0)
-                add_weighted8(acc, small.weights[k0 + u], loaded[u]);
-            }
+          for (int u = 0; u < kBatch; ++u) {
+            if (k0 + u < num_topk && small.slot_pos[k0 + u] >= 0)
+              add_weighted8(acc, small.weights[k0 + u], raw[u]);
           }
         }
         reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);

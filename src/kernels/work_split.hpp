@@ -41,11 +41,12 @@ EPX_HD int logfmt_row_pieces(int num_groups) {
   return num_groups <= kLogfmtPieceGroups ? 1 : (num_groups + kLogfmtPieceGroups - 1) / kLogfmtPieceGroups;
 }
 
-// A pre-reduced combine sends one partial row per token, whose channels the token's n rows on this rank share
-// (row i takes the i-th share of each piece). So a call with few rows splits each row into more pieces, up
-// to one piece per warp of the grid, but never more than `max_pieces` (BF16: chunks / 32, so a lane has a
-// chunk; LogFMT: the groups), nor fewer than the plain send's `base_pieces`.
-EPX_HD int pre_reduce_row_pieces(int base_pieces, int total_rows, int num_grid_warps, int max_pieces) {
+// A send with few rows splits each row into more pieces, up to one piece per warp of the grid, but never
+// more than `max_pieces` (BF16: chunks / 32, so a lane has a chunk; LogFMT: the groups), nor fewer than the
+// plain split's `base_pieces`. The pre-reduced combine sends one partial row per token, whose channels the
+// token's n rows on this rank share (row i takes the i-th share of each piece); a LogFMT group's encode is a
+// chain of dependent steps, so at 1 token eight groups per warp took 8x one group's latency.
+EPX_HD int spread_row_pieces(int base_pieces, int total_rows, int num_grid_warps, int max_pieces) {
   const int spread = total_rows > 0 ? num_grid_warps / total_rows : 1;
   const int pieces = spread < max_pieces ? spread : max_pieces;
   return pieces > base_pieces ? pieces : base_pieces;

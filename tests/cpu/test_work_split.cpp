@@ -58,14 +58,14 @@ TEST(WorkSplit, LogfmtPiecesTileTheGroups) {
   EXPECT_EQ(epx::kernels::logfmt_row_pieces(8), 1);
 }
 
-// Every (piece, share) range of a pre-reduced send covers each unit of the row once, whatever the share
-// count.
-TEST(WorkSplit, PreReducePiecesAndSharesTileTheRow) {
-  using epx::kernels::pre_reduce_row_pieces;
+// Every (piece, share) range of a spread send (shares: a pre-reduced send's rows of one token) covers each
+// unit of the row once, whatever the share count.
+TEST(WorkSplit, SpreadPiecesAndSharesTileTheRow) {
+  using epx::kernels::spread_row_pieces;
   for (const int units : {1, 4, 21, 28, 56, 896}) {
     for (const int rows : {0, 1, 8, 100, 1024, 100000}) {
       const int base = units >= 2 ? 2 : 1;
-      const int pieces = pre_reduce_row_pieces(base, rows, 132 * 16, units);
+      const int pieces = spread_row_pieces(base, rows, 132 * 16, units);
       EXPECT_GE(pieces, base);
       EXPECT_LE(pieces, std::max(base, units));
       if (rows > 0 && pieces > base) {
@@ -84,8 +84,10 @@ TEST(WorkSplit, PreReducePiecesAndSharesTileTheRow) {
       }
     }
   }
-  EXPECT_EQ(pre_reduce_row_pieces(2, 8, 132 * 16, 28), 28);    // 1 token, top-8, BF16 hidden 7168
-  EXPECT_EQ(pre_reduce_row_pieces(2, 1024, 132 * 16, 28), 2);  // 128 tokens: the plain split
+  EXPECT_EQ(spread_row_pieces(2, 8, 132 * 16, 28), 28);    // 1 token, top-8, BF16 hidden 7168
+  EXPECT_EQ(spread_row_pieces(2, 1024, 132 * 16, 28), 2);  // 128 tokens: the plain split
+  EXPECT_EQ(spread_row_pieces(7, 8, 132 * 16, 56), 56);    // 1 token, LogFMT: a group per warp
+  EXPECT_EQ(spread_row_pieces(7, 1024, 132 * 16, 56), 7);  // 128 tokens: 8 groups per piece
 }
 
 TEST(WorkSplit, DispatchPublishersAreTheSendersAndTheRouter) {
