@@ -506,36 +506,39 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
   }
 }
 
-// A LogFMT reduction of one token's chunks, its listings spread over lanes: lane (c, k) of a warp (kLanes
-// lanes per chunk: 8 up to top-8, 16 above) loads, decodes and weighs listing k's chunk c, and the chunk's
-// lanes add the products in top-k order through shuffles (acc = +0, then acc + w_k * v_k as the reference
-// writes it; -1 and left-out listings skipped). A value's decode is a chain of dependent steps (its level's
+// A LogFMT reduction of one token's chunks, its listings spread over lanes: of the token's n listed slots
+// (slot_pos >= 0, in top-k order), lane (c, k) of a warp loads, decodes and weighs the k-th one's chunk c, n
+// rounded up to a power of two lanes per chunk (a pre-reduced token's one or two partials take one or two
+// lanes, top-8 eight), and the chunk's lanes add the products in top-k order through shuffles (acc = +0,
+// then acc + w * v as the reference writes it). A value's decode is a chain of dependent steps (its level's
 // exp2), so with a thread per chunk a token's listings were decoded in series. The next chunk's words are
 // loaded while the current one decodes.
 __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
                                      int token, WordRange chunks, uint16_t* out_row) {
   const int num_topk = args.in.num_topk;
   const int num_groups = args.layout.num_groups();
-  const int lanes_per_chunk = num_topk <= 8 ? 8 : 16;  // kMaxTopk is 16
-  const int chunks_per_warp = 32 / lanes_per_chunk;
   const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && small.slot_pos[lane] >= 0);
+  const int num_listed = __popc(listed);
+  int lanes_per_chunk = 1;
+  while (lanes_per_chunk < num_listed) lanes_per_chunk *= 2;  // at most kMaxTopk = 16
+  const int chunks_per_warp = 32 / lanes_per_chunk;
   const int k = lane % lanes_per_chunk;
-  const int first_lane = lane - k;  // the chunk's lane of listing 0
-  const int pos = k < num_topk ? small.slot_pos[k] : -1;
-  const float weight = k < num_topk ? small.weights[k] : 0.0f;
-  const char* slot = pos >= 0 ? returned_slot(args, token, pos) : nullptr;
+  const int first_lane = lane - k;  // the chunk's lane of its first listed slot
+  const int entry = k < num_listed ? static_cast<int>(__fns(listed, 0, k + 1)) : -1;
+  const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
+  const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
   const int stride = kNumWarps * chunks_per_warp;
   int chunk = chunks.begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + lane / lanes_per_chunk;
   LogfmtChunk next{};
-  if (pos >= 0 && chunk < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk);
+  if (entry >= 0 && chunk < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk);
   for (; chunk - lane / lanes_per_chunk < chunks.end; chunk += stride) {  // warp-uniform condition
-    const bool active = pos >= 0 && chunk < chunks.end;
     LogfmtChunk loaded = next;
-    if (pos >= 0 && chunk + stride < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk + stride);
+    if (entry >= 0 && chunk + stride < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk + stride);
     float products[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) products[i] = 0.0f;
-    if (active) {
+    if (entry >= 0 && chunk < chunks.end) {
       if (is_fallback(loaded)) load_fallback_chunk(slot, chunk, loaded);
       float values[8];
       decode_logfmt_chunk(loaded, values);
@@ -545,13 +548,10 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
     float acc[8];
 #pragma unroll
     for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int j = 0; j < num_topk; ++j) {
-      const bool listed = small.slot_pos[j] >= 0;  // warp-uniform
+    for (int j = 0; j < num_listed; ++j) {
 #pragma unroll
-      for (int i = 0; i < 8; ++i) {
-        const float product = __shfl_sync(kFullMask, products[i], first_lane + j);
-        if (listed) acc[i] = __fadd_rn(acc[i], product);
-      }
+      for (int i = 0; i < 8; ++i)
+        acc[i] = __fadd_rn(acc[i], __shfl_sync(kFullMask, products[i], first_lane + j));
     }
     if (k == 0 && chunk < chunks.end) reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
   }
