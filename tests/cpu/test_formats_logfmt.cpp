@@ -300,7 +300,7 @@ TEST(FormatsLogfmt, FastEncodeIsTheReferenceForEveryBf16Input) {
         ASSERT_EQ(epx::logfmt_encode_fast(x, params, fast, low), want)
             << std::hex << c.max_bits << " " << bits;
         const int level = want & kLogfmtMaxLevel;
-        if (level < 3 || level > 509) continue;  // never settled: ends of the ladder, zero rule
+        if (level < 2) continue;  // level 1 and zero: the reference's zero rule decides
         settled += epx::logfmt_encode_settled(x, params, fast, exact) >= 0;
         ++checked;
       }

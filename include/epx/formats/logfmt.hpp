@@ -193,22 +193,23 @@ EPX_HD uint16_t logfmt_encode_value(float x, const LogfmtParams& params) {
 // ---- Fast encode: the reference's code, with one approximate log2 where that settles the level ----
 //
 // logfmt_encode_value evaluates a log2 and two or three levels (each an exp2) per value. Most values lie
-// far from the linear midpoints between levels, and there an approximate log2 alone decides. In level
-// units the levels 2..510 are the ideal ladder 2^(log2(max) - (511 - k) * step) to within 2^-19 log2 units
-// (the rounding of the exponent argument near 33, and the series' 1e-8), and the linear midpoint of levels
-// k and k + 1 sits at k + 1/2 + a/8 - a^3/192 (a = step * ln 2; a^3/192 < 5e-7 for step <= 32/510). The
-// estimate u of |x|'s position errs by at most 2^-21 (the approximate log2 of the mantissa) + 2^-19 (the
-// rounding of log2(|x|/max), below 33 in size) log2 units, times inv_step, plus under 1e-4 level units of
-// float roundings. Where u lies farther than the margin below from every midpoint, the level is the one
-// between its two neighbouring midpoints, which is what the reference's comparisons find; elsewhere, and
-// for levels 1, 2, 510 and 511 (min and max are not on the ladder, level 1 has the zero rule), the
-// reference decides. The margins are 3x and 8x what the bound needs.
-constexpr float kLogfmtFastMarginLog2 = 1.52587890625e-05f;  // 2^-16 log2 units (needs 4.5e-6)
-constexpr float kLogfmtFastMarginLevels = 9.765625e-04f;     // 2^-10 level units (needs 1.2e-4)
+// far from the linear midpoints between levels, and there an approximate log2 alone decides. In log2 units
+// the levels 2..510 lie on the ideal ladder log2(max) - (511 - k) * step to within 2^-19 (the rounding of
+// the exponent argument near 33, and the series' 1e-8), level 511 (= max) to within 1e-7, and level 1 (= min
+// when unclipped) to within 4e-6 (the roundings of the range and of step = range / 510). The linear
+// midpoint of levels k and k + 1 sits at k + 1/2 + a/8 - a^3/192 level units (a = step * ln 2; a^3/192 <
+// 5e-7 for step <= 32/510). The estimate of |x|'s position errs by at most 2^-21 (the approximate log2 of
+// the mantissa) + 2^-19 (the rounding of log2(|x|/max), below 33 in size) log2 units, times inv_step, plus
+// under 6e-5 level units of float roundings. Where it lies farther than the margin from every midpoint, the
+// level is the one between its two neighbouring midpoints, which is what the reference's comparisons find
+// (the worst error sum, 6.4e-6 log2 units, is 2.3x inside the margin). Elsewhere, and below the midpoint
+// of levels 1 and 2 (the zero rule), the reference decides.
+constexpr float kLogfmtFastMarginLog2 = 1.52587890625e-05f;  // 2^-16 log2 units (needs 6.4e-6)
+constexpr float kLogfmtFastMarginLevels = 2.44140625e-04f;   // 2^-12 level units (needs 6e-5)
 
 // A group's constants for logfmt_encode_settled.
 struct LogfmtFastEncode {
-  bool usable;             // step > 0 and levels from 2 up are normal floats
+  bool usable;             // step > 0 and levels from 1 up are normal floats
   float midpoint_offset;   // 1/2 + a/8: where a midpoint lies past its lower level, in level units
   float margin;            // the distance from a midpoint (level units) that still settles the level
   int max_exponent_field;  // the biased exponent the ladder's log2(max) split is relative to
@@ -216,7 +217,7 @@ struct LogfmtFastEncode {
 
 EPX_HD LogfmtFastEncode logfmt_fast_encode_setup(const LogfmtParams& params) {
   LogfmtFastEncode fast{false, 0.5f, 0.0f, 0};
-  // Level 2 is at least 2^(log2(max) - 33): with the exponent above -92 it is a normal float.
+  // Level 1 is at least 2^(log2(max) - 33): with the exponent above -92 it is a normal float.
   fast.usable = params.step > 0.0f && params.max_log2_exponent > -92;
   fast.midpoint_offset = fmaf(params.step, 0.0866433975f, 0.5f);  // ln 2 / 8
   fast.margin = fmaf(kLogfmtFastMarginLog2, params.inv_step, kLogfmtFastMarginLevels);
@@ -231,7 +232,12 @@ EPX_HD int logfmt_encode_settled(float x, const LogfmtParams& params, const Logf
                                  Log2Mantissa log2_mantissa) {
   const uint32_t abs_bits = float_as_bits(x) & 0x7FFFFFFFu;
   const int exponent_field = static_cast<int>(abs_bits >> 23);
-  if (!fast.usable || exponent_field == 0 || !(bits_as_float(abs_bits) < params.max_abs)) return -1;
+  const int sign = static_cast<int>((float_as_bits(x) >> 31) << 9);
+  if (!fast.usable || exponent_field == 0 || abs_bits > 0x7F800000u) return -1;  // NaN: the reference's
+  // Every group holds its max, and an unclipped one its min: the levels 511 and 1 exactly (the reference's
+  // comparisons cannot move off them, as min and max are distinct BF16 values whenever step > 0).
+  if (bits_as_float(abs_bits) >= params.max_abs) return sign | kLogfmtMaxLevel;
+  if (!params.clipped && bits_as_float(abs_bits) == params.min_abs) return sign | 1;
   const float mantissa = bits_as_float((abs_bits & 0x7FFFFFu) | 0x3F800000u);
   const float below_max = static_cast<float>(exponent_field - fast.max_exponent_field) +
                           (log2_mantissa(mantissa) - params.max_log2_fraction);
@@ -240,8 +246,8 @@ EPX_HD int logfmt_encode_settled(float x, const LogfmtParams& params, const Logf
       fmaf(below_max, params.inv_step, static_cast<float>(kLogfmtMaxLevel)) - fast.midpoint_offset;
   const float lower = floorf(past);
   const float frac = past - lower;
-  if (!(lower >= 2.0f && lower <= 508.0f && frac > fast.margin && frac < 1.0f - fast.margin)) return -1;
-  return static_cast<int>((float_as_bits(x) >> 31) << 9) | (static_cast<int>(lower) + 1);
+  if (!(lower >= 1.0f && lower <= 510.0f && frac > fast.margin && frac < 1.0f - fast.margin)) return -1;
+  return sign | (static_cast<int>(lower) + 1);
 }
 
 template <typename Log2Mantissa>
