@@ -5,6 +5,7 @@
 #include <cstdint>
 #include <limits>
 #include <random>
+#include <utility>
 #include <vector>
 
 #include "epx/formats/bf16.hpp"
@@ -92,6 +93,17 @@ std::vector<uint16_t> make_group(std::mt19937& rng, int kind) {
 }
 
 constexpr int kNumGroupKinds = 8;
+
+// A group's max and min keys: the reductions of logfmt_abs_for_max and logfmt_abs_for_min, as an encoder
+// computes them.
+std::pair<float, float> group_keys(const std::vector<uint16_t>& group) {
+  float max_key = 0.0f, min_key = std::numeric_limits<float>::infinity();
+  for (uint16_t bits : group) {
+    max_key = std::fmax(max_key, epx::logfmt_abs_for_max(bf16_to_float(bits)));
+    min_key = std::fmin(min_key, epx::logfmt_abs_for_min(bf16_to_float(bits)));
+  }
+  return {max_key, min_key};
+}
 
 // ---------------------------------------------------------------------------------------------------
 // Layout
@@ -238,11 +250,7 @@ TEST(FormatsLogfmt, EncodeMatchesNearestLevelReference) {
   std::mt19937 rng(23);
   for (int group_idx = 0; group_idx < 160; ++group_idx) {
     const std::vector<uint16_t> group = make_group(rng, group_idx % kNumGroupKinds);
-    float max_key = 0.0f, min_key = std::numeric_limits<float>::infinity();
-    for (uint16_t bits : group) {
-      max_key = std::fmax(max_key, epx::logfmt_abs_for_max(bf16_to_float(bits)));
-      min_key = std::fmin(min_key, epx::logfmt_abs_for_min(bf16_to_float(bits)));
-    }
+    const auto [max_key, min_key] = group_keys(group);
     const LogfmtParams params = epx::logfmt_params(max_key, min_key);
     const std::vector<float> levels = all_levels(params);
     for (uint16_t bits : group) {
@@ -263,7 +271,7 @@ TEST(FormatsLogfmt, EncodeMatchesNearestLevelReference) {
 
 // The fast encode (one approximate log2, the reference where that does not settle the level) must give the
 // reference's code for every BF16 input, with a log2 of the mantissa off by up to 2^-21 either way (the
-// bound its margin assumes; the GPU's hardware log2 is within 2^-22 on [1, 2)).
+// bound its margin assumes for the GPU's hardware log2 on [1, 2)).
 TEST(FormatsLogfmt, FastEncodeIsTheReferenceForEveryBf16Input) {
   std::mt19937 rng(31);
   std::uniform_int_distribution<int> below_one(1, 0x3F7F);  // positive BF16 below 1
@@ -317,11 +325,7 @@ TEST(FormatsLogfmt, FastEncodeIsTheReferenceForRandomGroupsAndFloats) {
   const auto hardware_like = [](float m) { return static_cast<float>(std::log2(static_cast<double>(m))); };
   for (int group_idx = 0; group_idx < 160; ++group_idx) {
     const std::vector<uint16_t> group = make_group(rng, group_idx % kNumGroupKinds);
-    float max_key = 0.0f, min_key = std::numeric_limits<float>::infinity();
-    for (uint16_t bits : group) {
-      max_key = std::fmax(max_key, epx::logfmt_abs_for_max(bf16_to_float(bits)));
-      min_key = std::fmin(min_key, epx::logfmt_abs_for_min(bf16_to_float(bits)));
-    }
+    const auto [max_key, min_key] = group_keys(group);
     if (!epx::logfmt_group_qualifies(max_key)) continue;
     const LogfmtParams params = epx::logfmt_params(max_key, min_key);
     const epx::LogfmtFastEncode fast = epx::logfmt_fast_encode_setup(params);
