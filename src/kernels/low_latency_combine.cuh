@@ -34,8 +34,65 @@ struct CombineSmallSmem {
   unsigned long long needed;    // the ranks the block's current token has experts on (reduce_tokens)
 };
 
-size_t combine_smem_bytes(const LowLatencyBufferMap& layout) {
-  return align_up(sizeof(CombineSmallSmem), 16) + sizeof(int) * (size_t(layout.num_experts) + 1);
+// A LogFMT group's constants in shared memory, computed once per group by one thread and read by the lanes
+// that encode or decode its values (each costs two reproducible log2 splits and three divisions, which a
+// lane per chunk or per group would otherwise repeat). max_bits = kLogfmtFallbackMarker: a BF16 group.
+struct alignas(16) LogfmtDecodeConstants {
+  LogfmtParams params;
+};
+struct alignas(16) LogfmtEncodeConstants {
+  LogfmtParams params;
+  LogfmtFastEncode fast;
+};
+
+// The receive's table of constants, one per (listed slot, group) of a window of the token's groups: top-8
+// of hidden 7168 (8 x 56 groups) in one window.
+constexpr int kLogfmtTableEntries = 512;
+// Per warp: the encoder's constants of a batch of groups, or the receive's products awaiting their ordered
+// sum (chunks_per_warp chunks of lanes_per_chunk * 8 floats, padded by 8 floats against bank conflicts
+// once lanes_per_chunk > 1; at most 16 * 24 floats).
+constexpr int kLogfmtWarpScratchBytes = 1536;
+
+// Dynamic shared memory of a combine kernel: CombineSmallSmem, then (LogFMT kernels) the receive's table and
+// the warps' scratch, then the send's per-pair prefix sums.
+constexpr size_t kCombineTableOffset = align_up(sizeof(CombineSmallSmem), 16);
+constexpr size_t kCombineWarpScratchOffset =
+    kCombineTableOffset + sizeof(LogfmtDecodeConstants) * kLogfmtTableEntries;
+constexpr size_t combine_prefix_offset(bool logfmt) {
+  return logfmt ? kCombineWarpScratchOffset + size_t(kLogfmtWarpScratchBytes) * kNumWarps
+                : kCombineTableOffset;
+}
+
+size_t combine_smem_bytes(const LowLatencyBufferMap& layout, bool logfmt) {
+  return combine_prefix_offset(logfmt) + sizeof(int) * (size_t(layout.num_experts) + 1);
+}
+
+__device__ __forceinline__ char* combine_smem() {
+  extern __shared__ __align__(16) char smem[];
+  return smem;
+}
+
+__device__ __forceinline__ LogfmtDecodeConstants* logfmt_table() {
+  return reinterpret_cast<LogfmtDecodeConstants*>(combine_smem() + kCombineTableOffset);
+}
+
+// A copy of shared-memory constants in registers, read with vector loads once: through a reference, the
+// compiler reloads each field inside the branches that use it, once per value.
+template <typename Constants>
+__device__ __forceinline__ Constants in_registers(const Constants& shared) {
+  static_assert(sizeof(Constants) % sizeof(int4) == 0);
+  int4 words[sizeof(Constants) / sizeof(int4)];
+#pragma unroll
+  for (int i = 0; i < int(sizeof(Constants) / sizeof(int4)); ++i)
+    words[i] = reinterpret_cast<const int4*>(&shared)[i];
+  Constants copy;
+  memcpy(&copy, words, sizeof(copy));
+  return copy;
+}
+
+// The calling warp's scratch (LogFMT kernels only).
+__device__ __forceinline__ char* logfmt_warp_scratch() {
+  return combine_smem() + kCombineWarpScratchOffset + size_t(threadIdx.x / 32) * kLogfmtWarpScratchBytes;
 }
 
 // ---- Send ----
@@ -44,9 +101,14 @@ size_t combine_smem_bytes(const LowLatencyBufferMap& layout) {
 // (logfmt_encode_settled); the rest take the reference one per round, so the warp runs the reference as
 // many times as its lane with the most unsettled values holds (often none or once), not four times.
 __device__ __forceinline__ unsigned long long logfmt_encode4(const float (&values)[4],
-                                                             const LogfmtParams& params) {
-  const LogfmtFastEncode fast = logfmt_fast_encode_setup(params);
-  const auto log2_mantissa = [](float m) { return __log2f(m); };
+                                                             const LogfmtParams& params,
+                                                             const LogfmtFastEncode& fast) {
+  // The mantissa is in [1, 2), never subnormal: the approximation without the subnormal fix-up.
+  const auto log2_mantissa = [](float m) {
+    float log2_m;
+    asm("lg2.approx.ftz.f32 %0, %1;" : "=f"(log2_m) : "f"(m));
+    return log2_m;
+  };
   int codes[4];
 #pragma unroll
   for (int i = 0; i < 4; ++i) codes[i] = logfmt_encode_settled(values[i], params, fast, log2_mantissa);
@@ -67,29 +129,16 @@ __device__ __forceinline__ unsigned long long logfmt_encode4(const float (&value
 
 // Group `group` of a row (lane l holds channels 4l..4l+3 in `raw`) into its payload and metadata word.
 __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, int group, const uint2 raw,
-                                                    int lane) {
-  const float values[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
-                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
-  float max_key = 0.0f;
-  float min_key = __uint_as_float(0x7F800000u);
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    max_key = fmaxf(max_key, logfmt_abs_for_max(values[i]));
-    min_key = fminf(min_key, logfmt_abs_for_min(values[i]));
-  }
-#pragma unroll
-  for (int offset = 16; offset > 0; offset >>= 1) {
-    max_key = fmaxf(max_key, __shfl_xor_sync(kFullMask, max_key, offset));
-    min_key = fminf(min_key, __shfl_xor_sync(kFullMask, min_key, offset));
-  }
+                                                    const LogfmtEncodeConstants& constants, int lane) {
   char* payload = slot + size_t(group) * kLogfmtPayloadStride;
-  if (!logfmt_group_qualifies(max_key)) {  // warp-uniform
+  if (constants.params.max_bits == kLogfmtFallbackMarker) {  // warp-uniform
     reinterpret_cast<uint2*>(payload)[lane] = raw;
     if (lane == 0) meta[group] = kLogfmtFallbackMarker;
     return;
   }
-  const LogfmtParams params = logfmt_params(max_key, min_key);
-  const unsigned long long packed = logfmt_encode4(values, params);
+  const float values[4] = {__uint_as_float(raw.x << 16), __uint_as_float(raw.x & 0xFFFF0000u),
+                           __uint_as_float(raw.y << 16), __uint_as_float(raw.y & 0xFFFF0000u)};
+  const unsigned long long packed = logfmt_encode4(values, constants.params, constants.fast);
 #pragma unroll
   for (int round = 0; round < 2; ++round) {
     const int word = lane + 32 * round;
@@ -102,7 +151,29 @@ __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, 
       reinterpret_cast<uint32_t*>(payload)[word] =
           static_cast<uint32_t>((low >> shift) | (high << (40 - shift)));
   }
-  if (lane == 0) meta[group] = params.max_bits | (static_cast<uint32_t>(params.min_bits) << 16);
+  if (lane == 0)
+    meta[group] = constants.params.max_bits | (static_cast<uint32_t>(constants.params.min_bits) << 16);
+}
+
+// Reduce-scatter of 8 keys per lane over the warp with fmaxf (kMax) or fminf, both order-independent:
+// returns key (lane >> 2) reduced over all 32 lanes, in 9 shuffles (8 separate reductions take 40).
+template <bool kMax>
+__device__ __forceinline__ float reduce_scatter8(float (&keys)[8], int lane) {
+  const auto combine_keys = [](float a, float b) { return kMax ? fmaxf(a, b) : fminf(a, b); };
+#pragma unroll
+  for (int half = 4; half >= 1; half /= 2) {
+    const int offset = 4 * half;  // 16, 8, 4: the upper half of lanes keeps the upper half of the keys
+    const bool upper = (lane & offset) != 0;
+#pragma unroll
+    for (int j = 0; j < half; ++j) {
+      const float sent = upper ? keys[j] : keys[j + half];
+      const float kept = upper ? keys[j + half] : keys[j];
+      keys[j] = combine_keys(kept, __shfl_xor_sync(kFullMask, sent, offset));
+    }
+  }
+  float key = keys[0];
+  key = combine_keys(key, __shfl_xor_sync(kFullMask, key, 2));
+  return combine_keys(key, __shfl_xor_sync(kFullMask, key, 1));
 }
 
 // One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
@@ -113,19 +184,46 @@ __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, 
 // Groups [group_begin, group_end) only: a piece of the row (work_split.hpp's logfmt_row_pieces).
 __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
                                      int group_end, int lane) {
-  // kBatch groups' loads in flight together; a batch is loaded before any of its payloads is written.
+  // kBatch groups' loads in flight together; a batch is loaded before any of its payloads is written. Lane
+  // 4g computes group g's constants from the batch's max and min, into the warp's scratch.
   constexpr int kBatch = 8;
+  static_assert(kBatch * sizeof(LogfmtEncodeConstants) <= kLogfmtWarpScratchBytes);
+  auto* constants = reinterpret_cast<LogfmtEncodeConstants*>(logfmt_warp_scratch());
   for (int group0 = group_begin; group0 < group_end; group0 += kBatch) {
     uint2 batch[kBatch];
+    float max_keys[kBatch], min_keys[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      if (group0 + u < group_end)
-        batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
+      batch[u] = group0 + u < group_end
+                     ? __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane)
+                     : make_uint2(0u, 0u);
+      const float values[4] = {__uint_as_float(batch[u].x << 16), __uint_as_float(batch[u].x & 0xFFFF0000u),
+                               __uint_as_float(batch[u].y << 16), __uint_as_float(batch[u].y & 0xFFFF0000u)};
+      max_keys[u] = 0.0f;
+      min_keys[u] = __uint_as_float(0x7F800000u);
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        max_keys[u] = fmaxf(max_keys[u], logfmt_abs_for_max(values[i]));
+        min_keys[u] = fminf(min_keys[u], logfmt_abs_for_min(values[i]));
+      }
     }
+    const float max_key = reduce_scatter8<true>(max_keys, lane);
+    const float min_key = reduce_scatter8<false>(min_keys, lane);
+    __syncwarp();  // the previous batch's constants have been read
+    if (lane % 4 == 0) {
+      LogfmtEncodeConstants& mine = constants[lane / 4];
+      if (logfmt_group_qualifies(max_key)) {
+        mine.params = logfmt_params(max_key, min_key);
+        mine.fast = logfmt_fast_encode_setup(mine.params);
+      } else {
+        mine.params.max_bits = kLogfmtFallbackMarker;
+      }
+    }
+    __syncwarp();
     // Rolled, the batch rotating to the front (so it stays in registers): one copy of the encode.
 #pragma unroll 1
     for (int u = 0; u < kBatch && group0 + u < group_end; ++u) {
-      encode_logfmt_group(slot, meta, group0 + u, batch[0], lane);
+      encode_logfmt_group(slot, meta, group0 + u, batch[0], in_registers(constants[u]), lane);
 #pragma unroll
       for (int v = 0; v + 1 < kBatch; ++v) batch[v] = batch[v + 1];
     }
@@ -173,6 +271,14 @@ __device__ __forceinline__ int4 pack_bf16x8(const float* acc) {
                    static_cast<int>(words[3]));
 }
 
+// acc[i] += weight * value i of 8 BF16 values, with separate IEEE multiply and add (the reference's order).
+__device__ __forceinline__ void add_weighted8(float* acc, float weight, const int4& raw) {
+  float values[8];
+  unpack_bf16x8(raw, values);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+}
+
 // Channels 8c..8c+7 for chunks c in [chunk_begin, chunk_end) of a token's partial row: +0, then weight *
 // row added for each listing in top-k order (separate IEEE multiply and add, as the reference writes it),
 // rounded to BF16 into dst[c]. Lane k holds listing k (row -1: none here); the warp runs it together.
@@ -198,11 +304,7 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) {
         const float weight = __shfl_sync(kFullMask, listing_weight, (k0 + u) % 32);
-        if (!active || rows[u] < 0) continue;
-        float values[8];
-        unpack_bf16x8(raw[u], values);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+        if (active && rows[u] >= 0) add_weighted8(acc, weight, raw[u]);
       }
     }
     if (active) dst[chunk] = pack_bf16x8(acc);
@@ -340,28 +442,27 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 
 // ---- Receive ----
 
-// Channels 8q..8q+7 of a returned LogFMT row as loaded: the group's metadata word, and either codes
-// 8q..8q+7 (bits [80q, 80q + 80) of the group's code stream, bytes 10q.. (2-byte aligned), in words 0..2)
-// or, in a fallback group, the chunk's 8 BF16 values (words 0..3).
+// Channels 8q..8q+7 of a returned LogFMT row as loaded: codes 8q..8q+7 (bits [80q, 80q + 80) of the
+// group's code stream, bytes 10q.. (2-byte aligned), in words 0..2) or, in a fallback group, the chunk's 8
+// BF16 values (words 0..3).
 struct LogfmtChunk {
-  uint32_t meta;
   uint32_t words[4];
 };
 
-__device__ __forceinline__ bool is_fallback(const LogfmtChunk& loaded) {
-  return static_cast<uint16_t>(loaded.meta & 0xFFFFu) == kLogfmtFallbackMarker;
-}
-
-// The chunk's metadata and codes (a fallback group's BF16 words follow in load_fallback_chunk, once the
-// metadata has said so).
-__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int num_groups, int chunk) {
-  const int group = chunk / 16;
+// Chunk `chunk` of a returned row whose group is a fallback (BF16) group or not.
+__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int chunk, bool fallback) {
+  const char* payload = slot + size_t(chunk / 16) * kLogfmtPayloadStride;
   const int q = chunk % 16;  // 8-channel chunk inside the group
-  const unsigned short* halves =
-      reinterpret_cast<const unsigned short*>(slot + size_t(group) * kLogfmtPayloadStride + 10 * q);
   LogfmtChunk loaded;
-  loaded.meta =
-      __ldcg(reinterpret_cast<const unsigned*>(slot + size_t(num_groups) * kLogfmtPayloadStride) + group);
+  if (fallback) {
+    const int4 raw = __ldcg(reinterpret_cast<const int4*>(payload) + q);
+    loaded.words[0] = static_cast<uint32_t>(raw.x);
+    loaded.words[1] = static_cast<uint32_t>(raw.y);
+    loaded.words[2] = static_cast<uint32_t>(raw.z);
+    loaded.words[3] = static_cast<uint32_t>(raw.w);
+    return loaded;
+  }
+  const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
   loaded.words[0] = __ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16);
   loaded.words[1] = __ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16);
   loaded.words[2] = __ldcg(halves + 4);
@@ -369,43 +470,28 @@ __device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int n
   return loaded;
 }
 
-__device__ __forceinline__ void load_fallback_chunk(const char* slot, int chunk, LogfmtChunk& loaded) {
-  const int4 raw =
-      __ldcg(reinterpret_cast<const int4*>(slot + size_t(chunk / 16) * kLogfmtPayloadStride) + chunk % 16);
-  loaded.words[0] = static_cast<uint32_t>(raw.x);
-  loaded.words[1] = static_cast<uint32_t>(raw.y);
-  loaded.words[2] = static_cast<uint32_t>(raw.z);
-  loaded.words[3] = static_cast<uint32_t>(raw.w);
+// Code j (0..7) of a chunk's 80 code bits: bits 0..63 in `low`, 64..79 in `high`.
+__device__ __forceinline__ uint16_t code_of_80(unsigned long long low, uint32_t high, int j) {
+  const int bit = 10 * j;
+  const uint32_t code = bit + 10 <= 64 ? static_cast<uint32_t>(low >> bit)
+                        : bit >= 64    ? high >> (bit - 64)
+                                       : static_cast<uint32_t>(low >> bit) | (high << (64 - bit));
+  return static_cast<uint16_t>(code & 0x3FFu);
 }
 
-// The chunk's 8 values, as the reference's combine sees them.
-__device__ __forceinline__ void decode_logfmt_chunk(const LogfmtChunk& loaded, float* values) {
-  if (is_fallback(loaded)) {
+// The chunk's 8 values, as the reference's combine sees them, given its group's constants.
+__device__ __forceinline__ void decode_logfmt_chunk(const LogfmtChunk& loaded,
+                                                    const LogfmtDecodeConstants& constants, float* values) {
+  const LogfmtParams& params = constants.params;
+  if (params.max_bits == kLogfmtFallbackMarker) {
     unpack_bf16x8(make_int4(static_cast<int>(loaded.words[0]), static_cast<int>(loaded.words[1]),
                             static_cast<int>(loaded.words[2]), static_cast<int>(loaded.words[3])),
                   values);
     return;
   }
-  const LogfmtParams params = logfmt_params_from_meta(static_cast<uint16_t>(loaded.meta & 0xFFFFu),
-                                                      static_cast<uint16_t>(loaded.meta >> 16));
   const unsigned long long low = loaded.words[0] | (static_cast<unsigned long long>(loaded.words[1]) << 32);
-  const uint32_t high = loaded.words[2];
 #pragma unroll
-  for (int j = 0; j < 8; ++j) {
-    const int bit = 10 * j;
-    const uint32_t code = bit + 10 <= 64 ? static_cast<uint32_t>(low >> bit)
-                          : bit >= 64    ? high >> (bit - 64)
-                                         : static_cast<uint32_t>(low >> bit) | (high << (64 - bit));
-    values[j] = logfmt_decode_value(static_cast<uint16_t>(code & 0x3FFu), params);
-  }
-}
-
-// acc[i] += weight * value i of 8 BF16 values, with separate IEEE multiply and add (the reference's order).
-__device__ __forceinline__ void add_weighted8(float* acc, float weight, const int4& raw) {
-  float values[8];
-  unpack_bf16x8(raw, values);
-#pragma unroll
-  for (int i = 0; i < 8; ++i) acc[i] = __fadd_rn(acc[i], __fmul_rn(weight, values[i]));
+  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, loaded.words[2], j), params);
 }
 
 // Slot (token, top-k position `pos`) of this rank's receive half: where a returned row lands.
@@ -506,17 +592,39 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
   }
 }
 
+// The constants of groups [group_begin, group_begin + num_groups) of the token's listed slots (slot_pos >=
+// 0), from their metadata words, by the whole block: group g of the k-th listed slot at entry g * num_listed
+// + k, so that the lanes of one chunk read adjacent entries (few bank conflicts).
+__device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const CombineSmallSmem& small, int token,
+                                  unsigned listed, int num_listed, int group_begin, int num_groups) {
+  LogfmtDecodeConstants* table = logfmt_table();
+  const size_t meta_offset = size_t(args.layout.num_groups()) * kLogfmtPayloadStride;
+  for (int i = static_cast<int>(threadIdx.x); i < num_listed * num_groups; i += kNumThreads) {
+    const int k = i % num_listed;
+    const int group = group_begin + i / num_listed;
+    const int pos = small.slot_pos[__fns(listed, 0, k + 1)];
+    const uint32_t meta =
+        __ldcg(reinterpret_cast<const uint32_t*>(returned_slot(args, token, pos) + meta_offset) + group);
+    const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
+    if (max_bits == kLogfmtFallbackMarker) {
+      table[i].params.max_bits = kLogfmtFallbackMarker;
+    } else {
+      table[i].params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+    }
+  }
+}
+
 // A LogFMT reduction of one token's chunks, its listings spread over lanes: of the token's n listed slots
 // (slot_pos >= 0, in top-k order), lane (c, k) of a warp loads, decodes and weighs the k-th one's chunk c, n
 // rounded up to a power of two lanes per chunk (a pre-reduced token's one or two partials take one or two
-// lanes, top-8 eight), and the chunk's lanes add the products in top-k order through shuffles (acc = +0,
-// then acc + w * v as the reference writes it). A value's decode is a chain of dependent steps (its level's
-// exp2), so with a thread per chunk a token's listings were decoded in series. The next chunk's words are
-// loaded while the current one decodes.
+// lanes, top-8 eight). The products go to the warp's scratch, where lane (c, i) adds channel i of chunk c in
+// top-k order (acc = +0, then acc + w * v as the reference writes it). The groups' constants come from a
+// table the block fills first, window by window of groups. The next chunk's words are loaded while the
+// current one decodes.
 __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
                                      int token, WordRange chunks, uint16_t* out_row) {
+  constexpr int kGroupChunks = kLogfmtGroupSize / 8;
   const int num_topk = args.in.num_topk;
-  const int num_groups = args.layout.num_groups();
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && small.slot_pos[lane] >= 0);
   const int num_listed = __popc(listed);
@@ -524,36 +632,62 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   while (lanes_per_chunk < num_listed) lanes_per_chunk *= 2;  // at most kMaxTopk = 16
   const int chunks_per_warp = 32 / lanes_per_chunk;
   const int k = lane % lanes_per_chunk;
-  const int first_lane = lane - k;  // the chunk's lane of its first listed slot
+  const int c = lane / lanes_per_chunk;
   const int entry = k < num_listed ? static_cast<int>(__fns(listed, 0, k + 1)) : -1;
   const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
   const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
-  const int stride = kNumWarps * chunks_per_warp;
-  int chunk = chunks.begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + lane / lanes_per_chunk;
-  LogfmtChunk next{};
-  if (entry >= 0 && chunk < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk);
-  for (; chunk - lane / lanes_per_chunk < chunks.end; chunk += stride) {  // warp-uniform condition
-    LogfmtChunk loaded = next;
-    if (entry >= 0 && chunk + stride < chunks.end) next = load_logfmt_chunk(slot, num_groups, chunk + stride);
-    float products[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) products[i] = 0.0f;
-    if (entry >= 0 && chunk < chunks.end) {
-      if (is_fallback(loaded)) load_fallback_chunk(slot, chunk, loaded);
-      float values[8];
-      decode_logfmt_chunk(loaded, values);
-#pragma unroll
-      for (int i = 0; i < 8; ++i) products[i] = __fmul_rn(weight, values[i]);
+  // Products of chunk c, listing k at c * stride + k * 8 floats.
+  float* products = reinterpret_cast<float*>(logfmt_warp_scratch());
+  const int stride = lanes_per_chunk * 8 + (lanes_per_chunk > 1 ? 8 : 0);
+  const LogfmtDecodeConstants* table = logfmt_table();
+  const int first_group = chunks.begin / kGroupChunks;
+  const int end_group = (chunks.end + kGroupChunks - 1) / kGroupChunks;
+  const int window = num_listed > 0 ? kLogfmtTableEntries / num_listed : end_group - first_group + 1;
+  for (int group0 = first_group; group0 < end_group; group0 += window) {
+    const int num_groups = min(window, end_group - group0);
+    const int begin = max(chunks.begin, group0 * kGroupChunks);
+    const int end = min(chunks.end, (group0 + num_groups) * kGroupChunks);
+    const int step = kNumWarps * chunks_per_warp;
+    // The table entry of chunk `chunk` for this lane's listing.
+    const auto constants_of = [&](int chunk) -> const LogfmtDecodeConstants& {
+      return table[(chunk / kGroupChunks - group0) * num_listed + k];
+    };
+    int chunk = begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + c;
+    // The first chunk's codes load while the table fills (a fallback group's words replace them after).
+    const bool first_listed = entry >= 0 && chunk < end;
+    LogfmtChunk next{};
+    if (first_listed) next = load_logfmt_chunk(slot, chunk, false);
+    __syncthreads();  // the previous window's table has been read
+    fill_logfmt_table(args, small, token, listed, num_listed, group0, num_groups);
+    __syncthreads();
+    if (first_listed && constants_of(chunk).params.max_bits == kLogfmtFallbackMarker)
+      next = load_logfmt_chunk(slot, chunk, true);
+    for (; chunk - c < end; chunk += step) {  // warp-uniform condition
+      const LogfmtChunk loaded = next;
+      const int ahead = chunk + step;
+      if (entry >= 0 && ahead < end)
+        next = load_logfmt_chunk(slot, ahead, constants_of(ahead).params.max_bits == kLogfmtFallbackMarker);
+      if (entry >= 0 && chunk < end) {
+        float values[8];
+        decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), values);
+        float4* mine = reinterpret_cast<float4*>(products + c * stride + k * 8);
+        mine[0] = make_float4(__fmul_rn(weight, values[0]), __fmul_rn(weight, values[1]),
+                              __fmul_rn(weight, values[2]), __fmul_rn(weight, values[3]));
+        mine[1] = make_float4(__fmul_rn(weight, values[4]), __fmul_rn(weight, values[5]),
+                              __fmul_rn(weight, values[6]), __fmul_rn(weight, values[7]));
+      }
+      __syncwarp();
+      const int warp_chunk = chunk - c;  // the warp's first chunk of this round
+      for (int sum = lane; sum < chunks_per_warp * 8 && warp_chunk + sum / 8 < end; sum += 32) {
+        const int sum_chunk = sum / 8;
+        const int channel = sum % 8;
+        float acc = 0.0f;
+        for (int j = 0; j < num_listed; ++j)
+          acc = __fadd_rn(acc, products[sum_chunk * stride + j * 8 + channel]);
+        out_row[(warp_chunk + sum_chunk) * 8 + channel] = float_to_bf16(acc);
+      }
+      __syncwarp();  // the products have been read
     }
-    float acc[8];
-#pragma unroll
-    for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
-    for (int j = 0; j < num_listed; ++j) {
-#pragma unroll
-      for (int i = 0; i < 8; ++i)
-        acc[i] = __fadd_rn(acc[i], __shfl_sync(kFullMask, products[i], first_lane + j));
-    }
-    if (k == 0 && chunk < chunks.end) reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(acc);
   }
 }
 
@@ -661,7 +795,7 @@ template <typename Remote, bool kLogfmt, bool kPreReduce>
 __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombineArgs args) {
   extern __shared__ __align__(16) char smem[];
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
-  int* prefix = reinterpret_cast<int*>(smem + align_up(sizeof(CombineSmallSmem), 16));
+  int* prefix = reinterpret_cast<int*>(smem + combine_prefix_offset(kLogfmt));
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
@@ -709,7 +843,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
 
 template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
-  const size_t smem_bytes = combine_smem_bytes(args.layout);
+  const size_t smem_bytes = combine_smem_bytes(args.layout, args.in.use_logfmt);
   const auto kernel = args.in.use_logfmt
                           ? (args.in.pre_reduce ? combine<Remote, true, true> : combine<Remote, true, false>)
                       : args.in.pre_reduce ? combine<Remote, false, true>

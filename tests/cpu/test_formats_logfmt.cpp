@@ -178,6 +178,34 @@ TEST(FormatsLogfmt, ReproMathIsAccurate) {
   EXPECT_EQ(epx::detail::scale_by_pow2(1.25f, -150), std::numeric_limits<float>::denorm_min());
 }
 
+TEST(FormatsLogfmt, ConversionFreeStepsAreExact) {
+  std::mt19937 rng(5);
+  const float halves[] = {0.5f, -0.5f, 1.5f, -1.5f, 2.5f, -2.5f, 4194302.5f, -4194302.5f, 0.0f, -0.0f};
+  for (const float t : halves) {
+    EXPECT_EQ(epx::detail::round_to_int(t).value, std::nearbyint(t)) << t;
+    EXPECT_EQ(epx::detail::round_to_int(t).integer, static_cast<int>(std::nearbyint(t))) << t;
+  }
+  for (int i = 0; i < 200000; ++i) {
+    const float t = std::uniform_real_distribution<float>(-4194303.0f, 4194303.0f)(rng) /
+                    static_cast<float>(1 << (rng() % 23));
+    const epx::detail::RoundedToInt nearest = epx::detail::round_to_int(t);
+    ASSERT_EQ(nearest.value, std::nearbyint(t)) << t;
+    ASSERT_EQ(nearest.integer, static_cast<int>(std::nearbyint(t))) << t;
+    const epx::detail::RoundedToInt floor = epx::detail::floor_to_int(t);
+    ASSERT_EQ(floor.value, std::floor(t)) << t;
+    ASSERT_EQ(floor.integer, static_cast<int>(std::floor(t))) << t;
+  }
+  for (int k = -(1 << 22) + 1; k < (1 << 22); ++k)
+    ASSERT_EQ(epx::detail::small_int_to_float(k), static_cast<float>(k)) << k;
+  // Every exponent, with significands that round up, down and to even once the result is subnormal.
+  for (int i = 0; i < 2000; ++i) {
+    const float x = bits_as_float(0x3F000000u + (static_cast<uint32_t>(rng()) % 0x1000000u));  // [1/2, 2)
+    for (int e = -250; e <= 250; ++e)
+      ASSERT_EQ(float_as_bits(epx::detail::scale_by_pow2(x, e)), float_as_bits(std::ldexp(x, e)))
+          << x << " " << e;
+  }
+}
+
 // Metadata pairs (max_bits, min_bits) covering typical, clipped, equal, adjacent and tiny ranges.
 std::vector<std::pair<uint16_t, uint16_t>> meta_pairs(std::mt19937& rng) {
   std::vector<std::pair<uint16_t, uint16_t>> pairs = {{0x3F00, 0x3E00}, {0x3F7F, 0x0001}, {0x3E80, 0x3E80},

@@ -135,15 +135,18 @@ EPX_HD LogfmtParams logfmt_params(float max_abs, float min_abs_nonzero) {
   return logfmt_params_from_meta(max_bits, min_bits);
 }
 
-// Magnitude of level 0..511 (see the table above).
+// Magnitude of level 0..511 (see the table above). The ladder's value is computed for every level and the
+// special cases select over it, so that a warp decoding different levels runs one path (the ladder's
+// argument stays within [-33, 1] for any level in 0..511 and any params logfmt_params_from_meta makes).
 EPX_HD float logfmt_level(int level, const LogfmtParams& params) {
-  if (level <= 0 || !(params.max_abs > 0.0f)) return 0.0f;
-  if (level >= kLogfmtMaxLevel || params.step == 0.0f) return params.max_abs;
-  if (level == 1 && !params.clipped) return params.min_abs;
   // The exponent argument is an explicit fmaf: written as a*b+c a compiler could fuse it or not.
   const float below_max =
-      fmaf(static_cast<float>(level - kLogfmtMaxLevel), params.step, params.max_log2_fraction);
-  return detail::repro_exp2_split(params.max_log2_exponent, below_max);
+      fmaf(detail::small_int_to_float(level - kLogfmtMaxLevel), params.step, params.max_log2_fraction);
+  float magnitude = detail::repro_exp2_split(params.max_log2_exponent, below_max);
+  if (level == 1 && !params.clipped) magnitude = params.min_abs;
+  if (level >= kLogfmtMaxLevel || params.step == 0.0f) magnitude = params.max_abs;
+  if (level <= 0 || !(params.max_abs > 0.0f)) magnitude = 0.0f;
+  return magnitude;
 }
 
 EPX_HD uint16_t logfmt_encode_value(float x, const LogfmtParams& params) {
@@ -230,24 +233,31 @@ EPX_HD LogfmtFastEncode logfmt_fast_encode_setup(const LogfmtParams& params) {
 template <typename Log2Mantissa>
 EPX_HD int logfmt_encode_settled(float x, const LogfmtParams& params, const LogfmtFastEncode& fast,
                                  Log2Mantissa log2_mantissa) {
+  // Every case is computed and the answer selected (no branch, so a GPU overlaps a lane's values).
   const uint32_t abs_bits = float_as_bits(x) & 0x7FFFFFFFu;
+  const float abs_x = bits_as_float(abs_bits);
   const int exponent_field = static_cast<int>(abs_bits >> 23);
   const int sign = static_cast<int>((float_as_bits(x) >> 31) << 9);
-  if (!fast.usable || exponent_field == 0 || abs_bits > 0x7F800000u) return -1;  // NaN: the reference's
+  const float mantissa = bits_as_float((abs_bits & 0x7FFFFFu) | 0x3F800000u);
+  const float below_max = detail::small_int_to_float(exponent_field - fast.max_exponent_field) +
+                          (log2_mantissa(mantissa) - params.max_log2_fraction);
+  // Position past the lower of the two levels whose midpoint is just below |x| (clamped, which keeps
+  // floor_to_int's precondition and leaves positions outside [1, 511) outside; a NaN becomes -1).
+  const float past = fminf(
+      fmaxf(fmaf(below_max, params.inv_step, static_cast<float>(kLogfmtMaxLevel)) - fast.midpoint_offset,
+            -1.0f),
+      512.0f);
+  const detail::RoundedToInt lower = detail::floor_to_int(past);
+  const float frac = past - lower.value;
+  const bool settled =
+      lower.integer >= 1 && lower.integer <= 510 && frac > fast.margin && frac < 1.0f - fast.margin;
+  int code = settled ? sign | (lower.integer + 1) : -1;
   // Every group holds its max, and an unclipped one its min: the levels 511 and 1 exactly (the reference's
   // comparisons cannot move off them, as min and max are distinct BF16 values whenever step > 0).
-  if (bits_as_float(abs_bits) >= params.max_abs) return sign | kLogfmtMaxLevel;
-  if (!params.clipped && bits_as_float(abs_bits) == params.min_abs) return sign | 1;
-  const float mantissa = bits_as_float((abs_bits & 0x7FFFFFu) | 0x3F800000u);
-  const float below_max = static_cast<float>(exponent_field - fast.max_exponent_field) +
-                          (log2_mantissa(mantissa) - params.max_log2_fraction);
-  // Position past the lower of the two levels whose midpoint is just below |x|.
-  const float past =
-      fmaf(below_max, params.inv_step, static_cast<float>(kLogfmtMaxLevel)) - fast.midpoint_offset;
-  const float lower = floorf(past);
-  const float frac = past - lower;
-  if (!(lower >= 1.0f && lower <= 510.0f && frac > fast.margin && frac < 1.0f - fast.margin)) return -1;
-  return sign | (static_cast<int>(lower) + 1);
+  if (!params.clipped && abs_x == params.min_abs) code = sign | 1;
+  if (abs_x >= params.max_abs) code = sign | kLogfmtMaxLevel;
+  if (!fast.usable || exponent_field == 0 || abs_bits > 0x7F800000u) code = -1;  // NaN: the reference's
+  return code;
 }
 
 template <typename Log2Mantissa>

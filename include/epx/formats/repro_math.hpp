@@ -10,10 +10,11 @@
 //
 // Library log2f/exp2f differ between glibc and CUDA in the last ulp, and a LogFMT level that decodes
 // differently on the two sides would break bit-exact tests. These use only IEEE-exact operations
-// (+, -, *, /, fmaf, rintf, integer ops), so the result is fully determined. Two rules keep it so:
+// (+, -, *, /, fmaf, integer ops), so the result is fully determined. Two rules keep it so:
 // - every multiply whose result feeds an add is written as fmaf: compilers may contract a*b+c into an
 //   FMA (nvcc does by default, GCC with -ffp-contract=fast on FMA hardware), which changes the rounding;
-// - no fast-math: --use_fast_math / -ffast-math (flush-to-zero, approximate division) would break it.
+// - no fast-math: --use_fast_math / -ffast-math (flush-to-zero, approximate division, reassociation that
+//   folds (t + c) - c to t) would break it.
 // Accuracy (a few float ulps) matters less than determinism: encoder and decoder evaluate the same code.
 
 namespace epx::detail {
@@ -62,28 +63,52 @@ EPX_HD float repro_exp2_reduced(float f) {
   return fmaf(p, f, 1.0f);
 }
 
-// x * 2^e for a positive normal x, rounded to nearest even when the result is subnormal. Integer-only,
-// so no compiler can fuse it into a neighbouring add.
-EPX_HD float scale_by_pow2(float x, int e) {
-  const uint32_t bits = float_as_bits(x);
-  const int exp_field = static_cast<int>(bits >> 23) + e;
-  if (exp_field >= 255) return bits_as_float(0x7F800000u);
-  if (exp_field >= 1) return bits_as_float((bits & 0x7FFFFFu) | (static_cast<uint32_t>(exp_field) << 23));
-  const int shift = 1 - exp_field;  // >= 1
-  if (shift > 24) return 0.0f;      // below half the smallest subnormal
-  const uint32_t significand = (bits & 0x7FFFFFu) | 0x800000u;
-  uint32_t result = significand >> shift;
-  const uint32_t remainder = significand & ((1u << shift) - 1u);
-  const uint32_t half = 1u << (shift - 1);
-  if (remainder > half || (remainder == half && (result & 1u) != 0u)) ++result;
-  return bits_as_float(result);  // a carry into bit 23 is the smallest normal, which is right
+// Integer <-> float steps with float adds and integer ops only: a GPU converts between int and float, or
+// rounds a float to an integer, at 16 per clock and SM, against 128 adds. 1.5 * 2^23 (bits 0x4B400000) has
+// an ulp of 1 and keeps that ulp within +-2^22 of it.
+constexpr float kRoundShift = 12582912.0f;
+constexpr int kRoundShiftBits = 0x4B400000;
+
+// t rounded to the nearest integer, ties to even (the float add rounds so in the default mode), as a float
+// and as an int. Precondition: |t| < 2^22.
+struct RoundedToInt {
+  float value;
+  int integer;
+};
+EPX_HD RoundedToInt round_to_int(float t) {
+  const float shifted = t + kRoundShift;
+  return {shifted - kRoundShift, static_cast<int>(float_as_bits(shifted)) - kRoundShiftBits};
 }
 
-// 2^(exponent + t) for t in [-33, 1]: t splits exactly into an integer and a fraction in [-1/2, 1/2].
+// The largest integer <= t. Precondition: |t| < 2^22.
+EPX_HD RoundedToInt floor_to_int(float t) {
+  const RoundedToInt nearest = round_to_int(t);
+  return nearest.value > t ? RoundedToInt{nearest.value - 1.0f, nearest.integer - 1} : nearest;
+}
+
+// float(k), exactly. Precondition: |k| < 2^22.
+EPX_HD float small_int_to_float(int k) {
+  return bits_as_float(static_cast<uint32_t>(kRoundShiftBits + k)) - kRoundShift;
+}
+
+// x * 2^e for x in [1/2, 2) and e in [-250, 250], rounded to nearest even when the result is subnormal (and
+// Inf past the float range): two multiplies by powers of two, the first exact (x * 2^(e/2) stays normal),
+// so only the second rounds. No branch, so a GPU can overlap several values' evaluations.
+EPX_HD float scale_by_pow2(float x, int e) {
+  const int first = e >> 1;      // floor(e / 2) (an arithmetic shift in C++20)
+  const int second = e - first;  // both in [-125, 125]: 2^first and 2^second are normal floats
+  const float scaled = x * bits_as_float(static_cast<uint32_t>(first + 127) << 23);
+  // An fmaf with a zero addend rounds the product once, as a multiply would, but no compiler contracts it
+  // into an add that follows (a caller's midpoint of two levels, say).
+  return fmaf(scaled, bits_as_float(static_cast<uint32_t>(second + 127) << 23), 0.0f);
+}
+
+// 2^(exponent + t) for t in [-33, 1] and exponent + t in [-240, 240]: t splits exactly into an integer and a
+// fraction in [-1/2, 1/2].
 EPX_HD float repro_exp2_split(int exponent, float t) {
-  const float n = rintf(t);
-  const float f = t - n;  // exact: n is t's nearest integer and |t| < 2^6
-  return scale_by_pow2(repro_exp2_reduced(f), exponent + static_cast<int>(n));
+  const RoundedToInt n = round_to_int(t);
+  const float f = t - n.value;  // exact: n is t's nearest integer and |t| < 2^6
+  return scale_by_pow2(repro_exp2_reduced(f), exponent + n.integer);
 }
 
 }  // namespace epx::detail
