@@ -155,25 +155,24 @@ __device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, 
     meta[group] = constants.params.max_bits | (static_cast<uint32_t>(constants.params.min_bits) << 16);
 }
 
-// Reduce-scatter of 8 keys per lane over the warp with fmaxf (kMax) or fminf, both order-independent:
-// returns key (lane >> 2) reduced over all 32 lanes, in 9 shuffles (8 separate reductions take 40).
-template <bool kMax>
-__device__ __forceinline__ float reduce_scatter8(float (&keys)[8], int lane) {
-  const auto combine_keys = [](float a, float b) { return kMax ? fmaxf(a, b) : fminf(a, b); };
+// Reduce-scatter of 8 key words (logfmt_key_word) per lane over the warp with max_u16x2 (order-independent):
+// returns word (lane >> 2) reduced over all 32 lanes, in 5 rounds of 4 + 2 + 1 + 1 + 1 shuffles (8 separate
+// reductions take 40).
+__device__ __forceinline__ uint32_t reduce_scatter8(uint32_t (&keys)[8], int lane) {
 #pragma unroll
   for (int half = 4; half >= 1; half /= 2) {
     const int offset = 4 * half;  // 16, 8, 4: the upper half of lanes keeps the upper half of the keys
     const bool upper = (lane & offset) != 0;
 #pragma unroll
     for (int j = 0; j < half; ++j) {
-      const float sent = upper ? keys[j] : keys[j + half];
-      const float kept = upper ? keys[j + half] : keys[j];
-      keys[j] = combine_keys(kept, __shfl_xor_sync(kFullMask, sent, offset));
+      const uint32_t sent = upper ? keys[j] : keys[j + half];
+      const uint32_t kept = upper ? keys[j + half] : keys[j];
+      keys[j] = max_u16x2(kept, __shfl_xor_sync(kFullMask, sent, offset));
     }
   }
-  float key = keys[0];
-  key = combine_keys(key, __shfl_xor_sync(kFullMask, key, 2));
-  return combine_keys(key, __shfl_xor_sync(kFullMask, key, 1));
+  uint32_t key = keys[0];
+  key = max_u16x2(key, __shfl_xor_sync(kFullMask, key, 2));
+  return max_u16x2(key, __shfl_xor_sync(kFullMask, key, 1));
 }
 
 // One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
@@ -191,24 +190,17 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
   auto* constants = reinterpret_cast<LogfmtEncodeConstants*>(logfmt_warp_scratch());
   for (int group0 = group_begin; group0 < group_end; group0 += kBatch) {
     uint2 batch[kBatch];
-    float max_keys[kBatch], min_keys[kBatch];
+    uint32_t keys[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       batch[u] = group0 + u < group_end
                      ? __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane)
                      : make_uint2(0u, 0u);
-      const float values[4] = {__uint_as_float(batch[u].x << 16), __uint_as_float(batch[u].x & 0xFFFF0000u),
-                               __uint_as_float(batch[u].y << 16), __uint_as_float(batch[u].y & 0xFFFF0000u)};
-      max_keys[u] = 0.0f;
-      min_keys[u] = __uint_as_float(0x7F800000u);
-#pragma unroll
-      for (int i = 0; i < 4; ++i) {
-        max_keys[u] = fmaxf(max_keys[u], logfmt_abs_for_max(values[i]));
-        min_keys[u] = fminf(min_keys[u], logfmt_abs_for_min(values[i]));
-      }
+      keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
     }
-    const float max_key = reduce_scatter8<true>(max_keys, lane);
-    const float min_key = reduce_scatter8<false>(min_keys, lane);
+    const uint32_t key = reduce_scatter8(keys, lane);
+    const float max_key = logfmt_max_key_of(key);
+    const float min_key = logfmt_min_key_of(key);
     __syncwarp();  // the previous batch's constants have been read
     if (lane % 4 == 0) {
       LogfmtEncodeConstants& mine = constants[lane / 4];

@@ -178,6 +178,38 @@ TEST(FormatsLogfmt, ReproMathIsAccurate) {
   EXPECT_EQ(epx::detail::scale_by_pow2(1.25f, -150), std::numeric_limits<float>::denorm_min());
 }
 
+TEST(FormatsLogfmt, KeyWordsReduceToTheGroupsMaxAndMinKeys) {
+  std::mt19937 rng(9);
+  const uint16_t specials[] = {0x0000, 0x8000, 0x7F80, 0xFF80, 0x7FC0, 0xFFFF,
+                               0x7F81, 0x0001, 0x8001, 0x7F7F, 0x3F80};
+  for (int trial = 0; trial < 20000; ++trial) {
+    // Groups of every kind: plain values, zeros, subnormals, Inf and NaN, and all-zero groups.
+    uint16_t group[epx::kLogfmtGroupSize];
+    const int kind = trial % 4;
+    for (uint16_t& value : group) {
+      value = static_cast<uint16_t>(rng());
+      if (kind == 1 && rng() % 4 == 0) value = specials[rng() % std::size(specials)];
+      if (kind == 2) value = rng() % 8 == 0 ? static_cast<uint16_t>(rng() & 0x807F) : 0;  // zeros, subnormals
+      if (kind == 3)
+        value = static_cast<uint16_t>(rng() % 2 ? 0x3000 + rng() % 0xF00 : 0xB000 + rng() % 0xF00);
+    }
+    float max_key = 0.0f;
+    float min_key = bits_as_float(0x7F800000u);
+    uint32_t word = epx::logfmt_key_word(0, 0);  // the identity of the reduction: max key 0, min key Inf
+    for (int lane = 0; lane < 32; ++lane) {
+      const uint16_t* v = group + 4 * lane;
+      for (int i = 0; i < 4; ++i) {
+        max_key = std::fmax(max_key, epx::logfmt_abs_for_max(bf16_to_float(v[i])));
+        min_key = std::fmin(min_key, epx::logfmt_abs_for_min(bf16_to_float(v[i])));
+      }
+      word = epx::max_u16x2(word,
+                            epx::logfmt_key_word(v[0] | uint32_t(v[1]) << 16, v[2] | uint32_t(v[3]) << 16));
+    }
+    ASSERT_EQ(float_as_bits(epx::logfmt_max_key_of(word)), float_as_bits(max_key)) << trial;
+    ASSERT_EQ(float_as_bits(epx::logfmt_min_key_of(word)), float_as_bits(min_key)) << trial;
+  }
+}
+
 TEST(FormatsLogfmt, ConversionFreeStepsAreExact) {
   std::mt19937 rng(5);
   const float halves[] = {0.5f, -0.5f, 1.5f, -1.5f, 2.5f, -2.5f, 4194302.5f, -4194302.5f, 0.0f, -0.0f};

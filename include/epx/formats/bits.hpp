@@ -28,4 +28,34 @@ EPX_HD float bits_as_float(uint32_t bits) {
 #endif
 }
 
+// Two 16-bit unsigned lanes per word (a GPU does each in one instruction): max, min, and subtraction
+// that wraps within each lane.
+EPX_HD uint32_t max_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vmaxu2(a, b);
+#else
+  const uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
+  const uint32_t low = (a & 0xFFFFu) > (b & 0xFFFFu) ? a & 0xFFFFu : b & 0xFFFFu;
+  return high << 16 | low;
+#endif
+}
+
+EPX_HD uint32_t min_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vminu2(a, b);
+#else
+  const uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
+  const uint32_t low = (a & 0xFFFFu) < (b & 0xFFFFu) ? a & 0xFFFFu : b & 0xFFFFu;
+  return high << 16 | low;
+#endif
+}
+
+EPX_HD uint32_t sub_u16x2(uint32_t a, uint32_t b) {
+#if defined(__CUDA_ARCH__)
+  return __vsub2(a, b);
+#else
+  return ((a >> 16) - (b >> 16)) << 16 | (((a & 0xFFFFu) - (b & 0xFFFFu)) & 0xFFFFu);
+#endif
+}
+
 }  // namespace epx

@@ -96,6 +96,30 @@ EPX_HD bool logfmt_group_qualifies(float max_key) {
   return max_key < 1.0f;
 }
 
+// The same two reductions over BF16 values in one word per lane, for a warp's shuffles: the high half is the
+// max key and the low half 0xFFFF minus the min key, both as BF16 bits (BF16 magnitudes order like their
+// bits), so both halves reduce by max_u16x2. `pair_a`, `pair_b`: four BF16 values, two per word.
+EPX_HD uint32_t logfmt_key_word(uint32_t pair_a, uint32_t pair_b) {
+  const uint32_t abs_a = pair_a & 0x7FFF7FFFu;
+  const uint32_t abs_b = pair_b & 0x7FFF7FFFu;
+  // Max: a NaN (above 0x7F80) counts as Inf.
+  const uint32_t max2 = max_u16x2(min_u16x2(abs_a, 0x7F807F80u), min_u16x2(abs_b, 0x7F807F80u));
+  // Min over nonzero values: |x| - 1 wraps a zero to 0xFFFF; clamped, a zero, Inf or NaN counts as Inf.
+  const uint32_t min2 =
+      min_u16x2(min_u16x2(sub_u16x2(abs_a, 0x00010001u), sub_u16x2(abs_b, 0x00010001u)), 0x7F7F7F7Fu);
+  const uint32_t max1 = (max2 >> 16) > (max2 & 0xFFFFu) ? max2 >> 16 : max2 & 0xFFFFu;
+  const uint32_t min1 = ((min2 >> 16) < (min2 & 0xFFFFu) ? min2 >> 16 : min2 & 0xFFFFu) + 1u;
+  return max1 << 16 | (0xFFFFu - min1);
+}
+
+// The max key and the min key of a reduced key word, as floats.
+EPX_HD float logfmt_max_key_of(uint32_t key_word) {
+  return bits_as_float(key_word >> 16 << 16);
+}
+EPX_HD float logfmt_min_key_of(uint32_t key_word) {
+  return bits_as_float((0xFFFFu - (key_word & 0xFFFFu)) << 16);
+}
+
 EPX_HD LogfmtParams logfmt_params_from_meta(uint16_t max_bits, uint16_t min_bits) {
   LogfmtParams params{max_bits, min_bits, 0.0f, 0.0f, 0.0f, 0.0f, 0, 0.0f, false};
   const float max_abs = bf16_to_float(max_bits);
