@@ -59,6 +59,19 @@ TEST(LowLatency, LogfmtCombineFourRanks) {
   run_low_latency_case(c);
 }
 
+// Top-16 of hidden 7168: a token's 16 returned rows x 56 groups exceed the receive's table of group
+// constants (512 entries), so it decodes in two windows of groups.
+TEST(LowLatency, LogfmtTopSixteenWideRowsTwoTableWindows) {
+  LowLatencyCase c = small_low_latency_case(2);
+  c.hidden = 7168;
+  c.num_topk = 16;
+  c.num_experts = 32;
+  c.num_max_tokens = 8;
+  c.use_logfmt = true;
+  c.num_iterations = 2;
+  run_low_latency_case(c);
+}
+
 // The decode benchmark shape: 128 tokens per rank, hidden 7168, top-8 of 288 experts, 4 ranks.
 TEST(LowLatency, DefaultShapeFp8FourRanks) {
   LowLatencyCase c;
