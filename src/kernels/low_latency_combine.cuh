@@ -49,8 +49,8 @@ struct alignas(16) LogfmtEncodeConstants {
 // of hidden 7168 (8 x 56 groups) in one window.
 constexpr int kLogfmtTableEntries = 512;
 // Per warp: the encoder's constants of a batch of groups, or the receive's products awaiting their ordered
-// sum (chunks_per_warp chunks of lanes_per_chunk * 8 floats, padded by 8 floats against bank conflicts
-// once lanes_per_chunk > 1; at most 16 * 24 floats).
+// sum (chunks_per_warp chunks of lanes_per_chunk * 8 + 8 floats, once lanes_per_chunk > 1: at most
+// 16 * 24 floats).
 constexpr int kLogfmtWarpScratchBytes = 1536;
 
 // Dynamic shared memory of a combine kernel: CombineSmallSmem, then (LogFMT kernels) the receive's table and
@@ -193,10 +193,12 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
     uint32_t keys[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      batch[u] = group0 + u < group_end
-                     ? __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane)
-                     : make_uint2(0u, 0u);
-      keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
+      batch[u] = make_uint2(0u, 0u);
+      keys[u] = kLogfmtKeyWordIdentity;  // an absent group's (a short batch's)
+      if (group0 + u < group_end) {
+        batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
+        keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
+      }
     }
     const uint32_t key = reduce_scatter8(keys, lane);
     const float max_key = logfmt_max_key_of(key);
@@ -628,9 +630,9 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   const int entry = k < num_listed ? static_cast<int>(__fns(listed, 0, k + 1)) : -1;
   const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
   const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
-  // Products of chunk c, listing k at c * stride + k * 8 floats.
+  // Products of chunk c, listing k at c * stride + k * 8 floats (padded by 8 against bank conflicts).
   float* products = reinterpret_cast<float*>(logfmt_warp_scratch());
-  const int stride = lanes_per_chunk * 8 + (lanes_per_chunk > 1 ? 8 : 0);
+  const int stride = lanes_per_chunk * 8 + 8;
   const LogfmtDecodeConstants* table = logfmt_table();
   const int first_group = chunks.begin / kGroupChunks;
   const int end_group = (chunks.end + kGroupChunks - 1) / kGroupChunks;
@@ -659,14 +661,26 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
       const int ahead = chunk + step;
       if (entry >= 0 && ahead < end)
         next = load_logfmt_chunk(slot, ahead, constants_of(ahead).params.max_bits == kLogfmtFallbackMarker);
+      float weighted[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) weighted[i] = 0.0f;
       if (entry >= 0 && chunk < end) {
-        float values[8];
-        decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), values);
+        decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), weighted);
+#pragma unroll
+        for (int i = 0; i < 8; ++i) weighted[i] = __fmul_rn(weight, weighted[i]);
+      }
+      if (lanes_per_chunk == 1) {  // warp-uniform: at most one listed slot, the lane sums its own chunk
+        if (chunk < end) {
+#pragma unroll
+          for (int i = 0; i < 8; ++i) weighted[i] = __fadd_rn(0.0f, weighted[i]);
+          reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(weighted);
+        }
+        continue;
+      }
+      if (entry >= 0 && chunk < end) {
         float4* mine = reinterpret_cast<float4*>(products + c * stride + k * 8);
-        mine[0] = make_float4(__fmul_rn(weight, values[0]), __fmul_rn(weight, values[1]),
-                              __fmul_rn(weight, values[2]), __fmul_rn(weight, values[3]));
-        mine[1] = make_float4(__fmul_rn(weight, values[4]), __fmul_rn(weight, values[5]),
-                              __fmul_rn(weight, values[6]), __fmul_rn(weight, values[7]));
+        mine[0] = make_float4(weighted[0], weighted[1], weighted[2], weighted[3]);
+        mine[1] = make_float4(weighted[4], weighted[5], weighted[6], weighted[7]);
       }
       __syncwarp();
       const int warp_chunk = chunk - c;  // the warp's first chunk of this round

@@ -195,7 +195,8 @@ TEST(FormatsLogfmt, KeyWordsReduceToTheGroupsMaxAndMinKeys) {
     }
     float max_key = 0.0f;
     float min_key = bits_as_float(0x7F800000u);
-    uint32_t word = epx::logfmt_key_word(0, 0);  // the identity of the reduction: max key 0, min key Inf
+    ASSERT_EQ(epx::logfmt_key_word(0, 0), epx::kLogfmtKeyWordIdentity);  // zeros: max key 0, min key Inf
+    uint32_t word = epx::kLogfmtKeyWordIdentity;
     for (int lane = 0; lane < 32; ++lane) {
       const uint16_t* v = group + 4 * lane;
       for (int i = 0; i < 4; ++i) {

@@ -112,6 +112,9 @@ EPX_HD uint32_t logfmt_key_word(uint32_t pair_a, uint32_t pair_b) {
   return max1 << 16 | (0xFFFFu - min1);
 }
 
+// The key word of no values (max key 0, min key Inf): what a reduction starts from.
+constexpr uint32_t kLogfmtKeyWordIdentity = 0xFFFFu - 0x7F80u;
+
 // The max key and the min key of a reduced key word, as floats.
 EPX_HD float logfmt_max_key_of(uint32_t key_word) {
   return bits_as_float(key_word >> 16 << 16);
