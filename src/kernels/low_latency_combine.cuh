@@ -193,13 +193,13 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
     uint32_t keys[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
-      batch[u] = make_uint2(0u, 0u);
-      keys[u] = kLogfmtKeyWordIdentity;  // an absent group's (a short batch's)
-      if (group0 + u < group_end) {
-        batch[u] = __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane);
-        keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
-      }
+      batch[u] = group0 + u < group_end
+                     ? __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane)
+                     : make_uint2(0u, 0u);
     }
+    // After every load is in flight. An absent group's zeros give kLogfmtKeyWordIdentity.
+#pragma unroll
+    for (int u = 0; u < kBatch; ++u) keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
     const uint32_t key = reduce_scatter8(keys, lane);
     const float max_key = logfmt_max_key_of(key);
     const float min_key = logfmt_min_key_of(key);
