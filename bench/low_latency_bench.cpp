@@ -272,10 +272,15 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     out.push_back({logfmt ? "LL combine LogFMT, graph replay" : "LL combine BF16, graph replay", 0,
                    combine_graph_us, logfmt ? logfmt_bytes : bf16_bytes});
   }
-  const double pre_reduced_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
-    for (int i = 0; i < 2; ++i) pre_reduced_combine(false);
-  });
-  out.push_back({"LL combine BF16 pre-reduced, graph replay", 0, pre_reduced_graph_us, pre_reduced_bytes});
+  for (bool logfmt : {false, true}) {
+    const double pre_reduced_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
+      for (int i = 0; i < 2; ++i) pre_reduced_combine(logfmt);
+    });
+    out.push_back(
+        {logfmt ? "LL combine LogFMT pre-reduced, graph replay" : "LL combine BF16 pre-reduced, graph replay",
+         0, pre_reduced_graph_us,
+         logfmt ? pre_reduced_bytes * logfmt_bytes / bf16_bytes : pre_reduced_bytes});
+  }
   // The launch floor: an empty kernel of the same grid, as a call and in a graph replay. A call's overhead
   // over its graph replay that this row shows too is the launch's, not the library's.
   const int num_blocks = buffer.num_device_sms();
@@ -328,8 +333,11 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
                               combined.get(), order);
         });
   }
-  print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters, "LL combine BF16 pre-reduced",
-                           [&] { pre_reduced_combine(false); });
+  for (bool logfmt : {false, true}) {
+    print_low_latency_phases(buffer, bootstrap, stream, o.warmup, o.iters,
+                             logfmt ? "LL combine LogFMT pre-reduced" : "LL combine BF16 pre-reduced",
+                             [&] { pre_reduced_combine(logfmt); });
+  }
 
   // NCCL: every (token, expert) selection as one row to the expert's rank, FP8-sized then BF16-sized.
   NcclAllToAll nccl(bootstrap, o.ranks_per_gpu == 1);
