@@ -175,6 +175,18 @@ __device__ __forceinline__ uint32_t reduce_scatter8(uint32_t (&keys)[8], int lan
   return max_u16x2(key, __shfl_xor_sync(kFullMask, key, 1));
 }
 
+// A group's encode constants from its reduced key word (logfmt_key_word), into the warp's scratch. Not
+// inlined: the lone-group and the batch path share one copy.
+__device__ __noinline__ void store_encode_constants(LogfmtEncodeConstants& constants, uint32_t key) {
+  const float max_key = logfmt_max_key_of(key);
+  if (!logfmt_group_qualifies(max_key)) {
+    constants.params.max_bits = kLogfmtFallbackMarker;
+    return;
+  }
+  constants.params = logfmt_params(max_key, logfmt_min_key_of(key));
+  constants.fast = logfmt_fast_encode_setup(constants.params);
+}
+
 // One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
 // of the group's code stream; lanes assemble the stream into 32-bit words with two shuffles each. Payloads
 // go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g's payload
@@ -197,21 +209,21 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
                      ? __ldcg(reinterpret_cast<const uint2*>(row + (group0 + u) * kLogfmtGroupSize) + lane)
                      : make_uint2(0u, 0u);
     }
-    // After every load is in flight. An absent group's zeros give kLogfmtKeyWordIdentity.
-#pragma unroll
-    for (int u = 0; u < kBatch; ++u) keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
-    const uint32_t key = reduce_scatter8(keys, lane);
-    const float max_key = logfmt_max_key_of(key);
-    const float min_key = logfmt_min_key_of(key);
     __syncwarp();  // the previous batch's constants have been read
-    if (lane % 4 == 0) {
-      LogfmtEncodeConstants& mine = constants[lane / 4];
-      if (logfmt_group_qualifies(max_key)) {
-        mine.params = logfmt_params(max_key, min_key);
-        mine.fast = logfmt_fast_encode_setup(mine.params);
-      } else {
-        mine.params.max_bits = kLogfmtFallbackMarker;
-      }
+    if (group_end - group0 == 1) {
+      // Warp-uniform: a lone group (a spread send's piece, often one group per warp), its key word
+      // reduced whole in every lane, without the other seven groups' keys.
+      uint32_t key = logfmt_key_word(batch[0].x, batch[0].y);
+#pragma unroll
+      for (int offset = 16; offset > 0; offset >>= 1)
+        key = max_u16x2(key, __shfl_xor_sync(kFullMask, key, offset));
+      if (lane == 0) store_encode_constants(constants[0], key);
+    } else {
+      // After every load is in flight. An absent group's zeros give kLogfmtKeyWordIdentity.
+#pragma unroll
+      for (int u = 0; u < kBatch; ++u) keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
+      const uint32_t key = reduce_scatter8(keys, lane);
+      if (lane % 4 == 0) store_encode_constants(constants[lane / 4], key);
     }
     __syncwarp();
     // Rolled, the batch rotating to the front (so it stays in registers): one copy of the encode.
@@ -586,6 +598,18 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
   }
 }
 
+// A returned group's decode constants from its metadata word (max_bits = the marker for a BF16 group).
+__device__ __forceinline__ LogfmtDecodeConstants returned_group_constants(uint32_t meta) {
+  LogfmtDecodeConstants constants;
+  const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
+  if (max_bits == kLogfmtFallbackMarker) {
+    constants.params.max_bits = kLogfmtFallbackMarker;
+  } else {
+    constants.params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+  }
+  return constants;
+}
+
 // The constants of groups [group_begin, group_begin + num_groups) of the token's listed slots (slot_pos >=
 // 0), from their metadata words, by the whole block: group g of the k-th listed slot at entry g * num_listed
 // + k, so that the lanes of one chunk read adjacent entries (few bank conflicts).
@@ -597,21 +621,46 @@ __device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const Combi
     const int k = i % num_listed;
     const int group = group_begin + i / num_listed;
     const int pos = small.slot_pos[__fns(listed, 0, k + 1)];
-    const uint32_t meta =
-        __ldcg(reinterpret_cast<const uint32_t*>(returned_slot(args, token, pos) + meta_offset) + group);
-    const uint16_t max_bits = static_cast<uint16_t>(meta & 0xFFFFu);
-    if (max_bits == kLogfmtFallbackMarker) {
-      table[i].params.max_bits = kLogfmtFallbackMarker;
-    } else {
-      table[i].params = logfmt_params_from_meta(max_bits, static_cast<uint16_t>(meta >> 16));
+    table[i] = returned_group_constants(
+        __ldcg(reinterpret_cast<const uint32_t*>(returned_slot(args, token, pos) + meta_offset) + group));
+  }
+}
+
+// A LogFMT reduction of a token with at most one listed slot (a pre-reduced token whose experts all sit on
+// one rank, say): each thread takes whole chunks, its group's constants from the metadata word itself, acc =
+// +0 + w * v. No table: at 1 token a block holds a few chunks, and the table's fill and barriers would be
+// its critical path.
+__device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
+                                          int token, unsigned listed, WordRange chunks, uint16_t* out_row) {
+  const int entry = listed != 0 ? __ffs(listed) - 1 : -1;
+  const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
+  const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
+  const size_t meta_offset = size_t(args.layout.num_groups()) * kLogfmtPayloadStride;
+  for (int chunk = chunks.begin + static_cast<int>(threadIdx.x); chunk < chunks.end; chunk += kNumThreads) {
+    float weighted[8];
+#pragma unroll
+    for (int i = 0; i < 8; ++i) weighted[i] = 0.0f;
+    if (entry >= 0) {
+      // The codes load in flight with the metadata (a fallback group's words replace them after).
+      const uint32_t meta = __ldcg(reinterpret_cast<const uint32_t*>(slot + meta_offset) + chunk / 16);
+      LogfmtChunk loaded = load_logfmt_chunk(slot, chunk, false);
+      const LogfmtDecodeConstants constants = returned_group_constants(meta);
+      if (constants.params.max_bits == kLogfmtFallbackMarker) loaded = load_logfmt_chunk(slot, chunk, true);
+      decode_logfmt_chunk(loaded, constants, weighted);
+#pragma unroll
+      for (int i = 0; i < 8; ++i) weighted[i] = __fmul_rn(weight, weighted[i]);
     }
+#pragma unroll
+    for (int i = 0; i < 8; ++i) weighted[i] = __fadd_rn(0.0f, weighted[i]);
+    reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(weighted);
   }
 }
 
 // A LogFMT reduction of one token's chunks, its listings spread over lanes: of the token's n listed slots
 // (slot_pos >= 0, in top-k order), lane (c, k) of a warp loads, decodes and weighs the k-th one's chunk c, n
-// rounded up to a power of two lanes per chunk (a pre-reduced token's one or two partials take one or two
-// lanes, top-8 eight). The products go to the warp's scratch, where lane (c, i) adds channel i of chunk c in
+// rounded up to a power of two lanes per chunk (a pre-reduced token's two partials take two lanes, top-8
+// eight; a token with at most one slot goes to reduce_single_slot_chunks). The products go to the warp's
+// scratch, where lane (c, i) adds channel i of chunk c in
 // top-k order (acc = +0, then acc + w * v as the reference writes it). The groups' constants come from a
 // table the block fills first, window by window of groups. The next chunk's words are loaded while the
 // current one decodes.
@@ -622,8 +671,12 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   const int lane = static_cast<int>(threadIdx.x) % 32;
   const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && small.slot_pos[lane] >= 0);
   const int num_listed = __popc(listed);
+  if (num_listed <= 1) {  // block-uniform
+    reduce_single_slot_chunks(args, small, token, listed, chunks, out_row);
+    return;
+  }
   int lanes_per_chunk = 1;
-  while (lanes_per_chunk < num_listed) lanes_per_chunk *= 2;  // at most kMaxTopk = 16
+  while (lanes_per_chunk < num_listed) lanes_per_chunk *= 2;  // 2 to kMaxTopk = 16
   const int chunks_per_warp = 32 / lanes_per_chunk;
   const int k = lane % lanes_per_chunk;
   const int c = lane / lanes_per_chunk;
@@ -636,7 +689,7 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   const LogfmtDecodeConstants* table = logfmt_table();
   const int first_group = chunks.begin / kGroupChunks;
   const int end_group = (chunks.end + kGroupChunks - 1) / kGroupChunks;
-  const int window = num_listed > 0 ? kLogfmtTableEntries / num_listed : end_group - first_group + 1;
+  const int window = kLogfmtTableEntries / num_listed;
   for (int group0 = first_group; group0 < end_group; group0 += window) {
     const int num_groups = min(window, end_group - group0);
     const int begin = max(chunks.begin, group0 * kGroupChunks);
@@ -668,14 +721,6 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
         decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), weighted);
 #pragma unroll
         for (int i = 0; i < 8; ++i) weighted[i] = __fmul_rn(weight, weighted[i]);
-      }
-      if (lanes_per_chunk == 1) {  // warp-uniform: at most one listed slot, the lane sums its own chunk
-        if (chunk < end) {
-#pragma unroll
-          for (int i = 0; i < 8; ++i) weighted[i] = __fadd_rn(0.0f, weighted[i]);
-          reinterpret_cast<int4*>(out_row)[chunk] = pack_bf16x8(weighted);
-        }
-        continue;
       }
       if (entry >= 0 && chunk < end) {
         float4* mine = reinterpret_cast<float4*>(products + c * stride + k * 8);
