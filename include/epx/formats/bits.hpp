@@ -29,14 +29,17 @@ EPX_HD float bits_as_float(uint32_t bits) {
 }
 
 // Two 16-bit unsigned lanes per word (a GPU does each in one instruction): max, min, and subtraction
-// that wraps within each lane.
+// that wraps within each lane. On the host, `op` applied to each lane.
+template <typename Op>
+inline uint32_t per_u16_lane(uint32_t a, uint32_t b, Op op) {
+  return (op(a >> 16, b >> 16) & 0xFFFFu) << 16 | (op(a & 0xFFFFu, b & 0xFFFFu) & 0xFFFFu);
+}
+
 EPX_HD uint32_t max_u16x2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return __vmaxu2(a, b);
 #else
-  const uint32_t high = (a >> 16) > (b >> 16) ? a >> 16 : b >> 16;
-  const uint32_t low = (a & 0xFFFFu) > (b & 0xFFFFu) ? a & 0xFFFFu : b & 0xFFFFu;
-  return high << 16 | low;
+  return per_u16_lane(a, b, [](uint32_t x, uint32_t y) { return x > y ? x : y; });
 #endif
 }
 
@@ -44,9 +47,7 @@ EPX_HD uint32_t min_u16x2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return __vminu2(a, b);
 #else
-  const uint32_t high = (a >> 16) < (b >> 16) ? a >> 16 : b >> 16;
-  const uint32_t low = (a & 0xFFFFu) < (b & 0xFFFFu) ? a & 0xFFFFu : b & 0xFFFFu;
-  return high << 16 | low;
+  return per_u16_lane(a, b, [](uint32_t x, uint32_t y) { return x < y ? x : y; });
 #endif
 }
 
@@ -54,7 +55,7 @@ EPX_HD uint32_t sub_u16x2(uint32_t a, uint32_t b) {
 #if defined(__CUDA_ARCH__)
   return __vsub2(a, b);
 #else
-  return ((a >> 16) - (b >> 16)) << 16 | (((a & 0xFFFFu) - (b & 0xFFFFu)) & 0xFFFFu);
+  return per_u16_lane(a, b, [](uint32_t x, uint32_t y) { return x - y; });
 #endif
 }
 
