@@ -202,7 +202,6 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
   auto* constants = reinterpret_cast<LogfmtEncodeConstants*>(logfmt_warp_scratch());
   for (int group0 = group_begin; group0 < group_end; group0 += kBatch) {
     uint2 batch[kBatch];
-    uint32_t keys[kBatch];
 #pragma unroll
     for (int u = 0; u < kBatch; ++u) {
       batch[u] = group0 + u < group_end
@@ -220,6 +219,7 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
       if (lane == 0) store_encode_constants(constants[0], key);
     } else {
       // After every load is in flight. An absent group's zeros give kLogfmtKeyWordIdentity.
+      uint32_t keys[kBatch];
 #pragma unroll
       for (int u = 0; u < kBatch; ++u) keys[u] = logfmt_key_word(batch[u].x, batch[u].y);
       const uint32_t key = reduce_scatter8(keys, lane);
