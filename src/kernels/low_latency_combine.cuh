@@ -449,31 +449,21 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 // ---- Receive ----
 
 // Channels 8q..8q+7 of a returned LogFMT row as loaded: codes 8q..8q+7 (bits [80q, 80q + 80) of the
-// group's code stream, bytes 10q.. (2-byte aligned), in words 0..2) or, in a fallback group, the chunk's 8
-// BF16 values (words 0..3).
+// group's code stream, bytes 10q.. (2-byte aligned), in words x, y, z) or, in a fallback group, the chunk's
+// 8 BF16 values.
 struct LogfmtChunk {
-  uint32_t words[4];
+  int4 words;
 };
 
 // Chunk `chunk` of a returned row whose group is a fallback (BF16) group or not.
 __device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int chunk, bool fallback) {
   const char* payload = slot + size_t(chunk / 16) * kLogfmtPayloadStride;
   const int q = chunk % 16;  // 8-channel chunk inside the group
-  LogfmtChunk loaded;
-  if (fallback) {
-    const int4 raw = __ldcg(reinterpret_cast<const int4*>(payload) + q);
-    loaded.words[0] = static_cast<uint32_t>(raw.x);
-    loaded.words[1] = static_cast<uint32_t>(raw.y);
-    loaded.words[2] = static_cast<uint32_t>(raw.z);
-    loaded.words[3] = static_cast<uint32_t>(raw.w);
-    return loaded;
-  }
+  if (fallback) return {__ldcg(reinterpret_cast<const int4*>(payload) + q)};
   const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
-  loaded.words[0] = __ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16);
-  loaded.words[1] = __ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16);
-  loaded.words[2] = __ldcg(halves + 4);
-  loaded.words[3] = 0;
-  return loaded;
+  return {make_int4(static_cast<int>(__ldcg(halves) | (static_cast<uint32_t>(__ldcg(halves + 1)) << 16)),
+                    static_cast<int>(__ldcg(halves + 2) | (static_cast<uint32_t>(__ldcg(halves + 3)) << 16)),
+                    static_cast<int>(__ldcg(halves + 4)), 0)};
 }
 
 // Code j (0..7) of a chunk's 80 code bits: bits 0..63 in `low`, 64..79 in `high`.
@@ -490,14 +480,15 @@ __device__ __forceinline__ void decode_logfmt_chunk(const LogfmtChunk& loaded,
                                                     const LogfmtDecodeConstants& constants, float* values) {
   const LogfmtParams& params = constants.params;
   if (params.max_bits == kLogfmtFallbackMarker) {
-    unpack_bf16x8(make_int4(static_cast<int>(loaded.words[0]), static_cast<int>(loaded.words[1]),
-                            static_cast<int>(loaded.words[2]), static_cast<int>(loaded.words[3])),
-                  values);
+    unpack_bf16x8(loaded.words, values);
     return;
   }
-  const unsigned long long low = loaded.words[0] | (static_cast<unsigned long long>(loaded.words[1]) << 32);
+  const unsigned long long low =
+      static_cast<uint32_t>(loaded.words.x) |
+      (static_cast<unsigned long long>(static_cast<uint32_t>(loaded.words.y)) << 32);
+  const uint32_t high = static_cast<uint32_t>(loaded.words.z);
 #pragma unroll
-  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, loaded.words[2], j), params);
+  for (int j = 0; j < 8; ++j) values[j] = logfmt_decode_value(code_of_80(low, high, j), params);
 }
 
 // Slot (token, top-k position `pos`) of this rank's receive half: where a returned row lands.
@@ -660,9 +651,9 @@ __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, con
 // (slot_pos >= 0, in top-k order), lane (c, k) of a warp loads, decodes and weighs the k-th one's chunk c, n
 // rounded up to a power of two lanes per chunk (a pre-reduced token's two partials take two lanes, top-8
 // eight; a token with at most one slot goes to reduce_single_slot_chunks). The products go to the warp's
-// scratch, where lane (c, i) adds channel i of chunk c in
-// top-k order (acc = +0, then acc + w * v as the reference writes it). The groups' constants come from a
-// table the block fills first, window by window of groups. The next chunk's words are loaded while the
+// scratch, where lane (c, i) adds channel i of chunk c in top-k order (acc = +0, then acc + w * v as the
+// reference writes it). The groups' constants come from a table the block fills first, window by window of
+// groups. The next chunk's words are loaded while the
 // current one decodes.
 __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
                                      int token, WordRange chunks, uint16_t* out_row) {
@@ -714,18 +705,14 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
       const int ahead = chunk + step;
       if (entry >= 0 && ahead < end)
         next = load_logfmt_chunk(slot, ahead, constants_of(ahead).params.max_bits == kLogfmtFallbackMarker);
-      float weighted[8];
-#pragma unroll
-      for (int i = 0; i < 8; ++i) weighted[i] = 0.0f;
       if (entry >= 0 && chunk < end) {
-        decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), weighted);
-#pragma unroll
-        for (int i = 0; i < 8; ++i) weighted[i] = __fmul_rn(weight, weighted[i]);
-      }
-      if (entry >= 0 && chunk < end) {
+        float values[8];
+        decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), values);
         float4* mine = reinterpret_cast<float4*>(products + c * stride + k * 8);
-        mine[0] = make_float4(weighted[0], weighted[1], weighted[2], weighted[3]);
-        mine[1] = make_float4(weighted[4], weighted[5], weighted[6], weighted[7]);
+        mine[0] = make_float4(__fmul_rn(weight, values[0]), __fmul_rn(weight, values[1]),
+                              __fmul_rn(weight, values[2]), __fmul_rn(weight, values[3]));
+        mine[1] = make_float4(__fmul_rn(weight, values[4]), __fmul_rn(weight, values[5]),
+                              __fmul_rn(weight, values[6]), __fmul_rn(weight, values[7]));
       }
       __syncwarp();
       const int warp_chunk = chunk - c;  // the warp's first chunk of this round
