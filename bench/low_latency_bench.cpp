@@ -208,9 +208,12 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
   const double fp8_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kFp8);
   const double bf16_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
   const double logfmt_bytes = selections * low_latency_selection_bytes(s.hidden, WireFormat::kLogFmt);
-  // Pre-reduced: the rows that cross are one per (token, rank), BF16.
-  const double pre_reduced_bytes =
-      pre_reduced_rows(s, ids_host) * low_latency_selection_bytes(s.hidden, WireFormat::kBf16);
+  // Pre-reduced: the rows that cross are one per (token, rank).
+  const double pre_reduced_rows_count = pre_reduced_rows(s, ids_host);
+  const auto pre_reduced_bytes = [&](bool logfmt) {
+    return pre_reduced_rows_count *
+           low_latency_selection_bytes(s.hidden, logfmt ? WireFormat::kLogFmt : WireFormat::kBf16);
+  };
   const StreamOrder order{stream, nullptr, false};
   std::vector<BenchRow> out;
 
@@ -249,7 +252,7 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     const double us =
         median_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] { pre_reduced_combine(logfmt); });
     out.push_back({logfmt ? "LL combine LogFMT pre-reduced" : "LL combine BF16 pre-reduced", 0, us,
-                   logfmt ? pre_reduced_bytes * logfmt_bytes / bf16_bytes : pre_reduced_bytes});
+                   pre_reduced_bytes(logfmt)});
   }
 
   // The same calls captured in a CUDA graph and replayed back to back: GPU time without the host's issue
@@ -278,8 +281,7 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
     });
     out.push_back(
         {logfmt ? "LL combine LogFMT pre-reduced, graph replay" : "LL combine BF16 pre-reduced, graph replay",
-         0, pre_reduced_graph_us,
-         logfmt ? pre_reduced_bytes * logfmt_bytes / bf16_bytes : pre_reduced_bytes});
+         0, pre_reduced_graph_us, pre_reduced_bytes(logfmt)});
   }
   // The launch floor: an empty kernel of the same grid, as a call and in a graph replay. A call's overhead
   // over its graph replay that this row shows too is the launch's, not the library's.

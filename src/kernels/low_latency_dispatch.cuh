@@ -260,7 +260,7 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   if (lane < args.in.num_topk) {
     for (int d = 0; d < small.num_dsts; ++d) {
       small.dst_listings[d][lane] = expert;
-      reinterpret_cast<float*>(small.dst_listings[d] + kMaxTopk)[lane] = weight;
+      reinterpret_cast<float*>(small.dst_listings[d] + kListingWeightsWord)[lane] = weight;
     }
   }
 }
@@ -413,7 +413,7 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
       local_at<int>(args.peers, layout.dispatch_recv_listings_offset(args.half, src, token));
   const int id = lane < num_topk ? __ldcg(received + lane) : -1;
   const float weight =
-      lane < num_topk ? __ldcg(reinterpret_cast<const float*>(received + kMaxTopk) + lane) : 0.0f;
+      lane < num_topk ? __ldcg(reinterpret_cast<const float*>(received + kListingWeightsWord) + lane) : 0.0f;
   const int num_local = layout.num_local_experts();
   const bool here = id >= 0 && id / num_local == args.peers.rank;
   const unsigned here_lanes = __ballot_sync(kFullMask, here);

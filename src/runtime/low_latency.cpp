@@ -201,15 +201,10 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
                                                   : kernels::launch_low_latency_dispatch);
 
   LowLatencyDispatchResult result;
-  result.handle = LowLatencyHandle{in.num_tokens,
-                                   in.num_topk,
-                                   in.hidden,
-                                   in.num_max_dispatch_tokens_per_rank,
-                                   in.num_experts,
-                                   out.recv_src_info,
-                                   out.recv_topk_pos,
-                                   out.recv_layout_range,
-                                   args.out.recv_token_listings};
+  result.handle = LowLatencyHandle{
+      in.num_tokens,          in.num_topk,       in.hidden,         in.num_max_dispatch_tokens_per_rank,
+      in.num_experts,         out.recv_src_info, out.recv_topk_pos, out.recv_layout_range,
+      out.recv_token_listings};
   result.event = std::move(event);
   result.hook = std::move(hook);
   return result;

@@ -41,6 +41,7 @@ EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
 // whole top-k, kMaxTopk int32 expert ids (-1 for none) then kMaxTopk float weights, so that a receiver finds
 // every listing of the token on its own rank (the pre-reduced combine's table).
 constexpr size_t kLowLatencyListingsBytes = 2 * sizeof(int32_t) * kMaxTopk;
+constexpr int kListingWeightsWord = kMaxTopk;  // the 32-bit word of the listings where the weights start
 
 // The two operations that talk through the low-latency buffer; each has its own signals in each half.
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
