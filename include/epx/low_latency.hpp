@@ -46,9 +46,7 @@ struct LowLatencyDispatchInput {
   bool use_ue8m0 = false;         // scales as packed UE8M0 bytes (requires use_fp8 and round_scale)
   bool return_recv_hook = false;  // only send now; LowLatencyRecvHook receives later
   int* cumulative_local_expert_recv_stats = nullptr;  // [L] or null: += received rows per local expert
-  // [R] or null: += ns the receive waited for each source's counts (a source releases them when it has
-  // routed, before its rows: a late source shows here).
-  int64_t* dispatch_wait_recv_cost_stats = nullptr;
+  int64_t* dispatch_wait_recv_cost_stats = nullptr;   // [R] or null: += ns the receive waited per source
   // [T, K]: required when LowLatencyDispatchOutput::recv_token_listings is given (null allowed with T = 0),
   // refused without it. Each message then carries its token's top-k ids and weights, for the pre-reduced
   // combine.

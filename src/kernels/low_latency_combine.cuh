@@ -852,7 +852,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
-    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked, 0);
+    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
         send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_count);
     stamp_phase(args.phase_stamps, kStampSent);

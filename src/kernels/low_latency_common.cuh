@@ -83,8 +83,7 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // published to every unmasked destination.
 // NVLink destinations: each block adds its share (publish_share, work_split.hpp) to the destination's flag
 // for this rank with one release reduction at system scope, so the flag reaches flag_target(num_ops) when the
-// last block's add lands (dispatch's early counts share included, release_counts), and no block waits for a
-// round trip.
+// last block's add lands, and no block waits for a round trip.
 // Destinations reached by puts: the last of the `count` blocks to arrive at this rank's counter for the
 // destination puts the flag's new value.
 // NOTES: the barrier puts every store and completed put of the block before the publishing thread's add or
@@ -117,47 +116,26 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   }
 }
 
-// Called by every thread of dispatch's routing block once it stored the counts: each unmasked NVLink
-// destination's flag for this rank gets kDispatchCountsShare (work_split.hpp) with one release reduction at
-// system scope, which releases the counts and the shapes (post_shapes) to a receive that awaits
-// dispatch_counts_target. Destinations reached by puts get their flag whole from publish_sends: its value
-// then covers the counts as well.
-// NOTES: the barrier puts every thread's count store before the releasing thread's add (cumulativity, as in
-// publish_sends).
-template <typename Remote>
-__device__ __forceinline__ void release_counts(const PeerContext& peers, const LowLatencyBufferMap& layout,
-                                               int half, unsigned long long masked) {
-  __syncthreads();
-  for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
-    if (rank_masked(masked, dst) || !is_direct<Remote>(peers, dst)) continue;
-    device::red_add_release_sys(
-        peer_at<int>(peers, dst, layout.recv_flag_offset(half, LowLatencyOp::kDispatch, peers.rank)),
-        kDispatchCountsShare);
-  }
-}
-
 static_assert(sizeof(ShapeFingerprint) <= kLowLatencyShapeSlotBytes,
               "a shape fingerprint must fit its slot of the low-latency buffer");
 
-// Called by every thread of every block at the start of a send phase: block `poster` posts this rank's shape
-// fingerprint to every unmasked destination, early, so it is long complete when the flag releases it (it adds
-// nothing to the flag's latency). NVLink destinations get plain stores into their abort-words allocation;
-// destinations on other nodes get a put of this rank's staged fingerprint into their remote_shapes slot for
-// this rank (put_warp is warp-collective: the poster's warps share the destinations, so many remote ranks do
-// not hold one warp for long). Combine's poster is block 0; dispatch's is its routing block, whose early
-// release of the counts (release_counts) then releases the shapes too, so a receive checks them before it
-// reads any count.
-// NOTES: the puts are complete before any flag that releases them, in dispatch and in combine alike: the
-// poster is always a publishing block (dispatch_publishers and combine_publishers, work_split.hpp, count it
-// even with nothing else to send), and in publish_sends every thread of it, the warps that issued these puts
+// Called by every thread of every block at the start of a send phase: block 0 posts this rank's shape
+// fingerprint to every unmasked destination, early, so it is long complete when publish_sends releases it
+// with the flag (it adds nothing to the flag's latency). NVLink destinations get plain stores into their
+// abort-words allocation; destinations on other nodes get a put of this rank's staged fingerprint into their
+// remote_shapes slot for this rank (put_warp is warp-collective: block 0's warps share the destinations, so
+// many remote ranks do not hold one warp, and with it block 0's first token, for long).
+// NOTES: the puts are complete before any flag that releases them, in dispatch and in combine alike: block 0
+// is always a publishing block (dispatch_publishers and combine_publishers, work_split.hpp, count it even
+// with nothing else to send), and in publish_sends every thread of it, the warps that issued these puts
 // included, calls Remote::quiet() before the barrier and its arrival, which the last arriver for a
 // destination acquires before it signals the flag. The staged slot is rewritten only by the next send of this
 // op on this half, a later launch, so never while a put still reads it.
 template <typename Remote>
 __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowLatencyBufferMap& layout,
                                             int half, LowLatencyOp op, const ShapeFingerprint& shape,
-                                            unsigned long long masked, int poster) {
-  if (static_cast<int>(blockIdx.x) != poster) return;
+                                            unsigned long long masked) {
+  if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
     post_shape(
@@ -204,23 +182,8 @@ struct SourceWait {
   unsigned long long left_out;
 };
 
-// What a receive awaits of each source: its whole operation, or only its counts (dispatch, which awaits each
-// source's rows later, per warp).
-enum class Awaited { kEverything, kDispatchCounts };
-
-// The flag value a receive waits for. A source reached by puts gets its flag whole, and with enable_shrink a
-// receive decides about each source once, on its whole operation.
-template <typename Remote>
-__device__ __forceinline__ int awaited_flag(const PeerContext& peers, const LowLatencyMaskArgs& mask, int src,
-                                            int expected, Awaited awaited) {
-  return awaited == Awaited::kDispatchCounts && !mask.shrink && is_direct<Remote>(peers, src)
-             ? dispatch_counts_target(expected)
-             : flag_target(expected);
-}
-
 // Every block waits until every unmasked source in `wanted` (all by default) published operation `expected`
-// (its flag reached flag_target(expected)), or with Awaited::kDispatchCounts until its counts did (see
-// awaited_flag); block 0 adds the waited time per source. `arrived` is false (for
+// (its flag reached flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for
 // the whole block) when a wait was abandoned (the group is aborted) or a source's shapes differ (then this
 // rank aborts it): nothing the sources were to write may be read then. With enable_shrink a wait that times
 // out leaves its source out instead of aborting (every block agrees through decide_source) and masks it.
@@ -229,7 +192,7 @@ template <typename Remote>
 __device__ __forceinline__ SourceWait wait_all_sources(
     const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op, int expected,
     WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape, const LowLatencyMaskArgs& mask,
-    unsigned long long* left_out, unsigned long long wanted = ~0ull, Awaited awaited = Awaited::kEverything) {
+    unsigned long long* left_out, unsigned long long wanted = ~0ull) {
   const uint64_t start = device::global_timer_ns();
   const device::WaitContext ctx = wait_context(peers);
   const unsigned long long masked = *left_out;
@@ -237,19 +200,18 @@ __device__ __forceinline__ SourceWait wait_all_sources(
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
     if (rank_masked(masked, src) || ((wanted >> src) & 1ull) == 0) continue;
     const int* flag = local_at<int>(peers, layout.recv_flag_offset(half, op, src));
-    const int target = awaited_flag<Remote>(peers, mask, src, expected, awaited);
     bool ok = true;
     if (!mask.shrink) {
-      ok = device::try_wait_at_least(flag, target, ctx, src, phase);
+      ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
     } else {
-      const device::WaitOutcome outcome =
-          device::wait_at_least_outcome(flag, target, ctx, src, phase, device::OnTimeout::kGiveUp);
+      const device::WaitOutcome outcome = device::wait_at_least_outcome(flag, flag_target(expected), ctx, src,
+                                                                        phase, device::OnTimeout::kGiveUp);
       ok = outcome == device::WaitOutcome::kArrived;
       if (outcome != device::WaitOutcome::kAborted) {
         int* decision = local_at<int>(peers, layout.source_decision_offset(half, op, src));
         if (decide_source(decision, expected, ok)) {
           // Another block saw the flag: it is there, this look finds it.
-          if (!ok) ok = device::try_wait_at_least(flag, target, ctx, src, phase);
+          if (!ok) ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
         } else {
           if (!ok) mask_timed_out_peer(mask, src);  // the block whose wait timed out (not a late flag)
           atomicOr(left_out, 1ull << src);

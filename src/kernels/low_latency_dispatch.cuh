@@ -114,8 +114,7 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
 // listing only), and its length, written into the rank that owns e. Entry order = ascending token, so a
 // token's slot in the list is the number of earlier entries with the same expert. One block computes it:
 // every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
-// expert, and a second pass assigns slots with __match_any_sync ranks. The counts are released as soon as
-// they are stored (release_counts), so receives scan them while the lists and rows are still being written.
+// expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
 __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
                               const SendPreload& pre) {
@@ -167,7 +166,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
       Remote::put_int(local_at<int>(args.peers, offset), running, dst);
     }
   }
-  release_counts<Remote>(args.peers, layout, args.half, masked);
+  __syncthreads();
   stamp_phase(args.phase_stamps, kStampCountsStored);
 
   round = 0;
@@ -429,32 +428,9 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
   }
 }
 
-// Whether source `src`'s lists and messages landed: the warp waits until its flag is whole for operation
-// `expected` unless `landed` (the sources this warp already saw whole) has it. false: the wait was abandoned
-// (the group is aborted) and nothing of the source may be read.
-// NOTES: lane 0's acquire extends to the warp through __syncwarp, which orders memory among its lanes.
-template <typename Remote>
-__device__ __forceinline__ bool warp_awaits_rows(const PeerContext& peers, const LowLatencyBufferMap& layout,
-                                                 int half, int src, int expected,
-                                                 const device::WaitContext& ctx, unsigned long long& landed) {
-  if (((landed >> src) & 1ull) != 0) return true;
-  bool ok = true;
-  if (threadIdx.x % 32 == 0) {
-    ok = device::try_wait_at_least(
-        local_at<int>(peers, layout.recv_flag_offset(half, LowLatencyOp::kDispatch, src)),
-        flag_target(expected), ctx, src, WaitPhase::kLowLatencyDispatchRecv);
-  }
-  __syncwarp();
-  ok = __shfl_sync(kFullMask, ok, 0);
-  if (ok) landed |= 1ull << src;
-  return ok;
-}
-
 // `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
 // receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
-// out (masked, or timed out with enable_shrink) count 0 rows. The block waits for every source's counts, then
-// each warp for the sources of its rows as it reaches them: a source's rows are copied as soon as they
-// landed, whatever the other sources' progress.
+// out (masked, or timed out with enable_shrink) count 0 rows.
 template <typename Remote, bool kListings>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
@@ -462,12 +438,12 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  const SourceWait wait =
-      aborted ? SourceWait{false, 0ull}
-              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                         WaitPhase::kLowLatencyDispatchRecv,
-                                         args.in.dispatch_wait_recv_cost_stats, args.shape, args.mask,
-                                         &small.left_out, ~0ull, Awaited::kDispatchCounts);
+  const SourceWait wait = aborted
+                              ? SourceWait{false, 0ull}
+                              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch,
+                                                         num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
+                                                         args.in.dispatch_wait_recv_cost_stats, args.shape,
+                                                         args.mask, &small.left_out);
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
@@ -499,8 +475,6 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  const device::WaitContext ctx = wait_context(peers);
-  unsigned long long landed = 0;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
                              static_cast<int>(gridDim.x));
        item < num_items; item += num_grid_warps) {
@@ -509,7 +483,6 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     const int pair = find_pair(prefix, num_pairs, j);
     const int local_expert = pair / num_ranks;
     const int src = pair % num_ranks;
-    if (!warp_awaits_rows<Remote>(peers, layout, args.half, src, num_uses + 1, ctx, landed)) break;
     const int row = j - prefix[local_expert * num_ranks];
     const int entry =
         __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
@@ -555,8 +528,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
-    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked,
-                        static_cast<int>(gridDim.x) - 1);
+    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
     send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase(args.phase_stamps, kStampSent);

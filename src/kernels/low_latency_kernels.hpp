@@ -32,10 +32,10 @@ enum LowLatencyPhase : int { kLowLatencySend = 1, kLowLatencyRecv = 2, kLowLaten
 // phase_stamps[b * kNumPhaseStamps + stamp]. Dispatch: entry, prologue (abort check, mask), histogram and
 // counts stored (the routing block's first pass and its scan), counted (the routing block's counts and lists
 // written), ids (a sending block's first token's destinations found), sent
-// (tokens and routing written), published (flags released), arrived (every source's counts released),
-// scanned (counts scanned), delivered (rows copied out), exit. Combine: the same, with "counted" when the
-// send's pair counts are scanned, "ids" when the receive read its token's top-k ids and weights, "delivered"
-// after the reduction and "scanned" unused.
+// (tokens and routing written), published (flags released), arrived (every source's flag seen), scanned
+// (counts scanned), delivered (rows copied out), exit. Combine: the same, with "counted" when the send's pair
+// counts are scanned, "ids" when the receive read its token's top-k ids and weights, "delivered" after the
+// reduction and "scanned" unused.
 enum LowLatencyStamp : int {
   kStampEntry,
   kStampPrologue,

@@ -58,7 +58,6 @@ EPX_HD int spread_row_pieces(int base_pieces, int total_rows, int num_grid_warps
 struct Publishers {
   int count;
   bool this_block;
-  int total;  // what their shares add up to (publish_share)
 };
 
 // A source's receive flag grows by kLowLatencyPublishUnit per operation: every publishing block adds its
@@ -71,28 +70,15 @@ EPX_HD int flag_target(int num_ops) {
   return static_cast<int>(static_cast<uint32_t>(num_ops) * static_cast<uint32_t>(kLowLatencyPublishUnit));
 }
 EPX_HD int publish_share(int block, const Publishers& publishers) {
-  return block == 0 ? publishers.total - (publishers.count - 1) : 1;
+  return block == 0 ? kLowLatencyPublishUnit - (publishers.count - 1) : 1;
 }
 
-// Dispatch releases its counts before its rows: the routing block adds kDispatchCountsShare to each
-// destination's flag as soon as it stored the counts (and, before them, the shapes), and the publishers'
-// shares add up to the rest of the unit. The rest is smaller than the counts' share, so the flag is at least
-// dispatch_counts_target(n) exactly when operation n's counts landed (whatever else did), and a receive scans
-// them while the rows are still on their way. Every publisher needs a share of at least 1: a grid has at most
-// kLowLatencyMaxBlocks blocks (launches check it).
-constexpr int kDispatchCountsShare = 3 * kLowLatencyPublishUnit / 4;
-constexpr int kLowLatencyMaxBlocks = kLowLatencyPublishUnit - kDispatchCountsShare;
-EPX_HD int dispatch_counts_target(int num_ops) {
-  return static_cast<int>(static_cast<uint32_t>(flag_target(num_ops - 1)) +
-                          static_cast<uint32_t>(kDispatchCountsShare));
-}
-
-// Dispatch: blocks 0..T-1 send a token each (block 0 also counts when T = 0), and the last block routes (and
-// posts the shapes).
+// Dispatch: blocks 0..T-1 send a token each (block 0 also posts the shapes, so it counts when T = 0), and the
+// last block routes.
 EPX_HD Publishers dispatch_publishers(int num_tokens, int num_blocks, int block) {
   const int senders = num_tokens > 1 ? num_tokens : 1;
   const int count = senders + 1 < num_blocks ? senders + 1 : num_blocks;
-  return {count, block < senders || block == num_blocks - 1, kLowLatencyPublishUnit - kDispatchCountsShare};
+  return {count, block < senders || block == num_blocks - 1};
 }
 
 // ---- Items over the grid ----
@@ -108,7 +94,7 @@ EPX_HD int first_item(int block, int warp, int num_blocks) {
 EPX_HD Publishers combine_publishers(int num_items, int num_blocks, int block) {
   const int holding = num_items < num_blocks ? num_items : num_blocks;
   const int count = holding > 1 ? holding : 1;
-  return {count, block < count, kLowLatencyPublishUnit};
+  return {count, block < count};
 }
 
 // ---- Combine reduction ----

@@ -127,9 +127,8 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
   check_low_latency_signals_clean(*state);
   check_low_latency_half_free(*state, args.half);
   args.num_blocks = buffer.num_device_sms();
-  static_assert(kernels::kLowLatencyMaxBlocks == 1024, "the message below names the limit");
-  EPX_CHECK(args.num_blocks <= kernels::kLowLatencyMaxBlocks, "num_device_sms", args.num_blocks,
-            "must be at most 1024 for the low-latency kernels (each block adds a share to the flags)");
+  EPX_CHECK(args.num_blocks < kernels::kLowLatencyPublishUnit, "num_device_sms", args.num_blocks,
+            "must be below 4096 for the low-latency kernels (each block adds a share to the flags)");
   if (return_recv_hook) {
     if (order.previous_event != nullptr)
       EPX_CUDA_CHECK(cudaStreamWaitEvent(order.compute_stream, order.previous_event, 0));

@@ -117,41 +117,24 @@ TEST(WorkSplit, PublishSharesMakeTheFlagReachEachTargetOnlyWhenAllLanded) {
     return dispatch ? epx::kernels::dispatch_publishers(work, blocks, block)
                     : epx::kernels::combine_publishers(work, blocks, block);
   };
-  const auto add = [](int flag, int share) {
-    return static_cast<int>(static_cast<uint32_t>(flag) + static_cast<uint32_t>(share));
-  };
   for (const bool dispatch : {true, false}) {
-    for (int blocks : {1, 2, 132, epx::kernels::kLowLatencyMaxBlocks}) {
-      for (int work : {0, 1, 7, 500, 5000}) {
+    for (int blocks : {1, 2, 132}) {
+      for (int work : {0, 1, 7, 500}) {
         const Publishers p = publishers_of(dispatch, work, blocks, 0);
         // Operations from near the start and across the 2^32 wrap of the flag.
         for (const int first_op : {1, (1 << 20) - 3}) {
           int flag = flag_target(first_op - 1);
           for (int op = first_op; op < first_op + 6; ++op) {
-            // Dispatch's routing block releases the counts once, between any two publishers' adds (here after
-            // the op % (count + 1)-th); the counts target is reached exactly from then on.
-            const int counts_after = op % (p.count + 1);
-            bool counts_landed = false;
             int landed = 0;
-            for (int b = 0; b <= blocks; ++b) {
-              if (dispatch && landed == counts_after && !counts_landed) {
-                EXPECT_FALSE(epx::counter_reached(flag, epx::kernels::dispatch_counts_target(op)))
-                    << "op " << op << " after " << landed << " publishers, " << blocks << " blocks";
-                flag = add(flag, epx::kernels::kDispatchCountsShare);
-                counts_landed = true;
-              }
-              if (dispatch) {
-                EXPECT_EQ(epx::counter_reached(flag, epx::kernels::dispatch_counts_target(op)), counts_landed);
-              }
-              if (b == blocks || !publishers_of(dispatch, work, blocks, b).this_block) continue;
-              EXPECT_GE(epx::kernels::publish_share(b, p), 1);
+            for (int b = 0; b < blocks; ++b) {
+              if (!publishers_of(dispatch, work, blocks, b).this_block) continue;
               EXPECT_FALSE(epx::counter_reached(flag, flag_target(op))) << "op " << op << " after " << landed;
               EXPECT_TRUE(epx::counter_reached(flag, flag_target(op - 1))) << "op " << op;
-              flag = add(flag, epx::kernels::publish_share(b, p));
+              flag = static_cast<int>(static_cast<uint32_t>(flag) +
+                                      static_cast<uint32_t>(epx::kernels::publish_share(b, p)));
               ++landed;
             }
             EXPECT_EQ(landed, p.count);
-            EXPECT_EQ(counts_landed, dispatch);
             EXPECT_EQ(flag, flag_target(op)) << (dispatch ? "dispatch" : "combine") << ", op " << op << ", "
                                              << blocks << " blocks, " << work << " tokens or pieces";
             EXPECT_TRUE(epx::counter_reached(flag, flag_target(op)));
