@@ -32,6 +32,7 @@ struct CombineSmallSmem {
   unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
   unsigned long long left_out;  // sources the receive leaves out (wait_all_sources)
   unsigned long long needed;    // the ranks the block's current token has experts on (reduce_tokens)
+  unsigned packed;              // bit k: listing k's row came by a put, packed (logfmt.hpp; LogFMT only)
 };
 
 // A LogFMT group's constants in shared memory, computed once per group by one thread and read by the lanes
@@ -56,8 +57,10 @@ constexpr int kLogfmtWarpScratchBytes = 1536;
 // Dynamic shared memory of a combine kernel: CombineSmallSmem, then (LogFMT kernels) the receive's table and
 // the warps' scratch, then the send's per-pair prefix sums.
 constexpr size_t kCombineTableOffset = align_up(sizeof(CombineSmallSmem), 16);
-constexpr size_t kCombineWarpScratchOffset =
+// Beside each table entry, where its group's payload starts in the slot (256 g, or packed).
+constexpr size_t kCombineTableOffsetsOffset =
     kCombineTableOffset + sizeof(LogfmtDecodeConstants) * kLogfmtTableEntries;
+constexpr size_t kCombineWarpScratchOffset = kCombineTableOffsetsOffset + sizeof(int) * kLogfmtTableEntries;
 constexpr size_t combine_prefix_offset(bool logfmt) {
   return logfmt ? kCombineWarpScratchOffset + size_t(kLogfmtWarpScratchBytes) * kNumWarps
                 : kCombineTableOffset;
@@ -74,6 +77,9 @@ __device__ __forceinline__ char* combine_smem() {
 
 __device__ __forceinline__ LogfmtDecodeConstants* logfmt_table() {
   return reinterpret_cast<LogfmtDecodeConstants*>(combine_smem() + kCombineTableOffset);
+}
+__device__ __forceinline__ int* logfmt_table_payloads() {
+  return reinterpret_cast<int*>(combine_smem() + kCombineTableOffsetsOffset);
 }
 
 // A copy of shared-memory constants in registers, read with vector loads once: through a reference, the
@@ -127,10 +133,10 @@ __device__ __forceinline__ unsigned long long logfmt_encode4(const float (&value
                             static_cast<uint16_t>(codes[2]), static_cast<uint16_t>(codes[3]));
 }
 
-// Group `group` of a row (lane l holds channels 4l..4l+3 in `raw`) into its payload and metadata word.
-__device__ __forceinline__ void encode_logfmt_group(char* slot, uint32_t* meta, int group, const uint2 raw,
+// Group `group` of a row (lane l holds channels 4l..4l+3 in `raw`) into its payload (at `payload`) and
+// metadata word.
+__device__ __forceinline__ void encode_logfmt_group(char* payload, uint32_t* meta, int group, const uint2 raw,
                                                     const LogfmtEncodeConstants& constants, int lane) {
-  char* payload = slot + size_t(group) * kLogfmtPayloadStride;
   if (constants.params.max_bits == kLogfmtFallbackMarker) {  // warp-uniform
     reinterpret_cast<uint2*>(payload)[lane] = raw;
     if (lane == 0) meta[group] = kLogfmtFallbackMarker;
@@ -189,17 +195,22 @@ __device__ __noinline__ void store_encode_constants(LogfmtEncodeConstants& const
 
 // One warp encodes a row group by group: lane l holds channels 4l..4l+3, whose 40 code bits sit at bit 40l
 // of the group's code stream; lanes assemble the stream into 32-bit words with two shuffles each. Payloads
-// go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads). Group g's payload
-// covers only group g's input bytes and is written after they were read, so `slot` may be `row` itself
-// (encoding in place).
+// go to `slot` + g * 256, metadata words to `meta` (in a slot: right after the payloads).
 // Groups [group_begin, group_end) only: a piece of the row (work_split.hpp's logfmt_row_pieces).
-__device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
-                                     int group_end, int lane) {
+// kPacked (a whole row, for a put): payloads packed (logfmt_packed_offset), the fallback words after the G
+// metadata words; returns the row's fallback groups. A packed group's payload lies within the input's groups
+// up to its own, which the warp has read before it writes it, so `slot` may be `row` itself (encoding in
+// place).
+template <bool kPacked = false>
+__device__ int encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
+                                    int group_end, int lane) {
   // kBatch groups' loads in flight together; a batch is loaded before any of its payloads is written. Lane
   // 4g computes group g's constants from the batch's max and min, into the warp's scratch.
   constexpr int kBatch = 8;
   static_assert(kBatch * sizeof(LogfmtEncodeConstants) <= kLogfmtWarpScratchBytes);
   auto* constants = reinterpret_cast<LogfmtEncodeConstants*>(logfmt_warp_scratch());
+  int fallbacks = 0;           // kPacked: the row's fallback groups so far
+  uint32_t fallback_bits = 0;  // kPacked: of the current fallback word
   for (int group0 = group_begin; group0 < group_end; group0 += kBatch) {
     uint2 batch[kBatch];
 #pragma unroll
@@ -229,14 +240,24 @@ __device__ void encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t*
     // Rolled, the batch rotating to the front (so it stays in registers): one copy of the encode.
 #pragma unroll 1
     for (int u = 0; u < kBatch && group0 + u < group_end; ++u) {
-      encode_logfmt_group(slot, meta, group0 + u, batch[0], in_registers(constants[u]), lane);
+      const int group = group0 + u;
+      char* payload =
+          slot + (kPacked ? logfmt_packed_offset(group, fallbacks) : size_t(group) * kLogfmtPayloadStride);
+      encode_logfmt_group(payload, meta, group, batch[0], in_registers(constants[u]), lane);
+      if constexpr (kPacked) {
+        const bool fallback = constants[u].params.max_bits == kLogfmtFallbackMarker;  // warp-uniform
+        fallbacks += fallback;
+        fallback_bits |= static_cast<uint32_t>(fallback) << (group % 32);
+        if (group % 32 == 31 || group + 1 == group_end) {
+          if (lane == 0) meta[group_end + group / 32] = fallback_bits;
+          fallback_bits = 0;
+        }
+      }
 #pragma unroll
       for (int v = 0; v + 1 < kBatch; ++v) batch[v] = batch[v + 1];
     }
   }
-}
-__device__ void encode_logfmt_row(char* slot, uint32_t* meta, const uint16_t* row, int num_groups, int lane) {
-  encode_logfmt_groups(slot, meta, row, 0, num_groups, lane);
+  return fallbacks;
 }
 
 // One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
@@ -250,12 +271,14 @@ __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint1
   char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
   char* slot = local_at<char>(args.peers, slot_offset);
   if constexpr (kLogfmt) {
-    // Codes (at most the BF16 row's G * 256 bytes) in the staging row, metadata beside it.
-    uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) + row_idx * num_groups;
-    encode_logfmt_row(staged, meta, row, num_groups, lane);
+    // The packed payload in the staging row, the metadata and fallback words beside it; the puts carry
+    // only the payload's bytes (0.64x a BF16 row's when every group is coded).
+    uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) +
+                     row_idx * layout.logfmt_meta_words();
+    const int fallbacks = encode_logfmt_groups<true>(staged, meta, row, 0, num_groups, lane);
     __syncwarp();
-    Remote::put_warp(slot, staged, size_t(num_groups) * kLogfmtPayloadStride, dst);
-    Remote::put_warp(slot + size_t(num_groups) * kLogfmtPayloadStride, meta, sizeof(uint32_t) * num_groups,
+    Remote::put_warp(slot, staged, logfmt_packed_bytes(num_groups, fallbacks), dst);
+    Remote::put_warp(slot + layout.logfmt_meta_offset(), meta, sizeof(uint32_t) * layout.logfmt_meta_words(),
                      dst);
     return;
   }
@@ -364,9 +387,8 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
     sum_listings<4>(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
                     group_end * kGroupChunks, lane);
     __syncwarp();
-    encode_logfmt_groups(
-        slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride),
-        reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
+    encode_logfmt_groups(slot, reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset()),
+                         reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
   } else {
     const WordRange piece_chunks = piece_words(row_chunks, piece, num_pieces);
     const WordRange part = piece_words(piece_chunks.end - piece_chunks.begin, share, num_shares);
@@ -436,9 +458,8 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
     if constexpr (kLogfmt) {
       const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
-      encode_logfmt_groups(
-          slot, reinterpret_cast<uint32_t*>(slot + size_t(layout.num_groups()) * kLogfmtPayloadStride), row,
-          groups.begin, groups.end, lane);
+      encode_logfmt_groups(slot, reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset()), row,
+                           groups.begin, groups.end, lane);
     } else {
       warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }
@@ -455,9 +476,8 @@ struct LogfmtChunk {
   int4 words;
 };
 
-// Chunk `chunk` of a returned row whose group is a fallback (BF16) group or not.
-__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* slot, int chunk, bool fallback) {
-  const char* payload = slot + size_t(chunk / 16) * kLogfmtPayloadStride;
+// Chunk `chunk` of a returned row whose group (its payload at `payload`) is a fallback (BF16) group or not.
+__device__ __forceinline__ LogfmtChunk load_logfmt_chunk(const char* payload, int chunk, bool fallback) {
   const int q = chunk % 16;  // 8-channel chunk inside the group
   if (fallback) return {__ldcg(reinterpret_cast<const int4*>(payload) + q)};
   const unsigned short* halves = reinterpret_cast<const unsigned short*>(payload + 10 * q);
@@ -525,6 +545,17 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
   return load_topk_entry<kPreReduce>(args, item / parts, static_cast<int>(threadIdx.x));
 }
 
+// The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
+template <typename Remote>
+__device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {
+  if constexpr (!Remote::kEnabled) return 0ull;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned low = __ballot_sync(kFullMask, lane < peers.num_ranks && !is_direct<Remote>(peers, lane));
+  const unsigned high =
+      __ballot_sync(kFullMask, lane + 32 < peers.num_ranks && !is_direct<Remote>(peers, lane + 32));
+  return low | static_cast<unsigned long long>(high) << 32;
+}
+
 // A pre-reduced combine's reduction order, by warp 0 from lane k's expert: one entry per rank holding some
 // of the token's experts (not left out), in ascending rank order, naming the slot its partial row went to
 // (the token's first listing on that rank) with weight 1 (the partial is weighted already, and 1 * v is v);
@@ -589,6 +620,17 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
   }
 }
 
+// Where group `group` of a returned LogFMT row starts in its slot: at 256 g, or in a packed row (a put's,
+// `packed`) after the payloads of the groups before it, which its fallback words count.
+__device__ __forceinline__ size_t returned_group_payload(const char* slot, const LowLatencyBufferMap& layout,
+                                                         int group, bool packed) {
+  if (!packed) return size_t(group) * kLogfmtPayloadStride;
+  const auto* words =
+      reinterpret_cast<const uint32_t*>(slot + layout.logfmt_meta_offset()) + layout.num_groups();
+  return logfmt_packed_offset(group,
+                              logfmt_fallbacks_before(group, [&](int w) { return __ldcg(words + w); }));
+}
+
 // A returned group's decode constants from its metadata word (max_bits = the marker for a BF16 group).
 __device__ __forceinline__ LogfmtDecodeConstants returned_group_constants(uint32_t meta) {
   LogfmtDecodeConstants constants;
@@ -604,16 +646,23 @@ __device__ __forceinline__ LogfmtDecodeConstants returned_group_constants(uint32
 // The constants of groups [group_begin, group_begin + num_groups) of the token's listed slots (slot_pos >=
 // 0), from their metadata words, by the whole block: group g of the k-th listed slot at entry g * num_listed
 // + k, so that the lanes of one chunk read adjacent entries (few bank conflicts).
+template <bool kPacking>
 __device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const CombineSmallSmem& small, int token,
                                   unsigned listed, int num_listed, int group_begin, int num_groups) {
   LogfmtDecodeConstants* table = logfmt_table();
-  const size_t meta_offset = size_t(args.layout.num_groups()) * kLogfmtPayloadStride;
+  int* payloads = logfmt_table_payloads();
+  const size_t meta_offset = args.layout.logfmt_meta_offset();
   for (int i = static_cast<int>(threadIdx.x); i < num_listed * num_groups; i += kNumThreads) {
     const int k = i % num_listed;
     const int group = group_begin + i / num_listed;
-    const int pos = small.slot_pos[__fns(listed, 0, k + 1)];
-    table[i] = returned_group_constants(
-        __ldcg(reinterpret_cast<const uint32_t*>(returned_slot(args, token, pos) + meta_offset) + group));
+    const int entry = __fns(listed, 0, k + 1);
+    const char* slot = returned_slot(args, token, small.slot_pos[entry]);
+    const uint32_t meta = __ldcg(reinterpret_cast<const uint32_t*>(slot + meta_offset) + group);
+    if constexpr (kPacking) {
+      payloads[i] = static_cast<int>(
+          returned_group_payload(slot, args.layout, group, ((small.packed >> entry) & 1u) != 0));
+    }
+    table[i] = returned_group_constants(meta);
   }
 }
 
@@ -621,12 +670,14 @@ __device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const Combi
 // one rank, say): each thread takes whole chunks, its group's constants from the metadata word itself, acc =
 // +0 + w * v. No table: at 1 token a block holds a few chunks, and the table's fill and barriers would be
 // its critical path.
+template <bool kPacking>
 __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
                                           int token, unsigned listed, WordRange chunks, uint16_t* out_row) {
   const int entry = listed != 0 ? __ffs(listed) - 1 : -1;
   const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
   const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
-  const size_t meta_offset = size_t(args.layout.num_groups()) * kLogfmtPayloadStride;
+  const bool packed = kPacking && entry >= 0 && ((small.packed >> entry) & 1u) != 0;
+  const size_t meta_offset = args.layout.logfmt_meta_offset();
   for (int chunk = chunks.begin + static_cast<int>(threadIdx.x); chunk < chunks.end; chunk += kNumThreads) {
     float weighted[8];
 #pragma unroll
@@ -634,9 +685,11 @@ __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, con
     if (entry >= 0) {
       // The codes load in flight with the metadata (a fallback group's words replace them after).
       const uint32_t meta = __ldcg(reinterpret_cast<const uint32_t*>(slot + meta_offset) + chunk / 16);
-      LogfmtChunk loaded = load_logfmt_chunk(slot, chunk, false);
+      const char* payload = slot + returned_group_payload(slot, args.layout, chunk / 16, packed);
+      LogfmtChunk loaded = load_logfmt_chunk(payload, chunk, false);
       const LogfmtDecodeConstants constants = returned_group_constants(meta);
-      if (constants.params.max_bits == kLogfmtFallbackMarker) loaded = load_logfmt_chunk(slot, chunk, true);
+      if (constants.params.max_bits == kLogfmtFallbackMarker)
+        loaded = load_logfmt_chunk(payload, chunk, true);
       decode_logfmt_chunk(loaded, constants, weighted);
 #pragma unroll
       for (int i = 0; i < 8; ++i) weighted[i] = __fmul_rn(weight, weighted[i]);
@@ -655,6 +708,7 @@ __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, con
 // reference writes it). The groups' constants come from a table the block fills first, window by window of
 // groups. The next chunk's words are loaded while the
 // current one decodes.
+template <bool kPacking>
 __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const CombineSmallSmem& small,
                                      int token, WordRange chunks, uint16_t* out_row) {
   constexpr int kGroupChunks = kLogfmtGroupSize / 8;
@@ -663,7 +717,7 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && small.slot_pos[lane] >= 0);
   const int num_listed = __popc(listed);
   if (num_listed <= 1) {  // block-uniform
-    reduce_single_slot_chunks(args, small, token, listed, chunks, out_row);
+    reduce_single_slot_chunks<kPacking>(args, small, token, listed, chunks, out_row);
     return;
   }
   int lanes_per_chunk = 1;
@@ -674,6 +728,7 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
   const int entry = k < num_listed ? static_cast<int>(__fns(listed, 0, k + 1)) : -1;
   const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
   const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
+  const bool packed = kPacking && entry >= 0 && ((small.packed >> entry) & 1u) != 0;
   // Products of chunk c, listing k at c * stride + k * 8 floats (padded by 8 against bank conflicts).
   float* products = reinterpret_cast<float*>(logfmt_warp_scratch());
   const int stride = lanes_per_chunk * 8 + 8;
@@ -686,25 +741,34 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
     const int begin = max(chunks.begin, group0 * kGroupChunks);
     const int end = min(chunks.end, (group0 + num_groups) * kGroupChunks);
     const int step = kNumWarps * chunks_per_warp;
-    // The table entry of chunk `chunk` for this lane's listing.
+    // The table entry of chunk `chunk` for this lane's listing, and where its group's payload starts.
     const auto constants_of = [&](int chunk) -> const LogfmtDecodeConstants& {
       return table[(chunk / kGroupChunks - group0) * num_listed + k];
     };
+    const auto payload_of = [&](int chunk) {
+      if constexpr (kPacking)
+        return slot + logfmt_table_payloads()[(chunk / kGroupChunks - group0) * num_listed + k];
+      return slot + size_t(chunk / kGroupChunks) * kLogfmtPayloadStride;
+    };
     int chunk = begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + c;
-    // The first chunk's codes load while the table fills (a fallback group's words replace them after).
+    // The first chunk's codes load while the table fills (a fallback group's words replace them after; a
+    // packed row's payload is not known before the table).
     const bool first_listed = entry >= 0 && chunk < end;
     LogfmtChunk next{};
-    if (first_listed) next = load_logfmt_chunk(slot, chunk, false);
+    if (first_listed && !packed)
+      next = load_logfmt_chunk(slot + size_t(chunk / kGroupChunks) * kLogfmtPayloadStride, chunk, false);
     __syncthreads();  // the previous window's table has been read
-    fill_logfmt_table(args, small, token, listed, num_listed, group0, num_groups);
+    fill_logfmt_table<kPacking>(args, small, token, listed, num_listed, group0, num_groups);
     __syncthreads();
-    if (first_listed && constants_of(chunk).params.max_bits == kLogfmtFallbackMarker)
-      next = load_logfmt_chunk(slot, chunk, true);
+    if (first_listed && (packed || constants_of(chunk).params.max_bits == kLogfmtFallbackMarker))
+      next = load_logfmt_chunk(payload_of(chunk), chunk,
+                               !packed || constants_of(chunk).params.max_bits == kLogfmtFallbackMarker);
     for (; chunk - c < end; chunk += step) {  // warp-uniform condition
       const LogfmtChunk loaded = next;
       const int ahead = chunk + step;
       if (entry >= 0 && ahead < end)
-        next = load_logfmt_chunk(slot, ahead, constants_of(ahead).params.max_bits == kLogfmtFallbackMarker);
+        next = load_logfmt_chunk(payload_of(ahead), ahead,
+                                 constants_of(ahead).params.max_bits == kLogfmtFallbackMarker);
       if (entry >= 0 && chunk < end) {
         float values[8];
         decode_logfmt_chunk(loaded, in_registers(constants_of(chunk)), values);
@@ -788,12 +852,22 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           small.weights[lane] = mine.weight;
         }
       }
+      if constexpr (kLogfmt && Remote::kEnabled) {
+        // The listings whose rows came by puts (packed): listing e's row is top-k position slot_pos[e]'s.
+        const unsigned long long put_ranks = ranks_reached_by_puts<Remote>(args.peers);
+        __syncwarp();
+        const int pos = lane < num_topk ? small.slot_pos[lane] : -1;
+        const int pos_expert = __shfl_sync(kFullMask, expert, pos >= 0 ? pos : 0);
+        const unsigned packed = __ballot_sync(
+            kFullMask, pos >= 0 && ((put_ranks >> (pos_expert / layout.num_local_experts())) & 1ull) != 0);
+        if (lane == 0) small.packed = packed;
+      }
     }
     __syncthreads();
     if (item == static_cast<int>(blockIdx.x)) stamp_phase(args.phase_stamps, kStampIds);
     uint16_t* out_row = static_cast<uint16_t*>(args.out) + size_t(token) * hidden;
     if constexpr (kLogfmt) {
-      reduce_logfmt_chunks(args, small, token, chunks, out_row);
+      reduce_logfmt_chunks<Remote::kEnabled>(args, small, token, chunks, out_row);
     } else if constexpr (kPreReduce) {
       add_partial_rows(args, small, token, chunks, out_row);
     } else {

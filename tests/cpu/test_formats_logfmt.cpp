@@ -118,6 +118,39 @@ TEST(FormatsLogfmt, SlotSizes) {
   EXPECT_EQ(epx::kLogfmtDecodeUlpTolerance, 0);
 }
 
+// A packed row (what a put carries): each group's payload right after the previous one's, inside the BF16
+// row's groups up to its own (so an in-place encode writes only what it read), and F counted from the
+// fallback words.
+TEST(FormatsLogfmt, PackedRowsTileTheirPayloadsInsideTheInputRead) {
+  std::mt19937 rng(7);
+  for (const int num_groups : {1, 2, 31, 32, 33, 56, 64, 65, 100}) {
+    for (const double fallback_share : {0.0, 0.1, 0.5, 1.0}) {
+      std::bernoulli_distribution is_fallback(fallback_share);
+      std::vector<uint32_t> words(epx::logfmt_fallback_words(num_groups), 0u);
+      std::vector<bool> fallback(num_groups);
+      for (int g = 0; g < num_groups; ++g) {
+        fallback[g] = is_fallback(rng);
+        if (fallback[g]) words[g / 32] |= 1u << (g % 32);
+      }
+      size_t end = 0;
+      int fallbacks = 0;
+      for (int g = 0; g < num_groups; ++g) {
+        const int counted = epx::logfmt_fallbacks_before(g, [&](int w) { return words[w]; });
+        ASSERT_EQ(counted, fallbacks) << "group " << g << " of " << num_groups;
+        const size_t begin = epx::logfmt_packed_offset(g, counted);
+        EXPECT_EQ(begin, end) << "group " << g;
+        EXPECT_EQ(begin % 16, 0u);
+        end = begin + (fallback[g] ? 2 * epx::kLogfmtGroupSize : epx::kLogfmtCodeBytes);
+        EXPECT_LE(end, size_t(g + 1) * 2 * epx::kLogfmtGroupSize) << "group " << g << " passes its input";
+        fallbacks += fallback[g];
+      }
+      EXPECT_EQ(epx::logfmt_packed_bytes(num_groups, fallbacks), end);
+    }
+  }
+  EXPECT_EQ(epx::logfmt_packed_bytes(56, 0), 8960u);  // 0.625x the BF16 row's 14336 bytes
+  EXPECT_EQ(epx::logfmt_packed_bytes(56, 56), 14336u);
+}
+
 TEST(FormatsLogfmt, PackingIsLittleEndianBitStream) {
   std::mt19937 rng(11);
   std::vector<uint16_t> codes(kLogfmtGroupSize);

@@ -124,6 +124,10 @@ void check_structure(const LowLatencyBufferMap& layout) {
   EXPECT_EQ(layout.dispatch_msg_bytes() % 16, 0u);
   EXPECT_EQ(layout.combine_slot_bytes() % 16, 0u);
   EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.num_groups()) * epx::kLogfmtGroupSlotBytes);
+  // A LogFMT slot: payloads, metadata words, fallback words.
+  EXPECT_EQ(layout.logfmt_meta_offset(), size_t(layout.num_groups()) * 256);
+  EXPECT_GE(layout.combine_slot_bytes(),
+            layout.logfmt_meta_offset() + sizeof(uint32_t) * layout.logfmt_meta_words());
   EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.hidden) * 2);
   EXPECT_GE(layout.dispatch_msg_bytes(), size_t(layout.hidden) * 2);
   EXPECT_GE(layout.dispatch_msg_bytes(),
@@ -139,7 +143,7 @@ void check_structure(const LowLatencyBufferMap& layout) {
   EXPECT_EQ(layout.combine_send_row_offset(0, 1) % 16, 0u);
   expect_inside(regions, "combine_send_meta",
                 layout.combine_send_meta_row_offset(num_local - 1, layout.num_recv_rows() - 1),
-                sizeof(uint32_t) * layout.num_groups());
+                sizeof(uint32_t) * layout.logfmt_meta_words());
   // A staged LogFMT row's codes fill at most the BF16 row; its metadata lives in combine_send_meta.
   EXPECT_LE(size_t(layout.num_groups()) * 2 * epx::kLogfmtGroupSize, size_t(layout.hidden) * 2);
 
@@ -210,7 +214,8 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.num_groups(), 56);
   EXPECT_EQ(layout.num_recv_rows(), 512);
   EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
-  EXPECT_EQ(layout.combine_slot_bytes(), 14560u);  // 56 LogFMT worst-case groups of 260 bytes
+  EXPECT_EQ(layout.combine_slot_bytes(),
+            14576u);  // 56 LogFMT worst-case groups of 260 bytes, 2 fallback words
   EXPECT_EQ(layout.barrier_bytes(), 128u);
   // Pinned from kQueuesOffset: the normal-mode head before it is InternodeBufferMap's to size.
   const size_t queues = epx::InternodeBufferMap::kQueuesOffset;
@@ -225,12 +230,12 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(layout.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
   EXPECT_EQ(layout.dispatch_recv_listings_bytes(), 65536u);  // [4][128]
   EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
-  EXPECT_EQ(layout.combine_recv_slots_bytes(), 29818880u);
+  EXPECT_EQ(layout.combine_recv_slots_bytes(), 29851648u);
   EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
-  EXPECT_EQ(layout.combine_send_meta_bytes(), 8257536u);  // [72][512][56] words
-  EXPECT_EQ(layout.half_bytes(), 39289984u);
+  EXPECT_EQ(layout.combine_send_meta_bytes(), 8552448u);  // [72][512][56 + 2] words
+  EXPECT_EQ(layout.half_bytes(), 39322752u);
   EXPECT_EQ(layout.listings_half_bytes(), 81920u);
-  EXPECT_EQ(layout.total_bytes() - queues, 615485184u);
+  EXPECT_EQ(layout.total_bytes() - queues, 615845632u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(layout);
 }
@@ -251,12 +256,12 @@ TEST(LowLatencyBufferMap, OddShapes) {
     EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
     EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 806912u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 807040u);
     check_structure(layout);
   }
   {
     const LowLatencyBufferMap layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 652808960u);
+    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653202176u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(layout);
   }

@@ -95,7 +95,7 @@ static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
 //     remote_shapes[2][op][R]        fingerprints that sources on other nodes put here
 //     staged_shapes[2][op]           this rank's fingerprints, read by its puts
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
-//   combine_send_meta[L][R*M][G]     LogFMT group metadata of those rows (staging for RDMA)
+//   combine_send_meta[L][R*M][G+W]   LogFMT group metadata and fallback bits of those rows (staging for RDMA)
 //   per half h in {0, 1}:
 //     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
 //     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens
@@ -148,12 +148,19 @@ struct LowLatencyBufferMap {
     return align_up(bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes, 16);
   }
   EPX_HD size_t dispatch_msg_scales_offset() const { return size_t(hidden); }  // FP8 messages only
-  // One returned expert output: BF16 row, or LogFMT with the worst-case group slot (the largest).
+  // One returned expert output: BF16 row, or LogFMT with the worst-case group slot and, for a packed row
+  // (logfmt.hpp), its fallback bits (the largest).
   EPX_HD size_t combine_slot_bytes() const {
     const size_t bf16_bytes = size_t(hidden) * 2;
-    const size_t logfmt_bytes = size_t(num_groups()) * kLogfmtGroupSlotBytes;
+    const size_t logfmt_bytes =
+        size_t(num_groups()) * kLogfmtGroupSlotBytes + sizeof(uint32_t) * logfmt_fallback_words(num_groups());
     return align_up(bf16_bytes > logfmt_bytes ? bf16_bytes : logfmt_bytes, 16);
   }
+  // A LogFMT slot: the payloads in [0, G * 256), then G metadata words, then (packed rows) the fallback bits.
+  EPX_HD size_t logfmt_meta_offset() const { return size_t(num_groups()) * kLogfmtGroupSize * 2; }
+  // Metadata and fallback words of a LogFMT row: what combine_send_meta stages per row, contiguous as in a
+  // slot.
+  EPX_HD int logfmt_meta_words() const { return num_groups() + logfmt_fallback_words(num_groups()); }
 
   // ---- Control: the clean barrier, both halves' signals and the shape fingerprints of sources on other
   // nodes. Their offsets depend only on R, so operations of different shapes (M, H, E) on one buffer still
@@ -196,16 +203,16 @@ struct LowLatencyBufferMap {
   EPX_HD size_t combine_send_row_offset(int local_expert, int row) const {
     return combine_send_offset() + (size_t(local_expert) * num_recv_rows() + row) * size_t(hidden) * 2;
   }
-  // A LogFMT row staged for RDMA keeps its codes in the combine_send row (G * 256 bytes, the BF16 row's size)
-  // and its G metadata words here.
+  // A LogFMT row staged for RDMA keeps its packed payload in the combine_send row (at most G * 256 bytes,
+  // the BF16 row's size) and its metadata and fallback words (logfmt_meta_words) here.
   EPX_HD size_t combine_send_meta_offset() const { return combine_send_offset() + combine_send_bytes(); }
   EPX_HD size_t combine_send_meta_bytes() const {
-    return align_up(sizeof(uint32_t) * size_t(num_local_experts()) * num_recv_rows() * num_groups(),
+    return align_up(sizeof(uint32_t) * size_t(num_local_experts()) * num_recv_rows() * logfmt_meta_words(),
                     kLowLatencyAlign);
   }
   EPX_HD size_t combine_send_meta_row_offset(int local_expert, int row) const {
     return combine_send_meta_offset() +
-           (size_t(local_expert) * num_recv_rows() + row) * sizeof(uint32_t) * num_groups();
+           (size_t(local_expert) * num_recv_rows() + row) * sizeof(uint32_t) * logfmt_meta_words();
   }
 
   // ---- Per-half data regions, offsets relative to the half ----

@@ -59,4 +59,13 @@ EPX_HD uint32_t sub_u16x2(uint32_t a, uint32_t b) {
 #endif
 }
 
+// Set bits of a word.
+EPX_HD int popcount32(uint32_t word) {
+#if defined(__CUDA_ARCH__)
+  return __popc(word);
+#else
+  return __builtin_popcount(word);
+#endif
+}
+
 }  // namespace epx

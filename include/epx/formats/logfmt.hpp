@@ -321,6 +321,38 @@ EPX_HD uint64_t logfmt_load_codes4(const uint8_t* src) {
   return packed;
 }
 
+// ---- Packed rows: what a put between nodes sends ----
+// A row written into an NVLink peer keeps group g's payload at 256 g (several warps write its groups at
+// once, and none knows the others' fallbacks). A row that a put carries to another node is packed instead,
+// so that only the bytes its groups need cross the network: group g's payload (160 code bytes, or the 256
+// BF16 bytes of a fallback group) at 160 g + 96 F, F = the fallback groups before g. Its fallback bits (bit
+// g % 32 of word g / 32 set: group g is a fallback group) travel with the metadata words, and the receiver
+// counts F from them. A packed row's group g lies within [0, 256 (g + 1)), the BF16 row's groups 0..g: a
+// warp that encodes a staged row in place, group after group, writes only input it has read.
+constexpr int kLogfmtFallbackExtraBytes = kLogfmtGroupSize * 2 - kLogfmtCodeBytes;  // 96
+
+EPX_HD size_t logfmt_packed_offset(int group, int fallbacks_before) {
+  return size_t(group) * kLogfmtCodeBytes + size_t(fallbacks_before) * kLogfmtFallbackExtraBytes;
+}
+
+// The packed payload's size: what the put of a row of `num_groups` groups, `num_fallbacks` of them
+// fallback groups, sends besides its metadata.
+EPX_HD size_t logfmt_packed_bytes(int num_groups, int num_fallbacks) {
+  return logfmt_packed_offset(num_groups, num_fallbacks);
+}
+
+EPX_HD int logfmt_fallback_words(int num_groups) {
+  return (num_groups + 31) / 32;
+}
+
+// F of group `group`: the bits set below it in the fallback words, `word(w)` reading word w.
+template <typename Word>
+EPX_HD int logfmt_fallbacks_before(int group, Word word) {
+  int count = 0;
+  for (int w = 0; w < group / 32; ++w) count += popcount32(word(w));
+  return count + popcount32(word(group / 32) & ((1u << (group % 32)) - 1u));
+}
+
 // ---- One group: the host reference (a kernel does the same with one warp, 4 channels per lane) ----
 
 EPX_HD void logfmt_store_u16(uint8_t* dst, uint16_t value) {
