@@ -76,7 +76,9 @@ LowLatencyCombineInput combine_input(const Shape& s, const void* x, const int64_
   in.topk_weights = weights;
   in.num_tokens = s.num_tokens;
   in.num_topk = s.num_topk;
-  in.use_logfmt = logfmt;
+  // The LogFMT rows code every row, within the node too: what the format costs (use_logfmt alone within one
+  // node runs the BF16 combine, the BF16 rows).
+  in.use_logfmt = in.logfmt_within_node = logfmt;
   in.pre_reduce = pre_reduce;
   return in;
 }

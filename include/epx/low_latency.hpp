@@ -170,10 +170,15 @@ struct LowLatencyCombineInput {
   const float* topk_weights = nullptr;  // [T, K]
   int num_tokens = 0;                   // T of the dispatch
   int num_topk = 0;                     // K of the dispatch
-  // LogFMT-10 on the wire: 0.64x BF16's bytes, decoded bit-exactly as the CPU reference does, at the cost
-  // of arithmetic on both sides (one H200, 128 tokens of hidden 7168: 44 us more than BF16, README). It pays
-  // on links slower than about 120 GB/s (between nodes), not over NVLink.
+  // LogFMT-10 on the links between nodes: a row that crosses to another node goes packed, 0.64x BF16's
+  // bytes, decoded bit-exactly as the CPU reference does, at the cost of arithmetic on both sides (one H200,
+  // 128 tokens of hidden 7168: 44 us more than BF16, README). That pays on links slower than about 120 GB/s
+  // (a network), not over NVLink: rows that stay within the NVLink node travel as BF16 (exact), and a
+  // Buffer within one node runs the BF16 combine. Every rank passes the same value.
   bool use_logfmt = false;
+  // With use_logfmt: LogFMT-code the rows that stay within the node as well (the same numerics on every
+  // link, at LogFMT's cost). Every rank passes the same value.
+  bool logfmt_within_node = false;
   // The expert side sums each token's rows over its own experts first (the weights come from the dispatch,
   // which must have had recv_token_listings) and sends one row per (token, rank) instead of one per (token,
   // expert); the token's rank adds those partial rows in ascending rank order. The roundings differ from
@@ -195,6 +200,7 @@ struct Fields<LowLatencyCombineInput> {
     v("num_tokens", &LowLatencyCombineInput::num_tokens);
     v("num_topk", &LowLatencyCombineInput::num_topk);
     v("use_logfmt", &LowLatencyCombineInput::use_logfmt);
+    v("logfmt_within_node", &LowLatencyCombineInput::logfmt_within_node);
     v("pre_reduce", &LowLatencyCombineInput::pre_reduce);
     v("zero_copy", &LowLatencyCombineInput::zero_copy);
     v("return_recv_hook", &LowLatencyCombineInput::return_recv_hook);

@@ -812,8 +812,10 @@ class _Rank:
         combined = torch.empty(tokens, hidden, dtype=torch.bfloat16, device=dev)
         for logfmt in (False, True):
             name = "LL combine LogFMT" if logfmt else "LL combine BF16"
+            # LogFMT codes every row, within the node too: what the format costs (alone, within one node it
+            # would run the BF16 combine).
             us = self.median_us(name, None, lambda: buffer.low_latency_combine(
-                d.recv_x, ids, weights, d.handle, use_logfmt=logfmt, out=combined))
+                d.recv_x, ids, weights, d.handle, use_logfmt=logfmt, logfmt_within_node=logfmt, out=combined))
             out.append(BenchRow(name, 0, us, logfmt_bytes if logfmt else bf16_bytes))
 
         # Hook mode: the send and the receive phase timed apart.

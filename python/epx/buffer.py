@@ -593,14 +593,17 @@ class Buffer:
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
                             return_recv_hook: bool = False, out: Any = None,
                             combine_wait_recv_cost_stats: Any = None,
-                            pre_reduce: bool = False) -> LowLatencyCombineResult:
+                            pre_reduce: bool = False, logfmt_within_node: bool = False) -> LowLatencyCombineResult:
         """Weighted combine of the expert outputs x [L, R*M, H] (in the dispatch's layout) back to each token's
         rank: combined_x[t] = sum over k of topk_weights[t, k] * output of (t, k). With zero_copy, x is (or the
         rows were written to) get_next_low_latency_combine_buffer(handle).
 
-        use_logfmt: LogFMT-10 on the wire, 0.64x BF16's bytes for arithmetic on both sides (one H200, 128
-        tokens of hidden 7168: 44 us more than BF16): it pays on links slower than about 120 GB/s (between
-        nodes), not over NVLink.
+        use_logfmt: LogFMT-10 on the links between nodes: rows that cross to another node go packed, 0.64x
+        BF16's bytes, for arithmetic on both sides (one H200, 128 tokens of hidden 7168: 44 us more than
+        BF16). That pays on links slower than about 120 GB/s (a network), not over NVLink, so rows within
+        the node travel as BF16 (exact) and a Buffer within one node runs the BF16 combine.
+        logfmt_within_node: with use_logfmt, code the rows within the node as well (the same numerics on
+        every link, at LogFMT's cost). Every rank passes the same values.
 
         pre_reduce: each rank first sums a token's rows over its own experts with the weights its dispatch
         carried (the dispatch needs topk_weights; topk_weights here may be None) and sends one row per
@@ -638,6 +641,7 @@ class Buffer:
         native_in.num_tokens = topk_idx.size(0)
         native_in.num_topk = topk_idx.size(1)
         native_in.use_logfmt = bool(use_logfmt)
+        native_in.logfmt_within_node = bool(logfmt_within_node)
         native_in.pre_reduce = bool(pre_reduce)
         native_in.zero_copy = bool(zero_copy)
         native_in.return_recv_hook = bool(return_recv_hook)

@@ -241,11 +241,16 @@ def low_latency_dispatch(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray]
 
 
 def low_latency_combine(x: Sequence[np.ndarray], topk_idx: Sequence[np.ndarray], topk_weights: Sequence[np.ndarray],
-                        params: Any, *, use_logfmt: bool = False, pre_reduce: bool = False) -> List[np.ndarray]:
+                        params: Any, *, use_logfmt: bool = False, pre_reduce: bool = False,
+                        logfmt_within_node: bool = False, ranks_per_node: int = 0) -> List[np.ndarray]:
     """Weighted low-latency combine: per rank combined_x BF16 bits [T_r, H]. x[r] is rank r's expert outputs
-    [L, R*M, H] (BF16 bits) in its dispatch layout. pre_reduce: the order of the pre-reduced combine."""
+    [L, R*M, H] (BF16 bits) in its dispatch layout. pre_reduce: the order of the pre-reduced combine.
+    use_logfmt codes the rows between nodes of ranks_per_node ranks (0: one node), and with
+    logfmt_within_node every row."""
     options = native.LowLatencyCombineOptions(use_logfmt=use_logfmt)
     options.pre_reduce = pre_reduce
+    options.logfmt_within_node = logfmt_within_node
+    options.ranks_per_node = ranks_per_node
     inputs = [native.LowLatencyCombineRankInput(num_tokens=int(np.asarray(ir).shape[0]), x=np.asarray(xr).reshape(-1),
                                                 topk_idx=np.asarray(ir).reshape(-1),
                                                 topk_weights=np.asarray(wr).reshape(-1))

@@ -233,6 +233,8 @@ void bind_low_latency(py::module_& m) {
   def_kwargs_init(combine_options);
   combine_options.def_readwrite("use_logfmt", &ref::LowLatencyCombineOptions::use_logfmt);
   combine_options.def_readwrite("pre_reduce", &ref::LowLatencyCombineOptions::pre_reduce);
+  combine_options.def_readwrite("logfmt_within_node", &ref::LowLatencyCombineOptions::logfmt_within_node);
+  combine_options.def_readwrite("ranks_per_node", &ref::LowLatencyCombineOptions::ranks_per_node);
 
   using CIn = ref::LowLatencyCombineRankInput;
   py::class_<CIn> combine_in(m, "LowLatencyCombineRankInput");

@@ -260,6 +260,34 @@ __device__ int encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* 
   return fallbacks;
 }
 
+// Groups [group_begin, group_end) of a row as fallback (BF16) groups, at 256 g: how a LogFMT combine that
+// spans nodes sends the rows that stay within the node (unless LowLatencyCombineInput::logfmt_within_node).
+__device__ void copy_plain_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
+                                  int group_end, int lane) {
+  constexpr int kWordsPerGroup = kLogfmtPayloadStride / 16;
+  constexpr int kUnroll = 4;  // loads in flight per lane
+  const int4* src = reinterpret_cast<const int4*>(row);
+  int4* dst = reinterpret_cast<int4*>(slot);
+  const int end = group_end * kWordsPerGroup;
+  for (int i0 = group_begin * kWordsPerGroup + lane; i0 < end; i0 += 32 * kUnroll) {
+    int4 words[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + 32 * u < end) words[u] = __ldcg(src + i0 + 32 * u);
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u)
+      if (i0 + 32 * u < end) dst[i0 + 32 * u] = words[u];
+  }
+  for (int group = group_begin + lane; group < group_end; group += 32) meta[group] = kLogfmtFallbackMarker;
+}
+
+// Whether a LogFMT combine sends the rows it writes into NVLink peers as BF16 groups: when it spans nodes
+// (the NVLink-only kernels run only when LogFMT is asked within the node) and was not asked to code them.
+template <typename Remote>
+__device__ __forceinline__ bool plain_within_node(const LowLatencyCombineArgs& args) {
+  return Remote::kEnabled && !args.in.logfmt_within_node;
+}
+
 // One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
 // combine_send) and puts.
 template <typename Remote, bool kLogfmt>
@@ -387,8 +415,13 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
     sum_listings<4>(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
                     group_end * kGroupChunks, lane);
     __syncwarp();
-    encode_logfmt_groups(slot, reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset()),
-                         reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
+    auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
+    if (plain_within_node<Remote>(args)) {
+      copy_plain_groups(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
+    } else {
+      encode_logfmt_groups(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end,
+                           lane);
+    }
   } else {
     const WordRange piece_chunks = piece_words(row_chunks, piece, num_pieces);
     const WordRange part = piece_words(piece_chunks.end - piece_chunks.begin, share, num_shares);
@@ -458,8 +491,12 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
     if constexpr (kLogfmt) {
       const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
-      encode_logfmt_groups(slot, reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset()), row,
-                           groups.begin, groups.end, lane);
+      auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
+      if (plain_within_node<Remote>(args)) {
+        copy_plain_groups(slot, meta, row, groups.begin, groups.end, lane);
+      } else {
+        encode_logfmt_groups(slot, meta, row, groups.begin, groups.end, lane);
+      }
     } else {
       warp_copy_piece<false>(slot, row, size_t(hidden) * 2, piece, num_pieces, lane);
     }

@@ -23,6 +23,13 @@ void received_row(const uint16_t* row, int hidden, bool use_logfmt, float* value
   }
 }
 
+// Whether a row from rank `from` to rank `to` travels LogFMT-coded.
+bool logfmt_coded(const LowLatencyCombineOptions& options, int from, int to) {
+  if (!options.use_logfmt) return false;
+  if (options.logfmt_within_node) return true;
+  return options.ranks_per_node > 0 && from / options.ranks_per_node != to / options.ranks_per_node;
+}
+
 }  // namespace
 
 std::vector<LowLatencyCombineRankOutput> low_latency_combine(
@@ -33,6 +40,9 @@ std::vector<LowLatencyCombineRankOutput> low_latency_combine(
     EPX_CHECK(params.hidden % kLogfmtGroupSize == 0, "hidden", params.hidden,
               "must be a multiple of 128 for LogFMT");
   }
+  EPX_CHECK(options.ranks_per_node >= 0 &&
+                (options.ranks_per_node == 0 || params.num_ranks % options.ranks_per_node == 0),
+            "ranks_per_node", options.ranks_per_node, "must be 0 or divide num_ranks");
   const int num_ranks = params.num_ranks;
   const int num_local_experts = params.num_experts / num_ranks;
   const int num_topk = params.num_topk;
@@ -84,7 +94,7 @@ std::vector<LowLatencyCombineRankOutput> low_latency_combine(
           }
           if (!any) continue;
           for (int c = 0; c < hidden; ++c) partial_bf16[c] = float_to_bf16(partial[c]);
-          received_row(partial_bf16.data(), hidden, options.use_logfmt, values.data());
+          received_row(partial_bf16.data(), hidden, logfmt_coded(options, d, s), values.data());
           for (int c = 0; c < hidden; ++c) acc[c] += values[c];
         }
         for (int c = 0; c < hidden; ++c)
@@ -98,7 +108,7 @@ std::vector<LowLatencyCombineRankOutput> low_latency_combine(
         const int d = static_cast<int>(expert / num_local_experts);
         const int le = static_cast<int>(expert % num_local_experts);
         const size_t flat_row = static_cast<size_t>(le) * num_rows_per_expert + recv_rows[s][i];
-        received_row(&inputs[d].x[flat_row * hidden], hidden, options.use_logfmt, values.data());
+        received_row(&inputs[d].x[flat_row * hidden], hidden, logfmt_coded(options, d, s), values.data());
         const float weight = in.topk_weights[i];
         for (int c = 0; c < hidden; ++c) {
           const float weighted = weight * values[c];

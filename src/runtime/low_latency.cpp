@@ -255,9 +255,15 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.layout = layout;
   args.in = in;
   args.in.x = x;
+  // LogFMT codes rows that cross nodes (and, asked, the others): within one node, the BF16 combine. The
+  // fingerprint holds the format the kernel runs, so ranks that would read each other's rows differently
+  // abort instead.
+  args.in.use_logfmt = in.use_logfmt && (in.logfmt_within_node || buffer.spans_nodes());
   args.handle = handle;
   args.out = combined_x;
-  args.shape = low_latency_shape_fingerprint(layout, (in.use_logfmt ? 8 : 0) | (in.pre_reduce ? 32 : 0));
+  args.shape =
+      low_latency_shape_fingerprint(layout, (args.in.use_logfmt ? 8 : 0) | (in.pre_reduce ? 32 : 0) |
+                                                (args.in.use_logfmt && in.logfmt_within_node ? 64 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,

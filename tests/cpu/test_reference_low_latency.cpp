@@ -149,6 +149,7 @@ TEST(ReferenceLowLatency, PreReducedCombineRoundsEachRanksPartial) {
   }
   // LogFMT codes the partial rows instead of the expert rows (within the format's error).
   pre.use_logfmt = true;
+  pre.logfmt_within_node = true;
   LowLatencyParams params = small_params();
   params.hidden = 128;
   std::vector<LowLatencyCombineRankInput> wide = inputs;
@@ -424,8 +425,9 @@ TEST(ReferenceLowLatency, LogfmtCombineWithinBound) {
       combine[r].topk_idx = inputs[r].topk_idx;
       combine[r].topk_weights = random_topk_weights(90 + r, c.num_tokens[r], c.num_topk);
     }
-    const auto exact = low_latency_combine(params, LowLatencyCombineOptions{false}, combine);
-    const auto logfmt = low_latency_combine(params, LowLatencyCombineOptions{true}, combine);
+    const auto exact = low_latency_combine(params, LowLatencyCombineOptions{}, combine);
+    const auto logfmt = low_latency_combine(
+        params, LowLatencyCombineOptions{.use_logfmt = true, .logfmt_within_node = true}, combine);
     bool any_difference = false;
     for (int s = 0; s < c.num_ranks; ++s) {
       for (int t = 0; t < c.num_tokens[s]; ++t) {
@@ -451,6 +453,66 @@ TEST(ReferenceLowLatency, LogfmtCombineWithinBound) {
     }
     EXPECT_TRUE(any_difference) << "LogFMT should be lossy on values below 1";
   }
+}
+
+// LogFMT codes only the rows that cross nodes: within one node the combine is the BF16 one, and across
+// nodes of two ranks a token whose experts all lie on its own node matches the BF16 combine, one whose
+// experts all lie on the other node the combine coded on every link.
+TEST(ReferenceLowLatency, LogfmtCodesTheRowsThatCrossNodes) {
+  const RandomCase c{4, 32, 256, 2, 40, {40, 33, 1, 20}, false};  // top-2: many tokens on one node
+  ASSERT_EQ(c.num_ranks % 2, 0);
+  const LowLatencyParams params = params_of(c);
+  const std::vector<LowLatencyDispatchRankInput> inputs = make_inputs(c, 8, TokenValues::kUniform);
+  LowLatencyDispatchOptions options;
+  options.use_fp8 = false;
+  const auto dispatch = low_latency_dispatch(params, options, inputs);
+  std::vector<LowLatencyCombineRankInput> combine(c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    combine[r].num_tokens = c.num_tokens[r];
+    combine[r].x = dispatch[r].recv_x;
+    combine[r].topk_idx = inputs[r].topk_idx;
+    combine[r].topk_weights = random_topk_weights(70 + r, c.num_tokens[r], c.num_topk);
+  }
+  const auto exact = low_latency_combine(params, LowLatencyCombineOptions{}, combine);
+  const auto everywhere = low_latency_combine(
+      params, LowLatencyCombineOptions{.use_logfmt = true, .logfmt_within_node = true}, combine);
+  const auto one_node = low_latency_combine(params, LowLatencyCombineOptions{.use_logfmt = true}, combine);
+  const int half = c.num_ranks / 2;
+  const auto two_nodes = low_latency_combine(
+      params, LowLatencyCombineOptions{.use_logfmt = true, .ranks_per_node = half}, combine);
+  const int num_local = c.num_experts / c.num_ranks;
+  int own_node_tokens = 0;
+  int other_node_tokens = 0;
+  for (int s = 0; s < c.num_ranks; ++s) {
+    EXPECT_EQ(one_node[s].combined_x, exact[s].combined_x) << "rank " << s;
+    for (int t = 0; t < c.num_tokens[s]; ++t) {
+      bool own = true;
+      bool other = true;
+      for (int k = 0; k < c.num_topk; ++k) {
+        const int64_t expert = combine[s].topk_idx[t * c.num_topk + k];
+        if (expert < 0) continue;
+        const bool same_node = expert / num_local / half == s / half;
+        own = own && same_node;
+        other = other && !same_node;
+      }
+      const auto row = [&](const std::vector<LowLatencyCombineRankOutput>& out) {
+        return std::vector<uint16_t>(out[s].combined_x.begin() + static_cast<ptrdiff_t>(t) * c.hidden,
+                                     out[s].combined_x.begin() + static_cast<ptrdiff_t>(t + 1) * c.hidden);
+      };
+      if (own) {
+        EXPECT_EQ(row(two_nodes), row(exact)) << "rank " << s << " token " << t;
+        ++own_node_tokens;
+      } else if (other) {
+        EXPECT_EQ(row(two_nodes), row(everywhere)) << "rank " << s << " token " << t;
+        ++other_node_tokens;
+      }
+    }
+  }
+  EXPECT_GT(own_node_tokens, 0);
+  EXPECT_GT(other_node_tokens, 0);
+  EXPECT_THROW(
+      low_latency_combine(params, LowLatencyCombineOptions{.use_logfmt = true, .ranks_per_node = 3}, combine),
+      epx::Error);
 }
 
 // ---- Rank masks: a masked rank's experts receive nothing, and combine leaves its contribution out ----

@@ -51,12 +51,27 @@ TEST(LowLatency, Ue8m0PartialLastWord) {
   run_low_latency_case(c);
 }
 
+// LogFMT asked within the node: every row coded over NVLink.
 TEST(LowLatency, LogfmtCombineFourRanks) {
   LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
-  c.use_logfmt = true;
+  c.use_logfmt = c.logfmt_within_node = true;
   c.num_iterations = 2;
   run_low_latency_case(c);
+}
+
+// LogFMT alone within one node: every row stays within the node, so the combine is the BF16 one (the
+// reference codes nothing), default and pre-reduced.
+TEST(LowLatency, LogfmtWithinOneNodeIsTheBf16Combine) {
+  for (const bool pre_reduce : {false, true}) {
+    LowLatencyCase c = small_low_latency_case(4);
+    c.use_fp8 = true;
+    c.use_logfmt = true;
+    c.pre_reduce = pre_reduce;
+    c.num_iterations = 2;
+    SCOPED_TRACE(pre_reduce ? "pre-reduced" : "default");
+    run_low_latency_case(c);
+  }
 }
 
 // Top-16 of hidden 7168: a token's 16 returned rows x 56 groups exceed the receive's table of group
@@ -67,7 +82,7 @@ TEST(LowLatency, LogfmtTopSixteenWideRowsTwoTableWindows) {
   c.num_topk = 16;
   c.num_experts = 32;
   c.num_max_tokens = 8;
-  c.use_logfmt = true;
+  c.use_logfmt = c.logfmt_within_node = true;
   c.num_iterations = 2;
   run_low_latency_case(c);
 }
@@ -114,7 +129,7 @@ TEST(LowLatency, ZeroCopyCombine) {
 
 TEST(LowLatency, ZeroCopyWithHooksAndLogfmt) {
   LowLatencyCase c = small_low_latency_case(2);
-  c.zero_copy = c.combine_hook = c.dispatch_hook = c.use_logfmt = true;
+  c.zero_copy = c.combine_hook = c.dispatch_hook = c.use_logfmt = c.logfmt_within_node = true;
   c.num_iterations = 2;
   run_low_latency_case(c);
 }
@@ -166,7 +181,7 @@ TEST(LowLatency, HiddenSizesAndTopk) {
       c.num_experts = 16;
       c.num_max_tokens = 8;
       c.use_fp8 = i % 2 == 0;
-      c.use_logfmt = i % 3 == 0;
+      c.use_logfmt = c.logfmt_within_node = i % 3 == 0;
       c.seed = 100 + i++;
       SCOPED_TRACE("hidden " + std::to_string(hidden) + " top-k " + std::to_string(topk));
       run_low_latency_case(c);
@@ -212,7 +227,7 @@ TEST(LowLatency, PreReduceBf16OneTwoFourRanks) {
 TEST(LowLatency, PreReduceFp8LogfmtFourRanks) {
   LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
-  c.use_logfmt = true;
+  c.use_logfmt = c.logfmt_within_node = true;
   c.pre_reduce = true;
   c.num_iterations = 2;
   run_low_latency_case(c);
@@ -242,7 +257,7 @@ TEST(LowLatency, PreReduceHiddenSizesAndLogfmt) {
       c.num_topk = 8;
       c.num_experts = 16;
       c.num_max_tokens = 8;
-      c.use_logfmt = logfmt;
+      c.use_logfmt = c.logfmt_within_node = logfmt;
       c.pre_reduce = true;
       c.seed = 300 + i++;
       SCOPED_TRACE("hidden " + std::to_string(hidden) + (logfmt ? " LogFMT" : " BF16"));
@@ -269,7 +284,7 @@ TEST(LowLatency, PreReduceDefaultShapeOneAndFourRanks) {
 
 TEST(LowLatency, PreReduceGraphHooksZeroCopyLogfmt) {
   LowLatencyCase c = small_low_latency_case(4);
-  c.dispatch_hook = c.combine_hook = c.zero_copy = c.use_logfmt = true;
+  c.dispatch_hook = c.combine_hook = c.zero_copy = c.use_logfmt = c.logfmt_within_node = true;
   c.pre_reduce = true;
   c.num_iterations = 3;
   c.graph = true;

@@ -42,6 +42,7 @@ struct LowLatencyCase {
   bool round_scale = false;
   bool use_ue8m0 = false;
   bool use_logfmt = false;
+  bool logfmt_within_node = false;  // LowLatencyCombineInput::logfmt_within_node
   // Pre-reduced combine: the dispatch carries the top-k weights, the combine passes none of its own.
   bool pre_reduce = false;
   bool dispatch_hook = false;
@@ -407,6 +408,7 @@ class LowLatencyRunner {
     in.num_tokens = handle.num_tokens;
     in.num_topk = c_.num_topk;
     in.use_logfmt = c_.use_logfmt;
+    in.logfmt_within_node = c_.logfmt_within_node;
     in.pre_reduce = c_.pre_reduce;
     in.zero_copy = c_.zero_copy;
     in.return_recv_hook = hook;
@@ -437,7 +439,12 @@ class LowLatencyRunner {
     std::vector<reference::LowLatencyCombineRankInput> combine_in(c_.num_ranks);
     for (int r = 0; r < c_.num_ranks; ++r)
       combine_in[r] = {e.inputs.num_tokens[r], e.expert_x[r], e.inputs.topk_idx[r], e.inputs.weights[r]};
-    e.combined = reference::low_latency_combine(params_, {c_.use_logfmt, c_.pre_reduce}, combine_in);
+    e.combined = reference::low_latency_combine(params_,
+                                                {.use_logfmt = c_.use_logfmt,
+                                                 .logfmt_within_node = c_.logfmt_within_node,
+                                                 .ranks_per_node = c_.ranks_per_node,
+                                                 .pre_reduce = c_.pre_reduce},
+                                                combine_in);
     return e;
   }
 

@@ -55,7 +55,7 @@ TEST_P(LowLatencyMaskRanks, MaskedRank) {
 TEST(LowLatencyMasks, TwoMaskedRanksHooksLogfmtFourRanks) {
   LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
-  c.use_logfmt = true;
+  c.use_logfmt = c.logfmt_within_node = true;
   c.dispatch_hook = c.combine_hook = true;
   c.unbalanced = true;
   c.masks = {{0, 3}};

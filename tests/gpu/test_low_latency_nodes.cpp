@@ -209,6 +209,7 @@ TEST(LowLatencyNodes, Fp8TwoNodesOfTwo) {
   }
 }
 
+// Rows to the other node go packed and LogFMT-coded, rows within the node as BF16 groups.
 TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
   LowLatencyCase c = nodes_case(2, 2);
   c.use_logfmt = true;
@@ -216,6 +217,20 @@ TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
   c.pending_pairs = true;
   c.num_iterations = 4;
   run_case(c);
+}
+
+// LogFMT asked within the node too: the rows within each node coded as well, default and pre-reduced.
+TEST(LowLatencyNodes, LogfmtWithinNodesTwoNodesOfTwo) {
+  for (const bool pre_reduce : {false, true}) {
+    LowLatencyCase c = nodes_case(2, 2);
+    c.use_fp8 = true;
+    c.use_logfmt = c.logfmt_within_node = true;
+    c.pre_reduce = pre_reduce;
+    c.duplicates = true;
+    c.num_iterations = 3;
+    SCOPED_TRACE(pre_reduce ? "pre-reduced" : "default");
+    run_case(c);
+  }
 }
 
 // Rank 3's node neighbour finds the mismatch over NVLink, ranks 0 and 1 across nodes.

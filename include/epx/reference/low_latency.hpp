@@ -83,9 +83,13 @@ std::vector<std::vector<int>> low_latency_recv_rows(const LowLatencyParams& para
                                                     const std::vector<int>& num_tokens_per_rank);
 
 struct LowLatencyCombineOptions {
-  // Each expert output row travels as LogFMT-10 per 128 channels: the value weighted is
-  // logfmt_decode_group(logfmt_encode_group(row group)) as a float (not re-rounded to BF16).
+  // Each expert output row that crosses nodes travels as LogFMT-10 per 128 channels: the value weighted is
+  // logfmt_decode_group(logfmt_encode_group(row group)) as a float (not re-rounded to BF16). Rows between
+  // ranks of one node travel as BF16 unless logfmt_within_node. Nodes are runs of `ranks_per_node`
+  // consecutive ranks (0: every rank is on one node).
   bool use_logfmt = false;
+  bool logfmt_within_node = false;
+  int ranks_per_node = 0;
   // Pre-reduced combine (opt-in; the reference fixes its order, no kernel implements it yet): the rank that
   // holds a token's experts first sums the token's weighted rows over its own experts, in top-k order, in
   // float from 0.0f, and sends that partial row once, rounded to BF16 (then LogFMT-coded with use_logfmt);

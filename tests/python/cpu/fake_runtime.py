@@ -362,7 +362,8 @@ class FakeBinding:
 
         def receive():
             (combined,) = ref.low_latency_combine([expert_out], [ids], [weights], handle.params,
-                                                  use_logfmt=inp.use_logfmt)
+                                                  use_logfmt=inp.use_logfmt,
+                                                  logfmt_within_node=inp.logfmt_within_node)
             write_bf16(self.tensor(combined_x), combined)
 
         if inp.return_recv_hook:
