@@ -40,7 +40,7 @@ CASES = [
 class World:
     """Every rank's seeded inputs of one iteration and the reference's outputs (each process builds all)."""
 
-    def __init__(self, num_ranks, num_experts, seed, case, stats=None, masked_ranks=()):
+    def __init__(self, num_ranks, num_experts, seed, case, stats=None, masked_ranks=(), ranks_per_node=0):
         import epx.reference as ref
 
         native = ref.native
@@ -70,8 +70,10 @@ class World:
                 out[le, :count] = native.random_bf16_tokens(seed * 31337 + d * 4096 + le, count, HIDDEN, d, values,
                                                             False).reshape(count, HIDDEN)
             self.expert_out.append(out)
+        # LogFMT codes the rows that cross nodes (of ranks_per_node ranks; 0: one node).
         self.combined = ref.low_latency_combine(self.expert_out, self.ids, self.weights, self.params,
-                                                use_logfmt=case.use_logfmt, pre_reduce=case.pre_reduce)
+                                                use_logfmt=case.use_logfmt, pre_reduce=case.pre_reduce,
+                                                ranks_per_node=ranks_per_node)
 
     def inputs(self, rank, device):
         import torch
@@ -275,10 +277,11 @@ def virtual_nodes_worker(rank, num_ranks, group):
                             num_qps_per_rank=num_experts // num_ranks, explicitly_destroy=True)
     assert buffer.runtime.runtime.spans_nodes
     for i, case in enumerate(CASES):
-        one_round(buffer, World(num_ranks, num_experts, 300 + i, case), rank, num_experts, case, device)
+        one_round(buffer, World(num_ranks, num_experts, 300 + i, case, ranks_per_node=1), rank, num_experts, case,
+                  device)
     for i, case in enumerate(PRE_REDUCED_CASES):
-        pre_reduced_round(buffer.runtime, World(num_ranks, num_experts, 400 + i, case), rank, num_experts, case,
-                          device)
+        pre_reduced_round(buffer.runtime, World(num_ranks, num_experts, 400 + i, case, ranks_per_node=1), rank,
+                          num_experts, case, device)
     buffer.destroy()
 
 
