@@ -19,7 +19,8 @@ enum class ShapeField : int32_t {
   kNumChannels = 5,  // normal mode: the channels of the config (num_sms / 2)
   kQueueTokens = 6,  // normal mode: records per queue (num_max_nvl_chunked_recv_tokens)
   kMaxTokens = 7,    // low latency: num_max_dispatch_tokens_per_rank (M)
-  // low latency: FP8, rounded scales, UE8M0, LogFMT bits; normal launches: operation and FP8; normal notify:
+  // low latency: FP8, rounded scales, UE8M0, listings, LogFMT (as the kernel runs it), pre-reduced, LogFMT
+  // within the node bits; normal launches: operation and FP8; normal notify:
   // whether num_tokens_per_rank was given
   kFormat = 8,
   kNetworkQueueTokens =

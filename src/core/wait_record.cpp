@@ -166,7 +166,8 @@ const char* shape_field_name(int field) {
     case ShapeField::kNetworkQueueTokens:
       return "num_max_rdma_chunked_recv_tokens";
     case ShapeField::kFormat:
-      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt; in normal mode the operation, dispatch or "
+      return "format (use_fp8, round_scale, use_ue8m0, use_logfmt, pre_reduce, logfmt_within_node; in normal "
+             "mode the operation, dispatch or "
              "combine, use_fp8, and whether num_tokens_per_rank was given: 4)";
   }
   return "?";
