@@ -409,22 +409,30 @@ TEST(ReferenceLowLatency, Ue8m0WordsDecodeToRoundedScales) {
   }
 }
 
+// Combine inputs whose expert outputs are the BF16 dispatch's received rows of `inputs`, with random weights
+// (seeded weight_seed + rank).
+std::vector<LowLatencyCombineRankInput> bf16_dispatched_combine_inputs(
+    const RandomCase& c, const std::vector<LowLatencyDispatchRankInput>& inputs, int weight_seed) {
+  LowLatencyDispatchOptions options;
+  options.use_fp8 = false;
+  const auto dispatch = low_latency_dispatch(params_of(c), options, inputs);
+  std::vector<LowLatencyCombineRankInput> combine(c.num_ranks);
+  for (int r = 0; r < c.num_ranks; ++r) {
+    combine[r].num_tokens = c.num_tokens[r];
+    combine[r].x = dispatch[r].recv_x;
+    combine[r].topk_idx = inputs[r].topk_idx;
+    combine[r].topk_weights = random_topk_weights(weight_seed + r, c.num_tokens[r], c.num_topk);
+  }
+  return combine;
+}
+
 // LogFMT: each expert output row is round-tripped through the wire format before weighting; the result
 // stays within the format's relative bound of the BF16 combine.
 TEST(ReferenceLowLatency, LogfmtCombineWithinBound) {
   for (const RandomCase& c : {kBalanced, kUnbalanced}) {
     const LowLatencyParams params = params_of(c);
     const std::vector<LowLatencyDispatchRankInput> inputs = make_inputs(c, 8, TokenValues::kUniform);
-    LowLatencyDispatchOptions options;
-    options.use_fp8 = false;
-    const auto dispatch = low_latency_dispatch(params, options, inputs);
-    std::vector<LowLatencyCombineRankInput> combine(c.num_ranks);
-    for (int r = 0; r < c.num_ranks; ++r) {
-      combine[r].num_tokens = c.num_tokens[r];
-      combine[r].x = dispatch[r].recv_x;
-      combine[r].topk_idx = inputs[r].topk_idx;
-      combine[r].topk_weights = random_topk_weights(90 + r, c.num_tokens[r], c.num_topk);
-    }
+    const std::vector<LowLatencyCombineRankInput> combine = bf16_dispatched_combine_inputs(c, inputs, 90);
     const auto exact = low_latency_combine(params, LowLatencyCombineOptions{}, combine);
     const auto logfmt = low_latency_combine(
         params, LowLatencyCombineOptions{.use_logfmt = true, .logfmt_within_node = true}, combine);
@@ -463,16 +471,7 @@ TEST(ReferenceLowLatency, LogfmtCodesTheRowsThatCrossNodes) {
   ASSERT_EQ(c.num_ranks % 2, 0);
   const LowLatencyParams params = params_of(c);
   const std::vector<LowLatencyDispatchRankInput> inputs = make_inputs(c, 8, TokenValues::kUniform);
-  LowLatencyDispatchOptions options;
-  options.use_fp8 = false;
-  const auto dispatch = low_latency_dispatch(params, options, inputs);
-  std::vector<LowLatencyCombineRankInput> combine(c.num_ranks);
-  for (int r = 0; r < c.num_ranks; ++r) {
-    combine[r].num_tokens = c.num_tokens[r];
-    combine[r].x = dispatch[r].recv_x;
-    combine[r].topk_idx = inputs[r].topk_idx;
-    combine[r].topk_weights = random_topk_weights(70 + r, c.num_tokens[r], c.num_topk);
-  }
+  const std::vector<LowLatencyCombineRankInput> combine = bf16_dispatched_combine_inputs(c, inputs, 70);
   const auto exact = low_latency_combine(params, LowLatencyCombineOptions{}, combine);
   const auto everywhere = low_latency_combine(
       params, LowLatencyCombineOptions{.use_logfmt = true, .logfmt_within_node = true}, combine);
