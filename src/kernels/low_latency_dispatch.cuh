@@ -36,16 +36,10 @@ struct DispatchSmallSmem {
   int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
 };
 
-// The receive loads each (local expert, source) pair's first kPrefetchedEntries list entries with its count,
-// so that a pair's first rows need no dependent load of their entry after the scan (at 1 token a row's chain
-// is the flag, the counts, its entry, its message).
-constexpr int kPrefetchedEntries = 4;
-
 size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
   const size_t routing = sizeof(int) * size_t(kNumWarps) * layout.num_experts;
-  // The receive's prefix sums, then the prefetched entries.
-  const size_t receive = sizeof(int) * (size_t(layout.num_experts) * (1 + kPrefetchedEntries) + 1);
-  return align_up(sizeof(DispatchSmallSmem), 16) + (routing > receive ? routing : receive);
+  const size_t prefix = sizeof(int) * (size_t(layout.num_experts) + 1);
+  return align_up(sizeof(DispatchSmallSmem), 16) + (routing > prefix ? routing : prefix);
 }
 
 // ---- Send: routing ----
@@ -453,20 +447,10 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
-  // Counts are stored pair-major (le * R + src), which is also the packed output order. Each pair's first
-  // entries load in the same round trip (entries past its count are never read).
+  // Counts are stored pair-major (le * R + src), which is also the packed output order.
   const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
-  int* prefetched = prefix + num_pairs + 1;  // [pair][kPrefetchedEntries]
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
-    const bool read = wait.arrived && !rank_masked(wait.left_out, p % num_ranks);
-    prefix[p] = read ? __ldcg(counts + p) : 0;
-    if (!read) continue;
-    const int* entries =
-        local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, p / num_ranks, p % num_ranks));
-#pragma unroll
-    for (int i = 0; i < kPrefetchedEntries; ++i)
-      if (i < layout.num_max_tokens) prefetched[p * kPrefetchedEntries + i] = __ldcg(entries + i);
-  }
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
+    prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
   stamp_phase(args.phase_stamps, kStampScanned);
@@ -500,12 +484,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     const int local_expert = pair / num_ranks;
     const int src = pair % num_ranks;
     const int row = j - prefix[local_expert * num_ranks];
-    const int in_pair = j - prefix[pair];
     const int entry =
-        in_pair < kPrefetchedEntries
-            ? prefetched[pair * kPrefetchedEntries + in_pair]
-            : __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
-                     in_pair);
+        __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
+               (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
     // A dispatch with top-k weights: the token's listings first (loaded alongside the row, their values would
     // stay live across its copy and spill).
