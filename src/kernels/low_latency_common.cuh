@@ -182,11 +182,6 @@ struct SourceWait {
   unsigned long long left_out;
 };
 
-// When a receive checks its sources' shapes: while it waits for each (the default), or after the wait, with
-// check_source_shapes, so that loads that only need the flags' acquire overlap the check's round trip
-// (dispatch's counts: what they read before the check is not used unless the shapes agree).
-enum class ShapeCheck { kWithWait, kLater };
-
 // Every block waits until every unmasked source in `wanted` (all by default) published operation `expected`
 // (its flag reached flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for
 // the whole block) when a wait was abandoned (the group is aborted) or a source's shapes differ (then this
@@ -194,11 +189,10 @@ enum class ShapeCheck { kWithWait, kLater };
 // out leaves its source out instead of aborting (every block agrees through decide_source) and masks it.
 // `left_out` (block shared memory) holds the mask at entry and is complete after the call.
 template <typename Remote>
-__device__ __forceinline__ SourceWait
-wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op,
-                 int expected, WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape,
-                 const LowLatencyMaskArgs& mask, unsigned long long* left_out,
-                 unsigned long long wanted = ~0ull, ShapeCheck shape_check = ShapeCheck::kWithWait) {
+__device__ __forceinline__ SourceWait wait_all_sources(
+    const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op, int expected,
+    WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape, const LowLatencyMaskArgs& mask,
+    unsigned long long* left_out, unsigned long long wanted = ~0ull) {
   const uint64_t start = device::global_timer_ns();
   const device::WaitContext ctx = wait_context(peers);
   const unsigned long long masked = *left_out;
@@ -225,8 +219,7 @@ wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, in
         }
       }
     }
-    if (ok && shape_check == ShapeCheck::kWithWait)
-      ok = source_shape_agrees<Remote>(ctx, peers, layout, half, op, src, shape);
+    if (ok) ok = source_shape_agrees<Remote>(ctx, peers, layout, half, op, src, shape);
     arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
@@ -236,22 +229,6 @@ wait_all_sources(const PeerContext& peers, const LowLatencyBufferMap& layout, in
   // The waiting threads' acquires (and left_out) extend to the whole block through the barrier.
   const bool all_arrived = __syncthreads_and(arrived) != 0;
   return SourceWait{all_arrived, *left_out};
-}
-
-// After wait_all_sources(..., ShapeCheck::kLater) found every source arrived: whether every source not left
-// out posted this rank's shapes (else this rank aborts the group, as the wait would have). Block-uniform.
-template <typename Remote>
-__device__ __forceinline__ bool check_source_shapes(const PeerContext& peers,
-                                                    const LowLatencyBufferMap& layout, int half,
-                                                    LowLatencyOp op, const ShapeFingerprint& shape,
-                                                    unsigned long long left_out) {
-  const device::WaitContext ctx = wait_context(peers);
-  bool agree = true;
-  for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
-    if (!rank_masked(left_out, src))
-      agree &= source_shape_agrees<Remote>(ctx, peers, layout, half, op, src, shape);
-  }
-  return __syncthreads_and(agree) != 0;
 }
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which

@@ -438,39 +438,19 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const PeerContext& peers = args.peers;
   const int num_ranks = layout.num_ranks;
   const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  // The sources' shapes are checked after the flags, while the counts load (used only if they agree).
-  const SourceWait wait =
-      aborted ? SourceWait{false, 0ull}
-              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses + 1,
-                                         WaitPhase::kLowLatencyDispatchRecv,
-                                         args.in.dispatch_wait_recv_cost_stats, args.shape, args.mask,
-                                         &small.left_out, ~0ull, ShapeCheck::kLater);
+  const SourceWait wait = aborted
+                              ? SourceWait{false, 0ull}
+                              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch,
+                                                         num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
+                                                         args.in.dispatch_wait_recv_cost_stats, args.shape,
+                                                         args.mask, &small.left_out);
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
   const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
-  constexpr int kPairsPerThread = 2;  // num_experts <= kNumThreads * kPairsPerThread in registers
-  int loaded[kPairsPerThread];
-#pragma unroll
-  for (int i = 0; i < kPairsPerThread; ++i) {
-    const int p = static_cast<int>(threadIdx.x) + i * kNumThreads;
-    // Issued before the shape check's load and kept there (an asm volatile load): a plain load the compiler
-    // moved after it, and the two round trips ran in series.
-    loaded[i] = wait.arrived && p < num_pairs && !rank_masked(wait.left_out, p % num_ranks)
-                    ? device::ld_relaxed_sys(counts + p)
-                    : 0;
-  }
-  const bool agree =
-      wait.arrived && check_source_shapes<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch,
-                                                  args.shape, wait.left_out);
-#pragma unroll
-  for (int i = 0; i < kPairsPerThread; ++i) {
-    const int p = static_cast<int>(threadIdx.x) + i * kNumThreads;
-    if (p < num_pairs) prefix[p] = agree ? loaded[i] : 0;
-  }
-  for (int p = static_cast<int>(threadIdx.x) + kPairsPerThread * kNumThreads; p < num_pairs; p += kNumThreads)
-    prefix[p] = agree && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
+  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
+    prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
   __syncthreads();
   block_exclusive_scan(prefix, num_pairs, warp_sums);
   stamp_phase(args.phase_stamps, kStampScanned);
