@@ -101,6 +101,12 @@ __device__ __forceinline__ char* logfmt_warp_scratch() {
   return combine_smem() + kCombineWarpScratchOffset + size_t(threadIdx.x / 32) * kLogfmtWarpScratchBytes;
 }
 
+// Where group `group`'s payload starts in a LogFMT slot: at 256 g, or in a packed row (logfmt.hpp) after the
+// payloads of the groups before it, `fallbacks_before` of them fallback groups.
+__device__ __forceinline__ size_t logfmt_payload_offset(int group, bool packed, int fallbacks_before) {
+  return packed ? logfmt_packed_offset(group, fallbacks_before) : size_t(group) * kLogfmtPayloadStride;
+}
+
 // ---- Send ----
 
 // A lane's four codes, bit for bit logfmt_encode_value's: one hardware log2 settles most values
@@ -241,8 +247,7 @@ __device__ int encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* 
 #pragma unroll 1
     for (int u = 0; u < kBatch && group0 + u < group_end; ++u) {
       const int group = group0 + u;
-      char* payload =
-          slot + (kPacked ? logfmt_packed_offset(group, fallbacks) : size_t(group) * kLogfmtPayloadStride);
+      char* payload = slot + logfmt_payload_offset(group, kPacked, fallbacks);
       encode_logfmt_group(payload, meta, group, batch[0], in_registers(constants[u]), lane);
       if constexpr (kPacked) {
         const bool fallback = constants[u].params.max_bits == kLogfmtFallbackMarker;  // warp-uniform
@@ -262,22 +267,13 @@ __device__ int encode_logfmt_groups(char* slot, uint32_t* meta, const uint16_t* 
 
 // Groups [group_begin, group_end) of a row as fallback (BF16) groups, at 256 g: how a LogFMT combine that
 // spans nodes sends the rows that stay within the node (unless LowLatencyCombineInput::logfmt_within_node).
+// kSourceMayChange: as warp_copy's (a staged row this kernel wrote).
+template <bool kSourceMayChange>
 __device__ void copy_plain_groups(char* slot, uint32_t* meta, const uint16_t* row, int group_begin,
                                   int group_end, int lane) {
-  constexpr int kWordsPerGroup = kLogfmtPayloadStride / 16;
-  constexpr int kUnroll = 4;  // loads in flight per lane
-  const int4* src = reinterpret_cast<const int4*>(row);
-  int4* dst = reinterpret_cast<int4*>(slot);
-  const int end = group_end * kWordsPerGroup;
-  for (int i0 = group_begin * kWordsPerGroup + lane; i0 < end; i0 += 32 * kUnroll) {
-    int4 words[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i0 + 32 * u < end) words[u] = __ldcg(src + i0 + 32 * u);
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u)
-      if (i0 + 32 * u < end) dst[i0 + 32 * u] = words[u];
-  }
+  warp_copy<kSourceMayChange, 4>(slot + logfmt_payload_offset(group_begin, false, 0),
+                                 row + size_t(group_begin) * kLogfmtGroupSize,
+                                 size_t(group_end - group_begin) * kLogfmtPayloadStride, lane);
   for (int group = group_begin + lane; group < group_end; group += 32) meta[group] = kLogfmtFallbackMarker;
 }
 
@@ -417,7 +413,8 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
     __syncwarp();
     auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
     if (plain_within_node<Remote>(args)) {
-      copy_plain_groups(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end, lane);
+      copy_plain_groups<true>(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end,
+                              lane);
     } else {
       encode_logfmt_groups(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end,
                            lane);
@@ -493,7 +490,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
       const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
       auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
       if (plain_within_node<Remote>(args)) {
-        copy_plain_groups(slot, meta, row, groups.begin, groups.end, lane);
+        copy_plain_groups<false>(slot, meta, row, groups.begin, groups.end, lane);
       } else {
         encode_logfmt_groups(slot, meta, row, groups.begin, groups.end, lane);
       }
@@ -661,11 +658,11 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
 // `packed`) after the payloads of the groups before it, which its fallback words count.
 __device__ __forceinline__ size_t returned_group_payload(const char* slot, const LowLatencyBufferMap& layout,
                                                          int group, bool packed) {
-  if (!packed) return size_t(group) * kLogfmtPayloadStride;
+  if (!packed) return logfmt_payload_offset(group, false, 0);
   const auto* words =
       reinterpret_cast<const uint32_t*>(slot + layout.logfmt_meta_offset()) + layout.num_groups();
-  return logfmt_packed_offset(group,
-                              logfmt_fallbacks_before(group, [&](int w) { return __ldcg(words + w); }));
+  return logfmt_payload_offset(group, true,
+                               logfmt_fallbacks_before(group, [&](int w) { return __ldcg(words + w); }));
 }
 
 // A returned group's decode constants from its metadata word (max_bits = the marker for a BF16 group).
@@ -782,24 +779,27 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
     const auto constants_of = [&](int chunk) -> const LogfmtDecodeConstants& {
       return table[(chunk / kGroupChunks - group0) * num_listed + k];
     };
+    const auto unpacked_payload_of = [&](int chunk) {
+      return slot + logfmt_payload_offset(chunk / kGroupChunks, false, 0);
+    };
     const auto payload_of = [&](int chunk) {
       if constexpr (kPacking)
         return slot + logfmt_table_payloads()[(chunk / kGroupChunks - group0) * num_listed + k];
-      return slot + size_t(chunk / kGroupChunks) * kLogfmtPayloadStride;
+      return unpacked_payload_of(chunk);
     };
     int chunk = begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + c;
     // The first chunk's codes load while the table fills (a fallback group's words replace them after; a
     // packed row's payload is not known before the table).
     const bool first_listed = entry >= 0 && chunk < end;
     LogfmtChunk next{};
-    if (first_listed && !packed)
-      next = load_logfmt_chunk(slot + size_t(chunk / kGroupChunks) * kLogfmtPayloadStride, chunk, false);
+    if (first_listed && !packed) next = load_logfmt_chunk(unpacked_payload_of(chunk), chunk, false);
     __syncthreads();  // the previous window's table has been read
     fill_logfmt_table<kPacking>(args, small, token, listed, num_listed, group0, num_groups);
     __syncthreads();
-    if (first_listed && (packed || constants_of(chunk).params.max_bits == kLogfmtFallbackMarker))
-      next = load_logfmt_chunk(payload_of(chunk), chunk,
-                               !packed || constants_of(chunk).params.max_bits == kLogfmtFallbackMarker);
+    if (first_listed) {
+      const bool fallback = constants_of(chunk).params.max_bits == kLogfmtFallbackMarker;
+      if (packed || fallback) next = load_logfmt_chunk(payload_of(chunk), chunk, fallback);
+    }
     for (; chunk - c < end; chunk += step) {  // warp-uniform condition
       const LogfmtChunk loaded = next;
       const int ahead = chunk + step;
