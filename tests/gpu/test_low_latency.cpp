@@ -11,6 +11,7 @@
 namespace {
 
 using epx::test::LowLatencyCase;
+using epx::test::run_with_both_combine_orders;
 
 using epx::test::run_low_latency_case;
 using epx::test::small_low_latency_case;
@@ -63,15 +64,11 @@ TEST(LowLatency, LogfmtCombineFourRanks) {
 // LogFMT alone within one node: every row stays within the node, so the combine is the BF16 one (the
 // reference codes nothing), default and pre-reduced.
 TEST(LowLatency, LogfmtWithinOneNodeIsTheBf16Combine) {
-  for (const bool pre_reduce : {false, true}) {
-    LowLatencyCase c = small_low_latency_case(4);
-    c.use_fp8 = true;
-    c.use_logfmt = true;
-    c.pre_reduce = pre_reduce;
-    c.num_iterations = 2;
-    SCOPED_TRACE(pre_reduce ? "pre-reduced" : "default");
-    run_low_latency_case(c);
-  }
+  LowLatencyCase c = small_low_latency_case(4);
+  c.use_fp8 = true;
+  c.use_logfmt = true;
+  c.num_iterations = 2;
+  run_with_both_combine_orders(c, run_low_latency_case);
 }
 
 // Top-16 of hidden 7168: a token's 16 returned rows x 56 groups exceed the receive's table of group

@@ -682,4 +682,14 @@ inline void run_low_latency_case(const LowLatencyCase& c) {
   run_ranks(c.num_ranks, [&](Bootstrap& bootstrap) { LowLatencyRunner(c, bootstrap).run(); });
 }
 
+// `run(c)` with the default combine, then with the pre-reduced one.
+template <typename Run>
+void run_with_both_combine_orders(LowLatencyCase c, Run run) {
+  for (const bool pre_reduce : {false, true}) {
+    c.pre_reduce = pre_reduce;
+    SCOPED_TRACE(pre_reduce ? "pre-reduced combine" : "default combine");
+    run(c);
+  }
+}
+
 }  // namespace epx::test

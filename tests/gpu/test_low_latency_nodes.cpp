@@ -21,6 +21,7 @@
 namespace {
 
 using epx::test::LowLatencyCase;
+using epx::test::run_with_both_combine_orders;
 
 // Runs `body` with one process per GPU; skips without enough GPUs or without the NVSHMEM transport.
 void run_ranks(int num_ranks, const std::function<void(epx::Bootstrap&)>& body) {
@@ -198,15 +199,11 @@ TEST(LowLatencyNodes, RanksPerNodeMustDivideRanks) {
 // ---- 4 GPUs as 2 nodes x 2: NVLink inside a node, NVSHMEM between nodes ----
 
 TEST(LowLatencyNodes, Fp8TwoNodesOfTwo) {
-  for (const bool pre_reduce : {false, true}) {
-    LowLatencyCase c = nodes_case(2, 2);
-    c.use_fp8 = true;
-    c.unbalanced = true;
-    c.pre_reduce = pre_reduce;
-    c.num_iterations = 3;
-    SCOPED_TRACE(pre_reduce ? "pre-reduced combine" : "default combine");
-    run_case(c);
-  }
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_fp8 = true;
+  c.unbalanced = true;
+  c.num_iterations = 3;
+  run_with_both_combine_orders(c, run_case);
 }
 
 // Rows to the other node go packed and LogFMT-coded, rows within the node as BF16 groups.
@@ -221,16 +218,12 @@ TEST(LowLatencyNodes, LogfmtHooksZeroCopyTwoNodesOfTwo) {
 
 // LogFMT asked within the node too: the rows within each node coded as well, default and pre-reduced.
 TEST(LowLatencyNodes, LogfmtWithinNodesTwoNodesOfTwo) {
-  for (const bool pre_reduce : {false, true}) {
-    LowLatencyCase c = nodes_case(2, 2);
-    c.use_fp8 = true;
-    c.use_logfmt = c.logfmt_within_node = true;
-    c.pre_reduce = pre_reduce;
-    c.duplicates = true;
-    c.num_iterations = 3;
-    SCOPED_TRACE(pre_reduce ? "pre-reduced" : "default");
-    run_case(c);
-  }
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_fp8 = true;
+  c.use_logfmt = c.logfmt_within_node = true;
+  c.duplicates = true;
+  c.num_iterations = 3;
+  run_with_both_combine_orders(c, run_case);
 }
 
 // Rank 3's node neighbour finds the mismatch over NVLink, ranks 0 and 1 across nodes.
