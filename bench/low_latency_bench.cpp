@@ -286,15 +286,30 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
          0, pre_reduced_graph_us, pre_reduced_bytes(logfmt)});
   }
   // The launch floor: an empty kernel of the same grid, as a call and in a graph replay. A call's overhead
-  // over its graph replay that this row shows too is the launch's, not the library's.
+  // over its graph replay that this row shows too is the launch's, not the library's. The same for one block
+  // launched plainly: what is left of that overhead with nothing of the launch form's.
   const int num_blocks = buffer.num_device_sms();
-  const double empty_call_us = median_us(bootstrap, stream, o.warmup, o.iters, nullptr,
-                                         [&] { launch_empty_kernel(num_blocks, stream); });
-  out.push_back({"empty kernel, same grid (launch floor)", 0, empty_call_us, 0});
-  const double empty_graph_us = median_graph_us(bootstrap, stream, o.warmup, o.iters, 2, [&] {
-    for (int i = 0; i < 2; ++i) launch_empty_kernel(num_blocks, stream);
-  });
-  out.push_back({"empty kernel, same grid, graph replay", 0, empty_graph_us, 0});
+  struct EmptyLaunch {
+    const char* name;
+    int num_blocks;
+    kernels::Residency residency;
+  };
+  const EmptyLaunch empty_launches[] = {
+      {"empty kernel, same grid", num_blocks, kernels::Residency::kCoResident},
+      {"empty kernel, 1 block, plain", 1, kernels::Residency::kIndependent}};
+  const auto launch_empty = [&](const EmptyLaunch& e) {
+    launch_empty_kernel(e.num_blocks, e.residency, stream);
+  };
+  for (const EmptyLaunch& e : empty_launches) {
+    out.push_back({std::string(e.name) + " (launch floor)", 0,
+                   median_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] { launch_empty(e); }), 0});
+    out.push_back({std::string(e.name) + ", graph replay", 0,
+                   median_graph_us(bootstrap, stream, o.warmup, o.iters, 2,
+                                   [&] {
+                                     for (int i = 0; i < 2; ++i) launch_empty(e);
+                                   }),
+                   0});
+  }
   // Of a call, the host's part (steady clock, call to return): the library's checks and the launch API.
   int host_call = 0;
   const double dispatch_host_us = median_host_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] {
@@ -302,9 +317,11 @@ std::vector<BenchRow> run_low_latency_bench(Bootstrap& bootstrap, const BenchOpt
                          fp8_out.view(true), order);
   });
   out.push_back({"LL dispatch FP8, host clock", 0, dispatch_host_us, 0});
-  const double empty_host_us = median_host_us(bootstrap, stream, o.warmup, o.iters, nullptr,
-                                              [&] { launch_empty_kernel(num_blocks, stream); });
-  out.push_back({"empty kernel, same grid, host clock", 0, empty_host_us, 0});
+  for (const EmptyLaunch& e : empty_launches) {
+    out.push_back({std::string(e.name) + ", host clock", 0,
+                   median_host_us(bootstrap, stream, o.warmup, o.iters, nullptr, [&] { launch_empty(e); }),
+                   0});
+  }
 
   // Hook mode: the send and the receive phase timed apart.
   const auto [dispatch_send, dispatch_recv] =
