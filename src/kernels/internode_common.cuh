@@ -59,20 +59,8 @@ __device__ __forceinline__ uint64_t calls_before(const InternodeContext& context
 template <typename Remote>
 __device__ __forceinline__ void finish_launch(const InternodeContext& context, uint64_t calls) {
   auto* control = &rdma_head(context)->control;
-  __syncthreads();
-  bool last_arrival = false;
-  if (threadIdx.x == 0) {
-    Remote::quiet();  // this block's puts and signals are complete before "done" is
-    __threadfence_system();
-    last_arrival = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
-  }
-  // Thread 0's answer reaches the block through the barrier's reduction (no shared flag to race on).
-  if (__syncthreads_or(last_arrival) == 0) return;
-  __threadfence_system();
-  if (threadIdx.x == 0) {
-    control->launch_arrivals = 0;
-    control->calls_done = calls + 1;
-  }
+  // Each block's puts and signals are complete before "done" is.
+  if (!count_call_done_by_last_block(control, calls, [] { Remote::quiet(); })) return;
   const NodeMap& nodes = context.nodes;
   const int t = threadIdx.x;
   if (t < nodes.ranks_per_node && t != own_local(context)) {

@@ -39,25 +39,36 @@ __device__ __forceinline__ int calls_before(const PeerContext& peers) {
   return *reinterpret_cast<volatile int*>(&NormalBufferMap::control(peers.local_base)->calls_done);
 }
 
-// Called by every thread of every block at its end: the last block to arrive counts the call as done and
-// tells every peer, which may then write into this rank's queues with the next call's layout.
+// Called by every thread of every block at its end (finish_launch of normal and internode kernels). Thread 0
+// of each block completes what the block sent (`complete_sends`, e.g. its network puts), fences at system
+// scope and arrives; the last block to arrive resets the arrivals, counts the call as done
+// (`control->calls_done = calls + 1`) and returns true in all its threads. The other blocks return false.
 // NOTES: each block fences before arriving, so its reads of the queues are complete before the last arriver
 // releases the done signal.
-__device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
-  auto* control = NormalBufferMap::control(peers.local_base);
+template <typename Control, typename Calls, typename CompleteSends>
+__device__ __forceinline__ bool count_call_done_by_last_block(Control* control, Calls calls,
+                                                              CompleteSends complete_sends) {
   __syncthreads();
   bool last_arrival = false;
   if (threadIdx.x == 0) {
+    complete_sends();
     __threadfence_system();
     last_arrival = atomicAdd(&control->launch_arrivals, 1) == static_cast<int>(gridDim.x) - 1;
   }
   // Thread 0's answer reaches the block through the barrier's reduction (no shared flag to race on).
-  if (__syncthreads_or(last_arrival) == 0) return;
+  if (__syncthreads_or(last_arrival) == 0) return false;
   __threadfence_system();
   if (threadIdx.x == 0) {
     control->launch_arrivals = 0;
     control->calls_done = calls + 1;
   }
+  return true;
+}
+
+// Called by every thread of every block at its end: the last block to arrive counts the call as done and
+// tells every peer, which may then write into this rank's queues with the next call's layout.
+__device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
+  if (!count_call_done_by_last_block(NormalBufferMap::control(peers.local_base), calls, [] {})) return;
   const int peer = threadIdx.x;
   if (peer < peers.num_ranks && peer != peers.rank) {
     device::st_release_sys(&NormalBufferMap::control(peers.peer_bases[peer])->done_signal[peers.rank],
