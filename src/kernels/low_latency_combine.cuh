@@ -776,15 +776,15 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
     const int end = min(chunks.end, (group0 + num_groups) * kGroupChunks);
     const int step = kNumWarps * chunks_per_warp;
     // The table entry of chunk `chunk` for this lane's listing, and where its group's payload starts.
+    const auto table_entry = [&](int chunk) { return (chunk / kGroupChunks - group0) * num_listed + k; };
     const auto constants_of = [&](int chunk) -> const LogfmtDecodeConstants& {
-      return table[(chunk / kGroupChunks - group0) * num_listed + k];
+      return table[table_entry(chunk)];
     };
     const auto unpacked_payload_of = [&](int chunk) {
       return slot + logfmt_payload_offset(chunk / kGroupChunks, false, 0);
     };
     const auto payload_of = [&](int chunk) {
-      if constexpr (kPacking)
-        return slot + logfmt_table_payloads()[(chunk / kGroupChunks - group0) * num_listed + k];
+      if constexpr (kPacking) return slot + logfmt_table_payloads()[table_entry(chunk)];
       return unpacked_payload_of(chunk);
     };
     int chunk = begin + static_cast<int>(threadIdx.x) / 32 * chunks_per_warp + c;
