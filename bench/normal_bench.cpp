@@ -4,6 +4,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <functional>
 #include <optional>
 #include <random>
 #include <string>
@@ -218,6 +219,21 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
   }
 }
 
+// Why the earlier isolated timing (host barrier alone) read far above back to back: the same call timed that
+// way, the ranks' barrier-exit skew it held, and the host's cost of the call on an idle GPU (the start event
+// fires before the host has launched anything).
+void add_timing_study(Bootstrap& bootstrap, cudaStream_t stream, const BenchOptions& o,
+                      const std::function<void()>& flush, const std::function<void()>& call, int sms,
+                      double bytes, std::vector<BenchRow>& out) {
+  BarrierExits exits;
+  const double barrier_only_us =
+      median_us(bootstrap, stream, o.warmup, o.iters, flush, call, StartAlign::kHostBarrier, &exits);
+  out.push_back({"dispatch BF16 cached, host barrier alone", sms, barrier_only_us, bytes});
+  out.push_back({"  of which ranks' barrier-exit skew (host)", sms, barrier_exit_skew_us(bootstrap, exits), 0});
+  out.push_back({"  host time of the call (GPU idle)", sms,
+                 median_host_us(bootstrap, stream, o.warmup, o.iters, flush, call), 0});
+}
+
 }  // namespace
 
 std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions& o) {
@@ -279,7 +295,17 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
 
   L2Flusher flusher;
   auto flush = [&] { flusher.flush(stream); };
+  // Two timings of each headline op (docs/BENCHMARKS.md, "Two timings"): back to back, the L2 flushed once
+  // before calls queued as a training loop queues them (the headline rows); and isolated, the L2 flushed and
+  // the ranks aligned on the device before each call (the "(isolated)" rows and the breakdown rows).
+  const auto back_to_back = [&](const std::function<void()>& body) {
+    return median_back_to_back_us(bootstrap, stream, o.warmup, o.iters, flush, body);
+  };
+  const auto isolated = [&](const std::function<void()>& prepare, const std::function<void()>& body) {
+    return median_us(bootstrap, stream, o.warmup, o.iters, prepare, body, StartAlign::kDeviceDelay);
+  };
   std::vector<BenchRow> out;
+  bool studied = false;
   for (int sms : o.num_sms) {
     buffer.set_num_sms(sms);
     // The handle splits tokens into the channels of the SM budget it was made with: one per budget, so the
@@ -290,15 +316,17 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     for (TokenFormat format : {TokenFormat::kBf16, TokenFormat::kFp8}) {
       const DispatchInput in = ws.input(o, format);
       const DispatchOutput dout = ws.output(format);
-      const double us =
-          median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] { dispatch(buffer, in, dout, stream); });
+      const auto full_dispatch = [&] { dispatch(buffer, in, dout, stream); };
       const bool bf16 = format == TokenFormat::kBf16;
       const double nvl_bytes = bf16 ? bf16_bytes : fp8_bytes;
       const double network_bytes = bf16 ? bf16_network_bytes : fp8_network_bytes;
-      out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, us, nvl_bytes, network_bytes});
+      out.push_back({bf16 ? "dispatch BF16" : "dispatch FP8", sms, back_to_back(full_dispatch), nvl_bytes,
+                     network_bytes});
+      out.push_back({bf16 ? "dispatch BF16 (isolated)" : "dispatch FP8 (isolated)", sms,
+                     isolated(flush, full_dispatch), nvl_bytes, network_bytes});
       // The first step alone (count exchange and host sync): the rest of the time moves the rows.
       const auto notify_alone = [&] { dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false}); };
-      const double notify_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, notify_alone);
+      const double notify_us = isolated(flush, notify_alone);
       out.push_back({bf16 ? "  of which notify (BF16)" : "  of which notify (FP8)", sms, notify_us, 0});
       // The receive launched with the count exchange, its outputs handed over through host-mapped memory
       // (within one node: across nodes the receive always follows the host's wait).
@@ -309,12 +337,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
           run_layout();
           flush();
         };
-        const double after_layout_us = median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush,
-                                                 [&] { dispatch(buffer, in, dout, stream); });
+        const double after_layout_us = isolated(layout_then_flush, full_dispatch);
         out.push_back({bf16 ? "dispatch BF16 after its layout" : "dispatch FP8 after its layout", sms,
                        after_layout_us, nvl_bytes});
-        const double notify_after_layout_us =
-            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush, notify_alone);
+        const double notify_after_layout_us = isolated(layout_then_flush, notify_alone);
         out.push_back(
             {bf16 ? "  of which notify after its layout (BF16)" : "  of which notify after its layout (FP8)",
              sms, notify_after_layout_us, 0});
@@ -329,23 +355,20 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         out.push_back({bf16 ? "  host has counts, no layout before (BF16)"
                             : "  host has counts, no layout before (FP8)",
                        sms, notify_host_old_us, 0});
-        const double launched_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-          dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive);
-        });
+        const double launched_us =
+            isolated(flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive); });
         out.push_back({bf16 ? "dispatch BF16 receive with notify" : "dispatch FP8 receive with notify", sms,
                        launched_us, nvl_bytes});
         // Launched likewise into outputs allocated beforehand (the workspace's, room for every rank's
         // tokens), as epx.Buffer.dispatch does with the last call's rows plus a margin: no host hand-over.
         const DispatchOutputGuess guess{dout, num_ranks * o.num_tokens};
-        const double guessed_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-          dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess);
-        });
+        const double guessed_us =
+            isolated(flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
         out.push_back({bf16 ? "dispatch BF16 receive into guess" : "dispatch FP8 receive into guess", sms,
                        guessed_us, nvl_bytes});
         // As epx.Buffer.dispatch runs it: after its layout, into a guess the rows fit.
-        const double guessed_after_layout_us =
-            median_us(bootstrap, stream, o.warmup, o.iters, layout_then_flush,
-                      [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
+        const double guessed_after_layout_us = isolated(
+            layout_then_flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
         out.push_back(
             {bf16 ? "dispatch BF16 into guess after its layout" : "dispatch FP8 into guess after its layout",
              sms, guessed_after_layout_us, nvl_bytes});
@@ -357,8 +380,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
           if (pending) dispatch_receive(buffer, *pending, in, dout, order);  // orders the stream after it
           pending.reset();
         };
-        const double counts_us = median_us(
-            bootstrap, stream, o.warmup, o.iters,
+        const double counts_us = isolated(
             [&] {
               complete();
               flush();
@@ -371,20 +393,28 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
                        sms, counts_us, 0});
       }
       // Cached: the layout of a previous call, no count exchange and no host sync.
-      const double cached_us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+      const auto cached_dispatch = [&] {
         const StreamOrder order{stream, nullptr, false};
         DispatchPlan again = dispatch_notify(buffer, in, order, &sms_plan.handle);
         dispatch_receive(buffer, again, in, dout, order);
-      });
-      out.push_back(
-          {bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, cached_us, nvl_bytes, network_bytes});
+      };
+      out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, back_to_back(cached_dispatch),
+                     nvl_bytes, network_bytes});
+      out.push_back({bf16 ? "dispatch BF16 cached (isolated)" : "dispatch FP8 cached (isolated)", sms,
+                     isolated(flush, cached_dispatch), nvl_bytes, network_bytes});
+      // Once per run: what the isolated timing of the earlier benchmark (host barrier alone) also held.
+      if (bf16 && !studied) {
+        studied = true;
+        add_timing_study(bootstrap, stream, o, flush, cached_dispatch, sms, nvl_bytes, out);
+      }
     }
     const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
     const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
-    const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+    const auto run_combine = [&] {
       combine(buffer, sms_plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
-    });
-    out.push_back({"combine BF16", sms, us, bf16_bytes, bf16_network_bytes});
+    };
+    out.push_back({"combine BF16", sms, back_to_back(run_combine), bf16_bytes, bf16_network_bytes});
+    out.push_back({"combine BF16 (isolated)", sms, isolated(flush, run_combine), bf16_bytes, bf16_network_bytes});
   }
 
   // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer. The
@@ -397,7 +427,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     const size_t bytes = std::min<size_t>(size_t(32) << 20, buffer.num_nvl_bytes());
     const int node_start = rank / ranks_per_node * ranks_per_node;
     const void* peer = peer_bases[node_start + (rank - node_start + 1) % ranks_per_node];
-    const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
+    const double us = isolated(flush, [&] {
       EPX_CUDA_CHECK(cudaMemcpyAsync(ws.recv_x.get(), peer, bytes, cudaMemcpyDeviceToDevice, stream));
     });
     out.push_back({"copy engine: read next rank", 0, us, static_cast<double>(bytes)});
@@ -422,11 +452,13 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       }
       DeviceArray<uint8_t> send(total_send);
       EPX_CUDA_CHECK(cudaMemset(send.get(), 0x3c, total_send));
-      const double us = median_us(bootstrap, stream, o.warmup, o.iters, flush, [&] {
-        nccl.run(send.get(), send_bytes, ws.recv_x.get(), recv_bytes, stream);
-      });
-      out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0, us,
-                     bf16 ? bf16_bytes : fp8_bytes, bf16 ? bf16_network_bytes : fp8_network_bytes});
+      const auto all_to_all = [&] { nccl.run(send.get(), send_bytes, ws.recv_x.get(), recv_bytes, stream); };
+      const double bytes = bf16 ? bf16_bytes : fp8_bytes;
+      const double network_bytes = bf16 ? bf16_network_bytes : fp8_network_bytes;
+      out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0, back_to_back(all_to_all),
+                     bytes, network_bytes});
+      out.push_back({bf16 ? "NCCL all-to-all BF16 rows (isolated)" : "NCCL all-to-all FP8 rows (isolated)", 0,
+                     isolated(flush, all_to_all), bytes, network_bytes});
     }
   }
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
