@@ -8,6 +8,7 @@
 #include <cstdint>
 #include <exception>
 #include <optional>
+#include <string>
 #include <type_traits>
 #include <utility>
 #include <vector>
@@ -17,6 +18,11 @@
 namespace epx::python {
 
 namespace py = pybind11;
+
+template <typename Pointer>
+Pointer to_pointer(uintptr_t address) {
+  return reinterpret_cast<Pointer>(address);  // NOLINT(performance-no-int-to-ptr)
+}
 
 // A pointer field of a plain struct as an int property (0 = null).
 template <typename Class, typename Pointer>
@@ -29,9 +35,60 @@ void def_pointer(py::class_<Class>& cls, const char* name, Pointer Class::*membe
       });
 }
 
-// Every field Fields<Class> lists (epx/common/fields.hpp): pointers as int properties, the rest as values.
+// The names Fields<Class> lists, as interned Python strings in its order (made once, kept for the process):
+// keyword lookups by these hit the keyword dict's cached hashes.
+template <typename Class>
+const std::vector<PyObject*>& interned_field_names() {
+  static const std::vector<PyObject*> names = [] {
+    std::vector<PyObject*> result;
+    Fields<Class>::visit(
+        [&result](const char* name, auto) { result.push_back(PyUnicode_InternFromString(name)); });
+    return result;
+  }();
+  return names;
+}
+
+// Class(**fields) for Fields<Class>: one Python call sets every field given by keyword (pointers as ints),
+// the others keep their defaults. The per-call structs of the torch layer are built this way: one call
+// instead of one attribute assignment per field. An unknown keyword or a value of the wrong type raises
+// TypeError naming the field.
+template <typename Class>
+Class from_field_kwargs(const py::kwargs& kwargs) {
+  const std::vector<PyObject*>& names = interned_field_names<Class>();
+  Class value{};
+  size_t index = 0;
+  py::ssize_t num_used = 0;
+  Fields<Class>::visit([&](const char* name, auto member) {
+    PyObject* item = PyDict_GetItem(kwargs.ptr(), names[index++]);  // borrowed; null when not given
+    if (item == nullptr) return;
+    ++num_used;
+    using Member = std::remove_reference_t<decltype(std::declval<Class&>().*member)>;
+    try {
+      if constexpr (std::is_pointer_v<Member>) {
+        value.*member = to_pointer<Member>(py::cast<uintptr_t>(py::handle(item)));
+      } else {
+        value.*member = py::cast<Member>(py::handle(item));
+      }
+    } catch (const py::cast_error&) {
+      throw py::type_error(std::string(name) + ": cannot take a " + Py_TYPE(item)->tp_name);
+    }
+  });
+  if (num_used != PyDict_Size(kwargs.ptr())) {
+    for (const auto& item : kwargs) {
+      const std::string key = py::str(item.first);
+      bool known = false;
+      Fields<Class>::visit([&](const char* name, auto) { known = known || key == name; });
+      if (!known) throw py::type_error("unknown field " + key);
+    }
+  }
+  return value;
+}
+
+// Every field Fields<Class> lists (epx/common/fields.hpp): pointers as int properties, the rest as values;
+// and the keyword constructor Class(**fields) (from_field_kwargs), which also serves Class().
 template <typename Class>
 void def_fields(py::class_<Class>& cls) {
+  cls.def(py::init([](const py::kwargs& kwargs) { return from_field_kwargs<Class>(kwargs); }));
   Fields<Class>::visit([&cls](const char* name, auto member) {
     using Member = std::remove_reference_t<decltype(std::declval<Class&>().*member)>;
     if constexpr (std::is_pointer_v<Member>) {
@@ -40,11 +97,6 @@ void def_fields(py::class_<Class>& cls) {
       cls.def_readwrite(name, member);
     }
   });
-}
-
-template <typename Pointer>
-Pointer to_pointer(uintptr_t address) {
-  return reinterpret_cast<Pointer>(address);  // NOLINT(performance-no-int-to-ptr)
 }
 
 // Raises a C++ exception caught by call_without_gil as the Python exception it maps to; needs the GIL.

@@ -156,7 +156,6 @@ void bind_normal(py::module_& m) {
   py::enum_<TokenFormat>(m, "TokenFormat").value("BF16", TokenFormat::kBf16).value("FP8", TokenFormat::kFp8);
 
   py::class_<DispatchLayoutOutput> layout_out(m, "DispatchLayoutOutput");
-  layout_out.def(py::init<>());
   def_fields(layout_out);
   m.def(
       "get_dispatch_layout",
@@ -171,7 +170,6 @@ void bind_normal(py::module_& m) {
       py::arg("num_experts"), py::arg("out"), py::arg("order"));
 
   py::class_<DispatchInput> in(m, "DispatchInput");
-  in.def(py::init<>());
   def_fields(in);
 
   py::class_<DispatchHandle>(m, "DispatchHandle")
@@ -213,7 +211,6 @@ void bind_normal(py::module_& m) {
       .def_readonly("counts_from_layout", &DispatchPlan::counts_from_layout);
 
   py::class_<DispatchOutput> out(m, "DispatchOutput");
-  out.def(py::init<>());
   def_fields(out);
 
   py::class_<DispatchOutputGuess>(m, "DispatchOutputGuess")
@@ -252,11 +249,9 @@ void bind_normal(py::module_& m) {
       py::arg("buffer"), py::arg("plan"), py::arg("input"), py::arg("output"), py::arg("order"));
 
   py::class_<CombineInput> combine_in(m, "CombineInput");
-  combine_in.def(py::init<>());
   def_fields(combine_in);
 
   py::class_<CombineOutput> combine_out(m, "CombineOutput");
-  combine_out.def(py::init<>());
   def_fields(combine_out);
 
   m.def(
@@ -271,12 +266,10 @@ void bind_normal(py::module_& m) {
 void bind_low_latency(py::module_& m) {
   using In = LowLatencyDispatchInput;
   py::class_<In> in(m, "LowLatencyDispatchInput");
-  in.def(py::init<>());
   def_fields(in);
 
   using Out = LowLatencyDispatchOutput;
   py::class_<Out> out(m, "LowLatencyDispatchOutput");
-  out.def(py::init<>());
   def_fields(out);
 
   using Sizes = LowLatencyDispatchSizes;
@@ -330,7 +323,6 @@ void bind_low_latency(py::module_& m) {
 
   using CIn = LowLatencyCombineInput;
   py::class_<CIn> combine_in(m, "LowLatencyCombineInput");
-  combine_in.def(py::init<>());
   def_fields(combine_in);
 
   py::class_<LowLatencyCombineResult>(m, "LowLatencyCombineResult")
