@@ -11,15 +11,32 @@ from ._ext import _epx
 EpxError = _epx.EpxError
 
 
+_torch_module = None  # torch, once imported
+_tensor_type: Any = None  # torch.Tensor, once torch is imported
+_raw_stream: Any = None  # device index -> the cudaStream_t of torch's current stream there, as an int
+
+
 def torch():
     """The torch module, imported on first use (the package itself needs no torch)."""
-    import torch as _torch
+    global _torch_module, _tensor_type
+    if _torch_module is None:
+        import torch as _torch
 
-    return _torch
+        _tensor_type = _torch.Tensor
+        _torch_module = _torch
+    return _torch_module
+
+
+def error(name: str, value: Any, rule: str) -> Exception:
+    """EpxError("invalid NAME = VALUE: RULE") (the C++ EPX_CHECK wording), for `raise error(...)` where a
+    check's message is built only once it fails."""
+    return EpxError(f"invalid {name} = {value}: {rule}")
 
 
 def check(condition: bool, name: str, value: Any, rule: str) -> None:
-    """Raises EpxError("invalid NAME = VALUE: RULE") unless condition holds (the C++ EPX_CHECK wording)."""
+    """Raises EpxError("invalid NAME = VALUE: RULE") unless condition holds (the C++ EPX_CHECK wording). Its
+    arguments are evaluated on every call: on a per-call path, pass no formatted string (use
+    ``if not condition: raise error(...)`` there)."""
     if not condition:
         raise EpxError(f"invalid {name} = {value}: {rule}")
 
@@ -34,9 +51,35 @@ def check_tensor(
     cuda: bool = True,
     contiguous: bool = True,
 ) -> None:
-    """Checks type, device, dtype, rank, shape (None entries match anything) and contiguity of an argument."""
-    t = torch()
-    check(isinstance(tensor, t.Tensor), name, type(tensor).__name__, "must be a torch.Tensor")
+    """Checks type, device, dtype, rank, shape (None entries match anything) and contiguity of an argument.
+
+    A passing check costs its comparisons: the message (naming the argument, its value and the rule) is built
+    only when one fails."""
+    if _tensor_type is None:
+        torch()
+    if (
+        isinstance(tensor, _tensor_type)
+        and (not cuda or tensor.is_cuda)
+        and (dtype is None or tensor.dtype == dtype)
+        and (ndim is None or tensor.dim() == ndim)
+        and (shape is None or _shape_matches(tensor.shape, shape))
+        and (not contiguous or tensor.is_contiguous())
+    ):
+        return
+    _raise_tensor_error(tensor, name, dtype, ndim, shape, cuda, contiguous)
+
+
+def _shape_matches(sizes: Any, shape: tuple) -> bool:
+    for axis, expected in enumerate(shape):
+        if expected is not None and (axis >= len(sizes) or sizes[axis] != expected):
+            return False
+    return True
+
+
+def _raise_tensor_error(tensor: Any, name: str, dtype: Any, ndim: Optional[int], shape: Optional[tuple],
+                        cuda: bool, contiguous: bool) -> None:
+    """The checks of check_tensor one by one, in order, raising the first that fails with its message."""
+    check(isinstance(tensor, _tensor_type), name, type(tensor).__name__, "must be a torch.Tensor")
     if cuda:
         check(tensor.is_cuda, f"{name}.device", tensor.device, "must be a CUDA device")
     if dtype is not None:
@@ -66,12 +109,29 @@ def pointer(tensor: Any) -> int:
 
 
 def current_stream() -> Any:
-    """torch's current CUDA stream (the caller's "compute stream")."""
+    """torch's current CUDA stream (the caller's "compute stream") as a torch.cuda.Stream object. Per-call paths
+    take current_stream_handle instead (no Stream object)."""
     return torch().cuda.current_stream()
 
 
-def current_stream_handle() -> int:
-    return current_stream().cuda_stream
+def current_stream_handle(device_index: Optional[int] = None) -> int:
+    """The cudaStream_t (an int) of torch's current stream on a device (default: the current device), read
+    without building a torch.cuda.Stream: what torch.cuda.stream(...) contexts and CUDA-graph capture made
+    current, as torch.cuda.current_stream(device).cuda_stream would say."""
+    global _raw_stream
+    if _raw_stream is None:
+        _raw_stream = _raw_stream_reader()
+    if device_index is None:
+        device_index = torch().cuda.current_device()
+    return _raw_stream(device_index)
+
+
+def _raw_stream_reader() -> Any:
+    t = torch()
+    reader = getattr(t._C, "_cuda_getCurrentRawStream", None)  # torch >= 1.11 (what Inductor's code calls)
+    if reader is not None:
+        return reader
+    return lambda device_index: t.cuda.current_stream(device_index).cuda_stream
 
 
 def event_handle(event: Any) -> int:
@@ -125,12 +185,19 @@ class _DeviceMemory:
         }
 
 
+def element_size(dtype: Any) -> int:
+    """Bytes per element of a torch dtype."""
+    size = getattr(dtype, "itemsize", None)  # torch >= 2.1
+    return size if size is not None else torch().empty((), dtype=dtype).element_size()
+
+
 def device_view(address: int, num_bytes: int, dtype: Any, shape: Optional[tuple], owner: Any, device: Any):
     """A tensor of `dtype` (and `shape`, or 1-D) over num_bytes bytes at a device address, keeping `owner`
     alive."""
     t = torch()
-    element_bytes = t.empty((), dtype=dtype).element_size()
-    check(num_bytes % element_bytes == 0, "num_bytes", num_bytes, f"must be a multiple of {element_bytes}")
+    element_bytes = element_size(dtype)
+    if num_bytes % element_bytes != 0:
+        raise error("num_bytes", num_bytes, f"must be a multiple of {element_bytes}")
     if num_bytes == 0:
         raw = t.empty(0, dtype=t.uint8, device=device)
     else:

@@ -4,7 +4,7 @@ results). DeepEP V1's interface is in epx.compat.deep_ep, a thin layer over this
 from __future__ import annotations
 
 import contextlib
-from typing import Any, Callable, Iterator, List, Optional, Sequence, Tuple, Union
+from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ._ext import _epx
 from ._util import (
@@ -12,7 +12,9 @@ from ._util import (
     check,
     check_tensor,
     current_stream,
+    current_stream_handle,
     device_view,
+    error,
     event_handle,
     maybe_stream,
     pointer,
@@ -123,6 +125,18 @@ class Buffer:
         self.rank = rank
         self.num_ranks = num_ranks
         self.low_latency_mode = bool(low_latency_mode)
+        self._init_call_state()
+
+    def _init_call_state(self) -> None:
+        """What the calls keep between calls so that a call repeats no work: the device index (for the current
+        stream), StreamOrders without a previous event by (stream, async_finish), low-latency sizes by shape, and
+        the config last given to the runtime."""
+        self._device_index = self.device.index
+        self._orders: Dict[Tuple[int, bool], Any] = {}
+        self._ll_sizes: Dict[Tuple[Any, ...], Tuple[int, int, int]] = {}
+        # The Config (or _epx.Config) this Buffer last set as the runtime's config; None: not known. Every path
+        # through which this Buffer changes the runtime's config keeps it current.
+        self._config_set: Any = None
 
     # ---- Life cycle and properties ----
 
@@ -162,6 +176,7 @@ class Buffer:
 
     @num_sms.setter
     def num_sms(self, value: int) -> None:
+        self._config_set = None
         self.runtime.num_sms = int(value)
 
     @property
@@ -172,6 +187,7 @@ class Buffer:
 
     @config.setter
     def config(self, value: Config) -> None:
+        self._config_set = None
         self.runtime.config = native_config(value)
 
     @property
@@ -220,10 +236,21 @@ class Buffer:
         return device_view(base + offset_bytes, num_elements * element_bytes, dtype, shape, self, self.device)
 
     # ---- Stream handling shared by the calls ----
+    #
+    # Per-call paths read torch's current stream as a handle (current_stream_handle: no torch.cuda.Stream object)
+    # and build no error text unless a check fails (check_tensor's fast path, `if not ...: raise error(...)`).
 
     def _order(self, previous_event: Any, async_finish: bool) -> Any:
-        return _epx.StreamOrder(compute_stream=current_stream().cuda_stream,
-                                previous_event=event_handle(previous_event), async_finish=bool(async_finish))
+        stream = current_stream_handle(self._device_index)
+        if previous_event is None:
+            # A StreamOrder is a plain value: one per (stream, async_finish) serves every call made so.
+            order = self._orders.get((stream, async_finish))
+            if order is None:
+                order = _epx.StreamOrder(compute_stream=stream, previous_event=0, async_finish=bool(async_finish))
+                self._orders[(stream, async_finish)] = order
+            return order
+        return _epx.StreamOrder(compute_stream=stream, previous_event=event_handle(previous_event),
+                                async_finish=bool(async_finish))
 
     def _input_copies(self, previous_event: Any) -> Any:
         """Where the layer's own copies of inputs (column-major FP8 scales made contiguous, int32 top-k ids
@@ -231,8 +258,8 @@ class Buffer:
         made there are ordered. With one, the comm stream waits for that event only (DeepEP's rule), and a copy
         queued on the current stream after the event would race the kernels: the copies then run on the comm
         stream, after the event."""
-        if event_handle(previous_event) == 0:
-            return contextlib.nullcontext()
+        if previous_event is None or event_handle(previous_event) == 0:
+            return _NO_CONTEXT
         return self._on_comm_stream_after(previous_event)
 
     @contextlib.contextmanager
@@ -251,27 +278,33 @@ class Buffer:
         return self.comm_stream
 
     def _finish(self, event: Any, inputs: Sequence[Any], outputs: Sequence[Any], async_finish: bool,
-                allocate_on_comm_stream: bool, compute_stream: Any) -> EventOverlap:
+                allocate_on_comm_stream: bool) -> EventOverlap:
         if async_finish:
             # The comm stream still uses these after this call returns.
             record_stream(list(inputs) + list(outputs), self.comm_stream)
         if allocate_on_comm_stream:
-            record_stream(outputs, compute_stream)
+            # The caller's stream (current again: the allocation's stream context has ended) uses the outputs.
+            record_stream(outputs, current_stream())
         return EventOverlap(event if async_finish else None)
 
     def _apply_config(self, config: Optional[Config]) -> Any:
         """The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
         next ones; None keeps the runtime's current config. Returns the config before (None when unchanged),
-        for _restore_config."""
+        for _restore_config. A config this Buffer set last (the same object, or an equal one) is not set again."""
         if config is None:
+            return None
+        current = self._config_set
+        if current is not None and (config is current or config == current):
             return None
         previous = self.runtime.config
         self.runtime.config = native_config(config)
+        self._config_set = config
         return previous
 
     def _restore_config(self, previous: Any) -> None:
         # A rejected call leaves the Buffer as it was, its config included.
         if previous is not None:
+            self._config_set = None
             self.runtime.config = previous
 
     # ---- Normal mode ----
@@ -284,23 +317,23 @@ class Buffer:
         with self._input_copies(previous_event):
             topk_idx = as_topk_idx(topk_idx)
         num_tokens, num_topk = topk_idx.shape
-        compute_stream = current_stream()
         order = self._order(previous_event, async_finish)
-        num_nodes = self.get_num_rdma_ranks()
+        num_ranks, num_nodes, device = self.num_ranks, self.get_num_rdma_ranks(), self.device
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
-            per_rank = t.empty(self.num_ranks, dtype=t.int32, device=self.device)
-            per_node = t.empty(num_nodes, dtype=t.int32, device=self.device) if num_nodes > 1 else None
-            per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=self.device)
-            in_rank = t.empty(num_tokens, self.num_ranks, dtype=t.bool, device=self.device)
-        out = _epx.DispatchLayoutOutput()
-        out.num_tokens_per_rank = pointer(per_rank)
-        out.num_tokens_per_expert = pointer(per_expert)
-        out.is_token_in_rank = pointer(in_rank)
-        out.num_tokens_per_rdma_rank = pointer(per_node)
+            per_rank = t.empty(num_ranks, dtype=t.int32, device=device)
+            per_node = t.empty(num_nodes, dtype=t.int32, device=device) if num_nodes > 1 else None
+            per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=device)
+            in_rank = t.empty(num_tokens, num_ranks, dtype=t.bool, device=device)
+        out = _epx.DispatchLayoutOutput(num_tokens_per_rank=pointer(per_rank),
+                                        num_tokens_per_expert=pointer(per_expert), is_token_in_rank=pointer(in_rank),
+                                        num_tokens_per_rdma_rank=pointer(per_node))
         event = _epx.get_dispatch_layout(self.runtime, pointer(topk_idx), num_tokens, num_topk, num_experts, out,
                                          order)
-        outputs = [per_rank, per_expert, in_rank] + ([per_node] if per_node is not None else [])
-        overlap = self._finish(event, [topk_idx], outputs, async_finish, allocate_on_comm_stream, compute_stream)
+        if async_finish or allocate_on_comm_stream:
+            outputs = (per_rank, per_expert, in_rank) + ((per_node,) if per_node is not None else ())
+            overlap = self._finish(event, (topk_idx,), outputs, async_finish, allocate_on_comm_stream)
+        else:
+            overlap = EventOverlap()
         return DispatchLayout(per_rank, per_node, per_expert, in_rank, overlap)
 
     def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
@@ -335,22 +368,22 @@ class Buffer:
                 topk_idx = as_topk_idx(topk_idx, shape=(tokens.data.size(0), None))
         x, x_scales, fp8 = tokens.data, tokens.scales, tokens.fp8
         num_tokens, hidden = x.shape
-        compute_stream = current_stream()
+        num_ranks = self.num_ranks
         alloc_stream = self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)
         cached = handle is not None
         if cached:
-            check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__,
-                  "must be the handle of a dispatch")
+            if not isinstance(handle, DispatchHandle):
+                raise error("handle", type(handle).__name__, "must be the handle of a dispatch")
             check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
             check(topk_idx is None and topk_weights is None, "topk_idx/topk_weights", "given",
                   "must be None with a cached handle (the handle fixes the routing)")
-            check(num_tokens == handle.num_tokens, "x.shape[0]", num_tokens,
-                  f"must equal the cached dispatch's token count ({handle.num_tokens})")
+            if num_tokens != handle.num_tokens:
+                raise error("x.shape[0]", num_tokens, f"must equal the cached dispatch's token count "
+                                                      f"({handle.num_tokens})")
             num_experts = handle.num_experts
             num_topk = 0
         else:
             if topk_idx is not None:
-                topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, None))
                 num_topk = topk_idx.size(1)
                 check(topk_weights is not None, "topk_weights", None, "are required with topk_idx")
                 check_tensor(topk_weights, "topk_weights", dtype=t.float32, shape=(num_tokens, num_topk))
@@ -359,8 +392,9 @@ class Buffer:
                 num_topk = 0
             if num_tokens_per_expert is not None:
                 check_tensor(num_tokens_per_expert, "num_tokens_per_expert", dtype=t.int32, ndim=1)
-                check(num_experts is None or num_experts == num_tokens_per_expert.numel(), "num_experts",
-                      num_experts, f"must equal num_tokens_per_expert.numel() ({num_tokens_per_expert.numel()})")
+                if num_experts is not None and num_experts != num_tokens_per_expert.numel():
+                    raise error("num_experts", num_experts,
+                                f"must equal num_tokens_per_expert.numel() ({num_tokens_per_expert.numel()})")
                 num_experts = num_tokens_per_expert.numel()
             # The per-expert counts come from num_tokens_per_expert: compute the layout when either is missing.
             if is_token_in_rank is None or (topk_idx is not None and num_tokens_per_expert is None):
@@ -373,28 +407,20 @@ class Buffer:
                 is_token_in_rank = layout.is_token_in_rank
                 num_tokens_per_expert = layout.num_tokens_per_expert
                 num_tokens_per_rank = layout.num_tokens_per_rank
-            check_tensor(is_token_in_rank, "is_token_in_rank", dtype=t.bool, shape=(num_tokens, self.num_ranks))
+            check_tensor(is_token_in_rank, "is_token_in_rank", dtype=t.bool, shape=(num_tokens, num_ranks))
             if num_tokens_per_rank is not None:
-                check_tensor(num_tokens_per_rank, "num_tokens_per_rank", dtype=t.int32, shape=(self.num_ranks,))
+                check_tensor(num_tokens_per_rank, "num_tokens_per_rank", dtype=t.int32, shape=(num_ranks,))
             num_experts = 0 if num_experts is None else num_experts
 
         previous_config = self._apply_config(config)
-        native_in = _epx.DispatchInput()
-        native_in.x = pointer(x)
-        native_in.format = _epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16
-        native_in.x_scales = pointer(x_scales)
-        native_in.num_scales = tokens.num_scales
-        native_in.num_tokens = num_tokens
-        native_in.hidden = hidden
-        native_in.topk_idx = pointer(topk_idx)
-        native_in.topk_weights = pointer(topk_weights)
-        native_in.num_topk = num_topk
-        native_in.num_experts = num_experts
-        native_in.is_token_in_rank = 0 if cached else pointer(is_token_in_rank)
-        native_in.num_tokens_per_expert = 0 if cached else pointer(num_tokens_per_expert)
-        native_in.num_tokens_per_rank = 0 if cached else pointer(num_tokens_per_rank)
-        native_in.expert_alignment = int(expert_alignment)
-        native_in.num_worst_tokens = int(num_worst_tokens)
+        native_in = _epx.DispatchInput(
+            x=pointer(x), format=_epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16, x_scales=pointer(x_scales),
+            num_scales=tokens.num_scales, num_tokens=num_tokens, hidden=hidden, topk_idx=pointer(topk_idx),
+            topk_weights=pointer(topk_weights), num_topk=num_topk, num_experts=num_experts,
+            is_token_in_rank=0 if cached else pointer(is_token_in_rank),
+            num_tokens_per_expert=0 if cached else pointer(num_tokens_per_expert),
+            num_tokens_per_rank=0 if cached else pointer(num_tokens_per_rank),
+            expert_alignment=int(expert_alignment), num_worst_tokens=int(num_worst_tokens))
         order = self._order(previous_event, async_finish)
 
         # launch_receive: the receive goes out with the count exchange, before the host waits for the counts
@@ -404,6 +430,7 @@ class Buffer:
         # after_counts reads the handle's arrays before the receive: they must be written first.
         overlap = _epx.DispatchOverlap.LAUNCH_RECEIVE if launches else \
             _epx.DispatchOverlap.HANDLE_BEFORE_RECEIVE if after_counts is not None else _epx.DispatchOverlap.NONE
+        scales_dtype = x_scales.dtype if fp8 else None
         # The receive writes into outputs allocated now, for the last dispatch's rows plus a margin, when the
         # rows fit (DispatchOutputGuess): then nothing crosses from the host to the receive after the counts.
         guess: Optional[Tuple[Any, ...]] = None
@@ -413,8 +440,8 @@ class Buffer:
                 and not self.runtime.spans_nodes:
             guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
             with maybe_stream(alloc_stream):
-                guess = _dispatch_outputs(t, guess_rows, hidden, x.dtype, tokens.num_scales,
-                                          x_scales.dtype if fp8 else None, num_topk, self.device)
+                guess = _dispatch_outputs(t, guess_rows, hidden, x.dtype, tokens.num_scales, scales_dtype, num_topk,
+                                          self.device)
             native_guess = _epx.DispatchOutputGuess()
             native_guess.outputs = _native_outputs(guess)
             native_guess.rows = guess_rows
@@ -431,11 +458,8 @@ class Buffer:
         if cached:
             new_handle = handle
         else:
-            new_handle = DispatchHandle(native=plan.handle, buffer_id=id(self), num_tokens=num_tokens,
-                                        num_recv_rows=rows, hidden=hidden, num_experts=num_experts,
-                                        num_topk=num_topk, num_worst_tokens=int(num_worst_tokens),
-                                        num_recv_tokens_per_expert_list=per_expert_list,
-                                        num_ranks=self.num_ranks, _owner=self)
+            new_handle = DispatchHandle(plan.handle, id(self), num_tokens, rows, hidden, num_experts, num_topk,
+                                        int(num_worst_tokens), per_expert_list, num_ranks, self)
         derived: Sequence[Any] = ()
         if after_counts is not None and not cached:
             with maybe_stream(self.comm_stream):
@@ -446,8 +470,8 @@ class Buffer:
                 native_out = native_guess.outputs
             else:
                 with maybe_stream(alloc_stream):
-                    outputs = _dispatch_outputs(t, rows, hidden, x.dtype, tokens.num_scales,
-                                                x_scales.dtype if fp8 else None, num_topk, self.device)
+                    outputs = _dispatch_outputs(t, rows, hidden, x.dtype, tokens.num_scales, scales_dtype, num_topk,
+                                                self.device)
                 native_out = _native_outputs(outputs)
         except BaseException:
             _epx.dispatch_cancel(self.runtime, plan)  # the launched receive drains instead of waiting
@@ -455,10 +479,13 @@ class Buffer:
         recv_x, recv_scales, recv_idx, recv_weights = outputs
         event = _epx.dispatch_receive(self.runtime, plan, native_in, native_out, order)
 
-        record_stream(derived, compute_stream)  # comm-stream tensors the caller reads
-        inputs = [x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert]
-        outputs = [recv_x, recv_scales, recv_idx, recv_weights]
-        overlap = self._finish(event, inputs, outputs, async_finish, allocate_on_comm_stream, compute_stream)
+        if derived:
+            record_stream(derived, current_stream())  # comm-stream tensors the caller reads
+        if async_finish or allocate_on_comm_stream:
+            inputs = (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
+            overlap = self._finish(event, inputs, outputs, async_finish, allocate_on_comm_stream)
+        else:
+            overlap = EventOverlap()
         return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
                               new_handle, overlap)
 
@@ -469,7 +496,8 @@ class Buffer:
         """Sums, without weights, the copies of each token that come back from the ranks it was dispatched to,
         then adds up to two BF16 biases [T, H]. topk_weights [N, K] are summed the same way."""
         t = torch()
-        check(isinstance(handle, DispatchHandle), "handle", type(handle).__name__, "must be the handle of a dispatch")
+        if not isinstance(handle, DispatchHandle):
+            raise error("handle", type(handle).__name__, "must be the handle of a dispatch")
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
         # x's hidden may differ from the dispatch's (as in DeepEP): the C++ combine sizes its records from it.
         check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, None))
@@ -480,7 +508,6 @@ class Buffer:
         biases = _biases(bias)
         for i, b in enumerate(biases):
             check_tensor(b, f"bias[{i}]", dtype=t.bfloat16, shape=(num_tokens, hidden))
-        compute_stream = current_stream()
         previous_config = self._apply_config(config)
         order = self._order(previous_event, async_finish)
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
@@ -488,23 +515,22 @@ class Buffer:
             combined_weights = None
             if topk_weights is not None:
                 combined_weights = t.empty(num_tokens, topk_weights.size(1), dtype=t.float32, device=self.device)
-        native_in = _epx.CombineInput()
-        native_in.x = pointer(x)
-        native_in.topk_weights = pointer(topk_weights)
-        native_in.num_topk = 0 if topk_weights is None else topk_weights.size(1)
-        native_in.hidden = hidden
-        native_in.bias0 = pointer(biases[0]) if len(biases) > 0 else 0
-        native_in.bias1 = pointer(biases[1]) if len(biases) > 1 else 0
-        out = _epx.CombineOutput()
-        out.combined_x = pointer(combined_x)
-        out.combined_topk_weights = pointer(combined_weights)
+        num_biases = len(biases)
+        native_in = _epx.CombineInput(x=pointer(x), topk_weights=pointer(topk_weights),
+                                      num_topk=0 if topk_weights is None else topk_weights.size(1), hidden=hidden,
+                                      bias0=pointer(biases[0]) if num_biases > 0 else 0,
+                                      bias1=pointer(biases[1]) if num_biases > 1 else 0)
+        out = _epx.CombineOutput(combined_x=pointer(combined_x), combined_topk_weights=pointer(combined_weights))
         try:
             event = _epx.combine(self.runtime, handle.native, native_in, out, order)
         except Exception:
             self._restore_config(previous_config)
             raise
-        overlap = self._finish(event, [x, topk_weights, *biases], [combined_x, combined_weights], async_finish,
-                               allocate_on_comm_stream, compute_stream)
+        if async_finish or allocate_on_comm_stream:
+            overlap = self._finish(event, (x, topk_weights, *biases), (combined_x, combined_weights), async_finish,
+                                   allocate_on_comm_stream)
+        else:
+            overlap = EventOverlap()
         return CombineResult(combined_x, combined_weights, overlap)
 
     # ---- Low-latency mode ----
@@ -522,29 +548,43 @@ class Buffer:
         At most two low-latency results may be pending at once (double buffering): a third call raises
         EpxError until an earlier one's hook has run.
         """
+        return LowLatencyDispatchResult(*self._low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+            topk_weights, True)[:6])
+
+    def _low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                              cumulative_local_expert_recv_stats: Any, dispatch_wait_recv_cost_stats: Any,
+                              use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_finish: bool,
+                              return_recv_hook: bool, topk_weights: Any, handle_keeps_src_info: bool) -> Tuple:
+        """low_latency_dispatch's work, for it and deep_ep.Buffer: (recv_x, recv_x_scales, recv_count, handle,
+        event, hook, recv_src_info). handle_keeps_src_info=False leaves recv_src_info out of the handle (deep_ep's
+        tuple holds it, and the handle is attached to it: holding it back would make a reference cycle)."""
         t = torch()
         check_tensor(x, "x", dtype=t.bfloat16, ndim=2)
         num_tokens, hidden = x.shape
         topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, None))
-        native_in = _epx.LowLatencyDispatchInput()
-        native_in.x = pointer(x)
-        native_in.topk_idx = pointer(topk_idx)
-        native_in.num_tokens = num_tokens
-        native_in.num_topk = topk_idx.size(1)
-        native_in.hidden = hidden
-        native_in.num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
-        native_in.num_experts = int(num_experts)
-        native_in.use_fp8 = bool(use_fp8)
-        native_in.round_scale = bool(round_scale)
-        native_in.use_ue8m0 = bool(use_ue8m0)
-        native_in.return_recv_hook = bool(return_recv_hook)
-        native_in.cumulative_local_expert_recv_stats = pointer(cumulative_local_expert_recv_stats)
-        native_in.dispatch_wait_recv_cost_stats = pointer(dispatch_wait_recv_cost_stats)
+        num_topk = topk_idx.size(1)
+        num_max_dispatch_tokens_per_rank = int(num_max_dispatch_tokens_per_rank)
+        num_experts = int(num_experts)
+        use_fp8, use_ue8m0 = bool(use_fp8), bool(use_ue8m0)
         if topk_weights is not None:
-            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, topk_idx.size(1)))
-            native_in.topk_weights = pointer(topk_weights)
-        sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)  # validates the shape
-        num_local, num_rows = sizes.num_local_experts, sizes.num_rows_per_expert
+            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, num_topk))
+        native_in = _epx.LowLatencyDispatchInput(
+            x=pointer(x), topk_idx=pointer(topk_idx), num_tokens=num_tokens, num_topk=num_topk, hidden=hidden,
+            num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+            use_fp8=use_fp8, round_scale=bool(round_scale), use_ue8m0=use_ue8m0,
+            return_recv_hook=bool(return_recv_hook),
+            cumulative_local_expert_recv_stats=pointer(cumulative_local_expert_recv_stats),
+            dispatch_wait_recv_cost_stats=pointer(dispatch_wait_recv_cost_stats), topk_weights=pointer(topk_weights))
+        # The sizes depend on the shape alone: asked once per shape (the first ask validates it).
+        sizes_key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, use_fp8, use_ue8m0)
+        sizes = self._ll_sizes.get(sizes_key)
+        if sizes is None:
+            native_sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)
+            sizes = (native_sizes.num_local_experts, native_sizes.num_rows_per_expert, native_sizes.num_scale_columns)
+            self._ll_sizes[sizes_key] = sizes
+        num_local, num_rows, num_scale_columns = sizes
         if cumulative_local_expert_recv_stats is not None:
             check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", dtype=t.int32,
                          shape=(num_local,), ndim=1)
@@ -556,38 +596,35 @@ class Buffer:
         recv_scales = None
         if use_fp8:
             # Column-major in the last two dimensions: a transposed view of [L, columns, R*M].
-            scale_dtype = t.int32 if use_ue8m0 else t.float32
-            recv_scales = t.empty(num_local, sizes.num_scale_columns, num_rows, dtype=scale_dtype,
+            recv_scales = t.empty(num_local, num_scale_columns, num_rows, dtype=t.int32 if use_ue8m0 else t.float32,
                                   device=dev).transpose(1, 2)
         recv_count = t.empty(num_local, dtype=t.int32, device=dev)
         src_info = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
         topk_pos = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
         # One int64 per (local expert, source): begin << 32 | count, DeepEP's packed recv_layout_range.
         layout_range = t.empty(num_local, self.num_ranks, dtype=t.int64, device=dev)
-        out = _epx.LowLatencyDispatchOutput()
-        out.recv_x = pointer(recv_x)
-        out.recv_x_scales = pointer(recv_scales)
-        out.recv_count = pointer(recv_count)
-        out.recv_src_info = pointer(src_info)
-        out.recv_topk_pos = pointer(topk_pos)
-        out.recv_layout_range = pointer(layout_range)
         listings = None
         if topk_weights is not None:
-            listings = t.empty(self.num_ranks, int(num_max_dispatch_tokens_per_rank), topk_idx.size(1), 2,
-                               dtype=t.int32, device=dev)
-            out.recv_token_listings = pointer(listings)
+            listings = t.empty(self.num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2, dtype=t.int32,
+                               device=dev)
+        out = _epx.LowLatencyDispatchOutput(
+            recv_x=pointer(recv_x), recv_x_scales=pointer(recv_scales), recv_count=pointer(recv_count),
+            recv_src_info=pointer(src_info), recv_topk_pos=pointer(topk_pos), recv_layout_range=pointer(layout_range),
+            recv_token_listings=pointer(listings))
         result = _epx.low_latency_dispatch(self.runtime, native_in, out, self._order(None, async_finish))
 
-        handle = LowLatencyHandle(native=result.handle, buffer_id=id(self), recv_src_info=src_info,
-                                  recv_topk_pos=topk_pos, recv_layout_range=layout_range,
-                                  num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank),
-                                  hidden=hidden, num_experts=int(num_experts), num_tokens=num_tokens,
-                                  num_topk=topk_idx.size(1), recv_token_listings=listings)
-        tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range,
-                   cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, topk_weights, listings)
-        hook = RecvHook(result.hook, tensors) if return_recv_hook else None
-        event = EventOverlap(result.event, tensors if async_finish else None)
-        return LowLatencyDispatchResult(recv_x, recv_scales, recv_count, handle, event, hook)
+        handle = LowLatencyHandle(result.handle, id(self), src_info if handle_keeps_src_info else None, topk_pos,
+                                  layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens,
+                                  num_topk, listings)
+        if return_recv_hook or async_finish:
+            tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range,
+                       cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, topk_weights, listings)
+            hook = RecvHook(result.hook, tensors, self._device_index) if return_recv_hook else None
+            # Without async_finish the call finished in stream order (no event; see _finish).
+            event = EventOverlap(result.event, tensors) if async_finish else EventOverlap()
+        else:
+            hook, event = None, EventOverlap()
+        return recv_x, recv_scales, recv_count, handle, event, hook, src_info
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle, *,
                             use_logfmt: bool = False, zero_copy: bool = False, async_finish: bool = False,
@@ -609,22 +646,32 @@ class Buffer:
         carried (the dispatch needs topk_weights; topk_weights here may be None) and sends one row per
         (token, rank); the token's rank adds those in ascending rank order (reference:
         LowLatencyCombineOptions.pre_reduce). Every rank passes the same value."""
+        if not isinstance(handle, LowLatencyHandle):
+            raise error("handle", type(handle).__name__, "must be the handle of a low_latency_dispatch")
+        return LowLatencyCombineResult(*self._low_latency_combine(
+            x, topk_idx, topk_weights, handle, handle.recv_src_info, use_logfmt, zero_copy, async_finish,
+            return_recv_hook, out, combine_wait_recv_cost_stats, pre_reduce, logfmt_within_node))
+
+    def _low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: LowLatencyHandle,
+                             recv_src_info: Any, use_logfmt: bool, zero_copy: bool, async_finish: bool,
+                             return_recv_hook: bool, out: Any, combine_wait_recv_cost_stats: Any, pre_reduce: bool,
+                             logfmt_within_node: bool) -> Tuple[Any, EventOverlap, Optional[RecvHook]]:
+        """low_latency_combine's work, for it and deep_ep.Buffer: (combined_x, event, hook). `handle` is a
+        LowLatencyHandle; recv_src_info is its dispatch's (kept alive while the call may still read it)."""
         t = torch()
-        check(isinstance(handle, LowLatencyHandle), "handle", type(handle).__name__,
-              "must be the handle of a low_latency_dispatch")
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
-        num_tokens, hidden = handle.num_tokens, handle.hidden
-        num_rows = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
+        num_tokens, hidden, num_topk = handle.num_tokens, handle.hidden, handle.num_topk
         if x is not None:
+            num_rows = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             check_tensor(x, "x", dtype=t.bfloat16, ndim=3,
                          shape=(handle.num_experts // self.num_ranks, num_rows, hidden))
-        check(zero_copy or x is not None, "x", None, "is required without zero_copy")
-        topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, handle.num_topk))
-        check(not pre_reduce or handle.recv_token_listings is not None, "pre_reduce", True,
-              "needs a handle from a low_latency_dispatch given topk_weights")
+        elif not zero_copy:
+            raise error("x", None, "is required without zero_copy")
+        topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, num_topk))
+        if pre_reduce and handle.recv_token_listings is None:
+            raise error("pre_reduce", True, "needs a handle from a low_latency_dispatch given topk_weights")
         if topk_weights is not None or not pre_reduce:
-            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2,
-                         shape=(num_tokens, handle.num_topk))
+            check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, num_topk))
         if combine_wait_recv_cost_stats is not None:
             check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", dtype=t.int64, ndim=1,
                          shape=(self.num_ranks,))
@@ -632,27 +679,23 @@ class Buffer:
             out = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
         else:
             check_tensor(out, "out", dtype=t.bfloat16, shape=(num_tokens, hidden), ndim=2)
-        native_in = _epx.LowLatencyCombineInput()
         # With zero_copy the rows are already in the Buffer: a caller's x (DeepEP callers pass their own) only
         # has its shape checked, as DeepEP does.
-        native_in.x = 0 if zero_copy else pointer(x)
-        native_in.topk_idx = pointer(topk_idx)
-        native_in.topk_weights = pointer(topk_weights)
-        native_in.num_tokens = topk_idx.size(0)
-        native_in.num_topk = topk_idx.size(1)
-        native_in.use_logfmt = bool(use_logfmt)
-        native_in.logfmt_within_node = bool(logfmt_within_node)
-        native_in.pre_reduce = bool(pre_reduce)
-        native_in.zero_copy = bool(zero_copy)
-        native_in.return_recv_hook = bool(return_recv_hook)
-        native_in.combine_wait_recv_cost_stats = pointer(combine_wait_recv_cost_stats)
+        native_in = _epx.LowLatencyCombineInput(
+            x=0 if zero_copy else pointer(x), topk_idx=pointer(topk_idx), topk_weights=pointer(topk_weights),
+            num_tokens=num_tokens, num_topk=num_topk, use_logfmt=bool(use_logfmt),
+            logfmt_within_node=bool(logfmt_within_node), pre_reduce=bool(pre_reduce), zero_copy=bool(zero_copy),
+            return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=pointer(combine_wait_recv_cost_stats))
         result = _epx.low_latency_combine(self.runtime, handle.native, native_in, pointer(out),
                                           self._order(None, async_finish))
-        tensors = (x, topk_idx, topk_weights, out, handle.recv_src_info, handle.recv_topk_pos,
-                   handle.recv_layout_range, handle.recv_token_listings, combine_wait_recv_cost_stats)
-        hook = RecvHook(result.hook, tensors) if return_recv_hook else None
-        event = EventOverlap(result.event, tensors if async_finish else None)
-        return LowLatencyCombineResult(out, event, hook)
+        if return_recv_hook or async_finish:
+            tensors = (x, topk_idx, topk_weights, out, recv_src_info, handle.recv_topk_pos, handle.recv_layout_range,
+                       handle.recv_token_listings, combine_wait_recv_cost_stats)
+            hook = RecvHook(result.hook, tensors, self._device_index) if return_recv_hook else None
+            event = EventOverlap(result.event, tensors) if async_finish else EventOverlap()
+        else:
+            hook, event = None, EventOverlap()
+        return out, event, hook
 
     def clean_low_latency_buffer(self, num_max_dispatch_tokens_per_rank: int, hidden: int,
                                  num_experts: int) -> None:
@@ -709,6 +752,9 @@ class Buffer:
         return device_view(address, num_bytes, torch().bfloat16, shape, self, self.device)
 
 
+_NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
+
+
 def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: int, scales_dtype: Any,
                       num_topk: int, device: Any) -> Tuple[Any, Any, Any, Any]:
     """(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None) for `rows` rows."""
@@ -722,9 +768,9 @@ def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: in
 
 
 def _native_outputs(outputs: Tuple[Any, Any, Any, Any]) -> Any:
-    out = _epx.DispatchOutput()
-    out.recv_x, out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights = (pointer(o) for o in outputs)
-    return out
+    recv_x, recv_scales, recv_idx, recv_weights = outputs
+    return _epx.DispatchOutput(recv_x=pointer(recv_x), recv_x_scales=pointer(recv_scales),
+                               recv_topk_idx=pointer(recv_idx), recv_topk_weights=pointer(recv_weights))
 
 
 def _biases(bias: Any) -> List[Any]:

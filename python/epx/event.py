@@ -84,11 +84,10 @@ class EventOverlap:
         if isinstance(self.event, EventHandle):
             self.event.current_stream_wait()
             return
-        stream = _util.current_stream()
         if hasattr(self.event, "wait_on"):  # an epx Event
-            self.event.wait_on(stream.cuda_stream)
+            self.event.wait_on(_util.current_stream_handle())
         else:  # a torch.cuda.Event
-            self.event.wait(stream)
+            self.event.wait(_util.current_stream())
 
     def __enter__(self) -> "EventOverlap":
         return self

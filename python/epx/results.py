@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from functools import cached_property
 from typing import Any, Callable, List, Optional
 
+from . import _util
 from .event import EventOverlap
 
 
@@ -44,21 +46,20 @@ class DispatchHandle:
         """Rows received from each source rank (empty in worst-case mode)."""
         return list(self.native.num_recv_per_rank)
 
-    # Device views of the handle's arrays (they keep the handle's memory alive). The dispatch writes them on the
-    # comm stream: read them in stream order after it (after its event with async_finish).
+    # Device views of the handle's arrays (they keep the handle's memory alive), each made once per handle on
+    # first use. The dispatch writes them on the comm stream: read them in stream order after it (after its event
+    # with async_finish).
 
     def _view(self, address: int, dtype_name: str, shape: tuple) -> Any:
-        from ._util import device_view, torch
-
-        t = torch()
+        t = _util.torch()
         dtype = getattr(t, dtype_name)
-        num_bytes = t.empty((), dtype=dtype).element_size()
+        num_bytes = _util.element_size(dtype)
         for extent in shape:
             num_bytes *= extent
         device = self._owner.device if self._owner is not None else t.device("cuda", t.cuda.current_device())
-        return device_view(address, num_bytes, dtype, shape, self.native, device)
+        return _util.device_view(address, num_bytes, dtype, shape, self.native, device)
 
-    @property
+    @cached_property
     def recv_src_idx(self) -> Any:
         """int32 [N]: the source token index of each received row (-1 for padding rows)."""
         return self._view(self.native.recv_src_idx, "int32", (self.num_recv_rows,))
@@ -68,12 +69,12 @@ class DispatchHandle:
         """Channels (num_sms / 2 of the dispatch's config) its tokens were split into."""
         return self.native.num_channels
 
-    @property
+    @cached_property
     def recv_channel_offset(self) -> Any:
         """int32 [R * C + 1]: first received row of each (source rank, channel), source-major; last: the rows."""
         return self._view(self.native.recv_channel_offset, "int32", (self.num_ranks * self.num_channels + 1,))
 
-    @property
+    @cached_property
     def send_head(self) -> Any:
         """int32 [T, R]: position of token t in its channel's stream to rank r, -1 where it was not sent. Across
         nodes [T, N]: its entry in its channel's stream to node n, -1 where it went to none of n's ranks."""
@@ -93,7 +94,7 @@ class DispatchHandle:
         0 within one node."""
         return self.native.num_forward_records
 
-    @property
+    @cached_property
     def node_channel_offset(self) -> Any:
         """Across nodes: int32 [N * C + 1], the first of those records from each (source node, channel),
         node-major, then their count; None within one node."""
@@ -101,7 +102,7 @@ class DispatchHandle:
             return None
         return self._view(self.native.node_channel_offset, "int32", (self.num_nodes * self.num_channels + 1,))
 
-    @property
+    @cached_property
     def forward_mask(self) -> Any:
         """Across nodes: uint8 [num_forward_records], the local ranks each record went to (bit l: local rank l),
         written by the dispatch (read it after the call's event); None within one node."""
@@ -109,7 +110,7 @@ class DispatchHandle:
             return None
         return self._view(self.native.forward_mask, "uint8", (self.num_forward_records,))
 
-    @property
+    @cached_property
     def is_token_in_rank(self) -> Any:
         """bool [T, R]: whether token t went to rank r."""
         return self._view(self.native.is_token_in_rank, "bool", (self.num_tokens, self.num_ranks))
@@ -139,18 +140,17 @@ class RecvHook:
     """Completes a low-latency call made with ``return_recv_hook=True``: calling it launches the receive on
     the current stream. Runs once. Keeps the call's tensors alive until it has run."""
 
-    def __init__(self, native: Any, keep_alive: tuple) -> None:
+    def __init__(self, native: Any, keep_alive: tuple, device_index: Optional[int] = None) -> None:
         self._native = native
         self._keep_alive = keep_alive
+        self._device_index = device_index  # the Buffer's device (None: the current device)
 
     @property
     def done(self) -> bool:
         return self._native.done
 
     def __call__(self) -> None:
-        from ._util import current_stream_handle
-
-        self._native(current_stream_handle())
+        self._native(_util.current_stream_handle(self._device_index))
         self._keep_alive = ()  # the receive is in stream order now
 
 

@@ -32,7 +32,7 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
 
 from __future__ import annotations
 
-from typing import Any, Callable, List, Optional, Tuple, Union
+from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import Buffer as _EpxBuffer, _require_cuda_runtime
 from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
@@ -88,6 +88,31 @@ def _row_bytes(x: Any) -> Optional[int]:
     if getattr(scales, "dim", None) is not None:
         row_bytes += (scales.size(-1) if scales.dim() == 2 else 1) * scales.element_size()
     return row_bytes
+
+
+# Memos of Buffer._default_config and Buffer._config_that_fits (see there).
+_DEFAULT_CONFIGS: Dict[Tuple[int, int, int], Config] = {}
+_FITTED_CONFIGS: Dict[Tuple[int, ...], Optional[Config]] = {}
+
+
+def _shortened_to_fit(config: Config, row_bytes: int, available: int, num_ranks: int) -> Config:
+    """Buffer._config_that_fits's answer, computed."""
+    row_bytes = -(-max(int(row_bytes), 16) // 16) * 16
+
+    def shortened(queue_tokens: int) -> Config:
+        return Config(config.num_sms, min(config.num_max_nvl_chunked_send_tokens, queue_tokens), queue_tokens,
+                      config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+
+    if config.get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
+        return config
+    low, high = 0, config.num_max_nvl_chunked_recv_tokens - 1  # the longest queue that fits lies in [low, high]
+    while low < high:
+        middle = (low + high + 1) // 2
+        if shortened(middle).get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
+            low = middle
+        else:
+            high = middle - 1
+    return shortened(low) if low >= 1 else config
 
 
 def _comm_bootstrap(comm: Any) -> Tuple[int, int, Callable[[bytes], List[bytes]], Callable[[], None]]:
@@ -174,8 +199,14 @@ class Buffer:
 
     def _default_config(self, table: dict, recommended: Callable[[int], Config]) -> Config:
         # What a call without a config uses: the recommended one (as DeepEP), or Config's defaults with
-        # Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there).
-        return recommended(self.group_size) if self.group_size in table else Config(Buffer.num_sms)
+        # Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there). Made once per (table, group
+        # size, num_sms): the object stays inside this module (callers get copies from get_*_config).
+        key = (id(table), self.group_size, Buffer.num_sms)
+        config = _DEFAULT_CONFIGS.get(key)
+        if config is None:
+            config = recommended(self.group_size) if self.group_size in table else Config(Buffer.num_sms)
+            _DEFAULT_CONFIGS[key] = config
+        return config
 
     def _config_that_fits(self, config: Config, row_bytes: Optional[int]) -> Config:
         """`config`, or a copy with shorter NVLink queues when its queues for records of rows of `row_bytes` do not
@@ -185,28 +216,23 @@ class Buffer:
         dispatch dtype (hidden bytes of FP8 rows) and combines BF16 rows, twice as wide. Such a call runs with the
         longest queues that fit (num_max_nvl_chunked_recv_tokens lowered, the send chunk no larger): the same
         results, more round trips. When not even one-record queues fit, the config is returned unchanged and the
-        call raises EpxError naming the bytes it needs."""
+        call raises EpxError naming the bytes it needs. The answer depends only on the config's fields, the row
+        bytes, the memory and the group size: computed once for each."""
         runtime = self._live()
         available = runtime.num_nvl_bytes
         if row_bytes is None or available <= 0:
             return config
-        row_bytes = -(-max(int(row_bytes), 16) // 16) * 16
-        num_ranks = runtime.num_ranks
-
-        def shortened(queue_tokens: int) -> Config:
-            return Config(config.num_sms, min(config.num_max_nvl_chunked_send_tokens, queue_tokens), queue_tokens,
-                          config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-
-        if config.get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
-            return config
-        low, high = 0, config.num_max_nvl_chunked_recv_tokens - 1  # the longest queue that fits lies in [low, high]
-        while low < high:
-            middle = (low + high + 1) // 2
-            if shortened(middle).get_nvl_buffer_size_hint(row_bytes, num_ranks) <= available:
-                low = middle
-            else:
-                high = middle - 1
-        return shortened(low) if low >= 1 else config
+        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+               config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens, row_bytes, available,
+               runtime.num_ranks)
+        if key in _FITTED_CONFIGS:
+            fitted = _FITTED_CONFIGS[key]
+            return config if fitted is None else fitted
+        fitted = _shortened_to_fit(config, row_bytes, available, runtime.num_ranks)
+        if len(_FITTED_CONFIGS) >= 4096:
+            _FITTED_CONFIGS.clear()
+        _FITTED_CONFIGS[key] = None if fitted is config else fitted
+        return fitted
 
     # ---- Life cycle ----
 
@@ -305,26 +331,24 @@ class Buffer:
                              round_scale: bool = False, use_ue8m0: bool = False, async_finish: bool = False,
                              return_recv_hook: bool = False
                              ) -> Tuple[Union[Tuple[Any, Any], Any], Any, Any, EventOverlap, Optional[Callable]]:
-        result = self._live().low_latency_dispatch(
-            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts,
-            cumulative_local_expert_recv_stats=cumulative_local_expert_recv_stats,
-            dispatch_wait_recv_cost_stats=dispatch_wait_recv_cost_stats, use_fp8=use_fp8, round_scale=round_scale,
-            use_ue8m0=use_ue8m0, async_finish=async_finish, return_recv_hook=return_recv_hook)
-        recv_x = (result.recv_x, result.recv_x_scales) if use_fp8 else result.recv_x
-        return recv_x, result.recv_count, low_latency_handle_tuple(result.handle), result.event, result.hook
+        recv_x, recv_scales, recv_count, handle, event, hook, src_info = self._live()._low_latency_dispatch(
+            x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook, None,
+            False)
+        return ((recv_x, recv_scales) if use_fp8 else recv_x), recv_count, \
+            low_latency_handle_tuple(handle, src_info), event, hook
 
     def low_latency_combine(self, x: Any, topk_idx: Any, topk_weights: Any, handle: Any, use_logfmt: bool = False,
                             zero_copy: bool = False, async_finish: bool = False, return_recv_hook: bool = False,
                             out: Optional[Any] = None, combine_wait_recv_cost_stats: Optional[Any] = None
                             ) -> Tuple[Any, EventOverlap, Optional[Callable]]:
-        result = self._live().low_latency_combine(
-            x, topk_idx, topk_weights, low_latency_handle(handle), use_logfmt=use_logfmt, zero_copy=zero_copy,
-            async_finish=async_finish, return_recv_hook=return_recv_hook, out=out,
-            combine_wait_recv_cost_stats=combine_wait_recv_cost_stats)
-        return result.combined_x, result.event, result.hook
+        native_handle, src_info = low_latency_handle(handle)
+        return self._live()._low_latency_combine(x, topk_idx, topk_weights, native_handle, src_info, use_logfmt,
+                                                 zero_copy, async_finish, return_recv_hook, out,
+                                                 combine_wait_recv_cost_stats, False, False)
 
     def get_next_low_latency_combine_buffer(self, handle: Any) -> Any:
-        return self._live().get_next_low_latency_combine_buffer(low_latency_handle(handle))
+        return self._live().get_next_low_latency_combine_buffer(low_latency_handle(handle)[0])
 
     def low_latency_update_mask_buffer(self, rank_to_mask: int, mask: bool = False) -> None:
         """Masks (mask=True) or unmasks rank_to_mask in this rank's low-latency calls."""

@@ -44,8 +44,6 @@ num_max_dispatch_tokens_per_rank, hidden, num_experts).
 
 from __future__ import annotations
 
-import dataclasses
-
 from typing import Any, List, Tuple
 
 from ..results import DispatchHandle, LowLatencyHandle
@@ -169,17 +167,15 @@ def normal_handle(handle: Any) -> DispatchHandle:
 # ---- Low-latency mode ----
 
 
-def low_latency_handle_tuple(handle: LowLatencyHandle) -> Tuple[Any, ...]:
-    # The attached copy leaves recv_src_info out: a tensor holding a handle that holds the tensor would be a
-    # reference cycle, freed only by the garbage collector.
-    detached = dataclasses.replace(handle, recv_src_info=None)
-    return (_attach(handle.recv_src_info, detached), handle.recv_layout_range,
-            handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts)
+def low_latency_handle_tuple(handle: LowLatencyHandle, recv_src_info: Any) -> Tuple[Any, ...]:
+    """DeepEP's tuple over `handle`, a LowLatencyHandle made without recv_src_info (the tuple's first tensor,
+    which carries the handle: the handle holding it too would be a reference cycle, freed only by the garbage
+    collector)."""
+    return (_attach(recv_src_info, handle), handle.recv_layout_range, handle.num_max_dispatch_tokens_per_rank,
+            handle.hidden, handle.num_experts)
 
 
-def low_latency_handle(handle: Any) -> LowLatencyHandle:
-    """EPX's handle behind a low-latency handle tuple (or an EPX handle itself)."""
+def low_latency_handle(handle: Any) -> Tuple[LowLatencyHandle, Any]:
+    """(EPX's handle, its dispatch's recv_src_info) behind a low-latency handle tuple (or an EPX handle itself)."""
     found = _find(handle, LowLatencyHandle, "low_latency_dispatch")
-    if found.recv_src_info is None:
-        found = dataclasses.replace(found, recv_src_info=handle[0])
-    return found
+    return found, (found.recv_src_info if found is handle else handle[0])

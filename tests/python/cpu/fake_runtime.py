@@ -397,26 +397,31 @@ class FakeBinding:
         return self.mask, 0
 
 
-def install(monkeypatch):
-    """Patches epx.buffer to run on the CPU against FakeBinding; returns (epx.Buffer, binding)."""
-    import torch
-
+def _patch(setattr, binding, check_on_cpu):
+    """Points epx.buffer (and the helpers it shares) at `binding`, CPU tensors and stream 0."""
     import epx._util as util
     import epx.buffer as buffer_module
     import epx.tokens as tokens_module
 
-    binding = FakeBinding()
     stream = SimpleNamespace(cuda_stream=0)
-    real_check = util.check_tensor
-    monkeypatch.setattr(buffer_module, "_epx", binding)
-    monkeypatch.setattr(buffer_module, "pointer", binding.pointer)
-    monkeypatch.setattr(buffer_module, "current_stream", lambda: stream)
-    monkeypatch.setattr(util, "current_stream", lambda: stream)
-    monkeypatch.setattr(util, "device_view", binding.device_view)
-    cpu_check = lambda *a, **k: real_check(*a, **{**k, "cuda": False})  # noqa: E731
-    monkeypatch.setattr(buffer_module, "check_tensor", cpu_check)
-    monkeypatch.setattr(tokens_module, "check_tensor", cpu_check)
-    monkeypatch.setattr(buffer_module, "record_stream", lambda tensors, stream: None)
+    setattr(buffer_module, "_epx", binding)
+    setattr(buffer_module, "pointer", binding.pointer)
+    for module in (buffer_module, util):
+        if hasattr(module, "current_stream"):
+            setattr(module, "current_stream", lambda: stream)
+        if hasattr(module, "current_stream_handle"):
+            setattr(module, "current_stream_handle", lambda device_index=None: 0)
+    setattr(util, "device_view", binding.device_view)
+    for module in (buffer_module, tokens_module):
+        setattr(module, "check_tensor", check_on_cpu)
+    setattr(buffer_module, "record_stream", lambda tensors, stream: None)
+
+
+def _fake_buffer():
+    import torch
+
+    import epx.buffer as buffer_module
+
     buffer = object.__new__(buffer_module.Buffer)
     buffer.runtime = FakeRuntime()
     buffer.rank, buffer.num_ranks = 0, 1
@@ -424,6 +429,96 @@ def install(monkeypatch):
     buffer.device = torch.device("cpu")
     buffer.comm_stream = None
     buffer.low_latency_mode = True
+    if hasattr(buffer, "_init_call_state"):
+        buffer._init_call_state()
+    return buffer
+
+
+def install(monkeypatch):
+    """Patches epx.buffer to run on the CPU against FakeBinding; returns (epx.Buffer, binding)."""
+    import epx._util as util
+
+    binding = FakeBinding()
+    real_check = util.check_tensor
+    cpu_check = lambda *a, **k: real_check(*a, **{**k, "cuda": False})  # noqa: E731
+    _patch(monkeypatch.setattr, binding, cpu_check)
+    return _fake_buffer(), binding
+
+
+# ---- Stubbed native calls: what the torch layer itself costs ----
+
+
+class _NoEvent:
+    valid = False
+    handle = cuda_event = 0
+
+
+class StubHook:
+    valid = True
+    done = False
+
+    def __call__(self, stream):
+        pass
+
+
+class StubBinding(FakeBinding):
+    """FakeBinding whose calls return at once, without the reference: a profile of a call through it is the
+    torch layer's own host cost (bench/python_host_overhead.py --stub). Its structs are the compiled binding's
+    (what the layer pays to fill them on a GPU); pointer is the layer's own. One rank; every token goes to it."""
+
+    def __init__(self, num_tokens, hidden, num_experts, num_channels):
+        super().__init__()
+        import epx._util as util
+
+        for name in ("StreamOrder", "DispatchLayoutOutput", "DispatchInput", "DispatchOutput", "DispatchOutputGuess",
+                     "CombineInput", "CombineOutput", "LowLatencyDispatchInput", "LowLatencyDispatchOutput",
+                     "LowLatencyCombineInput", "TokenFormat", "DispatchOverlap"):
+            setattr(self, name, getattr(_epx, name))
+        native = Struct(num_recv_per_rank=[num_tokens])
+        self.add_handle_arrays(native, np.ones(num_tokens, dtype=bool), num_channels, np.arange(num_tokens))
+        self.pointer = util.pointer  # after the handle's arrays are registered for device_view
+        self.no_event = _NoEvent()
+        self.plan = Struct(num_recv_rows=num_tokens, num_recv_tokens_per_expert=[num_tokens] * num_experts,
+                           handle=native, rows_in_guess=False)
+        self.guess_plan = Struct(**{**self.plan.__dict__, "rows_in_guess": True})
+        self.ll_result = Struct(handle=Struct(), event=self.no_event, hook=StubHook())
+        self.ll_sizes = {}
+
+    def get_dispatch_layout(self, runtime, topk_idx, num_tokens, num_topk, num_experts, out, order):
+        return self.no_event
+
+    def dispatch_notify(self, runtime, inp, order, cached, overlap="none", guess=None):
+        fits = guess is not None and guess.rows >= self.plan.num_recv_rows
+        return self.guess_plan if fits else self.plan
+
+    def dispatch_receive(self, runtime, plan, inp, out, order):
+        return self.no_event
+
+    def combine(self, runtime, handle, inp, out, order):
+        return self.no_event
+
+    def low_latency_dispatch_sizes(self, runtime, inp):
+        key = (inp.num_experts, inp.num_max_dispatch_tokens_per_rank, inp.hidden, inp.use_fp8, inp.use_ue8m0)
+        if key not in self.ll_sizes:
+            self.ll_sizes[key] = FakeBinding.low_latency_dispatch_sizes(self, runtime, inp)
+        return self.ll_sizes[key]
+
+    def low_latency_dispatch(self, runtime, inp, out, order):
+        return self.ll_result
+
+    def low_latency_combine(self, runtime, handle, inp, combined_x, order):
+        return self.ll_result
+
+
+def install_stub(num_tokens, hidden, num_experts):
+    """epx.buffer patched for good (a script, not a test) to run on the CPU against a StubBinding; returns
+    (epx.Buffer, binding)."""
+    import functools
+    import epx._util as util
+
+    buffer = _fake_buffer()
+    binding = StubBinding(num_tokens, hidden, num_experts, buffer.runtime.config.num_sms // 2)
+    _patch(setattr, binding, functools.partial(util.check_tensor, cuda=False))
     return buffer, binding
 
 

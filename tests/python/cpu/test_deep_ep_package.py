@@ -286,6 +286,7 @@ def events(monkeypatch):
 
     monkeypatch.setattr(event_module, "_record_on_current_stream", record)
     monkeypatch.setattr(util, "current_stream", lambda: SimpleNamespace(cuda_stream=7))
+    monkeypatch.setattr(util, "current_stream_handle", lambda device_index=None: 7)
     return recorded
 
 
