@@ -1,0 +1,294 @@
+#!/usr/bin/env python3
+"""Host time per call of the Python entry points of ``deep_ep.Buffer`` (EPX's DeepEP interface), beside
+NCCL's ``all_to_all_single`` of the same bytes: what a decode loop that is not graph-captured pays per call.
+
+Each entry point runs alone, back to back, ``--iters`` times after ``--warmup`` calls: host microseconds of each
+call from time.perf_counter (no sync inside the loop; the median is printed), and the GPU's microseconds per call
+from CUDA events around the whole loop (back to back: when the host is the bottleneck, this is the host time).
+Entry points: get_dispatch_layout, dispatch (with the layout, as DeepEP callers pass it), cached dispatch,
+combine, low_latency_dispatch (FP8, cumulative_local_expert_recv_stats), low_latency_combine (BF16), both with
+return_recv_hook (the call plus its hook), and the eager low-latency step (dispatch then combine, no hooks,
+async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H100.
+
+    PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
+    PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
+    PYTHONPATH=python:build/python python bench/python_host_overhead.py --stub      # no GPU, see below
+    ... --stub --profile ll_step                                                    # cProfile of one entry
+
+--stub runs one rank on the CPU with the native calls stubbed (tests/python/cpu/fake_runtime.py's
+StubBinding: they return at once, the structs are the compiled binding's): the Python layer's own cost. Its
+default shapes are smaller (--experts 8) so that CPU allocations stay cheap; the Python path is the same.
+A tool, not part of the shipped package.
+"""
+
+from __future__ import annotations
+
+import argparse
+import cProfile
+import json
+import os
+import pstats
+import socket
+import statistics
+import sys
+import time
+from typing import Any, Callable, Dict, List, Optional, Tuple
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# NVLink multicast stays off on the lent machines (as epx.bench sets it).
+NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+
+# (entry point, what it runs): the rows of the table, in order.
+ENTRY_POINTS = ("get_dispatch_layout", "dispatch", "dispatch_cached", "combine", "low_latency_dispatch",
+                "low_latency_combine", "low_latency_dispatch_hook", "low_latency_combine_hook", "ll_step")
+
+
+def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU), at most the GPUs present")
+    p.add_argument("--stub", action="store_true", help="CPU, one rank, native calls stubbed")
+    p.add_argument("--tokens", type=int, default=128, help="low-latency tokens per rank (and max per rank)")
+    p.add_argument("--normal-tokens", type=int, default=128, help="normal-mode tokens per rank")
+    p.add_argument("--hidden", type=int, default=7168)
+    p.add_argument("--topk", type=int, default=8)
+    p.add_argument("--experts", type=int, default=None, help="default 288 (8 with --stub)")
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--iters", type=int, default=300)
+    p.add_argument("--profile", choices=ENTRY_POINTS, help="cProfile this entry point (--iters calls)")
+    p.add_argument("--json", help="also write the rows to this file (JSON)")
+    o = p.parse_args(argv)
+    if o.experts is None:
+        o.experts = 8 if o.stub else 288
+    if o.stub:
+        o.ranks = 1
+    return o
+
+
+# ---- Timing ----
+
+
+def time_calls(call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool) -> Tuple[float, float]:
+    """(median host us per call, GPU us per call back to back or nan). No sync inside the timed loop."""
+    for _ in range(warmup):
+        call()
+    if gpu:
+        torch.cuda.synchronize()
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+    clock = time.perf_counter
+    host = []
+    for _ in range(iters):
+        begin = clock()
+        call()
+        host.append(clock() - begin)
+    gpu_us = float("nan")
+    if gpu:
+        end.record()
+        end.synchronize()
+        gpu_us = start.elapsed_time(end) * 1e3 / iters
+    return statistics.median(host) * 1e6, gpu_us
+
+
+def profile_calls(call: Callable[[], Any], warmup: int, iters: int) -> None:
+    for _ in range(warmup):
+        call()
+    profiler = cProfile.Profile()
+    profiler.enable()
+    for _ in range(iters):
+        call()
+    profiler.disable()
+    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+# ---- The calls ----
+
+
+def make_calls(buffer: Any, torch: Any, o: argparse.Namespace, num_ranks: int, device: Any) -> Dict[str, Callable]:
+    """The entry points as argument-free callables over fixed inputs (collective: every rank makes them alike)."""
+    gen = torch.Generator(device="cpu").manual_seed(1234)
+
+    def routing(num_tokens: int) -> Tuple[Any, Any]:
+        idx = torch.rand(num_tokens, o.experts, generator=gen).topk(o.topk, dim=1).indices
+        weights = torch.rand(num_tokens, o.topk, generator=gen)
+        return idx.to(device), weights.to(device)
+
+    calls: Dict[str, Callable] = {}
+
+    # Normal mode: the layout, a dispatch given it (as DeepEP callers pass it), a cached one, a combine.
+    x = torch.randn(o.normal_tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx, weights = routing(o.normal_tokens)
+    per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, o.experts)
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)
+    calls["get_dispatch_layout"] = lambda: buffer.get_dispatch_layout(idx, o.experts)
+    calls["dispatch"] = lambda: buffer.dispatch(
+        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)
+    calls["dispatch_cached"] = lambda: buffer.dispatch(x, handle=handle)
+    calls["combine"] = lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights)
+
+    # Low-latency mode, the issue's step: FP8 dispatch with statistics, BF16 combine.
+    ll_x = torch.randn(o.tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
+    ll_idx, ll_weights = routing(o.tokens)
+    stats = torch.zeros(o.experts // num_ranks, dtype=torch.int32, device=device)
+    expert_out = torch.empty(o.experts // num_ranks, num_ranks * o.tokens, o.hidden, dtype=torch.bfloat16,
+                             device=device).uniform_(-1, 1)
+    ll_state: Dict[str, Any] = {}
+
+    def ll_dispatch(hook: bool = False) -> Any:
+        result = buffer.low_latency_dispatch(ll_x, ll_idx, o.tokens, o.experts,
+                                             cumulative_local_expert_recv_stats=stats, use_fp8=True,
+                                             async_finish=False, return_recv_hook=hook)
+        ll_state["handle"] = result[2]
+        if hook:
+            result[4]()
+        return result
+
+    def ll_combine(hook: bool = False) -> Any:
+        result = buffer.low_latency_combine(expert_out, ll_idx, ll_weights, ll_state["handle"],
+                                            async_finish=False, return_recv_hook=hook)
+        if hook:
+            result[2]()
+        return result
+
+    ll_dispatch()
+    calls["low_latency_dispatch"] = ll_dispatch
+    calls["low_latency_combine"] = ll_combine
+    calls["low_latency_dispatch_hook"] = lambda: ll_dispatch(True)
+    calls["low_latency_combine_hook"] = lambda: ll_combine(True)
+
+    def ll_step() -> None:
+        _, _, ll_handle, _, _ = buffer.low_latency_dispatch(ll_x, ll_idx, o.tokens, o.experts,
+                                                            cumulative_local_expert_recv_stats=stats)
+        buffer.low_latency_combine(expert_out, ll_idx, ll_weights, ll_handle)
+
+    calls["ll_step"] = ll_step
+    return calls
+
+
+def nccl_calls(torch: Any, o: argparse.Namespace, num_ranks: int, device: Any) -> Dict[str, Callable]:
+    """all_to_all_single of the bytes each family moves per rank: normal = every token to every rank (BF16),
+    low latency = every (token, expert) selection (FP8 dispatch with scales, BF16 combine)."""
+    import torch.distributed as dist
+
+    def a2a(num_bytes: int) -> Callable[[], Any]:
+        num_bytes = -(-num_bytes // num_ranks) * num_ranks
+        send = torch.empty(num_bytes, dtype=torch.uint8, device=device)
+        recv = torch.empty_like(send)
+        return lambda: dist.all_to_all_single(recv, send)
+
+    normal = o.normal_tokens * num_ranks * o.hidden * 2
+    ll_dispatch = o.tokens * o.topk * (o.hidden + 4 * (o.hidden // 128) + 16)
+    ll_combine = o.tokens * o.topk * o.hidden * 2
+    return {f"all_to_all_single {normal} B (normal)": a2a(normal),
+            f"all_to_all_single {ll_dispatch} B (LL dispatch)": a2a(ll_dispatch),
+            f"all_to_all_single {ll_combine} B (LL combine)": a2a(ll_combine)}
+
+
+def run_rows(buffers: Tuple[Any, Any], torch: Any, o: argparse.Namespace, num_ranks: int, device: Any, gpu: bool,
+             barrier: Callable[[], None]) -> List[Tuple[str, float, float]]:
+    normal_buffer, ll_buffer = buffers
+    calls = make_calls(normal_buffer, torch, o, num_ranks, device)
+    if ll_buffer is not normal_buffer:
+        ll_calls = make_calls(ll_buffer, torch, o, num_ranks, device)
+        calls.update({name: ll_calls[name] for name in ENTRY_POINTS if "low_latency" in name or name == "ll_step"})
+    if o.profile:
+        profile_calls(calls[o.profile], o.warmup, o.iters)
+        return []
+    rows = []
+    for name in ENTRY_POINTS:
+        barrier()
+        rows.append((name, *time_calls(calls[name], o.warmup, o.iters, torch, gpu)))
+    if gpu:
+        for name, call in nccl_calls(torch, o, num_ranks, device).items():
+            barrier()
+            rows.append((name, *time_calls(call, o.warmup, o.iters, torch, gpu)))
+    return rows
+
+
+def print_rows(rows: List[Tuple[str, float, float]], header: str, json_path: Optional[str]) -> None:
+    print(header)
+    print(f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27}")
+    for name, host_us, gpu_us in rows:
+        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f}")
+    if json_path:
+        with open(json_path, "w") as f:
+            json.dump([{"entry": n, "host_us": h, "gpu_us": g} for n, h, g in rows], f, indent=1)
+
+
+# ---- Modes ----
+
+
+def run_stub(o: argparse.Namespace) -> None:
+    sys.path.insert(0, os.path.join(ROOT, "tests", "python", "cpu"))
+    import torch
+    from fake_runtime import deep_ep_wrapper, install_stub
+
+    buffer, _ = install_stub(o.normal_tokens, o.hidden, o.experts)
+    wrapper = deep_ep_wrapper(buffer)
+    rows = run_rows((wrapper, wrapper), torch, o, 1, torch.device("cpu"), False, lambda: None)
+    if rows:
+        print_rows(rows, f"stub (CPU, native calls stubbed), torch {torch.__version__}: {header(o, 1)}", o.json)
+
+
+def header(o: argparse.Namespace, num_ranks: int) -> str:
+    return (f"{num_ranks} rank(s); low latency {o.tokens} tokens, hidden {o.hidden}, top-{o.topk} of {o.experts} "
+            f"experts, FP8 dispatch, BF16 combine; normal {o.normal_tokens} tokens BF16; {o.iters} calls each")
+
+
+def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace) -> None:
+    import torch
+    import torch.distributed as dist
+
+    import deep_ep
+
+    torch.cuda.set_device(rank)
+    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    try:
+        group = dist.new_group(list(range(num_ranks)))
+        Buffer = deep_ep.Buffer
+        configs = [Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)] \
+            if num_ranks in (2, 4, 8) else [deep_ep.Config(Buffer.num_sms)]
+        nvl_bytes = max(c.get_nvl_buffer_size_hint(o.hidden * 2, num_ranks) for c in configs)
+        rdma_bytes = Buffer.get_low_latency_rdma_size_hint(o.tokens, o.hidden, num_ranks, o.experts)
+        normal_buffer = Buffer(group, nvl_bytes, 0)
+        ll_buffer = Buffer(group, 0, rdma_bytes, low_latency_mode=True,
+                           num_qps_per_rank=max(1, o.experts // num_ranks))
+        rows = run_rows((normal_buffer, ll_buffer), torch, o, num_ranks, torch.device("cuda", rank), True,
+                        lambda: dist.barrier(group))
+        torch.cuda.synchronize()
+        dist.barrier(group)
+        if rank == 0 and rows:
+            print_rows(rows, f"{torch.cuda.get_device_name()} x {num_ranks}, torch {torch.__version__}: "
+                             f"{header(o, num_ranks)}", o.json)
+    finally:
+        dist.destroy_process_group()
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def main(argv: Optional[List[str]] = None) -> int:
+    o = parse_args(argv)
+    if o.stub:
+        run_stub(o)
+        return 0
+    for key, value in NVLINK_ENV.items():
+        os.environ.setdefault(key, value)
+    import torch
+    import torch.multiprocessing as mp
+
+    num_gpus = torch.cuda.device_count()
+    if num_gpus < o.ranks:
+        print(f"needs {o.ranks} GPUs, {num_gpus} present (--ranks 1 for one GPU, --stub for none)", file=sys.stderr)
+        return 2
+    mp.spawn(_worker, args=(o.ranks, _free_port(), o), nprocs=o.ranks, join=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
