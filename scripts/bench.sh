@@ -3,7 +3,8 @@
 # Usage: scripts/bench.sh [epx-bench flags, see epx-bench --help]
 set -euo pipefail
 root=$(cd "$(dirname "$0")/.." && pwd)
-"$root/scripts/deps.sh"
+PYTHON=$("$root/scripts/deps.sh" bench)  # the build's needs only (no test or lint tools)
+export PYTHON
 build=$("$root/scripts/configure.sh")
 cmake --build "$build" -j "$(nproc)" --target epx-bench
 "$build/bench/epx-bench" "$@"
