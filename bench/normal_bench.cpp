@@ -229,7 +229,8 @@ void add_timing_study(Bootstrap& bootstrap, cudaStream_t stream, const BenchOpti
   const double barrier_only_us =
       median_us(bootstrap, stream, o.warmup, o.iters, flush, call, StartAlign::kHostBarrier, &exits);
   out.push_back({"dispatch BF16 cached, host barrier alone", sms, barrier_only_us, bytes});
-  out.push_back({"  of which ranks' barrier-exit skew (host)", sms, barrier_exit_skew_us(bootstrap, exits), 0});
+  out.push_back(
+      {"  of which ranks' barrier-exit skew (host)", sms, barrier_exit_skew_us(bootstrap, exits), 0});
   out.push_back({"  host time of the call (GPU idle)", sms,
                  median_host_us(bootstrap, stream, o.warmup, o.iters, flush, call), 0});
 }
@@ -362,13 +363,14 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         // Launched likewise into outputs allocated beforehand (the workspace's, room for every rank's
         // tokens), as epx.Buffer.dispatch does with the last call's rows plus a margin: no host hand-over.
         const DispatchOutputGuess guess{dout, num_ranks * o.num_tokens};
-        const double guessed_us =
-            isolated(flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
+        const double guessed_us = isolated(
+            flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
         out.push_back({bf16 ? "dispatch BF16 receive into guess" : "dispatch FP8 receive into guess", sms,
                        guessed_us, nvl_bytes});
         // As epx.Buffer.dispatch runs it: after its layout, into a guess the rows fit.
-        const double guessed_after_layout_us = isolated(
-            layout_then_flush, [&] { dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess); });
+        const double guessed_after_layout_us = isolated(layout_then_flush, [&] {
+          dispatch(buffer, in, dout, stream, DispatchOverlap::kLaunchReceive, &guess);
+        });
         out.push_back(
             {bf16 ? "dispatch BF16 into guess after its layout" : "dispatch FP8 into guess after its layout",
              sms, guessed_after_layout_us, nvl_bytes});
@@ -398,8 +400,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         DispatchPlan again = dispatch_notify(buffer, in, order, &sms_plan.handle);
         dispatch_receive(buffer, again, in, dout, order);
       };
-      out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, back_to_back(cached_dispatch),
-                     nvl_bytes, network_bytes});
+      out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms,
+                     back_to_back(cached_dispatch), nvl_bytes, network_bytes});
       out.push_back({bf16 ? "dispatch BF16 cached (isolated)" : "dispatch FP8 cached (isolated)", sms,
                      isolated(flush, cached_dispatch), nvl_bytes, network_bytes});
       // Once per run: what the isolated timing of the earlier benchmark (host barrier alone) also held.
@@ -414,7 +416,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       combine(buffer, sms_plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
     };
     out.push_back({"combine BF16", sms, back_to_back(run_combine), bf16_bytes, bf16_network_bytes});
-    out.push_back({"combine BF16 (isolated)", sms, isolated(flush, run_combine), bf16_bytes, bf16_network_bytes});
+    out.push_back(
+        {"combine BF16 (isolated)", sms, isolated(flush, run_combine), bf16_bytes, bf16_network_bytes});
   }
 
   // The link ceiling: a copy-engine read of the next rank's NVLink buffer (no SMs), 32 MiB or the buffer. The
@@ -455,8 +458,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       const auto all_to_all = [&] { nccl.run(send.get(), send_bytes, ws.recv_x.get(), recv_bytes, stream); };
       const double bytes = bf16 ? bf16_bytes : fp8_bytes;
       const double network_bytes = bf16 ? bf16_network_bytes : fp8_network_bytes;
-      out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0, back_to_back(all_to_all),
-                     bytes, network_bytes});
+      out.push_back({bf16 ? "NCCL all-to-all BF16 rows" : "NCCL all-to-all FP8 rows", 0,
+                     back_to_back(all_to_all), bytes, network_bytes});
       out.push_back({bf16 ? "NCCL all-to-all BF16 rows (isolated)" : "NCCL all-to-all FP8 rows (isolated)", 0,
                      isolated(flush, all_to_all), bytes, network_bytes});
     }

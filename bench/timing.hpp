@@ -3,9 +3,9 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 #include <cstdint>
-#include <chrono>
 #include <functional>
 #include <utility>
 #include <vector>
@@ -99,7 +99,8 @@ inline double median_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, i
 // them, a pair of events around each. The host runs ahead of the GPU unless a call waits on it, so a call's
 // time is its GPU time plus any gap the host leaves before it. Median in microseconds.
 inline double median_back_to_back_us(Bootstrap& bootstrap, cudaStream_t stream, int warmup, int iters,
-                                     const std::function<void()>& prepare, const std::function<void()>& body) {
+                                     const std::function<void()>& prepare,
+                                     const std::function<void()>& body) {
   std::vector<cudaEvent_t> starts(iters), stops(iters);
   for (int i = 0; i < iters; ++i) {
     EPX_CUDA_CHECK(cudaEventCreate(&starts[i]));

@@ -85,7 +85,11 @@ struct Buffer::State {
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
   cudaEvent_t ordering_events[2] = {nullptr, nullptr};
-  cudaMemPool_t handle_pool = nullptr;
+  // The handles' memory pool, shared by every allocation from it: destroyed only once the last handle array
+  // is freed and the comm stream has run that free. (Destroying it with allocations still out, which CUDA
+  // documents as deferred, left the driver's pool state broken: the next cudaMemPoolDestroy of the process,
+  // NCCL's at ncclCommDestroy, crashed.)
+  std::shared_ptr<CUmemPoolHandle_st> handle_pool;
   std::optional<IpcMemory> nvl;
   std::optional<IpcMemory> symmetric;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> symmetric_remote;  // ... of a group spanning nodes
@@ -127,9 +131,8 @@ struct Buffer::State {
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
-    // Allocations still out (handles alive) keep the pool's memory until they are freed.
-    if (handle_pool != nullptr) cudaMemPoolDestroy(handle_pool);
-    handle_pool = nullptr;
+    // Handles still alive keep the pool (and the comm stream) until their arrays are freed.
+    handle_pool.reset();
     for (cudaEvent_t& event : ordering_events) {
       if (event != nullptr) cudaEventDestroy(event);
       event = nullptr;
@@ -182,6 +185,10 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     }
     for (cudaEvent_t& event : s.ordering_events)
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [own_stream](cudaStream_t stream) {
+      cudaStreamSynchronize(stream);
+      if (own_stream) cudaStreamDestroy(stream);
+    });
     // Handles allocate their arrays from this pool on the comm stream. It keeps freed memory instead of
     // returning it at every synchronisation (the default pool's threshold is 0), so a call's allocations do
     // not map memory again each time.
@@ -189,18 +196,20 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     pool_props.allocType = cudaMemAllocationTypePinned;
     pool_props.location.type = cudaMemLocationTypeDevice;
     pool_props.location.id = s.device;
-    EPX_CUDA_CHECK(cudaMemPoolCreate(&s.handle_pool, &pool_props));
+    cudaMemPool_t pool = nullptr;
+    EPX_CUDA_CHECK(cudaMemPoolCreate(&pool, &pool_props));
+    s.handle_pool =
+        std::shared_ptr<CUmemPoolHandle_st>(pool, [stream = s.comm_stream_owner](cudaMemPool_t p) {
+          cudaStreamSynchronize(stream.get());  // the frees queued on it have run
+          cudaMemPoolDestroy(p);
+        });
     uint64_t keep_all = UINT64_MAX;
-    EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
+    EPX_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_all));
     // An allocation on the private stream (allocate_rows of a receive already launched) must never wait for
     // the comm stream, whose kernel may be waiting for that very allocation.
     int no_internal_dependencies = 0;
-    EPX_CUDA_CHECK(cudaMemPoolSetAttribute(s.handle_pool, cudaMemPoolReuseAllowInternalDependencies,
-                                           &no_internal_dependencies));
-    s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [own_stream](cudaStream_t stream) {
-      cudaStreamSynchronize(stream);
-      if (own_stream) cudaStreamDestroy(stream);
-    });
+    EPX_CUDA_CHECK(
+        cudaMemPoolSetAttribute(pool, cudaMemPoolReuseAllowInternalDependencies, &no_internal_dependencies));
     EPX_CUDA_CHECK(cudaHostAlloc(reinterpret_cast<void**>(&s.failure_record), sizeof(FailureRecord),
                                  cudaHostAllocMapped));
     *s.failure_record = FailureRecord{};
@@ -376,7 +385,7 @@ FailureRecord* BufferAccess::failure_record_device(const Buffer& buffer) {
 std::shared_ptr<CUstream_st> BufferAccess::comm_stream_shared(const Buffer& buffer) {
   return buffer.live().comm_stream_owner;
 }
-cudaMemPool_t BufferAccess::handle_memory_pool(const Buffer& buffer) {
+std::shared_ptr<CUmemPoolHandle_st> BufferAccess::handle_memory_pool(const Buffer& buffer) {
   return buffer.live().handle_pool;
 }
 std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {

@@ -40,7 +40,8 @@ struct BufferAccess {
   // it.
   static std::shared_ptr<CUstream_st> comm_stream_shared(const Buffer& buffer);
   // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
-  static cudaMemPool_t handle_memory_pool(const Buffer& buffer);
+  // Every allocation holds it: it is destroyed after the last one is freed, never with allocations out.
+  static std::shared_ptr<CUmemPoolHandle_st> handle_memory_pool(const Buffer& buffer);
   // The host side of the low-latency protocol (which half the next call uses, pending hooks). Created with
   // the Buffer and dropped by destroy(), so a new Buffer, even at the same address, starts afresh.
   static std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);

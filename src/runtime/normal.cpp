@@ -355,15 +355,17 @@ namespace {
 std::shared_ptr<void> allocate_on_stream(const Buffer& buffer, size_t bytes,
                                          cudaStream_t complete_on = nullptr) {
   const std::shared_ptr<CUstream_st> stream = BufferAccess::comm_stream_shared(buffer);
-  const cudaMemPool_t pool = BufferAccess::handle_memory_pool(buffer);
+  std::shared_ptr<CUmemPoolHandle_st> pool = BufferAccess::handle_memory_pool(buffer);
   void* raw = nullptr;
   if (complete_on != nullptr) {
-    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, complete_on));
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool.get(), complete_on));
     EPX_CUDA_CHECK(cudaStreamSynchronize(complete_on));
   } else {
-    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool, stream.get()));
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool.get(), stream.get()));
   }
-  return std::shared_ptr<void>(raw, [stream](void* p) { cudaFreeAsync(p, stream.get()); });
+  // The array holds the pool: a handle that outlives its Buffer frees into a pool that still exists.
+  return std::shared_ptr<void>(raw,
+                               [stream, pool = std::move(pool)](void* p) { cudaFreeAsync(p, stream.get()); });
 }
 
 // What the caller sizes the outputs with, and the handle.

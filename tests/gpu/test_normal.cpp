@@ -4,6 +4,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <functional>
+#include <memory>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -74,6 +75,43 @@ TEST(Normal, BorrowedCommStream) {
   });
 }
 
+// Handles alive after destroy(), as vLLM's worker holds its last dispatch handle: their arrays keep the
+// Buffer's memory pool until they go, and the process's next memory-pool destroy (NCCL's, in
+// ncclCommDestroy) still works. Destroying the pool with allocations out crashed that destroy on two GPUs.
+void run_handles_outliving_their_buffer(int num_ranks) {
+  NormalCase c;
+  c.num_ranks = num_ranks;
+  c.num_tokens = {100, 37};
+  c.num_iterations = 2;
+  run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+    options.wait_timeout_s = 20.0;
+    auto buffer = std::make_unique<epx::Buffer>(bootstrap, options);
+    auto runner = std::make_unique<epx::test::NormalRunner>(c, *buffer);
+    runner->run();
+    buffer->destroy();
+    runner.reset();  // the handles' arrays are freed after the Buffer
+    buffer.reset();
+    cudaMemPoolProps props{};
+    props.allocType = cudaMemAllocationTypePinned;
+    props.location.type = cudaMemLocationTypeDevice;
+    props.location.id = bootstrap.rank() % epx::visible_gpu_count();
+    cudaMemPool_t pool = nullptr;
+    EPX_CUDA_CHECK(cudaMemPoolCreate(&pool, &props));
+    void* memory = nullptr;
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&memory, 1 << 20, pool, nullptr));
+    EPX_CUDA_CHECK(cudaFreeAsync(memory, nullptr));
+    EPX_CUDA_CHECK(cudaStreamSynchronize(nullptr));
+    EPX_CUDA_CHECK(cudaMemPoolDestroy(pool));
+    EPX_CUDA_CHECK(cudaDeviceSynchronize());
+  });
+}
+
+TEST(Normal, HandlesOutliveTheirBufferOneRank) {
+  run_handles_outliving_their_buffer(1);
+}
+
 // 333 tokens: odd, and more than one block's worth of warps in every copy kernel.
 NormalCase small_case(int num_ranks) {
   NormalCase c;
@@ -90,6 +128,10 @@ NormalCase small_case(int num_ranks) {
 // token count, unbalanced routing at four ranks), the test body says so.
 class NormalRanks : public ::testing::TestWithParam<int> {};
 INSTANTIATE_TEST_SUITE_P(Normal, NormalRanks, ::testing::Values(2, 4), epx::test::rank_count_name);
+
+TEST_P(NormalRanks, HandlesOutliveTheirBuffer) {
+  run_handles_outliving_their_buffer(GetParam());
+}
 
 // ---- Formats, routing, token counts ----
 

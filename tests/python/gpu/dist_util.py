@@ -5,7 +5,7 @@ EPX_TEST_RANKS_PER_GPU=N lets N ranks share each GPU (rank r on cuda:r % GPUs, a
 two ranks on one GPU): it checks larger groups' logic on fewer GPUs, never their speed."""
 
 import os
-import socket
+import tempfile
 
 import pytest
 
@@ -28,19 +28,13 @@ def ranks_per_gpu():
     return max(1, int(os.environ.get("EPX_TEST_RANKS_PER_GPU", "1")))
 
 
-def _free_port():
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _entry(rank, num_ranks, port, worker, args):
+def _entry(rank, num_ranks, store_file, worker, args):
     import torch
     import torch.distributed as dist
 
     torch.cuda.set_device(rank % torch.cuda.device_count())
     backend = "gloo" if ranks_per_gpu() > 1 else "nccl"
-    dist.init_process_group(backend, init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    dist.init_process_group(backend, init_method=f"file://{store_file}", rank=rank, world_size=num_ranks)
     try:
         worker(rank, num_ranks, dist.group.WORLD, *args)
         torch.cuda.synchronize()
@@ -55,7 +49,10 @@ def run(worker, num_ranks, *args):
     require_gpus(num_ranks)
     import torch.multiprocessing as mp
 
-    mp.spawn(_entry, args=(num_ranks, _free_port(), worker, args), nprocs=num_ranks, join=True)
+    # The group meets through a file, not a TCP port: a port picked free here can be taken before rank 0 listens
+    # on it (EADDRINUSE) when other suites run beside this one.
+    with tempfile.TemporaryDirectory(prefix="epx-test-") as directory:
+        mp.spawn(_entry, args=(num_ranks, os.path.join(directory, "store"), worker, args), nprocs=num_ranks, join=True)
 
 
 def gpu_counts(*counts):
