@@ -4,6 +4,7 @@ C++ message style, stream/event handles and tensor views of device memory the Bu
 from __future__ import annotations
 
 import contextlib
+import math
 from typing import Any, Iterable, Optional
 
 from ._ext import _epx
@@ -70,6 +71,8 @@ def check_tensor(
 
 
 def _shape_matches(sizes: Any, shape: tuple) -> bool:
+    if sizes == shape:  # a full shape (the common case): one comparison in C
+        return True
     for axis, expected in enumerate(shape):
         if expected is not None and (axis >= len(sizes) or sizes[axis] != expected):
             return False
@@ -170,6 +173,111 @@ def maybe_stream(stream: Any):
     return torch().cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
 
+class StreamSwitch:
+    """A reusable ``with``: torch.cuda.stream(stream) for a per-call path (nothing when stream is None).
+
+    On the stream's own device it swaps torch's current stream by its ids (torch._C's getter and setter, which
+    torch.cuda.stream calls through several Stream objects), and restores the previous one on exit, so a CUDA
+    graph capture or an outer torch.cuda.stream context sees what it would with torch.cuda.stream. Another current
+    device, or a torch without those calls, takes torch.cuda.stream itself."""
+
+    __slots__ = ("_stream", "_ids", "_saved")
+
+    def __init__(self, stream: Any) -> None:
+        self._stream = stream
+        self._ids = None if stream is None else (stream.stream_id, stream.device_index, stream.device_type)
+        self._saved: list = []
+
+    def __enter__(self) -> None:
+        ids = self._ids
+        if ids is None:
+            return
+        c = torch()._C
+        if _has_raw_stream_calls(c) and c._cuda_getDevice() == ids[1]:
+            self._saved.append(c._cuda_getCurrentStream(ids[1]))  # (stream_id, device_index, device_type)
+            c._cuda_setStream(*ids)
+        else:
+            context = torch().cuda.stream(self._stream)
+            context.__enter__()
+            self._saved.append(context)
+
+    def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
+        if self._ids is None:
+            return
+        saved = self._saved.pop()
+        if isinstance(saved, tuple):
+            torch()._C._cuda_setStream(*saved)
+        else:
+            saved.__exit__(exc_type, exc_value, traceback)
+
+
+def _has_raw_stream_calls(c: Any) -> bool:
+    return hasattr(c, "_cuda_setStream") and hasattr(c, "_cuda_getCurrentStream") and hasattr(c, "_cuda_getDevice")
+
+
+def element_size(dtype: Any) -> int:
+    """Bytes per element of a torch dtype."""
+    size = getattr(dtype, "itemsize", None)  # torch >= 2.1
+    return size if size is not None else torch().empty((), dtype=dtype).element_size()
+
+
+# DLPack's (type code, bits) of the torch dtypes a view is made of directly; others are made of bytes and viewed.
+_dlpack_types: Any = None
+_DLPACK_DEVICE_TYPES = {"cpu": 1, "cuda": 2}
+_BYTES = (1, 8)  # DLPack uint8
+
+
+def _dlpack_type(dtype: Any) -> Any:
+    global _dlpack_types
+    if _dlpack_types is None:
+        t = torch()
+        _dlpack_types = {t.int8: (0, 8), t.int16: (0, 16), t.int32: (0, 32), t.int64: (0, 64), t.uint8: (1, 8),
+                         t.float16: (2, 16), t.float32: (2, 32), t.float64: (2, 64), t.bfloat16: (4, 16)}
+    return _dlpack_types.get(dtype)
+
+
+def device_view(address: int, num_bytes: int, dtype: Any, shape: Optional[tuple], owner: Any, device: Any):
+    """A tensor of `dtype` (and `shape`, or 1-D) over num_bytes bytes at a device address, keeping `owner`
+    alive. Made in one call from a DLPack capsule of the binding (dtypes DLPack has no common code for, such as
+    bool and FP8, as bytes viewed as `dtype`)."""
+    t = torch()
+    element_bytes = element_size(dtype)
+    if num_bytes % element_bytes != 0:
+        raise error("num_bytes", num_bytes, f"must be a multiple of {element_bytes}")
+    num_elements = num_bytes // element_bytes
+    if shape is None:
+        shape = (num_elements,)
+    if num_bytes == 0:
+        return t.empty(0, dtype=t.uint8, device=device).view(dtype).view(shape)
+    device_type = _DLPACK_DEVICE_TYPES.get(device.type)
+    if device_type is None:
+        return t.as_tensor(_DeviceMemory(address, num_bytes, owner), device=device).view(dtype).view(shape)
+    code_bits = _dlpack_type(dtype)
+    if code_bits is not None and math.prod(shape) == num_elements:
+        return _from_dlpack(_epx.device_view_capsule(address, code_bits[0], code_bits[1], shape, device_type,
+                                                     device.index or 0, owner))
+    # Bytes, viewed (a shape that does not fit: torch's view names the mismatch).
+    raw = _from_dlpack(_epx.device_view_capsule(address, _BYTES[0], _BYTES[1], (num_bytes,), device_type,
+                                                device.index or 0, owner))
+    return raw.view(dtype).view(shape)
+
+
+def array_view(address: int, dtype: Any, shape: tuple, owner: Any, device: Any) -> Any:
+    """device_view of a compact array of `shape` (the view a handle's arrays take)."""
+    code_bits = _dlpack_type(dtype)
+    device_type = _DLPACK_DEVICE_TYPES.get(device.type)
+    if code_bits is None or device_type is None or not address:
+        return device_view(address, math.prod(shape) * element_size(dtype), dtype, shape, owner, device)
+    return _from_dlpack(_epx.device_view_capsule(address, code_bits[0], code_bits[1], shape, device_type,
+                                                 device.index or 0, owner))
+
+
+def _from_dlpack(capsule: Any) -> Any:
+    t = torch()
+    from_capsule = getattr(t._C, "_from_dlpack", None)
+    return from_capsule(capsule) if from_capsule is not None else t.utils.dlpack.from_dlpack(capsule)
+
+
 class _DeviceMemory:
     """Device memory of an owner exposed through __cuda_array_interface__; the tensors torch builds on it keep
     this object (and so the owner) alive."""
@@ -183,24 +291,3 @@ class _DeviceMemory:
             "strides": None,
             "version": 2,
         }
-
-
-def element_size(dtype: Any) -> int:
-    """Bytes per element of a torch dtype."""
-    size = getattr(dtype, "itemsize", None)  # torch >= 2.1
-    return size if size is not None else torch().empty((), dtype=dtype).element_size()
-
-
-def device_view(address: int, num_bytes: int, dtype: Any, shape: Optional[tuple], owner: Any, device: Any):
-    """A tensor of `dtype` (and `shape`, or 1-D) over num_bytes bytes at a device address, keeping `owner`
-    alive."""
-    t = torch()
-    element_bytes = element_size(dtype)
-    if num_bytes % element_bytes != 0:
-        raise error("num_bytes", num_bytes, f"must be a multiple of {element_bytes}")
-    if num_bytes == 0:
-        raw = t.empty(0, dtype=t.uint8, device=device)
-    else:
-        raw = t.as_tensor(_DeviceMemory(address, num_bytes, owner), device=device)
-    view = raw.view(dtype)
-    return view if shape is None else view.view(shape)

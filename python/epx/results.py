@@ -3,11 +3,27 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from functools import cached_property
 from typing import Any, Callable, List, Optional
 
 from . import _util
 from .event import EventOverlap
+
+
+class _view_once:
+    """A property computed on first use and kept in the instance (the next reads find it there, with no call):
+    functools.cached_property without its lock."""
+
+    def __init__(self, compute: Callable[[Any], Any]) -> None:
+        self.compute = compute
+        self.name = compute.__name__
+        self.__doc__ = compute.__doc__
+
+    def __get__(self, instance: Any, owner: Any = None) -> Any:
+        if instance is None:
+            return self
+        value = self.compute(instance)
+        instance.__dict__[self.name] = value
+        return value
 
 
 @dataclass
@@ -52,14 +68,10 @@ class DispatchHandle:
 
     def _view(self, address: int, dtype_name: str, shape: tuple) -> Any:
         t = _util.torch()
-        dtype = getattr(t, dtype_name)
-        num_bytes = _util.element_size(dtype)
-        for extent in shape:
-            num_bytes *= extent
         device = self._owner.device if self._owner is not None else t.device("cuda", t.cuda.current_device())
-        return _util.device_view(address, num_bytes, dtype, shape, self.native, device)
+        return _util.array_view(address, getattr(t, dtype_name), shape, self.native, device)
 
-    @cached_property
+    @_view_once
     def recv_src_idx(self) -> Any:
         """int32 [N]: the source token index of each received row (-1 for padding rows)."""
         return self._view(self.native.recv_src_idx, "int32", (self.num_recv_rows,))
@@ -69,12 +81,12 @@ class DispatchHandle:
         """Channels (num_sms / 2 of the dispatch's config) its tokens were split into."""
         return self.native.num_channels
 
-    @cached_property
+    @_view_once
     def recv_channel_offset(self) -> Any:
         """int32 [R * C + 1]: first received row of each (source rank, channel), source-major; last: the rows."""
         return self._view(self.native.recv_channel_offset, "int32", (self.num_ranks * self.num_channels + 1,))
 
-    @cached_property
+    @_view_once
     def send_head(self) -> Any:
         """int32 [T, R]: position of token t in its channel's stream to rank r, -1 where it was not sent. Across
         nodes [T, N]: its entry in its channel's stream to node n, -1 where it went to none of n's ranks."""
@@ -94,7 +106,7 @@ class DispatchHandle:
         0 within one node."""
         return self.native.num_forward_records
 
-    @cached_property
+    @_view_once
     def node_channel_offset(self) -> Any:
         """Across nodes: int32 [N * C + 1], the first of those records from each (source node, channel),
         node-major, then their count; None within one node."""
@@ -102,7 +114,7 @@ class DispatchHandle:
             return None
         return self._view(self.native.node_channel_offset, "int32", (self.num_nodes * self.num_channels + 1,))
 
-    @cached_property
+    @_view_once
     def forward_mask(self) -> Any:
         """Across nodes: uint8 [num_forward_records], the local ranks each record went to (bit l: local rank l),
         written by the dispatch (read it after the call's event); None within one node."""
@@ -110,7 +122,7 @@ class DispatchHandle:
             return None
         return self._view(self.native.forward_mask, "uint8", (self.num_forward_records,))
 
-    @cached_property
+    @_view_once
     def is_token_in_rank(self) -> Any:
         """bool [T, R]: whether token t went to rank r."""
         return self._view(self.native.is_token_in_rank, "bool", (self.num_tokens, self.num_ranks))

@@ -5,11 +5,14 @@
 #include <pybind11/stl.h>
 
 #include <chrono>
+#include <cstdint>
 #include <cstring>
+#include <memory>
 #include <new>
 #include <stdexcept>
 #include <string>
 #include <thread>
+#include <vector>
 
 #include "binding.hpp"
 #include "epx/bench_bytes.hpp"
@@ -29,6 +32,81 @@ bool python_finalizing() {
 #else
   return _Py_IsFinalizing() != 0;
 #endif
+}
+
+// ---- Tensor views of memory the runtime owns, as DLPack capsules ----
+//
+// DLPack's C ABI (dlpack.h, v0.x "dltensor" capsules), the few structs a producer needs: torch's from_dlpack
+// builds a tensor on the memory in one C call (the __cuda_array_interface__ path parses a dict, asks the
+// driver which device a pointer is on and needs two view ops after). The binding stays torch-free.
+struct DLDevice {
+  int32_t device_type;  // kDLCPU = 1, kDLCUDA = 2
+  int32_t device_id;
+};
+struct DLDataType {
+  uint8_t code;  // kDLInt = 0, kDLUInt = 1, kDLFloat = 2, kDLBfloat = 4
+  uint8_t bits;
+  uint16_t lanes;
+};
+struct DLTensor {
+  void* data;
+  DLDevice device;
+  int32_t ndim;
+  DLDataType dtype;
+  int64_t* shape;
+  int64_t* strides;  // null: compact row-major
+  uint64_t byte_offset;
+};
+struct DLManagedTensor {
+  DLTensor dl_tensor;
+  void* manager_ctx;
+  void (*deleter)(DLManagedTensor* self);
+};
+
+// What a view keeps: its shape and a reference to the Python object that owns the memory.
+struct DeviceViewContext {
+  DLManagedTensor managed{};
+  std::vector<int64_t> shape;
+  PyObject* owner = nullptr;
+};
+
+// Called by the consumer (any thread, with or without the GIL) once the tensor is freed, or by the capsule's
+// destructor when no consumer took it.
+void release_device_view(DLManagedTensor* managed) {
+  auto* context = static_cast<DeviceViewContext*>(managed->manager_ctx);
+  if (context->owner != nullptr && Py_IsInitialized() && !python_finalizing()) {
+    const PyGILState_STATE state = PyGILState_Ensure();
+    Py_DECREF(context->owner);
+    PyGILState_Release(state);
+  }
+  delete context;
+}
+
+// A "dltensor" capsule over `address` of `shape` elements of (code, bits), on (device_type, device_id),
+// keeping `owner` alive while a tensor uses it.
+py::capsule device_view_capsule(uintptr_t address, int code, int bits, const std::vector<int64_t>& shape,
+                                int device_type, int device_id, const py::object& owner) {
+  auto context = std::make_unique<DeviceViewContext>();
+  context->shape = shape;
+  DLTensor& tensor = context->managed.dl_tensor;
+  tensor.data = to_pointer<void*>(address);
+  tensor.device = DLDevice{device_type, device_id};
+  tensor.ndim = static_cast<int32_t>(context->shape.size());
+  tensor.dtype = DLDataType{static_cast<uint8_t>(code), static_cast<uint8_t>(bits), 1};
+  tensor.shape = context->shape.data();
+  tensor.strides = nullptr;
+  tensor.byte_offset = 0;
+  context->managed.manager_ctx = context.get();
+  context->managed.deleter = release_device_view;
+  context->owner = owner.inc_ref().ptr();
+  DLManagedTensor* managed = &context.release()->managed;
+  return py::capsule(managed, "dltensor", [](PyObject* capsule) {
+    // A consumer renames the capsule "used_dltensor" and owns the tensor; otherwise it is freed here.
+    if (PyCapsule_IsValid(capsule, "dltensor")) {
+      auto* unused = static_cast<DLManagedTensor*>(PyCapsule_GetPointer(capsule, "dltensor"));
+      unused->deleter(unused);
+    }
+  });
 }
 
 // "TypeName: message" of a Python exception (what() would append the traceback).
@@ -412,6 +490,12 @@ void bind_core(py::module_& m) {
   bind_bench_bytes(m);
   bind_normal_layout(m);
   bind_low_latency_layout(m);
+  m.def("device_view_capsule", &device_view_capsule, py::arg("address"), py::arg("code"), py::arg("bits"),
+        py::arg("shape"), py::arg("device_type"), py::arg("device_id"), py::arg("owner"),
+        "A DLPack capsule (\"dltensor\") over device memory at `address`: `shape` elements of DLPack type "
+        "(code, "
+        "bits), compact, on DLPack device (device_type, device_id); the tensor made from it keeps `owner` "
+        "alive.");
   m.def("_bootstrap_round_trip", &bootstrap_round_trip, py::arg("rank"), py::arg("num_ranks"),
         py::arg("all_gather"), py::arg("barrier"), py::arg("payload"),
         "Testing aid: one all_gather of payload and one barrier through the Python bootstrap bridge; returns "
