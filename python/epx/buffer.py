@@ -19,6 +19,7 @@ from ._util import (
     maybe_stream,
     pointer,
     record_stream,
+    StreamSwitch,
     torch,
 )
 from .config import Config, native_config
@@ -134,9 +135,10 @@ class Buffer:
         self._device_index = self.device.index
         self._orders: Dict[Tuple[int, bool], Any] = {}
         self._ll_sizes: Dict[Tuple[Any, ...], Tuple[int, int, int]] = {}
-        # The Config (or _epx.Config) this Buffer last set as the runtime's config; None: not known. Every path
+        # The fields of the config this Buffer last set as the runtime's config; None: not known. Every path
         # through which this Buffer changes the runtime's config keeps it current.
-        self._config_set: Any = None
+        self._config_set: Optional[Tuple[Any, ...]] = None
+        self._on_comm_stream = StreamSwitch(self.comm_stream)  # `with` it: the comm stream is current
 
     # ---- Life cycle and properties ----
 
@@ -264,7 +266,7 @@ class Buffer:
 
     @contextlib.contextmanager
     def _on_comm_stream_after(self, previous_event: Any) -> Iterator[None]:
-        with maybe_stream(self.comm_stream):
+        with self._on_comm_stream:
             EventOverlap(getattr(previous_event, "event", previous_event)).current_stream_wait()
             yield
 
@@ -293,12 +295,13 @@ class Buffer:
         for _restore_config. A config this Buffer set last (the same object, or an equal one) is not set again."""
         if config is None:
             return None
-        current = self._config_set
-        if current is not None and (config is current or config == current):
+        # Its fields now (a Config changed in place is another config); an object that is not a config has none.
+        fields = tuple(getattr(config, name, None) for name in _CONFIG_FIELDS)
+        if fields == self._config_set:
             return None
         previous = self.runtime.config
         self.runtime.config = native_config(config)
-        self._config_set = config
+        self._config_set = fields
         return previous
 
     def _restore_config(self, previous: Any) -> None:
@@ -324,10 +327,10 @@ class Buffer:
             per_node = t.empty(num_nodes, dtype=t.int32, device=device) if num_nodes > 1 else None
             per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=device)
             in_rank = t.empty(num_tokens, num_ranks, dtype=t.bool, device=device)
-        out = _epx.DispatchLayoutOutput(num_tokens_per_rank=pointer(per_rank),
-                                        num_tokens_per_expert=pointer(per_expert), is_token_in_rank=pointer(in_rank),
-                                        num_tokens_per_rdma_rank=pointer(per_node))
-        event = _epx.get_dispatch_layout(self.runtime, pointer(topk_idx), num_tokens, num_topk, num_experts, out,
+        out = _epx.DispatchLayoutOutput(num_tokens_per_rank=per_rank.data_ptr(),
+                                        num_tokens_per_expert=per_expert.data_ptr(),
+                                        is_token_in_rank=in_rank.data_ptr(), num_tokens_per_rdma_rank=pointer(per_node))
+        event = _epx.get_dispatch_layout(self.runtime, topk_idx.data_ptr(), num_tokens, num_topk, num_experts, out,
                                          order)
         if async_finish or allocate_on_comm_stream:
             outputs = (per_rank, per_expert, in_rank) + ((per_node,) if per_node is not None else ())
@@ -414,7 +417,7 @@ class Buffer:
 
         previous_config = self._apply_config(config)
         native_in = _epx.DispatchInput(
-            x=pointer(x), format=_epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16, x_scales=pointer(x_scales),
+            x=x.data_ptr(), format=_epx.TokenFormat.FP8 if fp8 else _epx.TokenFormat.BF16, x_scales=pointer(x_scales),
             num_scales=tokens.num_scales, num_tokens=num_tokens, hidden=hidden, topk_idx=pointer(topk_idx),
             topk_weights=pointer(topk_weights), num_topk=num_topk, num_experts=num_experts,
             is_token_in_rank=0 if cached else pointer(is_token_in_rank),
@@ -462,11 +465,11 @@ class Buffer:
                                         int(num_worst_tokens), per_expert_list, num_ranks, self)
         derived: Sequence[Any] = ()
         if after_counts is not None and not cached:
-            with maybe_stream(self.comm_stream):
+            with self._on_comm_stream:
                 derived = after_counts(new_handle)
         try:
             if plan.rows_in_guess:
-                outputs = tuple(None if g is None else g[:rows] for g in guess)
+                outputs = tuple(None if g is None else g.narrow(0, 0, rows) for g in guess)
                 native_out = native_guess.outputs
             else:
                 with maybe_stream(alloc_stream):
@@ -516,11 +519,11 @@ class Buffer:
             if topk_weights is not None:
                 combined_weights = t.empty(num_tokens, topk_weights.size(1), dtype=t.float32, device=self.device)
         num_biases = len(biases)
-        native_in = _epx.CombineInput(x=pointer(x), topk_weights=pointer(topk_weights),
+        native_in = _epx.CombineInput(x=x.data_ptr(), topk_weights=pointer(topk_weights),
                                       num_topk=0 if topk_weights is None else topk_weights.size(1), hidden=hidden,
                                       bias0=pointer(biases[0]) if num_biases > 0 else 0,
                                       bias1=pointer(biases[1]) if num_biases > 1 else 0)
-        out = _epx.CombineOutput(combined_x=pointer(combined_x), combined_topk_weights=pointer(combined_weights))
+        out = _epx.CombineOutput(combined_x=combined_x.data_ptr(), combined_topk_weights=pointer(combined_weights))
         try:
             event = _epx.combine(self.runtime, handle.native, native_in, out, order)
         except Exception:
@@ -571,12 +574,14 @@ class Buffer:
         if topk_weights is not None:
             check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, num_topk))
         native_in = _epx.LowLatencyDispatchInput(
-            x=pointer(x), topk_idx=pointer(topk_idx), num_tokens=num_tokens, num_topk=num_topk, hidden=hidden,
+            x=x.data_ptr(), topk_idx=topk_idx.data_ptr(), num_tokens=num_tokens, num_topk=num_topk, hidden=hidden,
             num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
             use_fp8=use_fp8, round_scale=bool(round_scale), use_ue8m0=use_ue8m0,
             return_recv_hook=bool(return_recv_hook),
-            cumulative_local_expert_recv_stats=pointer(cumulative_local_expert_recv_stats),
-            dispatch_wait_recv_cost_stats=pointer(dispatch_wait_recv_cost_stats), topk_weights=pointer(topk_weights))
+            cumulative_local_expert_recv_stats=0 if cumulative_local_expert_recv_stats is None else
+            cumulative_local_expert_recv_stats.data_ptr(),
+            dispatch_wait_recv_cost_stats=pointer(dispatch_wait_recv_cost_stats),
+            topk_weights=0 if topk_weights is None else topk_weights.data_ptr())
         # The sizes depend on the shape alone: asked once per shape (the first ask validates it).
         sizes_key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, use_fp8, use_ue8m0)
         sizes = self._ll_sizes.get(sizes_key)
@@ -608,9 +613,9 @@ class Buffer:
             listings = t.empty(self.num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2, dtype=t.int32,
                                device=dev)
         out = _epx.LowLatencyDispatchOutput(
-            recv_x=pointer(recv_x), recv_x_scales=pointer(recv_scales), recv_count=pointer(recv_count),
-            recv_src_info=pointer(src_info), recv_topk_pos=pointer(topk_pos), recv_layout_range=pointer(layout_range),
-            recv_token_listings=pointer(listings))
+            recv_x=recv_x.data_ptr(), recv_x_scales=0 if recv_scales is None else recv_scales.data_ptr(),
+            recv_count=recv_count.data_ptr(), recv_src_info=src_info.data_ptr(), recv_topk_pos=topk_pos.data_ptr(),
+            recv_layout_range=layout_range.data_ptr(), recv_token_listings=pointer(listings))
         result = _epx.low_latency_dispatch(self.runtime, native_in, out, self._order(None, async_finish))
 
         handle = LowLatencyHandle(result.handle, id(self), src_info if handle_keeps_src_info else None, topk_pos,
@@ -682,11 +687,12 @@ class Buffer:
         # With zero_copy the rows are already in the Buffer: a caller's x (DeepEP callers pass their own) only
         # has its shape checked, as DeepEP does.
         native_in = _epx.LowLatencyCombineInput(
-            x=0 if zero_copy else pointer(x), topk_idx=pointer(topk_idx), topk_weights=pointer(topk_weights),
+            x=0 if zero_copy else x.data_ptr(), topk_idx=topk_idx.data_ptr(),
+            topk_weights=0 if topk_weights is None else topk_weights.data_ptr(),
             num_tokens=num_tokens, num_topk=num_topk, use_logfmt=bool(use_logfmt),
             logfmt_within_node=bool(logfmt_within_node), pre_reduce=bool(pre_reduce), zero_copy=bool(zero_copy),
             return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=pointer(combine_wait_recv_cost_stats))
-        result = _epx.low_latency_combine(self.runtime, handle.native, native_in, pointer(out),
+        result = _epx.low_latency_combine(self.runtime, handle.native, native_in, out.data_ptr(),
                                           self._order(None, async_finish))
         if return_recv_hook or async_finish:
             tensors = (x, topk_idx, topk_weights, out, recv_src_info, handle.recv_topk_pos, handle.recv_layout_range,
@@ -753,6 +759,7 @@ class Buffer:
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
+_CONFIG_FIELDS = Config.__slots__  # _epx.Config has the same names
 
 
 def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: int, scales_dtype: Any,
@@ -769,7 +776,7 @@ def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: in
 
 def _native_outputs(outputs: Tuple[Any, Any, Any, Any]) -> Any:
     recv_x, recv_scales, recv_idx, recv_weights = outputs
-    return _epx.DispatchOutput(recv_x=pointer(recv_x), recv_x_scales=pointer(recv_scales),
+    return _epx.DispatchOutput(recv_x=recv_x.data_ptr(), recv_x_scales=pointer(recv_scales),
                                recv_topk_idx=pointer(recv_idx), recv_topk_weights=pointer(recv_weights))
 
 

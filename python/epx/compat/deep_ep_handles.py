@@ -142,12 +142,12 @@ class NormalHandleBuilder:
         num_ranks, num_channels = handle.num_ranks, handle.num_channels
         offsets = handle.recv_channel_offset  # [R * C + 1] absolute first rows, source-major
         device = offsets.device
-        rank_prefix = t.empty(num_ranks, num_ranks, dtype=t.int32, device=device).fill_(-1)
+        rank_prefix = t.full((num_ranks, num_ranks), -1, dtype=t.int32, device=device)
         # Rows from ranks 0..i end where source i + 1 begins.
-        rank_prefix[:, self.rank] = offsets[num_channels::num_channels]
+        rank_prefix.select(1, self.rank).copy_(offsets[num_channels::num_channels])
         starts = offsets[: num_ranks * num_channels].view(num_ranks, num_channels)
         recv_channel_prefix = starts - starts[:, :1]
-        channel_prefix = t.empty(num_ranks, num_channels, dtype=t.int32, device=device).fill_(-1)
+        channel_prefix = t.full((num_ranks, num_channels), -1, dtype=t.int32, device=device)
         self.matrices = [rank_prefix, channel_prefix, recv_channel_prefix]
         return self.matrices
 

@@ -438,10 +438,21 @@ def install(monkeypatch):
     """Patches epx.buffer to run on the CPU against FakeBinding; returns (epx.Buffer, binding)."""
     import epx._util as util
 
+    import torch
+
     binding = FakeBinding()
     real_check = util.check_tensor
     cpu_check = lambda *a, **k: real_check(*a, **{**k, "cuda": False})  # noqa: E731
     _patch(monkeypatch.setattr, binding, cpu_check)
+    # The layer also passes addresses as tensor.data_ptr(): each is remembered too, as binding.pointer does.
+    real_data_ptr = torch.Tensor.data_ptr
+
+    def data_ptr(tensor):
+        address = real_data_ptr(tensor)
+        binding.registry[address] = tensor
+        return address
+
+    monkeypatch.setattr(torch.Tensor, "data_ptr", data_ptr)
     return _fake_buffer(), binding
 
 
@@ -464,7 +475,8 @@ class StubHook:
 class StubBinding(FakeBinding):
     """FakeBinding whose calls return at once, without the reference: a profile of a call through it is the
     torch layer's own host cost (bench/python_host_overhead.py --stub). Its structs are the compiled binding's
-    (what the layer pays to fill them on a GPU); pointer is the layer's own. One rank; every token goes to it."""
+    (what the layer pays to fill them on a GPU); pointer and device_view are the layer's own. One rank; every
+    token goes to it."""
 
     def __init__(self, num_tokens, hidden, num_experts, num_channels):
         super().__init__()
@@ -477,6 +489,7 @@ class StubBinding(FakeBinding):
         native = Struct(num_recv_per_rank=[num_tokens])
         self.add_handle_arrays(native, np.ones(num_tokens, dtype=bool), num_channels, np.arange(num_tokens))
         self.pointer = util.pointer  # after the handle's arrays are registered for device_view
+        self.device_view = util.device_view  # the layer's own (DLPack works on CPU memory too)
         self.no_event = _NoEvent()
         self.plan = Struct(num_recv_rows=num_tokens, num_recv_tokens_per_expert=[num_tokens] * num_experts,
                            handle=native, rows_in_guess=False)
@@ -510,15 +523,17 @@ class StubBinding(FakeBinding):
         return self.ll_result
 
 
-def install_stub(num_tokens, hidden, num_experts):
-    """epx.buffer patched for good (a script, not a test) to run on the CPU against a StubBinding; returns
-    (epx.Buffer, binding)."""
+def install_stub(num_tokens, hidden, num_experts, monkeypatch=None):
+    """epx.buffer patched to run on the CPU against a StubBinding, through monkeypatch (a test) or for good (a
+    script); returns (epx.Buffer, binding)."""
     import functools
+
     import epx._util as util
 
     buffer = _fake_buffer()
     binding = StubBinding(num_tokens, hidden, num_experts, buffer.runtime.config.num_sms // 2)
-    _patch(setattr, binding, functools.partial(util.check_tensor, cuda=False))
+    _patch(setattr if monkeypatch is None else monkeypatch.setattr, binding,
+           functools.partial(util.check_tensor, cuda=False))
     return buffer, binding
 
 

@@ -93,8 +93,16 @@ def comm_stream_log(wrapper, monkeypatch):
         entered.append(stream)
         yield
 
+    class OnCommStream:  # the Buffer's reusable switch to its comm stream
+        def __enter__(self):
+            entered.append("comm")
+
+        def __exit__(self, *exc):
+            pass
+
     monkeypatch.setattr(buffer_module, "maybe_stream", recording)
     wrapper.runtime.comm_stream = "comm"
+    wrapper.runtime._on_comm_stream = OnCommStream()
     return wrapper, entered
 
 

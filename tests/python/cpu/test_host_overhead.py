@@ -1,0 +1,316 @@
+"""What the torch layer does per call (issue 37), on the CPU with one rank and the native calls stubbed
+(fake_runtime.StubBinding): checks that pass build no text, handles are not copied, the low-latency calls through
+deep_ep do nothing that would break a CUDA-graph capture (no host sync, no new stream or event, no stream switch),
+and the helpers that replace torch's slower paths (DLPack views, the raw current stream, the comm-stream switch)
+behave as the paths they replace. bench/python_host_overhead.py --stub times the same calls. Skipped without
+torch."""
+
+import gc
+import weakref
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+import epx  # noqa: E402
+import epx._util as util  # noqa: E402
+from fake_runtime import deep_ep_wrapper, install_stub  # noqa: E402
+
+HIDDEN, NUM_EXPERTS, NUM_TOPK, MAX_TOKENS = 256, 8, 4, 16
+
+
+@pytest.fixture
+def stub(monkeypatch):
+    buffer, binding = install_stub(MAX_TOKENS, HIDDEN, NUM_EXPERTS, monkeypatch)
+    return deep_ep_wrapper(buffer), binding
+
+
+def ll_inputs(num_tokens=MAX_TOKENS):
+    generator = torch.Generator().manual_seed(5)
+    x = torch.randn(num_tokens, HIDDEN, generator=generator).to(torch.bfloat16)
+    ids = torch.rand(num_tokens, NUM_EXPERTS, generator=generator).topk(NUM_TOPK, dim=1).indices
+    weights = torch.rand(num_tokens, NUM_TOPK, generator=generator)
+    stats = torch.zeros(NUM_EXPERTS, dtype=torch.int32)
+    expert_out = torch.zeros(NUM_EXPERTS, MAX_TOKENS, HIDDEN, dtype=torch.bfloat16)
+    return x, ids, weights, stats, expert_out
+
+
+def ll_step(wrapper, inputs, hook=False):
+    x, ids, weights, stats, expert_out = inputs
+    recv_x, recv_count, handle, event, dispatch_hook = wrapper.low_latency_dispatch(
+        x, ids, MAX_TOKENS, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats, return_recv_hook=hook)
+    if hook:
+        dispatch_hook()
+    combined, event, combine_hook = wrapper.low_latency_combine(expert_out, ids, weights, handle,
+                                                                return_recv_hook=hook)
+    if hook:
+        combine_hook()
+    return recv_x, recv_count, handle, combined
+
+
+def forbid(monkeypatch, owner, name, what):
+    def refuse(*args, **kwargs):
+        raise AssertionError(f"{what} on a per-call path")
+
+    monkeypatch.setattr(owner, name, refuse)
+
+
+def test_passing_checks_build_no_text(stub, monkeypatch):
+    wrapper, _ = stub
+    inputs = ll_inputs()
+    ll_step(wrapper, inputs)  # the first call of a shape may ask the binding (and format nothing either)
+    forbid(monkeypatch, util, "_describe_shape", "a shape description")
+    forbid(monkeypatch, util, "_raise_tensor_error", "a tensor check's slow path")
+    forbid(monkeypatch, util, "error", "an error message")
+    for hook in (False, True):
+        ll_step(wrapper, inputs, hook)
+    x, ids, weights, _, _ = inputs
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, num_tokens_per_rank=per_rank,
+                                                             is_token_in_rank=in_rank,
+                                                             num_tokens_per_expert=per_expert, topk_idx=ids,
+                                                             topk_weights=weights)
+    wrapper.dispatch(x, handle)
+    wrapper.combine(recv_x, handle, topk_weights=recv_weights)
+
+
+def test_failing_checks_still_name_the_argument_the_value_and_the_rule(stub):
+    wrapper, _ = stub
+    x, ids, weights, stats, expert_out = ll_inputs()
+    with pytest.raises(epx.EpxError, match=r"invalid x.dtype = torch.float32: must be torch.bfloat16"):
+        wrapper.low_latency_dispatch(x.float(), ids, MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match=r"invalid topk_idx.shape = \(3, 4\): must have size 16 in dimension 0 "
+                                           r"\(expected \[16, \*\]\)"):
+        wrapper.low_latency_dispatch(x, ids[:3], MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match=r"invalid cumulative_local_expert_recv_stats.shape = \(3,\): must have "
+                                           r"size 8 in dimension 0 \(expected \[8\]\)"):
+        wrapper.low_latency_dispatch(x, ids, MAX_TOKENS, NUM_EXPERTS,
+                                     cumulative_local_expert_recv_stats=stats[:3])
+    with pytest.raises(epx.EpxError, match=r"invalid topk_idx.dtype = torch.int16: must be torch.int64 or "
+                                           r"torch.int32"):
+        wrapper.low_latency_dispatch(x, ids.to(torch.int16), MAX_TOKENS, NUM_EXPERTS)
+    _, _, handle, _, _ = wrapper.low_latency_dispatch(x, ids, MAX_TOKENS, NUM_EXPERTS)
+    with pytest.raises(epx.EpxError, match=r"invalid topk_weights = NoneType: must be a torch.Tensor"):
+        wrapper.low_latency_combine(expert_out, ids, None, handle)
+    with pytest.raises(epx.EpxError, match=r"invalid x = a non-contiguous tensor: must be contiguous"):
+        wrapper.low_latency_combine(expert_out.transpose(0, 1).contiguous().transpose(0, 1), ids, weights,
+                                    handle)
+    with pytest.raises(epx.EpxError, match=r"invalid x = None: is required without zero_copy"):
+        wrapper.low_latency_combine(None, ids, weights, handle)
+
+
+def test_check_tensor_fast_path_agrees_with_its_checks():
+    """check_tensor passes exactly where its checks one by one pass (the slow path raises the first failure)."""
+    t = torch.zeros(4, 3)
+    cases = [dict(), dict(ndim=2), dict(ndim=3), dict(shape=(4, 3)), dict(shape=(4, None)), dict(shape=(None, 2)),
+             dict(shape=(4,)), dict(shape=(4, 3, None)), dict(shape=(4, 3, 1)), dict(dtype=torch.float32),
+             dict(dtype=torch.int32), dict(contiguous=True)]
+    for kwargs in cases:
+        for tensor in (t, t.t(), t[:, :2]):
+            try:
+                util._raise_tensor_error(tensor, "t", kwargs.get("dtype"), kwargs.get("ndim"), kwargs.get("shape"),
+                                         False, kwargs.get("contiguous", True))
+                expected = None
+            except (epx.EpxError, IndexError) as failure:
+                expected = type(failure), str(failure)
+            try:
+                util.check_tensor(tensor, "t", cuda=False, **kwargs)
+                got = None
+            except (epx.EpxError, IndexError) as failure:
+                got = type(failure), str(failure)
+            assert got == expected, (kwargs, tuple(tensor.shape))
+
+
+def test_low_latency_calls_do_nothing_a_graph_capture_refuses(stub, monkeypatch):
+    """What a CUDA-graph capture refuses or would bake in: host syncs (item, tolist, cpu, numpy, bool of a tensor,
+    synchronize), new streams and events, stream switches. The low-latency calls through deep_ep, with and
+    without hooks, do none of these after their first call of a shape."""
+    wrapper, binding = stub
+    inputs = ll_inputs()
+    ll_step(wrapper, inputs)
+    ll_step(wrapper, inputs, hook=True)
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
+                 "record_stream"):
+        forbid(monkeypatch, torch.Tensor, name, f"Tensor.{name}")
+    for name in ("synchronize", "current_stream", "default_stream", "Stream", "Event", "stream", "set_stream"):
+        forbid(monkeypatch, torch.cuda, name, f"torch.cuda.{name}")
+    forbid(monkeypatch, util, "maybe_stream", "a stream switch")
+    forbid(monkeypatch, util, "current_stream", "a torch.cuda.Stream object")
+    forbid(monkeypatch, binding, "low_latency_dispatch_sizes", "a sizes query of a known shape")
+    forbid(monkeypatch, binding, "StreamOrder", "a new StreamOrder for a known stream")
+    import epx.buffer as buffer_module
+    import epx.event as event_module
+
+    forbid(monkeypatch, buffer_module, "maybe_stream", "a stream switch")
+    forbid(monkeypatch, buffer_module, "current_stream", "a torch.cuda.Stream object")
+    forbid(monkeypatch, event_module, "_record_on_current_stream", "a new event")
+    for _ in range(3):
+        ll_step(wrapper, inputs)
+        ll_step(wrapper, inputs, hook=True)
+
+
+def test_low_latency_handles_are_not_copied(stub, monkeypatch):
+    import dataclasses
+
+    wrapper, _ = stub
+    inputs = ll_inputs()
+    forbid(monkeypatch, dataclasses, "replace", "dataclasses.replace")
+    _, _, handle, _ = ll_step(wrapper, inputs)
+    src_info = handle[0]
+    native = src_info._epx_handle
+    # The handle the tuple carries does not hold its first tensor (no reference cycle), and combine finds it.
+    assert native.recv_src_info is None and native.recv_layout_range is handle[1]
+    referent = weakref.ref(src_info)
+    del handle, src_info, native
+    gc.disable()
+    try:
+        _, _, handle, _ = ll_step(wrapper, inputs)
+        del handle
+        assert referent() is None  # freed by reference counting alone
+    finally:
+        gc.enable()
+
+
+def test_stream_orders_are_made_once_per_stream(stub):
+    wrapper, binding = stub
+    buffer = wrapper.runtime
+    order = buffer._order(None, False)
+    assert buffer._order(None, False) is order and buffer._order(None, True) is not order
+    assert buffer._order(None, True).async_finish is True
+    event = epx.EventOverlap()
+    assert buffer._order(event, False) is not order  # a previous event: its own order
+
+
+def test_normal_handle_views_are_made_once(stub):
+    wrapper, _ = stub
+    x, ids, weights, _, _ = ll_inputs()
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    _, _, _, _, handle, _ = wrapper.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                             num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=weights)
+    native = handle[0]._epx_handle
+    assert handle[3] is native.recv_src_idx and handle[5] is native.send_head
+    assert native.recv_channel_offset is native.recv_channel_offset
+
+
+def test_default_configs_are_set_once(stub, monkeypatch):
+    wrapper, _ = stub
+    x, ids, weights, _, _ = ll_inputs()
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+                topk_idx=ids, topk_weights=weights)
+    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, **args)
+    runtime = wrapper.runtime.runtime
+    sets = runtime.configs_set
+    wrapper.dispatch(x, **args)
+    wrapper.dispatch(x, handle)
+    assert runtime.configs_set == sets  # the same default config: not set again
+    config = epx.Config(8, 4, 64)
+    wrapper.combine(recv_x, handle, topk_weights=recv_weights, config=config)
+    assert runtime.configs_set == sets + 1 and wrapper.runtime.config == config
+    config.num_sms = 12  # a Config changed in place is a new config
+    wrapper.combine(recv_x, handle, topk_weights=recv_weights, config=config)
+    assert runtime.configs_set == sets + 2 and wrapper.runtime.config == epx.Config(12, 4, 64)
+    wrapper.runtime.num_sms = 16  # changed behind the calls' back: the next call sets its config again
+    wrapper.combine(recv_x, handle, topk_weights=recv_weights, config=config)
+    assert wrapper.runtime.config == epx.Config(12, 4, 64)
+
+
+# ---- The helpers ----
+
+
+def test_device_view_through_dlpack_keeps_its_owner():
+    source = torch.arange(24, dtype=torch.int32)
+
+    class Owner:
+        pass
+
+    owner = Owner()
+    owner.memory = source
+    alive = weakref.ref(owner)
+    cpu = torch.device("cpu")
+    view = util.device_view(source.data_ptr(), 96, torch.int32, (4, 6), owner, cpu)
+    assert view.shape == (4, 6) and view.dtype == torch.int32 and torch.equal(view.flatten(), source)
+    as_bool = util.device_view(source.data_ptr(), 24, torch.bool, (4, 6), owner, cpu)
+    as_fp8 = util.device_view(source.data_ptr(), 24, torch.float8_e4m3fn, None, owner, cpu)
+    assert as_bool.dtype == torch.bool and as_fp8.shape == (24,) and as_fp8.dtype == torch.float8_e4m3fn
+    array = util.array_view(source.data_ptr(), torch.int64, (3, 4), owner, cpu)
+    assert torch.equal(array.view(torch.int32).flatten(), source)
+    assert util.device_view(source.data_ptr(), 0, torch.int32, (0, 3), owner, cpu).shape == (0, 3)
+    with pytest.raises(RuntimeError, match=r"shape '\[5, 6\]' is invalid for input of size 24"):
+        util.device_view(source.data_ptr(), 96, torch.int32, (5, 6), owner, cpu)
+    with pytest.raises(epx.EpxError, match="invalid num_bytes = 7: must be a multiple of 4"):
+        util.device_view(source.data_ptr(), 7, torch.int32, None, owner, cpu)
+    del owner
+    gc.collect()
+    assert alive() is not None  # the views hold it
+    del view, as_bool, as_fp8, array
+    gc.collect()
+    assert alive() is None
+    # A capsule no tensor took frees its reference too.
+    owner = Owner()
+    alive = weakref.ref(owner)
+    epx._epx.device_view_capsule(source.data_ptr(), 0, 32, [24], 1, 0, owner)
+    del owner
+    assert alive() is None
+
+
+def test_current_stream_handle_reads_torchs_raw_stream(monkeypatch):
+    asked = []
+
+    def raw(device_index):
+        asked.append(device_index)
+        return 0xABC0 + device_index
+
+    monkeypatch.setattr(util, "_raw_stream", raw)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 3)
+    assert util.current_stream_handle(1) == 0xABC1 and util.current_stream_handle() == 0xABC3
+    assert asked == [1, 3]
+
+
+def test_stream_switch_swaps_and_restores_the_current_stream(monkeypatch):
+    """StreamSwitch on the stream's device: torch's current stream becomes the stream's ids and goes back to what
+    it was (nested and after an exception too); on another device it is torch.cuda.stream."""
+    state = {"device": 0, 0: (10, 0, 1), 1: (20, 1, 1)}  # current device, current stream ids per device
+    c = torch._C
+
+    def set_stream(stream_id, device_index, device_type):
+        state["device"] = device_index  # torch's setter also makes the stream's device current
+        state[device_index] = (stream_id, device_index, device_type)
+
+    monkeypatch.setattr(c, "_cuda_getDevice", lambda: state["device"], raising=False)
+    monkeypatch.setattr(c, "_cuda_getCurrentStream", lambda index: state[index], raising=False)
+    monkeypatch.setattr(c, "_cuda_setStream", set_stream, raising=False)
+
+    class Stream:
+        def __init__(self, stream_id, device_index):
+            self.stream_id, self.device_index, self.device_type = stream_id, device_index, 1
+
+    switch = util.StreamSwitch(Stream(11, 0))
+    with switch:
+        assert state[0] == (11, 0, 1)
+        with util.StreamSwitch(Stream(12, 0)):
+            assert state[0] == (12, 0, 1)
+        assert state[0] == (11, 0, 1)
+    assert state[0] == (10, 0, 1) and state["device"] == 0
+    with pytest.raises(ValueError):
+        with switch:
+            raise ValueError("inside")
+    assert state[0] == (10, 0, 1)
+    entered = []
+
+    class Context:
+        def __init__(self, stream):
+            entered.append(stream.stream_id)
+
+        def __enter__(self):
+            entered.append("enter")
+
+        def __exit__(self, *exc):
+            entered.append("exit")
+
+    monkeypatch.setattr(torch.cuda, "stream", Context)
+    with util.StreamSwitch(Stream(21, 1)):  # another device than the current one
+        pass
+    assert entered == [21, "enter", "exit"] and state[1] == (20, 1, 1)
+    with util.StreamSwitch(None):
+        pass
