@@ -28,9 +28,9 @@ import cProfile
 import json
 import os
 import pstats
-import socket
 import statistics
 import sys
+import tempfile
 import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
@@ -39,8 +39,17 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 # (entry point, what it runs): the rows of the table, in order.
-ENTRY_POINTS = ("get_dispatch_layout", "dispatch", "dispatch_cached", "combine", "low_latency_dispatch",
-                "low_latency_combine", "low_latency_dispatch_hook", "low_latency_combine_hook", "ll_step")
+ENTRY_POINTS = (
+    "get_dispatch_layout",
+    "dispatch",
+    "dispatch_cached",
+    "combine",
+    "low_latency_dispatch",
+    "low_latency_combine",
+    "low_latency_dispatch_hook",
+    "low_latency_combine_hook",
+    "ll_step",
+)
 
 
 def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
@@ -89,7 +98,7 @@ def time_calls(call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu
     return statistics.median(host) * 1e6, gpu_us
 
 
-def profile_calls(call: Callable[[], Any], warmup: int, iters: int) -> None:
+def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) -> None:
     for _ in range(warmup):
         call()
     profiler = cProfile.Profile()
@@ -97,74 +106,84 @@ def profile_calls(call: Callable[[], Any], warmup: int, iters: int) -> None:
     for _ in range(iters):
         call()
     profiler.disable()
-    pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+    if show:
+        pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
 
 
 # ---- The calls ----
 
 
-def make_calls(buffer: Any, torch: Any, o: argparse.Namespace, num_ranks: int, device: Any) -> Dict[str, Callable]:
-    """The entry points as argument-free callables over fixed inputs (collective: every rank makes them alike)."""
+def normal_calls(buffer: Any, torch: Any, o: argparse.Namespace, device: Any) -> Dict[str, Callable]:
+    """Normal mode as argument-free callables over fixed inputs (collective: every rank makes them alike): the
+    layout, a dispatch given it (as DeepEP callers pass it), a cached one, a combine."""
     gen = torch.Generator(device="cpu").manual_seed(1234)
-
-    def routing(num_tokens: int) -> Tuple[Any, Any]:
-        idx = torch.rand(num_tokens, o.experts, generator=gen).topk(o.topk, dim=1).indices
-        weights = torch.rand(num_tokens, o.topk, generator=gen)
-        return idx.to(device), weights.to(device)
-
-    calls: Dict[str, Callable] = {}
-
-    # Normal mode: the layout, a dispatch given it (as DeepEP callers pass it), a cached one, a combine.
     x = torch.randn(o.normal_tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
-    idx, weights = routing(o.normal_tokens)
+    idx, weights = routing(torch, gen, o, o.normal_tokens, device)
     per_rank, per_rdma, per_expert, in_rank, _ = buffer.get_dispatch_layout(idx, o.experts)
-    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)
-    calls["get_dispatch_layout"] = lambda: buffer.get_dispatch_layout(idx, o.experts)
-    calls["dispatch"] = lambda: buffer.dispatch(
-        x, num_tokens_per_rank=per_rank, num_tokens_per_rdma_rank=per_rdma, is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert, topk_idx=idx, topk_weights=weights)
-    calls["dispatch_cached"] = lambda: buffer.dispatch(x, handle=handle)
-    calls["combine"] = lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights)
+    layout = dict(
+        num_tokens_per_rank=per_rank,
+        num_tokens_per_rdma_rank=per_rdma,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=idx,
+        topk_weights=weights,
+    )
+    recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, **layout)
+    return {
+        "get_dispatch_layout": lambda: buffer.get_dispatch_layout(idx, o.experts),
+        "dispatch": lambda: buffer.dispatch(x, **layout),
+        "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
+        "combine": lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights),
+    }
 
-    # Low-latency mode, the issue's step: FP8 dispatch with statistics, BF16 combine.
-    ll_x = torch.randn(o.tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
-    ll_idx, ll_weights = routing(o.tokens)
+
+def low_latency_calls(
+    buffer: Any, torch: Any, o: argparse.Namespace, num_ranks: int, device: Any
+) -> Dict[str, Callable]:
+    """Low-latency mode, the issue's step: FP8 dispatch with statistics, BF16 combine, without and with hooks."""
+    gen = torch.Generator(device="cpu").manual_seed(4321)
+    x = torch.randn(o.tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
+    idx, weights = routing(torch, gen, o, o.tokens, device)
     stats = torch.zeros(o.experts // num_ranks, dtype=torch.int32, device=device)
-    expert_out = torch.empty(o.experts // num_ranks, num_ranks * o.tokens, o.hidden, dtype=torch.bfloat16,
-                             device=device).uniform_(-1, 1)
-    ll_state: Dict[str, Any] = {}
+    expert_out = torch.empty(
+        o.experts // num_ranks, num_ranks * o.tokens, o.hidden, dtype=torch.bfloat16, device=device
+    ).uniform_(-1, 1)
+    last: Dict[str, Any] = {}  # the handle of the last dispatch, for the combines timed alone
 
-    def ll_dispatch(hook: bool = False) -> Any:
-        result = buffer.low_latency_dispatch(ll_x, ll_idx, o.tokens, o.experts,
-                                             cumulative_local_expert_recv_stats=stats, use_fp8=True,
-                                             async_finish=False, return_recv_hook=hook)
-        ll_state["handle"] = result[2]
+    def dispatch(hook: bool = False) -> None:
+        _, _, handle, _, receive = buffer.low_latency_dispatch(
+            x, idx, o.tokens, o.experts, cumulative_local_expert_recv_stats=stats, return_recv_hook=hook
+        )
+        last["handle"] = handle
         if hook:
-            result[4]()
-        return result
+            receive()
 
-    def ll_combine(hook: bool = False) -> Any:
-        result = buffer.low_latency_combine(expert_out, ll_idx, ll_weights, ll_state["handle"],
-                                            async_finish=False, return_recv_hook=hook)
+    def combine(hook: bool = False) -> None:
+        _, _, receive = buffer.low_latency_combine(expert_out, idx, weights, last["handle"], return_recv_hook=hook)
         if hook:
-            result[2]()
-        return result
+            receive()
 
-    ll_dispatch()
-    calls["low_latency_dispatch"] = ll_dispatch
-    calls["low_latency_combine"] = ll_combine
-    calls["low_latency_dispatch_hook"] = lambda: ll_dispatch(True)
-    calls["low_latency_combine_hook"] = lambda: ll_combine(True)
+    def step() -> None:  # eager: no hooks, async_finish=False
+        _, _, handle, _, _ = buffer.low_latency_dispatch(
+            x, idx, o.tokens, o.experts, cumulative_local_expert_recv_stats=stats
+        )
+        buffer.low_latency_combine(expert_out, idx, weights, handle)
 
-    def ll_step() -> None:
-        _, _, ll_handle, _, _ = buffer.low_latency_dispatch(ll_x, ll_idx, o.tokens, o.experts,
-                                                            cumulative_local_expert_recv_stats=stats)
-        buffer.low_latency_combine(expert_out, ll_idx, ll_weights, ll_handle)
+    dispatch()
+    return {
+        "low_latency_dispatch": dispatch,
+        "low_latency_combine": combine,
+        "low_latency_dispatch_hook": lambda: dispatch(True),
+        "low_latency_combine_hook": lambda: combine(True),
+        "ll_step": step,
+    }
 
-    calls["ll_step"] = ll_step
-    return calls
+
+def routing(torch: Any, gen: Any, o: argparse.Namespace, num_tokens: int, device: Any) -> Tuple[Any, Any]:
+    """Random top-k of distinct experts per token, and float32 weights."""
+    idx = torch.rand(num_tokens, o.experts, generator=gen).topk(o.topk, dim=1).indices
+    weights = torch.rand(num_tokens, o.topk, generator=gen)
+    return idx.to(device), weights.to(device)
 
 
 def nccl_calls(torch: Any, o: argparse.Namespace, num_ranks: int, device: Any) -> Dict[str, Callable]:
@@ -181,20 +200,29 @@ def nccl_calls(torch: Any, o: argparse.Namespace, num_ranks: int, device: Any) -
     normal = o.normal_tokens * num_ranks * o.hidden * 2
     ll_dispatch = o.tokens * o.topk * (o.hidden + 4 * (o.hidden // 128) + 16)
     ll_combine = o.tokens * o.topk * o.hidden * 2
-    return {f"all_to_all_single {normal} B (normal)": a2a(normal),
-            f"all_to_all_single {ll_dispatch} B (LL dispatch)": a2a(ll_dispatch),
-            f"all_to_all_single {ll_combine} B (LL combine)": a2a(ll_combine)}
+    return {
+        f"all_to_all_single {normal} B (normal)": a2a(normal),
+        f"all_to_all_single {ll_dispatch} B (LL dispatch)": a2a(ll_dispatch),
+        f"all_to_all_single {ll_combine} B (LL combine)": a2a(ll_combine),
+    }
 
 
-def run_rows(buffers: Tuple[Any, Any], torch: Any, o: argparse.Namespace, num_ranks: int, device: Any, gpu: bool,
-             barrier: Callable[[], None]) -> List[Tuple[str, float, float]]:
+def run_rows(
+    buffers: Tuple[Any, Any],
+    torch: Any,
+    o: argparse.Namespace,
+    num_ranks: int,
+    device: Any,
+    gpu: bool,
+    barrier: Callable[[], None],
+    show: bool = True,
+) -> List[Tuple[str, float, float]]:
+    """The table's rows (--profile: prints the profile where `show`, returns none)."""
     normal_buffer, ll_buffer = buffers
-    calls = make_calls(normal_buffer, torch, o, num_ranks, device)
-    if ll_buffer is not normal_buffer:
-        ll_calls = make_calls(ll_buffer, torch, o, num_ranks, device)
-        calls.update({name: ll_calls[name] for name in ENTRY_POINTS if "low_latency" in name or name == "ll_step"})
+    calls = normal_calls(normal_buffer, torch, o, device)
+    calls.update(low_latency_calls(ll_buffer, torch, o, num_ranks, device))
     if o.profile:
-        profile_calls(calls[o.profile], o.warmup, o.iters)
+        profile_calls(calls[o.profile], o.warmup, o.iters, show)
         return []
     rows = []
     for name in ENTRY_POINTS:
@@ -233,43 +261,52 @@ def run_stub(o: argparse.Namespace) -> None:
 
 
 def header(o: argparse.Namespace, num_ranks: int) -> str:
-    return (f"{num_ranks} rank(s); low latency {o.tokens} tokens, hidden {o.hidden}, top-{o.topk} of {o.experts} "
-            f"experts, FP8 dispatch, BF16 combine; normal {o.normal_tokens} tokens BF16; {o.iters} calls each")
+    return (
+        f"{num_ranks} rank(s); low latency {o.tokens} tokens, hidden {o.hidden}, top-{o.topk} of {o.experts} "
+        f"experts, FP8 dispatch, BF16 combine; normal {o.normal_tokens} tokens BF16; {o.iters} calls each"
+    )
 
 
-def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace) -> None:
+def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -> None:
     import torch
     import torch.distributed as dist
 
     import deep_ep
 
     torch.cuda.set_device(rank)
-    dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
+    dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=num_ranks)
     try:
         group = dist.new_group(list(range(num_ranks)))
         Buffer = deep_ep.Buffer
-        configs = [Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)] \
-            if num_ranks in (2, 4, 8) else [deep_ep.Config(Buffer.num_sms)]
+        configs = (
+            [Buffer.get_dispatch_config(num_ranks), Buffer.get_combine_config(num_ranks)]
+            if num_ranks in (2, 4, 8)
+            else [deep_ep.Config(Buffer.num_sms)]
+        )
         nvl_bytes = max(c.get_nvl_buffer_size_hint(o.hidden * 2, num_ranks) for c in configs)
         rdma_bytes = Buffer.get_low_latency_rdma_size_hint(o.tokens, o.hidden, num_ranks, o.experts)
         normal_buffer = Buffer(group, nvl_bytes, 0)
-        ll_buffer = Buffer(group, 0, rdma_bytes, low_latency_mode=True,
-                           num_qps_per_rank=max(1, o.experts // num_ranks))
-        rows = run_rows((normal_buffer, ll_buffer), torch, o, num_ranks, torch.device("cuda", rank), True,
-                        lambda: dist.barrier(group))
+        ll_buffer = Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, o.experts // num_ranks))
+        rows = run_rows(
+            (normal_buffer, ll_buffer),
+            torch,
+            o,
+            num_ranks,
+            torch.device("cuda", rank),
+            True,
+            lambda: dist.barrier(group),
+            show=rank == 0,
+        )
         torch.cuda.synchronize()
         dist.barrier(group)
         if rank == 0 and rows:
-            print_rows(rows, f"{torch.cuda.get_device_name()} x {num_ranks}, torch {torch.__version__}: "
-                             f"{header(o, num_ranks)}", o.json)
+            print_rows(
+                rows,
+                f"{torch.cuda.get_device_name()} x {num_ranks}, torch {torch.__version__}: {header(o, num_ranks)}",
+                o.json,
+            )
     finally:
         dist.destroy_process_group()
-
-
-def _free_port() -> int:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def main(argv: Optional[List[str]] = None) -> int:
@@ -286,7 +323,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     if num_gpus < o.ranks:
         print(f"needs {o.ranks} GPUs, {num_gpus} present (--ranks 1 for one GPU, --stub for none)", file=sys.stderr)
         return 2
-    mp.spawn(_worker, args=(o.ranks, _free_port(), o), nprocs=o.ranks, join=True)
+    # The group meets through a file (as tests/python/gpu/dist_util.py): no TCP port to collide with.
+    with tempfile.TemporaryDirectory(prefix="epx-host-overhead-") as directory:
+        mp.spawn(_worker, args=(o.ranks, os.path.join(directory, "store"), o), nprocs=o.ranks, join=True)
     return 0
 
 

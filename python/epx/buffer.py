@@ -600,9 +600,10 @@ class Buffer:
         recv_x = t.empty(num_local, num_rows, hidden, dtype=t.float8_e4m3fn if use_fp8 else t.bfloat16, device=dev)
         recv_scales = None
         if use_fp8:
-            # Column-major in the last two dimensions: a transposed view of [L, columns, R*M].
-            recv_scales = t.empty(num_local, num_scale_columns, num_rows, dtype=t.int32 if use_ue8m0 else t.float32,
-                                  device=dev).transpose(1, 2)
+            # [L, R*M, columns], column-major in the last two dimensions (the memory of [L, columns, R*M]).
+            recv_scales = t.empty_strided((num_local, num_rows, num_scale_columns),
+                                          (num_scale_columns * num_rows, 1, num_rows),
+                                          dtype=t.int32 if use_ue8m0 else t.float32, device=dev)
         recv_count = t.empty(num_local, dtype=t.int32, device=dev)
         src_info = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
         topk_pos = t.empty(num_local, num_rows, dtype=t.int32, device=dev)

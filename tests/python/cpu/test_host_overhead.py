@@ -38,11 +38,11 @@ def ll_inputs(num_tokens=MAX_TOKENS):
 def ll_step(wrapper, inputs, hook=False):
     x, ids, weights, stats, expert_out = inputs
     recv_x, recv_count, handle, event, dispatch_hook = wrapper.low_latency_dispatch(
-        x, ids, MAX_TOKENS, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats, return_recv_hook=hook)
+        x, ids, MAX_TOKENS, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats, return_recv_hook=hook
+    )
     if hook:
         dispatch_hook()
-    combined, event, combine_hook = wrapper.low_latency_combine(expert_out, ids, weights, handle,
-                                                                return_recv_hook=hook)
+    combined, event, combine_hook = wrapper.low_latency_combine(expert_out, ids, weights, handle, return_recv_hook=hook)
     if hook:
         combine_hook()
     return recv_x, recv_count, handle, combined
@@ -66,10 +66,14 @@ def test_passing_checks_build_no_text(stub, monkeypatch):
         ll_step(wrapper, inputs, hook)
     x, ids, weights, _, _ = inputs
     per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, num_tokens_per_rank=per_rank,
-                                                             is_token_in_rank=in_rank,
-                                                             num_tokens_per_expert=per_expert, topk_idx=ids,
-                                                             topk_weights=weights)
+    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=ids,
+        topk_weights=weights,
+    )
     wrapper.dispatch(x, handle)
     wrapper.combine(recv_x, handle, topk_weights=recv_weights)
 
@@ -79,22 +83,29 @@ def test_failing_checks_still_name_the_argument_the_value_and_the_rule(stub):
     x, ids, weights, stats, expert_out = ll_inputs()
     with pytest.raises(epx.EpxError, match=r"invalid x.dtype = torch.float32: must be torch.bfloat16"):
         wrapper.low_latency_dispatch(x.float(), ids, MAX_TOKENS, NUM_EXPERTS)
-    with pytest.raises(epx.EpxError, match=r"invalid topk_idx.shape = \(3, 4\): must have size 16 in dimension 0 "
-                                           r"\(expected \[16, \*\]\)"):
+    with pytest.raises(
+        epx.EpxError,
+        match=r"invalid topk_idx.shape = \(3, 4\): must have size 16 in dimension 0 "
+        r"\(expected \[16, \*\]\)",
+    ):
         wrapper.low_latency_dispatch(x, ids[:3], MAX_TOKENS, NUM_EXPERTS)
-    with pytest.raises(epx.EpxError, match=r"invalid cumulative_local_expert_recv_stats.shape = \(3,\): must have "
-                                           r"size 8 in dimension 0 \(expected \[8\]\)"):
-        wrapper.low_latency_dispatch(x, ids, MAX_TOKENS, NUM_EXPERTS,
-                                     cumulative_local_expert_recv_stats=stats[:3])
-    with pytest.raises(epx.EpxError, match=r"invalid topk_idx.dtype = torch.int16: must be torch.int64 or "
-                                           r"torch.int32"):
+    with pytest.raises(
+        epx.EpxError,
+        match=r"invalid cumulative_local_expert_recv_stats.shape = \(3,\): must have "
+        r"size 8 in dimension 0 \(expected \[8\]\)",
+    ):
+        wrapper.low_latency_dispatch(x, ids, MAX_TOKENS, NUM_EXPERTS, cumulative_local_expert_recv_stats=stats[:3])
+    with pytest.raises(
+        epx.EpxError,
+        match=r"invalid topk_idx.dtype = torch.int16: must be torch.int64 or "
+        r"torch.int32",
+    ):
         wrapper.low_latency_dispatch(x, ids.to(torch.int16), MAX_TOKENS, NUM_EXPERTS)
     _, _, handle, _, _ = wrapper.low_latency_dispatch(x, ids, MAX_TOKENS, NUM_EXPERTS)
     with pytest.raises(epx.EpxError, match=r"invalid topk_weights = NoneType: must be a torch.Tensor"):
         wrapper.low_latency_combine(expert_out, ids, None, handle)
     with pytest.raises(epx.EpxError, match=r"invalid x = a non-contiguous tensor: must be contiguous"):
-        wrapper.low_latency_combine(expert_out.transpose(0, 1).contiguous().transpose(0, 1), ids, weights,
-                                    handle)
+        wrapper.low_latency_combine(expert_out.transpose(0, 1).contiguous().transpose(0, 1), ids, weights, handle)
     with pytest.raises(epx.EpxError, match=r"invalid x = None: is required without zero_copy"):
         wrapper.low_latency_combine(None, ids, weights, handle)
 
@@ -102,14 +113,32 @@ def test_failing_checks_still_name_the_argument_the_value_and_the_rule(stub):
 def test_check_tensor_fast_path_agrees_with_its_checks():
     """check_tensor passes exactly where its checks one by one pass (the slow path raises the first failure)."""
     t = torch.zeros(4, 3)
-    cases = [dict(), dict(ndim=2), dict(ndim=3), dict(shape=(4, 3)), dict(shape=(4, None)), dict(shape=(None, 2)),
-             dict(shape=(4,)), dict(shape=(4, 3, None)), dict(shape=(4, 3, 1)), dict(dtype=torch.float32),
-             dict(dtype=torch.int32), dict(contiguous=True)]
+    cases = [
+        dict(),
+        dict(ndim=2),
+        dict(ndim=3),
+        dict(shape=(4, 3)),
+        dict(shape=(4, None)),
+        dict(shape=(None, 2)),
+        dict(shape=(4,)),
+        dict(shape=(4, 3, None)),
+        dict(shape=(4, 3, 1)),
+        dict(dtype=torch.float32),
+        dict(dtype=torch.int32),
+        dict(contiguous=True),
+    ]
     for kwargs in cases:
         for tensor in (t, t.t(), t[:, :2]):
             try:
-                util._raise_tensor_error(tensor, "t", kwargs.get("dtype"), kwargs.get("ndim"), kwargs.get("shape"),
-                                         False, kwargs.get("contiguous", True))
+                util._raise_tensor_error(
+                    tensor,
+                    "t",
+                    kwargs.get("dtype"),
+                    kwargs.get("ndim"),
+                    kwargs.get("shape"),
+                    False,
+                    kwargs.get("contiguous", True),
+                )
                 expected = None
             except (epx.EpxError, IndexError) as failure:
                 expected = type(failure), str(failure)
@@ -129,8 +158,7 @@ def test_low_latency_calls_do_nothing_a_graph_capture_refuses(stub, monkeypatch)
     inputs = ll_inputs()
     ll_step(wrapper, inputs)
     ll_step(wrapper, inputs, hook=True)
-    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__",
-                 "record_stream"):
+    for name in ("item", "tolist", "cpu", "numpy", "__bool__", "__int__", "__float__", "__index__", "record_stream"):
         forbid(monkeypatch, torch.Tensor, name, f"Tensor.{name}")
     for name in ("synchronize", "current_stream", "default_stream", "Stream", "Event", "stream", "set_stream"):
         forbid(monkeypatch, torch.cuda, name, f"torch.cuda.{name}")
@@ -185,8 +213,14 @@ def test_normal_handle_views_are_made_once(stub):
     wrapper, _ = stub
     x, ids, weights, _, _ = ll_inputs()
     per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    _, _, _, _, handle, _ = wrapper.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
-                                             num_tokens_per_expert=per_expert, topk_idx=ids, topk_weights=weights)
+    _, _, _, _, handle, _ = wrapper.dispatch(
+        x,
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=ids,
+        topk_weights=weights,
+    )
     native = handle[0]._epx_handle
     assert handle[3] is native.recv_src_idx and handle[5] is native.send_head
     assert native.recv_channel_offset is native.recv_channel_offset
@@ -196,8 +230,13 @@ def test_default_configs_are_set_once(stub, monkeypatch):
     wrapper, _ = stub
     x, ids, weights, _, _ = ll_inputs()
     per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    args = dict(num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
-                topk_idx=ids, topk_weights=weights)
+    args = dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=ids,
+        topk_weights=weights,
+    )
     recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, **args)
     runtime = wrapper.runtime.runtime
     sets = runtime.configs_set
