@@ -20,6 +20,11 @@ struct BenchOptions {
   // Normal mode: 0 = one node; fewer than the ranks: virtual nodes of this many ranks, so dispatch and
   // combine take the path across nodes (NVSHMEM between the nodes, NVLink forwarding inside them).
   int ranks_per_node = 0;
+  // Normal mode within one node: the send chunk and queue tokens of the NVLink queues (0: DeepEP's
+  // recommended config for the rank count, dispatch and combine each their own, as deep_ep callers get by
+  // default).
+  int nvl_send_chunk = 0;
+  int nvl_queue_tokens = 0;
   int ll_num_tokens = 128;
   int ll_num_experts = 288;
   int ll_ranks_per_node = 0;  // 0: one node; fewer than the ranks: virtual nodes joined by NVSHMEM
@@ -66,6 +71,8 @@ inline void validate_options(const BenchOptions& o) {
   for (int sms : o.num_sms) EPX_CHECK(sms >= 1, "--num-sms", sms, "must be >= 1");
   EPX_CHECK(o.ranks_per_node >= 0, "--ranks-per-node", o.ranks_per_node, "must be >= 0 (0: one node)");
   check_ranks_per_node("--ranks-per-node", o.ranks_per_node, o.num_ranks, "--ranks");
+  EPX_CHECK(o.nvl_send_chunk >= 0, "--nvl-chunk", o.nvl_send_chunk, "must be >= 0 (0: recommended)");
+  EPX_CHECK(o.nvl_queue_tokens >= 0, "--nvl-queue", o.nvl_queue_tokens, "must be >= 0 (0: recommended)");
   EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
   EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
   EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,

@@ -45,6 +45,10 @@ void print_help() {
       "                                  dispatch/combine take the path across nodes (NVSHMEM between "
       "them);\n"
       "                                  must divide --ranks (default: one node)\n"
+      "  --nvl-chunk N --nvl-queue N     normal mode in one node: tokens per NVLink send chunk and per "
+      "queue\n"
+      "                                  (default 0: DeepEP's recommended config for the rank count, as\n"
+      "                                  deep_ep callers get it; dispatch and combine each their own)\n"
       "  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)\n"
       "  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes\n"
       "                                  whose traffic between them goes through NVSHMEM (default: one "
@@ -116,6 +120,10 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.num_sms = parse_list(flag, value());
     } else if (flag == "--ranks-per-node") {
       o.ranks_per_node = parse_int(flag, value());
+    } else if (flag == "--nvl-chunk") {
+      o.nvl_send_chunk = parse_int(flag, value());
+    } else if (flag == "--nvl-queue") {
+      o.nvl_queue_tokens = parse_int(flag, value());
     } else if (flag == "--ll-tokens") {
       o.ll_num_tokens = parse_int(flag, value());
     } else if (flag == "--ll-experts") {

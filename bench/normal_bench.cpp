@@ -14,6 +14,7 @@
 #include "epx/bench_bytes.hpp"
 #include "epx/buffer.hpp"
 #include "epx/buffer_map/normal_buffer_map.hpp"
+#include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
@@ -219,6 +220,20 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
   }
 }
 
+// The config of the benchmark's calls with `num_sms`: within one node DeepEP's recommended one for the rank
+// count (what deep_ep callers run), the NVLink chunk and queue flags overriding it; across nodes Config's
+// defaults (the path between nodes has its own measurements, docs/BENCHMARKS.md).
+Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool across_nodes, int num_sms) {
+  Config config;
+  config.num_sms = num_sms;
+  if (across_nodes) return config;
+  config = recommended_config(op, num_ranks, num_sms);
+  if (o.nvl_send_chunk > 0) config.num_max_nvl_chunked_send_tokens = o.nvl_send_chunk;
+  if (o.nvl_queue_tokens > 0) config.num_max_nvl_chunked_recv_tokens = o.nvl_queue_tokens;
+  validate_config(config);
+  return config;
+}
+
 // Why the earlier isolated timing (host barrier alone) read far above back to back: the same call timed that
 // way, the ranks' barrier-exit skew it held, and the host's cost of the call on an idle GPU (the start event
 // fires before the host has launched anything).
@@ -248,10 +263,14 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   // Sized for the widest SM budget of the sweep or of the checks (the default queue sizes); the size does not
   // depend on tokens. Across nodes: the network queues in the symmetric buffer; the NVLink hint of up to 8
   // ranks also covers the forwarding queues of any split into virtual nodes.
-  Config widest;
-  widest.num_sms = std::max(buffer_options.num_sms, *std::max_element(o.num_sms.begin(), o.num_sms.end()));
+  const int widest_sms =
+      std::max(buffer_options.num_sms, *std::max_element(o.num_sms.begin(), o.num_sms.end()));
+  const Config widest = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, widest_sms);
   const size_t hidden_bytes = size_t(o.hidden) * 2;
-  buffer_options.num_nvl_bytes = widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks);
+  buffer_options.num_nvl_bytes =
+      std::max(widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
+               bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, widest_sms)
+                   .get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
   if (across_nodes) {
     buffer_options.ranks_per_node = ranks_per_node;
     buffer_options.num_rdma_bytes = widest.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node);
@@ -308,7 +327,9 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   std::vector<BenchRow> out;
   bool studied = false;
   for (int sms : o.num_sms) {
-    buffer.set_num_sms(sms);
+    const Config dispatch_config = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, sms);
+    const Config combine_config = bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, sms);
+    buffer.set_config(dispatch_config);
     // The handle splits tokens into the channels of the SM budget it was made with: one per budget, so the
     // cached dispatch and the combine below run on `sms` SMs too.
     const DispatchPlan sms_plan =
@@ -410,6 +431,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
         add_timing_study(bootstrap, stream, o, flush, cached_dispatch, sms, nvl_bytes, out);
       }
     }
+    buffer.set_config(combine_config);
     const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
     const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
     const auto run_combine = [&] {

@@ -37,6 +37,14 @@ struct Config {
   size_t get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node = 0) const;
 };
 
+// Which normal-mode call a recommended config is for.
+enum class ConfigFor { kDispatch, kCombine };
+
+// DeepEP V1's recommended config for `op` in a group of `num_ranks` (what deep_ep callers get from
+// Buffer.get_dispatch_config / get_combine_config, and what its calls use without one), with `num_sms`;
+// Config's defaults with `num_sms` for a group size DeepEP has no recommendation for.
+Config recommended_config(ConfigFor op, int num_ranks, int num_sms);
+
 // Throws epx::Error naming the first field that breaks a rule (>= 1; send chunk <= queue tokens, for the
 // NVLink and the network queues).
 void validate_config(const Config& config);

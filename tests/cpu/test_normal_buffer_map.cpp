@@ -229,3 +229,22 @@ TEST(NormalBufferMap, ShapeChecksNameTheArgument) {
 }
 
 }  // namespace
+
+// The C++ benchmark runs what deep_ep callers get: DeepEP's recommended chunk sizes for the group size (the
+// same table as epx.compat.deep_ep), Config's defaults where it has none; the SM budget is the caller's.
+TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
+  const Config dispatch2 = epx::recommended_config(epx::ConfigFor::kDispatch, 2, 16);
+  EXPECT_EQ(dispatch2.num_sms, 16);
+  EXPECT_EQ(dispatch2.num_max_nvl_chunked_send_tokens, 24);
+  EXPECT_EQ(dispatch2.num_max_nvl_chunked_recv_tokens, 256);
+  EXPECT_EQ(dispatch2.num_max_rdma_chunked_recv_tokens, 128);
+  const Config combine8 = epx::recommended_config(epx::ConfigFor::kCombine, 8, 24);
+  EXPECT_EQ(combine8.num_max_nvl_chunked_send_tokens, 4);
+  const Config none = epx::recommended_config(epx::ConfigFor::kCombine, 3, 8);
+  EXPECT_EQ(none.num_sms, 8);
+  EXPECT_EQ(none.num_max_nvl_chunked_send_tokens, Config{}.num_max_nvl_chunked_send_tokens);
+  for (int num_ranks : {1, 2, 4, 8, 16, 24, 32, 64, 128, 144, 160}) {
+    for (auto op : {epx::ConfigFor::kDispatch, epx::ConfigFor::kCombine})
+      EXPECT_NO_THROW(epx::validate_config(epx::recommended_config(op, num_ranks, 24))) << num_ranks;
+  }
+}
