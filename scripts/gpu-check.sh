@@ -1,13 +1,20 @@
 #!/usr/bin/env bash
-# The one command a GPU machine runs: build (or reuse a carried build), run the GPU tests, the C++ examples,
-# the Python tests and example and the benchmark, and leave logs, the benchmark's table, JSON and plot
-# (bench.svg: EPX beside NCCL) plus summary.json under $OUT (default gpu-out/).
+# The one command a GPU machine runs: build (or reuse a carried build), then every GPU test side by side, then
+# the benchmark alone on the quiet machine. Within 9 minutes on two GPUs:
+#   - the C++ GPU tests at one rank per GPU, in two shards;
+#   - the C++ GPU tests of larger groups (4 ranks by default) with ranks sharing the GPUs
+#     (EPX_TEST_RANKS_PER_GPU, EPX_TEST_MIN_RANKS: only the groups one rank per GPU could not run);
+#   - the Python GPU tests (megatron-core's included when its wheel is installed or carried in .whl/) and the
+#     examples, at one rank per GPU, and the Python tests of larger groups with ranks sharing the GPUs;
+#   - epx-bench: normal mode at SM budgets 8, 16, 24 and 32, low-latency mode, NCCL beside both.
+# Logs, the benchmark's table, JSON and plot (bench.svg) and summary.txt go under $OUT (default gpu-out/); at
+# most 8 files, the per-job logs packed in logs.tar.gz. Exit status: non-zero when any stage failed.
 # Environment knobs:
-#   GPU_TESTS      gtest filter of the GPU tests (default: all; "-" skips them)
-#   PY_TESTS       "-" skips the Python GPU tests and the example
-#   BENCH_ARGS     epx-bench flags (default: the shapes of docs/BENCHMARKS.md; "skip" skips the benchmark)
-#   TEST_TIMEOUT / BENCH_TIMEOUT  seconds before the stage is killed (default 300 / 240)
-#   EPX_TEST_RANKS_PER_GPU  N ranks share each GPU in the tests (logic of larger groups on fewer GPUs; slow)
+#   GPU_TESTS      gtest filter of the C++ GPU tests (default: all; "-" skips them and the C++ examples)
+#   PY_TESTS       "-" skips the Python GPU tests and the Python example
+#   BENCH_ARGS     epx-bench flags (default: see above; "skip" skips the benchmark)
+#   SHARED_RANKS   the larger group size the shared-GPU jobs cover (default 4; 0 skips those jobs)
+#   TEST_TIMEOUT / BENCH_TIMEOUT  seconds before the tests / the benchmark are killed (default 420 / 150)
 #   EPX_BUILD_DIR  build folder (default build-gpu/); when it already holds the binaries and EPX_REBUILD is
 #                  unset, they are used as they are (a build carried from a machine with nvcc).
 set -uo pipefail
@@ -15,6 +22,9 @@ root=$(cd "$(dirname "$0")/.." && pwd)
 cd "$root"
 out=${OUT:-$root/gpu-out}
 mkdir -p "$out"
+logs=$(mktemp -d)
+start_s=$(date +%s)
+elapsed() { echo $(($(date +%s) - start_s)); }
 # Multicast objects can take a shared host out of service: keep every NVLS/multicast path off.
 export NCCL_NVLS_ENABLE=0 NVSHMEM_DISABLE_NVLS=1 TORCH_SYMM_MEM_DISABLE_MULTICAST=1
 # A stuck device wait reports within this many seconds instead of eating the machine's time.
@@ -26,69 +36,127 @@ build=$EPX_BUILD_DIR
 for module in nvidia.nccl nvidia.nvshmem; do
   dir=$(python3 -c "import $module as m; print(m.__path__[0])" 2>/dev/null) && export LD_LIBRARY_PATH=$dir/lib:${LD_LIBRARY_PATH:-}
 done
-# The image may lack an installed GoogleTest: use the source tree carried in .carry/ (see README).
+# The image may lack an installed GoogleTest: use a source tree carried in .carry/googletest.
 if [ ! -f /usr/include/gtest/gtest.h ] && [ -d "$root/.carry/googletest" ]; then
   export EPX_GTEST_SOURCE_DIR=$root/.carry/googletest
 fi
+# Wheels carried in .whl/ (megatron-core for its fused_a2a tests, on a machine without a network).
+site=""
+if compgen -G "$root/.whl/*.whl" >/dev/null; then
+  site=$(mktemp -d)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --target "$site" "$root"/.whl/*.whl ||
+    echo "gpu-check: the wheels in .whl/ did not install"
+fi
 
 { nvidia-smi -L; nvidia-smi topo -m; } >"$out/machine.txt" 2>&1
+num_gpus=$(nvidia-smi -L 2>/dev/null | grep -c '^GPU')
+echo "gpu-check on $num_gpus GPU(s): $(nvidia-smi --query-gpu=name --format=csv,noheader | head -1)"
 build_s=0
 if [ -n "${EPX_REBUILD:-}" ] || [ ! -x "$build/tests/epx_gpu_tests" ] || [ ! -x "$build/bench/epx-bench" ]; then
-  start=$(date +%s)
-  "$root/scripts/configure.sh" >"$out/configure.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >"$out/build.log" 2>&1
+  "$root/scripts/configure.sh" >"$logs/configure.log" 2>&1 && cmake --build "$build" -j "$(nproc)" >"$logs/build.log" 2>&1
   build_rc=$?
-  build_s=$(($(date +%s) - start))
+  build_s=$(elapsed)
   echo "build: rc=$build_rc in ${build_s}s on $(nproc) cores"
-  [ $build_rc = 0 ] || { tail -40 "$out/build.log"; exit $build_rc; }
-fi
-
-tests_rc=skipped
-if [ "${GPU_TESTS:-*}" != "-" ]; then
-  timeout -k 10 "${TEST_TIMEOUT:-300}" "$build/tests/epx_gpu_tests" --gtest_filter="${GPU_TESTS:-*}" --gtest_output="json:$out/gpu-tests.json" \
-    >"$out/gpu-tests.log" 2>&1
-  tests_rc=$?
-  grep -E "^\[  (PASSED|FAILED|SKIPPED) |^\[  FAILED  \]|tests? ran" "$out/gpu-tests.log" | tail -40
-  grep -E "^\[       OK \]|^\[  FAILED  \]|^\[  SKIPPED \]" "$out/gpu-tests.log" | sed 's/^/  /' | tail -80 >"$out/gpu-tests-brief.txt"
-fi
-
-# The numbered C++ examples, each checking its own result, on every GPU (4 ranks at most).
-examples_rc=skipped
-if [ "${GPU_TESTS:-*}" != "-" ] && [ -x "$build/examples/epx_example_normal" ]; then
-  ranks=$(($(nvidia-smi -L | grep -c '^GPU') * ${EPX_TEST_RANKS_PER_GPU:-1}))
-  [ $ranks -gt 4 ] && ranks=4
-  examples_rc=0
-  for example in normal low_latency; do
-    timeout -k 10 120 "$build/examples/epx_example_$example" $ranks >>"$out/cpp-examples.log" 2>&1 || examples_rc=1
-  done
-  tail -12 "$out/cpp-examples.log"
-fi
-
-# Python: the binding's GPU pytest suite (torch multiprocessing) and the example MoE layer trained on the GPUs.
-py_rc=skipped
-if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
-  export PYTHONPATH=$root/python:$build/python
-  timeout -k 10 "${PY_TIMEOUT:-300}" python3 -m pytest -q -p no:cacheprovider -rs tests/python/gpu \
-    >"$out/py-tests.log" 2>&1
-  py_rc=$?
-  tail -15 "$out/py-tests.log"
-  if [ "${EPX_TEST_RANKS_PER_GPU:-1}" -le 1 ]; then  # the example's NCCL group needs a GPU per rank
-    timeout -k 10 120 python3 examples/03_moe_layer.py >"$out/moe-example.log" 2>&1 || py_rc=example-failed
-    tail -8 "$out/moe-example.log"
+  if [ $build_rc != 0 ]; then
+    tail -40 "$logs/build.log"
+    tar czf "$out/logs.tar.gz" -C "$logs" .
+    exit $build_rc
   fi
 fi
 
+# ---- Every test, side by side: job NAME ENV=VALUE... -- COMMAND ----
+test_timeout=${TEST_TIMEOUT:-420}
+shared_ranks=${SHARED_RANKS:-4}
+shared_per_gpu=$(((shared_ranks + num_gpus - 1) / num_gpus))
+names=()
+job() {
+  local name=$1
+  shift
+  local vars=()
+  while [ "$1" != "--" ]; do
+    vars+=("$1")
+    shift
+  done
+  shift
+  names+=("$name")
+  (
+    job_start=$(date +%s)
+    env "${vars[@]}" timeout -k 10 "$test_timeout" "$@" >"$logs/$name.log" 2>&1
+    echo "$? $(($(date +%s) - job_start))" >"$logs/$name.rc"
+  ) &
+}
+gtest_args=(--gtest_filter="${GPU_TESTS:-*}" --gtest_brief=1)
+export PYTHONPATH=$root/python:$build/python${site:+:$site}
+if [ "${GPU_TESTS:-*}" != "-" ]; then
+  for shard in 0 1; do
+    job "cpp-$shard" GTEST_TOTAL_SHARDS=2 GTEST_SHARD_INDEX=$shard \
+      -- "$build/tests/epx_gpu_tests" "${gtest_args[@]}" --gtest_output="json:$logs/cpp-$shard.json"
+  done
+  if [ "$shared_ranks" -gt "$num_gpus" ]; then
+    job cpp-shared EPX_TEST_RANKS_PER_GPU="$shared_per_gpu" EPX_TEST_MIN_RANKS=$((num_gpus + 1)) \
+      -- "$build/tests/epx_gpu_tests" "${gtest_args[@]}" --gtest_output="json:$logs/cpp-shared.json"
+  fi
+  # The numbered C++ examples, each checking its own result, on every GPU (4 ranks at most).
+  if [ -x "$build/examples/epx_example_normal" ]; then
+    ranks=$((num_gpus > 4 ? 4 : num_gpus))
+    job cpp-examples -- bash -c "'$build/examples/epx_example_normal' $ranks && '$build/examples/epx_example_low_latency' $ranks"
+  fi
+fi
+if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
+  pytest_args=(-q -p no:cacheprovider -rs tests/python/gpu)
+  job py -- bash -c "python3 -m pytest ${pytest_args[*]} && python3 examples/03_moe_layer.py"
+  if [ "$shared_ranks" -gt "$num_gpus" ]; then
+    job py-shared EPX_TEST_RANKS_PER_GPU="$shared_per_gpu" EPX_TEST_MIN_RANKS=$((num_gpus + 1)) \
+      -- python3 -m pytest "${pytest_args[@]}"
+  fi
+fi
+wait
+
+# One line per job: passed, failed, skipped (gtest's JSON; pytest's last line), exit status, seconds.
+summary=$out/summary.txt
+tests_failed=0
+{
+  printf '%-13s %7s %7s %8s %5s %6s\n' job passed failed skipped rc s
+  for name in "${names[@]}"; do
+    read -r rc secs <"$logs/$name.rc"
+    passed=- failed=- skipped=-
+    if [ -f "$logs/$name.json" ]; then
+      read -r passed failed skipped < <(python3 - "$logs/$name.json" <<'EOF'
+import json, sys
+tests = [t for suite in json.load(open(sys.argv[1]))["testsuites"] for t in suite["testsuite"]]
+skipped = sum(t.get("result") == "SKIPPED" for t in tests)
+failed = sum(bool(t.get("failures")) for t in tests)
+print(len(tests) - skipped - failed, failed, skipped)
+EOF
+      )
+    elif [[ $name == py* ]]; then
+      line=$(grep -E '[0-9]+ (passed|failed)' "$logs/$name.log" | tail -1)
+      passed=$(grep -oE '[0-9]+ passed' <<<"$line" | cut -d' ' -f1)
+      failed=$(grep -oE '[0-9]+ failed' <<<"$line" | cut -d' ' -f1)
+      skipped=$(grep -oE '[0-9]+ skipped' <<<"$line" | cut -d' ' -f1)
+    fi
+    printf '%-13s %7s %7s %8s %5s %6s\n' "$name" "${passed:-0}" "${failed:-0}" "${skipped:-0}" "$rc" "$secs"
+    [ "$rc" = 0 ] || tests_failed=1
+  done
+} | tee "$summary"
+[ $tests_failed = 0 ] || for name in "${names[@]}"; do
+  read -r rc _ <"$logs/$name.rc"
+  [ "$rc" = 0 ] || { echo "--- $name (rc $rc), last lines:"; grep -E "FAILED|Error|error" "$logs/$name.log" | tail -15; }
+done | tee -a "$summary"
+echo "tests done at $(elapsed)s" | tee -a "$summary"
+
+# ---- The benchmark, alone on the machine ----
 bench_rc=skipped
 if [ "${BENCH_ARGS:-}" != "skip" ]; then
   # shellcheck disable=SC2086
-  timeout -k 10 "${BENCH_TIMEOUT:-240}" "$build/bench/epx-bench" --json-file "$out/bench.json" \
-    --plot "$out/bench.svg" ${BENCH_ARGS:-} >"$out/bench.txt" 2>&1
+  timeout -k 10 "${BENCH_TIMEOUT:-150}" "$build/bench/epx-bench" --json-file "$out/bench.json" \
+    --plot "$out/bench.svg" ${BENCH_ARGS:---num-sms 8,16,24,32} >"$out/bench.txt" 2>&1
   bench_rc=$?
-  tail -60 "$out/bench.txt"
+  grep -vE "^  " "$out/bench.txt" | tail -45
 fi
-
-printf '{"date":"%s","build_s":%s,"tests_rc":"%s","examples_rc":"%s","py_rc":"%s","bench_rc":"%s"}\n' \
-  "$(date -Iseconds)" "$build_s" "$tests_rc" "$examples_rc" "$py_rc" "$bench_rc" | tee "$out/summary.json"
-[ "$tests_rc" = 0 ] || [ "$tests_rc" = skipped ] || exit 1
-[ "$examples_rc" = 0 ] || [ "$examples_rc" = skipped ] || exit 1
-[ "$py_rc" = 0 ] || [ "$py_rc" = skipped ] || exit 1
+printf '{"date":"%s","gpus":%s,"build_s":%s,"tests_failed":%s,"bench_rc":"%s","total_s":%s}\n' \
+  "$(date -Iseconds)" "$num_gpus" "$build_s" "$tests_failed" "$bench_rc" "$(elapsed)" | tee -a "$summary"
+tar czf "$out/logs.tar.gz" -C "$logs" .
+rm -rf "$logs" ${site:+"$site"}
+[ "$tests_failed" = 0 ] || exit 1
 [ "$bench_rc" = 0 ] || [ "$bench_rc" = skipped ] || exit 1

@@ -22,6 +22,13 @@ inline int test_ranks_per_gpu() {
   return n > 1 ? n : 1;
 }
 
+// EPX_TEST_MIN_RANKS=N skips the tests of fewer than N ranks: a run with ranks sharing GPUs then covers only
+// the groups that one rank per GPU could not (scripts/gpu-check.sh runs both side by side). Default 1.
+inline int test_min_ranks() {
+  const char* value = std::getenv("EPX_TEST_MIN_RANKS");
+  return value != nullptr ? std::atoi(value) : 1;
+}
+
 // How many ranks the GPU tests can start here.
 inline int test_rank_capacity() {
   return visible_gpu_count() * test_ranks_per_gpu();
@@ -35,6 +42,9 @@ inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& work
   const int num_gpus = visible_gpu_count();
   if (num_gpus * test_ranks_per_gpu() < num_ranks) {
     GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
+  }
+  if (num_ranks < test_min_ranks()) {
+    GTEST_SKIP() << num_ranks << " ranks: below EPX_TEST_MIN_RANKS=" << test_min_ranks();
   }
   LocalLaunchOptions options;
   options.num_ranks = num_ranks;

@@ -2,7 +2,8 @@
 Tests skip (not fail) without torch, without CUDA, or with fewer GPUs than they need.
 
 EPX_TEST_RANKS_PER_GPU=N lets N ranks share each GPU (rank r on cuda:r % GPUs, a Gloo group since NCCL refuses
-two ranks on one GPU): it checks larger groups' logic on fewer GPUs, never their speed."""
+two ranks on one GPU): it checks larger groups' logic on fewer GPUs, never their speed. EPX_TEST_MIN_RANKS=N skips
+the tests of fewer ranks."""
 
 import os
 import tempfile
@@ -21,11 +22,18 @@ def require_gpus(num_gpus):
         pytest.skip("no CUDA device")
     if torch.cuda.device_count() * ranks_per_gpu() < num_gpus:
         pytest.skip(f"needs {num_gpus} GPUs, {torch.cuda.device_count()} present")
+    if num_gpus < min_ranks():
+        pytest.skip(f"{num_gpus} ranks: below EPX_TEST_MIN_RANKS={min_ranks()}")
     return torch
 
 
 def ranks_per_gpu():
     return max(1, int(os.environ.get("EPX_TEST_RANKS_PER_GPU", "1")))
+
+
+def min_ranks():
+    """EPX_TEST_MIN_RANKS=N skips tests of fewer ranks (a shared-GPU run that covers only the larger groups)."""
+    return int(os.environ.get("EPX_TEST_MIN_RANKS", "1"))
 
 
 def _entry(rank, num_ranks, store_file, worker, args):
