@@ -9,7 +9,7 @@ PYTHON=$("$root/scripts/deps.sh" pip)
 target=$(mktemp -d)
 log=$(mktemp)
 trap 'rm -rf "$target" "$log"' EXIT
-echo "pip-check: building the wheel with $PYTHON (about 3 minutes on 2 cores; ninja's steps below)"
+echo "pip-check: building the wheel with $PYTHON (2 to 3 minutes on 2 cores; ninja's steps below)"
 status=0
 "$PYTHON" -m pip install -v --disable-pip-version-check --no-build-isolation --no-deps --target "$target" \
   "$root/python" 2>&1 | tee "$log" | while IFS= read -r line; do
