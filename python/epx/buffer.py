@@ -292,7 +292,7 @@ class Buffer:
     def _apply_config(self, config: Optional[Config]) -> Any:
         """The whole config (SM budget, send chunk, queue tokens) becomes the runtime's, for this call and the
         next ones; None keeps the runtime's current config. Returns the config before (None when unchanged),
-        for _restore_config. A config this Buffer set last (the same object, or an equal one) is not set again."""
+        for _restore_config. A config with the fields of the one this Buffer set last is not set again."""
         if config is None:
             return None
         # Its fields now (a Config changed in place is another config); an object that is not a config has none.

@@ -489,7 +489,8 @@ class StubBinding(FakeBinding):
         native = Struct(num_recv_per_rank=[num_tokens])
         self.add_handle_arrays(native, np.ones(num_tokens, dtype=bool), num_channels, np.arange(num_tokens))
         self.pointer = util.pointer  # after the handle's arrays are registered for device_view
-        self.device_view = util.device_view  # the layer's own (DLPack works on CPU memory too)
+        if hasattr(util, "array_view"):  # the layer's own (DLPack works on CPU memory too); an older layer's
+            self.device_view = util.device_view  # views need CUDA: they keep the fake's
         self.no_event = _NoEvent()
         self.plan = Struct(num_recv_rows=num_tokens, num_recv_tokens_per_expert=[num_tokens] * num_experts,
                            handle=native, rows_in_guess=False)
