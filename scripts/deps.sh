@@ -95,7 +95,7 @@ elif "$python" -c 'import sys; sys.exit(sys.prefix == sys.base_prefix)' 2>/dev/n
 elif [ -n "${CONDA_PREFIX:-}" ] && [ "$("$python" -c 'import sys; print(sys.prefix)')" = "$CONDA_PREFIX" ]; then
   say "using the active conda environment $CONDA_PREFIX"
 elif [ "${EPX_DEPS_SYSTEM:-0}" = 1 ]; then
-  say "EPX_DEPS_SYSTEM=1: installing into $python itself"
+  say "EPX_DEPS_SYSTEM=1: using $python itself; what it lacks is installed there"
   export PIP_ROOT_USER_ACTION=ignore  # asked for: pip's warning about root would only repeat it
 elif venv=${EPX_VENV:-$root/.venv} && { [ -x "$venv/bin/python" ] || [ -n "$(missing_in "$python")" ]; }; then
   if [ ! -x "$venv/bin/python" ]; then
