@@ -406,6 +406,36 @@ def test_buffer_options_carry_ranks_per_node():
     assert options.ranks_per_node == 4
 
 
+def test_call_structs_take_their_fields_by_keyword():
+    """The torch layer fills a call's struct in one constructor call: every field by keyword (pointers as ints),
+    defaults for the rest, a TypeError naming an unknown field or a value of the wrong type."""
+    if not epx.WITH_CUDA:
+        pytest.skip("built without CUDA")
+    default = _epx.LowLatencyDispatchInput()
+    given = _epx.LowLatencyDispatchInput(x=0x1000, num_tokens=3, use_fp8=False, topk_weights=0x2000)
+    assert (given.x, given.num_tokens, given.use_fp8, given.topk_weights) == (0x1000, 3, False, 0x2000)
+    assert (given.hidden, given.round_scale, given.topk_idx) == (default.hidden, default.round_scale, 0)
+    dispatch = _epx.DispatchInput(format=_epx.TokenFormat.FP8, expert_alignment=4)
+    assert dispatch.format == _epx.TokenFormat.FP8 and dispatch.expert_alignment == 4
+    assert _epx.DispatchInput().expert_alignment == 1
+    with pytest.raises(TypeError, match="unknown field num_tokenz"):
+        _epx.LowLatencyDispatchInput(num_tokenz=3)
+    with pytest.raises(TypeError, match="x: cannot take a str"):
+        _epx.CombineInput(x="0x1000")
+    with pytest.raises(TypeError, match="num_topk: cannot take a float"):
+        _epx.LowLatencyCombineInput(num_topk=2.5)
+    for name in ("DispatchLayoutOutput", "DispatchOutput", "CombineOutput", "LowLatencyDispatchOutput"):
+        assert getattr(_epx, name)() is not None
+
+
+def test_device_view_capsule_is_a_dltensor():
+    torch = pytest.importorskip("torch")
+    source = torch.arange(6, dtype=torch.int64)
+    view = torch.utils.dlpack.from_dlpack(_epx.device_view_capsule(source.data_ptr(), 0, 64, [2, 3], 1, 0, source))
+    assert view.dtype == torch.int64 and view.tolist() == [[0, 1, 2], [3, 4, 5]]
+    assert view.data_ptr() == source.data_ptr()
+
+
 def test_runtime_buffer_without_gpu_raises_epx_error():
     if not epx.WITH_CUDA:
         pytest.skip("built without CUDA")
