@@ -194,12 +194,14 @@ class StreamSwitch:
             return
         c = torch()._C
         if _has_raw_stream_calls(c) and c._cuda_getDevice() == ids[1]:
-            self._saved.append(c._cuda_getCurrentStream(ids[1]))  # (stream_id, device_index, device_type)
-            c._cuda_setStream(*ids)
-        else:
-            context = torch().cuda.stream(self._stream)
-            context.__enter__()
-            self._saved.append(context)
+            previous = c._cuda_getCurrentStream(ids[1])  # (stream_id, device_index, device_type) since torch 1.13
+            if isinstance(previous, tuple):
+                c._cuda_setStream(*ids)
+                self._saved.append(previous)
+                return
+        context = torch().cuda.stream(self._stream)
+        context.__enter__()
+        self._saved.append(context)
 
     def __exit__(self, exc_type: Any, exc_value: Any, traceback: Any) -> None:
         if self._ids is None:
