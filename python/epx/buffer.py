@@ -16,6 +16,7 @@ from ._util import (
     device_view,
     error,
     event_handle,
+    fast_empty_strided,
     maybe_stream,
     pointer,
     record_stream,
@@ -139,6 +140,17 @@ class Buffer:
         # through which this Buffer changes the runtime's config keeps it current.
         self._config_set: Optional[Tuple[Any, ...]] = None
         self._on_comm_stream = StreamSwitch(self.comm_stream)  # `with` it: the comm stream is current
+        self._fast_empty = fast_empty_strided(self.device)  # allocates on the current device
+        self._current_device = getattr(torch()._C, "_cuda_getDevice", None) if self.device.type == "cuda" else None
+
+    def _empty(self) -> Callable[[tuple, tuple, Any], Any]:
+        """This call's allocator, f(sizes, strides, dtype) on the Buffer's device and the current stream: the fast
+        one (fast_empty_strided) when the current device is the Buffer's, else torch.empty_strided."""
+        fast = self._fast_empty
+        if fast is not None and (self._current_device is None or self._current_device() == self._device_index):
+            return fast
+        device = self.device
+        return lambda sizes, strides, dtype: torch().empty_strided(sizes, strides, dtype=dtype, device=device)
 
     # ---- Life cycle and properties ----
 
@@ -321,12 +333,12 @@ class Buffer:
             topk_idx = as_topk_idx(topk_idx)
         num_tokens, num_topk = topk_idx.shape
         order = self._order(previous_event, async_finish)
-        num_ranks, num_nodes, device = self.num_ranks, self.get_num_rdma_ranks(), self.device
+        num_ranks, num_nodes, empty = self.num_ranks, self.get_num_rdma_ranks(), self._empty()
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
-            per_rank = t.empty(num_ranks, dtype=t.int32, device=device)
-            per_node = t.empty(num_nodes, dtype=t.int32, device=device) if num_nodes > 1 else None
-            per_expert = t.empty(max(num_experts, 0), dtype=t.int32, device=device)
-            in_rank = t.empty(num_tokens, num_ranks, dtype=t.bool, device=device)
+            per_rank = empty((num_ranks,), (1,), t.int32)
+            per_node = empty((num_nodes,), (1,), t.int32) if num_nodes > 1 else None
+            per_expert = empty((max(num_experts, 0),), (1,), t.int32)
+            in_rank = empty((num_tokens, num_ranks), (num_ranks, 1), t.bool)
         out = _epx.DispatchLayoutOutput(num_tokens_per_rank=per_rank.data_ptr(),
                                         num_tokens_per_expert=per_expert.data_ptr(),
                                         is_token_in_rank=in_rank.data_ptr(), num_tokens_per_rdma_rank=pointer(per_node))
@@ -443,8 +455,8 @@ class Buffer:
                 and not self.runtime.spans_nodes:
             guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
             with maybe_stream(alloc_stream):
-                guess = _dispatch_outputs(t, guess_rows, hidden, x.dtype, tokens.num_scales, scales_dtype, num_topk,
-                                          self.device)
+                guess = _dispatch_outputs(t, self._empty(), guess_rows, hidden, x.dtype, tokens.num_scales,
+                                          scales_dtype, num_topk)
             native_guess = _epx.DispatchOutputGuess()
             native_guess.outputs = _native_outputs(guess)
             native_guess.rows = guess_rows
@@ -473,8 +485,8 @@ class Buffer:
                 native_out = native_guess.outputs
             else:
                 with maybe_stream(alloc_stream):
-                    outputs = _dispatch_outputs(t, rows, hidden, x.dtype, tokens.num_scales, scales_dtype, num_topk,
-                                                self.device)
+                    outputs = _dispatch_outputs(t, self._empty(), rows, hidden, x.dtype, tokens.num_scales,
+                                                scales_dtype, num_topk)
                 native_out = _native_outputs(outputs)
         except BaseException:
             _epx.dispatch_cancel(self.runtime, plan)  # the launched receive drains instead of waiting
@@ -514,10 +526,12 @@ class Buffer:
         previous_config = self._apply_config(config)
         order = self._order(previous_event, async_finish)
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
-            combined_x = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
+            empty = self._empty()
+            combined_x = empty((num_tokens, hidden), (hidden, 1), t.bfloat16)
             combined_weights = None
             if topk_weights is not None:
-                combined_weights = t.empty(num_tokens, topk_weights.size(1), dtype=t.float32, device=self.device)
+                num_topk = topk_weights.size(1)
+                combined_weights = empty((num_tokens, num_topk), (num_topk, 1), t.float32)
         num_biases = len(biases)
         native_in = _epx.CombineInput(x=x.data_ptr(), topk_weights=pointer(topk_weights),
                                       num_topk=0 if topk_weights is None else topk_weights.size(1), hidden=hidden,
@@ -596,23 +610,25 @@ class Buffer:
         if dispatch_wait_recv_cost_stats is not None:
             check_tensor(dispatch_wait_recv_cost_stats, "dispatch_wait_recv_cost_stats", dtype=t.int64,
                          shape=(self.num_ranks,), ndim=1)
-        dev = self.device
-        recv_x = t.empty(num_local, num_rows, hidden, dtype=t.float8_e4m3fn if use_fp8 else t.bfloat16, device=dev)
+        # Outputs (sizes, strides, dtype): compact unless said otherwise.
+        empty, num_ranks = self._empty(), self.num_ranks
+        recv_x = empty((num_local, num_rows, hidden), (num_rows * hidden, hidden, 1),
+                       t.float8_e4m3fn if use_fp8 else t.bfloat16)
         recv_scales = None
         if use_fp8:
             # [L, R*M, columns], column-major in the last two dimensions (the memory of [L, columns, R*M]).
-            recv_scales = t.empty_strided((num_local, num_rows, num_scale_columns),
-                                          (num_scale_columns * num_rows, 1, num_rows),
-                                          dtype=t.int32 if use_ue8m0 else t.float32, device=dev)
-        recv_count = t.empty(num_local, dtype=t.int32, device=dev)
-        src_info = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
-        topk_pos = t.empty(num_local, num_rows, dtype=t.int32, device=dev)
+            recv_scales = empty((num_local, num_rows, num_scale_columns), (num_scale_columns * num_rows, 1, num_rows),
+                                t.int32 if use_ue8m0 else t.float32)
+        recv_count = empty((num_local,), (1,), t.int32)
+        src_info = empty((num_local, num_rows), (num_rows, 1), t.int32)
+        topk_pos = empty((num_local, num_rows), (num_rows, 1), t.int32)
         # One int64 per (local expert, source): begin << 32 | count, DeepEP's packed recv_layout_range.
-        layout_range = t.empty(num_local, self.num_ranks, dtype=t.int64, device=dev)
+        layout_range = empty((num_local, num_ranks), (num_ranks, 1), t.int64)
         listings = None
         if topk_weights is not None:
-            listings = t.empty(self.num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2, dtype=t.int32,
-                               device=dev)
+            max_tokens = num_max_dispatch_tokens_per_rank
+            listings = empty((num_ranks, max_tokens, num_topk, 2), (max_tokens * num_topk * 2, num_topk * 2, 2, 1),
+                             t.int32)
         out = _epx.LowLatencyDispatchOutput(
             recv_x=recv_x.data_ptr(), recv_x_scales=0 if recv_scales is None else recv_scales.data_ptr(),
             recv_count=recv_count.data_ptr(), recv_src_info=src_info.data_ptr(), recv_topk_pos=topk_pos.data_ptr(),
@@ -682,7 +698,7 @@ class Buffer:
             check_tensor(combine_wait_recv_cost_stats, "combine_wait_recv_cost_stats", dtype=t.int64, ndim=1,
                          shape=(self.num_ranks,))
         if out is None:
-            out = t.empty(num_tokens, hidden, dtype=t.bfloat16, device=self.device)
+            out = self._empty()((num_tokens, hidden), (hidden, 1), t.bfloat16)
         else:
             check_tensor(out, "out", dtype=t.bfloat16, shape=(num_tokens, hidden), ndim=2)
         # With zero_copy the rows are already in the Buffer: a caller's x (DeepEP callers pass their own) only
@@ -763,15 +779,16 @@ _NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
 _CONFIG_FIELDS = Config.__slots__  # _epx.Config has the same names
 
 
-def _dispatch_outputs(t: Any, rows: int, hidden: int, dtype: Any, num_scales: int, scales_dtype: Any,
-                      num_topk: int, device: Any) -> Tuple[Any, Any, Any, Any]:
-    """(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None) for `rows` rows."""
-    recv_x = t.empty(rows, hidden, dtype=dtype, device=device)
-    recv_scales = t.empty(rows, num_scales, dtype=scales_dtype, device=device) if scales_dtype is not None else None
+def _dispatch_outputs(t: Any, empty: Callable[[tuple, tuple, Any], Any], rows: int, hidden: int, dtype: Any,
+                      num_scales: int, scales_dtype: Any, num_topk: int) -> Tuple[Any, Any, Any, Any]:
+    """(recv_x, recv_x_scales or None, recv_topk_idx or None, recv_topk_weights or None) for `rows` rows, from
+    `empty` (Buffer._empty)."""
+    recv_x = empty((rows, hidden), (hidden, 1), dtype)
+    recv_scales = empty((rows, num_scales), (num_scales, 1), scales_dtype) if scales_dtype is not None else None
     recv_idx = recv_weights = None
     if num_topk > 0:
-        recv_idx = t.empty(rows, num_topk, dtype=t.int64, device=device)
-        recv_weights = t.empty(rows, num_topk, dtype=t.float32, device=device)
+        recv_idx = empty((rows, num_topk), (num_topk, 1), t.int64)
+        recv_weights = empty((rows, num_topk), (num_topk, 1), t.float32)
     return recv_x, recv_scales, recv_idx, recv_weights
 
 

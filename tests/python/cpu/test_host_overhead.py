@@ -353,3 +353,27 @@ def test_stream_switch_swaps_and_restores_the_current_stream(monkeypatch):
     assert entered == [21, "enter", "exit"] and state[1] == (20, 1, 1)
     with util.StreamSwitch(None):
         pass
+
+
+def test_allocator_is_inductors_only_on_the_buffers_device(monkeypatch):
+    """Buffer._empty: torch.compile's allocator (it takes the current device) while the current device is the
+    Buffer's, else torch.empty_strided on the Buffer's device."""
+    import epx.buffer as buffer_module
+
+    buffer = object.__new__(buffer_module.Buffer)
+    buffer.device, buffer.comm_stream = torch.device("cuda", 1), None
+    buffer._init_call_state()
+    fast = torch._C._dynamo.guards._empty_strided_cuda
+    assert buffer._fast_empty is fast
+    buffer._current_device = lambda: 1
+    assert buffer._empty() is fast
+    buffer._current_device = lambda: 0
+    made = []
+    monkeypatch.setattr(torch, "empty_strided", lambda *args, **kwargs: made.append((args, kwargs)))
+    buffer._empty()((2, 3), (3, 1), torch.int32)
+    assert made == [(((2, 3), (3, 1)), dict(dtype=torch.int32, device=torch.device("cuda", 1)))]
+    monkeypatch.setattr(torch._C._dynamo.guards, "_empty_strided_cuda", None)  # a torch without it
+    buffer._init_call_state()
+    buffer._current_device = lambda: 1
+    buffer._empty()((4,), (1,), torch.int64)
+    assert made[-1] == (((4,), (1,)), dict(dtype=torch.int64, device=torch.device("cuda", 1)))

@@ -92,7 +92,8 @@ def test_launch_receive_goes_with_the_count_exchange_and_is_cancelled_on_failure
 
     def notify_then_run_out_of_memory(*args):
         plan = real_notify(*args)
-        monkeypatch.setattr(torch, "empty", no_memory)
+        monkeypatch.setattr(buffer, "_fast_empty", no_memory)  # the Buffer's allocator (Buffer._empty)
+        monkeypatch.setattr(torch, "empty_strided", no_memory)  # and its fallback
         return plan
 
     monkeypatch.setattr(binding, "dispatch_notify", notify_then_run_out_of_memory)
