@@ -4,6 +4,7 @@ results). DeepEP V1's interface is in epx.compat.deep_ep, a thin layer over this
 from __future__ import annotations
 
 import contextlib
+import operator
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ._ext import _epx
@@ -337,7 +338,7 @@ class Buffer:
         with maybe_stream(self._alloc_stream(previous_event, async_finish, allocate_on_comm_stream)):
             per_rank = empty((num_ranks,), (1,), t.int32)
             per_node = empty((num_nodes,), (1,), t.int32) if num_nodes > 1 else None
-            per_expert = empty((max(num_experts, 0),), (1,), t.int32)
+            per_expert = empty((max(operator.index(num_experts), 0),), (1,), t.int32)
             in_rank = empty((num_tokens, num_ranks), (num_ranks, 1), t.bool)
         out = _epx.DispatchLayoutOutput(num_tokens_per_rank=per_rank.data_ptr(),
                                         num_tokens_per_expert=per_expert.data_ptr(),
