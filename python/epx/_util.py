@@ -241,8 +241,16 @@ def _dlpack_type(dtype: Any) -> Any:
     global _dlpack_types
     if _dlpack_types is None:
         t = torch()
-        _dlpack_types = {t.int8: (0, 8), t.int16: (0, 16), t.int32: (0, 32), t.int64: (0, 64), t.uint8: (1, 8),
-                         t.float16: (2, 16), t.float32: (2, 32), t.float64: (2, 64), t.bfloat16: (4, 16)}
+        types = {t.int8: (0, 8), t.int16: (0, 16), t.int32: (0, 32), t.int64: (0, 64), t.uint8: (1, 8),
+                 t.float16: (2, 16), t.float32: (2, 32), t.float64: (2, 64), t.bfloat16: (4, 16)}
+        # kDLBool (DLPack 0.8) where this torch takes it: a probe on a byte of host memory.
+        probe = t.ones(1, dtype=t.uint8)
+        try:
+            if _from_dlpack(_epx.device_view_capsule(probe.data_ptr(), 6, 8, (1,), 1, 0, probe)).dtype == t.bool:
+                types[t.bool] = (6, 8)
+        except Exception:  # an older torch: bool views are bytes viewed as bool
+            pass
+        _dlpack_types = types
     return _dlpack_types.get(dtype)
 
 

@@ -141,13 +141,17 @@ class NormalHandleBuilder:
         t = torch()
         num_ranks, num_channels = handle.num_ranks, handle.num_channels
         offsets = handle.recv_channel_offset  # [R * C + 1] absolute first rows, source-major
-        device = offsets.device
-        rank_prefix = t.full((num_ranks, num_ranks), -1, dtype=t.int32, device=device)
-        # Rows from ranks 0..i end where source i + 1 begins.
-        rank_prefix.select(1, self.rank).copy_(offsets[num_channels::num_channels])
-        starts = offsets[: num_ranks * num_channels].view(num_ranks, num_channels)
-        recv_channel_prefix = starts - starts[:, :1]
-        channel_prefix = t.full((num_ranks, num_channels), -1, dtype=t.int32, device=device)
+        # Three kernels (on a GPU each launch costs the host more than the views): one fill of -1 for both
+        # placeholders, carved into two compact matrices; the known column; the channel offsets.
+        minus_ones = t.full((num_ranks * (num_ranks + num_channels),), -1, dtype=t.int32, device=offsets.device)
+        rank_prefix = minus_ones.as_strided((num_ranks, num_ranks), (num_ranks, 1), 0)
+        channel_prefix = minus_ones.as_strided((num_ranks, num_channels), (num_channels, 1), num_ranks * num_ranks)
+        # Rows from ranks 0..i end where source i + 1 begins: offsets[(i + 1) * C].
+        rank_prefix.select(1, self.rank).copy_(
+            offsets.as_strided((num_ranks,), (num_channels,), offsets.storage_offset() + num_channels))
+        # [r][c] = first row of (r, c) counted from source r's first row.
+        recv_channel_prefix = offsets.as_strided((num_ranks, num_channels), (num_channels, 1)) - \
+            offsets.as_strided((num_ranks, 1), (num_channels, 1))
         self.matrices = [rank_prefix, channel_prefix, recv_channel_prefix]
         return self.matrices
 
