@@ -217,3 +217,22 @@ def test_tokens_of_another_dtype_move_as_bytes(wrapper):
     assert recv_x.dtype == torch.float32 and torch.equal(recv_x, wide[KEPT])
     with pytest.raises(epx.EpxError, match=r"rows must be a multiple of 16 bytes"):
         dispatch(wrapper, torch.zeros(6, 12, dtype=torch.float16), ids, weights)
+
+
+def test_intranode_matrices_of_another_rank():
+    """Rank 1 of 2, 3 channels: its column of rank_prefix_matrix, -1 elsewhere; channel starts per source."""
+    from types import SimpleNamespace
+
+    from epx.compat.deep_ep_handles import NormalHandleBuilder
+
+    offsets = torch.tensor([0, 2, 2, 5, 6, 9, 11], dtype=torch.int32)  # [R * C + 1], source-major
+    handle = SimpleNamespace(num_nodes=1, num_ranks=2, num_channels=3, recv_channel_offset=offsets)
+    rank_prefix, channel_prefix, recv_channel_prefix = NormalHandleBuilder(rank=1)(handle)
+    assert rank_prefix.tolist() == [[-1, 5], [-1, 11]] and rank_prefix.is_contiguous()
+    assert channel_prefix.tolist() == [[-1, -1, -1], [-1, -1, -1]] and channel_prefix.is_contiguous()
+    assert recv_channel_prefix.tolist() == [[0, 2, 2], [0, 1, 4]]
+    # A view that starts inside its storage (as a caller's slice would).
+    padded = torch.cat([torch.tensor([77], dtype=torch.int32), offsets])
+    handle.recv_channel_offset = padded[1:]
+    again = NormalHandleBuilder(rank=1)(handle)
+    assert again[0].tolist() == rank_prefix.tolist() and again[2].tolist() == recv_channel_prefix.tolist()
