@@ -10,6 +10,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tupl
 from ._ext import _epx
 from ._util import (
     EpxError,
+    array_view,
     check,
     check_tensor,
     current_stream,
@@ -767,13 +768,12 @@ class Buffer:
 
     def get_next_low_latency_combine_buffer(self, handle: LowLatencyHandle) -> Any:
         """The BF16 [L, R*M, H] view (in the Buffer) the next zero-copy combine with this handle sends from."""
-        check(isinstance(handle, LowLatencyHandle), "handle", type(handle).__name__,
-              "must be the handle of a low_latency_dispatch")
+        if not isinstance(handle, LowLatencyHandle):
+            raise error("handle", type(handle).__name__, "must be the handle of a low_latency_dispatch")
         address = _epx.next_low_latency_combine_buffer(self.runtime, handle.native)
         num_local = handle.num_experts // self.num_ranks
         shape = (num_local, self.num_ranks * handle.num_max_dispatch_tokens_per_rank, handle.hidden)
-        num_bytes = 2 * shape[0] * shape[1] * shape[2]
-        return device_view(address, num_bytes, torch().bfloat16, shape, self, self.device)
+        return array_view(address, torch().bfloat16, shape, self, self.device)
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
@@ -804,6 +804,7 @@ def _biases(bias: Any) -> List[Any]:
         return []
     if isinstance(bias, (tuple, list)):
         biases = [b for b in bias if b is not None]
-        check(len(biases) <= 2, "bias", f"{len(biases)} tensors", "must be at most 2 tensors")
+        if len(biases) > 2:
+            raise error("bias", f"{len(biases)} tensors", "must be at most 2 tensors")
         return biases
     return [bias]

@@ -280,6 +280,10 @@ class FakeBinding:
         """Stands in for epx._util.device_view over the CPU tensors the fake handles own."""
         return self.registry[address].view(dtype).view(shape)
 
+    def array_view(self, address, dtype, shape, owner, device):
+        """Stands in for epx._util.array_view (the same views)."""
+        return self.device_view(address, None, dtype, shape, owner, device)
+
     def dispatch_cancel(self, runtime, plan):
         self.cancelled += 1
 
@@ -412,6 +416,9 @@ def _patch(setattr, binding, check_on_cpu):
         if hasattr(module, "current_stream_handle"):
             setattr(module, "current_stream_handle", lambda device_index=None: 0)
     setattr(util, "device_view", binding.device_view)
+    for module in (buffer_module, util):
+        if hasattr(module, "array_view"):
+            setattr(module, "array_view", binding.array_view)
     for module in (buffer_module, tokens_module):
         setattr(module, "check_tensor", check_on_cpu)
     setattr(buffer_module, "record_stream", lambda tensors, stream: None)
@@ -490,7 +497,7 @@ class StubBinding(FakeBinding):
         self.add_handle_arrays(native, np.ones(num_tokens, dtype=bool), num_channels, np.arange(num_tokens))
         self.pointer = util.pointer  # after the handle's arrays are registered for device_view
         if hasattr(util, "array_view"):  # the layer's own (DLPack works on CPU memory too); an older layer's
-            self.device_view = util.device_view  # views need CUDA: they keep the fake's
+            self.device_view, self.array_view = util.device_view, util.array_view  # views need CUDA: the fake's
         self.no_event = _NoEvent()
         self.plan = Struct(num_recv_rows=num_tokens, num_recv_tokens_per_expert=[num_tokens] * num_experts,
                            handle=native, rows_in_guess=False)
