@@ -290,10 +290,15 @@ def array_view(address: int, dtype: Any, shape: tuple, owner: Any, device: Any) 
                                                  device.index or 0, owner))
 
 
+_from_capsule: Any = None  # torch's DLPack import, once found
+
+
 def _from_dlpack(capsule: Any) -> Any:
-    t = torch()
-    from_capsule = getattr(t._C, "_from_dlpack", None)
-    return from_capsule(capsule) if from_capsule is not None else t.utils.dlpack.from_dlpack(capsule)
+    global _from_capsule
+    if _from_capsule is None:
+        t = torch()
+        _from_capsule = getattr(t._C, "_from_dlpack", None) or t.utils.dlpack.from_dlpack
+    return _from_capsule(capsule)
 
 
 class _DeviceMemory:
