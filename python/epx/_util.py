@@ -139,7 +139,7 @@ def current_stream_handle(device_index: Optional[int] = None) -> int:
 
 def _raw_stream_reader() -> Any:
     t = torch()
-    reader = getattr(t._C, "_cuda_getCurrentRawStream", None)  # torch >= 1.11 (what Inductor's code calls)
+    reader = getattr(t._C, "_cuda_getCurrentRawStream", None)  # what Inductor's generated code calls
     if reader is not None:
         return reader
     return lambda device_index: t.cuda.current_stream(device_index).cuda_stream
