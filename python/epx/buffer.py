@@ -262,6 +262,8 @@ class Buffer:
             # A StreamOrder is a plain value: one per (stream, async_finish) serves every call made so.
             order = self._orders.get((stream, async_finish))
             if order is None:
+                if len(self._orders) >= 256:  # many streams come and go (external streams): start over
+                    self._orders.clear()
                 order = _epx.StreamOrder(compute_stream=stream, previous_event=0, async_finish=bool(async_finish))
                 self._orders[(stream, async_finish)] = order
             return order
