@@ -137,6 +137,7 @@ class Buffer:
         the config last given to the runtime."""
         self._device_index = self.device.index
         self._orders: Dict[Tuple[int, bool], Any] = {}
+        self._stream_objects: Dict[int, Any] = {}  # stream handle -> its torch.cuda.Stream
         self._ll_sizes: Dict[Tuple[Any, ...], Tuple[int, int, int]] = {}
         # The fields of the config this Buffer last set as the runtime's config; None: not known. Every path
         # through which this Buffer changes the runtime's config keeps it current.
@@ -270,6 +271,17 @@ class Buffer:
         return _epx.StreamOrder(compute_stream=stream, previous_event=event_handle(previous_event),
                                 async_finish=bool(async_finish))
 
+    def _current_stream_object(self) -> Any:
+        """torch's current stream as a torch.cuda.Stream (what record_stream takes), one object per stream: a
+        stream's handle names it for the life of the process."""
+        handle = current_stream_handle(self._device_index)
+        stream = self._stream_objects.get(handle)
+        if stream is None:
+            if len(self._stream_objects) >= 256:
+                self._stream_objects.clear()
+            stream = self._stream_objects[handle] = current_stream()
+        return stream
+
     def _input_copies(self, previous_event: Any) -> Any:
         """Where the layer's own copies of inputs (column-major FP8 scales made contiguous, int32 top-k ids
         widened) run. Without previous_event the call orders the comm stream after the current stream, so copies
@@ -302,7 +314,7 @@ class Buffer:
             record_stream(list(inputs) + list(outputs), self.comm_stream)
         if allocate_on_comm_stream:
             # The caller's stream (current again: the allocation's stream context has ended) uses the outputs.
-            record_stream(outputs, current_stream())
+            record_stream(outputs, self._current_stream_object())
         return EventOverlap(event if async_finish else None)
 
     def _apply_config(self, config: Optional[Config]) -> Any:
@@ -499,7 +511,7 @@ class Buffer:
         event = _epx.dispatch_receive(self.runtime, plan, native_in, native_out, order)
 
         if derived:
-            record_stream(derived, current_stream())  # comm-stream tensors the caller reads
+            record_stream(derived, self._current_stream_object())  # comm-stream tensors the caller reads
         if async_finish or allocate_on_comm_stream:
             inputs = (x, x_scales, topk_idx, topk_weights, is_token_in_rank, num_tokens_per_expert)
             overlap = self._finish(event, inputs, outputs, async_finish, allocate_on_comm_stream)

@@ -153,7 +153,7 @@ class NormalHandleBuilder:
         recv_channel_prefix = offsets.as_strided((num_ranks, num_channels), (num_channels, 1)) - \
             offsets.as_strided((num_ranks, 1), (num_channels, 1))
         self.matrices = [rank_prefix, channel_prefix, recv_channel_prefix]
-        return self.matrices
+        return [minus_ones, recv_channel_prefix]  # the allocations (the caller's stream is recorded on each)
 
     def tuple_for(self, handle: DispatchHandle) -> Tuple[Any, ...]:
         if handle.num_nodes > 1:

@@ -227,12 +227,19 @@ def test_intranode_matrices_of_another_rank():
 
     offsets = torch.tensor([0, 2, 2, 5, 6, 9, 11], dtype=torch.int32)  # [R * C + 1], source-major
     handle = SimpleNamespace(num_nodes=1, num_ranks=2, num_channels=3, recv_channel_offset=offsets)
-    rank_prefix, channel_prefix, recv_channel_prefix = NormalHandleBuilder(rank=1)(handle)
+    builder = NormalHandleBuilder(rank=1)
+    allocated = builder(handle)  # what the dispatch records the caller's stream on: each allocation once
+    rank_prefix, channel_prefix, recv_channel_prefix = builder.matrices
+    assert len(allocated) == 2 and allocated[1] is recv_channel_prefix
+    assert allocated[0].untyped_storage().data_ptr() == rank_prefix.untyped_storage().data_ptr() == \
+        channel_prefix.untyped_storage().data_ptr()
     assert rank_prefix.tolist() == [[-1, 5], [-1, 11]] and rank_prefix.is_contiguous()
     assert channel_prefix.tolist() == [[-1, -1, -1], [-1, -1, -1]] and channel_prefix.is_contiguous()
     assert recv_channel_prefix.tolist() == [[0, 2, 2], [0, 1, 4]]
     # A view that starts inside its storage (as a caller's slice would).
     padded = torch.cat([torch.tensor([77], dtype=torch.int32), offsets])
     handle.recv_channel_offset = padded[1:]
-    again = NormalHandleBuilder(rank=1)(handle)
+    builder = NormalHandleBuilder(rank=1)
+    builder(handle)
+    again = builder.matrices
     assert again[0].tolist() == rank_prefix.tolist() and again[2].tolist() == recv_channel_prefix.tolist()

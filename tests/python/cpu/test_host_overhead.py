@@ -377,3 +377,19 @@ def test_allocator_is_inductors_only_on_the_buffers_device(monkeypatch):
     buffer._current_device = lambda: 1
     buffer._empty()((4,), (1,), torch.int64)
     assert made[-1] == (((4,), (1,)), dict(dtype=torch.int64, device=torch.device("cuda", 1)))
+
+
+def test_stream_objects_are_made_once_per_stream(stub, monkeypatch):
+    """record_stream needs a torch.cuda.Stream: the Buffer makes one per stream handle, not one per call."""
+    import epx.buffer as buffer_module
+
+    wrapper, _ = stub
+    buffer = wrapper.runtime
+    made = []
+    monkeypatch.setattr(buffer_module, "current_stream", lambda: made.append(object()) or made[-1])
+    handle = [7]
+    monkeypatch.setattr(buffer_module, "current_stream_handle", lambda device_index=None: handle[0])
+    first = buffer._current_stream_object()
+    assert buffer._current_stream_object() is first and len(made) == 1
+    handle[0] = 8
+    assert buffer._current_stream_object() is not first and len(made) == 2
