@@ -119,10 +119,10 @@ def pointer(tensor: Any) -> int:
     return 0 if tensor is None else tensor.data_ptr()
 
 
-def current_stream() -> Any:
-    """torch's current CUDA stream (the caller's "compute stream") as a torch.cuda.Stream object. Per-call paths
-    take current_stream_handle instead (no Stream object)."""
-    return torch().cuda.current_stream()
+def current_stream(device: Any = None) -> Any:
+    """torch's current CUDA stream (the caller's "compute stream") on a device (default: the current device) as a
+    torch.cuda.Stream object. Per-call paths take current_stream_handle instead (no Stream object)."""
+    return torch().cuda.current_stream(device)
 
 
 def current_stream_handle(device_index: Optional[int] = None) -> int:

@@ -279,7 +279,7 @@ class Buffer:
         if stream is None:
             if len(self._stream_objects) >= 256:
                 self._stream_objects.clear()
-            stream = self._stream_objects[handle] = current_stream()
+            stream = self._stream_objects[handle] = current_stream(self.device)
         return stream
 
     def _input_copies(self, previous_event: Any) -> Any:

@@ -412,7 +412,7 @@ def _patch(setattr, binding, check_on_cpu):
     setattr(buffer_module, "pointer", binding.pointer)
     for module in (buffer_module, util):
         if hasattr(module, "current_stream"):
-            setattr(module, "current_stream", lambda: stream)
+            setattr(module, "current_stream", lambda device=None: stream)
         if hasattr(module, "current_stream_handle"):
             setattr(module, "current_stream_handle", lambda device_index=None: 0)
     setattr(util, "device_view", binding.device_view)

@@ -386,10 +386,10 @@ def test_stream_objects_are_made_once_per_stream(stub, monkeypatch):
     wrapper, _ = stub
     buffer = wrapper.runtime
     made = []
-    monkeypatch.setattr(buffer_module, "current_stream", lambda: made.append(object()) or made[-1])
+    monkeypatch.setattr(buffer_module, "current_stream", lambda device=None: made.append(device) or object())
     handle = [7]
     monkeypatch.setattr(buffer_module, "current_stream_handle", lambda device_index=None: handle[0])
     first = buffer._current_stream_object()
-    assert buffer._current_stream_object() is first and len(made) == 1
+    assert buffer._current_stream_object() is first and made == [buffer.device]  # the Buffer's device
     handle[0] = 8
     assert buffer._current_stream_object() is not first and len(made) == 2
