@@ -242,7 +242,8 @@ def print_rows(rows: List[Tuple[str, float, float]], header: str, json_path: Opt
         print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f}")
     if json_path:
         with open(json_path, "w") as f:
-            json.dump([{"entry": n, "host_us": h, "gpu_us": g} for n, h, g in rows], f, indent=1)
+            # null where there is no GPU time (--stub): strict JSON has no NaN.
+            json.dump([{"entry": n, "host_us": h, "gpu_us": None if g != g else g} for n, h, g in rows], f, indent=1)
 
 
 # ---- Modes ----
