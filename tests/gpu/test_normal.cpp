@@ -77,21 +77,26 @@ TEST(Normal, BorrowedCommStream) {
 
 // Handles alive after destroy(), as vLLM's worker holds its last dispatch handle: their arrays keep the
 // Buffer's memory pool until they go, and the process's next memory-pool destroy (NCCL's, in
-// ncclCommDestroy) still works. Destroying the pool with allocations out crashed that destroy on two GPUs.
+// ncclCommDestroy) still works. Destroying the pool with allocations out crashed that destroy on two GPUs
+// (tests/python/gpu/test_inference_call_sites.py::test_vllm_high_throughput, which reproduced it; this test
+// follows its order on the C++ API: a borrowed comm stream, as epx.Buffer passes torch's, left running).
 void run_handles_outliving_their_buffer(int num_ranks) {
   NormalCase c;
   c.num_ranks = num_ranks;
   c.num_tokens = {100, 37};
   c.num_iterations = 2;
   run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) {
+    cudaStream_t comm_stream = nullptr;
+    EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
     epx::BufferOptions options;
     options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
     options.wait_timeout_s = 20.0;
+    options.comm_stream = comm_stream;
     auto buffer = std::make_unique<epx::Buffer>(bootstrap, options);
     auto runner = std::make_unique<epx::test::NormalRunner>(c, *buffer);
     runner->run();
     buffer->destroy();
-    runner.reset();  // the handles' arrays are freed after the Buffer
+    runner.reset();  // the handles' arrays are freed after the Buffer, on the still-running stream
     buffer.reset();
     cudaMemPoolProps props{};
     props.allocType = cudaMemAllocationTypePinned;
@@ -105,6 +110,7 @@ void run_handles_outliving_their_buffer(int num_ranks) {
     EPX_CUDA_CHECK(cudaStreamSynchronize(nullptr));
     EPX_CUDA_CHECK(cudaMemPoolDestroy(pool));
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
+    EPX_CUDA_CHECK(cudaStreamDestroy(comm_stream));
   });
 }
 
