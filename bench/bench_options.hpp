@@ -25,6 +25,9 @@ struct BenchOptions {
   // default).
   int nvl_send_chunk = 0;
   int nvl_queue_tokens = 0;
+  // --tune: instead of the table, time the cached dispatch (BF16, FP8) and the combine at every NVLink send
+  // chunk and queue size of the sweep (normal_bench.cpp) for each SM budget, and print the fastest of each.
+  bool tune = false;
   int ll_num_tokens = 128;
   int ll_num_experts = 288;
   int ll_ranks_per_node = 0;  // 0: one node; fewer than the ranks: virtual nodes joined by NVSHMEM

@@ -80,4 +80,29 @@ void print_rows(const std::vector<std::vector<BenchRow>>& rank_rows, std::FILE* 
   std::fflush(out);
 }
 
+std::string tuned_row_name(const std::string& op, int send_chunk, int queue_tokens) {
+  return op + ", chunk " + std::to_string(send_chunk) + ", queue " + std::to_string(queue_tokens);
+}
+
+std::vector<TunedConfig> fastest_tuned_configs(const std::vector<RowSummary>& rows) {
+  std::vector<TunedConfig> best;
+  for (const RowSummary& row : rows) {
+    const size_t at = row.op.rfind(", chunk ");
+    if (at == std::string::npos) continue;
+    TunedConfig config{row.op.substr(0, at), row.num_sms, 0, 0, row.mean_us};
+    if (std::sscanf(row.op.c_str() + at, ", chunk %d, queue %d", &config.send_chunk, &config.queue_tokens) !=
+        2)
+      continue;
+    auto same = std::find_if(best.begin(), best.end(), [&](const TunedConfig& b) {
+      return b.op == config.op && b.num_sms == config.num_sms;
+    });
+    if (same == best.end()) {
+      best.push_back(config);
+    } else if (config.mean_us < same->mean_us) {
+      *same = config;
+    }
+  }
+  return best;
+}
+
 }  // namespace epx::bench

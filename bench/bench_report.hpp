@@ -31,6 +31,22 @@ struct RowSummary {
 // rank_rows[r] = rank r's rows, same order on every rank; one summary per row.
 std::vector<RowSummary> summarize_rows(const std::vector<std::vector<BenchRow>>& rank_rows);
 
+// --tune's answer: the config of least mean time for one op and SM budget.
+struct TunedConfig {
+  std::string op;  // e.g. "dispatch BF16 cached"
+  int num_sms = 0;
+  int send_chunk = 0;
+  int queue_tokens = 0;
+  double mean_us = 0;
+};
+
+// The name of a --tune row: `op` at that NVLink send chunk and queue size.
+std::string tuned_row_name(const std::string& op, int send_chunk, int queue_tokens);
+
+// For each (op, SM budget) among rows named by tuned_row_name, the fastest; other rows are ignored. In the
+// order each (op, SM budget) first appears.
+std::vector<TunedConfig> fastest_tuned_configs(const std::vector<RowSummary>& rows);
+
 // Writes rows averaged over ranks (rank_rows[r] = rank r's rows, same order on every rank) to `out` as a
 // table under `header`, or as JSON lines tagged with `mode`. When a row carries network bytes (a run across
 // nodes), the table adds the network GB/s (mean over ranks and of the slowest rank) and the JSON lines

@@ -49,6 +49,10 @@ void print_help() {
       "queue\n"
       "                                  (default 0: DeepEP's recommended config for the rank count, as\n"
       "                                  deep_ep callers get it; dispatch and combine each their own)\n"
+      "  --tune                          normal mode in one node: time the cached dispatch and the combine\n"
+      "                                  at every NVLink send chunk and queue size of a sweep, per SM "
+      "budget,\n"
+      "                                  and print the fastest config of each (for this machine and shape)\n"
       "  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)\n"
       "  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes\n"
       "                                  whose traffic between them goes through NVSHMEM (default: one "
@@ -136,6 +140,9 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.warmup = parse_int(flag, value());
     } else if (flag == "--iters") {
       o.iters = parse_int(flag, value());
+    } else if (flag == "--tune") {
+      o.tune = true;
+      o.mode = "normal";
     } else if (flag == "--json") {
       o.json = true;
     } else if (flag == "--json-file") {
@@ -250,6 +257,15 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
         header << "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time";
       header << "; verified before timing)";
       if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal", plot);
+      if (bootstrap.rank() == 0 && o.tune) {
+        std::printf(
+            "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)):\n");
+        for (const epx::bench::TunedConfig& best :
+             epx::bench::fastest_tuned_configs(epx::bench::summarize_rows(rows))) {
+          std::printf("  %-22s %3d SMs: chunk %3d, queue %4d  %8.1f us\n", best.op.c_str(), best.num_sms,
+                      best.send_chunk, best.queue_tokens, best.mean_us);
+        }
+      }
     }
     if (o.mode != "normal") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_low_latency_bench(bootstrap, o));

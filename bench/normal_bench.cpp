@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <array>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -234,6 +235,53 @@ Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool acr
   return config;
 }
 
+// --tune's sweep: NVLink send chunks and queue sizes (a chunk larger than its queue is skipped).
+constexpr std::array<int, 8> kTuneSendChunks{4, 8, 12, 16, 24, 32, 48, 64};
+constexpr std::array<int, 3> kTuneQueueTokens{128, 256, 512};
+
+// For each SM budget and (chunk, queue) of the sweep: the cached dispatch (BF16, FP8) and the combine, back
+// to back, each row named by tuned_row_name.
+std::vector<BenchRow> tune_sweep(Buffer& buffer, const Workspace& ws, const BenchOptions& o,
+                                 cudaStream_t stream,
+                                 const std::function<double(const std::function<void()>&)>& back_to_back,
+                                 double bf16_bytes, double fp8_bytes) {
+  std::vector<BenchRow> rows;
+  for (int sms : o.num_sms) {
+    for (int queue : kTuneQueueTokens) {
+      for (int chunk : kTuneSendChunks) {
+        if (chunk > queue) continue;
+        Config config;
+        config.num_sms = sms;
+        config.num_max_nvl_chunked_send_tokens = chunk;
+        config.num_max_nvl_chunked_recv_tokens = queue;
+        buffer.set_config(config);
+        const DispatchPlan plan =
+            dispatch(buffer, ws.input(o, TokenFormat::kBf16), ws.output(TokenFormat::kBf16), stream);
+        EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+        for (TokenFormat format : {TokenFormat::kBf16, TokenFormat::kFp8}) {
+          const DispatchInput in = ws.input(o, format);
+          const DispatchOutput out = ws.output(format);
+          const double us = back_to_back([&] {
+            const StreamOrder order{stream, nullptr, false};
+            DispatchPlan again = dispatch_notify(buffer, in, order, &plan.handle);
+            dispatch_receive(buffer, again, in, out, order);
+          });
+          const bool bf16 = format == TokenFormat::kBf16;
+          rows.push_back({tuned_row_name(bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", chunk, queue),
+                          sms, us, bf16 ? bf16_bytes : fp8_bytes});
+        }
+        const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
+        const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
+        const double us = back_to_back([&] {
+          combine(buffer, plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
+        });
+        rows.push_back({tuned_row_name("combine BF16", chunk, queue), sms, us, bf16_bytes});
+      }
+    }
+  }
+  return rows;
+}
+
 // Why the earlier isolated timing (host barrier alone) read far above back to back: the same call timed that
 // way, the ranks' barrier-exit skew it held, and the host's cost of the call on an idle GPU (the start event
 // fires before the host has launched anything).
@@ -265,7 +313,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   // ranks also covers the forwarding queues of any split into virtual nodes.
   const int widest_sms =
       std::max(buffer_options.num_sms, *std::max_element(o.num_sms.begin(), o.num_sms.end()));
-  const Config widest = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, widest_sms);
+  EPX_CHECK(!o.tune || !across_nodes, "--tune", "with --ranks-per-node",
+            "tunes the NVLink queues of one node");
+  Config widest = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, widest_sms);
+  if (o.tune) widest.num_max_nvl_chunked_recv_tokens = kTuneQueueTokens.back();
   const size_t hidden_bytes = size_t(o.hidden) * 2;
   buffer_options.num_nvl_bytes =
       std::max(widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
@@ -324,6 +375,13 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   const auto isolated = [&](const std::function<void()>& prepare, const std::function<void()>& body) {
     return median_us(bootstrap, stream, o.warmup, o.iters, prepare, body, StartAlign::kDeviceDelay);
   };
+  if (o.tune) {
+    std::vector<BenchRow> tuned = tune_sweep(buffer, ws, o, stream, back_to_back, bf16_bytes, fp8_bytes);
+    EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+    EPX_CUDA_CHECK(cudaStreamDestroy(stream));
+    buffer.destroy();
+    return tuned;
+  }
   std::vector<BenchRow> out;
   bool studied = false;
   for (int sms : o.num_sms) {
