@@ -49,6 +49,8 @@ void print_help() {
       "queue\n"
       "                                  (default 0: DeepEP's recommended config for the rank count, as\n"
       "                                  deep_ep callers get it; dispatch and combine each their own)\n"
+      "  --rdma-chunk N --rdma-queue N   normal mode across nodes: tokens per network send chunk and per\n"
+      "                                  queue (default 0: Config's defaults, 6 and 256)\n"
       "  --tune                          normal mode in one node: time the cached dispatch and the combine\n"
       "                                  at every NVLink send chunk and queue size of a sweep, per SM "
       "budget,\n"
@@ -140,6 +142,10 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.warmup = parse_int(flag, value());
     } else if (flag == "--iters") {
       o.iters = parse_int(flag, value());
+    } else if (flag == "--rdma-chunk") {
+      o.rdma_send_chunk = parse_int(flag, value());
+    } else if (flag == "--rdma-queue") {
+      o.rdma_queue_tokens = parse_int(flag, value());
     } else if (flag == "--tune") {
       o.tune = true;
       o.mode = "normal";
