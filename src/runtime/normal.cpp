@@ -5,6 +5,7 @@
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
+#include <optional>
 #include <string_view>
 
 #include "buffer_map/normal_nodes.hpp"
@@ -540,33 +541,46 @@ void check_no_invalid_id(const std::vector<int>& counts, const kernels::HostCoun
             "must be -1 or in [0, num_experts)");
 }
 
-}  // namespace
+// One dispatch_notify call: what each of its paths reads, and the handle state it fills.
+struct NotifyCall {
+  Buffer& buffer;
+  const DispatchInput& in;
+  const StreamOrder& order;
+  DispatchOverlap overlap;
+  const DispatchOutputGuess* guess;
+  NormalShape shape;
+  int num_local_experts;
+  kernels::HostCountIndex count_index;
+  NormalHostScratch& scratch;
+  std::shared_ptr<DispatchHandle::State> state;
+  // The receive goes out with the notify (DispatchOverlap::kLaunchReceive, one node, counts awaited).
+  bool launches_receive = false;
+  int guess_rows = 0;     // > 0: the rows the guess's outputs hold, which a launched receive may write
+  uint32_t sequence = 0;  // the notify's; none for a cached handle (no notify runs)
+};
 
-DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
-                             const DispatchHandle* cached, DispatchOverlap overlap,
-                             const DispatchOutputGuess* guess) {
-  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_notify");
-  const bool is_cached = cached != nullptr && cached->valid();
-  validate_dispatch_input(buffer, in, is_cached);
-  const int num_ranks = buffer.num_ranks();
+// The records' shape of a dispatch of `in`, checked.
+NormalShape notify_shape(const DispatchInput& in, int num_ranks) {
   const bool fp8 = in.format == TokenFormat::kFp8;
   const int num_scales = !fp8 ? 0 : in.num_scales > 0 ? in.num_scales : in.hidden / 128;
   const NormalShape shape{num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2,
                           num_scales, in.num_topk};
   validate_normal_shape(shape);
-  const int num_local_experts = in.num_experts / num_ranks;
-  const kernels::HostCountIndex count_index{num_ranks, num_local_experts};
-  EPX_CHECK(count_index.num_words(true) <= NormalHostScratch::kMaxCountWords, "num_experts", in.num_experts,
-            detail::concat("must leave at most ", NormalHostScratch::kMaxCountWords - 3 - num_ranks,
-                           " local experts per rank (the host-mapped counts)")
-                .c_str());
+  return shape;
+}
 
+// The handle state this call fills: a copy of the cached handle's (`cached`, when valid; it shares the device
+// arrays and keeps the counts and channels) or a fresh one. Either way it takes this call's shape and format
+// and nothing of an earlier call's receive or board.
+std::shared_ptr<DispatchHandle::State> notify_handle_state(const Buffer& buffer, const DispatchInput& in,
+                                                           const NormalShape& shape,
+                                                           const DispatchHandle* cached) {
   std::shared_ptr<DispatchHandle::State> state;
-  if (is_cached) {
+  if (cached != nullptr) {
     const auto& old = cached->state();
     EPX_CHECK(old.num_tokens == in.num_tokens, "num_tokens", in.num_tokens,
               "must equal the cached handle's token count");
-    EPX_CHECK(old.shape.num_ranks == num_ranks, "handle", "from another buffer",
+    EPX_CHECK(old.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
               "must come from this buffer");
     state = std::make_shared<DispatchHandle::State>(old);  // shares the device arrays
   } else {
@@ -590,180 +604,270 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   }
   state->format = in.format;
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
-  if (!is_cached || in.num_topk > 0) state->num_topk = shape.num_topk;
+  if (cached == nullptr || in.num_topk > 0) state->num_topk = shape.num_topk;
+  return state;
+}
 
-  const bool launches_receive = !is_cached && state->num_worst_tokens == 0 &&
-                                overlap == DispatchOverlap::kLaunchReceive && state->num_nodes == 1 &&
-                                launch_receive_allowed();
-  const int guess_rows = launches_receive && guess != nullptr ? std::max(guess->rows, 0) : 0;
-  if (guess_rows > 0) check_outputs(guess->outputs, *state, guess_rows, "the guess's rows");
+// Everything a call decides before it touches the device: its shape, its handle state, whether its receive
+// goes out with the notify and how many rows the guess holds (all checked). `cached`: a valid handle or null.
+NotifyCall notify_call(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
+                       const DispatchHandle* cached, DispatchOverlap overlap,
+                       const DispatchOutputGuess* guess) {
+  const int num_ranks = buffer.num_ranks();
+  const NormalShape shape = notify_shape(in, num_ranks);
+  const int num_local_experts = in.num_experts / num_ranks;
+  const kernels::HostCountIndex count_index{num_ranks, num_local_experts};
+  EPX_CHECK(count_index.num_words(true) <= NormalHostScratch::kMaxCountWords, "num_experts", in.num_experts,
+            detail::concat("must leave at most ", NormalHostScratch::kMaxCountWords - 3 - num_ranks,
+                           " local experts per rank (the host-mapped counts)")
+                .c_str());
+  NotifyCall call{buffer,
+                  in,
+                  order,
+                  overlap,
+                  guess,
+                  shape,
+                  num_local_experts,
+                  count_index,
+                  normal_host_scratch(buffer),
+                  notify_handle_state(buffer, in, shape, cached)};
+  const DispatchHandle::State& state = *call.state;
+  call.launches_receive = cached == nullptr && state.num_worst_tokens == 0 &&
+                          overlap == DispatchOverlap::kLaunchReceive && state.num_nodes == 1 &&
+                          launch_receive_allowed();
+  call.guess_rows = call.launches_receive && guess != nullptr ? std::max(guess->rows, 0) : 0;
+  if (call.guess_rows > 0) check_outputs(guess->outputs, state, call.guess_rows, "the guess's rows");
+  return call;
+}
 
-  // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
-  NormalHostScratch& scratch = normal_host_scratch(buffer);
-  cancel_receive(buffer, scratch.pending_receive);
-  // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
-  if (is_cached) return plan_of(std::move(state));
+// The single-node count exchange, run by a notify kernel or inside the receive's launch. `host`: where it
+// publishes the counts for the host (words null: nobody waits for them).
+kernels::NotifyArgs exchange_args(const NotifyCall& call, const kernels::HostCounts& host) {
+  const DispatchInput& in = call.in;
+  const DispatchHandle::State& state = *call.state;
+  return kernels::NotifyArgs{peer_context(call.buffer),
+                             call.sequence,
+                             state.num_channels,
+                             reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+                             in.num_tokens_per_expert,
+                             in.num_tokens_per_rank,
+                             in.num_tokens,
+                             in.num_experts,
+                             state.expert_alignment,
+                             state.num_worst_tokens,
+                             state.arrays,
+                             host,
+                             device_address(call.buffer, &call.scratch.invalid_id),
+                             normal_shape_fingerprint(call.shape, queue_config(call.buffer, state), false,
+                                                      in.num_tokens_per_rank != nullptr)};
+}
 
-  const cudaStream_t stream = buffer.comm_stream();
-  const bool host_waits = state->num_worst_tokens == 0;
-  // Every rank makes the same notifies, so every rank gives this one the same sequence.
-  scratch.notify_sequence = next_sequence(scratch.notify_sequence);
-  const uint32_t sequence = scratch.notify_sequence;
-  const int* invalid_id = device_address(buffer, &scratch.invalid_id);
-  // The single-node count exchange, run by a notify kernel or inside the receive's launch.
-  const auto notify_args = [&](const kernels::HostCounts& host) {
-    return kernels::NotifyArgs{peer_context(buffer),
-                               sequence,
-                               state->num_channels,
-                               reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-                               in.num_tokens_per_expert,
-                               in.num_tokens_per_rank,
-                               in.num_tokens,
-                               in.num_experts,
-                               state->expert_alignment,
-                               state->num_worst_tokens,
-                               state->arrays,
-                               host,
-                               invalid_id,
-                               normal_shape_fingerprint(shape, queue_config(buffer, *state), false,
-                                                        in.num_tokens_per_rank != nullptr)};
-  };
+// ---- Counts off the layout board ----
 
-  // The layout board (one node): this rank's dispatch sends what its layout posted for this notify when it
-  // passes that layout's outputs. Its mark says whether it does, so a peer reads this rank's counts off the
-  // board only then, and otherwise takes the count exchange's.
-  const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
-  const NormalHostScratch::LayoutPost& post = scratch.layout_post;
-  const bool one_node_board = board.host != nullptr && state->num_nodes == 1;
+// The guess's outputs are the outputs: the receive goes out now, running the count exchange `exchange` too,
+// and needs nothing more from the host.
+void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exchange) {
+  DispatchHandle::State& state = *call.state;
+  begin_on_comm_stream(call.buffer, call.order);
+  kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in, call.guess->outputs);
+  exchange_in_launch(args, exchange);
+  kernels::launch_dispatch(args, call.buffer.comm_stream());
+  call.scratch.pending_receive = call.sequence;  // dispatch_receive completes the call
+  state.launched_receive = call.sequence;
+  state.guessed_outputs = call.guess->outputs;
+}
+
+// The plan of a notify whose host read `counts` off the board before any launch. The count exchange still
+// runs, inside the receive's launch (which checks the rows from each source against the board's before it
+// writes any): now, into a guess the rows fit, else in dispatch_receive; or now in a notify kernel when the
+// caller reads the handle before the receive.
+DispatchPlan plan_from_board_counts(NotifyCall& call, const std::vector<int>& counts, bool with_experts) {
+  DispatchHandle::State& state = *call.state;
+  const kernels::HostCountIndex& index = call.count_index;
+  check_no_invalid_id(counts, index);
+  take_counts(state, counts, index, with_experts);
+  call.scratch.last_recv_rows = state.num_recv_rows;
+  // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
+  state.allocate_routing(call.buffer, call.num_local_experts, std::max(state.num_recv_rows, 1));
+  // The receive's launch checks the rows from each source against these before it writes.
+  state.board.active = true;
+  for (int src = 0; src < index.num_ranks; ++src) state.board.rows_from[src] = counts[index.rows_from(src)];
+  // The exchange publishes nothing for the host, which has its counts.
+  const kernels::NotifyArgs exchange = exchange_args(call, {nullptr, call.sequence});
+  const bool rows_in_guess =
+      call.launches_receive && call.guess_rows > 0 && state.num_recv_rows <= call.guess_rows;
+  if (rows_in_guess) {
+    launch_receive_into_guess(call, exchange);
+  } else if (call.overlap == DispatchOverlap::kHandleBeforeReceive) {
+    // The caller reads the handle before the receive: the exchange runs now, in a notify kernel.
+    begin_on_comm_stream(call.buffer, call.order);
+    kernels::launch_dispatch_notify(exchange, call.buffer.comm_stream());
+  } else {
+    state.exchange = exchange;
+  }
+  DispatchPlan plan = plan_of(std::move(call.state));
+  plan.rows_in_guess = rows_in_guess;
+  plan.counts_from_layout = true;
+  return plan;
+}
+
+// The layout board (one node): this rank's dispatch sends what its layout posted for this notify when it
+// passes that layout's outputs. Its mark says whether it does, so a peer reads this rank's counts off the
+// board only then, and otherwise takes the count exchange's. Then, once every peer's layout posted and its
+// mark says its counts hold, the host has its counts off the board: the plan. Nothing (and nothing launched)
+// when the count exchange must bring the host its counts instead.
+std::optional<DispatchPlan> notify_from_layout_board(NotifyCall& call) {
+  const DispatchInput& in = call.in;
+  const DispatchHandle::State& state = *call.state;
+  const BufferAccess::LayoutBoard board = BufferAccess::layout_board(call.buffer);
+  const NormalHostScratch::LayoutPost& post = call.scratch.layout_post;
+  const bool one_node_board = board.host != nullptr && state.num_nodes == 1;
   const bool posted_counts_hold =
-      one_node_board && in.num_tokens_per_rank != nullptr && post.sequence == sequence &&
+      one_node_board && in.num_tokens_per_rank != nullptr && post.sequence == call.sequence &&
       post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
       (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
-  if (one_node_board) mark_posted_counts(board, buffer.rank(), sequence, posted_counts_hold);
-  // Then, once every peer's layout posted and its mark says its counts hold, the host has its counts off the
-  // board before any launch, and the count exchange runs inside the receive's launch (which checks the rows
-  // from each source against the board's before it writes any): now, into a guess the rows fit, else in
-  // dispatch_receive.
-  const bool counts_on_board = posted_counts_hold && host_waits;
-  if (counts_on_board) {
-    const size_t half = board.map.row(buffer.rank(), sequence);
-    const bool with_experts = in.num_tokens_per_expert != nullptr;
-    const BoardCounts board_counts{board.host + half, board.map, num_local_experts, state->expert_alignment,
-                                   with_experts};
-    std::vector<int> counts(count_index.num_words(false));
-    if (wait_for_board(buffer, board_counts, sequence, count_index, counts)) {
-      check_no_invalid_id(counts, count_index);
-      take_counts(*state, counts, count_index, with_experts);
-      scratch.last_recv_rows = state->num_recv_rows;
-      // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
-      state->allocate_routing(buffer, num_local_experts, std::max(state->num_recv_rows, 1));
-      // The receive's launch checks the rows from each source against these before it writes.
-      state->board.active = true;
-      for (int src = 0; src < num_ranks; ++src)
-        state->board.rows_from[src] = counts[count_index.rows_from(src)];
-      const kernels::NotifyArgs exchange = notify_args({nullptr, sequence});  // the host waits for nothing
-      const bool rows_in_guess = launches_receive && guess_rows > 0 && state->num_recv_rows <= guess_rows;
-      if (rows_in_guess) {
-        // The guess's outputs are the outputs: the receive goes out now and needs nothing more from the host.
-        begin_on_comm_stream(buffer, order);
-        kernels::DispatchArgs args = dispatch_args(buffer, *state, in, guess->outputs);
-        exchange_in_launch(args, exchange);
-        kernels::launch_dispatch(args, stream);
-        scratch.pending_receive = sequence;  // dispatch_receive completes the call
-        state->launched_receive = sequence;
-        state->guessed_outputs = guess->outputs;
-      } else if (overlap == DispatchOverlap::kHandleBeforeReceive) {
-        // The caller reads the handle before the receive: the exchange runs now, in a notify kernel.
-        begin_on_comm_stream(buffer, order);
-        kernels::launch_dispatch_notify(exchange, stream);
-      } else {
-        state->exchange = exchange;
-      }
-      DispatchPlan plan = plan_of(std::move(state));
-      plan.rows_in_guess = rows_in_guess;
-      plan.counts_from_layout = true;
-      return plan;
-    }
-  }
+  if (one_node_board) mark_posted_counts(board, call.buffer.rank(), call.sequence, posted_counts_hold);
+  const bool host_waits = state.num_worst_tokens == 0;
+  if (!posted_counts_hold || !host_waits) return std::nullopt;
+  const size_t half = board.map.row(call.buffer.rank(), call.sequence);
+  const bool with_experts = in.num_tokens_per_expert != nullptr;
+  const BoardCounts board_counts{board.host + half, board.map, call.num_local_experts, state.expert_alignment,
+                                 with_experts};
+  std::vector<int> counts(call.count_index.num_words(false));
+  if (!wait_for_board(call.buffer, board_counts, call.sequence, call.count_index, counts))
+    return std::nullopt;
+  return plan_from_board_counts(call, counts, with_experts);
+}
 
-  begin_on_comm_stream(buffer, order);
-  // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
-  // receive's launch.
-  state->allocate_routing(buffer, num_local_experts, guess_rows);
-  const kernels::HostCounts host{host_waits ? device_address(buffer, scratch.counts) : nullptr, sequence};
-  // One launch for the count exchange and the receive: the host's counts come one launch after the call.
-  const bool notify_in_receive = guess_rows > 0 && in.num_tokens_per_rank != nullptr;
-  if (state->num_nodes > 1) {
-    const kernels::InternodeNotifyArgs args{
-        internode_context(buffer),
-        state->num_channels,
-        reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
-        in.num_tokens_per_expert,
-        in.num_tokens,
-        in.num_experts,
-        state->expert_alignment,
-        state->arrays,
-        host,
-        invalid_id,
-        normal_shape_fingerprint(shape, queue_config(buffer, *state), true)};
-    kernels::launch_internode_notify(args, stream);
-  } else if (!notify_in_receive) {
-    // With a guess and the per-rank totals the receive launched below runs the exchange itself.
-    kernels::launch_dispatch_notify(notify_args(host), stream);
-  }
-  if (!host_waits) {
-    state->num_recv_rows = state->num_worst_tokens;
-    state->allocate_rows(buffer, state->num_recv_rows);
-    return plan_of(std::move(state));
-  }
+// ---- Counts from the count exchange ----
 
-  // The receive goes out before the host waits: senders fill the peers' queues while the counts travel to
-  // the host, and the receivers write into the guess's outputs when the rows fit, else wait for the outputs
-  // dispatch_receive publishes. recv_src_idx for the guess came with the routing arrays; one allocated after
-  // the launch goes through a private stream (see allocate_on_stream).
-  const bool rows_before_counts = state->num_nodes == 1;
-  if (launches_receive) {
-    kernels::DispatchArgs args =
-        dispatch_args(buffer, *state, in, guess_rows > 0 ? guess->outputs : DispatchOutput{});
-    args.published = device_address(buffer, &scratch.outputs);
-    args.published_sequence = scratch.notify_sequence;
-    args.guess_rows = guess_rows;
-    if (notify_in_receive) exchange_in_launch(args, notify_args(host));
-    kernels::launch_dispatch(args, stream);
-    scratch.pending_receive = scratch.notify_sequence;
-    state->launched_receive = scratch.notify_sequence;
-  }
+// Across nodes: the count exchange over the network and NVLink, in its own kernel (no board, no launched
+// receive there).
+void launch_notify_across_nodes(const NotifyCall& call, const kernels::HostCounts& host) {
+  const DispatchInput& in = call.in;
+  const DispatchHandle::State& state = *call.state;
+  const kernels::InternodeNotifyArgs args{
+      internode_context(call.buffer),
+      state.num_channels,
+      reinterpret_cast<const uint8_t*>(in.is_token_in_rank),
+      in.num_tokens_per_expert,
+      in.num_tokens,
+      in.num_experts,
+      state.expert_alignment,
+      state.arrays,
+      host,
+      device_address(call.buffer, &call.scratch.invalid_id),
+      normal_shape_fingerprint(call.shape, queue_config(call.buffer, state), true)};
+  kernels::launch_internode_notify(args, call.buffer.comm_stream());
+}
+
+// The receive goes out before the host waits: senders fill the peers' queues while the counts travel to the
+// host, and the receivers write into the guess's outputs when the rows fit, else wait for the outputs
+// dispatch_receive publishes. `notify_in_receive`: the launch runs the count exchange too.
+void launch_receive_before_counts(NotifyCall& call, const kernels::HostCounts& host, bool notify_in_receive) {
+  DispatchHandle::State& state = *call.state;
+  kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in,
+                                             call.guess_rows > 0 ? call.guess->outputs : DispatchOutput{});
+  args.published = device_address(call.buffer, &call.scratch.outputs);
+  args.published_sequence = call.scratch.notify_sequence;
+  args.guess_rows = call.guess_rows;
+  if (notify_in_receive) exchange_in_launch(args, exchange_args(call, host));
+  kernels::launch_dispatch(args, call.buffer.comm_stream());
+  call.scratch.pending_receive = call.scratch.notify_sequence;
+  state.launched_receive = call.scratch.notify_sequence;
+}
+
+// The host waits for the counts the exchange publishes and sizes the rows by them. recv_src_idx for a guess
+// came with the routing arrays; one allocated after a launched receive goes through a private stream (see
+// allocate_on_stream).
+DispatchPlan plan_after_host_wait(NotifyCall& call) {
+  Buffer& buffer = call.buffer;
+  DispatchHandle::State& state = *call.state;
+  const bool rows_before_counts = state.num_nodes == 1;
   // The host waits for the counts next, so it allocates the rows meanwhile (one node: nothing else there
   // depends on the counts), for as many as the last notify received with room to grow, and again after the
   // wait only if that was too small.
   const cudaStream_t rows_stream =
-      state->launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr;
-  if (rows_before_counts && guess_rows == 0) {
-    const int rows_guess = scratch.last_recv_rows + scratch.last_recv_rows / 4 + 64;
-    state->allocate_rows(buffer, rows_guess, rows_stream);
+      state.launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr;
+  if (rows_before_counts && call.guess_rows == 0) {
+    const int rows_guess = call.scratch.last_recv_rows + call.scratch.last_recv_rows / 4 + 64;
+    state.allocate_rows(buffer, rows_guess, rows_stream);
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
   try {
-    counts = wait_for_counts(buffer, stream, sequence, count_index.num_words(state->num_nodes > 1));
+    counts = wait_for_counts(buffer, buffer.comm_stream(), call.sequence,
+                             call.count_index.num_words(state.num_nodes > 1));
   } catch (...) {
-    cancel_receive(buffer, state->launched_receive);
+    cancel_receive(buffer, state.launched_receive);
     throw;
   }
-  take_counts(*state, counts, count_index, in.num_tokens_per_expert != nullptr);
-  scratch.last_recv_rows = state->num_recv_rows;
-  const bool rows_in_guess = guess_rows > 0 && state->num_recv_rows <= guess_rows;
+  take_counts(state, counts, call.count_index, call.in.num_tokens_per_expert != nullptr);
+  call.scratch.last_recv_rows = state.num_recv_rows;
+  const bool rows_in_guess = call.guess_rows > 0 && state.num_recv_rows <= call.guess_rows;
   if (rows_in_guess) {
     // The launched receive writes there already and waits for nothing: dispatch_receive only completes.
-    state->guessed_outputs = guess->outputs;
-  } else if (!rows_before_counts || state->num_recv_rows > state->rows_capacity) {
-    state->allocate_rows(buffer, state->num_recv_rows, rows_stream);
+    state.guessed_outputs = call.guess->outputs;
+  } else if (!rows_before_counts || state.num_recv_rows > state.rows_capacity) {
+    state.allocate_rows(buffer, state.num_recv_rows, rows_stream);
   }
-  if (counts[count_index.invalid_id()] != 0) cancel_receive(buffer, state->launched_receive);
-  check_no_invalid_id(counts, count_index);
-  DispatchPlan plan = plan_of(std::move(state));
+  if (counts[call.count_index.invalid_id()] != 0) cancel_receive(buffer, state.launched_receive);
+  check_no_invalid_id(counts, call.count_index);
+  DispatchPlan plan = plan_of(std::move(call.state));
   plan.rows_in_guess = rows_in_guess;
   return plan;
+}
+
+// The count exchange runs on the device (a notify kernel, or inside the receive's launch) and publishes the
+// counts to the host, which waits for them; in worst-case mode (num_worst_tokens) nobody waits.
+DispatchPlan notify_with_count_exchange(NotifyCall& call) {
+  DispatchHandle::State& state = *call.state;
+  const bool host_waits = state.num_worst_tokens == 0;
+  begin_on_comm_stream(call.buffer, call.order);
+  // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
+  // receive's launch.
+  state.allocate_routing(call.buffer, call.num_local_experts, call.guess_rows);
+  const kernels::HostCounts host{host_waits ? device_address(call.buffer, call.scratch.counts) : nullptr,
+                                 call.sequence};
+  // One launch for the count exchange and the receive: the host's counts come one launch after the call.
+  const bool notify_in_receive = call.guess_rows > 0 && call.in.num_tokens_per_rank != nullptr;
+  if (state.num_nodes > 1) {
+    launch_notify_across_nodes(call, host);
+  } else if (!notify_in_receive) {
+    // With a guess and the per-rank totals the receive launched below runs the exchange itself.
+    kernels::launch_dispatch_notify(exchange_args(call, host), call.buffer.comm_stream());
+  }
+  if (!host_waits) {
+    // Worst-case mode: the outputs hold num_worst_tokens rows whatever arrives.
+    state.num_recv_rows = state.num_worst_tokens;
+    state.allocate_rows(call.buffer, state.num_recv_rows);
+    return plan_of(std::move(call.state));
+  }
+  if (call.launches_receive) launch_receive_before_counts(call, host, notify_in_receive);
+  return plan_after_host_wait(call);
+}
+
+}  // namespace
+
+// The paths of a notify: a cached handle (counts known, nothing runs); counts off the layout board (one node,
+// the inputs are the last layout's outputs); else the count exchange, with or without the receive launched
+// beside it, or across nodes.
+DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
+                             const DispatchHandle* cached, DispatchOverlap overlap,
+                             const DispatchOutputGuess* guess) {
+  const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_notify");
+  const bool is_cached = cached != nullptr && cached->valid();
+  validate_dispatch_input(buffer, in, is_cached);
+  NotifyCall call = notify_call(buffer, in, order, is_cached ? cached : nullptr, overlap, guess);
+  // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
+  cancel_receive(buffer, call.scratch.pending_receive);
+  // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
+  if (is_cached) return plan_of(std::move(call.state));
+  // Every rank makes the same notifies, so every rank gives this one the same sequence.
+  call.scratch.notify_sequence = next_sequence(call.scratch.notify_sequence);
+  call.sequence = call.scratch.notify_sequence;
+  if (std::optional<DispatchPlan> plan = notify_from_layout_board(call)) return std::move(*plan);
+  return notify_with_count_exchange(call);
 }
 
 // No enter_call: it runs on error paths (an aborted Buffer, a failed allocation) and must not raise there.
