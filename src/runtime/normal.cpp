@@ -19,7 +19,9 @@
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/dispatch_handle_state.hpp"
+#include "runtime/layout_board.hpp"
 #include "runtime/low_latency_state.hpp"
+#include "runtime/normal_fingerprint.hpp"
 #include "runtime/normal_host_scratch.hpp"
 #include "runtime/stream_order.hpp"
 
@@ -32,66 +34,6 @@ namespace {
 uint64_t host_bound_ns(uint64_t device_bound_ns) {
   constexpr uint64_t kGraceNs = 1'000'000'000;
   return device_bound_ns > UINT64_MAX - kGraceNs ? UINT64_MAX : device_bound_ns + kGraceNs;
-}
-
-// Where a notify's host may also find its counts: its half of the layout board, posted by every rank's
-// get_dispatch_layout (epx/buffer_map/layout_board_map.hpp).
-struct BoardCounts {
-  const volatile uint64_t* half;
-  LayoutBoardMap map;
-  int num_local_experts;
-  int expert_alignment;
-  bool with_experts;
-};
-
-// The counts in HostCountIndex's order from the board, when every source posted them under `sequence`.
-Posted read_board_counts(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
-                         const kernels::HostCountIndex& index, std::vector<int>& values) {
-  PostedCounts posted{};
-  int* expert_rows = board.with_experts ? values.data() + index.expert(0) : nullptr;
-  const Posted state = read_posted_counts(board.half, board.map, sequence, board.num_local_experts,
-                                          board.expert_alignment, posted, expert_rows);
-  if (state != Posted::kAll) return state;
-  values[index.rows()] = posted.rows;
-  std::copy_n(posted.rows_from, board.map.num_ranks, values.begin() + index.rows_from(0));
-  // The layout kernel set the flag before it posted this rank's own words, which are among those read.
-  std::atomic_thread_fence(std::memory_order_acquire);
-  values[index.invalid_id()] = *static_cast<const volatile int*>(&normal_host_scratch(buffer).invalid_id);
-  return Posted::kAll;
-}
-
-// Marks on every rank's row of the board whether this rank's dispatch for notify `sequence` sends what its
-// layout posted there (LayoutBoardMap::mark_word).
-void mark_posted_counts(const BufferAccess::LayoutBoard& board, int rank, uint32_t sequence, bool hold) {
-  for (int dest = 0; dest < board.map.num_ranks; ++dest) {
-    const size_t mark = board.map.slot(dest, sequence, rank) + board.map.mark_word();
-    *static_cast<volatile uint64_t*>(board.host + mark) =
-        pack_tagged(sequence, hold ? kPostedCountsHold : kNothingPosted);
-  }
-}
-
-// How long a host spins on the layout board before it runs the count exchange instead: a peer that comes
-// later than this (a straggler, a rank that skipped the call or died) is then waited for by the exchange's
-// bounded device waits, which name it and abort the group. The host waits for that peer either way; the
-// quarter of the wait bound keeps a missing peer reported soon after the bound.
-constexpr uint64_t kBoardWaitNs = 250'000'000;
-
-// Spins until every source's layout posted this rank's counts for `sequence` on the board and its host marked
-// that they hold (true, `values` filled); false when one of them marked that they do not, or after
-// kBoardWaitNs (at most a quarter of the Buffer's wait bound): the count exchange must then run before the
-// host has its counts.
-bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t sequence,
-                    const kernels::HostCountIndex& index, std::vector<int>& values) {
-  const uint64_t bound_ns = std::min(kBoardWaitNs, buffer.wait_timeout_ns() / 4);
-  const auto start = std::chrono::steady_clock::now();
-  for (uint64_t spin = 0;; ++spin) {
-    const Posted state = read_board_counts(buffer, board, sequence, index, values);
-    if (state != Posted::kPending) return state == Posted::kAll;
-    if (spin % 1024 != 1023) continue;
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    if (static_cast<uint64_t>(waited.count()) > bound_ns) return false;
-  }
 }
 
 // Spins until notify published this call's counts, i.e. until each of the first `num_words` tagged words
@@ -150,54 +92,6 @@ kernels::PeerContext peer_context(const Buffer& buffer) {
                               BufferAccess::failure_record_device(buffer),
                               buffer.wait_timeout_ns(),
                               BufferAccess::abort_words(buffer)};
-}
-
-// The format field of a notify's fingerprint: the bit that says num_tokens_per_rank was given.
-constexpr int kNotifyWithRankTotals = 4;
-
-// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
-// queues' config (across nodes, the network queues' too). `with_rank_totals`: the caller gave
-// num_tokens_per_rank. Every rank must, or none: a rank given them waits for every peer's totals, which a
-// rank without them never posts.
-ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config, bool across_nodes,
-                                          bool with_rank_totals = false) {
-  int32_t values[kNumShapeFields] = {};
-  values[static_cast<int>(ShapeField::kHidden)] = shape.hidden;
-  values[static_cast<int>(ShapeField::kRowBytes)] = shape.x_row_bytes;
-  values[static_cast<int>(ShapeField::kNumScales)] = shape.num_scales;
-  values[static_cast<int>(ShapeField::kNumTopk)] = shape.num_topk;
-  values[static_cast<int>(ShapeField::kNumExperts)] = shape.num_experts;
-  values[static_cast<int>(ShapeField::kNumChannels)] = config.num_channels();
-  values[static_cast<int>(ShapeField::kQueueTokens)] = config.num_max_nvl_chunked_recv_tokens;
-  values[static_cast<int>(ShapeField::kFormat)] = with_rank_totals ? kNotifyWithRankTotals : 0;
-  if (across_nodes)
-    values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = config.num_max_rdma_chunked_recv_tokens;
-  return make_shape_fingerprint(values);
-}
-
-// What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
-// source's records (kernels/normal_queue.cuh, kernels/internode_common.cuh): the queues' layout, the records,
-// and the operation. `network_queue_tokens`: records per network queue across nodes (0 within one node).
-enum class NormalOperation { kDispatch = 1, kCombine = 2 };
-ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
-                                           const NormalRecord& record, int hidden, int num_experts,
-                                           NormalOperation op, bool fp8) {
-  int32_t values[kNumShapeFields] = {};
-  values[static_cast<int>(ShapeField::kHidden)] = hidden;
-  values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
-  values[static_cast<int>(ShapeField::kNumScales)] = record.num_scales;
-  values[static_cast<int>(ShapeField::kNumTopk)] = std::max(record.num_topk_idx, record.num_topk_weights);
-  values[static_cast<int>(ShapeField::kNumExperts)] = num_experts;
-  values[static_cast<int>(ShapeField::kNumChannels)] = num_channels;
-  values[static_cast<int>(ShapeField::kQueueTokens)] = queue_tokens;
-  values[static_cast<int>(ShapeField::kFormat)] = 2 * static_cast<int>(op) + (fp8 ? 1 : 0);
-  values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = network_queue_tokens;
-  return make_shape_fingerprint(values);
-}
-ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
-                                           int hidden, int num_experts, NormalOperation op, bool fp8) {
-  return normal_launch_fingerprint(layout.num_channels, layout.queue_tokens, 0, record, hidden, num_experts,
-                                   op, fp8);
 }
 
 // The buffer's config with the handle's channels: a cached dispatch and the combine split the tokens as the
@@ -720,12 +614,9 @@ std::optional<DispatchPlan> notify_from_layout_board(NotifyCall& call) {
   const DispatchInput& in = call.in;
   const DispatchHandle::State& state = *call.state;
   const BufferAccess::LayoutBoard board = BufferAccess::layout_board(call.buffer);
-  const NormalHostScratch::LayoutPost& post = call.scratch.layout_post;
   const bool one_node_board = board.host != nullptr && state.num_nodes == 1;
   const bool posted_counts_hold =
-      one_node_board && in.num_tokens_per_rank != nullptr && post.sequence == call.sequence &&
-      post.num_tokens_per_rank == in.num_tokens_per_rank && post.num_experts == in.num_experts &&
-      (in.num_tokens_per_expert == nullptr || in.num_tokens_per_expert == post.num_tokens_per_expert);
+      one_node_board && layout_post_matches(call.scratch.layout_post, in, call.sequence);
   if (one_node_board) mark_posted_counts(board, call.buffer.rank(), call.sequence, posted_counts_hold);
   const bool host_waits = state.num_worst_tokens == 0;
   if (!posted_counts_hold || !host_waits) return std::nullopt;

@@ -1,0 +1,30 @@
+#pragma once
+
+// What the ranks of a normal-mode call must agree on, as shape fingerprints (core/shape_fingerprint.hpp):
+// the notify's, checked across ranks with the counts, and each dispatch or combine launch's, checked by every
+// receiver before it reads a source's records.
+#include "core/shape_fingerprint.hpp"
+#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "epx/config.hpp"
+
+namespace epx {
+
+// What every rank's dispatch must agree on (checked by notify across ranks): the records' shape and the
+// queues' config (across nodes, the network queues' too). `with_rank_totals`: the caller gave
+// num_tokens_per_rank. Every rank must, or none: a rank given them waits for every peer's totals, which a
+// rank without them never posts.
+ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config& config, bool across_nodes,
+                                          bool with_rank_totals = false);
+
+// What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
+// source's records (kernels/normal_queue.cuh, kernels/internode_common.cuh): the queues' layout, the records,
+// and the operation. `network_queue_tokens`: records per network queue across nodes (0 within one node).
+enum class NormalOperation { kDispatch = 1, kCombine = 2 };
+ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
+                                           const NormalRecord& record, int hidden, int num_experts,
+                                           NormalOperation op, bool fp8);
+// Within one node: the queues of `layout`.
+ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
+                                           int hidden, int num_experts, NormalOperation op, bool fp8);
+
+}  // namespace epx
