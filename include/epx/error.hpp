@@ -7,19 +7,25 @@
 namespace epx {
 
 // Every failure the library reports is an epx::Error: host argument checks, CUDA/NCCL/NVSHMEM errors and
-// device-side wait timeouts. what() starts with "file:line: " so the message points at its source.
+// device-side wait timeouts. what() is what a user reads: the message alone ("invalid num_tokens = -3: must
+// be
+// >= 0"). With EPX_DEBUG_ERRORS=1 in the environment it also starts with "file:line: " and, for an argument
+// check, ends with " (failed check: <condition>)": where a developer looks.
 class Error : public std::runtime_error {
  public:
-  Error(const char* file, int line, const std::string& message);
+  Error(const char* file, int line, const std::string& message, const std::string& failed_check = {});
   const std::string& file() const { return file_; }
   int line() const { return line_; }
-  // The message without the "file:line: " prefix.
+  // The message alone (what() without the debug parts).
   const std::string& message() const { return message_; }
+  // The condition of the argument check that failed ("" for other errors).
+  const std::string& failed_check() const { return failed_check_; }
 
  private:
   std::string file_;
   int line_;
   std::string message_;
+  std::string failed_check_;
 };
 
 namespace detail {
@@ -39,7 +45,7 @@ std::string concat(const Parts&... parts) {
 }  // namespace epx
 
 // EPX_CHECK(cond, "argument", value, "rule"): one condition per check, so the message names the part that
-// failed, e.g. "invalid num_tokens = -3: must be >= 0 (failed check: num_tokens >= 0)".
+// failed, e.g. "invalid num_tokens = -3: must be >= 0" (Error::failed_check(): "num_tokens >= 0").
 #define EPX_CHECK(cond, name, value, rule)                                                                 \
   do {                                                                                                     \
     if (!(cond))                                                                                           \

@@ -1,5 +1,6 @@
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <string>
 
 #include "epx/error.hpp"
@@ -16,11 +17,27 @@ TEST(Error, CheckNamesArgumentValueAndRule) {
     FAIL() << "expected epx::Error";
   } catch (const epx::Error& error) {
     const std::string message = error.what();
-    EXPECT_NE(message.find("num_tokens = -3"), std::string::npos) << message;
-    EXPECT_NE(message.find("must be >= 0"), std::string::npos) << message;
-    EXPECT_NE(message.find("test_error.cpp:"), std::string::npos) << message;
-    EXPECT_EQ(error.message().rfind("invalid num_tokens", 0), 0u) << error.message();
+    EXPECT_EQ(message, "invalid num_tokens = -3: must be >= 0");
+    EXPECT_EQ(error.message(), message);
+    EXPECT_EQ(error.failed_check(), "num_tokens >= 0");
+    EXPECT_NE(error.file().find("test_error.cpp"), std::string::npos) << error.file();
   }
+}
+
+// EPX_DEBUG_ERRORS=1: the source and the failed condition too, for whoever debugs the library.
+TEST(Error, DebugErrorsAddSourceAndCondition) {
+  setenv("EPX_DEBUG_ERRORS", "1", 1);
+  try {
+    check_tokens(-3);
+    FAIL() << "expected epx::Error";
+  } catch (const epx::Error& error) {
+    const std::string message = error.what();
+    EXPECT_NE(message.find("test_error.cpp:"), std::string::npos) << message;
+    EXPECT_NE(message.find("invalid num_tokens = -3: must be >= 0 (failed check: num_tokens >= 0)"),
+              std::string::npos)
+        << message;
+  }
+  unsetenv("EPX_DEBUG_ERRORS");
 }
 
 TEST(Error, PassingCheckDoesNotThrow) {

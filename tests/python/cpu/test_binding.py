@@ -286,7 +286,7 @@ def test_size_hint_errors_name_argument_value_and_rule():
     assert error.message.startswith("invalid hidden = 100")
     assert error.file.endswith("low_latency_buffer_map.hpp")
     assert isinstance(error.line, int) and error.line > 0
-    assert str(error) == f"{error.file}:{error.line}: {error.message}"
+    assert str(error) == error.message  # the source only with EPX_DEBUG_ERRORS=1 (docs/RELIABILITY.md)
     with pytest.raises(epx.EpxError, match="invalid num_experts = 10: must be a multiple of the number of ranks"):
         epx.get_low_latency_rdma_size_hint(128, 128, 4, 10)
     with pytest.raises(epx.EpxError, match="invalid num_max_dispatch_tokens_per_rank = 0: must be > 0"):
@@ -320,7 +320,7 @@ def test_cpp_errors_reach_python(name):
     error = info.value
     assert error.message == "buffer half 1 is busy"
     assert error.file.endswith("core.cpp") and isinstance(error.line, int) and error.line > 0
-    assert str(error) == f"{error.file}:{error.line}: buffer half 1 is busy"
+    assert str(error) == "buffer half 1 is busy"
     # Other C++ exceptions keep pybind11's standard mapping.
     with pytest.raises(ValueError, match="bad shape"):
         call("invalid_argument", "bad shape")
