@@ -21,6 +21,7 @@ awk '
       sub(/\x27.*/, "", reason)
       return "need " reason
     }
+    if (reason ~ /^[0-9]+ ranks: below EPX_TEST_MIN_RANKS=/) { sub(/^[0-9]+ ranks: /, "", reason); return reason }
     if (reason ~ /built without CUDA$/) return "need a CUDA build"
     if (reason ~ /built without the NVSHMEM transport$/) return "need the NVSHMEM transport"
     return reason
