@@ -47,6 +47,15 @@ void run_cases_on_one_buffer(const std::vector<NormalCase>& cases) {
   });
 }
 
+// Options of a Buffer for `c` on the caller's `stream` (as epx.Buffer passes torch's).
+epx::BufferOptions borrowed_stream_options(const NormalCase& c, cudaStream_t stream) {
+  epx::BufferOptions options;
+  options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
+  options.wait_timeout_s = 20.0;
+  options.comm_stream = stream;
+  return options;
+}
+
 // A Buffer on the caller's stream runs its calls there and leaves the stream alive after destroy() (outputs
 // recorded on it, as torch records them, can still be freed).
 TEST(Normal, BorrowedCommStream) {
@@ -59,12 +68,8 @@ TEST(Normal, BorrowedCommStream) {
   run_ranks(c.num_ranks, [&](epx::Bootstrap& bootstrap) {
     cudaStream_t stream = nullptr;
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
-    epx::BufferOptions options;
-    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
-    options.wait_timeout_s = 20.0;
-    options.comm_stream = stream;
     {
-      epx::Buffer buffer(bootstrap, options);
+      epx::Buffer buffer(bootstrap, borrowed_stream_options(c, stream));
       if (buffer.comm_stream() != stream)
         throw std::runtime_error("the Buffer did not take the given stream");
       epx::test::NormalRunner(c, buffer).run();
@@ -88,11 +93,7 @@ void run_handles_outliving_their_buffer(int num_ranks) {
   run_ranks(num_ranks, [&](epx::Bootstrap& bootstrap) {
     cudaStream_t comm_stream = nullptr;
     EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&comm_stream, cudaStreamNonBlocking));
-    epx::BufferOptions options;
-    options.num_nvl_bytes = epx::test::normal_buffer_bytes(c);
-    options.wait_timeout_s = 20.0;
-    options.comm_stream = comm_stream;
-    auto buffer = std::make_unique<epx::Buffer>(bootstrap, options);
+    auto buffer = std::make_unique<epx::Buffer>(bootstrap, borrowed_stream_options(c, comm_stream));
     auto runner = std::make_unique<epx::test::NormalRunner>(c, *buffer);
     runner->run();
     buffer->destroy();
