@@ -35,6 +35,18 @@ def ll_inputs(num_tokens=MAX_TOKENS):
     return x, ids, weights, stats, expert_out
 
 
+def layout_args(wrapper, ids, weights):
+    """dispatch's keyword arguments from get_dispatch_layout, as DeepEP callers pass them."""
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    return dict(
+        num_tokens_per_rank=per_rank,
+        is_token_in_rank=in_rank,
+        num_tokens_per_expert=per_expert,
+        topk_idx=ids,
+        topk_weights=weights,
+    )
+
+
 def ll_step(wrapper, inputs, hook=False):
     x, ids, weights, stats, expert_out = inputs
     recv_x, recv_count, handle, event, dispatch_hook = wrapper.low_latency_dispatch(
@@ -65,15 +77,7 @@ def test_passing_checks_build_no_text(stub, monkeypatch):
     for hook in (False, True):
         ll_step(wrapper, inputs, hook)
     x, ids, weights, _, _ = inputs
-    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=ids,
-        topk_weights=weights,
-    )
+    recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, **layout_args(wrapper, ids, weights))
     wrapper.dispatch(x, handle)
     wrapper.combine(recv_x, handle, topk_weights=recv_weights)
 
@@ -212,15 +216,7 @@ def test_stream_orders_are_made_once_per_stream(stub):
 def test_normal_handle_views_are_made_once(stub):
     wrapper, _ = stub
     x, ids, weights, _, _ = ll_inputs()
-    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    _, _, _, _, handle, _ = wrapper.dispatch(
-        x,
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=ids,
-        topk_weights=weights,
-    )
+    _, _, _, _, handle, _ = wrapper.dispatch(x, **layout_args(wrapper, ids, weights))
     native = handle[0]._epx_handle
     assert handle[3] is native.recv_src_idx and handle[5] is native.send_head
     assert native.recv_channel_offset is native.recv_channel_offset
@@ -229,14 +225,7 @@ def test_normal_handle_views_are_made_once(stub):
 def test_default_configs_are_set_once(stub, monkeypatch):
     wrapper, _ = stub
     x, ids, weights, _, _ = ll_inputs()
-    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
-    args = dict(
-        num_tokens_per_rank=per_rank,
-        is_token_in_rank=in_rank,
-        num_tokens_per_expert=per_expert,
-        topk_idx=ids,
-        topk_weights=weights,
-    )
+    args = layout_args(wrapper, ids, weights)
     recv_x, _, recv_weights, _, handle, _ = wrapper.dispatch(x, **args)
     runtime = wrapper.runtime.runtime
     sets = runtime.configs_set
