@@ -12,7 +12,7 @@ else
   echo "format: ${#files[@]} files clean"
 fi
 # Python: ruff with ruff.toml (pyflakes + pycodestyle), where ruff is installed (CI installs it).
-if python3 -m ruff --version >/dev/null 2>&1; then
-  python3 -m ruff check --quiet "$root"
+if "${PYTHON:-python3}" -m ruff --version >/dev/null 2>&1; then
+  "${PYTHON:-python3}" -m ruff check --quiet "$root"
   echo "ruff: clean"
 fi

@@ -172,9 +172,9 @@ struct LowLatencyCombineInput {
   int num_topk = 0;                     // K of the dispatch
   // LogFMT-10 on the links between nodes: a row that crosses to another node goes packed, 0.64x BF16's
   // bytes, decoded bit-exactly as the CPU reference does, at the cost of arithmetic on both sides (one H200,
-  // 128 tokens of hidden 7168: 44 us more than BF16, README). That pays on links slower than about 120 GB/s
-  // (a network), not over NVLink: rows that stay within the NVLink node travel as BF16 (exact), and a
-  // Buffer within one node runs the BF16 combine. Every rank passes the same value.
+  // 128 tokens of hidden 7168: 44 us more than BF16, docs/BENCHMARKS.md). That pays on links slower than
+  // about 120 GB/s (a network), not over NVLink: rows that stay within the NVLink node travel as BF16
+  // (exact), and a Buffer within one node runs the BF16 combine. Every rank passes the same value.
   bool use_logfmt = false;
   // With use_logfmt: LogFMT-code the rows that stay within the node as well (the same numerics on every
   // link, at LogFMT's cost). Every rank passes the same value.

@@ -41,7 +41,7 @@ inline void run_ranks(int num_ranks, const std::function<void(Bootstrap&)>& work
                       std::chrono::milliseconds bootstrap_timeout = std::chrono::milliseconds(300000)) {
   const int num_gpus = visible_gpu_count();
   if (num_gpus * test_ranks_per_gpu() < num_ranks) {
-    GTEST_SKIP() << "needs " << num_ranks << " GPUs, found " << num_gpus;
+    GTEST_SKIP() << "needs " << num_ranks << (num_ranks == 1 ? " GPU" : " GPUs") << ", found " << num_gpus;
   }
   if (num_ranks < test_min_ranks()) {
     GTEST_SKIP() << num_ranks << " ranks: below EPX_TEST_MIN_RANKS=" << test_min_ranks();

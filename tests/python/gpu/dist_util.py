@@ -21,7 +21,7 @@ def require_gpus(num_gpus):
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device")
     if torch.cuda.device_count() * ranks_per_gpu() < num_gpus:
-        pytest.skip(f"needs {num_gpus} GPUs, {torch.cuda.device_count()} present")
+        pytest.skip(f"needs {num_gpus} GPU{'' if num_gpus == 1 else 's'}, {torch.cuda.device_count()} present")
     if num_gpus < min_ranks():
         pytest.skip(f"{num_gpus} ranks: below EPX_TEST_MIN_RANKS={min_ranks()}")
     return torch
