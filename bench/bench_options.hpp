@@ -100,4 +100,37 @@ inline int normal_ranks_per_node(const BenchOptions& o, int num_ranks) {
   return o.ranks_per_node > 0 && o.ranks_per_node < num_ranks ? o.ranks_per_node : num_ranks;
 }
 
+// "1 rank", "2 ranks": `count` with the noun in the number it takes (`many` is the plural).
+inline std::string count_of(int count, const char* one, const char* many) {
+  return std::to_string(count) + " " + (count == 1 ? one : many);
+}
+
+// " (2 nodes of 4, NVSHMEM between them)" when `ranks_per_node` splits `num_ranks` into nodes, else "".
+inline std::string nodes_note(int ranks_per_node, int num_ranks) {
+  if (ranks_per_node <= 0 || ranks_per_node >= num_ranks) return "";
+  return " (" + count_of(num_ranks / ranks_per_node, "node", "nodes") + " of " +
+         std::to_string(ranks_per_node) + ", NVSHMEM between them)";
+}
+
+// The table headers of each mode, each with its own mode's shape (python -m epx.bench prints the same ones).
+inline std::string normal_header(const BenchOptions& o, int num_ranks) {
+  const int ranks_per_node = normal_ranks_per_node(o, num_ranks);
+  std::string header =
+      "normal mode: " + count_of(num_ranks, "rank", "ranks") + nodes_note(ranks_per_node, num_ranks) + ", " +
+      count_of(o.num_tokens, "token/rank", "tokens/rank") + ", hidden " + std::to_string(o.hidden) +
+      ", top-" + std::to_string(o.num_topk) + " of " + count_of(o.num_experts, "expert", "experts") +
+      " (GB/s = rows received x row bytes / time";
+  if (ranks_per_node < num_ranks)
+    header += "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time";
+  return header + "; verified before timing)";
+}
+
+inline std::string low_latency_header(const BenchOptions& o, int num_ranks) {
+  return "low-latency mode: " + count_of(num_ranks, "rank", "ranks") +
+         nodes_note(o.ll_ranks_per_node, num_ranks) + ", " +
+         count_of(o.ll_num_tokens, "token/rank", "tokens/rank") + ", hidden " + std::to_string(o.hidden) +
+         ", top-" + std::to_string(o.num_topk) + " of " + count_of(o.ll_num_experts, "expert", "experts") +
+         " (GB/s = selections x bytes per selection / time; verified before timing)";
+}
+
 }  // namespace epx::bench

@@ -63,6 +63,9 @@ void print_help() {
       "groups\n"
       "                                  (virtual nodes on one GPU); times are not speeds, NCCL is skipped\n"
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
+      "  --seed N                        seed of the random inputs and routing (default 1; GPU runs)\n"
+      "  --launch-ahead-us US            python -m epx.bench's GPU spin before each timed call; epx-bench\n"
+      "                                  has no Python host time to hide and takes only 0 (its timing)\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
       "  --plot FILE.svg                 also write an SVG bar chart: per op the EPX time beside the NCCL\n"
@@ -96,12 +99,26 @@ std::vector<int> parse_list(const std::string& flag, const std::string& text) {
   return values;
 }
 
-// Returns false when the program should stop (help printed).
+// A number flag value (--launch-ahead-us); the error names the flag.
+double parse_number(const std::string& flag, const std::string& text) {
+  size_t used = 0;
+  double value = 0;
+  try {
+    value = std::stod(text, &used);
+  } catch (const std::exception&) {
+    used = 0;
+  }
+  EPX_CHECK(used > 0 && used == text.size(), flag.c_str(), text, "must be a number");
+  return value;
+}
+
+// Returns false when the program should stop (help printed). python -m epx.bench parses the same flags with
+// the same rules and messages (tests/python/cpu/test_bench.py compares the two).
 bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
   for (int i = 1; i < argc; ++i) {
     const std::string flag = argv[i];
     auto value = [&]() -> std::string {
-      EPX_CHECK(i + 1 < argc, "argv", flag, "needs a value");
+      if (i + 1 >= argc) EPX_FAIL(flag, " needs a value (see --help)");
       return argv[++i];
     };
     if (flag == "--help" || flag == "-h") {
@@ -146,6 +163,19 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.rdma_send_chunk = parse_int(flag, value());
     } else if (flag == "--rdma-queue") {
       o.rdma_queue_tokens = parse_int(flag, value());
+    } else if (flag == "--seed") {
+      const int seed = parse_int(flag, value());
+      EPX_CHECK(seed >= 0, "--seed", seed, "must be >= 0");
+      o.seed = static_cast<unsigned>(seed);
+    } else if (flag == "--launch-ahead-us") {
+      // python -m epx.bench's flag (it hides Python's host time): accepted here only as the timing epx-bench
+      // does anyway, so one command line serves both benches.
+      const double us = parse_number(flag, value());
+      EPX_CHECK(us >= 0, "--launch-ahead-us", us, "must be >= 0");
+      EPX_CHECK(
+          us == 0, "--launch-ahead-us", us,
+          "must be 0 in epx-bench (its times include the host's launch; the GPU spin that hides Python's "
+          "host time is python -m epx.bench's)");
     } else if (flag == "--tune") {
       o.tune = true;
       o.mode = "normal";
@@ -240,8 +270,9 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       cudaGetDeviceProperties(&prop, 0);
       if (!o.json) {
         std::printf(
-            "epx-bench on %d x %s (%d SMs each), one process per GPU; medians of %d runs after %d warm-up\n",
-            num_ranks, prop.name, prop.multiProcessorCount, o.iters, o.warmup);
+            "epx-bench on %d x %s (%d SMs each), one process per GPU; medians of %s after %d warm-up\n",
+            num_ranks, prop.name, prop.multiProcessorCount,
+            epx::bench::count_of(o.iters, "run", "runs").c_str(), o.warmup);
         if (o.ranks_per_gpu > 1) {
           std::printf("%d ranks share each GPU: the times below check the logic, they are not speeds\n",
                       o.ranks_per_gpu);
@@ -251,18 +282,8 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
     }
     if (o.mode != "low-latency") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_normal_bench(bootstrap, o));
-      std::ostringstream header;
-      const int ranks_per_node = epx::bench::normal_ranks_per_node(o, num_ranks);
-      header << "normal mode: " << num_ranks << " ranks";
-      if (ranks_per_node < num_ranks)
-        header << " (" << num_ranks / ranks_per_node << " nodes of " << ranks_per_node
-               << ", NVSHMEM between them)";
-      header << ", " << o.num_tokens << " tokens/rank, hidden " << o.hidden << ", top-" << o.num_topk
-             << " of " << o.num_experts << " experts (GB/s = rows received x row bytes / time";
-      if (ranks_per_node < num_ranks)
-        header << "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time";
-      header << "; verified before timing)";
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "normal", plot);
+      const std::string header = epx::bench::normal_header(o, num_ranks);
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "normal", plot);
       if (bootstrap.rank() == 0 && o.tune) {
         std::printf(
             "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)):\n");
@@ -275,15 +296,8 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
     }
     if (o.mode != "normal") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_low_latency_bench(bootstrap, o));
-      std::ostringstream header;
-      header << "low-latency mode: " << num_ranks << " ranks";
-      if (o.ll_ranks_per_node > 0 && o.ll_ranks_per_node < num_ranks)
-        header << " (" << num_ranks / o.ll_ranks_per_node << " nodes of " << o.ll_ranks_per_node
-               << ", NVSHMEM between them)";
-      header << ", " << o.ll_num_tokens << " tokens/rank, hidden " << o.hidden << ", top-" << o.num_topk
-             << " of " << o.ll_num_experts
-             << " experts (GB/s = selections x bytes per selection / time; verified before timing)";
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header.str(), "low-latency", plot);
+      const std::string header = epx::bench::low_latency_header(o, num_ranks);
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "low-latency", plot);
     }
     if (json_file != nullptr) std::fclose(json_file);
     if (bootstrap.rank() == 0 && !o.plot_file.empty()) {

@@ -83,6 +83,42 @@ TEST(BenchOptions, PlotFileMustBeAnSvg) {
   }
 }
 
+// Each mode's table header names that mode's shape, with each count in the number it takes ("1 rank").
+TEST(BenchOptions, HeadersNameEachModesShape) {
+  BenchOptions o;
+  EXPECT_EQ(
+      epx::bench::normal_header(o, 4),
+      "normal mode: 4 ranks, 4096 tokens/rank, hidden 7168, top-8 of 256 experts (GB/s = rows received x "
+      "row bytes / time; verified before timing)");
+  EXPECT_EQ(
+      epx::bench::low_latency_header(o, 4),
+      "low-latency mode: 4 ranks, 128 tokens/rank, hidden 7168, top-8 of 288 experts (GB/s = selections x "
+      "bytes per selection / time; verified before timing)");
+  o.num_tokens = 1;
+  o.ll_num_tokens = 1;
+  o.num_experts = 8;
+  o.ll_num_experts = 1;
+  o.num_topk = 1;
+  EXPECT_EQ(
+      epx::bench::normal_header(o, 1),
+      "normal mode: 1 rank, 1 token/rank, hidden 7168, top-1 of 8 experts (GB/s = rows received x row bytes "
+      "/ time; verified before timing)");
+  EXPECT_EQ(
+      epx::bench::low_latency_header(o, 1),
+      "low-latency mode: 1 rank, 1 token/rank, hidden 7168, top-1 of 1 expert (GB/s = selections x bytes "
+      "per selection / time; verified before timing)");
+  o.ranks_per_node = 2;
+  o.ll_ranks_per_node = 4;
+  EXPECT_EQ(
+      epx::bench::normal_header(o, 4),
+      "normal mode: 4 ranks (2 nodes of 2, NVSHMEM between them), 1 token/rank, hidden 7168, top-1 of 8 "
+      "experts (GB/s = rows received x row bytes / time; net GB/s = rows crossing to other nodes, once per "
+      "node, x row bytes / time; verified before timing)");
+  EXPECT_EQ(epx::bench::low_latency_header(o, 8).substr(0, 78),
+            "low-latency mode: 8 ranks (2 nodes of 4, NVSHMEM between them), 1 token/rank, ");
+  EXPECT_EQ(epx::bench::count_of(0, "token", "tokens"), "0 tokens");
+}
+
 // Each token counts once per other node that holds one of its experts, however many ranks there need it.
 TEST(BenchBytes, NetworkRowsCountEachTokenOncePerOtherNode) {
   // 4 ranks as 2 nodes of 2, one expert per rank.
