@@ -1,6 +1,7 @@
 // epx-bench: normal and low-latency dispatch/combine on every visible GPU (one process per GPU), with the
 // NCCL all-to-all baseline moving the same bytes in the same run; the CPU reference run where no GPU exists.
 
+#include <cmath>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
@@ -35,7 +36,7 @@ using epx::bench::validate_options;
 
 void print_help() {
   std::printf(
-      "usage: epx-bench [options]\n"
+      "usage: epx-bench [options]   (--flag value or --flag=value)\n"
       "  --mode normal|low-latency|all   what to run (default all)\n"
       "  --ranks N                       GPUs to use (default: all visible)\n"
       "  --tokens T --hidden H --topk K --experts E   normal-mode shape (default 4096 7168 8 256)\n"
@@ -108,7 +109,7 @@ double parse_number(const std::string& flag, const std::string& text) {
   } catch (const std::exception&) {
     used = 0;
   }
-  EPX_CHECK(used > 0 && used == text.size(), flag.c_str(), text, "must be a number");
+  EPX_CHECK(used > 0 && used == text.size() && std::isfinite(value), flag.c_str(), text, "must be a number");
   return value;
 }
 
@@ -116,8 +117,21 @@ double parse_number(const std::string& flag, const std::string& text) {
 // the same rules and messages (tests/python/cpu/test_bench.py compares the two).
 bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
   for (int i = 1; i < argc; ++i) {
-    const std::string flag = argv[i];
+    // --flag value, or --flag=value.
+    std::string flag = argv[i];
+    std::string inline_value;
+    bool has_inline_value = false;
+    const size_t equals = flag.find('=');
+    if (flag.rfind("--", 0) == 0 && equals != std::string::npos) {
+      inline_value = flag.substr(equals + 1);
+      flag.resize(equals);
+      has_inline_value = true;
+    }
     auto value = [&]() -> std::string {
+      if (has_inline_value) {
+        has_inline_value = false;
+        return inline_value;
+      }
       if (i + 1 >= argc) EPX_FAIL(flag, " needs a value (see --help)");
       return argv[++i];
     };
@@ -188,6 +202,7 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
     } else {
       EPX_FAIL("unknown flag ", flag, " (see --help)");
     }
+    if (has_inline_value) EPX_FAIL(flag, " takes no value (see --help)");
   }
   validate_options(o);
   return true;
