@@ -17,11 +17,23 @@ _tensor_type: Any = None  # torch.Tensor, once torch is imported
 _raw_stream: Any = None  # device index -> the cudaStream_t of torch's current stream there, as an int
 
 
+# What a torch-facing call says when torch is not installed (a bare ModuleNotFoundError names no remedy).
+TORCH_MISSING = ("torch is not installed: epx's torch layer (epx.Buffer, epx.training, epx.compat.deep_ep) needs "
+                 "PyTorch with CUDA; install a CUDA build of torch (pip install torch, or the command for your "
+                 "CUDA version at https://pytorch.org/get-started/locally/)")
+
+
 def torch():
-    """The torch module, imported on first use (the package itself needs no torch)."""
+    """The torch module, imported on first use (the package itself needs no torch). Without torch installed:
+    EpxError(TORCH_MISSING)."""
     global _torch_module, _tensor_type
     if _torch_module is None:
-        import torch as _torch
+        try:
+            import torch as _torch
+        except ModuleNotFoundError as missing:
+            if missing.name != "torch":  # torch is there but something it imports is not: its own message
+                raise
+            raise EpxError(TORCH_MISSING) from missing
 
         _tensor_type = _torch.Tensor
         _torch_module = _torch
