@@ -31,6 +31,17 @@ The table (op, SMs, mean us over ranks, slowest us, GB/s mean over ranks, GB/s o
     python -m epx.bench --mode normal --num-sms 12,24,48 --json
     python -m epx.bench --plot bench.svg     # also an SVG: per op EPX beside NCCL (epx.bench_plot)
 
+Flags: epx-bench's, with its names, defaults, rules and error messages (one command line serves both; a CPU test
+compares the two parsers). Those of features only epx-bench has pass its checks and are then refused rather than
+ignored: ``--tune``, ``--ranks-per-gpu`` above 1, ``--nvl-chunk`` / ``--nvl-queue`` / ``--rdma-chunk`` /
+``--rdma-queue`` other than 0 (this bench times the Buffer's config, Config(num_sms) with its default chunks).
+``--launch-ahead-us`` is this bench's own; epx-bench takes only 0, its timing.
+
+Without a GPU it measures nothing, and says so: where epx was built without CUDA, torch is missing or has no
+CUDA, or no GPU is visible, it prints why on stderr (nothing on stdout, with ``--json`` too) and exits 1. It has
+no CPU stand-in; epx-bench, the C++ bench, runs its CPU reference there instead (and says so).
+Exit status: 0 measured and verified; 1 nothing measured, or a rank failed; 2 a bad flag or value.
+
 torch is imported only when the benchmark runs (importing this module needs no torch).
 """
 
@@ -38,7 +49,9 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import os
+import re
 import socket
 import sys
 import time
@@ -182,96 +195,269 @@ def normal_ranks_per_node(o: argparse.Namespace, num_ranks: int) -> int:
     return o.ranks_per_node if 0 < o.ranks_per_node < num_ranks else num_ranks
 
 
+def count_of(count: int, one: str, many: str) -> str:
+    """"1 rank", "2 ranks": count with the noun in the number it takes (bench_options.hpp's count_of)."""
+    return f"{count} {one if count == 1 else many}"
+
+
+def _nodes_note(ranks_per_node: int, num_ranks: int) -> str:
+    if ranks_per_node <= 0 or ranks_per_node >= num_ranks:
+        return ""
+    return f" ({count_of(num_ranks // ranks_per_node, 'node', 'nodes')} of {ranks_per_node}, NVSHMEM between them)"
+
+
 def normal_header(o: argparse.Namespace, num_ranks: int) -> str:
+    """The normal-mode table's header (bench_options.hpp's normal_header, word for word)."""
     ranks_per_node = normal_ranks_per_node(o, num_ranks)
-    nodes, net = "", ""
+    net = ""
     if ranks_per_node < num_ranks:
-        nodes = f" ({num_ranks // ranks_per_node} nodes of {ranks_per_node}, NVSHMEM between them)"
         net = "; net GB/s = rows crossing to other nodes, once per node, x row bytes / time"
-    return (f"normal mode: {num_ranks} ranks{nodes}, {o.tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} of "
-            f"{o.experts} experts (GB/s = rows received x row bytes / time{net}; verified before timing)")
+    return (f"normal mode: {count_of(num_ranks, 'rank', 'ranks')}{_nodes_note(ranks_per_node, num_ranks)}, "
+            f"{count_of(o.tokens, 'token/rank', 'tokens/rank')}, hidden {o.hidden}, top-{o.topk} of "
+            f"{count_of(o.experts, 'expert', 'experts')} (GB/s = rows received x row bytes / time{net}; verified "
+            "before timing)")
 
 
 def low_latency_header(o: argparse.Namespace, num_ranks: int) -> str:
-    nodes = ""
-    if 0 < o.ll_ranks_per_node < num_ranks:
-        nodes = f" ({num_ranks // o.ll_ranks_per_node} nodes of {o.ll_ranks_per_node}, NVSHMEM between them)"
-    return (f"low-latency mode: {num_ranks} ranks{nodes}, {o.ll_tokens} tokens/rank, hidden {o.hidden}, top-{o.topk} "
-            f"of {o.ll_experts} experts (GB/s = selections x bytes per selection / time; verified before timing)")
+    """The low-latency table's header, with the low-latency shape (bench_options.hpp's low_latency_header)."""
+    return (f"low-latency mode: {count_of(num_ranks, 'rank', 'ranks')}{_nodes_note(o.ll_ranks_per_node, num_ranks)}, "
+            f"{count_of(o.ll_tokens, 'token/rank', 'tokens/rank')}, hidden {o.hidden}, top-{o.topk} of "
+            f"{count_of(o.ll_experts, 'expert', 'experts')} (GB/s = selections x bytes per selection / time; "
+            "verified before timing)")
 
 
-# ---- Arguments (bench/epx_bench.cpp) ----
+# ---- Arguments: epx-bench's flags, defaults, rules and messages (bench/epx_bench.cpp, bench_options.hpp) ----
+#
+# One command line serves both benches. A flag of a feature this bench lacks (--tune, --ranks-per-gpu above 1,
+# --nvl-chunk / --nvl-queue / --rdma-chunk / --rdma-queue other than 0) passes epx-bench's checks, then is
+# refused here rather than ignored; --launch-ahead-us is this bench's own (epx-bench takes only 0).
+
+MAX_NVL_RANKS = 8  # epx.MAX_NVL_RANKS (kMaxNvlRanks); a CPU test checks they agree
+
+# flag -> (attribute, kind): int, ints (comma-separated), number, text, mode, switch
+FLAGS = {
+    "--mode": ("mode", "mode"),
+    "--ranks": ("ranks", "int"),
+    "--tokens": ("tokens", "int"),
+    "--hidden": ("hidden", "int"),
+    "--topk": ("topk", "int"),
+    "--experts": ("experts", "int"),
+    "--num-sms": ("num_sms", "ints"),
+    "--ranks-per-node": ("ranks_per_node", "int"),
+    "--nvl-chunk": ("nvl_chunk", "int"),
+    "--nvl-queue": ("nvl_queue", "int"),
+    "--rdma-chunk": ("rdma_chunk", "int"),
+    "--rdma-queue": ("rdma_queue", "int"),
+    "--tune": ("tune", "switch"),
+    "--ll-tokens": ("ll_tokens", "int"),
+    "--ll-experts": ("ll_experts", "int"),
+    "--ll-ranks-per-node": ("ll_ranks_per_node", "int"),
+    "--ranks-per-gpu": ("ranks_per_gpu", "int"),
+    "--warmup": ("warmup", "int"),
+    "--iters": ("iters", "int"),
+    "--seed": ("seed", "int"),
+    "--launch-ahead-us": ("launch_ahead_us", "number"),
+    "--json": ("json", "switch"),
+    "--json-file": ("json_file", "text"),
+    "--plot": ("plot", "text"),
+}
+DEFAULTS = {"mode": "all", "ranks": 0, "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": [24],
+            "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "rdma_chunk": 0, "rdma_queue": 0, "tune": False,
+            "ll_tokens": 128, "ll_experts": 288, "ll_ranks_per_node": 0, "ranks_per_gpu": 1, "warmup": 5,
+            "iters": 30, "seed": 1, "launch_ahead_us": 200.0, "json": False, "json_file": "", "plot": ""}
+
+HELP = f"""usage: {PROG} [options]   (--flag value or --flag=value)
+EPX dispatch/combine through epx.Buffer on every visible GPU (one process per GPU), with NCCL all-to-all moving
+the same bytes in the same run. epx-bench's flags, defaults and rules; a flag of a feature only epx-bench has
+takes only its default here.
+  --mode normal|low-latency|all   what to run (default all)
+  --ranks N                       GPUs to use (default: all visible)
+  --tokens T --hidden H --topk K --experts E   normal-mode shape (default 4096 7168 8 256)
+  --num-sms a,b,c                 SM budgets of the normal kernels (default 24)
+  --ranks-per-node N              normal-mode ranks per node: fewer than --ranks makes virtual nodes, so
+                                  dispatch/combine take the path across nodes (NVSHMEM between them);
+                                  must divide --ranks (default: one node)
+  --nvl-chunk N --nvl-queue N     epx-bench's NVLink config; here only 0: the Buffer's config (Config(num_sms)
+                                  with its default chunk 6 and queue 256)
+  --rdma-chunk N --rdma-queue N   epx-bench's network config; here only 0: Config's defaults, 6 and 256
+  --tune                          epx-bench only (its config sweep); refused here
+  --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)
+  --ll-ranks-per-node N           low-latency ranks per node: fewer than --ranks makes virtual nodes
+                                  whose traffic between them goes through NVSHMEM (default: one node)
+  --ranks-per-gpu N               only 1 here (NCCL refuses two ranks on one GPU); epx-bench takes more
+  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)
+  --seed N                        seed of the random inputs and routing (default 1)
+  --launch-ahead-us US            GPU spin queued before each timed call so Python's host time is not
+                                  counted (default 200; 0 times as epx-bench, host time included)
+  --json                          JSON lines on stdout instead of tables
+  --json-file PATH                also write the JSON lines to PATH
+  --plot FILE.svg                 also write an SVG bar chart: per op the EPX time beside the NCCL
+                                  all-to-all of the same run, with GB/s (epx-bench --plot's figure)
+Bytes (docs/BENCHMARKS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;
+low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 LogFMT).
+Exit status: 0 measured and verified; 1 nothing measured (no CUDA build, torch or GPU: said on stderr) or a
+rank failed; 2 a bad flag or value.
+"""
 
 
-def _int_list(text: str) -> List[int]:
-    try:
-        values = [int(item) for item in text.split(",")]
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a comma-separated list of integers") from None
-    if not values or any(v <= 0 for v in values):
-        raise argparse.ArgumentTypeError(f"{text!r}: every SM budget must be > 0")
+class FlagError(Exception):
+    """A bad command line; the message is epx-bench's for the same mistake."""
+
+
+def _invalid(flag: str, value: Any, rule: str) -> FlagError:
+    return FlagError(f"invalid {flag} = {value}: {rule}")
+
+
+_INT = re.compile(r"\s*[+-]?[0-9]+", re.ASCII)
+_NUMBER = re.compile(r"\s*[+-]?([0-9]+\.?[0-9]*|\.[0-9]+)([eE][+-]?[0-9]+)?", re.ASCII)
+
+
+def parse_int(flag: str, text: str) -> int:
+    """An int flag value as epx-bench's parse_int (std::stoi, the whole text, within int32)."""
+    value = int(text) if _INT.fullmatch(text) else None
+    if value is None or not -(1 << 31) <= value < (1 << 31):
+        raise _invalid(flag, text, "must be an integer")
+    return value
+
+
+def parse_number(flag: str, text: str) -> float:
+    value = float(text) if _NUMBER.fullmatch(text) else math.nan
+    if not math.isfinite(value):
+        raise _invalid(flag, text, "must be a number")
+    return value
+
+
+def parse_list(flag: str, text: str) -> List[int]:
+    """A comma-separated int list as epx-bench's parse_list (std::getline: a trailing comma adds nothing)."""
+    items = text.split(",")
+    if items[-1] == "":
+        items.pop()
+    values = [parse_int(flag, item) for item in items]
+    if not values:
+        raise _invalid(flag, text, "must list at least one value")
     return values
 
 
-def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(
-        prog=PROG, allow_abbrev=False,
-        description="EPX dispatch/combine through epx.Buffer on every visible GPU (one process per GPU), with "
-                    "NCCL all-to-all moving the same bytes in the same run; the numbers of the C++ epx-bench.",
-        epilog="Bytes (docs/BENCHMARKS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 "
-               "dispatch; low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | "
-               "1.25H + H/32 LogFMT).")
-    p.add_argument("--mode", choices=("normal", "low-latency", "all"), default="all", help="what to run (default all)")
-    p.add_argument("--ranks", type=int, default=None, help="GPUs to use (default: all visible)")
-    p.add_argument("--tokens", type=int, default=4096, help="normal mode: tokens per rank (default 4096)")
-    p.add_argument("--hidden", type=int, default=7168, help="hidden size, both modes (default 7168)")
-    p.add_argument("--topk", type=int, default=8, help="experts per token, both modes (default 8)")
-    p.add_argument("--experts", type=int, default=256, help="normal mode: experts (default 256)")
-    p.add_argument("--num-sms", type=_int_list, default=[24], metavar="A,B,...",
-                   help="SM budgets of the normal kernels (default 24)")
-    p.add_argument("--ranks-per-node", type=int, default=0, metavar="N",
-                   help="normal-mode ranks per node: fewer than --ranks makes virtual nodes, so dispatch/combine take "
-                        "the path across nodes (NVSHMEM between them); must divide --ranks (default: one node)")
-    p.add_argument("--ll-tokens", type=int, default=128, help="low-latency tokens per rank (default 128)")
-    p.add_argument("--ll-experts", type=int, default=288, help="low-latency experts (default 288)")
-    p.add_argument("--ll-ranks-per-node", type=int, default=0, metavar="N",
-                   help="low-latency ranks per node: fewer than --ranks makes virtual nodes joined by NVSHMEM "
-                        "(default: one node)")
-    p.add_argument("--warmup", type=int, default=5, help="untimed runs per number (default 5)")
-    p.add_argument("--iters", type=int, default=30, help="timed runs per number, median reported (default 30)")
-    p.add_argument("--json", action="store_true", help="JSON lines on stdout instead of tables")
-    p.add_argument("--json-file", default="", metavar="PATH", help="also write the JSON lines to PATH")
-    p.add_argument("--plot", default="", metavar="FILE.svg",
-                   help="also write an SVG bar chart: per op the EPX time beside the NCCL all-to-all of the same run, "
-                        "with GB/s (epx-bench --plot's figure; no matplotlib needed)")
-    p.add_argument("--seed", type=int, default=1, help="seed of the random inputs and routing (default 1)")
-    p.add_argument("--launch-ahead-us", type=float, default=200.0, metavar="US",
-                   help="GPU spin queued before each timed call so Python's host time is not counted "
-                        "(default 200; 0 times as the C++ bench, host time included)")
-    return p
+def _number_text(value: float) -> str:
+    return f"{value:g}"  # as a C++ stream writes a double
+
+
+def _check_ranks_per_node(flag: str, value: int, num_ranks: int, ranks_from: str) -> None:
+    if value > 0 and num_ranks > 0 and num_ranks % value != 0:
+        raise _invalid(flag, value, f"must divide {ranks_from} ({num_ranks}): nodes are equal blocks of ranks")
+
+
+def _require(holds: bool, flag: str, value: Any, rule: str) -> None:
+    if not holds:
+        raise _invalid(flag, value, rule)
+
+
+def validate_options(o: argparse.Namespace) -> None:
+    """bench_options.hpp's validate_options: the same rules in the same order, with the same messages."""
+    _require(o.ranks >= 0, "--ranks", o.ranks, "must be >= 1")
+    _require(o.ranks <= MAX_NVL_RANKS, "--ranks", o.ranks, f"must be <= {MAX_NVL_RANKS} (one NVLink domain)")
+    _require(o.tokens >= 0, "--tokens", o.tokens, "must be >= 0")
+    _require(o.hidden > 0, "--hidden", o.hidden, "must be > 0")
+    _require(o.hidden % 128 == 0, "--hidden", o.hidden, "must be a multiple of 128 (FP8 is benchmarked)")
+    _require(o.topk >= 1, "--topk", o.topk, "must be >= 1")
+    _require(o.topk <= MAX_TOPK, "--topk", o.topk, f"must be <= {MAX_TOPK}")
+    _require(o.experts >= o.topk, "--experts", o.experts, "must be >= --topk")
+    for sms in o.num_sms:
+        _require(sms >= 1, "--num-sms", sms, "must be >= 1")
+    _require(o.ranks_per_node >= 0, "--ranks-per-node", o.ranks_per_node, "must be >= 0 (0: one node)")
+    _check_ranks_per_node("--ranks-per-node", o.ranks_per_node, o.ranks, "--ranks")
+    _require(o.nvl_chunk >= 0, "--nvl-chunk", o.nvl_chunk, "must be >= 0 (0: recommended)")
+    _require(o.nvl_queue >= 0, "--nvl-queue", o.nvl_queue, "must be >= 0 (0: recommended)")
+    _require(o.rdma_chunk >= 0, "--rdma-chunk", o.rdma_chunk, "must be >= 0 (0: Config's default)")
+    _require(o.rdma_queue >= 0, "--rdma-queue", o.rdma_queue, "must be >= 0 (0: Config's default)")
+    _require(o.ll_tokens >= 1, "--ll-tokens", o.ll_tokens, "must be >= 1")
+    _require(o.ll_experts >= o.topk, "--ll-experts", o.ll_experts, "must be >= --topk")
+    _require(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node, "must be >= 0 (0: one node)")
+    _check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, o.ranks, "--ranks")
+    _require(o.ranks_per_gpu >= 1, "--ranks-per-gpu", o.ranks_per_gpu, "must be >= 1")
+    _require(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0")
+    _require(o.iters >= 1, "--iters", o.iters, "must be >= 1")
+    _require(not o.plot or (len(o.plot) > 4 and o.plot.endswith(".svg")), "--plot", o.plot,
+             "must end in .svg (the plot is an SVG file)")
+
+
+def check_supported(o: argparse.Namespace) -> None:
+    """Flags epx-bench honours and this bench cannot: refused (a value it would ignore would mislabel the run)."""
+    if o.tune:
+        raise FlagError("--tune is epx-bench's (a sweep of NVLink configs through the C++ API): run epx-bench --tune")
+    if o.ranks_per_gpu != 1:
+        raise _invalid("--ranks-per-gpu", o.ranks_per_gpu,
+                       f"must be 1 in {PROG} (its NCCL group refuses two ranks on one GPU; epx-bench runs them)")
+    for flag, value in (("--nvl-chunk", o.nvl_chunk), ("--nvl-queue", o.nvl_queue), ("--rdma-chunk", o.rdma_chunk),
+                        ("--rdma-queue", o.rdma_queue)):
+        if value != 0:
+            raise _invalid(flag, value, f"must be 0 in {PROG} (it times the Buffer's config: Config(num_sms) with "
+                                        "its default chunks; epx-bench times others)")
+
+
+def parse_options(argv: Sequence[str]) -> Optional[argparse.Namespace]:
+    """The options, checked as epx-bench checks them; None for --help. Raises FlagError."""
+    o = argparse.Namespace(**{name: list(v) if isinstance(v, list) else v for name, v in DEFAULTS.items()})
+    i = 0
+    while i < len(argv):
+        flag, inline_value = argv[i], None  # --flag value, or --flag=value
+        i += 1
+        if flag.startswith("--") and "=" in flag:
+            flag, inline_value = flag.split("=", 1)
+        if flag in ("--help", "-h"):
+            return None
+        if flag not in FLAGS:
+            raise FlagError(f"unknown flag {flag} (see --help)")
+        name, kind = FLAGS[flag]
+        if kind == "switch":
+            if inline_value is not None:
+                raise FlagError(f"{flag} takes no value (see --help)")
+            setattr(o, name, True)
+            if flag == "--tune":
+                o.mode = "normal"  # as epx-bench: the sweep is normal mode's
+            continue
+        if inline_value is not None:
+            text = inline_value
+        elif i < len(argv):
+            text = argv[i]
+            i += 1
+        else:
+            raise FlagError(f"{flag} needs a value (see --help)")
+        if kind == "mode":
+            if text not in ("normal", "low-latency", "all"):
+                raise _invalid(flag, text, "must be normal, low-latency or all")
+            o.mode = text
+        elif kind == "int":
+            setattr(o, name, parse_int(flag, text))
+        elif kind == "ints":
+            o.num_sms = parse_list(flag, text)
+        elif kind == "number":
+            o.launch_ahead_us = parse_number(flag, text)
+        else:
+            setattr(o, name, text)
+        # Checked as soon as read, as epx-bench does.
+        if flag == "--ranks" and o.ranks < 1:
+            raise _invalid(flag, o.ranks, "must be >= 1")
+        if flag == "--seed" and o.seed < 0:
+            raise _invalid(flag, o.seed, "must be >= 0")
+        if flag == "--launch-ahead-us" and o.launch_ahead_us < 0:
+            raise _invalid(flag, _number_text(o.launch_ahead_us), "must be >= 0")
+    validate_options(o)
+    check_supported(o)
+    return o
 
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
-    """The options, checked; a bad flag or value exits with status 2 and a message (as epx-bench)."""
-    p = build_parser()
-    o = p.parse_args(argv)
-    for name in ("tokens", "hidden", "topk", "experts", "ll_tokens", "ll_experts", "iters"):
-        if getattr(o, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1 (got {getattr(o, name)})")
-    if o.ranks is not None and o.ranks < 1:
-        p.error(f"--ranks must be >= 1 (got {o.ranks})")
-    o.ranks = o.ranks or 0  # 0: every visible GPU
-    if o.topk > MAX_TOPK:
-        p.error(f"--topk must be <= {MAX_TOPK} (got {o.topk})")
-    if o.warmup < 0 or o.launch_ahead_us < 0 or o.ll_ranks_per_node < 0 or o.ranks_per_node < 0:
-        p.error("--warmup, --launch-ahead-us, --ranks-per-node and --ll-ranks-per-node must be >= 0")
-    for flag, value in (("--ranks-per-node", o.ranks_per_node), ("--ll-ranks-per-node", o.ll_ranks_per_node)):
-        if o.ranks > 0 and value > 0 and o.ranks % value != 0:
-            p.error(f"{flag} {value} must divide --ranks {o.ranks} (nodes are equal blocks of ranks)")
-    if o.plot and not (len(o.plot) > 4 and o.plot.endswith(".svg")):  # as bench_options.hpp: the plot is SVG
-        p.error(f"--plot {o.plot} must end in .svg (the plot is an SVG file)")
-    if o.mode != "low-latency" and o.hidden % 128 != 0:
-        p.error(f"--hidden {o.hidden} must be a multiple of 128 (FP8 dispatch is benchmarked)")
+    """The options, checked; --help prints the flags and exits 0, a bad flag or value prints epx-bench's message
+    for it ("python -m epx.bench: invalid --tokens = x: must be an integer") and exits 2."""
+    try:
+        o = parse_options(sys.argv[1:] if argv is None else list(argv))
+    except FlagError as error:
+        print(f"{PROG}: {error}", file=sys.stderr, flush=True)
+        raise SystemExit(2) from None
+    if o is None:
+        print(HELP, end="", flush=True)
+        raise SystemExit(0)
     return o
 
 
@@ -887,7 +1073,8 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
                     spin = (f"; each timed call queued behind a {o.launch_ahead_us:g} us GPU spin (host time not "
                             "counted)" if me.spin_cycles else "; host time counted")
                     print(f"{PROG} (epx.Buffer) on {num_ranks} x {prop.name} ({prop.multi_processor_count} SMs "
-                          f"each), one process per GPU; medians of {o.iters} runs after {o.warmup} warm-up{spin}",
+                          f"each), one process per GPU; medians of {count_of(o.iters, 'run', 'runs')} after {o.warmup} "
+                          f"warm-up{spin}",
                           flush=True)
                 if o.json_file:
                     json_file = open(o.json_file, "w")
@@ -934,29 +1121,49 @@ def visible_gpus() -> int:
     return torch.cuda.device_count() if torch.cuda.is_available() else 0
 
 
+def why_nothing_runs(with_cuda: bool) -> Optional[str]:
+    """Why this machine cannot run the benchmark (epx without CUDA, no torch, torch without CUDA, no GPU), or
+    None when it can."""
+    if not with_cuda:
+        return "epx was built without CUDA (EPX_WITH_CUDA=OFF)"
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
+        from epx._util import TORCH_MISSING
+
+        return TORCH_MISSING
+    if visible_gpus() == 0:
+        import torch
+
+        if torch.version.cuda is None:
+            return f"torch {torch.__version__} is a CPU build (no CUDA); install a CUDA build of torch"
+        return "no CUDA GPU visible"
+    return None
+
+
 def main(argv: Optional[Sequence[str]] = None) -> int:
     o = parse_args(argv)
     os.environ.update(NVLINK_ENV)  # before any rank starts (and before NCCL / NVSHMEM read them)
     import epx
 
-    # With --json, stdout carries JSON only: why nothing ran goes to stderr.
-    note = sys.stderr if o.json else sys.stdout
-    if not epx.WITH_CUDA:
-        print(f"{PROG}: epx was built without CUDA (EPX_WITH_CUDA=OFF): nothing to measure", file=note, flush=True)
-        return 0
-    import importlib.util
-
-    if importlib.util.find_spec("torch") is None:
-        print(f"{PROG}: needs torch (with CUDA); it is not installed: nothing to measure", file=note, flush=True)
-        return 0
+    # This bench times epx.Buffer on GPUs and has no CPU stand-in (epx-bench runs its CPU reference instead):
+    # without a GPU it measured nothing, says why on stderr (stdout stays empty, JSON or not) and exits 1.
+    why = why_nothing_runs(epx.WITH_CUDA)
+    if why is not None:
+        print(f"{PROG}: {why}: nothing measured ({PROG} times epx.Buffer on CUDA GPUs; epx-bench, the C++ bench, "
+              "runs its CPU reference where there is no GPU)", file=sys.stderr, flush=True)
+        return 1
     num_gpus = visible_gpus()
-    if num_gpus == 0:
-        print(f"{PROG}: no CUDA GPU visible: nothing to measure (the C++ epx-bench runs the CPU reference "
-              "without GPUs)", file=note, flush=True)
-        return 0
     num_ranks = o.ranks if o.ranks > 0 else num_gpus
-    if num_ranks > num_gpus:
-        print(f"{PROG}: --ranks {num_ranks} must be <= the number of visible GPUs ({num_gpus})", file=sys.stderr)
+    try:
+        # As epx-bench's run_gpus: the counts that need the visible GPUs, checked now that they are known.
+        if num_ranks > num_gpus * o.ranks_per_gpu:
+            raise _invalid("--ranks", num_ranks, "must be <= the number of visible GPUs times --ranks-per-gpu")
+        if o.ranks == 0:
+            _check_ranks_per_node("--ranks-per-node", o.ranks_per_node, num_ranks, "the visible GPUs")
+            _check_ranks_per_node("--ll-ranks-per-node", o.ll_ranks_per_node, num_ranks, "the visible GPUs")
+    except FlagError as error:
+        print(f"{PROG}: {error}", file=sys.stderr, flush=True)
         return 2
     import torch.multiprocessing as mp
 

@@ -1,6 +1,7 @@
-"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench), the byte formulas of
-docs/BENCHMARKS.md, the report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit
-without GPUs, and (with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
+"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench: the same names, defaults, rules and
+messages, checked against the epx-bench built beside the binding), the byte formulas of docs/BENCHMARKS.md, the
+report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit status 1 without GPUs,
+and (with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
 
 import multiprocessing
 import os
@@ -11,7 +12,7 @@ import pytest
 
 import epx.bench as bench
 
-# ---- Flags ----
+# ---- Flags: epx-bench's (bench/epx_bench.cpp), with its defaults, rules and messages ----
 
 
 def test_defaults_match_epx_bench():
@@ -19,7 +20,9 @@ def test_defaults_match_epx_bench():
     assert o.mode == "all" and o.ranks == 0
     assert (o.tokens, o.hidden, o.topk, o.experts) == (4096, 7168, 8, 256)
     assert o.num_sms == [24]
-    assert (o.ll_tokens, o.ll_experts) == (128, 288)
+    assert (o.ranks_per_node, o.nvl_chunk, o.nvl_queue, o.rdma_chunk, o.rdma_queue) == (0, 0, 0, 0, 0)
+    assert not o.tune and o.ranks_per_gpu == 1
+    assert (o.ll_tokens, o.ll_experts, o.ll_ranks_per_node) == (128, 288, 0)
     assert (o.warmup, o.iters) == (5, 30)
     assert not o.json and o.json_file == "" and o.plot == ""
     assert o.seed == 1 and o.launch_ahead_us == 200.0
@@ -29,38 +32,167 @@ def test_every_flag():
     o = bench.parse_args(["--mode", "normal", "--ranks", "2", "--tokens", "512", "--hidden", "2048", "--topk", "4",
                           "--experts", "64", "--num-sms", "12,24,48", "--ll-tokens", "64", "--ll-experts", "32",
                           "--warmup", "0", "--iters", "3", "--json", "--json-file", "out.jsonl", "--seed", "9",
-                          "--launch-ahead-us", "0", "--plot", "plots/out.svg"])
+                          "--launch-ahead-us", "0", "--plot", "plots/out.svg", "--ranks-per-gpu", "1",
+                          "--nvl-chunk", "0", "--nvl-queue", "0", "--rdma-chunk", "0", "--rdma-queue", "0",
+                          "--ll-ranks-per-node", "1"])
     assert o.mode == "normal" and o.ranks == 2
     assert (o.tokens, o.hidden, o.topk, o.experts) == (512, 2048, 4, 64)
     assert o.num_sms == [12, 24, 48]
-    assert (o.ll_tokens, o.ll_experts, o.warmup, o.iters) == (64, 32, 0, 3)
+    assert (o.ll_tokens, o.ll_experts, o.warmup, o.iters, o.ll_ranks_per_node) == (64, 32, 0, 3, 1)
     assert o.json and o.json_file == "out.jsonl" and o.seed == 9 and o.launch_ahead_us == 0
     assert o.plot == "plots/out.svg"
+    # --flag=value as well; zero tokens (a rank with nothing to send) as epx-bench allows.
+    o = bench.parse_args(["--tokens=0", "--num-sms=8,16,", "--launch-ahead-us=12.5"])
+    assert o.tokens == 0 and o.num_sms == [8, 16] and o.launch_ahead_us == 12.5
 
 
-@pytest.mark.parametrize("argv, message", [
-    (["--mode", "fast"], "invalid choice"),
-    (["--num-sms", "12,x"], "not a comma-separated list"),
-    (["--num-sms", "0"], "must be > 0"),
-    (["--iters", "0"], "--iters must be >= 1"),
-    (["--warmup", "-1"], "must be >= 0"),
-    (["--hidden", "7000"], "multiple of 128"),
-    (["--topk", "40"], "--topk must be <= 16"),
-    (["--ranks", "0"], "--ranks must be >= 1"),
-    (["--ranks", "4", "--ll-ranks-per-node", "3"], "must divide --ranks 4"),
-    (["--ranks", "4", "--ranks-per-node", "3"], "--ranks-per-node 3 must divide --ranks 4"),
-    (["--ranks-per-node", "-1"], "--ranks-per-node and --ll-ranks-per-node must be >= 0"),
-    (["--unknown"], "unrecognized arguments"),
-    (["--tok", "5"], "unrecognized arguments"),  # no abbreviations: flags are spelled as epx-bench's
-    (["--tokens"], "expected one argument"),
-    (["--plot", "out.png"], "--plot out.png must end in .svg"),  # as epx-bench: the plot is SVG
-    (["--plot", ".svg"], "must end in .svg"),
-])
-def test_bad_flags_exit_2(argv, message, capsys):
+# The same mistakes, the same messages as epx-bench's (tests/cpu/test_bench_options.cpp, bench/CMakeLists.txt);
+# test_both_benches_reject_the_same_values runs each through epx-bench too.
+SHARED_REJECTIONS = [
+    (["--mode", "fast"], "invalid --mode = fast: must be normal, low-latency or all"),
+    (["--ranks", "0"], "invalid --ranks = 0: must be >= 1"),
+    (["--ranks", "9"], "invalid --ranks = 9: must be <= 8 (one NVLink domain)"),
+    (["--tokens", "x"], "invalid --tokens = x: must be an integer"),
+    (["--tokens", "5_0"], "invalid --tokens = 5_0: must be an integer"),
+    (["--tokens", "4294967296"], "invalid --tokens = 4294967296: must be an integer"),
+    (["--tokens", "-1"], "invalid --tokens = -1: must be >= 0"),
+    (["--hidden", "0"], "invalid --hidden = 0: must be > 0"),
+    (["--hidden", "7000"], "invalid --hidden = 7000: must be a multiple of 128 (FP8 is benchmarked)"),
+    (["--mode", "low-latency", "--hidden", "7000"], "must be a multiple of 128"),
+    (["--topk", "0"], "invalid --topk = 0: must be >= 1"),
+    (["--topk", "40"], "invalid --topk = 40: must be <= 16"),
+    (["--experts", "4"], "invalid --experts = 4: must be >= --topk"),
+    (["--num-sms", "24,0"], "invalid --num-sms = 0: must be >= 1"),
+    (["--num-sms", "12,x"], "invalid --num-sms = x: must be an integer"),
+    (["--num-sms", ""], "invalid --num-sms = : must list at least one value"),
+    (["--ranks-per-node", "-1"], "invalid --ranks-per-node = -1: must be >= 0 (0: one node)"),
+    (["--ranks", "4", "--ranks-per-node", "3"],
+     "invalid --ranks-per-node = 3: must divide --ranks (4): nodes are equal blocks of ranks"),
+    (["--ranks", "4", "--ll-ranks-per-node", "3"],
+     "invalid --ll-ranks-per-node = 3: must divide --ranks (4): nodes are equal blocks of ranks"),
+    (["--ll-ranks-per-node", "-1"], "invalid --ll-ranks-per-node = -1: must be >= 0 (0: one node)"),
+    (["--nvl-chunk", "-1"], "invalid --nvl-chunk = -1: must be >= 0 (0: recommended)"),
+    (["--nvl-queue", "-1"], "invalid --nvl-queue = -1: must be >= 0 (0: recommended)"),
+    (["--rdma-chunk", "-1"], "invalid --rdma-chunk = -1: must be >= 0 (0: Config's default)"),
+    (["--rdma-queue", "-1"], "invalid --rdma-queue = -1: must be >= 0 (0: Config's default)"),
+    (["--ll-tokens", "0"], "invalid --ll-tokens = 0: must be >= 1"),
+    (["--ll-experts", "7"], "invalid --ll-experts = 7: must be >= --topk"),
+    (["--ranks-per-gpu", "0"], "invalid --ranks-per-gpu = 0: must be >= 1"),
+    (["--warmup", "-1"], "invalid --warmup = -1: must be >= 0"),
+    (["--iters", "0"], "invalid --iters = 0: must be >= 1"),
+    (["--seed", "-1"], "invalid --seed = -1: must be >= 0"),
+    (["--launch-ahead-us", "-1"], "invalid --launch-ahead-us = -1: must be >= 0"),
+    (["--launch-ahead-us", "x"], "invalid --launch-ahead-us = x: must be a number"),
+    (["--launch-ahead-us", "inf"], "invalid --launch-ahead-us = inf: must be a number"),
+    (["--plot", "out.png"], "invalid --plot = out.png: must end in .svg (the plot is an SVG file)"),
+    (["--plot", ".svg"], "invalid --plot = .svg: must end in .svg"),
+    (["--unknown"], "unknown flag --unknown (see --help)"),
+    (["--tok", "5"], "unknown flag --tok (see --help)"),  # no abbreviations
+    (["--tokens"], "--tokens needs a value (see --help)"),
+    (["--json=1"], "--json takes no value (see --help)"),
+]
+
+# Features only epx-bench has: it takes these, this bench refuses them (rather than ignoring them).
+EPX_BENCH_ONLY = [
+    (["--tune"], "--tune is epx-bench's (a sweep of NVLink configs through the C++ API): run epx-bench --tune"),
+    (["--ranks-per-gpu", "2"], "invalid --ranks-per-gpu = 2: must be 1 in python -m epx.bench"),
+    (["--nvl-chunk", "8"], "invalid --nvl-chunk = 8: must be 0 in python -m epx.bench (it times the Buffer's"),
+    (["--nvl-queue", "512"], "invalid --nvl-queue = 512: must be 0 in python -m epx.bench"),
+    (["--rdma-chunk", "16"], "invalid --rdma-chunk = 16: must be 0 in python -m epx.bench"),
+    (["--rdma-queue", "128"], "invalid --rdma-queue = 128: must be 0 in python -m epx.bench"),
+]
+
+
+def _python_error(argv, capsys):
     with pytest.raises(SystemExit) as exit_info:
         bench.parse_args(argv)
     assert exit_info.value.code == 2
-    assert message in capsys.readouterr().err
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith(f"{bench.PROG}: ") and err.endswith("\n")
+    return err[len(bench.PROG) + 2:-1]
+
+
+@pytest.mark.parametrize("argv, message", SHARED_REJECTIONS + EPX_BENCH_ONLY)
+def test_bad_flags_exit_2_with_epx_bench_s_message(argv, message, capsys):
+    assert message in _python_error(argv, capsys)
+
+
+def test_help_exits_0(capsys):
+    for flag in ("--help", "-h"):
+        with pytest.raises(SystemExit) as exit_info:
+            bench.parse_args(["--tokens", "-1", flag])  # as epx-bench: help before the range rules
+        assert exit_info.value.code == 0
+        out = capsys.readouterr().out
+        assert out.startswith("usage: python -m epx.bench") and "--launch-ahead-us" in out
+
+
+# ---- The two parsers side by side: epx-bench (built beside the binding) and this one ----
+
+
+def _epx_bench():
+    """The epx-bench built with this binding (<build>/bench/epx-bench), or $EPX_BENCH; None when neither."""
+    path = os.environ.get("EPX_BENCH")
+    if not path:
+        import epx
+
+        build = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(epx._epx.__file__))))
+        path = os.path.join(build, "bench", "epx-bench")
+    return path if os.access(path, os.X_OK) else None
+
+
+@pytest.fixture(scope="module")
+def epx_bench():
+    path = _epx_bench()
+    if path is None:
+        pytest.skip("no epx-bench next to the binding (set EPX_BENCH to its path)")
+    return path
+
+
+def _run_epx_bench(path, argv):
+    # A tiny shape in front (the later flags win), so an accepted command line's CPU reference run is quick.
+    tiny = ["--ranks", "1", "--tokens", "4", "--hidden", "128", "--ll-tokens", "1", "--json"]
+    return subprocess.run([path, *tiny, *argv], capture_output=True, text=True, timeout=120)
+
+
+def test_both_benches_have_one_set_of_flags(epx_bench):
+    import re
+
+    help_text = subprocess.run([epx_bench, "--help"], capture_output=True, text=True, timeout=60, check=True).stdout
+
+    def flags_in(text):  # the flags the help names, below its usage line
+        return set(re.findall(r"(?<![\w-])--[a-z][a-z0-9-]*", text.split("\n", 1)[1].split("Bytes")[0]))
+
+    assert flags_in(help_text) == set(bench.FLAGS), flags_in(help_text) ^ set(bench.FLAGS)
+    assert flags_in(bench.HELP) == set(bench.FLAGS), flags_in(bench.HELP) ^ set(bench.FLAGS)
+
+
+@pytest.mark.parametrize("argv, message", SHARED_REJECTIONS)
+def test_both_benches_reject_the_same_values(epx_bench, argv, message, capsys):
+    result = _run_epx_bench(epx_bench, argv)
+    assert result.returncode == 2 and result.stdout == ""
+    assert result.stderr.startswith("epx-bench: ")
+    assert result.stderr[len("epx-bench: "):-1] == _python_error(argv, capsys)
+    assert message in result.stderr
+
+
+@pytest.mark.parametrize("argv", [["--tokens", "0"], ["--seed", "7"], ["--launch-ahead-us", "0"],
+                                  ["--num-sms", "8,16,"], ["--tokens=2", "--mode=normal"], ["--ranks-per-gpu", "1"],
+                                  ["--nvl-chunk", "0", "--rdma-queue", "0"], ["--topk", "16", "--experts", "16"]])
+def test_both_benches_accept_the_same_values(epx_bench, argv):
+    result = _run_epx_bench(epx_bench, argv)
+    assert result.returncode == 0, result.stderr
+    bench.parse_args(argv)
+
+
+def test_what_only_one_bench_takes(epx_bench, capsys):
+    for argv, message in EPX_BENCH_ONLY:  # epx-bench's features: it takes them, this bench refuses them
+        assert _run_epx_bench(epx_bench, argv).returncode == 0, argv
+        assert message in _python_error(argv, capsys)
+    # This bench's launch-ahead spin: epx-bench has no Python host time to hide and takes only 0.
+    assert bench.parse_args(["--launch-ahead-us", "50"]).launch_ahead_us == 50
+    result = _run_epx_bench(epx_bench, ["--launch-ahead-us", "50"])
+    assert result.returncode == 2
+    assert "invalid --launch-ahead-us = 50: must be 0 in epx-bench" in result.stderr
 
 
 def test_max_topk_is_the_binding_s():
@@ -69,8 +201,10 @@ def test_max_topk_is_the_binding_s():
     assert bench.MAX_TOPK == epx.MAX_TOPK
 
 
-def test_hidden_multiple_of_128_only_for_normal_mode():
-    assert bench.parse_args(["--mode", "low-latency", "--hidden", "7000"]).hidden == 7000
+def test_max_nvl_ranks_is_the_binding_s():
+    import epx
+
+    assert bench.MAX_NVL_RANKS == epx._epx.MAX_NVL_RANKS
 
 
 # ---- Bytes (docs/BENCHMARKS.md) ----
@@ -154,12 +288,29 @@ def test_json_has_epx_bench_format():
 
 
 def test_headers():
+    # bench_options.hpp's normal_header / low_latency_header word for word (tests/cpu/test_bench_options.cpp):
+    # each mode's own shape, each count in the number it takes.
     o = bench.parse_args([])
     assert bench.normal_header(o, 4) == ("normal mode: 4 ranks, 4096 tokens/rank, hidden 7168, top-8 of 256 experts "
                                          "(GB/s = rows received x row bytes / time; verified before timing)")
     assert bench.low_latency_header(o, 4) == (
         "low-latency mode: 4 ranks, 128 tokens/rank, hidden 7168, top-8 of 288 experts (GB/s = selections x bytes "
         "per selection / time; verified before timing)")
+    o = bench.parse_args(["--tokens", "1", "--ll-tokens", "1", "--experts", "8", "--ll-experts", "1", "--topk", "1"])
+    assert bench.normal_header(o, 1) == ("normal mode: 1 rank, 1 token/rank, hidden 7168, top-1 of 8 experts (GB/s = "
+                                         "rows received x row bytes / time; verified before timing)")
+    assert bench.low_latency_header(o, 1) == (
+        "low-latency mode: 1 rank, 1 token/rank, hidden 7168, top-1 of 1 expert (GB/s = selections x bytes per "
+        "selection / time; verified before timing)")
+    o = bench.parse_args(["--tokens", "1", "--experts", "8", "--topk", "1", "--ranks-per-node", "2",
+                          "--ll-ranks-per-node", "4"])
+    assert bench.normal_header(o, 4) == (
+        "normal mode: 4 ranks (2 nodes of 2, NVSHMEM between them), 1 token/rank, hidden 7168, top-1 of 8 experts "
+        "(GB/s = rows received x row bytes / time; net GB/s = rows crossing to other nodes, once per node, x row "
+        "bytes / time; verified before timing)")
+    assert bench.low_latency_header(o, 8).startswith(
+        "low-latency mode: 8 ranks (2 nodes of 4, NVSHMEM between them), 128 tokens/rank, ")
+    assert bench.count_of(0, "token", "tokens") == "0 tokens"
 
 
 def test_report_across_nodes_adds_the_network_rates():
@@ -284,17 +435,48 @@ def test_host_barrier_times_out():
 # ---- Without GPUs ----
 
 
-def test_main_without_gpus_exits_0(monkeypatch, capsys):
+@pytest.mark.parametrize("with_cuda, torch_cuda, why", [
+    (False, "12.8", "epx was built without CUDA (EPX_WITH_CUDA=OFF)"),
+    (True, None, "is a CPU build (no CUDA); install a CUDA build of torch"),
+    (True, "12.8", "no CUDA GPU visible"),
+])
+def test_main_without_gpus_says_why_and_exits_1(with_cuda, torch_cuda, why, monkeypatch, capsys):
+    # Nothing measured is not a success: the reason on stderr (stdout empty, with --json too), exit status 1.
+    torch = pytest.importorskip("torch")
+    import epx
+
     for name in bench.NVLINK_ENV:
         monkeypatch.setenv(name, "unset-by-test")  # restored after the test
+    monkeypatch.setattr(epx, "WITH_CUDA", with_cuda)
+    monkeypatch.setattr(torch.version, "cuda", torch_cuda)
     monkeypatch.setattr(bench, "visible_gpus", lambda: 0)
-    assert bench.main(["--iters", "3"]) == 0
-    assert "nothing to measure" in capsys.readouterr().out
-    assert bench.main(["--json"]) == 0  # stdout carries JSON only
-    out, err = capsys.readouterr()
-    assert out == "" and "nothing to measure" in err
+    for argv in (["--iters", "3"], ["--json"]):
+        assert bench.main(argv) == 1
+        out, err = capsys.readouterr()
+        assert out == ""
+        assert err.startswith("python -m epx.bench: ") and err.count("\n") == 1
+        assert why in err and "nothing measured" in err and "epx-bench" in err
     assert {name: os.environ[name] for name in bench.NVLINK_ENV} == {
         "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
+    with pytest.raises(SystemExit) as exit_info:  # a bad flag is still status 2, before anything else
+        bench.main(["--tokens", "x"])
+    assert exit_info.value.code == 2
+
+
+def test_main_checks_the_counts_against_the_visible_gpus(monkeypatch, capsys):
+    # As epx-bench's run_gpus, once the GPUs are counted: the same rules and messages, exit status 2.
+    monkeypatch.setattr(bench, "why_nothing_runs", lambda with_cuda: None)
+    monkeypatch.setattr(bench, "visible_gpus", lambda: 2)
+    for name in bench.NVLINK_ENV:
+        monkeypatch.setenv(name, "unset-by-test")
+    assert bench.main(["--ranks", "4"]) == 2
+    assert capsys.readouterr().err == ("python -m epx.bench: invalid --ranks = 4: must be <= the number of visible "
+                                       "GPUs times --ranks-per-gpu\n")
+    assert bench.main(["--ranks-per-node", "3"]) == 2
+    assert "invalid --ranks-per-node = 3: must divide the visible GPUs (2): nodes are equal blocks of ranks" in (
+        capsys.readouterr().err)
+    assert bench.main(["--ll-ranks-per-node", "4"]) == 2
+    assert "invalid --ll-ranks-per-node = 4: must divide the visible GPUs (2)" in capsys.readouterr().err
 
 
 def test_import_needs_no_torch():

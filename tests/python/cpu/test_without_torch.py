@@ -1,6 +1,6 @@
 """The package where torch is not installed (simulated in a child process: sys.modules["torch"] = None makes
-`import torch` fail as it does without torch): torch-facing calls raise EpxError saying what is missing and how
-to install it."""
+`import torch` fail as it does without torch): torch-facing calls raise EpxError saying what is missing and
+how to install it, and python -m epx.bench says why it measured nothing and exits non-zero."""
 
 import os
 import subprocess
@@ -59,3 +59,21 @@ def test_a_missing_dependency_of_torch_keeps_its_own_error(monkeypatch):
     monkeypatch.setattr(builtins, "__import__", fake_import)
     with pytest.raises(ModuleNotFoundError, match="numpy"):
         util.torch()
+
+
+@pytest.mark.parametrize("with_cuda", [False, True])
+def test_bench_without_torch_says_why_and_exits_1(with_cuda):
+    code = f"""
+import runpy, sys, epx
+epx.WITH_CUDA = {with_cuda}  # a CUDA build reaches the torch check
+sys.argv = ["epx.bench", "--json"]
+runpy.run_module("epx.bench", run_name="__main__")
+"""
+    result = _run(code)
+    assert result.returncode == 1, (result.stdout, result.stderr)
+    assert result.stdout == ""  # nothing measured, nothing on stdout (not even with --json)
+    assert "nothing measured" in result.stderr
+    if with_cuda:
+        assert "torch is not installed" in result.stderr and "pip install torch" in result.stderr
+    else:
+        assert "epx was built without CUDA" in result.stderr
