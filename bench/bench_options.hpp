@@ -94,6 +94,29 @@ inline void validate_options(const BenchOptions& o) {
             "must end in .svg (the plot is an SVG file)");
 }
 
+// The flags set away from their defaults that only a GPU run honours (the CPU reference run, without a GPU,
+// ignores them and says so rather than passing over them in silence). --plot has its own message.
+inline std::vector<std::string> gpu_only_flags_set(const BenchOptions& o) {
+  const BenchOptions defaults;
+  std::vector<std::string> flags;
+  auto note = [&](bool is_set, const char* flag) {
+    if (is_set) flags.emplace_back(flag);
+  };
+  note(o.num_sms != defaults.num_sms, "--num-sms");
+  note(o.ranks_per_node != defaults.ranks_per_node, "--ranks-per-node");
+  note(o.nvl_send_chunk != defaults.nvl_send_chunk, "--nvl-chunk");
+  note(o.nvl_queue_tokens != defaults.nvl_queue_tokens, "--nvl-queue");
+  note(o.rdma_send_chunk != defaults.rdma_send_chunk, "--rdma-chunk");
+  note(o.rdma_queue_tokens != defaults.rdma_queue_tokens, "--rdma-queue");
+  note(o.tune, "--tune");
+  note(o.ll_ranks_per_node != defaults.ll_ranks_per_node, "--ll-ranks-per-node");
+  note(o.ranks_per_gpu != defaults.ranks_per_gpu, "--ranks-per-gpu");
+  note(o.warmup != defaults.warmup, "--warmup");
+  note(o.iters != defaults.iters, "--iters");
+  note(o.seed != defaults.seed, "--seed");
+  return flags;
+}
+
 // Normal mode's nodes: ranks_per_node when it splits `num_ranks` into several nodes, else num_ranks (one
 // node).
 inline int normal_ranks_per_node(const BenchOptions& o, int num_ranks) {

@@ -212,6 +212,14 @@ int run_cpu_reference(const BenchOptions& o, const std::string& json_path) {
   // The reference run times CPU code and has no NCCL: no figure would mean anything.
   if (!o.plot_file.empty())
     std::fprintf(stderr, "epx-bench: no GPU, so no timings to plot: %s not written\n", o.plot_file.c_str());
+  const std::vector<std::string> ignored = epx::bench::gpu_only_flags_set(o);
+  if (!ignored.empty()) {
+    std::string list;
+    for (const std::string& flag : ignored) list += (list.empty() ? "" : ", ") + flag;
+    std::fprintf(stderr, "epx-bench: no GPU: %s %s GPU runs only; the CPU reference run ignores %s\n",
+                 list.c_str(), ignored.size() == 1 ? "applies to" : "apply to",
+                 ignored.size() == 1 ? "it" : "them");
+  }
   epx::reference::CpuReferenceBenchShape shape;
   shape.with_normal = o.mode != "low-latency";
   shape.with_low_latency = o.mode != "normal";

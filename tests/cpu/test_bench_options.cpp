@@ -83,6 +83,20 @@ TEST(BenchOptions, PlotFileMustBeAnSvg) {
   }
 }
 
+// Without a GPU the CPU reference run names the GPU-only flags it ignores: those set away from their
+// defaults.
+TEST(BenchOptions, GpuOnlyFlagsSet) {
+  BenchOptions o;
+  EXPECT_TRUE(epx::bench::gpu_only_flags_set(o).empty());
+  o.num_tokens = 16;  // the shape: the CPU reference runs it
+  o.json = true;
+  EXPECT_TRUE(epx::bench::gpu_only_flags_set(o).empty());
+  o.tune = true;
+  o.seed = 7;
+  o.num_sms = {8, 16};
+  EXPECT_EQ(epx::bench::gpu_only_flags_set(o), (std::vector<std::string>{"--num-sms", "--tune", "--seed"}));
+}
+
 // Each mode's table header names that mode's shape, with each count in the number it takes ("1 rank").
 TEST(BenchOptions, HeadersNameEachModesShape) {
   BenchOptions o;
