@@ -279,12 +279,22 @@ std::vector<BenchRow> run_low_latency(const CpuReferenceBenchShape& shape) {
 
 void print_table(const CpuReferenceBenchShape& shape, const std::vector<BenchRow>& rows, std::ostream& out) {
   char line[256];
-  std::snprintf(
-      line, sizeof(line),
-      "normal: %d ranks x %d tokens x hidden %d, top-%d of %d | low-latency: %d tokens/rank, top-%d of %d\n",
-      shape.num_ranks, shape.num_tokens, shape.hidden, shape.num_topk, shape.num_experts, shape.ll_num_tokens,
-      shape.num_topk, shape.ll_num_experts);
-  out << line;
+  // The shape of each mode that ran (not the other's), each count in the number it takes ("1 token/rank").
+  auto count_of = [](int count, const char* one, const char* many) {
+    return std::to_string(count) + " " + (count == 1 ? one : many);
+  };
+  auto mode_shape = [&](const char* mode, int num_tokens, int num_experts) {
+    return std::string(mode) + ": " + count_of(shape.num_ranks, "rank", "ranks") + " x " +
+           count_of(num_tokens, "token/rank", "tokens/rank") + ", hidden " + std::to_string(shape.hidden) +
+           ", top-" + std::to_string(shape.num_topk) + " of " + count_of(num_experts, "expert", "experts");
+  };
+  std::string header;
+  if (shape.with_normal) header = mode_shape("normal", shape.num_tokens, shape.num_experts);
+  if (shape.with_low_latency) {
+    header +=
+        (header.empty() ? "" : " | ") + mode_shape("low-latency", shape.ll_num_tokens, shape.ll_num_experts);
+  }
+  out << header << "\n";
   // Every count column is per rank (the mean over ranks), as in the GPU report; the JSON adds the totals.
   std::snprintf(line, sizeof(line), "%-22s %-6s %14s %14s %16s %12s %9s\n", "op", "format", "rows per rank",
                 "bytes/unit", "MB per rank", "CPU ms", "verified");
@@ -327,7 +337,8 @@ int run_cpu_reference_bench(const CpuReferenceBenchShape& shape, bool json, std:
                             std::ostream& err, std::ostream* json_copy) {
   if (!json) {
     out << "epx-bench: NO GPU found — ran the CPU reference on " << shape.num_ranks
-        << " simulated ranks; timings below are CPU times of the reference and mean nothing for GPU "
+        << (shape.num_ranks == 1 ? " simulated rank" : " simulated ranks")
+        << "; timings below are CPU times of the reference and mean nothing for GPU "
            "performance (--num-sms, --warmup, --iters, --ranks-per-node and --ll-ranks-per-node apply to GPU "
            "runs only)\n";
   }

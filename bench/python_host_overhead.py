@@ -322,7 +322,9 @@ def main(argv: Optional[List[str]] = None) -> int:
 
     num_gpus = torch.cuda.device_count()
     if num_gpus < o.ranks:
-        print(f"needs {o.ranks} GPUs, {num_gpus} present (--ranks 1 for one GPU, --stub for none)", file=sys.stderr)
+        plural = "" if o.ranks == 1 else "s"
+        print(f"needs {o.ranks} GPU{plural}, {num_gpus} present (--ranks 1 for one GPU, --stub for none)",
+              file=sys.stderr)
         return 2
     # The group meets through a file (as tests/python/gpu/dist_util.py): no TCP port to collide with.
     with tempfile.TemporaryDirectory(prefix="epx-host-overhead-") as directory:

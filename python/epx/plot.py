@@ -115,7 +115,7 @@ class Results:
     machine: str = ""  # a "machine" / "device" / "gpu_name" string in the JSON, or --machine
 
 
-_TOKENS_IN_HEADER = re.compile(r"(\d+) tokens/rank")
+_TOKENS_IN_HEADER = re.compile(r"(\d+) tokens?/rank")
 # A number standing alone in a file name (bench-4096.json, run_t16384.json), not part of a word (h200, 8gpus).
 _NUMBER_IN_NAME = re.compile(r"(?:^|[^A-Za-z0-9])(?:[Tt]|tokens)?(\d+)(?=$|[^A-Za-z0-9])")
 
