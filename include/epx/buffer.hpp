@@ -62,8 +62,9 @@ class Buffer {
   int num_device_sms() const;  // SMs of the GPU
   cudaStream_t comm_stream() const;
 
-  // The config of the normal-mode calls (SM budget and queue sizes); num_sms starts as
-  // BufferOptions::num_sms.
+  // The config of the normal-mode calls (SM budget and queue sizes). It starts as BufferOptions::num_sms
+  // with, within one node, recommended_config's chunks for the group size (ConfigFor::kDispatch), across
+  // nodes Config's defaults.
   const Config& config() const;
   void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
   int num_sms() const { return config().num_sms; }
