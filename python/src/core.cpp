@@ -242,6 +242,16 @@ void bind_config(py::module_& m) {
                               ", num_max_rdma_chunked_recv_tokens=", c.num_max_rdma_chunked_recv_tokens, ")");
       });
   m.def(
+      "recommended_config",
+      [](const std::string& op, int num_ranks, int num_sms) {
+        EPX_CHECK(op == "dispatch" || op == "combine", "op", op, "must be dispatch or combine");
+        return recommended_config(op == "dispatch" ? ConfigFor::kDispatch : ConfigFor::kCombine, num_ranks,
+                                  num_sms);
+      },
+      py::arg("op"), py::arg("num_ranks"), py::arg("num_sms"),
+      "DeepEP's recommended config for `op` and the group size with num_sms (Config's defaults where DeepEP "
+      "has none): what a Buffer within one node starts with, and what epx-bench runs.");
+  m.def(
       "validate_config", &validate_config, py::arg("config"),
       "Raises EpxError naming the first field that breaks a rule (>= 1; send chunk <= queue tokens; at most "
       "128 channels).");

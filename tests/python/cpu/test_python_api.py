@@ -171,6 +171,20 @@ DEEP_EP_COMBINE_CONFIGS = {
 }
 
 
+def test_cpp_recommended_configs_are_deep_eps():
+    """epx::recommended_config (the Buffer's first config, epx-bench's) holds the same table as deep_ep."""
+    for op, table in (("dispatch", DEEP_EP_DISPATCH_CONFIGS), ("combine", DEEP_EP_COMBINE_CONFIGS)):
+        for num_ranks, fields in table.items():
+            config = epx._epx.recommended_config(op, num_ranks, 24)
+            assert (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                    config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens) == (24, *fields)
+    default = epx._epx.Config()
+    assert epx._epx.recommended_config("dispatch", 3, 8).num_max_nvl_chunked_send_tokens == \
+        default.num_max_nvl_chunked_send_tokens
+    with pytest.raises(epx.EpxError, match="invalid op = send: must be dispatch or combine"):
+        epx._epx.recommended_config("send", 2, 24)
+
+
 @pytest.mark.parametrize("num_sms", [20, 24])
 def test_deep_ep_config_tables_match_deep_ep(num_sms):
     old = deep_ep.Buffer.num_sms
