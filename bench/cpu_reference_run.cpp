@@ -9,6 +9,7 @@
 #include <string>
 #include <vector>
 
+#include "bench_options.hpp"
 #include "epx/bench_bytes.hpp"
 #include "epx/formats/bf16.hpp"
 #include "epx/formats/fp8.hpp"
@@ -280,13 +281,11 @@ std::vector<BenchRow> run_low_latency(const CpuReferenceBenchShape& shape) {
 void print_table(const CpuReferenceBenchShape& shape, const std::vector<BenchRow>& rows, std::ostream& out) {
   char line[256];
   // The shape of each mode that ran (not the other's), each count in the number it takes ("1 token/rank").
-  auto count_of = [](int count, const char* one, const char* many) {
-    return std::to_string(count) + " " + (count == 1 ? one : many);
-  };
   auto mode_shape = [&](const char* mode, int num_tokens, int num_experts) {
-    return std::string(mode) + ": " + count_of(shape.num_ranks, "rank", "ranks") + " x " +
-           count_of(num_tokens, "token/rank", "tokens/rank") + ", hidden " + std::to_string(shape.hidden) +
-           ", top-" + std::to_string(shape.num_topk) + " of " + count_of(num_experts, "expert", "experts");
+    return std::string(mode) + ": " + bench::count_of(shape.num_ranks, "rank", "ranks") + " x " +
+           bench::count_of(num_tokens, "token/rank", "tokens/rank") + ", hidden " +
+           std::to_string(shape.hidden) + ", top-" + std::to_string(shape.num_topk) + " of " +
+           bench::count_of(num_experts, "expert", "experts");
   };
   std::string header;
   if (shape.with_normal) header = mode_shape("normal", shape.num_tokens, shape.num_experts);

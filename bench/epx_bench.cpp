@@ -78,17 +78,26 @@ void print_help() {
       "Method, bytes and JSON fields: docs/BENCHMARKS.md; plots: python -m epx.plot FILE.json\n");
 }
 
-// An integer flag value; the error names the flag.
-int parse_int(const std::string& flag, const std::string& text) {
+// `text` read whole by `convert` (std::stoi, std::stod), else epx::Error naming the flag and `rule`.
+template <typename Value>
+Value parse_whole(const std::string& flag, const std::string& text,
+                  Value (*convert)(const std::string&, size_t*), const char* rule) {
   size_t used = 0;
-  int value = 0;
+  Value value{};
   try {
-    value = std::stoi(text, &used);
+    value = convert(text, &used);
   } catch (const std::exception&) {
     used = 0;
   }
-  EPX_CHECK(used > 0 && used == text.size(), flag.c_str(), text, "must be an integer");
+  EPX_CHECK(used > 0 && used == text.size(), flag.c_str(), text, rule);
   return value;
+}
+
+// An integer flag value; the error names the flag.
+int parse_int(const std::string& flag, const std::string& text) {
+  return parse_whole<int>(
+      flag, text, [](const std::string& t, size_t* used) { return std::stoi(t, used); },
+      "must be an integer");
 }
 
 std::vector<int> parse_list(const std::string& flag, const std::string& text) {
@@ -100,16 +109,11 @@ std::vector<int> parse_list(const std::string& flag, const std::string& text) {
   return values;
 }
 
-// A number flag value (--launch-ahead-us); the error names the flag.
+// A finite number flag value (--launch-ahead-us); the error names the flag.
 double parse_number(const std::string& flag, const std::string& text) {
-  size_t used = 0;
-  double value = 0;
-  try {
-    value = std::stod(text, &used);
-  } catch (const std::exception&) {
-    used = 0;
-  }
-  EPX_CHECK(used > 0 && used == text.size() && std::isfinite(value), flag.c_str(), text, "must be a number");
+  const double value = parse_whole<double>(
+      flag, text, [](const std::string& t, size_t* used) { return std::stod(t, used); }, "must be a number");
+  EPX_CHECK(std::isfinite(value), flag.c_str(), text, "must be a number");
   return value;
 }
 

@@ -1,3 +1,4 @@
+#include "device/ptx.cuh"
 #include "gpu/cuda_check.hpp"
 #include "start_gate.hpp"
 
@@ -5,15 +6,9 @@ namespace epx::bench {
 
 namespace {
 
-__device__ unsigned long long global_timer_ns() {
-  unsigned long long ns;
-  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));
-  return ns;
-}
-
 __global__ void start_delay_kernel(unsigned ns) {
-  const unsigned long long until = global_timer_ns() + ns;
-  while (global_timer_ns() < until) {
+  const uint64_t until = device::global_timer_ns() + ns;
+  while (device::global_timer_ns() < until) {
   }
 }
 

@@ -51,7 +51,7 @@ def check(condition: bool, name: str, value: Any, rule: str) -> None:
     arguments are evaluated on every call: on a per-call path, pass no formatted string (use
     ``if not condition: raise error(...)`` there)."""
     if not condition:
-        raise EpxError(f"invalid {name} = {value}: {rule}")
+        raise error(name, value, rule)
 
 
 def check_tensor(

@@ -16,6 +16,7 @@ from ._util import (
     current_stream,
     current_stream_handle,
     device_view,
+    element_size,
     error,
     event_handle,
     fast_empty_strided,
@@ -243,7 +244,7 @@ class Buffer:
         base = self.runtime.symmetric_buffer if use_rdma_buffer else self.runtime.nvl_buffer
         total = self.runtime.num_rdma_bytes if use_rdma_buffer else self.runtime.num_nvl_bytes
         check(0 <= offset_bytes <= total, "offset", offset_bytes, f"must be in [0, {total}] bytes")
-        element_bytes = torch().empty((), dtype=dtype).element_size()
+        element_bytes = element_size(dtype)
         available = (total - offset_bytes) // element_bytes
         num_elements = available
         if size is not None:
