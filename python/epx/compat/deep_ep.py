@@ -222,9 +222,7 @@ class Buffer:
         available = runtime.num_nvl_bytes
         if row_bytes is None or available <= 0:
             return config
-        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-               config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens, row_bytes, available,
-               runtime.num_ranks)
+        key = tuple(getattr(config, name) for name in Config.__slots__) + (row_bytes, available, runtime.num_ranks)
         if key in _FITTED_CONFIGS:
             fitted = _FITTED_CONFIGS[key]
             return config if fitted is None else fitted
