@@ -7,7 +7,7 @@ import contextlib
 import operator
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
-from ._ext import _epx
+from ._ext import _epx, torch_calls
 from ._util import (
     EpxError,
     array_view,
@@ -122,6 +122,7 @@ class Buffer:
         # A stream of torch's pool (never destroyed, as DeepEP's): outputs recorded on it stay safe to free
         # after destroy().
         self.comm_stream = t.cuda.Stream(device=self.device)
+        self._comm_stream_handle = self.comm_stream.cuda_stream  # its cudaStream_t, for the torch extension
         options = _epx.BufferOptions(num_nvl_bytes=int(num_nvl_bytes), num_rdma_bytes=int(num_rdma_bytes),
                                      num_sms=int(num_sms), wait_timeout_s=float(wait_timeout_s),
                                      ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream,
@@ -395,6 +396,12 @@ class Buffer:
         counts (DispatchOverlap::kLaunchReceive in C++): senders fill the peers' queues meanwhile. Ignored with
         after_counts, a cached handle or num_worst_tokens; False launches it once the outputs exist.
         """
+        if torch_calls is not None and handle is not None and launch_receive and topk_idx is None \
+                and topk_weights is None and isinstance(handle, DispatchHandle) and handle.buffer_id == id(self):
+            made = self._dispatch_cached_natively(x, handle, expert_alignment, config, previous_event, async_finish,
+                                                  allocate_on_comm_stream)
+            if made is not None:
+                return made
         t = torch()
         with self._input_copies(previous_event):
             tokens = split_tokens(x)
@@ -523,16 +530,45 @@ class Buffer:
         return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
                               new_handle, overlap)
 
+    def _dispatch_cached_natively(self, x: Tokens, handle: DispatchHandle, expert_alignment: int,
+                                  config: Optional[Config], previous_event: Any, async_finish: bool,
+                                  allocate_on_comm_stream: bool) -> Optional[DispatchResult]:
+        """A cached dispatch through the torch extension (checks, outputs and the call in C++), or None where its
+        arguments are not the plain case: dispatch's Python then raises or copes."""
+        data, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
+        previous_config = self._apply_config(config)
+        try:
+            made = torch_calls.dispatch_cached(
+                self.runtime, self._device_index, handle.native, data, scales, handle.num_tokens,
+                handle.num_recv_rows, handle.num_experts, expert_alignment, event_handle(previous_event),
+                async_finish, allocate_on_comm_stream, self._comm_stream_handle)
+        except TypeError:  # an argument of another type: dispatch's Python names it
+            made = None
+        except BaseException:
+            self._restore_config(previous_config)
+            raise
+        if made is None:
+            self._restore_config(previous_config)
+            return None
+        recv_x, recv_scales, event = made
+        return DispatchResult(recv_x, recv_scales, None, None, list(handle.num_recv_tokens_per_expert_list), handle,
+                              EventOverlap(event if async_finish else None))
+
     def combine(self, x: Any, handle: DispatchHandle, *, topk_weights: Any = None,
                 bias: Union[None, Any, Tuple[Any, ...]] = None, config: Optional[Config] = None,
                 previous_event: Any = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> CombineResult:
         """Sums, without weights, the copies of each token that come back from the ranks it was dispatched to,
         then adds up to two BF16 biases [T, H]. topk_weights [N, K] are summed the same way."""
-        t = torch()
         if not isinstance(handle, DispatchHandle):
             raise error("handle", type(handle).__name__, "must be the handle of a dispatch")
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
+        if torch_calls is not None:
+            made = self._combine_natively(x, handle, topk_weights, bias, config, previous_event, async_finish,
+                                          allocate_on_comm_stream)
+            if made is not None:
+                return made
+        t = torch()
         # x's hidden may differ from the dispatch's (as in DeepEP): the C++ combine sizes its records from it.
         check_tensor(x, "x", dtype=t.bfloat16, ndim=2, shape=(handle.num_recv_rows, None))
         hidden = x.size(1)
@@ -569,6 +605,36 @@ class Buffer:
             overlap = EventOverlap()
         return CombineResult(combined_x, combined_weights, overlap)
 
+    def _combine_natively(self, x: Any, handle: DispatchHandle, topk_weights: Any, bias: Any,
+                          config: Optional[Config], previous_event: Any, async_finish: bool,
+                          allocate_on_comm_stream: bool) -> Optional[CombineResult]:
+        """combine through the torch extension (checks, outputs and the call in C++), or None where its arguments
+        are not the plain case: combine's Python then raises or copes."""
+        if bias is None:
+            bias0 = bias1 = None
+        elif isinstance(bias, (tuple, list)):
+            if len(bias) > 2:
+                return None
+            bias0, bias1 = (tuple(bias) + (None, None))[:2]
+        else:
+            bias0, bias1 = bias, None
+        previous_config = self._apply_config(config)
+        try:
+            made = torch_calls.combine(
+                self.runtime, self._device_index, handle.native, x, handle.num_recv_rows, handle.num_tokens,
+                topk_weights, bias0, bias1, event_handle(previous_event), async_finish, allocate_on_comm_stream,
+                self._comm_stream_handle)
+        except TypeError:  # an argument of another type: combine's Python names it
+            made = None
+        except BaseException:
+            self._restore_config(previous_config)
+            raise
+        if made is None:
+            self._restore_config(previous_config)
+            return None
+        combined_x, combined_weights, event = made
+        return CombineResult(combined_x, combined_weights, EventOverlap(event if async_finish else None))
+
     # ---- Low-latency mode ----
 
     def low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
@@ -596,6 +662,21 @@ class Buffer:
         """low_latency_dispatch's work, for it and deep_ep.Buffer: (recv_x, recv_x_scales, recv_count, handle,
         event, hook, recv_src_info). handle_keeps_src_info=False leaves recv_src_info out of the handle (deep_ep's
         tuple holds it, and the handle is attached to it: holding it back would make a reference cycle)."""
+        if torch_calls is not None:
+            try:  # checks, outputs and the call in C++; None: not the plain case (the Python below raises or copes)
+                made = torch_calls.low_latency_dispatch(
+                    self.runtime, self._device_index, self.num_ranks, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                    num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                    round_scale, use_ue8m0, async_finish, return_recv_hook, topk_weights)
+            except TypeError:  # an argument of another type: the Python below names it
+                made = None
+            if made is not None:
+                recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings, result = made
+                return self._low_latency_dispatched(
+                    result, x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings,
+                    num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                    dispatch_wait_recv_cost_stats, topk_weights, async_finish, return_recv_hook,
+                    handle_keeps_src_info)
         t = torch()
         check_tensor(x, "x", dtype=t.bfloat16, ndim=2)
         num_tokens, hidden = x.shape
@@ -653,10 +734,22 @@ class Buffer:
             recv_count=recv_count.data_ptr(), recv_src_info=src_info.data_ptr(), recv_topk_pos=topk_pos.data_ptr(),
             recv_layout_range=layout_range.data_ptr(), recv_token_listings=pointer(listings))
         result = _epx.low_latency_dispatch(self.runtime, native_in, out, self._order(None, async_finish))
+        return self._low_latency_dispatched(
+            result, x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings,
+            num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+            dispatch_wait_recv_cost_stats, topk_weights, async_finish, return_recv_hook, handle_keeps_src_info)
 
+    def _low_latency_dispatched(self, result: Any, x: Any, topk_idx: Any, recv_x: Any, recv_scales: Any,
+                                recv_count: Any, src_info: Any, topk_pos: Any, layout_range: Any, listings: Any,
+                                num_max_dispatch_tokens_per_rank: int, num_experts: int,
+                                cumulative_local_expert_recv_stats: Any, dispatch_wait_recv_cost_stats: Any,
+                                topk_weights: Any, async_finish: bool, return_recv_hook: bool,
+                                handle_keeps_src_info: bool) -> Tuple:
+        """_low_latency_dispatch's result from the native call's `result` and the tensors it filled."""
+        num_tokens, hidden = x.shape
         handle = LowLatencyHandle(result.handle, id(self), src_info if handle_keeps_src_info else None, topk_pos,
                                   layout_range, num_max_dispatch_tokens_per_rank, hidden, num_experts, num_tokens,
-                                  num_topk, listings)
+                                  topk_idx.shape[1], listings)
         if return_recv_hook or async_finish:
             tensors = (x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range,
                        cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, topk_weights, listings)
@@ -699,9 +792,25 @@ class Buffer:
                              logfmt_within_node: bool) -> Tuple[Any, EventOverlap, Optional[RecvHook]]:
         """low_latency_combine's work, for it and deep_ep.Buffer: (combined_x, event, hook). `handle` is a
         LowLatencyHandle; recv_src_info is its dispatch's (kept alive while the call may still read it)."""
-        t = torch()
         check(handle.buffer_id == id(self), "handle", "from another Buffer", "must come from this Buffer")
         num_tokens, hidden, num_topk = handle.num_tokens, handle.hidden, handle.num_topk
+        if pre_reduce and handle.recv_token_listings is None:
+            raise error("pre_reduce", True, "needs a handle from a low_latency_dispatch given topk_weights")
+        made = None
+        if torch_calls is not None:
+            try:  # checks, output and the call in C++; None: not the plain case (the Python below raises or copes)
+                made = torch_calls.low_latency_combine(
+                    self.runtime, self._device_index, handle.native, x, handle.num_experts // self.num_ranks,
+                    self.num_ranks * handle.num_max_dispatch_tokens_per_rank, topk_idx, topk_weights, num_tokens,
+                    hidden, num_topk, self.num_ranks, combine_wait_recv_cost_stats, out, use_logfmt,
+                    logfmt_within_node, pre_reduce, zero_copy, async_finish, return_recv_hook)
+            except TypeError:  # an argument of another type: the Python below names it
+                made = None
+        if made is not None:
+            out, result = made
+            return self._low_latency_combined(result, out, x, topk_idx, topk_weights, handle, recv_src_info,
+                                              combine_wait_recv_cost_stats, async_finish, return_recv_hook)
+        t = torch()
         if x is not None:
             num_rows = self.num_ranks * handle.num_max_dispatch_tokens_per_rank
             check_tensor(x, "x", dtype=t.bfloat16, ndim=3,
@@ -709,8 +818,6 @@ class Buffer:
         elif not zero_copy:
             raise error("x", None, "is required without zero_copy")
         topk_idx = as_topk_idx(topk_idx, shape=(num_tokens, num_topk))
-        if pre_reduce and handle.recv_token_listings is None:
-            raise error("pre_reduce", True, "needs a handle from a low_latency_dispatch given topk_weights")
         if topk_weights is not None or not pre_reduce:
             check_tensor(topk_weights, "topk_weights", dtype=t.float32, ndim=2, shape=(num_tokens, num_topk))
         if combine_wait_recv_cost_stats is not None:
@@ -730,6 +837,14 @@ class Buffer:
             return_recv_hook=bool(return_recv_hook), combine_wait_recv_cost_stats=pointer(combine_wait_recv_cost_stats))
         result = _epx.low_latency_combine(self.runtime, handle.native, native_in, out.data_ptr(),
                                           self._order(None, async_finish))
+        return self._low_latency_combined(result, out, x, topk_idx, topk_weights, handle, recv_src_info,
+                                          combine_wait_recv_cost_stats, async_finish, return_recv_hook)
+
+    def _low_latency_combined(self, result: Any, out: Any, x: Any, topk_idx: Any, topk_weights: Any,
+                              handle: LowLatencyHandle, recv_src_info: Any, combine_wait_recv_cost_stats: Any,
+                              async_finish: bool, return_recv_hook: bool
+                              ) -> Tuple[Any, EventOverlap, Optional[RecvHook]]:
+        """_low_latency_combine's result from the native call's `result`."""
         if return_recv_hook or async_finish:
             tensors = (x, topk_idx, topk_weights, out, recv_src_info, handle.recv_topk_pos, handle.recv_layout_range,
                        handle.recv_token_listings, combine_wait_recv_cost_stats)

@@ -25,6 +25,7 @@ PYBIND11_MODULE(_epx, m) {
 #if defined(EPX_WITH_CUDA)
   m.attr("WITH_CUDA") = true;
   epx::python::bind_runtime(m);
+  epx::python::bind_native_calls(m);
 #else
   m.attr("WITH_CUDA") = false;
 #endif

@@ -8,7 +8,7 @@ from types import SimpleNamespace
 import numpy as np
 
 import epx
-import epx.reference as ref
+import epx_tools.reference as ref
 from epx import _epx
 
 
@@ -409,6 +409,8 @@ def _patch(setattr, binding, check_on_cpu):
 
     stream = SimpleNamespace(cuda_stream=0)
     setattr(buffer_module, "_epx", binding)
+    # The torch extension calls the real binding: with a fake one, every call takes the Python path.
+    setattr(buffer_module, "torch_calls", None)
     setattr(buffer_module, "pointer", binding.pointer)
     for module in (buffer_module, util):
         if hasattr(module, "current_stream"):

@@ -24,12 +24,31 @@ def test_module_basics():
 
 
 def test_import_needs_no_torch():
-    # The package and its host-only parts load without importing torch.
-    code = "import sys, epx, epx.compat.deep_ep, epx.reference; assert 'torch' not in sys.modules; print('ok')"
+    # The package and its host-only parts load without importing torch, and without the tools (epx_tools),
+    # whose CPU reference loads without torch too.
+    code = ("import sys, epx, epx.compat.deep_ep; assert not [m for m in sys.modules if m.startswith('epx_tools')]; "
+            "import epx_tools.reference; assert 'torch' not in sys.modules; print('ok')")
     env = dict(os.environ, EPX_NO_TORCH_PRELOAD="1", PYTHONPATH=os.pathsep.join(sys.path))
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"
+
+
+def test_torch_extension_loads_where_built():
+    """epx._epx_torch, where the build made it (beside epx._epx: torch was there), loads and accepts the table of
+    the epx._epx beside it (the same headers), so epx.Buffer's hot calls take it."""
+    import glob
+
+    import epx._ext as ext
+
+    built = glob.glob(os.path.join(os.path.dirname(_epx.__file__), "_epx_torch*.so"))
+    if not built:
+        pytest.skip("epx._epx_torch was not built (no torch at build time, or no CUDA)")
+    pytest.importorskip("torch")
+    if os.environ.get("EPX_TORCH_EXT") == "0":
+        pytest.skip("EPX_TORCH_EXT=0 turns it off")
+    assert ext.torch_calls is not None, ext.torch_calls_error
+    assert callable(ext.torch_calls.low_latency_dispatch) and callable(ext.torch_calls.combine)
 
 
 # ---- Size hints ----

@@ -41,7 +41,7 @@ class World:
     """Every rank's seeded inputs of one iteration and the reference's outputs (each process builds all)."""
 
     def __init__(self, num_ranks, num_experts, seed, case, stats=None, masked_ranks=(), ranks_per_node=0):
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         native = ref.native
         self.params = ref.low_latency_params(num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
@@ -78,14 +78,14 @@ class World:
     def inputs(self, rank, device):
         import torch
 
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         return (ref.to_torch_bf16(self.x[rank], device), torch.from_numpy(self.ids[rank]).to(device),
                 torch.from_numpy(self.weights[rank]).to(device), ref.to_torch_bf16(self.expert_out[rank], device))
 
 
 def check_received(expected, recv_x, recv_count, case):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     counts = recv_count.cpu().numpy()
     np.testing.assert_array_equal(counts, expected.recv_count)
@@ -102,7 +102,7 @@ def check_received(expected, recv_x, recv_count, case):
 
 
 def one_round(buffer, world, rank, num_experts, case, device, stats=None):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     x, topk_idx, weights, expert_out = world.inputs(rank, device)
     recv_x, recv_count, handle, event, hook = buffer.low_latency_dispatch(
@@ -130,7 +130,7 @@ def one_round(buffer, world, rank, num_experts, case, device, stats=None):
 
 def pre_reduced_round(buffer, world, rank, num_experts, case, device):
     """A dispatch that carries the top-k weights, then the pre-reduced combine, through epx's Buffer."""
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     x, topk_idx, weights, expert_out = world.inputs(rank, device)
     dispatched = buffer.low_latency_dispatch(x, topk_idx, MAX_TOKENS, num_experts, use_fp8=case.use_fp8,
@@ -157,13 +157,19 @@ PRE_REDUCED_CASES = [
 ]
 
 
-def low_latency_worker(rank, num_ranks, group):
+def low_latency_worker(rank, num_ranks, group, python_path=False):
+    """python_path: epx.Buffer's Python path for every call instead of the torch extension's (the same results)."""
     import torch
 
     import epx
+    import epx.buffer
     import epx.compat.deep_ep as deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
+    if python_path:
+        epx.buffer.torch_calls = None
+    else:
+        assert_torch_extension_loaded()
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
     num_local = num_experts // num_ranks
@@ -255,9 +261,26 @@ def low_latency_worker(rank, num_ranks, group):
     buffer.destroy()
 
 
+def assert_torch_extension_loaded():
+    """Where epx._epx_torch was built (beside epx._epx), it loaded: the calls below take its path."""
+    import glob
+    import os
+
+    import epx._ext
+
+    built = glob.glob(os.path.join(os.path.dirname(epx._ext._epx.__file__), "_epx_torch*.so"))
+    assert not built or epx._ext.torch_calls is not None or os.environ.get("EPX_TORCH_EXT") == "0", (
+        epx._ext.torch_calls_error)
+
+
 @pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
 def test_low_latency_against_reference(num_ranks):
     run(low_latency_worker, num_ranks)
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_low_latency_python_path_against_reference(num_ranks):
+    run(low_latency_worker, num_ranks, True)
 
 
 def virtual_nodes_worker(rank, num_ranks, group):

@@ -14,7 +14,7 @@ NUM_TOPK = 4
 
 
 def make_inputs(num_ranks, num_experts, seed, fp8=False):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     native = ref.native
     num_tokens = [37, 64, 0, 5][:num_ranks] if num_ranks <= 4 else [17 + 3 * r for r in range(num_ranks)]
@@ -34,7 +34,7 @@ def make_inputs(num_ranks, num_experts, seed, fp8=False):
 
 
 def random_rows(seed, rows, rank):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     return ref.native.random_bf16_tokens(seed, rows, HIDDEN, rank, stamp=False).reshape(rows, HIDDEN)
 
@@ -42,7 +42,7 @@ def random_rows(seed, rows, rank):
 def to_device(rank_input, device):
     import torch
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     x = (ref.to_torch_fp8(rank_input.x_fp8, device), torch.from_numpy(rank_input.x_scales).to(device)) \
         if rank_input.x_fp8 is not None else ref.to_torch_bf16(rank_input.x, device)
@@ -50,7 +50,7 @@ def to_device(rank_input, device):
 
 
 def check_dispatch(expected, recv_x, recv_idx, recv_w, counts, rows=None):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     rows = expected.num_rows if rows is None else rows
     if isinstance(recv_x, tuple):
@@ -65,13 +65,17 @@ def check_dispatch(expected, recv_x, recv_idx, recv_w, counts, rows=None):
         assert counts == expected.num_recv_tokens_per_expert_list
 
 
-def normal_worker(rank, num_ranks, group, seed):
+def normal_worker(rank, num_ranks, group, seed, python_path=False):
+    """python_path: epx.Buffer's Python path for every call instead of the torch extension's (the same results)."""
     import torch
 
     import epx
+    import epx.buffer
     import epx.compat.deep_ep as deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
+    if python_path:
+        epx.buffer.torch_calls = None
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 8 * num_ranks
     buffer = deep_ep.Buffer(group, num_nvl_bytes=deep_ep.Config().get_nvl_buffer_size_hint(HIDDEN * 2, num_ranks),
@@ -196,12 +200,17 @@ def test_normal_mode_against_reference(num_ranks):
     run(normal_worker, num_ranks, 1)
 
 
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_normal_mode_python_path_against_reference(num_ranks):
+    run(normal_worker, num_ranks, 2, True)
+
+
 def native_api_worker(rank, num_ranks, group):
     """epx.Buffer's own interface: layout computed inside dispatch, named results, handle views."""
     import torch
 
     import epx
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 4 * num_ranks
@@ -263,7 +272,7 @@ def big_batch_worker(rank, num_ranks, group, seed):
     import torch
 
     import epx.compat.deep_ep as deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     native = ref.native
     device = torch.device("cuda", torch.cuda.current_device())

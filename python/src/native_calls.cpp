@@ -1,0 +1,129 @@
+// The table of calls `epx._epx` lends to the torch extension (native_calls.hpp says why), exposed as the
+// capsule `_epx._native_calls`.
+
+#include "native_calls.hpp"
+
+#include <pybind11/pybind11.h>
+
+#include <exception>
+#include <string>
+#include <utility>
+
+#include "binding.hpp"
+#include "epx/error.hpp"
+#include "epx/low_latency.hpp"
+#include "epx/normal.hpp"
+#include "py_buffer.hpp"
+
+namespace epx::python {
+
+namespace {
+
+// Runs f (which needs the GIL and may throw) and turns what it throws into the Python error `_epx`'s own
+// functions would raise; `failed` is what the call returns then.
+template <typename F, typename Result>
+Result with_python_error(F&& f, Result failed) noexcept {
+  try {
+    return f();
+  } catch (py::error_already_set& error) {
+    error.restore();
+  } catch (const std::exception& error) {
+    PyErr_SetString(PyExc_RuntimeError, error.what());
+  } catch (...) {
+    PyErr_SetString(PyExc_RuntimeError, "epx: unknown C++ exception");
+  }
+  return failed;
+}
+
+int low_latency_dispatch_sizes_call(PyObject* buffer, const LowLatencyDispatchInput& input,
+                                    LowLatencyDispatchSizes* sizes) {
+  return with_python_error(
+      [&] {
+        const PyBuffer& owner = py::handle(buffer).cast<const PyBuffer&>();
+        try {
+          *sizes = low_latency_dispatch_sizes(owner.get(), input);
+        } catch (...) {
+          raise_cpp_exception(std::current_exception());
+        }
+        return 0;
+      },
+      -1);
+}
+
+PyObject* low_latency_dispatch_call(PyObject* buffer, const LowLatencyDispatchInput& input,
+                                    const LowLatencyDispatchOutput& output, const StreamOrder& order) {
+  return with_python_error(
+      [&] {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        return py::cast(
+                   call_without_gil([&] { return low_latency_dispatch(owner.get(), input, output, order); }))
+            .release()
+            .ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
+PyObject* low_latency_combine_call(PyObject* buffer, PyObject* handle, const LowLatencyCombineInput& input,
+                                   void* combined_x, const StreamOrder& order) {
+  return with_python_error(
+      [&] {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        const LowLatencyHandle& native_handle = py::handle(handle).cast<const LowLatencyHandle&>();
+        return py::cast(call_without_gil([&] {
+                 return low_latency_combine(owner.get(), native_handle, input, combined_x, order);
+               }))
+            .release()
+            .ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
+PyObject* dispatch_cached_call(PyObject* buffer, PyObject* handle, const DispatchInput& input,
+                               const DispatchOutput& output, int rows, const StreamOrder& order) {
+  return with_python_error(
+      [&] {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        const DispatchHandle& cached = py::handle(handle).cast<const DispatchHandle&>();
+        Event event = call_without_gil([&] {
+          // As epx.Buffer.dispatch does for a cached handle: the receive goes out with the count exchange.
+          const DispatchPlan plan =
+              dispatch_notify(owner.get(), input, order, &cached, DispatchOverlap::kLaunchReceive, nullptr);
+          if (plan.num_recv_rows != rows) {
+            dispatch_cancel(owner.get(), plan);  // the launched receive drains: the peers' calls complete
+            throw Error(__FILE__, __LINE__,
+                        "a cached dispatch planned " + std::to_string(plan.num_recv_rows) +
+                            " rows where its handle has " + std::to_string(rows));
+          }
+          return dispatch_receive(owner.get(), plan, input, output, order);
+        });
+        return py::cast(std::move(event)).release().ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
+PyObject* combine_call(PyObject* buffer, PyObject* handle, const CombineInput& input,
+                       const CombineOutput& output, const StreamOrder& order) {
+  return with_python_error(
+      [&] {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        const DispatchHandle& native_handle = py::handle(handle).cast<const DispatchHandle&>();
+        return py::cast(call_without_gil(
+                            [&] { return combine(owner.get(), native_handle, input, output, order); }))
+            .release()
+            .ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
+// One table for the process (the capsule points at it; it never changes).
+const NativeCalls kCalls{native_call_sizes(),        &low_latency_dispatch_sizes_call,
+                         &low_latency_dispatch_call, &low_latency_combine_call,
+                         &dispatch_cached_call,      &combine_call};
+
+}  // namespace
+
+void bind_native_calls(py::module_& m) {
+  m.attr("_native_calls") = py::capsule(static_cast<const void*>(&kCalls), kNativeCallsCapsule);
+}
+
+}  // namespace epx::python

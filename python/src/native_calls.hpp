@@ -1,0 +1,73 @@
+#pragma once
+
+// The calls `epx._epx` lends to the torch extension `epx._epx_torch` (python/torch_ext), as a table of plain
+// function pointers in the capsule `epx._epx._native_calls`.
+//
+// Why a table: the torch extension allocates outputs with torch's caching allocator and reads torch's current
+// stream in C++ (the per-call Python work it saves is most of an eager call's host time), but the EPX runtime
+// must exist once per process: the kernels use NVSHMEM's device state, which is set up for the module that
+// initialized NVSHMEM. So the extension links no EPX library; it fills the plain input/output structs of the
+// C++ API (epx/low_latency.hpp, epx/normal.hpp: the same compiler and headers give the same layout, which
+// `sizes` lets it check) and calls through here. Every call takes the Python objects `_epx` made (its Buffer,
+// a low-latency handle) and returns a new reference to what the `_epx` function of the same name returns, or
+// nullptr with a Python error set (EpxError for EPX's errors). Each needs the GIL; each releases it around
+// the C++ call as `_epx` does.
+
+#include <Python.h>
+
+#include <cstdint>
+
+#include "epx/event.hpp"
+#include "epx/low_latency.hpp"
+#include "epx/normal.hpp"
+
+namespace epx::python {
+
+struct NativeCallSizes {
+  uint32_t table;
+  uint32_t stream_order;
+  uint32_t low_latency_dispatch_input;
+  uint32_t low_latency_dispatch_output;
+  uint32_t low_latency_dispatch_sizes;
+  uint32_t low_latency_combine_input;
+  uint32_t dispatch_input;
+  uint32_t dispatch_output;
+  uint32_t combine_input;
+  uint32_t combine_output;
+  friend bool operator==(const NativeCallSizes&, const NativeCallSizes&) = default;
+};
+
+struct NativeCalls {
+  NativeCallSizes sizes;
+  // 0, or -1 with a Python error set.
+  int (*low_latency_dispatch_sizes)(PyObject* buffer, const LowLatencyDispatchInput& input,
+                                    LowLatencyDispatchSizes* sizes);
+  PyObject* (*low_latency_dispatch)(PyObject* buffer, const LowLatencyDispatchInput& input,
+                                    const LowLatencyDispatchOutput& output, const StreamOrder& order);
+  PyObject* (*low_latency_combine)(PyObject* buffer, PyObject* handle, const LowLatencyCombineInput& input,
+                                   void* combined_x, const StreamOrder& order);
+  // A dispatch with a cached `handle` (an `_epx.DispatchHandle`): the count exchange, then the receive into
+  // `output`, allocated by the caller for `rows` rows (the handle's). Returns the `_epx.Event`.
+  PyObject* (*dispatch_cached)(PyObject* buffer, PyObject* handle, const DispatchInput& input,
+                               const DispatchOutput& output, int rows, const StreamOrder& order);
+  PyObject* (*combine)(PyObject* buffer, PyObject* handle, const CombineInput& input,
+                       const CombineOutput& output, const StreamOrder& order);
+};
+
+// What this build's headers say; the extension compares it with the table's before using any call.
+inline constexpr NativeCallSizes native_call_sizes() {
+  return {sizeof(NativeCalls),
+          sizeof(StreamOrder),
+          sizeof(LowLatencyDispatchInput),
+          sizeof(LowLatencyDispatchOutput),
+          sizeof(LowLatencyDispatchSizes),
+          sizeof(LowLatencyCombineInput),
+          sizeof(DispatchInput),
+          sizeof(DispatchOutput),
+          sizeof(CombineInput),
+          sizeof(CombineOutput)};
+}
+
+inline constexpr const char* kNativeCallsCapsule = "epx._epx._native_calls";
+
+}  // namespace epx::python

@@ -1,0 +1,318 @@
+// epx._epx_torch: the per-call work of epx.Buffer's hot calls in C++, against torch's C++ API: the tensor
+// checks (as booleans), the outputs from torch's caching allocator, torch's current stream, then the EPX call
+// through `_epx`'s table (python/src/native_calls.hpp). An eager low-latency step spent most of its host time
+// in the Python of those steps (a torch.empty is 2-4 us from Python, well under 1 us here).
+//
+// Each call returns None when an argument is not the plain case it handles (a check fails, int32 ids to
+// widen, a tensor on another device): the Python caller then takes its own path, which raises the error with
+// its argument, value and rule, or handles the case. So the rules live in one place (python/epx), and this
+// file only has to be right about which inputs are plain.
+//
+// It links no EPX library and uses no CUDA runtime call of its own; it is built only where torch is installed
+// (python/CMakeLists.txt) and loaded only where it matches the `_epx` beside it (python/epx/_ext.py).
+
+#include <ATen/ops/empty.h>
+#include <ATen/ops/empty_strided.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/csrc/utils/pybind.h>
+
+#include <climits>
+#include <cstdint>
+#include <initializer_list>
+#include <optional>
+
+#include "native_calls.hpp"
+
+namespace {
+
+namespace py = pybind11;
+using epx::python::NativeCalls;
+
+const NativeCalls* native = nullptr;  // set at import
+
+// A tensor the call may use as it is: CUDA on `device`, of `dtype` and `dim`, contiguous.
+bool plain(const at::Tensor& tensor, int device, at::ScalarType dtype, int64_t dim) {
+  return tensor.is_cuda() && tensor.get_device() == device && tensor.scalar_type() == dtype &&
+         tensor.dim() == dim && tensor.is_contiguous();
+}
+bool plain_or_none(const std::optional<at::Tensor>& tensor, int device, at::ScalarType dtype, int64_t dim) {
+  return !tensor || plain(*tensor, device, dtype, dim);
+}
+bool fits_int(int64_t value) {
+  return value >= INT_MIN && value <= INT_MAX;
+}
+template <typename Pointer>
+Pointer pointer_of(const std::optional<at::Tensor>& tensor) {
+  return tensor ? static_cast<Pointer>(tensor->data_ptr()) : nullptr;
+}
+
+epx::StreamOrder current_order(int device, bool async_finish) {
+  return {c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)).stream(), nullptr,
+          async_finish};
+}
+
+epx::StreamOrder current_order(int device, uintptr_t previous_event, bool async_finish) {
+  epx::StreamOrder order = current_order(device, async_finish);
+  order.previous_event = reinterpret_cast<cudaEvent_t>(previous_event);  // NOLINT(performance-no-int-to-ptr)
+  return order;
+}
+
+bool shaped(const at::Tensor& tensor, std::initializer_list<int64_t> shape) {
+  return tensor.sizes() == c10::IntArrayRef(shape);
+}
+
+// What epx.Buffer._finish does for a normal-mode call: with async_finish the comm stream still uses the
+// inputs and outputs after the call returns; with allocate_on_comm_stream (outputs made on the comm stream)
+// the caller's stream uses the outputs.
+void record_uses(int device, uintptr_t comm_stream, bool async_finish, bool allocate_on_comm_stream,
+                 std::initializer_list<const std::optional<at::Tensor>*> inputs,
+                 std::initializer_list<const std::optional<at::Tensor>*> outputs) {
+  const auto record = [](const std::optional<at::Tensor>& tensor, const c10::cuda::CUDAStream& stream) {
+    if (tensor && tensor->numel() > 0) tensor->record_stream(stream.unwrap());
+  };
+  if (async_finish) {
+    const c10::cuda::CUDAStream comm = c10::cuda::getStreamFromExternal(
+        reinterpret_cast<cudaStream_t>(comm_stream), static_cast<c10::DeviceIndex>(device));  // NOLINT
+    for (const auto* tensor : inputs) record(*tensor, comm);
+    for (const auto* tensor : outputs) record(*tensor, comm);
+  }
+  if (allocate_on_comm_stream) {
+    const c10::cuda::CUDAStream caller =
+        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
+    for (const auto* tensor : outputs) record(*tensor, caller);
+  }
+}
+
+// Where a normal-mode call's outputs are allocated: the comm stream with allocate_on_comm_stream (DeepEP's
+// rule: only with previous_event and async_finish, which the caller checked), else the current stream.
+std::optional<c10::cuda::CUDAStreamGuard> allocation_stream(int device, uintptr_t comm_stream,
+                                                            bool allocate_on_comm_stream) {
+  if (!allocate_on_comm_stream) return std::nullopt;
+  return std::optional<c10::cuda::CUDAStreamGuard>(
+      std::in_place, c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream),  // NOLINT
+                                                      static_cast<c10::DeviceIndex>(device)));
+}
+
+py::object adopt(PyObject* result) {
+  if (result == nullptr) throw py::error_already_set();
+  return py::reinterpret_steal<py::object>(result);
+}
+
+// (recv_x, recv_x_scales or None, recv_count, recv_src_info, recv_topk_pos, recv_layout_range,
+//  recv_token_listings or None, the `_epx.LowLatencyDispatchResult`), or None (see the top of the file).
+py::object low_latency_dispatch(py::handle buffer, int device, int num_ranks, const at::Tensor& x,
+                                const at::Tensor& topk_idx, int64_t num_max_dispatch_tokens_per_rank,
+                                int64_t num_experts, const std::optional<at::Tensor>& cumulative_stats,
+                                const std::optional<at::Tensor>& wait_stats, bool use_fp8, bool round_scale,
+                                bool use_ue8m0, bool async_finish, bool return_recv_hook,
+                                const std::optional<at::Tensor>& topk_weights) {
+  if (!plain(x, device, at::kBFloat16, 2) || !plain(topk_idx, device, at::kLong, 2) ||
+      topk_idx.size(0) != x.size(0) || !plain_or_none(topk_weights, device, at::kFloat, 2) ||
+      !plain_or_none(cumulative_stats, device, at::kInt, 1) ||
+      !plain_or_none(wait_stats, device, at::kLong, 1) || !fits_int(x.size(1)) ||
+      !fits_int(num_max_dispatch_tokens_per_rank) || !fits_int(num_experts)) {
+    return py::none();
+  }
+  const int64_t num_tokens = x.size(0), hidden = x.size(1), num_topk = topk_idx.size(1);
+  if (topk_weights && (topk_weights->size(0) != num_tokens || topk_weights->size(1) != num_topk))
+    return py::none();
+  if (wait_stats && wait_stats->size(0) != num_ranks) return py::none();
+
+  epx::LowLatencyDispatchInput in;
+  in.x = x.data_ptr();
+  in.topk_idx = topk_idx.data_ptr<int64_t>();
+  in.num_tokens = static_cast<int>(num_tokens);
+  in.num_topk = static_cast<int>(num_topk);
+  in.hidden = static_cast<int>(hidden);
+  in.num_max_dispatch_tokens_per_rank = static_cast<int>(num_max_dispatch_tokens_per_rank);
+  in.num_experts = static_cast<int>(num_experts);
+  in.use_fp8 = use_fp8;
+  in.round_scale = round_scale;
+  in.use_ue8m0 = use_ue8m0;
+  in.return_recv_hook = return_recv_hook;
+  in.cumulative_local_expert_recv_stats = pointer_of<int*>(cumulative_stats);
+  in.dispatch_wait_recv_cost_stats = pointer_of<int64_t*>(wait_stats);
+  in.topk_weights = pointer_of<const float*>(topk_weights);
+  epx::LowLatencyDispatchSizes sizes;
+  if (native->low_latency_dispatch_sizes(buffer.ptr(), in, &sizes) != 0) throw py::error_already_set();
+  const int64_t num_local = sizes.num_local_experts, num_rows = sizes.num_rows_per_expert;
+  const int64_t num_columns = sizes.num_scale_columns;
+  if (cumulative_stats && cumulative_stats->size(0) != num_local) return py::none();
+
+  const at::TensorOptions options = x.options();
+  at::Tensor recv_x =
+      at::empty({num_local, num_rows, hidden}, options.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  std::optional<at::Tensor> recv_scales;
+  if (use_fp8) {
+    // [L, R*M, columns], column-major in the last two dimensions (the memory of [L, columns, R*M]).
+    recv_scales = at::empty_strided({num_local, num_rows, num_columns}, {num_columns * num_rows, 1, num_rows},
+                                    options.dtype(use_ue8m0 ? at::kInt : at::kFloat));
+  }
+  at::Tensor recv_count = at::empty({num_local}, options.dtype(at::kInt));
+  at::Tensor src_info = at::empty({num_local, num_rows}, options.dtype(at::kInt));
+  at::Tensor topk_pos = at::empty({num_local, num_rows}, options.dtype(at::kInt));
+  at::Tensor layout_range = at::empty({num_local, num_ranks}, options.dtype(at::kLong));
+  std::optional<at::Tensor> listings;
+  if (topk_weights) {
+    listings = at::empty({num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2}, options.dtype(at::kInt));
+  }
+
+  epx::LowLatencyDispatchOutput out;
+  out.recv_x = recv_x.data_ptr();
+  out.recv_x_scales = pointer_of<void*>(recv_scales);
+  out.recv_count = recv_count.data_ptr<int>();
+  out.recv_src_info = src_info.data_ptr<int>();
+  out.recv_topk_pos = topk_pos.data_ptr<int>();
+  out.recv_layout_range = static_cast<epx::LowLatencyRange*>(layout_range.data_ptr());
+  out.recv_token_listings = pointer_of<epx::LowLatencyListing*>(listings);
+  py::object result =
+      adopt(native->low_latency_dispatch(buffer.ptr(), in, out, current_order(device, async_finish)));
+  return py::make_tuple(std::move(recv_x), std::move(recv_scales), std::move(recv_count), std::move(src_info),
+                        std::move(topk_pos), std::move(layout_range), std::move(listings), std::move(result));
+}
+
+// (combined_x, the `_epx.LowLatencyCombineResult`), or None (see the top of the file). x_rows is the expected
+// [L, R*M] of x; out is the caller's or None (allocated here).
+py::object low_latency_combine(py::handle buffer, int device, py::handle handle,
+                               const std::optional<at::Tensor>& x, int64_t x_experts, int64_t x_rows,
+                               const at::Tensor& topk_idx, const std::optional<at::Tensor>& topk_weights,
+                               int64_t num_tokens, int64_t hidden, int64_t num_topk, int num_ranks,
+                               const std::optional<at::Tensor>& wait_stats,
+                               const std::optional<at::Tensor>& out, bool use_logfmt, bool logfmt_within_node,
+                               bool pre_reduce, bool zero_copy, bool async_finish, bool return_recv_hook) {
+  if ((x && !(plain(*x, device, at::kBFloat16, 3) && shaped(*x, {x_experts, x_rows, hidden}))) ||
+      (!x && !zero_copy) || !plain(topk_idx, device, at::kLong, 2) ||
+      !shaped(topk_idx, {num_tokens, num_topk}) || (!topk_weights && !pre_reduce) ||
+      (topk_weights &&
+       !(plain(*topk_weights, device, at::kFloat, 2) && shaped(*topk_weights, {num_tokens, num_topk}))) ||
+      (wait_stats && !(plain(*wait_stats, device, at::kLong, 1) && shaped(*wait_stats, {num_ranks}))) ||
+      (out && !(plain(*out, device, at::kBFloat16, 2) && shaped(*out, {num_tokens, hidden})))) {
+    return py::none();
+  }
+  epx::LowLatencyCombineInput in;
+  in.x = zero_copy ? nullptr : x->data_ptr();
+  in.topk_idx = topk_idx.data_ptr<int64_t>();
+  in.topk_weights = pointer_of<const float*>(topk_weights);
+  in.num_tokens = static_cast<int>(num_tokens);
+  in.num_topk = static_cast<int>(num_topk);
+  in.use_logfmt = use_logfmt;
+  in.logfmt_within_node = logfmt_within_node;
+  in.pre_reduce = pre_reduce;
+  in.zero_copy = zero_copy;
+  in.return_recv_hook = return_recv_hook;
+  in.combine_wait_recv_cost_stats = pointer_of<int64_t*>(wait_stats);
+  at::Tensor combined = out ? *out : at::empty({num_tokens, hidden}, topk_idx.options().dtype(at::kBFloat16));
+  py::object result = adopt(native->low_latency_combine(buffer.ptr(), handle.ptr(), in, combined.data_ptr(),
+                                                        current_order(device, async_finish)));
+  return py::make_tuple(std::move(combined), std::move(result));
+}
+
+// (recv_x, recv_x_scales or None, the `_epx.Event`) of a dispatch with a cached handle, or None. x is BF16
+// [T, H], or 1-byte FP8 rows with x_scales (float32 or int32 words [T, S]); rows and num_tokens are the
+// handle's.
+py::object dispatch_cached(py::handle buffer, int device, py::handle handle, const at::Tensor& x,
+                           const std::optional<at::Tensor>& x_scales, int64_t num_tokens, int64_t rows,
+                           int64_t num_experts, int64_t expert_alignment, uintptr_t previous_event,
+                           bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
+  const bool fp8 = x_scales.has_value();
+  if (!x.is_cuda() || x.get_device() != device || x.dim() != 2 || !x.is_contiguous() ||
+      x.size(0) != num_tokens || (fp8 ? x.element_size() != 1 : x.scalar_type() != at::kBFloat16) ||
+      (x.size(1) * x.element_size()) % 16 != 0 || !fits_int(x.size(1)) || !fits_int(expert_alignment) ||
+      !fits_int(rows)) {
+    return py::none();
+  }
+  if (fp8 && !((plain(*x_scales, device, at::kFloat, 2) || plain(*x_scales, device, at::kInt, 2)) &&
+               x_scales->size(0) == num_tokens && x_scales->size(1) >= 1 && fits_int(x_scales->size(1)))) {
+    return py::none();
+  }
+  if (allocate_on_comm_stream && (previous_event == 0 || !async_finish)) return py::none();
+  epx::DispatchInput in;
+  in.x = x.data_ptr();
+  in.format = fp8 ? epx::TokenFormat::kFp8 : epx::TokenFormat::kBf16;
+  in.x_scales = pointer_of<const float*>(x_scales);
+  in.num_scales = fp8 ? static_cast<int>(x_scales->size(1)) : 0;
+  in.num_tokens = static_cast<int>(num_tokens);
+  in.hidden = static_cast<int>(x.size(1));
+  in.num_experts = static_cast<int>(num_experts);
+  in.expert_alignment = static_cast<int>(expert_alignment);
+  std::optional<at::Tensor> recv_x, recv_scales;
+  {
+    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
+    recv_x = at::empty({rows, x.size(1)}, x.options());
+    if (fp8) recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+  }
+  epx::DispatchOutput out;
+  out.recv_x = recv_x->data_ptr();
+  out.recv_x_scales = pointer_of<float*>(recv_scales);
+  py::object event =
+      adopt(native->dispatch_cached(buffer.ptr(), handle.ptr(), in, out, static_cast<int>(rows),
+                                    current_order(device, previous_event, async_finish)));
+  const std::optional<at::Tensor> input(x);
+  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input, &x_scales},
+              {&recv_x, &recv_scales});
+  return py::make_tuple(std::move(*recv_x), std::move(recv_scales), std::move(event));
+}
+
+// (combined_x, combined_topk_weights or None, the `_epx.Event`), or None. x is BF16 [rows, H'] (H' may differ
+// from the dispatch's), topk_weights float32 [rows, K], biases BF16 [T, H'].
+py::object combine(py::handle buffer, int device, py::handle handle, const at::Tensor& x, int64_t rows,
+                   int64_t num_tokens, const std::optional<at::Tensor>& topk_weights,
+                   const std::optional<at::Tensor>& bias0, const std::optional<at::Tensor>& bias1,
+                   uintptr_t previous_event, bool async_finish, bool allocate_on_comm_stream,
+                   uintptr_t comm_stream) {
+  if (!plain(x, device, at::kBFloat16, 2) || x.size(0) != rows || !fits_int(x.size(1))) return py::none();
+  const int64_t hidden = x.size(1);
+  if (topk_weights && !(plain(*topk_weights, device, at::kFloat, 2) && topk_weights->size(0) == rows &&
+                        fits_int(topk_weights->size(1)))) {
+    return py::none();
+  }
+  for (const auto* bias : {&bias0, &bias1}) {
+    if (*bias && !(plain(**bias, device, at::kBFloat16, 2) && shaped(**bias, {num_tokens, hidden}))) {
+      return py::none();
+    }
+  }
+  if (allocate_on_comm_stream && (previous_event == 0 || !async_finish)) return py::none();
+  std::optional<at::Tensor> combined, combined_weights;
+  {
+    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
+    combined = at::empty({num_tokens, hidden}, x.options());
+    if (topk_weights)
+      combined_weights = at::empty({num_tokens, topk_weights->size(1)}, topk_weights->options());
+  }
+  epx::CombineInput in;
+  in.x = x.data_ptr();
+  in.topk_weights = pointer_of<const float*>(topk_weights);
+  in.num_topk = topk_weights ? static_cast<int>(topk_weights->size(1)) : 0;
+  in.hidden = static_cast<int>(hidden);
+  in.bias0 = pointer_of<const void*>(bias0);
+  in.bias1 = pointer_of<const void*>(bias1);
+  epx::CombineOutput out;
+  out.combined_x = combined->data_ptr();
+  out.combined_topk_weights = pointer_of<float*>(combined_weights);
+  py::object event = adopt(native->combine(buffer.ptr(), handle.ptr(), in, out,
+                                           current_order(device, previous_event, async_finish)));
+  const std::optional<at::Tensor> input(x);
+  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream,
+              {&input, &topk_weights, &bias0, &bias1}, {&combined, &combined_weights});
+  return py::make_tuple(std::move(*combined), std::move(combined_weights), std::move(event));
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_epx_torch, m) {
+  m.doc() = "epx.Buffer's hot calls on torch tensors (internal: use epx.Buffer or deep_ep.Buffer)";
+  // The table of the `_epx` beside this module; a table of other sizes (another build) is not used.
+  py::object capsule = py::module_::import("epx._epx").attr("_native_calls");
+  const auto* table =
+      static_cast<const NativeCalls*>(PyCapsule_GetPointer(capsule.ptr(), epx::python::kNativeCallsCapsule));
+  if (table == nullptr) throw py::error_already_set();
+  if (!(table->sizes == epx::python::native_call_sizes())) {
+    throw py::import_error("epx._epx_torch: built against other EPX headers than epx._epx");
+  }
+  native = table;
+  m.def("low_latency_dispatch", &low_latency_dispatch);
+  m.def("low_latency_combine", &low_latency_combine);
+  m.def("dispatch_cached", &dispatch_cached);
+  m.def("combine", &combine);
+}
