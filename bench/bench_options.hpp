@@ -41,17 +41,8 @@ struct BenchOptions {
   int warmup = 5;
   int iters = 30;
   bool json = false;
-  std::string plot_file;  // --plot: an SVG of the results, EPX beside NCCL (bench_plot.hpp); empty: none
   unsigned seed = 1;
 };
-
-// --plot writes SVG, whatever the name says; a name that promises another format (out.png) is refused
-// rather than written as SVG.
-inline bool is_svg_path(const std::string& path) {
-  constexpr const char kSuffix[] = ".svg";
-  constexpr size_t kSuffixSize = sizeof(kSuffix) - 1;
-  return path.size() > kSuffixSize && path.compare(path.size() - kSuffixSize, kSuffixSize, kSuffix) == 0;
-}
 
 // Nodes are equal blocks of ranks: a ranks-per-node `flag` of `value` (0: one node) must divide `num_ranks`
 // (`ranks_from` says where that count came from, for the message: "--ranks" or "the visible GPUs").
@@ -90,12 +81,10 @@ inline void validate_options(const BenchOptions& o) {
   EPX_CHECK(o.ranks_per_gpu >= 1, "--ranks-per-gpu", o.ranks_per_gpu, "must be >= 1");
   EPX_CHECK(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0");
   EPX_CHECK(o.iters >= 1, "--iters", o.iters, "must be >= 1");
-  EPX_CHECK(o.plot_file.empty() || is_svg_path(o.plot_file), "--plot", o.plot_file,
-            "must end in .svg (the plot is an SVG file)");
 }
 
 // The flags set away from their defaults that only a GPU run honours (the CPU reference run, without a GPU,
-// ignores them and says so rather than passing over them in silence). --plot has its own message.
+// ignores them and says so rather than passing over them in silence).
 inline std::vector<std::string> gpu_only_flags_set(const BenchOptions& o) {
   const BenchOptions defaults;
   std::vector<std::string> flags;
@@ -135,7 +124,7 @@ inline std::string nodes_note(int ranks_per_node, int num_ranks) {
          std::to_string(ranks_per_node) + ", NVSHMEM between them)";
 }
 
-// The table headers of each mode, each with its own mode's shape (python -m epx.bench prints the same ones).
+// The table headers of each mode, each with its own mode's shape (epx_tools.bench prints the same ones).
 inline std::string normal_header(const BenchOptions& o, int num_ranks) {
   const int ranks_per_node = normal_ranks_per_node(o, num_ranks);
   std::string header =

@@ -21,7 +21,6 @@
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>
 
-#include "bench_plot.hpp"
 #include "epx/local_launcher.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_info.hpp"
@@ -65,17 +64,17 @@ void print_help() {
       "                                  (virtual nodes on one GPU); times are not speeds, NCCL is skipped\n"
       "  --warmup N --iters N            untimed and timed runs per number (default 5 30; median reported)\n"
       "  --seed N                        seed of the random inputs and routing (default 1; GPU runs)\n"
-      "  --launch-ahead-us US            python -m epx.bench's GPU spin before each timed call; epx-bench\n"
-      "                                  has no Python host time to hide and takes only 0 (its timing)\n"
+      "  --launch-ahead-us US            python -m epx_tools.bench's GPU spin before each timed call;\n"
+      "                                  epx-bench has no Python host time to hide and takes only 0\n"
       "  --json                          JSON lines on stdout instead of tables\n"
       "  --json-file PATH                also write the JSON lines to PATH\n"
-      "  --plot FILE.svg                 also write an SVG bar chart: per op the EPX time beside the NCCL\n"
-      "                                  all-to-all of the same run, with GB/s (no GPU: nothing to plot)\n"
       "Bytes: normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch; across nodes\n"
       "also network bytes = each token once per other node it goes to x the same row bytes;\n"
       "low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 "
       "LogFMT).\n"
-      "Method, bytes and JSON fields: docs/BENCHMARKS.md; plots: python -m epx.plot FILE.json\n");
+      "Method, bytes and JSON fields: docs/BENCHMARKS.md. Plots of --json-file F:\n"
+      "python -m epx_tools.plot F (GB/s figures), python -m epx_tools.bench_plot F --out F.svg (per op EPX\n"
+      "beside NCCL)\n");
 }
 
 // `text` read whole by `convert` (std::stoi, std::stod), else epx::Error naming the flag and `rule`.
@@ -117,8 +116,8 @@ double parse_number(const std::string& flag, const std::string& text) {
   return value;
 }
 
-// Returns false when the program should stop (help printed). python -m epx.bench parses the same flags with
-// the same rules and messages (tests/python/cpu/test_bench.py compares the two).
+// Returns false when the program should stop (help printed). python -m epx_tools.bench parses the same flags
+// with the same rules and messages (tests/python/cpu/test_bench.py compares the two).
 bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
   for (int i = 1; i < argc; ++i) {
     // --flag value, or --flag=value.
@@ -186,14 +185,14 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       EPX_CHECK(seed >= 0, "--seed", seed, "must be >= 0");
       o.seed = static_cast<unsigned>(seed);
     } else if (flag == "--launch-ahead-us") {
-      // python -m epx.bench's flag (it hides Python's host time): accepted here only as the timing epx-bench
-      // does anyway, so one command line serves both benches.
+      // python -m epx_tools.bench's flag (it hides Python's host time): accepted here only as the timing
+      // epx-bench does anyway, so one command line serves both benches.
       const double us = parse_number(flag, value());
       EPX_CHECK(us >= 0, "--launch-ahead-us", us, "must be >= 0");
       EPX_CHECK(
           us == 0, "--launch-ahead-us", us,
           "must be 0 in epx-bench (its times include the host's launch; the GPU spin that hides Python's "
-          "host time is python -m epx.bench's)");
+          "host time is python -m epx_tools.bench's)");
     } else if (flag == "--tune") {
       o.tune = true;
       o.mode = "normal";
@@ -201,8 +200,6 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.json = true;
     } else if (flag == "--json-file") {
       json_file = value();
-    } else if (flag == "--plot") {
-      o.plot_file = value();
     } else {
       EPX_FAIL("unknown flag ", flag, " (see --help)");
     }
@@ -213,9 +210,6 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
 }
 
 int run_cpu_reference(const BenchOptions& o, const std::string& json_path) {
-  // The reference run times CPU code and has no NCCL: no figure would mean anything.
-  if (!o.plot_file.empty())
-    std::fprintf(stderr, "epx-bench: no GPU, so no timings to plot: %s not written\n", o.plot_file.c_str());
   const std::vector<std::string> ignored = epx::bench::gpu_only_flags_set(o);
   if (!ignored.empty()) {
     std::string list;
@@ -267,13 +261,11 @@ std::vector<std::vector<epx::bench::BenchRow>> gather_rows(epx::Bootstrap& boots
   return all;
 }
 
-// Prints one mode's rows (and writes them to the JSON file), and keeps them for the plot.
+// Prints one mode's rows (and writes them to the JSON file).
 void report(const std::vector<std::vector<epx::bench::BenchRow>>& rows, const BenchOptions& o,
-            std::FILE* json_file, const std::string& header, const std::string& mode,
-            std::vector<epx::bench::PlotSection>& plot) {
+            std::FILE* json_file, const std::string& header, const std::string& mode) {
   epx::bench::print_rows(rows, stdout, o.json, header, mode);
   if (json_file != nullptr) epx::bench::print_rows(rows, json_file, true, header, mode);
-  plot.push_back({header, epx::bench::summarize_rows(rows)});
 }
 
 int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) {
@@ -291,7 +283,6 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
   const epx::LocalLaunchResult result = epx::launch_local(launch, [&](epx::Bootstrap& bootstrap) {
     EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank() % num_gpus));
     std::FILE* json_file = nullptr;
-    std::vector<epx::bench::PlotSection> plot;  // rank 0's report, for --plot
     if (bootstrap.rank() == 0) {
       cudaDeviceProp prop{};
       cudaGetDeviceProperties(&prop, 0);
@@ -310,7 +301,7 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
     if (o.mode != "low-latency") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_normal_bench(bootstrap, o));
       const std::string header = epx::bench::normal_header(o, num_ranks);
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "normal", plot);
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "normal");
       if (bootstrap.rank() == 0 && o.tune) {
         std::printf(
             "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)):\n");
@@ -324,13 +315,9 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
     if (o.mode != "normal") {
       const auto rows = gather_rows(bootstrap, epx::bench::run_low_latency_bench(bootstrap, o));
       const std::string header = epx::bench::low_latency_header(o, num_ranks);
-      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "low-latency", plot);
+      if (bootstrap.rank() == 0) report(rows, o, json_file, header, "low-latency");
     }
     if (json_file != nullptr) std::fclose(json_file);
-    if (bootstrap.rank() == 0 && !o.plot_file.empty()) {
-      epx::bench::write_plot_svg(o.plot_file, plot);
-      if (!o.json) std::printf("\nplot: %s\n", o.plot_file.c_str());
-    }
     return 0;
   });
   if (!result.ok()) {

@@ -35,7 +35,7 @@ import time
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# NVLink multicast stays off on the lent machines (as epx.bench sets it).
+# NVLink multicast stays off on the lent machines (as epx_tools.bench sets it).
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 
 # (entry point, what it runs): the rows of the table, in order.

@@ -3,7 +3,7 @@
 # message goes to stderr). Usage: scripts/deps.sh [NEED...]   (default: test)
 #   build   cmake, ninja, g++, GoogleTest; the NVSHMEM wheel (the transport across nodes)
 #   bench   build
-#   test    build + pybind11 (the binding), pytest, numpy, matplotlib (python -m epx.plot's tests)
+#   test    build + pybind11 (the binding), pytest, numpy, matplotlib (python -m epx_tools.plot's tests)
 #   format  clang-format, ruff
 #   pip     the pip route: cmake, ninja, g++; scikit-build-core, pybind11, numpy
 # EPX_DEPS_FRAMEWORKS=1 adds torch, packaging and megatron-core (without its dependencies) to `test`, so the

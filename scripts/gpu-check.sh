@@ -150,8 +150,11 @@ bench_rc=skipped
 if [ "${BENCH_ARGS:-}" != "skip" ]; then
   # shellcheck disable=SC2086
   timeout -k 10 "${BENCH_TIMEOUT:-150}" "$build/bench/epx-bench" --json-file "$out/bench.json" \
-    --plot "$out/bench.svg" ${BENCH_ARGS:---num-sms 8,16,24,32} >"$out/bench.txt" 2>&1
+    ${BENCH_ARGS:---num-sms 8,16,24,32} >"$out/bench.txt" 2>&1
   bench_rc=$?
+  # The bar chart of the run, drawn from its JSON (standard library only; PYTHONPATH holds python/).
+  [ -s "$out/bench.json" ] &&
+    python3 -m epx_tools.bench_plot "$out/bench.json" --out "$out/bench.svg" >>"$out/bench.txt" 2>&1
   grep -vE "^  " "$out/bench.txt" | tail -45
 fi
 printf '{"date":"%s","gpus":%s,"build_s":%s,"tests_failed":%s,"bench_rc":"%s","total_s":%s}\n' \

@@ -2,7 +2,7 @@
 # Everything the README's results need, in one GPU-machine call: the C++ and Python GPU tests with the example,
 # the normal-mode benchmark at 12, 24 and 48 SMs for 4,096 and 16,384 tokens per rank, the low-latency
 # benchmark and its 1-token fixed cost, (with 4 or more GPUs) the low-latency benchmark across virtual nodes of
-# half the GPUs each, and the plots of all of it (python -m epx.plot, into $OUT/plots.tar.gz).
+# half the GPUs each, and the plots of all of it (python -m epx_tools.plot, into $OUT/plots.tar.gz).
 # A device call brings back at most 8 files, so every stage's logs are packed into $OUT/logs.tar.gz and the
 # tables into $OUT/summary.txt. Exit status: non-zero when any stage failed.
 # Knobs: those of gpu-check.sh (GPU_TESTS, PY_TESTS, EPX_TEST_RANKS_PER_GPU, EPX_REBUILD, ...); STAGES
@@ -48,7 +48,7 @@ done
 mapfile -t jsons < <(find "$work" -name bench.json -size +0 | sort)
 if [ ${#jsons[@]} -gt 0 ]; then
   mkdir -p "$work/plots"
-  PYTHONPATH=$root/python:${EPX_BUILD_DIR:-$root/build-gpu}/python python3 -m epx.plot "${jsons[@]}" \
+  PYTHONPATH=$root/python python3 -m epx_tools.plot "${jsons[@]}" \
     --out "$work/plots" >>"$summary" 2>&1 || echo "plots: not drawn (see summary)" | tee -a "$summary"
   tar czf "$out/plots.tar.gz" -C "$work/plots" .
 fi

@@ -26,7 +26,12 @@ fi
 echo "pip-check: built and installed in ${SECONDS}s"
 cd "$target"
 PYTHONPATH="$target" "$PYTHON" -c '
+import importlib.util, os
 import epx, deep_ep
+# The wheel ships the library only: the tools (python/epx_tools) stay in the repository.
+shipped = set(os.listdir(os.path.dirname(epx.__file__)))
+assert importlib.util.find_spec("epx_tools") is None, "the wheel installed epx_tools"
+assert not shipped & {"bench.py", "bench_plot.py", "plot.py", "reference.py"}, sorted(shipped)
 print("pip route: epx", epx.__file__, "WITH_NVSHMEM =", epx.WITH_NVSHMEM,
       "| deep_ep.Config().get_nvl_buffer_size_hint(14336, 8) =", deep_ep.Config().get_nvl_buffer_size_hint(14336, 8))
 '

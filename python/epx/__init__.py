@@ -8,9 +8,9 @@
     combined = buffer.combine(expert_out, result.handle).combined_x
 
 Submodules: epx.training (autograd dispatch/combine, permute/unpermute), epx.compat.deep_ep (DeepEP V1's
-interface, also importable as the top-level package ``deep_ep``), epx.reference (the CPU reference, for tests).
-torch is imported only when a torch-facing part is used; the size hints, layouts and the reference work without
-it.
+interface, also importable as the top-level package ``deep_ep``). torch is imported only when a torch-facing
+part is used; the size hints and layouts work without it. The benchmark, its plots and the CPU reference over
+numpy arrays are tools outside this package (python/epx_tools).
 """
 
 import pkgutil as _pkgutil
@@ -65,7 +65,7 @@ __all__ = [
 
 def __getattr__(name):
     # Submodules that import torch (training) load on first access.
-    if name in ("training", "compat", "reference"):
+    if name in ("training", "compat"):
         import importlib
 
         return importlib.import_module(f"{__name__}.{name}")

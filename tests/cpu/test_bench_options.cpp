@@ -68,21 +68,6 @@ TEST(BenchOptions, NormalNodesAreOneNodeUnlessTheFlagSplitsTheRanks) {
   EXPECT_EQ(epx::bench::normal_ranks_per_node(o, 2), 1);
 }
 
-// --plot writes SVG: a name ending in anything else is refused before the run, naming the flag.
-TEST(BenchOptions, PlotFileMustBeAnSvg) {
-  BenchOptions o;
-  for (const char* path : {"", "out.svg", "plots/normal-4096.svg"}) {
-    o.plot_file = path;
-    EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }), "") << path;
-  }
-  for (const char* path : {"out.png", "out", ".svg", "out.svg.txt"}) {
-    o.plot_file = path;
-    EXPECT_EQ(error_of([&] { epx::bench::validate_options(o); }),
-              std::string("invalid --plot = ") + path + ": must end in .svg (the plot is an SVG file)")
-        << path;
-  }
-}
-
 // Without a GPU the CPU reference run names the GPU-only flags it ignores: those set away from their
 // defaults.
 TEST(BenchOptions, GpuOnlyFlagsSet) {

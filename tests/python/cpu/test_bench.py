@@ -1,4 +1,4 @@
-"""python -m epx.bench without a GPU: its flags (those of the C++ epx-bench: the same names, defaults, rules and
+"""python -m epx_tools.bench without a GPU: its flags (those of the C++ epx-bench: the same names, defaults, rules and
 messages, checked against the epx-bench built beside the binding), the byte formulas of docs/BENCHMARKS.md, the
 report's format (bench/bench_report.cpp's printf formats), the host barrier, the exit status 1 without GPUs,
 and (with torch on the CPU) the inputs and the correctness checks against a simulated dispatch/combine."""
@@ -10,7 +10,7 @@ import sys
 
 import pytest
 
-import epx.bench as bench
+import epx_tools.bench as bench
 
 # ---- Flags: epx-bench's (bench/epx_bench.cpp), with its defaults, rules and messages ----
 
@@ -24,7 +24,7 @@ def test_defaults_match_epx_bench():
     assert not o.tune and o.ranks_per_gpu == 1
     assert (o.ll_tokens, o.ll_experts, o.ll_ranks_per_node) == (128, 288, 0)
     assert (o.warmup, o.iters) == (5, 30)
-    assert not o.json and o.json_file == "" and o.plot == ""
+    assert not o.json and o.json_file == ""
     assert o.seed == 1 and o.launch_ahead_us == 200.0
 
 
@@ -32,7 +32,7 @@ def test_every_flag():
     o = bench.parse_args(["--mode", "normal", "--ranks", "2", "--tokens", "512", "--hidden", "2048", "--topk", "4",
                           "--experts", "64", "--num-sms", "12,24,48", "--ll-tokens", "64", "--ll-experts", "32",
                           "--warmup", "0", "--iters", "3", "--json", "--json-file", "out.jsonl", "--seed", "9",
-                          "--launch-ahead-us", "0", "--plot", "plots/out.svg", "--ranks-per-gpu", "1",
+                          "--launch-ahead-us", "0", "--ranks-per-gpu", "1",
                           "--nvl-chunk", "0", "--nvl-queue", "0", "--rdma-chunk", "0", "--rdma-queue", "0",
                           "--ll-ranks-per-node", "1"])
     assert o.mode == "normal" and o.ranks == 2
@@ -40,7 +40,6 @@ def test_every_flag():
     assert o.num_sms == [12, 24, 48]
     assert (o.ll_tokens, o.ll_experts, o.warmup, o.iters, o.ll_ranks_per_node) == (64, 32, 0, 3, 1)
     assert o.json and o.json_file == "out.jsonl" and o.seed == 9 and o.launch_ahead_us == 0
-    assert o.plot == "plots/out.svg"
     # --flag=value as well; zero tokens (a rank with nothing to send) as epx-bench allows.
     o = bench.parse_args(["--tokens=0", "--num-sms=8,16,", "--launch-ahead-us=12.5"])
     assert o.tokens == 0 and o.num_sms == [8, 16] and o.launch_ahead_us == 12.5
@@ -84,8 +83,6 @@ SHARED_REJECTIONS = [
     (["--launch-ahead-us", "-1"], "invalid --launch-ahead-us = -1: must be >= 0"),
     (["--launch-ahead-us", "x"], "invalid --launch-ahead-us = x: must be a number"),
     (["--launch-ahead-us", "inf"], "invalid --launch-ahead-us = inf: must be a number"),
-    (["--plot", "out.png"], "invalid --plot = out.png: must end in .svg (the plot is an SVG file)"),
-    (["--plot", ".svg"], "invalid --plot = .svg: must end in .svg"),
     (["--unknown"], "unknown flag --unknown (see --help)"),
     (["--tok", "5"], "unknown flag --tok (see --help)"),  # no abbreviations
     (["--tokens"], "--tokens needs a value (see --help)"),
@@ -95,11 +92,11 @@ SHARED_REJECTIONS = [
 # Features only epx-bench has: it takes these, this bench refuses them (rather than ignoring them).
 EPX_BENCH_ONLY = [
     (["--tune"], "--tune is epx-bench's (a sweep of NVLink configs through the C++ API): run epx-bench --tune"),
-    (["--ranks-per-gpu", "2"], "invalid --ranks-per-gpu = 2: must be 1 in python -m epx.bench"),
-    (["--nvl-chunk", "8"], "invalid --nvl-chunk = 8: must be 0 in python -m epx.bench (it times the Buffer's"),
-    (["--nvl-queue", "512"], "invalid --nvl-queue = 512: must be 0 in python -m epx.bench"),
-    (["--rdma-chunk", "16"], "invalid --rdma-chunk = 16: must be 0 in python -m epx.bench"),
-    (["--rdma-queue", "128"], "invalid --rdma-queue = 128: must be 0 in python -m epx.bench"),
+    (["--ranks-per-gpu", "2"], "invalid --ranks-per-gpu = 2: must be 1 in python -m epx_tools.bench"),
+    (["--nvl-chunk", "8"], "invalid --nvl-chunk = 8: must be 0 in python -m epx_tools.bench (it times the Buffer's"),
+    (["--nvl-queue", "512"], "invalid --nvl-queue = 512: must be 0 in python -m epx_tools.bench"),
+    (["--rdma-chunk", "16"], "invalid --rdma-chunk = 16: must be 0 in python -m epx_tools.bench"),
+    (["--rdma-queue", "128"], "invalid --rdma-queue = 128: must be 0 in python -m epx_tools.bench"),
 ]
 
 
@@ -123,7 +120,7 @@ def test_help_exits_0(capsys):
             bench.parse_args(["--tokens", "-1", flag])  # as epx-bench: help before the range rules
         assert exit_info.value.code == 0
         out = capsys.readouterr().out
-        assert out.startswith("usage: python -m epx.bench") and "--launch-ahead-us" in out
+        assert out.startswith("usage: python -m epx_tools.bench") and "--launch-ahead-us" in out
 
 
 # ---- The two parsers side by side: epx-bench (built beside the binding) and this one ----
@@ -347,55 +344,6 @@ def test_summaries_are_what_the_report_prints():
     assert bench.summarize_rows([]) == []
 
 
-# ---- --plot (bench/bench_plot.cpp's SVG, written by epx.bench_plot) ----
-
-
-def _plot_sections():
-    def rows(*items):
-        return [[bench.BenchRow(op, sms, us, nbytes) for op, sms, us, nbytes in items]]
-
-    normal = rows(("dispatch BF16", 24, 87.7, 87.7e3 * 654), ("  of which notify (BF16)", 24, 18.8, 0.0),
-                  ("dispatch FP8 cached", 24, 71.6, 71.6e3 * 420), ("copy engine: read next rank", 0, 90.0, 1e6),
-                  ("NCCL all-to-all BF16 rows", 0, 44.4, 44.4e3 * 1290), ("NCCL all-to-all FP8 rows", 0, 30.1, 3e6))
-    low_latency = rows(("LL dispatch FP8", 0, 26.4, 26.4e3 * 280), ("LL combine LogFMT <&>", 0, 59.8, 9e6),
-                       ("NCCL all-to-all FP8 selections", 0, 39.4, 7e6))
-    return [("normal mode: 2 ranks", bench.summarize_rows(normal)),
-            ("low-latency mode: 2 ranks & more", bench.summarize_rows(low_latency))]
-
-
-def test_plot_pairs_each_op_with_the_nccl_row_of_its_format():
-    from epx import bench_plot
-
-    rows = _plot_sections()[0][1]
-    # The notify row names BF16 too, but carries no bytes: it is not drawn.
-    assert [bench_plot.nccl_baseline_of(rows, i) for i in range(len(rows))] == [4, 4, 5, None, None, None]
-    assert [bench_plot.is_plotted_op(row) for row in rows] == [True, False, True, False, False, False]
-    assert bench_plot.nccl_baseline_of(_plot_sections()[1][1], 1) is None  # LogFMT: no NCCL of its format
-
-
-def test_plot_is_a_well_formed_svg_with_every_op(tmp_path):
-    import xml.etree.ElementTree as ET
-
-    from epx import bench_plot
-
-    path = tmp_path / "bench.svg"
-    bench_plot.write_svg(str(path), _plot_sections())
-    svg = path.read_text(encoding="utf-8")
-    assert svg.startswith("<svg ") and svg.rstrip().endswith("</svg>")
-    root = ET.fromstring(svg)  # raises on anything not well-formed
-    ns = "{http://www.w3.org/2000/svg}"
-    assert root.tag == ns + "svg"
-    texts = [t.text for t in root.iter(ns + "text")]
-    for label in ("dispatch BF16, 24 SMs", "dispatch FP8 cached, 24 SMs", "LL dispatch FP8", "LL combine LogFMT <&>",
-                  "normal mode: 2 ranks", "low-latency mode: 2 ranks & more", "87.7 \u00b5s, 654 GB/s",
-                  "44.4 \u00b5s, 1290 GB/s"):
-        assert label in texts, label
-    assert not any("notify" in t or "copy engine" in t for t in texts)
-    classes = [r.get("class") for r in root.iter(ns + "rect")]
-    assert classes.count("epx") == 4 and classes.count("nccl") == 3  # LogFMT has no NCCL bar
-    assert ET.fromstring(bench_plot.render_svg([])).tag == ns + "svg"
-
-
 # ---- Host barrier ----
 
 
@@ -454,7 +402,7 @@ def test_main_without_gpus_says_why_and_exits_1(with_cuda, torch_cuda, why, monk
         assert bench.main(argv) == 1
         out, err = capsys.readouterr()
         assert out == ""
-        assert err.startswith("python -m epx.bench: ") and err.count("\n") == 1
+        assert err.startswith("python -m epx_tools.bench: ") and err.count("\n") == 1
         assert why in err and "nothing measured" in err and "epx-bench" in err
     assert {name: os.environ[name] for name in bench.NVLINK_ENV} == {
         "NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
@@ -470,8 +418,8 @@ def test_main_checks_the_counts_against_the_visible_gpus(monkeypatch, capsys):
     for name in bench.NVLINK_ENV:
         monkeypatch.setenv(name, "unset-by-test")
     assert bench.main(["--ranks", "4"]) == 2
-    assert capsys.readouterr().err == ("python -m epx.bench: invalid --ranks = 4: must be <= the number of visible "
-                                       "GPUs times --ranks-per-gpu\n")
+    assert capsys.readouterr().err == ("python -m epx_tools.bench: invalid --ranks = 4: must be <= the number of "
+                                       "visible GPUs times --ranks-per-gpu\n")
     assert bench.main(["--ranks-per-node", "3"]) == 2
     assert "invalid --ranks-per-node = 3: must divide the visible GPUs (2): nodes are equal blocks of ranks" in (
         capsys.readouterr().err)
@@ -480,7 +428,7 @@ def test_main_checks_the_counts_against_the_visible_gpus(monkeypatch, capsys):
 
 
 def test_import_needs_no_torch():
-    code = "import sys, epx.bench; assert 'torch' not in sys.modules, 'epx.bench imported torch'"
+    code = "import sys, epx_tools.bench; assert 'torch' not in sys.modules, 'epx_tools.bench imported torch'"
     env = dict(os.environ, EPX_NO_TORCH_PRELOAD="1")
     subprocess.run([sys.executable, "-c", code], env=env, check=True, timeout=120)
 

@@ -9,7 +9,7 @@ torch = pytest.importorskip("torch")
 
 import epx  # noqa: E402
 import epx.compat.deep_ep as deep_ep  # noqa: E402
-import epx.reference as ref  # noqa: E402
+import epx_tools.reference as ref  # noqa: E402
 from fake_runtime import install  # noqa: E402
 
 HIDDEN = 256

@@ -1,7 +1,7 @@
-"""python -m epx.plot: the benchmark JSON (epx-bench --json-file, python -m epx.bench --json-file) read into
+"""python -m epx_tools.plot: the benchmark JSON (epx-bench --json-file, python -m epx_tools.bench --json-file) read into
 series, what it skips, where token counts come from, the figures it plans; drawing PNG and SVG when matplotlib
 is importable; the one-line error without it. plot.py is loaded from its file: it needs neither the compiled
-epx._epx nor matplotlib to read the JSON."""
+epx nor matplotlib to read the JSON."""
 
 import importlib.util
 import json
@@ -12,7 +12,7 @@ import sys
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-PLOT_PY = os.path.join(ROOT, "python", "epx", "plot.py")
+PLOT_PY = os.path.join(ROOT, "python", "epx_tools", "plot.py")
 
 
 def _load():
@@ -56,7 +56,7 @@ LL_OPS = ["LL dispatch FP8", "LL dispatch BF16", "LL combine BF16", "LL combine 
 
 
 def line(mode, op, sms, us, gbps, ranks=8, slowest=None, gbps_min=None):
-    """One JSON line as bench_report.cpp / epx.bench.format_rows write it."""
+    """One JSON line as bench_report.cpp / epx_tools.bench.format_rows write it."""
     return (f'{{"mode":"{mode}","op":"{op}","num_sms":{sms},"num_ranks":{ranks},"mean_us":{us:.2f},'
             f'"slowest_us":{(slowest or us):.2f},"gbps_mean":{gbps:.2f},"gbps_min":{(gbps_min or gbps):.2f}}}')
 
@@ -259,7 +259,7 @@ def test_list_prints_series_and_skips(tmp_path, capsys):
 
 def test_cli_errors(tmp_path, capsys):
     assert plot.main([str(tmp_path / "missing.json")]) == 2
-    assert capsys.readouterr().err.startswith("python -m epx.plot: cannot read ")
+    assert capsys.readouterr().err.startswith("python -m epx_tools.plot: cannot read ")
     empty = write(tmp_path, "notify-only.json", line("normal", "  of which notify (BF16)", 24, 20.0, 0.0) + "\n")
     assert plot.main([empty, "--out", str(tmp_path)]) == 1
     captured = capsys.readouterr()
@@ -293,7 +293,7 @@ except SystemExit as e:
     done = _run(None, code=code)
     assert done.returncode == 2, done.stderr
     assert done.stderr.count("\n") == 1
-    assert done.stderr.startswith("python -m epx.plot: drawing needs matplotlib, which is not installed")
+    assert done.stderr.startswith("python -m epx_tools.plot: drawing needs matplotlib, which is not installed")
     assert not os.path.exists(out_dir)
     listed = _run([PLOT_PY, path, "--list"])
     assert listed.returncode == 0, listed.stderr
@@ -348,15 +348,11 @@ def test_cli_draws_into_out(tmp_path, capsys):
     _check_images([str(out_dir / n) for n in names])
 
 
-def test_python_dash_m_epx_plot(tmp_path):
-    """python -m epx.plot where the epx package imports (it needs the compiled module for epx/__init__)."""
+def test_python_dash_m_epx_tools_plot(tmp_path):
+    """python -m epx_tools.plot with only python/ on PYTHONPATH: no compiled epx needed."""
     pytest.importorskip("matplotlib")
-    try:
-        import epx  # noqa: F401
-    except ImportError as error:
-        pytest.skip(f"epx does not import here: {error}")
     path = write(tmp_path, "bench-4096.json", BENCH_4096)
-    done = _run(["-m", "epx.plot", path, "--out", str(tmp_path / "m")],
-                env_extra={"PYTHONPATH": os.pathsep.join(p for p in sys.path if p), "EPX_NO_TORCH_PRELOAD": "1"})
+    done = _run(["-m", "epx_tools.plot", path, "--out", str(tmp_path / "m")],
+                env_extra={"PYTHONPATH": os.path.join(ROOT, "python")})
     assert done.returncode == 0, done.stderr
     _check_images([str(tmp_path / "m" / "normal-sms-t4096.png"), str(tmp_path / "m" / "normal-sms-t4096.svg")])

@@ -245,7 +245,7 @@ def test_reference_torch_bridges():
     torch = pytest.importorskip("torch")
     import numpy as np
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     values = torch.tensor([[1.0, -2.5], [0.125, 3.0]], dtype=torch.bfloat16)
     bits = ref.bf16_bits(values)

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 import epx
-import epx.reference as ref
+import epx_tools.reference as ref
 
 native = ref.native
 

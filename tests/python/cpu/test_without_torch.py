@@ -1,6 +1,6 @@
 """The package where torch is not installed (simulated in a child process: sys.modules["torch"] = None makes
 `import torch` fail as it does without torch): torch-facing calls raise EpxError saying what is missing and
-how to install it, and python -m epx.bench says why it measured nothing and exits non-zero."""
+how to install it, and python -m epx_tools.bench says why it measured nothing and exits non-zero."""
 
 import os
 import subprocess
@@ -66,8 +66,8 @@ def test_bench_without_torch_says_why_and_exits_1(with_cuda):
     code = f"""
 import runpy, sys, epx
 epx.WITH_CUDA = {with_cuda}  # a CUDA build reaches the torch check
-sys.argv = ["epx.bench", "--json"]
-runpy.run_module("epx.bench", run_name="__main__")
+sys.argv = ["epx_tools.bench", "--json"]
+runpy.run_module("epx_tools.bench", run_name="__main__")
 """
     result = _run(code)
     assert result.returncode == 1, (result.stdout, result.stderr)

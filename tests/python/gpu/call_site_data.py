@@ -1,6 +1,6 @@
 """Inputs, expert stand-ins and reference answers for the framework call-sequence tests
 (test_inference_call_sites.py): every process builds every rank's seeded inputs and asks the CPU reference
-(epx.reference) what each rank must receive and get back.
+(epx_tools.reference) what each rank must receive and get back.
 
 Values are chosen so that any correct implementation is bit-exact: normal-mode tokens are small integers (exact
 in BF16 and FP8 e4m3) with power-of-two FP8 scales, so dequantised rows and their sums are exact in any order;
@@ -24,7 +24,7 @@ SCALE_KINDS = ("row-major", "column-major", "per-token", "ue8m0")
 def routing(num_ranks, num_experts, num_tokens, seed, idle_rank=False):
     """Every rank's top-k ids [T_r, K] (int64): one hot expert, some dropped slots (-1); with idle_rank no
     token picks an expert of the last rank, whose normal-mode receive is then empty."""
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     ids = []
     for r, count in enumerate(num_tokens):
@@ -37,7 +37,7 @@ def routing(num_ranks, num_experts, num_tokens, seed, idle_rank=False):
 
 
 def topk_weights(num_tokens, seed):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     return [ref.native.random_topk_weights(seed * 1000 + r, count, NUM_TOPK).reshape(count, NUM_TOPK)
             for r, count in enumerate(num_tokens)]
@@ -111,7 +111,7 @@ def expert_on_host(x_bits_or_bytes, scales=None):
     """expert() on the reference's numpy rows (BF16 bits, or FP8 bytes with scales): BF16 bits."""
     import torch
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     if scales is None:
         out = expert(torch, ref.to_torch_bf16(x_bits_or_bytes))
@@ -132,7 +132,7 @@ class NormalWorld:
                  num_worst_tokens=0):
         import torch
 
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         self.num_ranks, self.num_tokens, self.fp8_kind = num_ranks, num_tokens, fp8_kind
         self.num_experts = EXPERTS_PER_RANK * num_ranks
@@ -181,7 +181,7 @@ class NormalWorld:
         """(x or (fp8, scales), topk_idx, topk_weights) of this rank on the device, as the caller passes them."""
         import torch
 
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         if self.fp8_kind is None:
             x = ref.to_torch_bf16(self.x_bits[rank], device)
@@ -193,7 +193,7 @@ class NormalWorld:
     def check_dispatch(self, rank, recv_x, recv_ids, recv_weights, counts):
         """recv_x (BF16 or the FP8 tuple), local top-k ids and weights, per-expert counts against the reference
         (rows past the received count, in worst-case mode, are not compared)."""
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         expected = self.outputs[rank]
         rows = expected.num_recv_tokens
@@ -219,7 +219,7 @@ class LowLatencyWorld:
 
     def __init__(self, num_ranks, num_tokens, max_tokens, seed, *, use_fp8=False, round_scale=False,
                  use_ue8m0=False):
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         native = ref.native
         self.num_ranks, self.num_tokens, self.max_tokens = num_ranks, num_tokens, max_tokens
@@ -248,13 +248,13 @@ class LowLatencyWorld:
     def inputs(self, rank, device):
         import torch
 
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         return (ref.to_torch_bf16(self.x[rank], device), torch.from_numpy(self.ids[rank]).to(device),
                 torch.from_numpy(self.weights[rank]).to(device))
 
     def check_dispatch(self, rank, recv_x, recv_count):
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         expected = self.received[rank]
         counts = recv_count.cpu().numpy()

@@ -16,7 +16,7 @@ def make_problem(num_ranks, device):
     every process)."""
     import torch
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     generator = torch.Generator().manual_seed(1234)
     num_experts = EXPERTS_PER_RANK * num_ranks

@@ -1,5 +1,5 @@
 """vLLM- and SGLang-style call sequences on EPX's deep_ep, on 2 and 4 ranks (or ranks sharing one GPU), each
-checked bit-exactly against the CPU reference (epx.reference, through call_site_data.py).
+checked bit-exactly against the CPU reference (epx_tools.reference, through call_site_data.py).
 
 Written from how those frameworks call DeepEP V1 (what they pass, by keyword where they do, and in what order),
 not copied from them:
@@ -64,7 +64,7 @@ def vllm_high_throughput_worker(rank, num_ranks, group):
     import torch
 
     import deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     deep_ep.Buffer.set_num_sms(16)  # vLLM's manager may lower the SM budget (never raise it)
     buffer = deep_ep.Buffer(group=gloo_group(), num_nvl_bytes=VLLM_BUFFER_MIB << 20, num_rdma_bytes=0,
@@ -129,7 +129,7 @@ def vllm_low_latency_worker(rank, num_ranks, group):
     import torch
 
     import deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     num_experts = EXPERTS_PER_RANK * num_ranks
     num_rdma_bytes = deep_ep.Buffer.get_low_latency_rdma_size_hint(
@@ -231,7 +231,7 @@ def sglang_normal_round(buffer, rank, num_ranks, seed, fp8_kind, async_finish, d
     import torch
 
     import deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     world = NormalWorld(num_ranks, per_rank(NORMAL_TOKENS, num_ranks), seed, fp8_kind=fp8_kind,
                         expert_alignment=128)
@@ -266,7 +266,7 @@ def sglang_normal_round(buffer, rank, num_ranks, seed, fp8_kind, async_finish, d
 def sglang_low_latency_round(buffer, rank, num_ranks, seed, use_fp8, use_ue8m0, return_recv_hook, zero_copy):
     import torch
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     world = LowLatencyWorld(num_ranks, per_rank(LL_TOKENS[0], num_ranks), LL_MAX_TOKENS, seed, use_fp8=use_fp8,
                             round_scale=use_ue8m0, use_ue8m0=use_ue8m0)

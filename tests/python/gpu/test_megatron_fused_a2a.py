@@ -2,7 +2,7 @@
 wheel) run unchanged on EPX's deep_ep, on 2 and 4 ranks (or ranks sharing one GPU): forward and backward,
 synchronous and async_finish=True (with and without allocate_on_comm_stream), at 512, 4,096 and 16,384 tokens
 per rank, through the one Buffer Megatron builds and caches (sized by the recommended configs' hints). Every
-output and gradient is compared bit-exactly with the CPU reference (epx.reference): tokens and gradients are
+output and gradient is compared bit-exactly with the CPU reference (epx_tools.reference): tokens and gradients are
 small integers, so the sums are exact in any order.
 
 Skipped when megatron-core is not importable (the GPU image lacks it: install its wheel, e.g. with
@@ -33,7 +33,7 @@ class World:
     """Every rank's inputs and gradients (each process builds all of them) and the reference's answers."""
 
     def __init__(self, num_ranks, num_experts, num_tokens):
-        import epx.reference as ref
+        import epx_tools.reference as ref
 
         native = ref.native
         self.num_experts = num_experts
@@ -65,7 +65,7 @@ class World:
 
 
 def double(bits):
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     return ref.float_to_bf16(ref.bf16_to_float(bits) * 2)
 
@@ -74,7 +74,7 @@ def one_step(fused_a2a, world, rank, group, device, async_finish, allocate_on_co
     """Megatron's forward and backward on this rank's inputs, checked against the reference."""
     import torch
 
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     own, expected = world.inputs[rank], world.outputs[rank]
     x = ref.to_torch_bf16(own.x, device).requires_grad_()

@@ -59,7 +59,7 @@ def check_internode_handle(handle, expected, in_rank, num_ranks, ranks_per_node,
 def dispatch_and_combine(buffer, rank, num_ranks, ranks_per_node, seed, device):
     """Layout, dispatch and combine (weights, a bias) of seeded inputs, each checked against the reference.
     Returns what the worker checks further: the handle, the combine's inputs and outputs."""
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     num_experts = 8 * num_ranks
     inputs = make_inputs(num_ranks, num_experts, seed)
@@ -95,7 +95,7 @@ def nodes_worker(rank, num_ranks, group, ranks_per_node, seed):
     import torch
 
     import epx.compat.deep_ep as deep_ep
-    import epx.reference as ref
+    import epx_tools.reference as ref
 
     device = torch.device("cuda", torch.cuda.current_device())
     num_experts = 8 * num_ranks

@@ -1,6 +1,6 @@
-"""``python -m epx.plot RESULTS.json [MORE.json ...] [--out DIR]``: plots of benchmark results.
+"""``python -m epx_tools.plot RESULTS.json [MORE.json ...] [--out DIR]``: plots of benchmark results.
 
-Reads the JSON lines that ``epx-bench --json-file F`` (C++) and ``python -m epx.bench --json-file F`` write,
+Reads the JSON lines that ``epx-bench --json-file F`` (C++) and ``python -m epx_tools.bench --json-file F`` write,
 one object per measured op::
 
     {"mode":"normal","op":"dispatch BF16","num_sms":24,"num_ranks":1,"mean_us":97.34,"slowest_us":97.34,
@@ -31,8 +31,9 @@ copy-engine row (a link ceiling, not an all-to-all), the CPU reference run's JSO
 ``--list`` prints the figures' series without drawing.
 
 Only the standard library is needed to read the JSON; matplotlib (Agg canvas, no pyplot) is imported only to
-draw. This file needs nothing else from epx: ``python path/to/epx/plot.py results.json`` works on a machine
-that has only the JSON.
+draw. It needs nothing from epx, so it runs on a machine that has only the JSON and python/ on PYTHONPATH
+(``python path/to/epx_tools/plot.py results.json`` works too). The bar chart of one run, EPX beside NCCL, is
+``python -m epx_tools.bench_plot``.
 """
 
 from __future__ import annotations
@@ -46,7 +47,7 @@ import sys
 from dataclasses import dataclass, field
 from typing import Any, Dict, Iterable, List, Optional, Sequence, Tuple
 
-PROG = "python -m epx.plot"
+PROG = "python -m epx_tools.plot"
 NORMAL = "normal"
 LOW_LATENCY = "low-latency"
 # The byte counts behind GB/s (epx-bench --help, docs/BENCHMARKS.md), for figures whose JSON has no header saying it.
@@ -735,7 +736,7 @@ def draw(figures: Sequence[FigureSpec], out_dir: str, stat: str = "mean",
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
-        prog=PROG, description="Plots of epx-bench / python -m epx.bench JSON results (PNG and SVG).",
+        prog=PROG, description="Plots of epx-bench / python -m epx_tools.bench JSON results (PNG and SVG).",
         epilog="Token counts: a num_tokens field or '<T> tokens/rank' header in the JSON, else --tokens, else a "
                "lone number in the file name (bench-4096.json).")
     p.add_argument("paths", nargs="+", metavar="RESULTS.json", help="JSON lines of --json-file ('-': stdin)")

@@ -1,19 +1,28 @@
-"""``python -m epx.bench --plot FILE.svg``: the SVG bar chart that ``epx-bench --plot`` writes (bench/bench_plot.cpp,
-same layout and rules), written as text so it needs no matplotlib.
+"""``python -m epx_tools.bench_plot RESULTS.json [MORE.json ...] --out FILE.svg``: a bar chart of benchmark runs.
 
-Per op a group of two horizontal bars, the EPX median time and that of the NCCL all-to-all of the same run moving
-the same format's bytes, each labelled with microseconds and GB/s (means over ranks). Rows are drawn as ops when
-they count bytes and are neither an NCCL row (drawn beside the ops of its format) nor the copy-engine read (a link
-ceiling, not an all-to-all). Needs nothing from epx beyond the standard library.
+Reads the JSON lines of ``epx-bench --json-file F`` or ``python -m epx_tools.bench --json-file F`` (through
+epx_tools.plot's reader) and writes one self-contained SVG, written as text so it needs no matplotlib: per mode
+of each run a section under the run's header, per op a group of two horizontal bars, the EPX median time and
+that of the NCCL all-to-all of the same run moving the same format's bytes, each labelled with microseconds and
+GB/s (means over ranks). Rows are drawn as ops when they count bytes and are neither an NCCL row (drawn beside
+the ops of its format) nor the copy-engine read (a link ceiling, not an all-to-all). Needs nothing from epx.
+Exit status: 0 written; 1 nothing to plot (e.g. the JSON of epx-bench's CPU reference run); 2 a bad option
+or an unreadable input.
 """
 
 from __future__ import annotations
 
+import argparse
 import math
+import sys
 from typing import Any, List, Optional, Sequence, Tuple
 from xml.sax.saxutils import escape
 
-# Layout in SVG user units (pixels), as bench/bench_plot.cpp.
+from epx_tools import plot
+
+PROG = "python -m epx_tools.bench_plot"
+
+# Layout in SVG user units (pixels): op labels right-aligned left of the bars, value labels right of them.
 WIDTH = 960
 BAR_LEFT = 330
 BAR_MAX_WIDTH = 420
@@ -25,7 +34,7 @@ TITLE_CHARS = 125  # a header longer than this wraps (about 7 px per character a
 EPX_COLOR = "#1f77b4"
 NCCL_COLOR = "#9a9a9a"
 
-# A section: (title, rows); a row has op, num_sms, mean_us, gbps_mean and has_bytes (epx.bench.RowSummary).
+# A section: (title, rows); a row has op, num_sms, mean_us and gbps_mean (epx_tools.plot.Row).
 Section = Tuple[str, Sequence[Any]]
 
 
@@ -39,7 +48,8 @@ def _format_of(op: str) -> str:
 
 
 def is_plotted_op(row: Any) -> bool:
-    return bool(row.has_bytes) and not _is_nccl(row) and not row.op.startswith("copy engine")
+    """Rows with bytes, except NCCL (drawn beside the ops of its format) and the copy-engine read."""
+    return row.gbps_mean > 0 and not _is_nccl(row) and not row.op.startswith("copy engine")
 
 
 def nccl_baseline_of(rows: Sequence[Any], i: int) -> Optional[int]:
@@ -147,3 +157,51 @@ def render_svg(sections: Sequence[Section]) -> str:
 def write_svg(path: str, sections: Sequence[Section]) -> None:
     with open(path, "w", encoding="utf-8") as f:
         f.write(render_svg(sections))
+
+
+def sections_of(results: plot.Results) -> List[Section]:
+    """One section per mode of each run, in the order the JSON lists them, titled by the run's header."""
+    sections: List[Section] = []
+    keys: List[Tuple[int, str]] = []
+    for row in results.rows:
+        key = (row.run, row.mode)
+        if key not in keys:
+            keys.append(key)
+            sections.append((row.header or f"{row.mode} mode", []))
+        sections[keys.index(key)][1].append(row)
+    return sections
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog=PROG, description="An SVG bar chart of epx-bench / python -m epx_tools.bench "
+                                "JSON results: per op the EPX time beside the NCCL all-to-all of the same run.")
+    p.add_argument("paths", nargs="+", metavar="RESULTS.json", help="JSON lines of --json-file ('-': stdin)")
+    p.add_argument("--out", required=True, metavar="FILE.svg", help="the SVG file to write")
+    return p
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    o = build_parser().parse_args(argv)
+    try:
+        if len(o.out) <= 4 or not o.out.endswith(".svg"):
+            raise plot.PlotError(f"invalid --out = {o.out}: must end in .svg (the plot is an SVG file)")
+        results = plot.read_files(o.paths)
+        sections = sections_of(results)
+        if not sections:
+            reasons = "; ".join(sorted({skipped.reason for skipped in results.skipped})) or "no rows"
+            print(f"{PROG}: nothing to plot in {', '.join(o.paths)} ({reasons}): {o.out} not written",
+                  file=sys.stderr)
+            return 1
+        write_svg(o.out, sections)
+    except plot.PlotError as error:
+        print(f"{PROG}: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:
+        print(f"{PROG}: cannot write {o.out}: {error.strerror}", file=sys.stderr)
+        return 2
+    print(f"wrote {o.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,4 +1,4 @@
-"""``python -m epx.bench``: the C++ ``epx-bench`` through the Python layer (epx.Buffer), one process per GPU.
+"""``python -m epx_tools.bench``: the C++ ``epx-bench`` through the Python layer (epx.Buffer), one process per GPU.
 
 Normal mode (default 4096 tokens/rank, hidden 7168, top-8 of 256 experts, random routing): dispatch BF16 and
 FP8 (with float32 scales [T, H/128]), the notify step alone, cached dispatch (``handle=``) and combine BF16
@@ -27,9 +27,9 @@ low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 
 The table (op, SMs, mean us over ranks, slowest us, GB/s mean over ranks, GB/s of the slowest rank) and the
 ``--json`` lines have epx-bench's format.
 
-    python -m epx.bench                      # every visible GPU, both modes
-    python -m epx.bench --mode normal --num-sms 12,24,48 --json
-    python -m epx.bench --plot bench.svg     # also an SVG: per op EPX beside NCCL (epx.bench_plot)
+    python -m epx_tools.bench                      # every visible GPU, both modes
+    python -m epx_tools.bench --mode normal --num-sms 12,24,48 --json
+    python -m epx_tools.bench --json-file b.json   # then: python -m epx_tools.bench_plot b.json --out b.svg
 
 Flags: epx-bench's, with its names, defaults, rules and error messages (one command line serves both; a CPU test
 compares the two parsers). Those of features only epx-bench has pass its checks and are then refused rather than
@@ -58,14 +58,12 @@ import time
 from dataclasses import dataclass
 from typing import Any, Callable, List, Optional, Sequence
 
-from epx import bench_plot
-
 # Set in os.environ before the ranks are spawned: NVLink multicast (NVLS) stays off on the lent machines.
 NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_MEM_DISABLE_MULTICAST": "1"}
 L2_FLUSH_BYTES = 256 << 20
 COPY_ENGINE_BYTES = 32 << 20
 LL_INPUT_SETS = 4  # timed low-latency calls rotate through these so no two consecutive calls see the same x
-PROG = "python -m epx.bench"
+PROG = "python -m epx_tools.bench"
 MAX_TOPK = 16  # epx.MAX_TOPK (kMaxTopk); a CPU test checks they agree, so parsing flags needs no binding
 
 # ---- Byte counts (docs/BENCHMARKS.md) ----
@@ -74,7 +72,7 @@ MAX_TOPK = 16  # epx.MAX_TOPK (kMaxTopk); a CPU test checks they agree, so parsi
 def normal_row_bytes(hidden: int, fp8: bool) -> float:
     """Bytes of one received row in normal mode: 2H for BF16, H + 4H/128 (the float32 scales) for FP8 (the
     formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
-    from ._ext import _epx
+    from epx._ext import _epx
 
     return _epx.normal_row_bytes(hidden, fp8)
 
@@ -95,7 +93,7 @@ def network_rows(num_tokens_per_node: Sequence[int], own_node: int) -> float:
 def ll_selection_bytes(hidden: int, fmt: str) -> float:
     """Bytes of one valid (token, expert) selection in low-latency mode, fmt one of fp8, bf16, logfmt (the
     formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
-    from ._ext import _epx
+    from epx._ext import _epx
 
     return _epx.low_latency_selection_bytes(hidden, fmt)
 
@@ -134,7 +132,7 @@ class BenchRow:
 
 @dataclass
 class RowSummary:
-    """One row averaged over ranks, as the table and the JSON lines report it (and --plot draws it)."""
+    """One row averaged over ranks, as the table and the JSON lines report it."""
 
     op: str
     num_sms: int
@@ -259,12 +257,11 @@ FLAGS = {
     "--launch-ahead-us": ("launch_ahead_us", "number"),
     "--json": ("json", "switch"),
     "--json-file": ("json_file", "text"),
-    "--plot": ("plot", "text"),
 }
 DEFAULTS = {"mode": "all", "ranks": 0, "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": [24],
             "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "rdma_chunk": 0, "rdma_queue": 0, "tune": False,
             "ll_tokens": 128, "ll_experts": 288, "ll_ranks_per_node": 0, "ranks_per_gpu": 1, "warmup": 5,
-            "iters": 30, "seed": 1, "launch_ahead_us": 200.0, "json": False, "json_file": "", "plot": ""}
+            "iters": 30, "seed": 1, "launch_ahead_us": 200.0, "json": False, "json_file": ""}
 
 HELP = f"""usage: {PROG} [options]   (--flag value or --flag=value)
 EPX dispatch/combine through epx.Buffer on every visible GPU (one process per GPU), with NCCL all-to-all moving
@@ -291,8 +288,6 @@ takes only its default here.
                                   counted (default 200; 0 times as epx-bench, host time included)
   --json                          JSON lines on stdout instead of tables
   --json-file PATH                also write the JSON lines to PATH
-  --plot FILE.svg                 also write an SVG bar chart: per op the EPX time beside the NCCL
-                                  all-to-all of the same run, with GB/s (epx-bench --plot's figure)
 Bytes (docs/BENCHMARKS.md): normal = rows received x (2H BF16 | H + 4H/128 FP8), combine as BF16 dispatch;
 low latency = valid (token, expert) selections x (H + H/32 + 16 FP8 | 2H BF16 | 1.25H + H/32 LogFMT).
 Exit status: 0 measured and verified; 1 nothing measured (no CUDA build, torch or GPU: said on stderr) or a
@@ -377,8 +372,6 @@ def validate_options(o: argparse.Namespace) -> None:
     _require(o.ranks_per_gpu >= 1, "--ranks-per-gpu", o.ranks_per_gpu, "must be >= 1")
     _require(o.warmup >= 0, "--warmup", o.warmup, "must be >= 0")
     _require(o.iters >= 1, "--iters", o.iters, "must be >= 1")
-    _require(not o.plot or (len(o.plot) > 4 and o.plot.endswith(".svg")), "--plot", o.plot,
-             "must end in .svg (the plot is an SVG file)")
 
 
 def check_supported(o: argparse.Namespace) -> None:
@@ -449,7 +442,7 @@ def parse_options(argv: Sequence[str]) -> Optional[argparse.Namespace]:
 
 def parse_args(argv: Optional[Sequence[str]] = None) -> argparse.Namespace:
     """The options, checked; --help prints the flags and exits 0, a bad flag or value prints epx-bench's message
-    for it ("python -m epx.bench: invalid --tokens = x: must be an integer") and exits 2."""
+    for it ("python -m epx_tools.bench: invalid --tokens = x: must be an integer") and exits 2."""
     try:
         o = parse_options(sys.argv[1:] if argv is None else list(argv))
     except FlagError as error:
@@ -488,7 +481,8 @@ class HostBarrier:
         while state[1] == generation:
             spins += 1
             if spins & 0xFFFF == 0 and time.monotonic() > deadline:
-                raise RuntimeError(f"epx.bench: host barrier timed out after {self.timeout_s:.0f} s (a rank died?)")
+                raise RuntimeError(f"epx_tools.bench: host barrier timed out after {self.timeout_s:.0f} s "
+                                   "(a rank died?)")
 
 
 # ---- Inputs any rank can recompute for any rank (so every rank checks every row it received) ----
@@ -1062,7 +1056,6 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
     torch.cuda.set_device(rank)
     dist.init_process_group("nccl", init_method=f"tcp://127.0.0.1:{port}", rank=rank, world_size=num_ranks)
     json_file = None
-    plot: List[bench_plot.Section] = []  # rank 0's report, for --plot
     try:
         me = _Rank(rank, num_ranks, o, barrier)
         with torch.cuda.stream(me.stream):
@@ -1092,11 +1085,6 @@ def _worker(rank: int, num_ranks: int, port: int, o: argparse.Namespace, barrier
                     if json_file is not None:
                         json_file.write("\n".join(format_rows(rank_rows, True, header, mode)) + "\n")
                         json_file.flush()
-                    plot.append((header, summarize_rows(rank_rows)))
-            if rank == 0 and o.plot:
-                bench_plot.write_svg(o.plot, plot)
-                if not o.json:
-                    print(f"\nplot: {o.plot}", flush=True)
         me.report_warnings()
         torch.cuda.synchronize()
         dist.barrier(group=me.gloo)
@@ -1167,7 +1155,7 @@ def main(argv: Optional[Sequence[str]] = None) -> int:
         return 2
     import torch.multiprocessing as mp
 
-    from epx import bench as this  # the worker pickled as epx.bench._worker, also under `python -m`
+    from epx_tools import bench as this  # the worker pickled as epx_tools.bench._worker, also under `python -m`
 
     barrier = HostBarrier(mp.get_context("spawn"), num_ranks)
     try:

@@ -12,7 +12,7 @@ from typing import Any, List, Optional, Sequence, Tuple
 
 import numpy as np
 
-from ._ext import _epx
+from epx._ext import _epx
 
 native = _epx.reference
 
