@@ -99,7 +99,7 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
 // ---- Node reduce: this rank's forwarded records from source node `node`, reduced over the local ranks. ----
 template <typename Remote>
 __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, int node,
-                                const WarpGroup& group, int* shared, uint64_t calls) {
+                                const WarpGroup& group, int* shared, int* publish, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_channels = args.rdma.num_channels;
@@ -109,6 +109,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
   const NormalRecord& r = args.record.normal;
   const int num_topk = r.num_topk_weights;
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
+  const RailTarget target = RailTarget::of<Remote>(context.rdma_base, dst_rank);
   InternodeBufferMap::Head* head = rdma_head(context);
   auto* my_nvl = nvl_counters(context.peers.local_base);
   const device::WaitContext wait = wait_context(context);
@@ -195,13 +196,17 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
       }
     }
     __threadfence();
+    // The group publishes the partials, unless a wait of this group was abandoned (rows never received: it
+    // has set the abort word before this barrier); then nothing more leaves. The leader decides for the whole
+    // group (one read of the abort word), so no warp copies into the peer's queue while another stops: the
+    // room may not be there.
     group.sync();
-    // Warp 0 publishes the partials, unless a wait of this group was abandoned (rows never received: it has
-    // set the abort word by now); then nothing more leaves.
-    if (group.warp == 0 && !group_aborted(context)) {
+    if (group.leader()) *publish = group_aborted(context) ? 0 : 1;
+    group.sync();
+    if (*publish != 0) {
       if (node != own) {
-        put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + done, take,
-                               &head->counters.tail[own][channel], dst_rank);
+        put_ring_range<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + done, take,
+                               &head->counters.tail[own][channel], group);
       } else if (group.leader()) {
         device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
       }
@@ -323,6 +328,7 @@ template <typename Remote>
 __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCombineArgs args) {
   __shared__ int group_values[kMaxRdmaNodes];
   __shared__ unsigned batch_end[kMaxRdmaNodes];
+  __shared__ int publish_flags[kMaxRdmaNodes];  // node reducers: whether the group publishes its chunk
   const InternodeContext& context = args.context;
   const uint64_t calls = calls_before(context);
   // A combine after an aborted dispatch must not trust the handle it left.
@@ -351,7 +357,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
     const int node = warp / warps_per_node;
     if (node < num_nodes) {
       const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
-      reduce_for_node<Remote>(args, channel, node, group, &group_values[node], calls);
+      reduce_for_node<Remote>(args, channel, node, group, &group_values[node], &publish_flags[node], calls);
     }
   }
   finish_launch<Remote>(context, calls);

@@ -9,6 +9,7 @@
 #include "kernels/normal_queue.cuh"
 #include "kernels/shape_check.cuh"
 #include "kernels/warp_copy.cuh"
+#include "kernels/work_split.hpp"
 
 // What the kernels of normal mode across nodes share. They reach the network through `Remote`, a transport
 // policy (the NVSHMEM one lives in transport/nvshmem):
@@ -19,6 +20,12 @@
 //                    put of the calling thread to `rank` (the policy fences)
 //   signal_add(signal, add, rank)   one thread: adds `add` to `rank`'s uint64 word at symmetric `signal`
 //   quiet()                         every operation this thread issued is complete
+//   peer_pointer(symmetric, rank)   the address through which this thread loads and stores `rank`'s copy of
+//                    the symmetric address `symmetric`, or nullptr when the transport reaches `rank` only
+//                    through its puts (a NIC: IBGDA, a proxy). A non-null result maps the whole symmetric
+//                    allocation at one offset (result + k is `rank`'s copy of symmetric + k). Accesses
+//                    through it are plain memory operations, ordered by the PTX memory model at system scope
+//                    (device/ptx.cuh); the policy's fences and quiet() do not order them.
 // Symmetric addresses are this rank's addresses of the place (the same offset is valid on every rank).
 namespace epx::kernels::internode {
 
@@ -221,23 +228,77 @@ __device__ __forceinline__ void write_row_from_record(const InternodeDispatchArg
     args.handle.recv_src_idx[row] = *reinterpret_cast<const volatile int*>(record + r.src_idx_offset());
 }
 
-// Publishes the group's records [first, first + count) of a send ring to the same slots of the rail peer's
-// receive queue (split where the ring wraps), each piece with a put-with-signal adding its size to `tail`.
-// Called by one whole warp.
+// The rail peer a network sender group puts to: its rank, and its symmetric buffer as this GPU's loads and
+// stores reach it (Remote::peer_pointer of this rank's base, looked up once per group), or nullptr when only
+// the transport's puts do.
+struct RailTarget {
+  int rank;
+  char* mapped;
+
+  template <typename Remote>
+  __device__ static RailTarget of(void* rdma_base, int rank) {
+    return {rank, static_cast<char*>(Remote::peer_pointer(rdma_base, rank))};
+  }
+  // `rank`'s copy of this rank's symmetric address `symmetric` (in the buffer at `rdma_base`); mapped only.
+  template <typename T>
+  __device__ T* at(const void* rdma_base, T* symmetric) const {
+    return reinterpret_cast<T*>(
+        mapped + (reinterpret_cast<const char*>(symmetric) - static_cast<const char*>(rdma_base)));
+  }
+};
+
+// Adds `value` to the uint64 word at `address` (a peer's, mapped) with release semantics at system scope and
+// no result: releases what this thread ordered before it, cumulatively (what a barrier made its own: the
+// group's stores), without waiting for the add's round trip.
+__device__ __forceinline__ void red_add_release_sys_u64(uint64_t* address, uint64_t value) {
+  asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
+}
+
+// Copies `bytes` (a multiple of 16) by every warp of `group`: warp w copies the w-th contiguous slice of the
+// 16-byte words, with warp_copy's unrolled loads (each lane has several in flight). The source was written in
+// this kernel (the group's staging), so it is read coherently.
+__device__ __forceinline__ void group_copy(void* dst, const void* src, size_t bytes, const WarpGroup& group) {
+  const WordRange range = piece_words(static_cast<int>(bytes / 16), group.warp, group.num_warps);
+  warp_copy<true>(static_cast<int4*>(dst) + range.begin, static_cast<const int4*>(src) + range.begin,
+                  static_cast<size_t>(range.end - range.begin) * 16, group.lane);
+}
+
+// Publishes the group's records [first, first + count) of its send ring towards `dst_node` to the same slots
+// of the rail peer's receive queue (split where the ring wraps) and adds `count` to the peer's `tail` (this
+// rank's symmetric address of it). Called by every warp of the group with the same arguments, once the
+// records are staged (a __threadfence, for a NIC's reads, then a group barrier).
+// - A mapped peer (load/store: NVSHMEM's P2P transport): every warp copies its slice of each piece, the group
+//   meets at a barrier, then the leader adds `count` to the mapped tail with a system-scope release.
+// - Any other peer: warp 0 puts each piece with a put-with-signal adding its size (the policy orders it after
+//   warp 0's earlier puts); the other warps return at once, and the put may still be running.
+// NOTES: the barrier orders every warp's stores before the leader's release, and a release is cumulative
+// (PTX memory model: those stores precede it in causality order), so a receiver whose acquire load of the
+// tail sees the add sees every record it counts. Slots are reused by the ring's rule, as with the put: a slot
+// is rewritten only once the receiver gave its entry back.
 template <typename Remote>
 __device__ __forceinline__ void put_ring_range(const InternodeBufferMap& layout, void* rdma_base,
-                                               int dst_node, int own_node_idx, int channel, uint64_t first,
-                                               int count, uint64_t* tail, int dst_rank) {
+                                               const RailTarget& target, int dst_node, int own_node_idx,
+                                               int channel, uint64_t first, int count, uint64_t* tail,
+                                               const WarpGroup& group) {
+  if (target.mapped == nullptr && group.warp != 0) return;
+  const int total = count;
   while (count > 0) {
     const int slot = static_cast<int>(first % static_cast<uint64_t>(layout.queue_tokens));
     const int piece = min(count, layout.queue_tokens - slot);
     const char* src = layout.send_record(rdma_base, dst_node, own_node_idx, channel, first);
     char* dst = layout.recv_record(rdma_base, own_node_idx, channel, first);
-    Remote::put_signal_warp(dst, src, static_cast<size_t>(piece) * layout.record_bytes, tail,
-                            static_cast<uint64_t>(piece), dst_rank);
+    const size_t bytes = static_cast<size_t>(piece) * layout.record_bytes;
+    if (target.mapped != nullptr) {
+      group_copy(target.at(rdma_base, dst), src, bytes, group);
+    } else {
+      Remote::put_signal_warp(dst, src, bytes, tail, static_cast<uint64_t>(piece), target.rank);
+    }
     first += piece;
     count -= piece;
   }
+  if (target.mapped == nullptr) return;
+  group.sync();
+  if (group.leader()) red_add_release_sys_u64(target.at(rdma_base, tail), static_cast<uint64_t>(total));
 }
 
 }  // namespace epx::kernels::internode

@@ -28,6 +28,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
   const int num_ranks = context.peers.num_ranks;
   const int own = own_node(context);
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
+  const RailTarget target = RailTarget::of<Remote>(context.rdma_base, dst_rank);
   const int lane = group.lane;
   InternodeBufferMap::Head* head = rdma_head(context);
   const uint64_t base = head->counters.sent[node][channel];
@@ -93,13 +94,13 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
     }
     __threadfence();  // the records are complete before the put that reads them
     group.sync();
-    if (taken > 0) {
+    if (taken > 0) {  // the same in every warp (each counted the same ballots)
       if (node == own) {
         if (group.leader())
           device::st_release_sys_u64(&head->counters.tail[own][channel], base + pushed + taken);
-      } else if (group.warp == 0) {
-        put_ring_range<Remote>(args.rdma, context.rdma_base, node, own, channel, base + pushed, taken,
-                               &head->counters.tail[own][channel], dst_rank);
+      } else {
+        put_ring_range<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + pushed, taken,
+                               &head->counters.tail[own][channel], group);
       }
     }
     pushed += taken;

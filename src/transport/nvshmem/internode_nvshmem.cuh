@@ -20,6 +20,10 @@ struct NvshmemInternode {
     nvshmem_fence();  // after the earlier puts of this thread to `rank`: tails count records in order
     nvshmemx_putmem_signal_nbi_warp(dst, src, bytes, signal, add, NVSHMEM_SIGNAL_ADD, rank);
   }
+  // nvshmem_ptr: non-null exactly for the PEs NVSHMEM reaches by load/store (its P2P transport: NVLink or
+  // PCIe peers); it maps the peer's whole heap at one offset, so the pointer of one symmetric address
+  // serves the whole allocation.
+  __device__ static void* peer_pointer(void* symmetric, int rank) { return nvshmem_ptr(symmetric, rank); }
   __device__ static void signal_add(uint64_t* signal, uint64_t add, int rank) {
     nvshmemx_signal_op(signal, add, NVSHMEM_SIGNAL_ADD, rank);
   }
