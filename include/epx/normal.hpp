@@ -117,6 +117,12 @@ class DispatchHandle {
   const int* send_head_device() const;
   // [T, R] 0/1 bytes: whether token t went to rank r.
   const uint8_t* is_token_in_rank_device() const;
+  // Within one node, DeepEP's handle matrices of this dispatch, written with recv_channel_offset: [R, R]
+  // rank_prefix_matrix (column `rank`: rows received from sources 0..i; EPX knows no other column: -1), then
+  // [R, C] channel_prefix_matrix (the senders' side, which EPX does not keep: -1), then [R, C]
+  // recv_channel_prefix_matrix (first row of (source, channel) counted from the source's first row).
+  // nullptr across nodes.
+  const int* deep_ep_matrices_device() const;
 
   // Across nodes (src/runtime/dispatch_handle_nodes.cpp). Nodes the dispatch spanned (1 within one node).
   int num_nodes() const;

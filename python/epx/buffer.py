@@ -402,6 +402,14 @@ class Buffer:
                                                   allocate_on_comm_stream)
             if made is not None:
                 return made
+        elif torch_calls is not None and handle is None and after_counts is None and is_token_in_rank is not None \
+                and num_tokens_per_expert is not None:
+            made = self._dispatch_natively(x, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                           num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
+                                           num_worst_tokens, config, previous_event, async_finish,
+                                           allocate_on_comm_stream, launch_receive)
+            if made is not None:
+                return made
         t = torch()
         with self._input_copies(previous_event):
             tokens = split_tokens(x)
@@ -529,6 +537,48 @@ class Buffer:
             overlap = EventOverlap()
         return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
                               new_handle, overlap)
+
+    def _dispatch_natively(self, x: Tokens, topk_idx: Any, topk_weights: Any, num_experts: Optional[int],
+                           is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any,
+                           expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
+                           previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
+                           launch_receive: bool) -> Optional[DispatchResult]:
+        """A dispatch given its layout, through the torch extension (checks, outputs, the count exchange, the
+        receive and the handle in C++), or None where its arguments are not the plain case: dispatch's Python
+        then raises or copes. The same steps as that Python: a launched receive (launch_receive) writes into
+        outputs sized from the last dispatch's rows when they fit."""
+        data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
+        if num_experts is not None and getattr(num_tokens_per_expert, "numel", None) is not None \
+                and num_experts != num_tokens_per_expert.numel():
+            return None  # the Python names the mismatch
+        guess_rows = 0
+        if launch_receive and not num_worst_tokens and self._last_recv_rows is not None \
+                and not self.runtime.spans_nodes:
+            guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
+        previous_config = self._apply_config(config)
+        try:
+            made = torch_calls.dispatch(
+                self.runtime, self._device_index, self.num_ranks, data, scales, topk_idx, topk_weights,
+                is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, expert_alignment, num_worst_tokens,
+                launch_receive, guess_rows, event_handle(previous_event), async_finish, allocate_on_comm_stream,
+                self._comm_stream_handle)
+        except TypeError:  # an argument of another type: dispatch's Python names it
+            made = None
+        except BaseException:
+            self._restore_config(previous_config)
+            raise
+        if made is None:
+            self._restore_config(previous_config)
+            return None
+        recv_x, recv_scales, recv_idx, recv_weights, native_handle, rows, per_expert_list, event = made
+        if not num_worst_tokens:
+            self._last_recv_rows = rows
+        num_tokens, hidden = data.shape
+        handle = DispatchHandle(native_handle, id(self), num_tokens, rows, hidden, num_tokens_per_expert.numel(),
+                                0 if topk_idx is None else topk_idx.size(1), int(num_worst_tokens), per_expert_list,
+                                self.num_ranks, self)
+        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle,
+                              EventOverlap(event if async_finish else None))
 
     def _dispatch_cached_natively(self, x: Tokens, handle: DispatchHandle, expert_alignment: int,
                                   config: Optional[Config], previous_event: Any, async_finish: bool,

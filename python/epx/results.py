@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Callable, List, Optional
+from typing import Any, Callable, List, Optional, Tuple
 
 from . import _util
 from .event import EventOverlap
@@ -121,6 +121,21 @@ class DispatchHandle:
         if self.num_nodes <= 1:
             return None
         return self._view(self.native.forward_mask, "uint8", (self.num_forward_records,))
+
+    @_view_once
+    def deep_ep_matrices(self) -> Optional[Tuple[Any, Any, Any]]:
+        """Within one node, DeepEP's (rank_prefix_matrix [R, R], channel_prefix_matrix [R, C],
+        recv_channel_prefix_matrix [R, C]) of this dispatch, int32, written by its count exchange (epx.compat's
+        handle tuple, where they are described); None across nodes."""
+        address = self.native.deep_ep_matrices
+        if self.num_nodes > 1 or not address:
+            return None
+        num_ranks, num_channels = self.num_ranks, self.num_channels
+        cells = num_ranks * num_channels
+        block = self._view(address, "int32", (num_ranks * num_ranks + 2 * cells,))
+        rank_prefix, channel_prefix, recv_channel_prefix = block.split((num_ranks * num_ranks, cells, cells))
+        return (rank_prefix.view(num_ranks, num_ranks), channel_prefix.view(num_ranks, num_channels),
+                recv_channel_prefix.view(num_ranks, num_channels))
 
     @_view_once
     def is_token_in_rank(self) -> Any:

@@ -115,10 +115,43 @@ PyObject* combine_call(PyObject* buffer, PyObject* handle, const CombineInput& i
       static_cast<PyObject*>(nullptr));
 }
 
+PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const StreamOrder& order,
+                        DispatchOverlap overlap, const DispatchOutputGuess* guess,
+                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context) {
+  return with_python_error(
+      [&]() -> PyObject* {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        DispatchPlan plan = call_without_gil(
+            [&] { return dispatch_notify(owner.get(), input, order, nullptr, overlap, guess); });
+        DispatchOutput outputs = guess != nullptr ? guess->outputs : DispatchOutput{};
+        if (!plan.rows_in_guess && !allocate(context, plan.num_recv_rows, &outputs)) {
+          call_without_gil([&] { dispatch_cancel(owner.get(), plan); });  // the launched receive drains
+          return nullptr;
+        }
+        Event event =
+            call_without_gil([&] { return dispatch_receive(owner.get(), plan, input, outputs, order); });
+        const int rows = plan.num_recv_rows;
+        const bool rows_in_guess = plan.rows_in_guess;
+        py::list per_expert(plan.num_recv_tokens_per_expert.size());
+        for (size_t i = 0; i < plan.num_recv_tokens_per_expert.size(); ++i) {
+          per_expert[i] = py::int_(plan.num_recv_tokens_per_expert[i]);
+        }
+        return py::make_tuple(std::move(plan.handle), rows, std::move(per_expert), rows_in_guess,
+                              std::move(event))
+            .release()
+            .ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
 // One table for the process (the capsule points at it; it never changes).
-const NativeCalls kCalls{native_call_sizes(),        &low_latency_dispatch_sizes_call,
-                         &low_latency_dispatch_call, &low_latency_combine_call,
-                         &dispatch_cached_call,      &combine_call};
+const NativeCalls kCalls{native_call_sizes(),
+                         &low_latency_dispatch_sizes_call,
+                         &low_latency_dispatch_call,
+                         &low_latency_combine_call,
+                         &dispatch_cached_call,
+                         &combine_call,
+                         &dispatch_call};
 
 }  // namespace
 

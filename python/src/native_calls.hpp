@@ -34,6 +34,7 @@ struct NativeCallSizes {
   uint32_t dispatch_output;
   uint32_t combine_input;
   uint32_t combine_output;
+  uint32_t dispatch_output_guess;
   friend bool operator==(const NativeCallSizes&, const NativeCallSizes&) = default;
 };
 
@@ -52,6 +53,14 @@ struct NativeCalls {
                                const DispatchOutput& output, int rows, const StreamOrder& order);
   PyObject* (*combine)(PyObject* buffer, PyObject* handle, const CombineInput& input,
                        const CombineOutput& output, const StreamOrder& order);
+  // A dispatch that is not cached: the count exchange with `overlap` and `guess` (null: none), then, unless
+  // the launched receive wrote into the guess, `allocate(context, rows, &outputs)` (with the GIL; false: it
+  // failed and keeps its own error, the call then cancels the receive and returns nullptr with no Python
+  // error set), then the receive. Returns (`_epx.DispatchHandle`, rows, [rows per local expert],
+  // rows_in_guess, `_epx.Event`).
+  PyObject* (*dispatch)(PyObject* buffer, const DispatchInput& input, const StreamOrder& order,
+                        DispatchOverlap overlap, const DispatchOutputGuess* guess,
+                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context);
 };
 
 // What this build's headers say; the extension compares it with the table's before using any call.
@@ -65,7 +74,8 @@ inline constexpr NativeCallSizes native_call_sizes() {
           sizeof(DispatchInput),
           sizeof(DispatchOutput),
           sizeof(CombineInput),
-          sizeof(CombineOutput)};
+          sizeof(CombineOutput),
+          sizeof(DispatchOutputGuess)};
 }
 
 inline constexpr const char* kNativeCallsCapsule = "epx._epx._native_calls";

@@ -172,6 +172,10 @@ void bind_normal(py::module_& m) {
                              [](const DispatchHandle& self) {
                                return reinterpret_cast<uintptr_t>(self.is_token_in_rank_device());
                              })
+      .def_property_readonly("deep_ep_matrices",
+                             [](const DispatchHandle& self) {
+                               return reinterpret_cast<uintptr_t>(self.deep_ep_matrices_device());
+                             })
       .def_property_readonly("num_nodes", &DispatchHandle::num_nodes)
       .def_property_readonly("num_forward_records", &DispatchHandle::num_forward_records)
       .def_property_readonly("node_channel_offset",

@@ -19,6 +19,7 @@
 
 #include <climits>
 #include <cstdint>
+#include <exception>
 #include <initializer_list>
 #include <optional>
 
@@ -254,6 +255,154 @@ py::object dispatch_cached(py::handle buffer, int device, py::handle handle, con
   return py::make_tuple(std::move(*recv_x), std::move(recv_scales), std::move(event));
 }
 
+// A dispatch's four outputs for `rows` rows (recv_x, scales with FP8, top-k ids and weights with top-k), on
+// the allocation stream.
+struct DispatchOutputs {
+  std::optional<at::Tensor> recv_x, recv_scales, recv_idx, recv_weights;
+
+  static DispatchOutputs make(int64_t rows, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                              int64_t num_topk) {
+    DispatchOutputs made;
+    made.recv_x = at::empty({rows, x.size(1)}, x.options());
+    if (x_scales) made.recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+    if (num_topk > 0) {
+      made.recv_idx = at::empty({rows, num_topk}, x.options().dtype(at::kLong));
+      made.recv_weights = at::empty({rows, num_topk}, x.options().dtype(at::kFloat));
+    }
+    return made;
+  }
+  epx::DispatchOutput native() const {
+    epx::DispatchOutput out;
+    out.recv_x = recv_x->data_ptr();
+    out.recv_x_scales = pointer_of<float*>(recv_scales);
+    out.recv_topk_idx = pointer_of<int64_t*>(recv_idx);
+    out.recv_topk_weights = pointer_of<float*>(recv_weights);
+    return out;
+  }
+  // The first `rows` rows of each (a guess made for more).
+  void narrow(int64_t rows) {
+    for (auto* output : {&recv_x, &recv_scales, &recv_idx, &recv_weights}) {
+      if (*output) *output = (*output)->narrow(0, 0, rows);
+    }
+  }
+};
+
+// What the dispatch's allocate callback needs, and what it leaves.
+struct AllocateContext {
+  const at::Tensor* x;
+  const std::optional<at::Tensor>* x_scales;
+  int64_t num_topk;
+  int device;
+  uintptr_t comm_stream;
+  bool allocate_on_comm_stream;
+  DispatchOutputs outputs;
+  std::exception_ptr error;
+};
+
+bool allocate_dispatch_outputs(void* raw, int rows, epx::DispatchOutput* out) {
+  auto& context = *static_cast<AllocateContext*>(raw);
+  try {
+    const auto guard =
+        allocation_stream(context.device, context.comm_stream, context.allocate_on_comm_stream);
+    context.outputs = DispatchOutputs::make(rows, *context.x, *context.x_scales, context.num_topk);
+    *out = context.outputs.native();
+    return true;
+  } catch (...) {
+    context.error = std::current_exception();
+    return false;
+  }
+}
+
+// (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (each None where not made), the
+// `_epx.DispatchHandle`, rows, [rows per local expert], the `_epx.Event`) of a dispatch that is not cached,
+// with the layout given, or None. guess_rows > 0: outputs for that many rows go with a launched receive
+// (DispatchOutputGuess).
+py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tensor& x,
+                    const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
+                    const std::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
+                    const at::Tensor& num_tokens_per_expert,
+                    const std::optional<at::Tensor>& num_tokens_per_rank, int64_t expert_alignment,
+                    int64_t num_worst_tokens, bool launch_receive, int64_t guess_rows,
+                    uintptr_t previous_event, bool async_finish, bool allocate_on_comm_stream,
+                    uintptr_t comm_stream) {
+  const bool fp8 = x_scales.has_value();
+  if (!x.is_cuda() || x.get_device() != device || x.dim() != 2 || !x.is_contiguous() ||
+      (fp8 ? x.element_size() != 1 : x.scalar_type() != at::kBFloat16) ||
+      (x.size(1) * x.element_size()) % 16 != 0 || !fits_int(x.size(0)) || !fits_int(x.size(1)) ||
+      !fits_int(expert_alignment) || !fits_int(num_worst_tokens) || !fits_int(guess_rows)) {
+    return py::none();
+  }
+  const int64_t num_tokens = x.size(0);
+  if (fp8 && !((plain(*x_scales, device, at::kFloat, 2) || plain(*x_scales, device, at::kInt, 2)) &&
+               x_scales->size(0) == num_tokens && x_scales->size(1) >= 1 && fits_int(x_scales->size(1)))) {
+    return py::none();
+  }
+  // Top-k ids and weights come together (int64 [T, K], float32 [T, K]) or not at all.
+  if (topk_idx.has_value() != topk_weights.has_value() ||
+      (topk_idx && !(plain(*topk_idx, device, at::kLong, 2) && topk_idx->size(0) == num_tokens &&
+                     plain(*topk_weights, device, at::kFloat, 2) &&
+                     shaped(*topk_weights, {num_tokens, topk_idx->size(1)})))) {
+    return py::none();
+  }
+  if (!(plain(is_token_in_rank, device, at::kBool, 2) && shaped(is_token_in_rank, {num_tokens, num_ranks})) ||
+      !plain(num_tokens_per_expert, device, at::kInt, 1) || !fits_int(num_tokens_per_expert.numel()) ||
+      (num_tokens_per_rank &&
+       !(plain(*num_tokens_per_rank, device, at::kInt, 1) && shaped(*num_tokens_per_rank, {num_ranks})))) {
+    return py::none();
+  }
+  if (allocate_on_comm_stream && (previous_event == 0 || !async_finish)) return py::none();
+  const int64_t num_topk = topk_idx ? topk_idx->size(1) : 0;
+  epx::DispatchInput in;
+  in.x = x.data_ptr();
+  in.format = fp8 ? epx::TokenFormat::kFp8 : epx::TokenFormat::kBf16;
+  in.x_scales = pointer_of<const float*>(x_scales);
+  in.num_scales = fp8 ? static_cast<int>(x_scales->size(1)) : 0;
+  in.num_tokens = static_cast<int>(num_tokens);
+  in.hidden = static_cast<int>(x.size(1));
+  in.topk_idx = pointer_of<const int64_t*>(topk_idx);
+  in.topk_weights = pointer_of<const float*>(topk_weights);
+  in.num_topk = static_cast<int>(num_topk);
+  in.num_experts = static_cast<int>(num_tokens_per_expert.numel());
+  in.is_token_in_rank = is_token_in_rank.data_ptr<bool>();
+  in.num_tokens_per_expert = num_tokens_per_expert.data_ptr<int>();
+  in.num_tokens_per_rank = pointer_of<const int*>(num_tokens_per_rank);
+  in.expert_alignment = static_cast<int>(expert_alignment);
+  in.num_worst_tokens = static_cast<int>(num_worst_tokens);
+
+  AllocateContext context{&x, &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream, {}, nullptr};
+  std::optional<epx::DispatchOutputGuess> guess;
+  DispatchOutputs guessed;
+  if (guess_rows > 0) {
+    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
+    guessed = DispatchOutputs::make(guess_rows, x, x_scales, num_topk);
+    guess.emplace();
+    guess->outputs = guessed.native();
+    guess->rows = static_cast<int>(guess_rows);
+  }
+  PyObject* made =
+      native->dispatch(buffer.ptr(), in, current_order(device, previous_event, async_finish),
+                       launch_receive ? epx::DispatchOverlap::kLaunchReceive : epx::DispatchOverlap::kNone,
+                       guess ? &*guess : nullptr, &allocate_dispatch_outputs, &context);
+  if (made == nullptr) {
+    if (context.error) std::rethrow_exception(context.error);
+    throw py::error_already_set();
+  }
+  const py::tuple plan =
+      py::reinterpret_steal<py::tuple>(made);  // (handle, rows, per expert, in guess, event)
+  const int64_t rows = plan[1].cast<int64_t>();
+  DispatchOutputs& outputs = plan[3].cast<bool>() ? guessed : context.outputs;
+  if (&outputs == &guessed) outputs.narrow(rows);
+  if (async_finish || allocate_on_comm_stream) {
+    const std::optional<at::Tensor> x_input(x), in_rank(is_token_in_rank), per_expert(num_tokens_per_expert);
+    record_uses(device, comm_stream, async_finish, allocate_on_comm_stream,
+                {&x_input, &x_scales, &topk_idx, &topk_weights, &in_rank, &per_expert},
+                {&outputs.recv_x, &outputs.recv_scales, &outputs.recv_idx, &outputs.recv_weights});
+  }
+  return py::make_tuple(std::move(outputs.recv_x), std::move(outputs.recv_scales),
+                        std::move(outputs.recv_idx), std::move(outputs.recv_weights), plan[0], rows, plan[2],
+                        plan[4]);
+}
+
 // (combined_x, combined_topk_weights or None, the `_epx.Event`), or None. x is BF16 [rows, H'] (H' may differ
 // from the dispatch's), topk_weights float32 [rows, K], biases BF16 [T, H'].
 py::object combine(py::handle buffer, int device, py::handle handle, const at::Tensor& x, int64_t rows,
@@ -314,5 +463,6 @@ PYBIND11_MODULE(_epx_torch, m) {
   m.def("low_latency_dispatch", &low_latency_dispatch);
   m.def("low_latency_combine", &low_latency_combine);
   m.def("dispatch_cached", &dispatch_cached);
+  m.def("dispatch", &dispatch);
   m.def("combine", &combine);
 }

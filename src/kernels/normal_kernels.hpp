@@ -24,6 +24,9 @@ struct HandleArrays {
   // Across nodes only (send_head then holds [T, N]: entry of token t in its channel's stream to node n):
   int* node_channel_offset = nullptr;  // [N * C + 1]: first record from the rail peer of (node, channel)
   uint8_t* forward_mask = nullptr;     // [records]: the local ranks each record from a rail peer went to
+  // One node: [R*R + 2*R*C], DeepEP's matrices derived from recv_channel_offset
+  // (DispatchHandle::deep_ep_matrices_device); nullptr: not written.
+  int* deep_ep_matrices = nullptr;
 };
 
 struct LayoutArgs {

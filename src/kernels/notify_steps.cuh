@@ -4,6 +4,7 @@
 #include <cub/block/block_scan.cuh>
 
 #include "device/wait.cuh"
+#include "kernels/deep_ep_matrices.hpp"
 #include "kernels/host_counts.cuh"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/shape_check.cuh"
@@ -85,7 +86,13 @@ __device__ int scan_channel_offsets(const NotifyArgs& args, const NormalBufferMa
     atomicAdd(&source_totals[src], counts[i]);
   }
   if (threadIdx.x == 0) args.handle.recv_channel_offset[num_ranks * num_channels] = total;
-  __syncthreads();
+  __syncthreads();  // also makes the block's offsets visible to all its threads
+  if (args.handle.deep_ep_matrices != nullptr) {
+    for (int i = threadIdx.x; i < deep_ep_matrices_size(num_ranks, num_channels); i += kThreads) {
+      args.handle.deep_ep_matrices[i] = deep_ep_matrices_entry(i, args.handle.recv_channel_offset, num_ranks,
+                                                               num_channels, args.peers.rank);
+    }
+  }
   if (threadIdx.x == 0 && args.num_worst_tokens > 0 && total > args.num_worst_tokens) {
     // The dispatch that follows sees the abort at its start and writes nothing.
     device::raise_abort(ctx, -1, WaitPhase::kCapacity, args.num_worst_tokens, total, 0);

@@ -15,6 +15,7 @@
 #include "epx/common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "gpu/cuda_check.hpp"
+#include "kernels/deep_ep_matrices.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
@@ -240,6 +241,9 @@ const int* DispatchHandle::send_head_device() const {
 const uint8_t* DispatchHandle::is_token_in_rank_device() const {
   return state().arrays.is_token_in_rank;
 }
+const int* DispatchHandle::deep_ep_matrices_device() const {
+  return state().arrays.deep_ep_matrices;
+}
 
 namespace {
 
@@ -278,8 +282,10 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   const int num_ranks = shape.num_ranks;
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
+  const size_t deep_ep_cells = num_nodes > 1 ? 0 : kernels::deep_ep_matrices_size(num_ranks, num_channels);
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
-                      std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0) + num_rows;
+                      std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0) + deep_ep_cells +
+                      num_rows;
   routing_memory = allocate_on_stream(buffer, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
@@ -289,6 +295,9 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   if (num_nodes > 1) {
     arrays.node_channel_offset = end;
     end += node_cells;
+  } else {
+    arrays.deep_ep_matrices = end;
+    end += deep_ep_cells;
   }
   if (num_rows > 0) {
     arrays.recv_src_idx = end;

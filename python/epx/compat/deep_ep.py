@@ -39,7 +39,13 @@ from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
 from ..event import EventHandle, EventOverlap
 from .._ext import _epx
 from .._util import EpxError, check
-from .deep_ep_handles import NormalHandleBuilder, low_latency_handle, low_latency_handle_tuple, normal_handle
+from .deep_ep_handles import (
+    NormalHandleBuilder,
+    low_latency_handle,
+    low_latency_handle_tuple,
+    normal_handle,
+    normal_handle_tuple,
+)
 
 __all__ = ["Buffer", "Config", "EventHandle", "EventOverlap", "EpxError"]  # and topk_idx_t (see __getattr__)
 
@@ -295,17 +301,20 @@ class Buffer:
             recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
             return recv_x, None, None, None, None, result.event
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
-        builder = NormalHandleBuilder(self.rank)
-        result = self._live().dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                                       is_token_in_rank=is_token_in_rank,
-                                       num_tokens_per_expert=num_tokens_per_expert,
-                                       num_tokens_per_rank=num_tokens_per_rank,
-                                       expert_alignment=expert_alignment, num_worst_tokens=num_worst_tokens,
-                                       config=config, previous_event=previous_event, async_finish=async_finish,
-                                       allocate_on_comm_stream=allocate_on_comm_stream, after_counts=builder)
+        live = self._live()
+        # Across nodes the internode tuple's matrices are queued right after the count exchange; within one node
+        # the count exchange writes DeepEP's matrices itself.
+        builder = NormalHandleBuilder() if live.runtime.spans_nodes else None
+        result = live.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
+                               is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
+                               num_tokens_per_rank=num_tokens_per_rank, expert_alignment=expert_alignment,
+                               num_worst_tokens=num_worst_tokens, config=config, previous_event=previous_event,
+                               async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
+                               after_counts=builder)
         recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
+        handle_tuple = builder.tuple_for(result.handle) if builder is not None else normal_handle_tuple(result.handle)
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,
-                builder.tuple_for(result.handle), result.event)
+                handle_tuple, result.event)
 
     def combine(self, x: Any, handle: Any, topk_weights: Optional[Any] = None,
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,

@@ -126,41 +126,28 @@ def internode_handle_tuple(handle: Any, matrices: List[Any]) -> Tuple[Any, ...]:
 
 
 class NormalHandleBuilder:
-    """after_counts for epx.Buffer.dispatch: queues the derived matrices on the comm stream right after the count
-    exchange (so the call's event covers them), then builds the tuple once the dispatch returns: DeepEP's
-    intranode tuple within one node, its internode one when the Buffer spans nodes."""
+    """after_counts for epx.Buffer.dispatch across nodes: queues the internode matrices on the comm stream right
+    after the count exchange (so the call's event covers them), then builds DeepEP's internode tuple once the
+    dispatch returns. Within one node no builder is needed (normal_handle_tuple): the count exchange writes
+    DeepEP's matrices itself."""
 
-    def __init__(self, rank: int) -> None:
-        self.rank = rank
+    def __init__(self) -> None:
         self.matrices: List[Any] = []
 
     def __call__(self, handle: DispatchHandle) -> List[Any]:
-        if handle.num_nodes > 1:
-            self.matrices = internode_matrices(handle, handle.num_ranks // handle.num_nodes)
-            return self.matrices
-        t = torch()
-        num_ranks, num_channels = handle.num_ranks, handle.num_channels
-        offsets = handle.recv_channel_offset  # [R * C + 1] absolute first rows, source-major
-        # Three kernels (on a GPU each launch costs the host more than the views): one fill of -1 for both
-        # placeholders, carved into two compact matrices; the known column; the channel offsets.
-        minus_ones = t.full((num_ranks * (num_ranks + num_channels),), -1, dtype=t.int32, device=offsets.device)
-        rank_prefix = minus_ones.as_strided((num_ranks, num_ranks), (num_ranks, 1), 0)
-        channel_prefix = minus_ones.as_strided((num_ranks, num_channels), (num_channels, 1), num_ranks * num_ranks)
-        # Rows from ranks 0..i end where source i + 1 begins: offsets[(i + 1) * C].
-        rank_prefix.select(1, self.rank).copy_(
-            offsets.as_strided((num_ranks,), (num_channels,), offsets.storage_offset() + num_channels))
-        # [r][c] = first row of (r, c) counted from source r's first row.
-        recv_channel_prefix = offsets.as_strided((num_ranks, num_channels), (num_channels, 1)) - \
-            offsets.as_strided((num_ranks, 1), (num_channels, 1))
-        self.matrices = [rank_prefix, channel_prefix, recv_channel_prefix]
-        return [minus_ones, recv_channel_prefix]  # the allocations (the caller's stream is recorded on each)
+        self.matrices = internode_matrices(handle, handle.num_ranks // handle.num_nodes)
+        return self.matrices
 
     def tuple_for(self, handle: DispatchHandle) -> Tuple[Any, ...]:
-        if handle.num_nodes > 1:
-            return internode_handle_tuple(handle, self.matrices)
-        rank_prefix, channel_prefix, recv_channel_prefix = self.matrices
-        return (_attach(rank_prefix, handle), channel_prefix, recv_channel_prefix, handle.recv_src_idx,
-                handle.is_token_in_rank, handle.send_head)
+        return internode_handle_tuple(handle, self.matrices)
+
+
+def normal_handle_tuple(handle: DispatchHandle) -> Tuple[Any, ...]:
+    """DeepEP's 6-element intranode handle over `handle` (a dispatch within one node): views of the matrices its
+    count exchange wrote (DispatchHandle.deep_ep_matrices) and of its arrays."""
+    rank_prefix, channel_prefix, recv_channel_prefix = handle.deep_ep_matrices
+    return (_attach(rank_prefix, handle), channel_prefix, recv_channel_prefix, handle.recv_src_idx,
+            handle.is_token_in_rank, handle.send_head)
 
 
 def normal_handle(handle: Any) -> DispatchHandle:

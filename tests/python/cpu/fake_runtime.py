@@ -266,7 +266,11 @@ class FakeBinding:
         for token in np.flatnonzero(in_rank):
             channel = token // per_channel
             send_head[token, 0] = kept_before[token] - kept_before[begins[channel]]
+        # DeepEP's matrices as the notify kernel writes them (src/kernels/deep_ep_matrices.hpp), for one rank:
+        # rank_prefix_matrix [[rows]], channel_prefix_matrix -1, recv_channel_prefix_matrix.
+        matrices = np.concatenate([[offsets[-1]], np.full(num_channels, -1), offsets[:-1] - offsets[0]])
         arrays = {"recv_channel_offset": torch.from_numpy(offsets),
+                  "deep_ep_matrices": torch.from_numpy(matrices.astype(np.int32)),
                   "send_head": torch.from_numpy(send_head),
                   "is_token_in_rank": torch.from_numpy(in_rank.astype(np.uint8).reshape(num_tokens, 1)),
                   "recv_src_idx": torch.from_numpy(np.asarray(recv_src_idx, dtype=np.int32).copy())}

@@ -111,7 +111,7 @@ def test_internode_handle_is_deep_eps_tuple(monkeypatch):
 
     _, binding = install(monkeypatch)
     handle = internode_handle(binding)
-    builder = NormalHandleBuilder(rank=0)
+    builder = NormalHandleBuilder()
     builder(handle)  # after the count exchange
     got = builder.tuple_for(handle)
     assert type(got) is tuple and len(got) == 10
@@ -219,27 +219,26 @@ def test_tokens_of_another_dtype_move_as_bytes(wrapper):
         dispatch(wrapper, torch.zeros(6, 12, dtype=torch.float16), ids, weights)
 
 
-def test_intranode_matrices_of_another_rank():
-    """Rank 1 of 2, 3 channels: its column of rank_prefix_matrix, -1 elsewhere; channel starts per source."""
+def test_intranode_tuple_views_the_matrices_the_count_exchange_wrote():
+    """Rank 1 of 2, 3 channels: the tuple's first three elements are views of the handle's deep_ep_matrices block
+    (written by the notify kernel; its arithmetic is tests/cpu/test_deep_ep_matrices.cpp's), shaped [R, R], [R, C],
+    [R, C]; the first carries EPX's handle."""
     from types import SimpleNamespace
 
-    from epx.compat.deep_ep_handles import NormalHandleBuilder
+    from epx.compat.deep_ep_handles import normal_handle, normal_handle_tuple
+    from epx.results import DispatchHandle
 
-    offsets = torch.tensor([0, 2, 2, 5, 6, 9, 11], dtype=torch.int32)  # [R * C + 1], source-major
-    handle = SimpleNamespace(num_nodes=1, num_ranks=2, num_channels=3, recv_channel_offset=offsets)
-    builder = NormalHandleBuilder(rank=1)
-    allocated = builder(handle)  # what the dispatch records the caller's stream on: each allocation once
-    rank_prefix, channel_prefix, recv_channel_prefix = builder.matrices
-    assert len(allocated) == 2 and allocated[1] is recv_channel_prefix
-    assert allocated[0].untyped_storage().data_ptr() == rank_prefix.untyped_storage().data_ptr() == \
-        channel_prefix.untyped_storage().data_ptr()
-    assert rank_prefix.tolist() == [[-1, 5], [-1, 11]] and rank_prefix.is_contiguous()
-    assert channel_prefix.tolist() == [[-1, -1, -1], [-1, -1, -1]] and channel_prefix.is_contiguous()
+    block = torch.tensor([-1, 5, -1, 11] + [-1] * 6 + [0, 2, 2, 0, 1, 4], dtype=torch.int32)
+    native = SimpleNamespace(deep_ep_matrices=1, num_nodes=1, num_channels=3)
+    handle = DispatchHandle(native=native, buffer_id=0, num_tokens=4, num_recv_rows=11, hidden=HIDDEN, num_experts=8,
+                            num_topk=0, num_worst_tokens=0, num_ranks=2)
+    handle._view = lambda address, dtype, shape: block.view(shape)
+    for name, value in (("recv_src_idx", "src"), ("is_token_in_rank", "in_rank"), ("send_head", "head")):
+        handle.__dict__[name] = value
+    got = normal_handle_tuple(handle)
+    rank_prefix, channel_prefix, recv_channel_prefix = got[:3]
+    assert rank_prefix.tolist() == [[-1, 5], [-1, 11]]
+    assert channel_prefix.tolist() == [[-1, -1, -1], [-1, -1, -1]]
     assert recv_channel_prefix.tolist() == [[0, 2, 2], [0, 1, 4]]
-    # A view that starts inside its storage (as a caller's slice would).
-    padded = torch.cat([torch.tensor([77], dtype=torch.int32), offsets])
-    handle.recv_channel_offset = padded[1:]
-    builder = NormalHandleBuilder(rank=1)
-    builder(handle)
-    again = builder.matrices
-    assert again[0].tolist() == rank_prefix.tolist() and again[2].tolist() == recv_channel_prefix.tolist()
+    assert all(m.is_contiguous() for m in got[:3])
+    assert got[3:] == ("src", "in_rank", "head") and normal_handle(got) is handle

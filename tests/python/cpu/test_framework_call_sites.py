@@ -118,15 +118,15 @@ def test_input_copies_follow_previous_event_on_the_comm_stream(comm_stream_log):
     result = wrapper.dispatch(fp8, topk_idx=ids.int(), topk_weights=weights,
                               num_tokens_per_expert=torch.zeros(NUM_EXPERTS, dtype=torch.int32),
                               is_token_in_rank=SENT[:, None].clone(), previous_event=deep_ep.EventOverlap(previous))
-    # The input copies, then (as always) the handle's matrices after the count exchange, on the comm stream.
-    assert entered == ["comm", "comm", None] and previous.waits == 2
+    # The input copies on the comm stream (the handle's matrices come from the count exchange itself).
+    assert entered == ["comm", None] and previous.waits == 2
     assert torch.equal(result[0][1], torch.ones(5, HIDDEN // 128))
     # Without previous_event the call orders the comm stream after the current stream: copies stay there.
     entered.clear()
     wrapper.dispatch(fp8, topk_idx=ids.int(), topk_weights=weights,
                      num_tokens_per_expert=torch.zeros(NUM_EXPERTS, dtype=torch.int32),
                      is_token_in_rank=SENT[:, None].clone())
-    assert entered == ["comm", None] and previous.waits == 2
+    assert entered == [None] and previous.waits == 2
 
 
 # ---- vLLM-style sequences ----
