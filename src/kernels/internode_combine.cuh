@@ -170,8 +170,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
                                my_nvl->consumed[l][node][channel] + got[l] + entry[l]);
       };
       const uint64_t position = base + done + i;
-      char* out = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
-                              : args.rdma.send_record(context.rdma_base, node, own, channel, position);
+      char* out = queue_record(args.rdma, context.rdma_base, target, node, own, channel, position);
       for (int v = lane; v < num_vectors; v += 32) {
         float acc[8];
         start_sum(acc);
@@ -204,12 +203,8 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
     if (group.leader()) *publish = group_aborted(context) ? 0 : 1;
     group.sync();
     if (*publish != 0) {
-      if (node != own) {
-        put_ring_range<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + done, take,
-                               &head->counters.tail[own][channel], group);
-      } else if (group.leader()) {
-        device::st_release_sys_u64(&head->counters.tail[own][channel], base + done + take);
-      }
+      publish_records<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + done, take,
+                              &head->counters.tail[own][channel], group);
     }
     for (int l = 0; l < nodes.ranks_per_node; ++l) {
       const int used = __popc(__ballot_sync(~0u, (lane_mask >> l) & 1u));

@@ -9,7 +9,6 @@
 #include "kernels/normal_queue.cuh"
 #include "kernels/shape_check.cuh"
 #include "kernels/warp_copy.cuh"
-#include "kernels/work_split.hpp"
 
 // What the kernels of normal mode across nodes share. They reach the network through `Remote`, a transport
 // policy (the NVSHMEM one lives in transport/nvshmem):
@@ -254,51 +253,60 @@ __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* address, uint6
   asm volatile("red.release.sys.global.add.u64 [%0], %1;" ::"l"(address), "l"(value) : "memory");
 }
 
-// Copies `bytes` (a multiple of 16) by every warp of `group`: warp w copies the w-th contiguous slice of the
-// 16-byte words, with warp_copy's unrolled loads (each lane has several in flight). The source was written in
-// this kernel (the group's staging), so it is read coherently.
-__device__ __forceinline__ void group_copy(void* dst, const void* src, size_t bytes, const WarpGroup& group) {
-  const WordRange range = piece_words(static_cast<int>(bytes / 16), group.warp, group.num_warps);
-  warp_copy<true>(static_cast<int4*>(dst) + range.begin, static_cast<const int4*>(src) + range.begin,
-                  static_cast<size_t>(range.end - range.begin) * 16, group.lane);
+// Where a sender writes record `position` of its stream to `dst_node` on `channel`:
+// - its own node: straight into its own receive queue;
+// - a rail peer it maps (load/store: NVSHMEM's P2P transport, an NVLink fabric): straight into the peer's
+// receive
+//   queue, the slot the put would have filled (the sender writes a slot only once the receiver gave it back,
+//   as for the put);
+// - any other peer (a NIC): its send ring, which publish_records puts from.
+__device__ __forceinline__ char* queue_record(const InternodeBufferMap& layout, void* rdma_base,
+                                              const RailTarget& target, int dst_node, int own_node_idx,
+                                              int channel, uint64_t position) {
+  if (dst_node == own_node_idx) return layout.recv_record(rdma_base, own_node_idx, channel, position);
+  if (target.mapped != nullptr) {
+    return target.at(rdma_base, layout.recv_record(rdma_base, own_node_idx, channel, position));
+  }
+  return layout.send_record(rdma_base, dst_node, own_node_idx, channel, position);
 }
 
-// Publishes the group's records [first, first + count) of its send ring towards `dst_node` to the same slots
-// of the rail peer's receive queue (split where the ring wraps) and adds `count` to the peer's `tail` (this
-// rank's symmetric address of it). Called by every warp of the group with the same arguments, once the
-// records are staged (a __threadfence, for a NIC's reads, then a group barrier).
-// - A mapped peer (load/store: NVSHMEM's P2P transport): every warp copies its slice of each piece, the group
-//   meets at a barrier, then the leader adds `count` to the mapped tail with a system-scope release.
-// - Any other peer: warp 0 puts each piece with a put-with-signal adding its size (the policy orders it after
-//   warp 0's earlier puts); the other warps return at once, and the put may still be running.
-// NOTES: the barrier orders every warp's stores before the leader's release, and a release is cumulative
-// (PTX memory model: those stores precede it in causality order), so a receiver whose acquire load of the
-// tail sees the add sees every record it counts. Slots are reused by the ring's rule, as with the put: a slot
-// is rewritten only once the receiver gave its entry back.
+// Publishes the group's records [first, first + count) towards `dst_node`, written where queue_record said,
+// and adds `count` to the receiver's `tail` (this rank's symmetric address of it). Called by every warp of
+// the group with the same arguments once the records are written (a __threadfence, for a NIC's reads, then a
+// group barrier).
+// - Own node: the leader stores the new tail with a system-scope release.
+// - A mapped peer: the leader adds `count` to the mapped tail with a system-scope release.
+// - Any other peer: warp 0 puts each piece of the send ring (split where the ring wraps) with a
+// put-with-signal
+//   adding its size (the policy orders it after warp 0's earlier puts); the other warps return at once, and
+//   the put may still be running.
+// NOTES: the barrier orders every warp's stores before the leader's release, and a release is cumulative (PTX
+// memory model: those stores precede it in causality order), so a receiver whose acquire load of the tail
+// sees the add sees every record it counts.
 template <typename Remote>
-__device__ __forceinline__ void put_ring_range(const InternodeBufferMap& layout, void* rdma_base,
-                                               const RailTarget& target, int dst_node, int own_node_idx,
-                                               int channel, uint64_t first, int count, uint64_t* tail,
-                                               const WarpGroup& group) {
-  if (target.mapped == nullptr && group.warp != 0) return;
-  const int total = count;
+__device__ __forceinline__ void publish_records(const InternodeBufferMap& layout, void* rdma_base,
+                                                const RailTarget& target, int dst_node, int own_node_idx,
+                                                int channel, uint64_t first, int count, uint64_t* tail,
+                                                const WarpGroup& group) {
+  if (dst_node == own_node_idx) {
+    if (group.leader()) device::st_release_sys_u64(tail, first + static_cast<uint64_t>(count));
+    return;
+  }
+  if (target.mapped != nullptr) {
+    if (group.leader()) red_add_release_sys_u64(target.at(rdma_base, tail), static_cast<uint64_t>(count));
+    return;
+  }
+  if (group.warp != 0) return;
   while (count > 0) {
     const int slot = static_cast<int>(first % static_cast<uint64_t>(layout.queue_tokens));
     const int piece = min(count, layout.queue_tokens - slot);
-    const char* src = layout.send_record(rdma_base, dst_node, own_node_idx, channel, first);
-    char* dst = layout.recv_record(rdma_base, own_node_idx, channel, first);
-    const size_t bytes = static_cast<size_t>(piece) * layout.record_bytes;
-    if (target.mapped != nullptr) {
-      group_copy(target.at(rdma_base, dst), src, bytes, group);
-    } else {
-      Remote::put_signal_warp(dst, src, bytes, tail, static_cast<uint64_t>(piece), target.rank);
-    }
+    Remote::put_signal_warp(layout.recv_record(rdma_base, own_node_idx, channel, first),
+                            layout.send_record(rdma_base, dst_node, own_node_idx, channel, first),
+                            static_cast<size_t>(piece) * layout.record_bytes, tail,
+                            static_cast<uint64_t>(piece), target.rank);
     first += piece;
     count -= piece;
   }
-  if (target.mapped == nullptr) return;
-  group.sync();
-  if (group.leader()) red_add_release_sys_u64(target.at(rdma_base, tail), static_cast<uint64_t>(total));
 }
 
 }  // namespace epx::kernels::internode

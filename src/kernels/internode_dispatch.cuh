@@ -81,8 +81,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
         const int entry = taken + __popc(mask & lanes_below(bit));
         const int token = t0 + bit;
         const uint64_t position = base + pushed + entry;
-        char* record = node == own ? args.rdma.recv_record(context.rdma_base, own, channel, position)
-                                   : args.rdma.send_record(context.rdma_base, node, own, channel, position);
+        char* record = queue_record(args.rdma, context.rdma_base, target, node, own, channel, position);
         write_token_record(record, r, args.in.x, args.in.x_scales, args.in.topk_idx, args.in.topk_weights,
                            token, lane);
         const uint32_t token_mask = __shfl_sync(~0u, local_mask, bit);
@@ -95,13 +94,8 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
     __threadfence();  // the records are complete before the put that reads them
     group.sync();
     if (taken > 0) {  // the same in every warp (each counted the same ballots)
-      if (node == own) {
-        if (group.leader())
-          device::st_release_sys_u64(&head->counters.tail[own][channel], base + pushed + taken);
-      } else {
-        put_ring_range<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + pushed, taken,
-                               &head->counters.tail[own][channel], group);
-      }
+      publish_records<Remote>(args.rdma, context.rdma_base, target, node, own, channel, base + pushed, taken,
+                              &head->counters.tail[own][channel], group);
     }
     pushed += taken;
   }
