@@ -3,9 +3,9 @@
 #include <string>
 #include <vector>
 
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/fp8.hpp"
+#include "formats/fp8.hpp"
 
 namespace epx::bench {
 

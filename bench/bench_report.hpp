@@ -11,7 +11,7 @@ struct BenchRow {
   std::string op;
   int num_sms = 0;
   double time_us = 0;
-  double bytes = 0;  // counted as docs/BENCHMARKS.md says for the op (epx/bench_bytes.hpp)
+  double bytes = 0;  // counted as docs/BENCHMARKS.md says for the op (bench/bench_bytes.hpp)
   // Across nodes: the bytes that cross between nodes (internode_network_rows x row bytes); 0 within a node.
   double network_bytes = 0;
   double gbps() const { return time_us > 0 ? bytes / (time_us * 1e3) : 0; }

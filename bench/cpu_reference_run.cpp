@@ -9,14 +9,14 @@
 #include <string>
 #include <vector>
 
+#include "bench_bytes.hpp"
 #include "bench_options.hpp"
-#include "epx/bench_bytes.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/low_latency.hpp"
-#include "epx/reference/normal.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
+#include "reference/layout.hpp"
+#include "reference/low_latency.hpp"
+#include "reference/normal.hpp"
+#include "reference/test_data.hpp"
 
 namespace epx::reference {
 

@@ -13,10 +13,10 @@
 
 #include "bench_options.hpp"
 #include "bench_report.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "cpu_reference_run.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/fp8.hpp"
+#include "formats/fp8.hpp"
 
 #if defined(EPX_WITH_CUDA)
 #include <cuda_runtime.h>

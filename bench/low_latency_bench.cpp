@@ -11,16 +11,16 @@
 #include <string>
 #include <vector>
 
+#include "bench_bytes.hpp"
 #include "bench_data.hpp"
-#include "epx/bench_bytes.hpp"
 #include "epx/buffer.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
 #include "epx/low_latency.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
 #include "launch_floor.hpp"
 #include "low_latency_phases.hpp"
 #include "nccl_baseline.hpp"
+#include "reference/test_data.hpp"
 #include "timing.hpp"
 
 namespace epx::bench {

@@ -11,17 +11,17 @@
 #include <string>
 #include <vector>
 
+#include "bench_bytes.hpp"
 #include "bench_data.hpp"
-#include "epx/bench_bytes.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
 #include "epx/normal.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
 #include "nccl_baseline.hpp"
+#include "reference/test_data.hpp"
 #include "timing.hpp"
 
 namespace epx::bench {

@@ -9,11 +9,10 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/formats/bf16.hpp"
 #include "epx/normal.hpp"
-#include "epx/reference/test_data.hpp"
 #include "example_util.hpp"
+#include "formats/bf16.hpp"
+#include "reference/test_data.hpp"
 
 namespace {
 

@@ -2,7 +2,8 @@
 
 #include <cstddef>
 
-// Performance settings of normal-mode calls, with DeepEP V1's fields and meanings.
+// Performance settings of normal-mode calls, with DeepEP V1's fields and meanings, and the buffer size hints
+// (BufferOptions' byte counts).
 namespace epx {
 
 struct Config {
@@ -15,7 +16,7 @@ struct Config {
   // Tokens one queue holds: every (source, destination, channel) with source != destination has one, in the
   // destination's NVLink buffer. The NVLink buffer grows with it, never with the batch.
   int num_max_nvl_chunked_recv_tokens = 256;
-  // Normal mode across nodes (epx/buffer_map/internode_buffer_map.hpp): most tokens a sender puts into a
+  // Normal mode across nodes (src/buffer_map/internode_buffer_map.hpp): most tokens a sender puts into a
   // network queue before it publishes them to the receiving node (one put-with-signal per chunk) ...
   int num_max_rdma_chunked_send_tokens = 6;
   // ... and tokens one network queue holds: every (source node, destination node, channel) has one, in the
@@ -36,6 +37,13 @@ struct Config {
   // tokens.
   size_t get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node = 0) const;
 };
+
+// Low-latency buffer bytes per rank (BufferOptions::num_rdma_bytes) for calls of up to
+// `num_max_dispatch_tokens_per_rank` tokens of `hidden` on `num_ranks` ranks with `num_experts` experts: the
+// low-latency buffer map's total, rounded up to a multiple of 2 MiB. Throws epx::Error for a shape
+// low-latency mode does not support.
+size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
+                                      int num_experts);
 
 // Which normal-mode call a recommended config is for.
 enum class ConfigFor { kDispatch, kCombine };

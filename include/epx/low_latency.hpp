@@ -2,14 +2,14 @@
 
 #include <cuda_runtime.h>
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
 
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/low_latency_buffer_map.hpp"
-#include "epx/common/fields.hpp"
 #include "epx/event.hpp"
+#include "epx/fields.hpp"
 
 // Low-latency (decode) mode on raw device pointers: dispatch into the fixed per-expert layout [L, R*M, H] and
 // the weighted combine back, through the Buffer's low-latency memory (size it with
@@ -21,6 +21,16 @@
 // A call whose receive has not run yet (its hook was not called) keeps its half busy; a call that needs
 // that half again throws instead of overwriting it. So at most two results are pending at once.
 namespace epx {
+
+// Rows of local expert le received from source rank s: rows [begin, begin + count) of le's block of R*M rows.
+// NOTES: count comes first so that, on the little-endian GPU and host, the pair read as one int64 is
+// begin << 32 | count: DeepEP's recv_layout_range, which callers and tests of deep_ep decode.
+struct LowLatencyRange {
+  int count;
+  int begin;
+};
+static_assert(std::bit_cast<int64_t>(LowLatencyRange{.count = 7, .begin = 300}) == (int64_t(300) << 32 | 7),
+              "a range is one int64, begin << 32 | count (DeepEP's packed layout range)");
 
 // A top-k listing of a source token as the rank holding its expert sees it (a dispatch given
 // recv_token_listings writes one per listing, for the pre-reduced combine): `row` is the flat row (local
@@ -52,7 +62,7 @@ struct LowLatencyDispatchInput {
   // combine.
   const float* topk_weights = nullptr;
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<LowLatencyDispatchInput> {
   template <typename Visit>
@@ -91,7 +101,7 @@ struct LowLatencyDispatchOutput {
   // Entries of tokens that sent this rank nothing are unspecified.
   LowLatencyListing* recv_token_listings = nullptr;
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<LowLatencyDispatchOutput> {
   template <typename Visit>
@@ -189,7 +199,7 @@ struct LowLatencyCombineInput {
   bool return_recv_hook = false;
   int64_t* combine_wait_recv_cost_stats = nullptr;  // [R] or null
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<LowLatencyCombineInput> {
   template <typename Visit>

@@ -7,8 +7,8 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
-#include "epx/common/fields.hpp"
 #include "epx/event.hpp"
+#include "epx/fields.hpp"
 
 // Normal (high-throughput) mode within one NVLink domain: layout, dispatch and combine on raw device
 // pointers. Every call is collective over the Buffer's ranks and runs on the Buffer's communication stream.
@@ -24,7 +24,7 @@ struct DispatchLayoutOutput {
   // num_tokens_per_rdma_rank), or nullptr when not wanted.
   int* num_tokens_per_rdma_rank = nullptr;
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<DispatchLayoutOutput> {
   template <typename Visit>
@@ -67,7 +67,7 @@ struct DispatchInput {
   int expert_alignment = 1;
   int num_worst_tokens = 0;  // > 0: no CPU sync, outputs sized num_worst_tokens rows
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<DispatchInput> {
   template <typename Visit>
@@ -160,7 +160,7 @@ struct DispatchOutput {
   int64_t* recv_topk_idx = nullptr;    // [rows, K] local expert ids, -1 elsewhere (only with top-k input)
   float* recv_topk_weights = nullptr;  // [rows, K]
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<DispatchOutput> {
   template <typename Visit>
@@ -230,7 +230,7 @@ struct CombineInput {
   // experts whose output width is not their input's): the handle fixes only which rows go where.
   int hidden = 0;
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<CombineInput> {
   template <typename Visit>
@@ -249,7 +249,7 @@ struct CombineOutput {
   void* combined_x = nullptr;              // [T, hidden] BF16 (the combine's hidden)
   float* combined_topk_weights = nullptr;  // [T, K] (when topk_weights given)
 };
-// Its fields by name, for the binding and tools (epx/common/fields.hpp).
+// Its fields by name, for the binding and tools (epx/fields.hpp).
 template <>
 struct Fields<CombineOutput> {
   template <typename Visit>

@@ -71,7 +71,7 @@ MAX_TOPK = 16  # epx.MAX_TOPK (kMaxTopk); a CPU test checks they agree, so parsi
 
 def normal_row_bytes(hidden: int, fp8: bool) -> float:
     """Bytes of one received row in normal mode: 2H for BF16, H + 4H/128 (the float32 scales) for FP8 (the
-    formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
+    formula of bench/bench_bytes.hpp, which epx-bench uses too)."""
     from epx._ext import _epx
 
     return _epx.normal_row_bytes(hidden, fp8)
@@ -86,13 +86,13 @@ def network_rows(num_tokens_per_node: Sequence[int], own_node: int) -> float:
     """Normal mode across nodes: rows a rank sends over the network in a dispatch (and receives back in the
     combine): each token once per node other than its own that holds one of its experts, however many ranks of
     that node need it. num_tokens_per_node: get_dispatch_layout's num_tokens_per_rdma_rank (the formula of
-    epx/bench_bytes.hpp, internode_network_rows)."""
+    bench/bench_bytes.hpp, internode_network_rows)."""
     return float(sum(count for node, count in enumerate(num_tokens_per_node) if node != own_node))
 
 
 def ll_selection_bytes(hidden: int, fmt: str) -> float:
     """Bytes of one valid (token, expert) selection in low-latency mode, fmt one of fp8, bf16, logfmt (the
-    formula of epx/bench_bytes.hpp, which epx-bench uses too)."""
+    formula of bench/bench_bytes.hpp, which epx-bench uses too)."""
     from epx._ext import _epx
 
     return _epx.low_latency_selection_bytes(hidden, fmt)

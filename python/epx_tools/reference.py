@@ -160,7 +160,7 @@ def normal_combine(handle: Any, x: Sequence[np.ndarray], *, topk_weights: Option
                    ranks_per_node: Optional[int] = None) -> List[Tuple[np.ndarray, Optional[np.ndarray]]]:
     """Normal-mode combine: per rank (combined_x BF16 bits [T, H], combined_topk_weights [T, K] or None).
     x[r] is rank r's [rows, H] BF16 bits in its dispatch output order. With ranks_per_node, the reduction
-    order across nodes of that many ranks (epx/reference/internode.hpp: each node's partial rounded to BF16
+    order across nodes of that many ranks (src/reference/internode.hpp: each node's partial rounded to BF16
     once, then the nodes in order, then the biases)."""
     num_topk = np.asarray(topk_weights[0]).shape[1] if topk_weights is not None else 0
     num_biases = (bias0 is not None) + (bias1 is not None)

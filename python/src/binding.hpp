@@ -13,7 +13,7 @@
 #include <utility>
 #include <vector>
 
-#include "epx/common/fields.hpp"
+#include "epx/fields.hpp"
 
 namespace epx::python {
 
@@ -84,7 +84,7 @@ Class from_field_kwargs(const py::kwargs& kwargs) {
   return value;
 }
 
-// Every field Fields<Class> lists (epx/common/fields.hpp): pointers as int properties, the rest as values;
+// Every field Fields<Class> lists (epx/fields.hpp): pointers as int properties, the rest as values;
 // and the keyword constructor Class(**fields) (from_field_kwargs), which also serves Class().
 template <typename Class>
 void def_fields(py::class_<Class>& cls) {

@@ -14,10 +14,10 @@
 #include <thread>
 #include <vector>
 
+#include "bench/bench_bytes.hpp"
 #include "binding.hpp"
-#include "epx/bench_bytes.hpp"
-#include "epx/buffer_map/low_latency_buffer_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/low_latency_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "py_bootstrap.hpp"
@@ -271,7 +271,8 @@ void bind_size_hints(py::module_& m) {
         py::arg("num_experts"), "Low-latency buffer bytes per rank; a multiple of 2 MiB.");
 }
 
-// The benchmarks' byte counts (epx/bench_bytes.hpp), so python -m epx.bench counts what epx-bench counts.
+// The benchmarks' byte counts (bench/bench_bytes.hpp), so python -m epx_tools.bench counts what epx-bench
+// counts.
 void bind_bench_bytes(py::module_& m) {
   m.def("normal_row_bytes", &normal_row_bytes, py::arg("hidden"), py::arg("fp8"));
   m.def(

@@ -1,5 +1,6 @@
-// The CPU reference (epx/reference/*.hpp) and its seeded test data, for the Python tests: the same oracle the
-// C++ tests use. Host vectors travel as flat numpy arrays (BF16 as uint16 bits); epx.reference reshapes.
+// The CPU reference (src/reference/*.hpp) and its seeded test data, for the Python tests and tools: the same
+// oracle the C++ tests use. Host vectors travel as flat numpy arrays (BF16 as uint16 bits);
+// epx_tools.reference reshapes.
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
@@ -11,11 +12,11 @@
 
 #include "binding.hpp"
 #include "epx/error.hpp"
-#include "epx/reference/internode.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/low_latency.hpp"
-#include "epx/reference/normal.hpp"
-#include "epx/reference/test_data.hpp"
+#include "reference/internode.hpp"
+#include "reference/layout.hpp"
+#include "reference/low_latency.hpp"
+#include "reference/normal.hpp"
+#include "reference/test_data.hpp"
 
 namespace epx::python {
 

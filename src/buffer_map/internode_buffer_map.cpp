@@ -1,4 +1,4 @@
-#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
 
 #include <algorithm>
 

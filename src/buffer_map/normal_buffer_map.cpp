@@ -1,7 +1,7 @@
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 
 #include "buffer_map/buffer_map_checks.hpp"
-#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace epx {

@@ -1,6 +1,6 @@
 #include "buffer_map/normal_nodes.hpp"
 
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace epx {

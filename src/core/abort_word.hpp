@@ -3,9 +3,9 @@
 #include <cstdint>
 #include <string>
 
+#include "common/host_device.hpp"
 #include "core/shape_fingerprint.hpp"
 #include "core/wait_record.hpp"
-#include "epx/common/host_device.hpp"
 
 namespace epx {
 

@@ -2,7 +2,7 @@
 
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
+#include "common/host_device.hpp"
 
 namespace epx {
 

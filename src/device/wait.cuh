@@ -2,11 +2,11 @@
 
 #include <cstdint>
 
+#include "common/counter.hpp"
+#include "common/tagged_word.hpp"
 #include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 #include "device/ptx.cuh"
-#include "epx/common/counter.hpp"
-#include "epx/common/tagged_word.hpp"
 
 namespace epx::device {
 

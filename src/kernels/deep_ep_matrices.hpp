@@ -1,6 +1,6 @@
 #pragma once
 
-#include "epx/common/host_device.hpp"
+#include "common/host_device.hpp"
 
 // DeepEP's intranode handle matrices, derived from a dispatch's recv_channel_offset by its count exchange
 // (the notify kernel writes them next to the offsets: DispatchHandle::deep_ep_matrices_device), so that the

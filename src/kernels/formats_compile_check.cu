@@ -2,9 +2,9 @@
 // Nothing launches this kernel; the CPU tests check the values, and the same headers run in the kernels.
 #include <cstdint>
 
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/formats/logfmt.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
+#include "formats/logfmt.hpp"
 
 namespace epx::detail {
 

@@ -1,7 +1,7 @@
 #pragma once
 
+#include "common/tagged_word.hpp"
 #include "device/ptx.cuh"
-#include "epx/common/tagged_word.hpp"
 #include "kernels/normal_kernels.hpp"
 
 namespace epx::kernels {

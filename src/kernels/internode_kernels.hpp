@@ -4,7 +4,7 @@
 
 #include <cstdint>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
 #include "kernels/normal_kernels.hpp"
 
 // Launchers of normal mode across nodes (layouts: InternodeBufferMap for the symmetric buffer,

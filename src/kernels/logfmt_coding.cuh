@@ -3,11 +3,11 @@
 // LogFMT-10 coding on the device, as the low-latency combine sends and receives it: a warp encodes a row's
 // groups (each lane four values, the codes assembled into the group's stream with shuffles), and the receive
 // decodes a returned row 8 channels at a time. The number format itself (a group's parameters, a value's
-// code, packed rows) is epx/formats/logfmt.hpp's, which the CPU reference shares.
+// code, packed rows) is src/formats/logfmt.hpp's, which the CPU reference shares.
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/formats/logfmt.hpp"
+#include "formats/logfmt.hpp"
 #include "kernels/low_latency_common.cuh"
 
 namespace epx::kernels {

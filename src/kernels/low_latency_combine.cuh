@@ -4,8 +4,8 @@
 // source rank, BF16 or LogFMT-10) and receive phase (wait, then the weighted sum in top-k order). Templated
 // on the transport policy for ranks outside the NVLink node (low_latency_transport.cuh). The LogFMT coding of
 // the rows is logfmt_coding.cuh's.
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/logfmt.hpp"
+#include "formats/bf16.hpp"
+#include "formats/logfmt.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/logfmt_coding.cuh"

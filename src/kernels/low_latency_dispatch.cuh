@@ -6,9 +6,9 @@
 // the including file instantiates it.
 #include <cuda_fp8.h>
 
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/formats/ue8m0.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
+#include "formats/ue8m0.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/low_latency_common.cuh"

@@ -4,8 +4,8 @@
 
 #include <cstdint>
 
+#include "buffer_map/low_latency_buffer_map.hpp"
 #include "core/shape_fingerprint.hpp"
-#include "epx/buffer_map/low_latency_buffer_map.hpp"
 #include "epx/low_latency.hpp"
 #include "kernels/peer_context.hpp"
 

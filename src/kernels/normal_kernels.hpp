@@ -4,10 +4,10 @@
 
 #include <cstdint>
 
+#include "buffer_map/layout_board_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
+#include "common/host_device.hpp"
 #include "core/shape_fingerprint.hpp"
-#include "epx/buffer_map/layout_board_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/common/host_device.hpp"
 #include "epx/normal.hpp"
 #include "kernels/peer_context.hpp"
 

@@ -1,7 +1,7 @@
 #include <algorithm>
 
+#include "buffer_map/internode_buffer_map.hpp"
 #include "device/ptx.cuh"
-#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"

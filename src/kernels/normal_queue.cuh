@@ -2,10 +2,10 @@
 
 #include <cstdint>
 
+#include "common/tagged_word.hpp"
 #include "core/abort_word.hpp"
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
-#include "epx/common/tagged_word.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/shape_check.cuh"
 #include "kernels/wait_context.cuh"

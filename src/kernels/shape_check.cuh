@@ -1,10 +1,10 @@
 #pragma once
 
+#include "common/tagged_word.hpp"
 #include "core/abort_word.hpp"
 #include "core/shape_fingerprint.hpp"
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
-#include "epx/common/tagged_word.hpp"
 
 // Cross-rank agreement on shapes (core/shape_fingerprint.hpp): a sender posts its fingerprint into the
 // receiver's abort-words allocation, in a slot of its own, before the signal that publishes its data; the

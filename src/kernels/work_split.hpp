@@ -3,7 +3,7 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
+#include "common/host_device.hpp"
 
 // How the low-latency kernels split their work over the grid: plain arithmetic shared by the kernels and the
 // CPU tests (tests/cpu/test_work_split.cpp), so each split is checked to cover its work exactly once.

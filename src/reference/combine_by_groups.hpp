@@ -2,7 +2,7 @@
 
 #include <vector>
 
-#include "epx/reference/normal.hpp"
+#include "reference/normal.hpp"
 
 // The combine reduction both references use: normal_combine (one group of every rank, partials unrounded) and
 // internode_combine (one group per node, each partial rounded to BF16 as it crosses the network).

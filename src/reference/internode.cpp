@@ -1,8 +1,8 @@
-#include "epx/reference/internode.hpp"
+#include "reference/internode.hpp"
 
 #include <cstddef>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
 #include "reference/combine_by_groups.hpp"
 

@@ -1,8 +1,8 @@
-#include "epx/reference/layout.hpp"
+#include "reference/layout.hpp"
 
 #include <cstddef>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace epx::reference {

@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "epx/error.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/low_latency.hpp"
+#include "reference/layout.hpp"
+#include "reference/low_latency.hpp"
 
 namespace epx::reference::detail {
 

@@ -1,9 +1,9 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/logfmt.hpp"
-#include "epx/reference/low_latency.hpp"
+#include "formats/bf16.hpp"
+#include "formats/logfmt.hpp"
+#include "reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
 
 namespace epx::reference {

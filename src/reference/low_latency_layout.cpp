@@ -1,9 +1,9 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/formats/ue8m0.hpp"
-#include "epx/reference/low_latency.hpp"
+#include "formats/fp8.hpp"
+#include "formats/ue8m0.hpp"
+#include "reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
 
 namespace epx::reference {

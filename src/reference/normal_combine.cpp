@@ -3,9 +3,9 @@
 #include <cstdint>
 
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/reference/normal.hpp"
+#include "formats/bf16.hpp"
 #include "reference/combine_by_groups.hpp"
+#include "reference/normal.hpp"
 
 namespace epx::reference {
 

@@ -2,8 +2,8 @@
 #include <cstring>
 
 #include "epx/error.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/normal.hpp"
+#include "reference/layout.hpp"
+#include "reference/normal.hpp"
 
 namespace epx::reference {
 

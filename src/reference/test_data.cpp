@@ -1,11 +1,11 @@
-#include "epx/reference/test_data.hpp"
+#include "reference/test_data.hpp"
 
 #include <algorithm>
 #include <cstddef>
 
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
 
 namespace epx::reference {
 

@@ -8,15 +8,15 @@
 #include <vector>
 
 #include "bootstrap/topology.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/layout_board_map.hpp"
+#include "buffer_map/low_latency_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "buffer_map/normal_nodes.hpp"
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
-#include "epx/buffer_map/internode_buffer_map.hpp"
-#include "epx/buffer_map/layout_board_map.hpp"
-#include "epx/buffer_map/low_latency_buffer_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_info.hpp"
 #include "kernels/low_latency_kernels.hpp"
@@ -100,7 +100,7 @@ struct Buffer::State {
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
   // Normal mode on one node: where get_dispatch_layout posts the counts each rank's host reads
-  // (epx/buffer_map/layout_board_map.hpp), and the layout kernel's count of finished blocks (device).
+  // (src/buffer_map/layout_board_map.hpp), and the layout kernel's count of finished blocks (device).
   std::optional<SharedHostMemory> layout_board;
   unsigned* layout_blocks_done = nullptr;
   std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer

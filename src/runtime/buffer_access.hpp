@@ -4,10 +4,10 @@
 
 #include <memory>
 
+#include "buffer_map/layout_board_map.hpp"
 #include "core/abort_word.hpp"
 #include "core/exclusive_use.hpp"
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/layout_board_map.hpp"
 
 namespace epx {
 
@@ -24,7 +24,7 @@ struct BufferAccess {
   static constexpr int kHostScratchInts = 16384;
   static int* host_scratch(const Buffer& buffer);
   static int* host_scratch_device(const Buffer& buffer);
-  // Normal mode on one node: the layout board (epx/buffer_map/layout_board_map.hpp) as the host and the
+  // Normal mode on one node: the layout board (src/buffer_map/layout_board_map.hpp) as the host and the
   // device see it, and the layout kernel's device counter of finished blocks (zero between launches). All
   // null where the group spans nodes, has no NVLink buffer, or could not map the shared memory.
   struct LayoutBoard {

@@ -4,7 +4,7 @@
 #include <atomic>
 #include <chrono>
 
-#include "epx/common/tagged_word.hpp"
+#include "common/tagged_word.hpp"
 
 namespace epx {
 

@@ -1,13 +1,13 @@
 #pragma once
 
-// The host side of the layout board (epx/buffer_map/layout_board_map.hpp), on one node: get_dispatch_layout
+// The host side of the layout board (src/buffer_map/layout_board_map.hpp), on one node: get_dispatch_layout
 // posts each rank's counts there for the notify after it; that notify marks on every rank's row whether its
 // dispatch sends what its layout posted, and its host reads its counts off its own row before any launch.
 #include <cstdint>
 #include <vector>
 
+#include "buffer_map/layout_board_map.hpp"
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/layout_board_map.hpp"
 #include "epx/normal.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
@@ -16,7 +16,7 @@
 namespace epx {
 
 // Where a notify's host may also find its counts: its half of the layout board, posted by every rank's
-// get_dispatch_layout (epx/buffer_map/layout_board_map.hpp).
+// get_dispatch_layout (src/buffer_map/layout_board_map.hpp).
 struct BoardCounts {
   const volatile uint64_t* half;
   LayoutBoardMap map;

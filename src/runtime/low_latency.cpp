@@ -3,7 +3,7 @@
 #include <cstdint>
 
 #include "epx/error.hpp"
-#include "epx/formats/ue8m0.hpp"
+#include "formats/ue8m0.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/work_split.hpp"

@@ -8,11 +8,11 @@
 #include <optional>
 #include <string_view>
 
+#include "buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/layout_board_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "buffer_map/normal_nodes.hpp"
-#include "epx/buffer_map/internode_buffer_map.hpp"
-#include "epx/buffer_map/layout_board_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/common/tagged_word.hpp"
+#include "common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/deep_ep_matrices.hpp"

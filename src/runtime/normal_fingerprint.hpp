@@ -3,8 +3,8 @@
 // What the ranks of a normal-mode call must agree on, as shape fingerprints (core/shape_fingerprint.hpp):
 // the notify's, checked across ranks with the counts, and each dispatch or combine launch's, checked by every
 // receiver before it reads a source's records.
+#include "buffer_map/normal_buffer_map.hpp"
 #include "core/shape_fingerprint.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
 #include "epx/config.hpp"
 
 namespace epx {

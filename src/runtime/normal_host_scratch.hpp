@@ -2,8 +2,8 @@
 
 #include <cstdint>
 
+#include "buffer_map/internode_buffer_map.hpp"
 #include "epx/buffer.hpp"
-#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
 

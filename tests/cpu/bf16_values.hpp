@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "epx/formats/bf16.hpp"
+#include "formats/bf16.hpp"
 
 // Hand-written BF16 rows for the reference tests: values in, bits out, and back.
 namespace epx::test {

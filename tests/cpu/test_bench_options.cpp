@@ -1,5 +1,5 @@
 // epx-bench's option rules (bench/bench_options.hpp) and the network bytes of a run across nodes
-// (epx/bench_bytes.hpp, docs/BENCHMARKS.md): every bad value names its flag, its value and the rule.
+// (bench/bench_bytes.hpp, docs/BENCHMARKS.md): every bad value names its flag, its value and the rule.
 #include <gtest/gtest.h>
 
 #include <cstdint>
@@ -7,11 +7,11 @@
 #include <string>
 #include <vector>
 
+#include "bench/bench_bytes.hpp"
 #include "bench/bench_options.hpp"
 #include "cpu/error_message.hpp"
-#include "epx/bench_bytes.hpp"
 #include "epx/error.hpp"
-#include "epx/reference/layout.hpp"
+#include "reference/layout.hpp"
 
 namespace {
 

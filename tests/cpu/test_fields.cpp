@@ -1,4 +1,4 @@
-// The field lists beside the public input and output structs (epx/common/fields.hpp): a static_assert after
+// The field lists beside the public input and output structs (epx/fields.hpp): a static_assert after
 // each list checks that it names every field (the Python binding binds what they list). Here, on structs of
 // its own (the public ones need the CUDA headers), that the check counts right.
 #include <gtest/gtest.h>
@@ -8,7 +8,7 @@
 #include <type_traits>
 #include <vector>
 
-#include "epx/common/fields.hpp"
+#include "epx/fields.hpp"
 
 namespace {
 

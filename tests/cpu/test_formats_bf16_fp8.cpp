@@ -9,8 +9,8 @@
 #include <vector>
 
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
 
 namespace {
 

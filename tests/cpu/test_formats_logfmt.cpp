@@ -8,8 +8,8 @@
 #include <utility>
 #include <vector>
 
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/logfmt.hpp"
+#include "formats/bf16.hpp"
+#include "formats/logfmt.hpp"
 
 namespace {
 

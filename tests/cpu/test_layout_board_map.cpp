@@ -5,8 +5,8 @@
 #include <set>
 #include <vector>
 
-#include "epx/buffer_map/layout_board_map.hpp"
-#include "epx/common/tagged_word.hpp"
+#include "buffer_map/layout_board_map.hpp"
+#include "common/tagged_word.hpp"
 
 namespace {
 

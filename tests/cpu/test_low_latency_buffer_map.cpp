@@ -2,14 +2,13 @@
 
 #include <algorithm>
 #include <cstddef>
-#include <cstring>
 #include <iterator>
 #include <set>
 #include <string>
 #include <utility>
 #include <vector>
 
-#include "epx/buffer_map/low_latency_buffer_map.hpp"
+#include "buffer_map/low_latency_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace {
@@ -343,12 +342,3 @@ TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
 }
 
 }  // namespace
-
-// deep_ep callers decode recv_layout_range as int64 begin << 32 | count: EPX's ranges are that int64.
-TEST(LowLatencyBufferMap, RangeReadsAsDeepEpPackedInt64) {
-  const epx::LowLatencyRange range{.count = 7, .begin = 300};
-  int64_t packed = 0;
-  std::memcpy(&packed, &range, sizeof(packed));
-  EXPECT_EQ(packed >> 32, 300);
-  EXPECT_EQ(packed & 0xffffffff, 7);
-}

@@ -8,8 +8,8 @@
 #include <string>
 #include <vector>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace {

@@ -6,9 +6,9 @@
 #include <functional>
 #include <string>
 
+#include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_nodes.hpp"
 #include "cpu/error_message.hpp"
-#include "epx/buffer_map/internode_buffer_map.hpp"
 #include "epx/error.hpp"
 
 namespace {

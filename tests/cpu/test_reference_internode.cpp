@@ -6,10 +6,10 @@
 
 #include "cpu/bf16_values.hpp"
 #include "epx/error.hpp"
-#include "epx/reference/internode.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/normal.hpp"
-#include "epx/reference/test_data.hpp"
+#include "reference/internode.hpp"
+#include "reference/layout.hpp"
+#include "reference/normal.hpp"
+#include "reference/test_data.hpp"
 
 // The across-nodes reference: what arrives equals the one-node reference, tokens cross to a node once, and
 // combine reduces inside each node (rounding that partial once) before summing the nodes.

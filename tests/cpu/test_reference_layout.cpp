@@ -5,8 +5,8 @@
 #include <vector>
 
 #include "epx/error.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/test_data.hpp"
+#include "reference/layout.hpp"
+#include "reference/test_data.hpp"
 
 namespace {
 

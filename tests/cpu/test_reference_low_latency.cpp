@@ -5,11 +5,11 @@
 #include <vector>
 
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/formats/ue8m0.hpp"
-#include "epx/reference/low_latency.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
+#include "formats/ue8m0.hpp"
+#include "reference/low_latency.hpp"
+#include "reference/test_data.hpp"
 
 namespace {
 

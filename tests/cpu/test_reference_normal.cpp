@@ -8,10 +8,10 @@
 
 #include "cpu/bf16_values.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/normal.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
+#include "reference/layout.hpp"
+#include "reference/normal.hpp"
+#include "reference/test_data.hpp"
 
 namespace {
 

@@ -6,7 +6,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "epx/common/counter.hpp"
+#include "common/counter.hpp"
 #include "kernels/work_split.hpp"
 
 namespace {

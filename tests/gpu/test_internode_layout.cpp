@@ -11,10 +11,10 @@
 
 #include "epx/buffer.hpp"
 #include "epx/normal.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/test_data.hpp"
 #include "expect_error.hpp"
 #include "gpu/cuda_check.hpp"
+#include "reference/layout.hpp"
+#include "reference/test_data.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"  // DeviceArray
 

@@ -18,12 +18,12 @@
 #include <vector>
 
 #include "epx/buffer.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/fp8.hpp"
 #include "epx/low_latency.hpp"
-#include "epx/reference/low_latency.hpp"
-#include "epx/reference/test_data.hpp"
+#include "formats/bf16.hpp"
+#include "formats/fp8.hpp"
 #include "gpu/cuda_check.hpp"
+#include "reference/low_latency.hpp"
+#include "reference/test_data.hpp"
 #include "run_ranks.hpp"
 
 namespace epx::test {

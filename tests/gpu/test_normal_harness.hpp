@@ -28,12 +28,12 @@
 #include <type_traits>
 #include <vector>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
 #include "epx/normal.hpp"
-#include "epx/reference/internode.hpp"
-#include "epx/reference/layout.hpp"
-#include "epx/reference/normal.hpp"
+#include "reference/internode.hpp"
+#include "reference/layout.hpp"
+#include "reference/normal.hpp"
 #include "test_low_latency_harness.hpp"  // DeviceArray, fail
 
 namespace epx::test {

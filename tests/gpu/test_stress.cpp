@@ -18,7 +18,7 @@
 #include <stdexcept>
 #include <string>
 
-#include "epx/reference/test_data.hpp"
+#include "reference/test_data.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 #include "test_normal_harness.hpp"

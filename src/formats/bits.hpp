@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "epx/common/host_device.hpp"
+#include "common/host_device.hpp"
 
 namespace epx {
 

@@ -3,9 +3,9 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/common/host_device.hpp"
-#include "epx/common/tagged_word.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
+#include "common/host_device.hpp"
+#include "common/tagged_word.hpp"
 
 namespace epx {
 

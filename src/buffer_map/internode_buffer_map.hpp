@@ -3,8 +3,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/common/host_device.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
+#include "common/host_device.hpp"
 #include "epx/config.hpp"
 
 // Normal mode across nodes: which rank is where, and the queues of the symmetric (NVSHMEM) buffer that carry

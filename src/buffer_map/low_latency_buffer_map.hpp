@@ -3,12 +3,12 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/buffer_map/internode_buffer_map.hpp"
-#include "epx/buffer_map/normal_buffer_map.hpp"
-#include "epx/common/host_device.hpp"
+#include "buffer_map/internode_buffer_map.hpp"
+#include "buffer_map/normal_buffer_map.hpp"
+#include "common/host_device.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/fp8.hpp"
-#include "epx/formats/logfmt.hpp"
+#include "formats/fp8.hpp"
+#include "formats/logfmt.hpp"
 
 namespace epx {
 
@@ -46,16 +46,6 @@ constexpr int kListingWeightsWord = kMaxTopk;  // the 32-bit word of the listing
 // The two operations that talk through the low-latency buffer; each has its own signals in each half.
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
 constexpr int kNumLowLatencyOps = 2;
-
-// Rows of local expert le received from source rank s: rows [begin, begin + count) of le's block of R*M rows.
-// NOTES: count comes first so that, on the little-endian GPU and host, the pair read as one int64 is
-// begin << 32 | count: DeepEP's recv_layout_range, which callers and tests of deep_ep decode.
-struct LowLatencyRange {
-  int count;
-  int begin;
-};
-static_assert(sizeof(LowLatencyRange) == sizeof(int64_t),
-              "a range is one int64 (DeepEP's packed layout range)");
 
 // Layout of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
 // the local buffer and the peers' mappings with it (all ranks use the same shape, so offsets agree).
@@ -349,13 +339,5 @@ struct LowLatencyBufferMap {
 };
 static_assert(sizeof(int) * (kMaxLowLatencyRanks + 1) <= InternodeBufferMap::kLowLatencyBarrierBytes,
               "the clean barrier of the largest group must fit its reserved place");
-
-// Low-latency buffer bytes per rank (what Buffer::get_low_latency_rdma_size_hint returns): the layout's
-// total, rounded up to a multiple of 2 MiB. Validates like LowLatencyBufferMap.
-inline size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
-                                             int num_experts) {
-  const LowLatencyBufferMap layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
-  return align_up(layout.total_bytes(), kLowLatencySizeHintAlign);
-}
 
 }  // namespace epx

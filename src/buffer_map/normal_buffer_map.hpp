@@ -3,8 +3,8 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
-#include "epx/common/tagged_word.hpp"
+#include "common/host_device.hpp"
+#include "common/tagged_word.hpp"
 #include "epx/config.hpp"
 
 namespace epx {

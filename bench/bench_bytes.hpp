@@ -1,7 +1,7 @@
 #pragma once
 
-// The bytes the benchmarks count, so `epx-bench`, its CPU reference run and `python -m epx.bench` report the
-// same GB/s (= bytes / time) for the same run.
+// The bytes the benchmarks count, so `epx-bench`, its CPU reference run and `python -m epx_tools.bench`
+// report the same GB/s (= bytes / time) for the same run.
 namespace epx {
 
 enum class WireFormat { kBf16, kFp8, kLogFmt };

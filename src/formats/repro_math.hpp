@@ -3,8 +3,8 @@
 #include <cmath>
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
-#include "epx/formats/bits.hpp"
+#include "common/host_device.hpp"
+#include "formats/bits.hpp"
 
 // log2 / exp2 that give the same bits on every host and GPU, for LogFMT's levels.
 //

@@ -4,10 +4,10 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/bits.hpp"
-#include "epx/formats/repro_math.hpp"
+#include "common/host_device.hpp"
+#include "formats/bf16.hpp"
+#include "formats/bits.hpp"
+#include "formats/repro_math.hpp"
 
 // LogFMT-10: the optional wire format of low-latency combine, one slot per group of 128 BF16 channels.
 //

@@ -4,11 +4,11 @@
 #include <cstddef>
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
+#include "common/host_device.hpp"
 #include "epx/error.hpp"
-#include "epx/formats/bf16.hpp"
-#include "epx/formats/bits.hpp"
-#include "epx/formats/ue8m0.hpp"
+#include "formats/bf16.hpp"
+#include "formats/bits.hpp"
+#include "formats/ue8m0.hpp"
 
 // FP8 e4m3 (OCP e4m3fn) and the per-128-channel group scales of the low-latency dispatch cast.
 //

@@ -3,7 +3,7 @@
 #include <cstdint>
 #include <vector>
 
-#include "epx/reference/normal.hpp"
+#include "reference/normal.hpp"
 
 // Normal mode across nodes, reference: R simulated ranks in nodes of ranks_per_node consecutive ranks. A
 // token crosses the network to a node once (to its source's rail peer there), which forwards it over NVLink

@@ -2,8 +2,8 @@
 
 #include <cstdint>
 
-#include "epx/common/host_device.hpp"
-#include "epx/formats/bits.hpp"
+#include "common/host_device.hpp"
+#include "formats/bits.hpp"
 
 namespace epx {
 
