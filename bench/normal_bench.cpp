@@ -230,18 +230,17 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
 }
 
 // The config of the benchmark's calls with `num_sms`: within one node DeepEP's recommended one for the rank
-// count (what deep_ep callers run), the NVLink chunk and queue flags overriding it; across nodes Config's
-// defaults, the network chunk and queue flags overriding them.
+// count (what deep_ep callers run), the NVLink chunk and queue flags overriding it; across nodes
+// across_nodes_config (a Buffer's first config there), the network chunk and queue flags overriding it.
 Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool across_nodes, int num_sms) {
-  Config config;
-  config.num_sms = num_sms;
   if (across_nodes) {
+    Config config = across_nodes_config(num_sms);
     if (o.rdma_send_chunk > 0) config.num_max_rdma_chunked_send_tokens = o.rdma_send_chunk;
     if (o.rdma_queue_tokens > 0) config.num_max_rdma_chunked_recv_tokens = o.rdma_queue_tokens;
     validate_config(config);
     return config;
   }
-  config = recommended_config(op, num_ranks, num_sms);
+  Config config = recommended_config(op, num_ranks, num_sms);
   if (o.nvl_send_chunk > 0) config.num_max_nvl_chunked_send_tokens = o.nvl_send_chunk;
   if (o.nvl_queue_tokens > 0) config.num_max_nvl_chunked_recv_tokens = o.nvl_queue_tokens;
   validate_config(config);

@@ -64,7 +64,7 @@ class Buffer {
 
   // The config of the normal-mode calls (SM budget and queue sizes). It starts as BufferOptions::num_sms
   // with, within one node, recommended_config's chunks for the group size (ConfigFor::kDispatch), across
-  // nodes Config's defaults.
+  // nodes across_nodes_config's.
   const Config& config() const;
   void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
   int num_sms() const { return config().num_sms; }

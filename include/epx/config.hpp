@@ -53,6 +53,11 @@ enum class ConfigFor { kDispatch, kCombine };
 // Config's defaults with `num_sms` for a group size DeepEP has no recommendation for.
 Config recommended_config(ConfigFor op, int num_ranks, int num_sms);
 
+// EPX's config of a group that spans nodes, with `num_sms`: Config's queues (which size the symmetric
+// buffer), and a network send chunk of 32 records, not Config's 6 (2 x H100 as 2 nodes of 1 GPU at 24 SMs,
+// per call: BF16 dispatch 1,127 -> 649 us, FP8 833 -> 447 us, combine 1,728 -> 1,113 us; docs/BENCHMARKS.md).
+Config across_nodes_config(int num_sms);
+
 // Throws epx::Error naming the first field that breaks a rule (>= 1; send chunk <= queue tokens, for the
 // NVLink and the network queues).
 void validate_config(const Config& config);

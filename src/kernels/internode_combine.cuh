@@ -109,7 +109,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
   const NormalRecord& r = args.record.normal;
   const int num_topk = r.num_topk_weights;
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
-  const RailTarget target = RailTarget::of<Remote>(context.rdma_base, dst_rank);
+  const RailTarget target = RailTarget::of<Remote>(context, dst_rank);
   InternodeBufferMap::Head* head = rdma_head(context);
   auto* my_nvl = nvl_counters(context.peers.local_base);
   const device::WaitContext wait = wait_context(context);

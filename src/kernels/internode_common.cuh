@@ -235,8 +235,9 @@ struct RailTarget {
   char* mapped;
 
   template <typename Remote>
-  __device__ static RailTarget of(void* rdma_base, int rank) {
-    return {rank, static_cast<char*>(Remote::peer_pointer(rdma_base, rank))};
+  __device__ static RailTarget of(const InternodeContext& context, int rank) {
+    return {rank, context.map_rail_peers ? static_cast<char*>(Remote::peer_pointer(context.rdma_base, rank))
+                                         : nullptr};
   }
   // `rank`'s copy of this rank's symmetric address `symmetric` (in the buffer at `rdma_base`); mapped only.
   template <typename T>

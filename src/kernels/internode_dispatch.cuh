@@ -28,7 +28,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
   const int num_ranks = context.peers.num_ranks;
   const int own = own_node(context);
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
-  const RailTarget target = RailTarget::of<Remote>(context.rdma_base, dst_rank);
+  const RailTarget target = RailTarget::of<Remote>(context, dst_rank);
   const int lane = group.lane;
   InternodeBufferMap::Head* head = rdma_head(context);
   const uint64_t base = head->counters.sent[node][channel];

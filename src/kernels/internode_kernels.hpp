@@ -18,6 +18,9 @@ struct InternodeContext {
   PeerContext peers;
   void* rdma_base;
   NodeMap nodes;
+  // Rail peers the transport maps (load/store) are written directly; false sends to every other node through
+  // the transport's puts, as over a NIC (EPX_INTERNODE_PUTS=1: the tests run that path on GPUs that map).
+  bool map_rail_peers = true;
 };
 
 // Host-mapped counts of the internode notify: HostCounts at HostCountIndex (rows, rows per source, aligned

@@ -168,10 +168,10 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     // Within one node, normal-mode calls start with DeepEP's recommended chunks for the group size (at 2
     // ranks a send chunk of 24 tokens, not Config's 6: 302 against 462 us per cached BF16 dispatch on 2 x
     // H100 at 24 SMs, docs/BENCHMARKS.md); the queues, and so the buffer size, are Config's up to 8 ranks.
-    // Across nodes Config's defaults, which size the network queues.
+    // Across nodes across_nodes_config: Config's queues (they size the network queues), a larger send chunk.
     set_config(s.ranks_per_node == s.num_ranks
                    ? recommended_config(ConfigFor::kDispatch, s.num_ranks, options.num_sms)
-                   : Config{.num_sms = options.num_sms});
+                   : across_nodes_config(options.num_sms));
     s.low_latency = std::make_shared<LowLatencyState>();
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <cstdlib>
 #include <stdexcept>
 #include <string>
 #include <vector>
@@ -137,6 +138,24 @@ TEST_P(NormalNodes, OneTokenQueues) {
   c.rdma_queue_tokens = 1;
   c.num_sms = {2, 4};
   c.formats = {kBf16, kFp8};
+  c.num_iterations = 2;
+  run_case(c);
+}
+
+// The path a NIC takes (send ring, then the transport's put-with-signal per chunk) on GPUs whose peers it
+// could write directly (EPX_INTERNODE_PUTS=1: no rail peer mapped): the ring wrapping mid-chunk, both
+// formats, cached.
+TEST_P(NormalNodes, NetworkPutsInsteadOfStores) {
+  struct PutsOnly {
+    PutsOnly() { setenv("EPX_INTERNODE_PUTS", "1", 1); }
+    ~PutsOnly() { unsetenv("EPX_INTERNODE_PUTS"); }
+  } puts_only;
+  NormalCase c = node_case(GetParam(), 308);
+  c.num_tokens = {333, 1, 0};
+  c.rdma_chunk_tokens = 5;
+  c.rdma_queue_tokens = 12;
+  c.formats = {kBf16, kFp8};
+  c.cached = {false, true};
   c.num_iterations = 2;
   run_case(c);
 }
