@@ -98,12 +98,25 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   __syncthreads();
   const int parity = sequence & 1;
   const int stride = InternodeBufferMap::message_stride(num_ranks);
-  const size_t message_bytes = sizeof(int) * InternodeBufferMap::message_ints(num_channels, experts_per_rank);
+  const int message_ints = InternodeBufferMap::message_ints(num_channels, experts_per_rank);
   const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
   for (int dst = warp; dst < num_ranks; dst += kNotifyThreads / 32) {
-    Remote::put_signal_warp(head->notify[parity].messages + size_t(rank) * stride,
-                            head->send.messages + size_t(dst) * stride, message_bytes,
-                            &head->control.notify_signal[rank], 1, dst);
+    int* slot = head->notify[parity].messages + size_t(rank) * stride;
+    const int* message = head->send.messages + size_t(dst) * stride;
+    uint64_t* signal = &head->control.notify_signal[rank];
+    const RailTarget target = RailTarget::of<Remote>(context, dst);
+    if (target.mapped != nullptr) {
+      // A peer this GPU maps: the message straight into its slot (the channel blocks wrote parts of it: read
+      // past L1), then one release adding to its signal, cumulative over the warp's stores (__syncwarp).
+      int* mapped_slot = target.at(context.rdma_base, slot);
+      for (int i = lane; i < message_ints; i += 32)
+        mapped_slot[i] = reinterpret_cast<const volatile int*>(message)[i];
+      __syncwarp();
+      if (lane == 0) red_add_release_sys_u64(target.at(context.rdma_base, signal), 1);
+    } else {
+      Remote::put_signal_warp(slot, message, sizeof(int) * static_cast<size_t>(message_ints), signal, 1, dst);
+    }
   }
   if (threadIdx.x % 32 == 0) Remote::quiet();
   int* arrived = head->notify[parity].messages;
