@@ -44,15 +44,6 @@ endif()
 target_compile_options(_epx_torch PRIVATE ${EPX_WARNINGS})
 target_compile_features(_epx_torch PRIVATE cxx_std_20)
 target_link_libraries(_epx_torch PRIVATE ${_epx_torch_libs})
-set_target_properties(_epx_torch PROPERTIES LIBRARY_OUTPUT_DIRECTORY ${PROJECT_BINARY_DIR}/python/epx
-                                            CXX_VISIBILITY_PRESET hidden INSTALL_RPATH "${_epx_torch_dir}/lib"
+set_target_properties(_epx_torch PROPERTIES CXX_VISIBILITY_PRESET hidden INSTALL_RPATH "${_epx_torch_dir}/lib"
                                             BUILD_RPATH "${_epx_torch_dir}/lib")
-if(CMAKE_SYSTEM_NAME STREQUAL "Linux")
-  set(_epx_torch_exports "${CMAKE_CURRENT_BINARY_DIR}/_epx_torch.exports")
-  file(WRITE "${_epx_torch_exports}" "{ global: PyInit__epx_torch; local: *; };\n")
-  target_link_options(_epx_torch PRIVATE "LINKER:--version-script=${_epx_torch_exports}")
-  set_property(TARGET _epx_torch APPEND PROPERTY LINK_DEPENDS "${_epx_torch_exports}")
-endif()
-if(SKBUILD)
-  install(TARGETS _epx_torch LIBRARY DESTINATION epx)
-endif()
+epx_python_module(_epx_torch)

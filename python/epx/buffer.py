@@ -538,6 +538,23 @@ class Buffer:
         return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
                               new_handle, overlap)
 
+    def _call_natively(self, config: Optional[Config], call: Callable[..., Any], *args: Any) -> Any:
+        """The torch extension's `call`(*args) (checks, outputs and the launch in C++) with `config` applied for it:
+        its result, or None where the arguments are not the plain case (the extension's None, or the TypeError of
+        its argument conversion): the caller's Python path then raises the named error or copes. The config is
+        restored unless the call ran."""
+        previous_config = self._apply_config(config)
+        try:
+            made = call(*args)
+        except TypeError:
+            made = None
+        except BaseException:
+            self._restore_config(previous_config)
+            raise
+        if made is None:
+            self._restore_config(previous_config)
+        return made
+
     def _dispatch_natively(self, x: Tokens, topk_idx: Any, topk_weights: Any, num_experts: Optional[int],
                            is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any,
                            expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
@@ -555,20 +572,12 @@ class Buffer:
         if launch_receive and not num_worst_tokens and self._last_recv_rows is not None \
                 and not self.runtime.spans_nodes:
             guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
-        previous_config = self._apply_config(config)
-        try:
-            made = torch_calls.dispatch(
-                self.runtime, self._device_index, self.num_ranks, data, scales, topk_idx, topk_weights,
-                is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, expert_alignment, num_worst_tokens,
-                launch_receive, guess_rows, event_handle(previous_event), async_finish, allocate_on_comm_stream,
-                self._comm_stream_handle)
-        except TypeError:  # an argument of another type: dispatch's Python names it
-            made = None
-        except BaseException:
-            self._restore_config(previous_config)
-            raise
+        made = self._call_natively(
+            config, torch_calls.dispatch, self.runtime, self._device_index, self.num_ranks, data, scales, topk_idx,
+            topk_weights, is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
+            num_worst_tokens, launch_receive, guess_rows, event_handle(previous_event), async_finish,
+            allocate_on_comm_stream, self._comm_stream_handle)
         if made is None:
-            self._restore_config(previous_config)
             return None
         recv_x, recv_scales, recv_idx, recv_weights, native_handle, rows, per_expert_list, event = made
         if not num_worst_tokens:
@@ -586,19 +595,11 @@ class Buffer:
         """A cached dispatch through the torch extension (checks, outputs and the call in C++), or None where its
         arguments are not the plain case: dispatch's Python then raises or copes."""
         data, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-        previous_config = self._apply_config(config)
-        try:
-            made = torch_calls.dispatch_cached(
-                self.runtime, self._device_index, handle.native, data, scales, handle.num_tokens,
-                handle.num_recv_rows, handle.num_experts, expert_alignment, event_handle(previous_event),
-                async_finish, allocate_on_comm_stream, self._comm_stream_handle)
-        except TypeError:  # an argument of another type: dispatch's Python names it
-            made = None
-        except BaseException:
-            self._restore_config(previous_config)
-            raise
+        made = self._call_natively(
+            config, torch_calls.dispatch_cached, self.runtime, self._device_index, handle.native, data, scales,
+            handle.num_tokens, handle.num_recv_rows, handle.num_experts, expert_alignment,
+            event_handle(previous_event), async_finish, allocate_on_comm_stream, self._comm_stream_handle)
         if made is None:
-            self._restore_config(previous_config)
             return None
         recv_x, recv_scales, event = made
         return DispatchResult(recv_x, recv_scales, None, None, list(handle.num_recv_tokens_per_expert_list), handle,
@@ -668,19 +669,11 @@ class Buffer:
             bias0, bias1 = (tuple(bias) + (None, None))[:2]
         else:
             bias0, bias1 = bias, None
-        previous_config = self._apply_config(config)
-        try:
-            made = torch_calls.combine(
-                self.runtime, self._device_index, handle.native, x, handle.num_recv_rows, handle.num_tokens,
-                topk_weights, bias0, bias1, event_handle(previous_event), async_finish, allocate_on_comm_stream,
-                self._comm_stream_handle)
-        except TypeError:  # an argument of another type: combine's Python names it
-            made = None
-        except BaseException:
-            self._restore_config(previous_config)
-            raise
+        made = self._call_natively(
+            config, torch_calls.combine, self.runtime, self._device_index, handle.native, x, handle.num_recv_rows,
+            handle.num_tokens, topk_weights, bias0, bias1, event_handle(previous_event), async_finish,
+            allocate_on_comm_stream, self._comm_stream_handle)
         if made is None:
-            self._restore_config(previous_config)
             return None
         combined_x, combined_weights, event = made
         return CombineResult(combined_x, combined_weights, EventOverlap(event if async_finish else None))
@@ -713,13 +706,11 @@ class Buffer:
         event, hook, recv_src_info). handle_keeps_src_info=False leaves recv_src_info out of the handle (deep_ep's
         tuple holds it, and the handle is attached to it: holding it back would make a reference cycle)."""
         if torch_calls is not None:
-            try:  # checks, outputs and the call in C++; None: not the plain case (the Python below raises or copes)
-                made = torch_calls.low_latency_dispatch(
-                    self.runtime, self._device_index, self.num_ranks, x, topk_idx, num_max_dispatch_tokens_per_rank,
-                    num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
-                    round_scale, use_ue8m0, async_finish, return_recv_hook, topk_weights)
-            except TypeError:  # an argument of another type: the Python below names it
-                made = None
+            made = self._call_natively(
+                None, torch_calls.low_latency_dispatch, self.runtime, self._device_index, self.num_ranks, x, topk_idx,
+                num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
+                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
+                topk_weights)
             if made is not None:
                 recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings, result = made
                 return self._low_latency_dispatched(
@@ -848,14 +839,11 @@ class Buffer:
             raise error("pre_reduce", True, "needs a handle from a low_latency_dispatch given topk_weights")
         made = None
         if torch_calls is not None:
-            try:  # checks, output and the call in C++; None: not the plain case (the Python below raises or copes)
-                made = torch_calls.low_latency_combine(
-                    self.runtime, self._device_index, handle.native, x, handle.num_experts // self.num_ranks,
-                    self.num_ranks * handle.num_max_dispatch_tokens_per_rank, topk_idx, topk_weights, num_tokens,
-                    hidden, num_topk, self.num_ranks, combine_wait_recv_cost_stats, out, use_logfmt,
-                    logfmt_within_node, pre_reduce, zero_copy, async_finish, return_recv_hook)
-            except TypeError:  # an argument of another type: the Python below names it
-                made = None
+            made = self._call_natively(
+                None, torch_calls.low_latency_combine, self.runtime, self._device_index, handle.native, x,
+                handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
+                topk_idx, topk_weights, num_tokens, hidden, num_topk, self.num_ranks, combine_wait_recv_cost_stats,
+                out, use_logfmt, logfmt_within_node, pre_reduce, zero_copy, async_finish, return_recv_hook)
         if made is not None:
             out, result = made
             return self._low_latency_combined(result, out, x, topk_idx, topk_weights, handle, recv_src_info,

@@ -209,6 +209,31 @@ py::object low_latency_combine(py::handle buffer, int device, py::handle handle,
   return py::make_tuple(std::move(combined), std::move(result));
 }
 
+// A dispatch's tokens as the kernels move them, when they are the plain case: x BF16 [T, H], or 1-byte FP8
+// rows with x_scales (float32 or int32 words [T, S], S >= 1), contiguous on `device`, rows a multiple of 16
+// bytes. The input's token fields are filled; nullopt otherwise.
+std::optional<epx::DispatchInput> token_input(const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
+                                              int device) {
+  const bool fp8 = x_scales.has_value();
+  if (!x.is_cuda() || x.get_device() != device || x.dim() != 2 || !x.is_contiguous() ||
+      (fp8 ? x.element_size() != 1 : x.scalar_type() != at::kBFloat16) ||
+      (x.size(1) * x.element_size()) % 16 != 0 || !fits_int(x.size(0)) || !fits_int(x.size(1))) {
+    return std::nullopt;
+  }
+  if (fp8 && !((plain(*x_scales, device, at::kFloat, 2) || plain(*x_scales, device, at::kInt, 2)) &&
+               x_scales->size(0) == x.size(0) && x_scales->size(1) >= 1 && fits_int(x_scales->size(1)))) {
+    return std::nullopt;
+  }
+  epx::DispatchInput in;
+  in.x = x.data_ptr();
+  in.format = fp8 ? epx::TokenFormat::kFp8 : epx::TokenFormat::kBf16;
+  in.x_scales = pointer_of<const float*>(x_scales);
+  in.num_scales = fp8 ? static_cast<int>(x_scales->size(1)) : 0;
+  in.num_tokens = static_cast<int>(x.size(0));
+  in.hidden = static_cast<int>(x.size(1));
+  return in;
+}
+
 // (recv_x, recv_x_scales or None, the `_epx.Event`) of a dispatch with a cached handle, or None. x is BF16
 // [T, H], or 1-byte FP8 rows with x_scales (float32 or int32 words [T, S]); rows and num_tokens are the
 // handle's.
@@ -216,32 +241,19 @@ py::object dispatch_cached(py::handle buffer, int device, py::handle handle, con
                            const std::optional<at::Tensor>& x_scales, int64_t num_tokens, int64_t rows,
                            int64_t num_experts, int64_t expert_alignment, uintptr_t previous_event,
                            bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
-  const bool fp8 = x_scales.has_value();
-  if (!x.is_cuda() || x.get_device() != device || x.dim() != 2 || !x.is_contiguous() ||
-      x.size(0) != num_tokens || (fp8 ? x.element_size() != 1 : x.scalar_type() != at::kBFloat16) ||
-      (x.size(1) * x.element_size()) % 16 != 0 || !fits_int(x.size(1)) || !fits_int(expert_alignment) ||
-      !fits_int(rows)) {
+  std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
+  if (!tokens || x.size(0) != num_tokens || !fits_int(expert_alignment) || !fits_int(rows) ||
+      (allocate_on_comm_stream && (previous_event == 0 || !async_finish))) {
     return py::none();
   }
-  if (fp8 && !((plain(*x_scales, device, at::kFloat, 2) || plain(*x_scales, device, at::kInt, 2)) &&
-               x_scales->size(0) == num_tokens && x_scales->size(1) >= 1 && fits_int(x_scales->size(1)))) {
-    return py::none();
-  }
-  if (allocate_on_comm_stream && (previous_event == 0 || !async_finish)) return py::none();
-  epx::DispatchInput in;
-  in.x = x.data_ptr();
-  in.format = fp8 ? epx::TokenFormat::kFp8 : epx::TokenFormat::kBf16;
-  in.x_scales = pointer_of<const float*>(x_scales);
-  in.num_scales = fp8 ? static_cast<int>(x_scales->size(1)) : 0;
-  in.num_tokens = static_cast<int>(num_tokens);
-  in.hidden = static_cast<int>(x.size(1));
+  epx::DispatchInput& in = *tokens;
   in.num_experts = static_cast<int>(num_experts);
   in.expert_alignment = static_cast<int>(expert_alignment);
   std::optional<at::Tensor> recv_x, recv_scales;
   {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
     recv_x = at::empty({rows, x.size(1)}, x.options());
-    if (fp8) recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
+    if (x_scales) recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
   }
   epx::DispatchOutput out;
   out.recv_x = recv_x->data_ptr();
@@ -325,18 +337,11 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
                     int64_t num_worst_tokens, bool launch_receive, int64_t guess_rows,
                     uintptr_t previous_event, bool async_finish, bool allocate_on_comm_stream,
                     uintptr_t comm_stream) {
-  const bool fp8 = x_scales.has_value();
-  if (!x.is_cuda() || x.get_device() != device || x.dim() != 2 || !x.is_contiguous() ||
-      (fp8 ? x.element_size() != 1 : x.scalar_type() != at::kBFloat16) ||
-      (x.size(1) * x.element_size()) % 16 != 0 || !fits_int(x.size(0)) || !fits_int(x.size(1)) ||
-      !fits_int(expert_alignment) || !fits_int(num_worst_tokens) || !fits_int(guess_rows)) {
+  std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
+  if (!tokens || !fits_int(expert_alignment) || !fits_int(num_worst_tokens) || !fits_int(guess_rows)) {
     return py::none();
   }
   const int64_t num_tokens = x.size(0);
-  if (fp8 && !((plain(*x_scales, device, at::kFloat, 2) || plain(*x_scales, device, at::kInt, 2)) &&
-               x_scales->size(0) == num_tokens && x_scales->size(1) >= 1 && fits_int(x_scales->size(1)))) {
-    return py::none();
-  }
   // Top-k ids and weights come together (int64 [T, K], float32 [T, K]) or not at all.
   if (topk_idx.has_value() != topk_weights.has_value() ||
       (topk_idx && !(plain(*topk_idx, device, at::kLong, 2) && topk_idx->size(0) == num_tokens &&
@@ -352,13 +357,7 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   }
   if (allocate_on_comm_stream && (previous_event == 0 || !async_finish)) return py::none();
   const int64_t num_topk = topk_idx ? topk_idx->size(1) : 0;
-  epx::DispatchInput in;
-  in.x = x.data_ptr();
-  in.format = fp8 ? epx::TokenFormat::kFp8 : epx::TokenFormat::kBf16;
-  in.x_scales = pointer_of<const float*>(x_scales);
-  in.num_scales = fp8 ? static_cast<int>(x_scales->size(1)) : 0;
-  in.num_tokens = static_cast<int>(num_tokens);
-  in.hidden = static_cast<int>(x.size(1));
+  epx::DispatchInput& in = *tokens;
   in.topk_idx = pointer_of<const int64_t*>(topk_idx);
   in.topk_weights = pointer_of<const float*>(topk_weights);
   in.num_topk = static_cast<int>(num_topk);
