@@ -25,7 +25,8 @@ struct BenchOptions {
   // default).
   int nvl_send_chunk = 0;
   int nvl_queue_tokens = 0;
-  // Normal mode across nodes: the send chunk and queue tokens of the network queues (0: Config's defaults).
+  // Normal mode across nodes: the send chunk and queue tokens of the network queues (0:
+  // across_nodes_config's).
   int rdma_send_chunk = 0;
   int rdma_queue_tokens = 0;
   // --tune: instead of the table, time the cached dispatch (BF16, FP8) and the combine at every NVLink send
@@ -70,10 +71,8 @@ inline void validate_options(const BenchOptions& o) {
   check_ranks_per_node("--ranks-per-node", o.ranks_per_node, o.num_ranks, "--ranks");
   EPX_CHECK(o.nvl_send_chunk >= 0, "--nvl-chunk", o.nvl_send_chunk, "must be >= 0 (0: recommended)");
   EPX_CHECK(o.nvl_queue_tokens >= 0, "--nvl-queue", o.nvl_queue_tokens, "must be >= 0 (0: recommended)");
-  EPX_CHECK(o.rdma_send_chunk >= 0, "--rdma-chunk", o.rdma_send_chunk,
-            "must be >= 0 (0: across_nodes_config's)");
-  EPX_CHECK(o.rdma_queue_tokens >= 0, "--rdma-queue", o.rdma_queue_tokens,
-            "must be >= 0 (0: across_nodes_config's)");
+  EPX_CHECK(o.rdma_send_chunk >= 0, "--rdma-chunk", o.rdma_send_chunk, "must be >= 0 (0: the default)");
+  EPX_CHECK(o.rdma_queue_tokens >= 0, "--rdma-queue", o.rdma_queue_tokens, "must be >= 0 (0: the default)");
   EPX_CHECK(o.ll_num_tokens >= 1, "--ll-tokens", o.ll_num_tokens, "must be >= 1");
   EPX_CHECK(o.ll_num_experts >= o.num_topk, "--ll-experts", o.ll_num_experts, "must be >= --topk");
   EPX_CHECK(o.ll_ranks_per_node >= 0, "--ll-ranks-per-node", o.ll_ranks_per_node,
