@@ -23,7 +23,7 @@ constexpr int kCombineWarps = kCombineThreads / 32;
 // source's vectors together before it adds them, so several loads are in flight per lane (one at a time left
 // a warp waiting a load's latency per 512 bytes). The order of the additions per element is unchanged:
 // bit-exact.
-constexpr int kReduceUnroll = 2;
+constexpr int kReduceUnroll = 4;
 
 __device__ __forceinline__ void start_sums(float (&acc)[kReduceUnroll][8]) {
 #pragma unroll
