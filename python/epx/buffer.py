@@ -706,11 +706,13 @@ class Buffer:
         event, hook, recv_src_info). handle_keeps_src_info=False leaves recv_src_info out of the handle (deep_ep's
         tuple holds it, and the handle is attached to it: holding it back would make a reference cycle)."""
         if torch_calls is not None:
-            made = self._call_natively(
-                None, torch_calls.low_latency_dispatch, self.runtime, self._device_index, self.num_ranks, x, topk_idx,
-                num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
-                dispatch_wait_recv_cost_stats, use_fp8, round_scale, use_ue8m0, async_finish, return_recv_hook,
-                topk_weights)
+            try:  # called directly, not through _call_natively (no config here): the per-step path of decoding
+                made = torch_calls.low_latency_dispatch(
+                    self.runtime, self._device_index, self.num_ranks, x, topk_idx, num_max_dispatch_tokens_per_rank,
+                    num_experts, cumulative_local_expert_recv_stats, dispatch_wait_recv_cost_stats, use_fp8,
+                    round_scale, use_ue8m0, async_finish, return_recv_hook, topk_weights)
+            except TypeError:  # an argument of another type: the Python below names it
+                made = None
             if made is not None:
                 recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings, result = made
                 return self._low_latency_dispatched(
@@ -839,11 +841,14 @@ class Buffer:
             raise error("pre_reduce", True, "needs a handle from a low_latency_dispatch given topk_weights")
         made = None
         if torch_calls is not None:
-            made = self._call_natively(
-                None, torch_calls.low_latency_combine, self.runtime, self._device_index, handle.native, x,
-                handle.num_experts // self.num_ranks, self.num_ranks * handle.num_max_dispatch_tokens_per_rank,
-                topk_idx, topk_weights, num_tokens, hidden, num_topk, self.num_ranks, combine_wait_recv_cost_stats,
-                out, use_logfmt, logfmt_within_node, pre_reduce, zero_copy, async_finish, return_recv_hook)
+            try:  # as in _low_latency_dispatch
+                made = torch_calls.low_latency_combine(
+                    self.runtime, self._device_index, handle.native, x, handle.num_experts // self.num_ranks,
+                    self.num_ranks * handle.num_max_dispatch_tokens_per_rank, topk_idx, topk_weights, num_tokens,
+                    hidden, num_topk, self.num_ranks, combine_wait_recv_cost_stats, out, use_logfmt,
+                    logfmt_within_node, pre_reduce, zero_copy, async_finish, return_recv_hook)
+            except TypeError:
+                made = None
         if made is not None:
             out, result = made
             return self._low_latency_combined(result, out, x, topk_idx, topk_weights, handle, recv_src_info,
