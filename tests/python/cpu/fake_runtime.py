@@ -20,36 +20,67 @@ class Struct:
 
 
 class BoundStruct(Struct):
-    """Plays one struct of the binding with exactly its fields and defaults (read off the compiled struct):
-    a field the torch layer sets that the binding does not have fails here, as it would on the GPU."""
+    """Plays one struct of the binding with exactly its fields and defaults: a field the torch layer sets that the
+    binding does not have fails here, as it would on the GPU."""
 
-    native = None
-    field_names = frozenset()  # the native struct's properties, read once by bound_struct
+    defaults = {}  # field name -> default, made once by bound_struct
 
     def __init__(self, **fields):
-        defaults = self.native()
-        for name in self.field_names:
-            object.__setattr__(self, name, getattr(defaults, name))
+        for name, value in self.defaults.items():
+            object.__setattr__(self, name, value)
         for name, value in fields.items():
             setattr(self, name, value)
 
     @classmethod
     def fields(cls):
-        return sorted(cls.field_names)
+        return sorted(cls.defaults)
 
     def __setattr__(self, name, value):
-        if name not in self.field_names:
-            raise AttributeError(f"{self.native.__name__} has no field {name!r} in the binding")
+        if name not in self.defaults:
+            raise AttributeError(f"{type(self).__name__} has no field {name!r} in the binding")
         object.__setattr__(self, name, value)
 
 
+def _struct(zeros, flags="", **others):
+    """Fields and defaults: `zeros` (pointers as ints, counts) 0, `flags` False, `others` as given."""
+    return {**dict.fromkeys(zeros.split(), 0), **dict.fromkeys(flags.split(), False), **others}
+
+
+# The call structs of the binding's CUDA runtime part (python/src/runtime.cpp), which a build without CUDA
+# (EPX_WITH_CUDA=OFF) lacks: their fields and defaults as include/epx/normal.hpp and low_latency.hpp declare them.
+# bound_struct falls back to these; test_torch_layer checks them against a CUDA build's binding.
+STAND_IN_STRUCTS = {
+    "DispatchLayoutOutput": _struct("num_tokens_per_rank num_tokens_per_expert is_token_in_rank "
+                                    "num_tokens_per_rdma_rank"),
+    "DispatchInput": _struct("x x_scales num_scales num_tokens hidden topk_idx topk_weights num_topk num_experts "
+                             "is_token_in_rank num_tokens_per_expert num_tokens_per_rank num_worst_tokens",
+                             format="bf16", expert_alignment=1),
+    "DispatchOutput": _struct("recv_x recv_x_scales recv_topk_idx recv_topk_weights"),
+    "CombineInput": _struct("x topk_weights num_topk bias0 bias1 hidden"),
+    "CombineOutput": _struct("combined_x combined_topk_weights"),
+    "LowLatencyDispatchInput": _struct("x topk_idx num_tokens num_topk hidden num_max_dispatch_tokens_per_rank "
+                                       "num_experts cumulative_local_expert_recv_stats "
+                                       "dispatch_wait_recv_cost_stats topk_weights",
+                                       "round_scale use_ue8m0 return_recv_hook", use_fp8=True),
+    "LowLatencyDispatchOutput": _struct("recv_x recv_x_scales recv_count recv_src_info recv_topk_pos "
+                                        "recv_layout_range recv_token_listings"),
+    "LowLatencyCombineInput": _struct("x topk_idx topk_weights num_tokens num_topk combine_wait_recv_cost_stats",
+                                      "use_logfmt logfmt_within_node pre_reduce zero_copy return_recv_hook"),
+}
+
+
+def native_defaults(native):
+    """The fields of the compiled struct `native` (its properties) with the defaults of native()."""
+    instance = native()
+    return {field: getattr(instance, field) for field, value in vars(native).items() if isinstance(value, property)}
+
+
 def bound_struct(name):
-    """The fake of the binding's struct `name`: a BoundStruct when the binding has it, else a plain Struct."""
+    """The fake of the binding's struct `name`, with the compiled struct's fields and defaults, or, in a build
+    without the CUDA runtime part, those of its stand-in (STAND_IN_STRUCTS)."""
     native = getattr(_epx, name, None)
-    if native is None:
-        return Struct
-    field_names = frozenset(field for field, value in vars(native).items() if isinstance(value, property))
-    return type(name, (BoundStruct,), {"native": native, "field_names": field_names})
+    defaults = native_defaults(native) if native is not None else dict(STAND_IN_STRUCTS[name])
+    return type(name, (BoundStruct,), {"defaults": defaults})
 
 
 class FakeEvent:
@@ -488,8 +519,8 @@ class StubHook:
 class StubBinding(FakeBinding):
     """FakeBinding whose calls return at once, without the reference: a profile of a call through it is the
     torch layer's own host cost (bench/python_host_overhead.py --stub). Its structs are the compiled binding's
-    (what the layer pays to fill them on a GPU); pointer and device_view are the layer's own. One rank; every
-    token goes to it."""
+    (what the layer pays to fill them on a GPU; FakeBinding's stand-ins in a build without the CUDA runtime part);
+    pointer and device_view are the layer's own. One rank; every token goes to it."""
 
     def __init__(self, num_tokens, hidden, num_experts, num_channels):
         super().__init__()
@@ -498,7 +529,8 @@ class StubBinding(FakeBinding):
         for name in ("StreamOrder", "DispatchLayoutOutput", "DispatchInput", "DispatchOutput", "DispatchOutputGuess",
                      "CombineInput", "CombineOutput", "LowLatencyDispatchInput", "LowLatencyDispatchOutput",
                      "LowLatencyCombineInput", "TokenFormat", "DispatchOverlap"):
-            setattr(self, name, getattr(_epx, name))
+            if hasattr(_epx, name):  # a build without the CUDA runtime part keeps FakeBinding's stand-ins
+                setattr(self, name, getattr(_epx, name))
         native = Struct(num_recv_per_rank=[num_tokens])
         self.add_handle_arrays(native, np.ones(num_tokens, dtype=bool), num_channels, np.arange(num_tokens))
         self.pointer = util.pointer  # after the handle's arrays are registered for device_view

@@ -10,6 +10,9 @@ import epx
 from epx import _epx
 
 MiB = 1 << 20
+# The binding's CUDA runtime part (Buffer, Event, the call structs) is compiled only with CUDA.
+needs_cuda_runtime = pytest.mark.skipif(not epx.WITH_CUDA, reason="built without CUDA (EPX_WITH_CUDA=OFF): "
+                                        "epx._epx has no CUDA runtime part")
 
 
 def test_module_basics():
@@ -276,9 +279,8 @@ def test_megatron_sizing_is_below_deep_ep(num_ranks, num_sms):
         _epx.check_normal_map_fits(layout, ours)
 
 
+@needs_cuda_runtime
 def test_runtime_buffer_has_a_config_property():
-    if not epx.WITH_CUDA:
-        pytest.skip("built without CUDA")
     assert isinstance(_epx.Buffer.config, property) and _epx.Buffer.config.fset is not None
 
 
@@ -415,9 +417,8 @@ print("ok")
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), (out.returncode, out.stdout, out.stderr)
 
 
+@needs_cuda_runtime
 def test_buffer_options_carry_ranks_per_node():
-    if not epx.WITH_CUDA:
-        pytest.skip("built without CUDA")
     assert _epx.BufferOptions().ranks_per_node == 0
     options = _epx.BufferOptions(num_rdma_bytes=1 << 21, ranks_per_node=2)
     assert (options.num_rdma_bytes, options.ranks_per_node) == (1 << 21, 2)
@@ -425,11 +426,10 @@ def test_buffer_options_carry_ranks_per_node():
     assert options.ranks_per_node == 4
 
 
+@needs_cuda_runtime
 def test_call_structs_take_their_fields_by_keyword():
     """The torch layer fills a call's struct in one constructor call: every field by keyword (pointers as ints),
     defaults for the rest, a TypeError naming an unknown field or a value of the wrong type."""
-    if not epx.WITH_CUDA:
-        pytest.skip("built without CUDA")
     default = _epx.LowLatencyDispatchInput()
     given = _epx.LowLatencyDispatchInput(x=0x1000, num_tokens=3, use_fp8=False, topk_weights=0x2000)
     assert (given.x, given.num_tokens, given.use_fp8, given.topk_weights) == (0x1000, 3, False, 0x2000)
@@ -455,9 +455,8 @@ def test_device_view_capsule_is_a_dltensor():
     assert view.data_ptr() == source.data_ptr()
 
 
+@needs_cuda_runtime
 def test_runtime_buffer_without_gpu_raises_epx_error():
-    if not epx.WITH_CUDA:
-        pytest.skip("built without CUDA")
     options = _epx.BufferOptions(num_nvl_bytes=0, num_rdma_bytes=0)
     try:
         buffer = _epx.Buffer(0, 1, lambda payload: [payload], lambda: None, options)

@@ -148,6 +148,27 @@ def test_deep_ep_static_helpers():
         for config in (deep_ep.Buffer.get_dispatch_config(num_ranks), deep_ep.Buffer.get_combine_config(num_ranks)):
             epx._epx.validate_config(config.to_native())
             assert config.num_max_nvl_chunked_send_tokens <= config.num_max_nvl_chunked_recv_tokens
+
+
+def test_buffers_of_a_build_without_cuda_raise_epx_error(monkeypatch):
+    """A build without CUDA (EPX_WITH_CUDA=OFF) has no CUDA runtime part in epx._epx (no Buffer, BufferOptions,
+    Event, StreamOrder, ...): the packages import, and making a Buffer or an event raises EpxError saying so,
+    before the layer reaches for a missing part. A CUDA build plays one, those parts removed."""
+    from types import SimpleNamespace
+
+    import deep_ep as deep_ep_package
+
+    monkeypatch.setattr(epx._epx, "WITH_CUDA", False)
+    for name in ("Buffer", "BufferOptions", "Event", "StreamOrder"):
+        monkeypatch.delattr(epx._epx, name, raising=False)
+    group = SimpleNamespace(rank=lambda: 0, size=lambda: 1)
+    makers = (lambda: epx.Buffer(group, 1 << 20), lambda: epx.Buffer(bootstrap=(0, 1, None, None)),
+              lambda: deep_ep_package.Buffer(group, 1 << 20, 1 << 20, low_latency_mode=True),
+              deep_ep_package.Buffer.capture, epx.EventHandle)
+    for make in makers:
+        with pytest.raises(epx.EpxError, match=r"built without CUDA \(EPX_WITH_CUDA=OFF\)"):
+            make()
+    assert deep_ep_package.Buffer.is_sm90_compiled() is False
     old = deep_ep.Buffer.num_sms
     try:
         deep_ep.Buffer.set_num_sms(24)

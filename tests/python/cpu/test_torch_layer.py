@@ -424,14 +424,30 @@ def test_rank_mask_calls_reach_the_runtime(compat):
 
 
 def test_fake_structs_take_exactly_the_bindings_fields():
-    """The fake runtime's structs are read off the compiled binding: a field the layer sets that the binding
-    lacks fails on the CPU too, and defaults match."""
+    """The fake runtime's structs have the binding's fields and defaults (read off the compiled binding, or its
+    stand-ins in a build without the CUDA runtime part): a field the layer sets that the binding lacks fails on
+    the CPU too."""
     from fake_runtime import FakeBinding
 
-    from epx import _epx
-
     fake_in = FakeBinding.DispatchInput(num_tokens=3)
-    assert fake_in.num_tokens == 3 and fake_in.expert_alignment == _epx.DispatchInput().expert_alignment
+    assert fake_in.num_tokens == 3 and fake_in.expert_alignment == 1 and fake_in.num_worst_tokens == 0
     with pytest.raises(AttributeError, match="DispatchInput has no field 'num_tokens_per_rnk'"):
         fake_in.num_tokens_per_rnk = 1
     assert set(FakeBinding.LowLatencyCombineInput.fields()) >= {"use_logfmt", "zero_copy", "topk_weights"}
+    assert FakeBinding.LowLatencyDispatchInput().use_fp8 is True
+
+
+def test_fake_stand_in_structs_match_the_binding():
+    """The stand-ins the fake uses where the binding has no CUDA runtime part have the compiled structs' fields
+    and defaults (enums by name)."""
+    from fake_runtime import STAND_IN_STRUCTS, native_defaults
+
+    from epx import _epx
+
+    if not epx.WITH_CUDA:
+        pytest.skip("built without CUDA (EPX_WITH_CUDA=OFF): epx._epx has no CUDA runtime part to compare with")
+    for name, stand_in in STAND_IN_STRUCTS.items():
+        native = {field: value.name.lower() if hasattr(value, "name") else value
+                  for field, value in native_defaults(getattr(_epx, name)).items()}
+        assert stand_in == native, name
+        assert [type(stand_in[field]) for field in native] == [type(value) for value in native.values()], name
