@@ -55,7 +55,7 @@ static_assert(std::atomic<ExitState>::is_always_lock_free, "shared-memory atomic
 void copy_message(char (&buffer)[kMessageBytes], const std::string& text);
 
 // An anonymous MAP_SHARED mapping: created before fork, so every child sees the same pages and no name
-// is left behind in /dev/shm. Layout: SegmentHeader, then 2 * num_ranks gather slots.
+// is left behind in /dev/shm. Map: SegmentHeader, then 2 * num_ranks gather slots.
 class SharedSegment {
  public:
   SharedSegment(int num_ranks, size_t max_gather_bytes);

@@ -21,22 +21,21 @@ void validate_node_split(int num_ranks, int ranks_per_node, const char* name) {
                 .c_str());
 }
 
-void check_internode_map_fits(const InternodeBufferMap& layout, size_t buffer_bytes) {
-  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_rdma_bytes",
-                           detail::concat(layout.num_nodes, " nodes"), layout.num_channels,
-                           layout.queue_tokens, layout.record_bytes, "Config::get_rdma_buffer_size_hint");
+void check_internode_map_fits(const InternodeBufferMap& map, size_t buffer_bytes) {
+  detail::check_queues_fit(map.total_bytes(), buffer_bytes, "num_rdma_bytes",
+                           detail::concat(map.num_nodes, " nodes"), map.num_channels, map.queue_tokens,
+                           map.record_bytes, "Config::get_rdma_buffer_size_hint");
 }
 
-void check_forward_map_fits(const ForwardBufferMap& layout, size_t buffer_bytes) {
-  EPX_CHECK(layout.queue_tokens >= 1, "num_max_nvl_chunked_recv_tokens",
-            layout.queue_tokens * layout.num_nodes,
-            detail::concat("must be >= the number of nodes (", layout.num_nodes,
+void check_forward_map_fits(const ForwardBufferMap& map, size_t buffer_bytes) {
+  EPX_CHECK(map.queue_tokens >= 1, "num_max_nvl_chunked_recv_tokens", map.queue_tokens * map.num_nodes,
+            detail::concat("must be >= the number of nodes (", map.num_nodes,
                            ") across nodes: every source node gets num_max_nvl_chunked_recv_tokens / nodes "
                            "records of each NVLink queue")
                 .c_str());
-  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_nvl_bytes",
-                           detail::concat(layout.num_nodes, " nodes of ", layout.ranks_per_node, " ranks"),
-                           layout.num_channels, layout.queue_tokens, layout.record_bytes,
+  detail::check_queues_fit(map.total_bytes(), buffer_bytes, "num_nvl_bytes",
+                           detail::concat(map.num_nodes, " nodes of ", map.ranks_per_node, " ranks"),
+                           map.num_channels, map.queue_tokens, map.record_bytes,
                            "Config::get_nvl_buffer_size_hint");
 }
 
@@ -46,9 +45,9 @@ size_t forward_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Co
        ++ranks_per_node) {
     const int num_nodes = num_ranks / ranks_per_node;
     if (num_ranks % ranks_per_node != 0 || num_nodes > kMaxNormalNodes) continue;
-    const ForwardBufferMap layout =
+    const ForwardBufferMap map =
         ForwardBufferMap::of(ranks_per_node, num_nodes, config, InternodeRecord::largest(hidden_bytes));
-    most = std::max(most, align_up(layout.total_bytes(), kNormalAlign));
+    most = std::max(most, align_up(map.total_bytes(), kNormalAlign));
   }
   return most;
 }
@@ -62,9 +61,9 @@ size_t internode_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int r
   const NodeMap nodes{num_ranks, ranks_per_node};
   if (!nodes.spans_nodes()) return 0;
   check_normal_node_layout(num_ranks, ranks_per_node);
-  const InternodeBufferMap layout =
+  const InternodeBufferMap map =
       InternodeBufferMap::of(nodes.num_nodes(), config, InternodeRecord::largest(hidden_bytes));
-  return align_up(layout.total_bytes(), kNormalAlign);
+  return align_up(map.total_bytes(), kNormalAlign);
 }
 
 size_t Config::get_rdma_buffer_size_hint(size_t hidden_bytes, int num_ranks, int ranks_per_node) const {

@@ -66,7 +66,7 @@ struct InternodeRecord {
   static InternodeRecord largest(size_t hidden_bytes) { return {NormalRecord::largest(hidden_bytes), true}; }
 };
 
-// Layout of one rank's symmetric buffer for normal mode across nodes.
+// Map of one rank's symmetric buffer for normal mode across nodes.
 //
 // NOTES: as in NormalBufferMap, tokens stream through bounded queues, so the size depends on (nodes,
 // channels, queue tokens, record bytes), never on the batch. Rank s of node m talks over the network only to
@@ -199,7 +199,7 @@ struct InternodeBufferMap {
     return static_cast<char*>(base) + recv_queues_offset() + record_offset(src_node, channel, entry);
   }
 
-  // The layout of a call with `config` (its channels and num_max_rdma_chunked_recv_tokens) and records of
+  // The map of a call with `config` (its channels and num_max_rdma_chunked_recv_tokens) and records of
   // `record` on `num_nodes` nodes.
   static InternodeBufferMap of(int num_nodes, const Config& config, const InternodeRecord& record) {
     return {num_nodes, config.num_channels(), config.num_max_rdma_chunked_recv_tokens,
@@ -213,7 +213,7 @@ struct InternodeBufferMap {
   }
 };
 
-// Layout of one rank's NVLink buffer for normal mode across nodes: the queues through which a forwarder
+// Map of one rank's NVLink buffer for normal mode across nodes: the queues through which a forwarder
 // (the rail peer that received a token from the network) hands it to the ranks of its node, and through
 // which those ranks return their rows in combine.
 //
@@ -268,7 +268,7 @@ struct ForwardBufferMap {
            size_t(queue_slot(entry, queue_tokens)) * record_bytes;
   }
 
-  // The layout of a call with `config` on nodes of `ranks_per_node` ranks; Q / N rounds down.
+  // The map of a call with `config` on nodes of `ranks_per_node` ranks; Q / N rounds down.
   static ForwardBufferMap of(int ranks_per_node, int num_nodes, const Config& config,
                              const InternodeRecord& record) {
     return {ranks_per_node, num_nodes, config.num_channels(),
@@ -276,13 +276,13 @@ struct ForwardBufferMap {
   }
 };
 
-// Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
+// Throws epx::Error naming the bytes needed when `map` does not fit a buffer of `buffer_bytes`
 // (num_nvl_bytes), or when its sub-queues would hold no record (num_max_nvl_chunked_recv_tokens < nodes).
-void check_forward_map_fits(const ForwardBufferMap& layout, size_t buffer_bytes);
+void check_forward_map_fits(const ForwardBufferMap& map, size_t buffer_bytes);
 
-// Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`
+// Throws epx::Error naming the bytes needed when `map` does not fit a buffer of `buffer_bytes`
 // (num_rdma_bytes).
-void check_internode_map_fits(const InternodeBufferMap& layout, size_t buffer_bytes);
+void check_internode_map_fits(const InternodeBufferMap& map, size_t buffer_bytes);
 
 // Symmetric-buffer bytes per rank for normal mode across nodes with `config` (what
 // Config::get_rdma_buffer_size_hint returns): 2 (N - 1) C Q records of the largest record for `hidden_bytes`

@@ -16,7 +16,7 @@ namespace epx {
 // the peers' layouts ran, without waiting for a kernel launched by dispatch_notify; the notify kernel checks
 // them against what the peers' dispatches actually send (WaitPhase::kLayoutCounts).
 //
-// Layout: row `dest` (the rank whose host reads it), then the sequence's parity (the next layout posts into
+// Map: row `dest` (the rank whose host reads it), then the sequence's parity (the next layout posts into
 // the other half while a notify still checks this one), then source rank, then words_per_source() words:
 // [0] tokens from the source, [1 + le] its tokens for local expert le of `dest`, and last the source host's
 // mark (kPostedCountsHold or kNothingPosted with the sequence; no kernel writes it).

@@ -6,8 +6,8 @@ namespace epx {
 
 size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int hidden, int num_ranks,
                                       int num_experts) {
-  const LowLatencyBufferMap layout(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
-  return align_up(layout.total_bytes(), kLowLatencySizeHintAlign);
+  const LowLatencyBufferMap map(num_max_dispatch_tokens_per_rank, hidden, num_ranks, num_experts);
+  return align_up(map.total_bytes(), kLowLatencySizeHintAlign);
 }
 
 }  // namespace epx

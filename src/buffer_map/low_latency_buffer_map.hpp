@@ -47,7 +47,7 @@ constexpr int kListingWeightsWord = kMaxTopk;  // the 32-bit word of the listing
 enum class LowLatencyOp : int { kDispatch = 0, kCombine = 1 };
 constexpr int kNumLowLatencyOps = 2;
 
-// Layout of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
+// Map of one rank's low-latency (decode) buffer: the host sizes the allocation with it, kernels address
 // the local buffer and the peers' mappings with it (all ranks use the same shape, so offsets agree).
 //
 // NOTES: dispatch is deduplicated per destination RANK, not per expert: a token travels once to every rank

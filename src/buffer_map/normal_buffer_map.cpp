@@ -43,10 +43,10 @@ void validate_normal_shape(const NormalShape& shape) {
   EPX_CHECK(shape.num_topk <= kMaxTopk, "num_topk", shape.num_topk, "must be <= 16");
 }
 
-void check_normal_map_fits(const NormalBufferMap& layout, size_t buffer_bytes) {
-  detail::check_queues_fit(layout.total_bytes(), buffer_bytes, "num_nvl_bytes",
-                           detail::concat(layout.num_ranks, " ranks"), layout.num_channels,
-                           layout.queue_tokens, layout.record_bytes, "Config::get_nvl_buffer_size_hint");
+void check_normal_map_fits(const NormalBufferMap& map, size_t buffer_bytes) {
+  detail::check_queues_fit(map.total_bytes(), buffer_bytes, "num_nvl_bytes",
+                           detail::concat(map.num_ranks, " ranks"), map.num_channels, map.queue_tokens,
+                           map.record_bytes, "Config::get_nvl_buffer_size_hint");
 }
 
 size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Config& config) {
@@ -57,8 +57,8 @@ size_t normal_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks, const Con
   // DeepEP's convention: one node up to 8 ranks (the normal queues), nodes beyond (the forwarding queues).
   // Virtual nodes on up to 8 ranks need less than one node's queues, so this hint covers them too.
   if (num_ranks > kMaxNvlRanks) return forward_nvl_buffer_size_hint(hidden_bytes, num_ranks, config);
-  const NormalBufferMap layout = NormalBufferMap::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
-  return align_up(layout.total_bytes(), kNormalAlign);
+  const NormalBufferMap map = NormalBufferMap::of(num_ranks, config, NormalRecord::largest(hidden_bytes));
+  return align_up(map.total_bytes(), kNormalAlign);
 }
 
 size_t Config::get_nvl_buffer_size_hint(size_t hidden_bytes, int num_ranks) const {

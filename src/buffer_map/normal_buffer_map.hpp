@@ -87,7 +87,7 @@ struct NormalRecord {
   }
 };
 
-// Layout of one rank's normal-mode NVLink buffer; the host sizes with it, kernels address with it.
+// Map of one rank's normal-mode NVLink buffer; the host sizes with it, kernels address with it.
 //
 // NOTES: tokens stream through bounded queues, so the buffer depends on (ranks, channels, queue tokens,
 // record bytes), never on the batch. Queue (src -> owner, channel) lives in the owner's buffer; the source
@@ -175,7 +175,7 @@ struct NormalBufferMap {
            size_t(queue_slot(entry, queue_tokens)) * record_bytes;
   }
 
-  // The layout of a call with `config` and records of `record` on `num_ranks` ranks.
+  // The map of a call with `config` and records of `record` on `num_ranks` ranks.
   static NormalBufferMap of(int num_ranks, const Config& config, const NormalRecord& record) {
     return {num_ranks, config.num_channels(), config.num_max_nvl_chunked_recv_tokens,
             static_cast<int>(record.bytes())};
@@ -185,8 +185,8 @@ struct NormalBufferMap {
 // Checks a shape (ranks, experts, hidden, top-k) and throws epx::Error naming the bad argument.
 void validate_normal_shape(const NormalShape& shape);
 
-// Throws epx::Error naming the bytes needed when `layout` does not fit a buffer of `buffer_bytes`.
-void check_normal_map_fits(const NormalBufferMap& layout, size_t buffer_bytes);
+// Throws epx::Error naming the bytes needed when `map` does not fit a buffer of `buffer_bytes`.
+void check_normal_map_fits(const NormalBufferMap& map, size_t buffer_bytes);
 
 // NVLink bytes per rank for normal-mode calls with `config` (what Config::get_nvl_buffer_size_hint returns):
 // (R - 1) * C * Q records of the largest record for `hidden_bytes`, plus the fixed control and notify areas.

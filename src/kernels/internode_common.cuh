@@ -61,7 +61,7 @@ __device__ __forceinline__ uint64_t calls_before(const InternodeContext& context
 
 // Called by every thread of every block at its end: the last block counts the call as done and tells the
 // node's ranks (over NVLink) and the rail peers (over the network), which may then write into this rank's
-// queues with the next call's layout.
+// queues with the next call's map.
 template <typename Remote>
 __device__ __forceinline__ void finish_launch(const InternodeContext& context, uint64_t calls) {
   auto* control = &rdma_head(context)->control;
@@ -116,7 +116,7 @@ __device__ __forceinline__ device::WaitContext own_blocks_wait_context(const Int
 }
 
 // ---- Launch fingerprints across nodes: a dispatch or combine whose shape (or operation) differs between
-// ranks reads records of another layout. Block 0 posts the launch's fingerprint to the node's ranks (NVLink:
+// ranks reads records of another map. Block 0 posts the launch's fingerprint to the node's ranks (NVLink:
 // ForwardBufferMap::Control, the values in the abort-words slots) and to its rail peers (network:
 // InternodeBufferMap::LaunchShapes) at the launch's start; a receiver checks a source's before it reads the
 // source's first record of the launch. ----
@@ -261,14 +261,14 @@ __device__ __forceinline__ void red_add_release_sys_u64(uint64_t* address, uint6
 //   queue, the slot the put would have filled (the sender writes a slot only once the receiver gave it back,
 //   as for the put);
 // - any other peer (a NIC): its send ring, which publish_records puts from.
-__device__ __forceinline__ char* queue_record(const InternodeBufferMap& layout, void* rdma_base,
+__device__ __forceinline__ char* queue_record(const InternodeBufferMap& map, void* rdma_base,
                                               const RailTarget& target, int dst_node, int own_node_idx,
                                               int channel, uint64_t position) {
-  if (dst_node == own_node_idx) return layout.recv_record(rdma_base, own_node_idx, channel, position);
+  if (dst_node == own_node_idx) return map.recv_record(rdma_base, own_node_idx, channel, position);
   if (target.mapped != nullptr) {
-    return target.at(rdma_base, layout.recv_record(rdma_base, own_node_idx, channel, position));
+    return target.at(rdma_base, map.recv_record(rdma_base, own_node_idx, channel, position));
   }
-  return layout.send_record(rdma_base, dst_node, own_node_idx, channel, position);
+  return map.send_record(rdma_base, dst_node, own_node_idx, channel, position);
 }
 
 // Publishes the group's records [first, first + count) towards `dst_node`, written where queue_record said,
@@ -285,7 +285,7 @@ __device__ __forceinline__ char* queue_record(const InternodeBufferMap& layout, 
 // memory model: those stores precede it in causality order), so a receiver whose acquire load of the tail
 // sees the add sees every record it counts.
 template <typename Remote>
-__device__ __forceinline__ void publish_records(const InternodeBufferMap& layout, void* rdma_base,
+__device__ __forceinline__ void publish_records(const InternodeBufferMap& map, void* rdma_base,
                                                 const RailTarget& target, int dst_node, int own_node_idx,
                                                 int channel, uint64_t first, int count, uint64_t* tail,
                                                 const WarpGroup& group) {
@@ -299,12 +299,12 @@ __device__ __forceinline__ void publish_records(const InternodeBufferMap& layout
   }
   if (group.warp != 0) return;
   while (count > 0) {
-    const int slot = static_cast<int>(first % static_cast<uint64_t>(layout.queue_tokens));
-    const int piece = min(count, layout.queue_tokens - slot);
-    Remote::put_signal_warp(layout.recv_record(rdma_base, own_node_idx, channel, first),
-                            layout.send_record(rdma_base, dst_node, own_node_idx, channel, first),
-                            static_cast<size_t>(piece) * layout.record_bytes, tail,
-                            static_cast<uint64_t>(piece), target.rank);
+    const int slot = static_cast<int>(first % static_cast<uint64_t>(map.queue_tokens));
+    const int piece = min(count, map.queue_tokens - slot);
+    Remote::put_signal_warp(map.recv_record(rdma_base, own_node_idx, channel, first),
+                            map.send_record(rdma_base, dst_node, own_node_idx, channel, first),
+                            static_cast<size_t>(piece) * map.record_bytes, tail, static_cast<uint64_t>(piece),
+                            target.rank);
     first += piece;
     count -= piece;
   }

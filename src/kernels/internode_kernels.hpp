@@ -7,7 +7,7 @@
 #include "buffer_map/internode_buffer_map.hpp"
 #include "kernels/normal_kernels.hpp"
 
-// Launchers of normal mode across nodes (layouts: InternodeBufferMap for the symmetric buffer,
+// Launchers of normal mode across nodes (maps: InternodeBufferMap for the symmetric buffer,
 // ForwardBufferMap for the NVLink buffer). The kernels need the NVSHMEM transport; without it the launchers
 // throw.
 namespace epx::kernels {

@@ -17,32 +17,32 @@ using namespace low_latency;
 
 template <typename Remote>
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
-  const LowLatencyBufferMap& layout = args.layout;
+  const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   // Both halves' signals and the remote shape slots are contiguous: [signals_offset(0), control_end_offset())
   // (a zeroed shape slot never matches: hashes are never 0).
   const int num_signal_ints =
-      static_cast<int>((layout.control_end_offset() - layout.signals_offset(0)) / sizeof(int));
-  int* signals = local_at<int>(peers, layout.signals_offset(0));
+      static_cast<int>((map.control_end_offset() - map.signals_offset(0)) / sizeof(int));
+  int* signals = local_at<int>(peers, map.signals_offset(0));
   for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
   // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
   // rank's signal, and a peer sends again only after it saw every rank's signal.
   __threadfence_system();
   __syncthreads();
   // Masked ranks are left out; with enable_shrink a rank the barrier times out on is masked.
-  const int target = __ldcg(local_at<int>(peers, layout.barrier_count_offset())) + 1;
+  const int target = __ldcg(local_at<int>(peers, map.barrier_count_offset())) + 1;
   const unsigned long long masked = load_rank_mask(args.mask);
   const int peer = threadIdx.x;
   if (peer < peers.num_ranks && !rank_masked(masked, peer)) {
-    signal_rank<Remote>(peers, peer, layout.barrier_signal_offset(peers.rank), target);
+    signal_rank<Remote>(peers, peer, map.barrier_signal_offset(peers.rank), target);
     const device::WaitContext ctx = wait_context(peers);
     const device::WaitOutcome outcome = device::wait_at_least_outcome(
-        local_at<int>(peers, layout.barrier_signal_offset(peer)), target, ctx, peer, WaitPhase::kBarrier,
+        local_at<int>(peers, map.barrier_signal_offset(peer)), target, ctx, peer, WaitPhase::kBarrier,
         args.mask.shrink ? device::OnTimeout::kGiveUp : device::OnTimeout::kAbortGroup);
     if (outcome == device::WaitOutcome::kTimedOut) mask_timed_out_peer(args.mask, peer);
   }
   __syncthreads();
-  if (threadIdx.x == 0) *local_at<int>(peers, layout.barrier_count_offset()) = target;
+  if (threadIdx.x == 0) *local_at<int>(peers, map.barrier_count_offset()) = target;
 }
 
 template <typename Remote>

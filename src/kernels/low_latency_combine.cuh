@@ -50,8 +50,8 @@ constexpr size_t combine_prefix_offset(bool logfmt) {
                 : kCombineTableOffset;
 }
 
-size_t combine_smem_bytes(const LowLatencyBufferMap& layout, bool logfmt) {
-  return combine_prefix_offset(logfmt) + sizeof(int) * (size_t(layout.num_experts) + 1);
+size_t combine_smem_bytes(const LowLatencyBufferMap& map, bool logfmt) {
+  return combine_prefix_offset(logfmt) + sizeof(int) * (size_t(map.num_experts) + 1);
 }
 
 __device__ __forceinline__ char* combine_smem() {
@@ -163,21 +163,20 @@ __device__ __forceinline__ bool plain_within_node(const LowLatencyCombineArgs& a
 template <typename Remote, bool kLogfmt>
 __device__ void put_expert_output(const LowLatencyCombineArgs& args, const uint16_t* row, size_t row_idx,
                                   int dst, size_t slot_offset, int lane) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int num_groups = layout.num_groups();
-  const size_t row_bytes = size_t(layout.hidden) * 2;
-  char* staged = local_at<char>(args.peers, layout.combine_send_offset()) + row_idx * row_bytes;
+  const LowLatencyBufferMap& map = args.map;
+  const int num_groups = map.num_groups();
+  const size_t row_bytes = size_t(map.hidden) * 2;
+  char* staged = local_at<char>(args.peers, map.combine_send_offset()) + row_idx * row_bytes;
   char* slot = local_at<char>(args.peers, slot_offset);
   if constexpr (kLogfmt) {
     // The packed payload in the staging row, the metadata and fallback words beside it; the puts carry
     // only the payload's bytes (0.64x a BF16 row's when every group is coded).
-    uint32_t* meta = local_at<uint32_t>(args.peers, layout.combine_send_meta_offset()) +
-                     row_idx * layout.logfmt_meta_words();
+    uint32_t* meta =
+        local_at<uint32_t>(args.peers, map.combine_send_meta_offset()) + row_idx * map.logfmt_meta_words();
     const int fallbacks = encode_logfmt_groups<true>(staged, meta, row, 0, num_groups, lane);
     __syncwarp();
     Remote::put_warp(slot, staged, logfmt_packed_bytes(num_groups, fallbacks), dst);
-    Remote::put_warp(slot + layout.logfmt_meta_offset(), meta, sizeof(uint32_t) * layout.logfmt_meta_words(),
-                     dst);
+    Remote::put_warp(slot + map.logfmt_meta_offset(), meta, sizeof(uint32_t) * map.logfmt_meta_words(), dst);
     return;
   }
   // Zero-copy rows already are the staging rows.
@@ -247,11 +246,11 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
 template <typename Remote, bool kLogfmt>
 __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row_idx, int token, int topk_pos,
                                    int dst, int piece, int num_pieces, int lane) {
-  const LowLatencyBufferMap& layout = args.layout;
+  const LowLatencyBufferMap& map = args.map;
   const int num_topk = args.in.num_topk;
   const LowLatencyListing mine =
       lane < num_topk
-          ? args.handle.recv_token_listings[(size_t(dst) * layout.num_max_tokens + token) * num_topk + lane]
+          ? args.handle.recv_token_listings[(size_t(dst) * map.num_max_tokens + token) * num_topk + lane]
           : LowLatencyListing{-1, 0.0f};
   // Lanes whose listing is the first of its row (a duplicate listing shares its first one's row).
   const bool first_of_row = first_lane_with(mine.row, num_topk, lane) && mine.row >= 0;
@@ -260,10 +259,10 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
   const int first_row = __shfl_sync(kFullMask, mine.row, first_pos);
   const int share = __popc(row_lanes & ((1u << topk_pos) - 1u));
   const int num_shares = __popc(row_lanes);
-  const int row_chunks = layout.hidden / 8;
+  const int row_chunks = map.hidden / 8;
   const int4* x = static_cast<const int4*>(args.in.x);
-  const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, first_pos);
-  int4* staged = local_at<int4>(args.peers, layout.combine_send_offset()) + size_t(first_row) * row_chunks;
+  const size_t slot_offset = map.combine_recv_slot_offset(args.half, token, first_pos);
+  int4* staged = local_at<int4>(args.peers, map.combine_send_offset()) + size_t(first_row) * row_chunks;
   if (!is_direct<Remote>(args.peers, dst)) {
     if (share != 0) return;
     sum_listings(staged, x, row_chunks, mine.row, mine.weight, num_topk, 0, row_chunks, lane);
@@ -276,7 +275,7 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
   if constexpr (kLogfmt) {
     // The partial's BF16 groups go to the staging row first (each share writes only its own groups), then
     // are encoded from there into the slot.
-    const WordRange piece_groups = piece_words(layout.num_groups(), piece, num_pieces);
+    const WordRange piece_groups = piece_words(map.num_groups(), piece, num_pieces);
     const WordRange part = piece_words(piece_groups.end - piece_groups.begin, share, num_shares);
     const int group_begin = piece_groups.begin + part.begin;
     const int group_end = piece_groups.begin + part.end;
@@ -285,7 +284,7 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
     sum_listings<4>(staged, x, row_chunks, mine.row, mine.weight, num_topk, group_begin * kGroupChunks,
                     group_end * kGroupChunks, lane);
     __syncwarp();
-    auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
+    auto* meta = reinterpret_cast<uint32_t*>(slot + map.logfmt_meta_offset());
     if (plain_within_node<Remote>(args)) {
       copy_plain_groups<true>(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end,
                               lane);
@@ -305,7 +304,7 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
 // barrier so that the load and the abort check overlap.
 __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& args) {
   const int p = static_cast<int>(threadIdx.x);
-  return p < args.layout.num_experts ? args.handle.recv_layout_range[p].count : 0;
+  return p < args.map.num_experts ? args.handle.recv_layout_range[p].count : 0;
 }
 
 // Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
@@ -315,10 +314,10 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
 template <typename Remote, bool kLogfmt, bool kPreReduce>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked, int first_count) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int num_ranks = layout.num_ranks;
-  const int num_pairs = layout.num_experts;
-  const int hidden = layout.hidden;
+  const LowLatencyBufferMap& map = args.map;
+  const int num_ranks = map.num_ranks;
+  const int num_pairs = map.num_experts;
+  const int hidden = map.hidden;
   for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
     prefix[p] = p == static_cast<int>(threadIdx.x) ? first_count : args.handle.recv_layout_range[p].count;
   __syncthreads();
@@ -330,11 +329,11 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
   // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
   const int num_grid_warps = gridDim.x * kNumWarps;
   const int base_pieces = Remote::kEnabled ? 1
-                          : kLogfmt        ? logfmt_row_pieces(layout.num_groups())
+                          : kLogfmt        ? logfmt_row_pieces(map.num_groups())
                                            : row_pieces(size_t(hidden) * 2);
   const int num_pieces = (kPreReduce || kLogfmt) && !Remote::kEnabled
                              ? spread_row_pieces(base_pieces, total_rows, num_grid_warps,
-                                                 kLogfmt ? layout.num_groups() : hidden / 8 / 32)
+                                                 kLogfmt ? map.num_groups() : hidden / 8 / 32)
                              : base_pieces;
   const int num_items = total_rows * num_pieces;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
@@ -345,7 +344,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const int pair = find_pair(prefix, num_pairs, j);
     const int dst = pair % num_ranks;
     if (rank_masked(masked, dst)) continue;
-    const size_t row_idx = size_t(pair / num_ranks) * layout.num_recv_rows() +
+    const size_t row_idx = size_t(pair / num_ranks) * map.num_recv_rows() +
                            args.handle.recv_layout_range[pair].begin + (j - prefix[pair]);
     const int token = args.handle.recv_src_info[row_idx];
     const int topk_pos = args.handle.recv_topk_pos[row_idx];
@@ -354,15 +353,15 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
       send_partial_piece<Remote, kLogfmt>(args, row_idx, token, topk_pos, dst, piece, num_pieces, lane);
       continue;
     }
-    const size_t slot_offset = layout.combine_recv_slot_offset(args.half, token, topk_pos);
+    const size_t slot_offset = map.combine_recv_slot_offset(args.half, token, topk_pos);
     if (!is_direct<Remote>(args.peers, dst)) {
       put_expert_output<Remote, kLogfmt>(args, row, row_idx, dst, slot_offset, lane);
       continue;
     }
     char* slot = peer_at<char>(args.peers, dst, slot_offset);
     if constexpr (kLogfmt) {
-      const WordRange groups = piece_words(layout.num_groups(), piece, num_pieces);
-      auto* meta = reinterpret_cast<uint32_t*>(slot + layout.logfmt_meta_offset());
+      const WordRange groups = piece_words(map.num_groups(), piece, num_pieces);
+      auto* meta = reinterpret_cast<uint32_t*>(slot + map.logfmt_meta_offset());
       if (plain_within_node<Remote>(args)) {
         copy_plain_groups<false>(slot, meta, row, groups.begin, groups.end, lane);
       } else {
@@ -379,7 +378,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 
 // Slot (token, top-k position `pos`) of this rank's receive half: where a returned row lands.
 __device__ __forceinline__ const char* returned_slot(const LowLatencyCombineArgs& args, int token, int pos) {
-  return local_at<const char>(args.peers, args.layout.combine_recv_slot_offset(args.half, token, pos));
+  return local_at<const char>(args.peers, args.map.combine_recv_slot_offset(args.half, token, pos));
 }
 
 // Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
@@ -392,13 +391,13 @@ __device__ __forceinline__ TopkEntry load_topk_entry(const LowLatencyCombineArgs
   if (lane >= args.in.num_topk) return {-1, 0.0f};
   const size_t entry = size_t(token) * args.in.num_topk + lane;
   // A pre-reduced combine's partial rows carry their weights already (and topk_weights may be null).
-  return {expert_at(args.in.topk_idx, entry, args.layout.num_experts),
+  return {expert_at(args.in.topk_idx, entry, args.map.num_experts),
           kPreReduce ? 1.0f : args.in.topk_weights[entry]};
 }
 
 // Parts of each token the reduction splits it into (reduce_parts over this launch's grid).
 __device__ __forceinline__ int reduce_parts_of(const LowLatencyCombineArgs& args) {
-  return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.layout.hidden / 8);
+  return reduce_parts(args.in.num_tokens, static_cast<int>(gridDim.x), args.map.hidden / 8);
 }
 
 // Warp 0's entries of the block's first token, loaded before the receive waits for its sources: the caller's
@@ -488,11 +487,10 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
 
 // Where group `group` of a returned LogFMT row starts in its slot: at 256 g, or in a packed row (a put's,
 // `packed`) after the payloads of the groups before it, which its fallback words count.
-__device__ __forceinline__ size_t returned_group_payload(const char* slot, const LowLatencyBufferMap& layout,
+__device__ __forceinline__ size_t returned_group_payload(const char* slot, const LowLatencyBufferMap& map,
                                                          int group, bool packed) {
   if (!packed) return logfmt_payload_offset(group, false, 0);
-  const auto* words =
-      reinterpret_cast<const uint32_t*>(slot + layout.logfmt_meta_offset()) + layout.num_groups();
+  const auto* words = reinterpret_cast<const uint32_t*>(slot + map.logfmt_meta_offset()) + map.num_groups();
   return logfmt_payload_offset(group, true,
                                logfmt_fallbacks_before(group, [&](int w) { return __ldcg(words + w); }));
 }
@@ -505,7 +503,7 @@ __device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const Combi
                                   unsigned listed, int num_listed, int group_begin, int num_groups) {
   LogfmtDecodeConstants* table = logfmt_table();
   int* payloads = logfmt_table_payloads();
-  const size_t meta_offset = args.layout.logfmt_meta_offset();
+  const size_t meta_offset = args.map.logfmt_meta_offset();
   for (int i = static_cast<int>(threadIdx.x); i < num_listed * num_groups; i += kNumThreads) {
     const int k = i % num_listed;
     const int group = group_begin + i / num_listed;
@@ -514,7 +512,7 @@ __device__ void fill_logfmt_table(const LowLatencyCombineArgs& args, const Combi
     const uint32_t meta = __ldcg(reinterpret_cast<const uint32_t*>(slot + meta_offset) + group);
     if constexpr (kPacking) {
       payloads[i] = static_cast<int>(
-          returned_group_payload(slot, args.layout, group, ((small.packed >> entry) & 1u) != 0));
+          returned_group_payload(slot, args.map, group, ((small.packed >> entry) & 1u) != 0));
     }
     table[i] = returned_group_constants(meta);
   }
@@ -531,7 +529,7 @@ __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, con
   const float weight = entry >= 0 ? small.weights[entry] : 0.0f;
   const char* slot = entry >= 0 ? returned_slot(args, token, small.slot_pos[entry]) : nullptr;
   const bool packed = kPacking && entry >= 0 && ((small.packed >> entry) & 1u) != 0;
-  const size_t meta_offset = args.layout.logfmt_meta_offset();
+  const size_t meta_offset = args.map.logfmt_meta_offset();
   for (int chunk = chunks.begin + static_cast<int>(threadIdx.x); chunk < chunks.end; chunk += kNumThreads) {
     float weighted[8];
 #pragma unroll
@@ -539,7 +537,7 @@ __device__ void reduce_single_slot_chunks(const LowLatencyCombineArgs& args, con
     if (entry >= 0) {
       // The codes load in flight with the metadata (a fallback group's words replace them after).
       const uint32_t meta = __ldcg(reinterpret_cast<const uint32_t*>(slot + meta_offset) + chunk / 16);
-      const char* payload = slot + returned_group_payload(slot, args.layout, chunk / 16, packed);
+      const char* payload = slot + returned_group_payload(slot, args.map, chunk / 16, packed);
       LogfmtChunk loaded = load_logfmt_chunk(payload, chunk, false);
       const LogfmtDecodeConstants constants = returned_group_constants(meta);
       if (constants.params.max_bits == kLogfmtFallbackMarker)
@@ -662,8 +660,8 @@ __device__ void reduce_logfmt_chunks(const LowLatencyCombineArgs& args, const Co
 template <typename Remote, bool kLogfmt, bool kPreReduce>
 __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSmem& small,
                               TopkEntry first_entry, int num_uses, unsigned long long& awaited) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int hidden = layout.hidden;
+  const LowLatencyBufferMap& map = args.map;
+  const int hidden = map.hidden;
   const int num_topk = args.in.num_topk;
   const int num_chunks = hidden / 8;
   const int parts = reduce_parts_of(args);
@@ -676,7 +674,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     if (threadIdx.x < 32) {
       mine =
           item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry<kPreReduce>(args, token, lane);
-      unsigned long long ranks = mine.expert >= 0 ? 1ull << (mine.expert / layout.num_local_experts()) : 0ull;
+      unsigned long long ranks = mine.expert >= 0 ? 1ull << (mine.expert / map.num_local_experts()) : 0ull;
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) ranks |= __shfl_xor_sync(kFullMask, ranks, offset);
       if (lane == 0) small.needed = ranks;
@@ -684,10 +682,9 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     __syncthreads();
     const unsigned long long missing = small.needed & ~awaited;  // block-uniform
     if (missing != 0) {
-      const SourceWait wait =
-          wait_all_sources<Remote>(args.peers, layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
-                                   WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
-                                   args.shape, args.mask, &small.left_out, missing);
+      const SourceWait wait = wait_all_sources<Remote>(
+          args.peers, map, args.half, LowLatencyOp::kCombine, num_uses + 1, WaitPhase::kLowLatencyCombineRecv,
+          args.in.combine_wait_recv_cost_stats, args.shape, args.mask, &small.left_out, missing);
       awaited |= missing;
       if (!wait.arrived) return false;
     }
@@ -696,7 +693,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     if (threadIdx.x < 32) {
       const int expert = mine.expert;
       if constexpr (kPreReduce) {
-        list_partial_slots(small, expert, layout.num_local_experts(), num_topk, left_out, lane);
+        list_partial_slots(small, expert, map.num_local_experts(), num_topk, left_out, lane);
       } else {
         int first = lane;
         for (int k = num_topk - 1; k >= 0; --k) {
@@ -704,7 +701,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           if (k < lane && other == expert) first = k;
         }
         if (lane < num_topk) {
-          const bool kept = expert >= 0 && !rank_masked(left_out, expert / layout.num_local_experts());
+          const bool kept = expert >= 0 && !rank_masked(left_out, expert / map.num_local_experts());
           small.slot_pos[lane] = kept ? first : -1;
           small.weights[lane] = mine.weight;
         }
@@ -716,7 +713,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
         const int pos = lane < num_topk ? small.slot_pos[lane] : -1;
         const int pos_expert = __shfl_sync(kFullMask, expert, pos >= 0 ? pos : 0);
         const unsigned packed = __ballot_sync(
-            kFullMask, pos >= 0 && ((put_ranks >> (pos_expert / layout.num_local_experts())) & 1ull) != 0);
+            kFullMask, pos >= 0 && ((put_ranks >> (pos_expert / map.num_local_experts())) & 1ull) != 0);
         if (lane == 0) small.packed = packed;
       }
     }
@@ -766,7 +763,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   auto& small = *reinterpret_cast<CombineSmallSmem*>(smem);
   int* prefix = reinterpret_cast<int*>(smem + combine_prefix_offset(kLogfmt));
   stamp_phase(args.phase_stamps, kStampEntry);
-  const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kCombine);
+  const int num_uses = read_num_uses(args.peers, args.map, args.half, LowLatencyOp::kCombine);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // Inputs that do not depend on any peer, loaded now so that their round trips overlap the prologue's (a
   // value read from an aborted dispatch's handle is never used).
@@ -783,11 +780,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if (args.phases & kLowLatencySend) {
-    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, args.shape, masked);
+    post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
         send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_count);
     stamp_phase(args.phase_stamps, kStampSent);
-    publish_sends<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
+    publish_sends<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
     stamp_phase(args.phase_stamps, kStampPublished);
   }
@@ -800,19 +797,19 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
       stamp_phase(args.phase_stamps, kStampDelivered);
       const unsigned long long all = args.peers.num_ranks == 64 ? ~0ull : (1ull << args.peers.num_ranks) - 1;
       if ((all & ~awaited) != 0) {
-        wait_all_sources<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses + 1,
+        wait_all_sources<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, num_uses + 1,
                                  WaitPhase::kLowLatencyCombineRecv, args.in.combine_wait_recv_cost_stats,
                                  args.shape, args.mask, &small.left_out, all & ~awaited);
       }
     }
-    finish_receive(args.peers, args.layout, args.half, LowLatencyOp::kCombine, num_uses);
+    finish_receive(args.peers, args.map, args.half, LowLatencyOp::kCombine, num_uses);
     stamp_phase(args.phase_stamps, kStampExit);
   }
 }
 
 template <typename Remote>
 void launch_low_latency_combine_with(const LowLatencyCombineArgs& args, cudaStream_t stream) {
-  const size_t smem_bytes = combine_smem_bytes(args.layout, args.in.use_logfmt);
+  const size_t smem_bytes = combine_smem_bytes(args.map, args.in.use_logfmt);
   const auto kernel = args.in.use_logfmt
                           ? (args.in.pre_reduce ? combine<Remote, true, true> : combine<Remote, true, false>)
                       : args.in.pre_reduce ? combine<Remote, false, true>

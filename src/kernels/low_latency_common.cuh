@@ -73,9 +73,9 @@ __device__ __forceinline__ void mask_timed_out_peer(const LowLatencyMaskArgs& ma
 // NOTES: it only changes at the very end of a receive phase (finish_receive), after every block of that
 // launch read it, and the next operation on this half starts after that launch (stream order and the host's
 // pending-receive check), so reading it anywhere in a launch gives the same value.
-__device__ __forceinline__ int read_num_uses(const PeerContext& peers, const LowLatencyBufferMap& layout,
+__device__ __forceinline__ int read_num_uses(const PeerContext& peers, const LowLatencyBufferMap& map,
                                              int half, LowLatencyOp op) {
-  return __ldcg(local_at<int>(peers, layout.num_uses_offset(half, op)));
+  return __ldcg(local_at<int>(peers, map.num_uses_offset(half, op)));
 }
 
 // Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
@@ -94,7 +94,7 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
 // after the flag: the next operation on this half is a later launch. Masked destinations get nothing (their
 // flags and counters stay untouched until a clean).
 template <typename Remote>
-__device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& layout,
+__device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& map,
                                               int half, LowLatencyOp op, int num_ops,
                                               unsigned long long masked, Publishers publishers) {
   if (!publishers.this_block) return;
@@ -104,13 +104,13 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
     if (rank_masked(masked, dst)) continue;
     if (is_direct<Remote>(peers, dst)) {
-      device::red_add_release_sys(peer_at<int>(peers, dst, layout.recv_flag_offset(half, op, peers.rank)),
+      device::red_add_release_sys(peer_at<int>(peers, dst, map.recv_flag_offset(half, op, peers.rank)),
                                   share);
       continue;
     }
-    int* finish = local_at<int>(peers, layout.send_finish_offset(half, op, dst));
+    int* finish = local_at<int>(peers, map.send_finish_offset(half, op, dst));
     if (device::atomic_add_acq_rel_sys(finish, 1) == publishers.count - 1) {
-      signal_rank<Remote>(peers, dst, layout.recv_flag_offset(half, op, peers.rank), flag_target(num_ops));
+      signal_rank<Remote>(peers, dst, map.recv_flag_offset(half, op, peers.rank), flag_target(num_ops));
       atomicExch(finish, 0);
     }
   }
@@ -132,7 +132,7 @@ static_assert(sizeof(ShapeFingerprint) <= kLowLatencyShapeSlotBytes,
 // destination acquires before it signals the flag. The staged slot is rewritten only by the next send of this
 // op on this half, a later launch, so never while a put still reads it.
 template <typename Remote>
-__device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowLatencyBufferMap& layout,
+__device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowLatencyBufferMap& map,
                                             int half, LowLatencyOp op, const ShapeFingerprint& shape,
                                             unsigned long long masked) {
   if (blockIdx.x != 0) return;
@@ -143,7 +143,7 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowL
         shape);
   }
   if constexpr (Remote::kEnabled) {
-    auto* staged = local_at<ShapeFingerprint>(peers, layout.staged_shape_offset(half, op));
+    auto* staged = local_at<ShapeFingerprint>(peers, map.staged_shape_offset(half, op));
     if (threadIdx.x == 0) {
       post_shape(staged, shape);
       __threadfence_system();  // visible to a transport that reads it from outside the SM
@@ -152,7 +152,7 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowL
     __syncthreads();
     for (int dst = threadIdx.x / 32; dst < peers.num_ranks; dst += blockDim.x / 32) {
       if (is_direct<Remote>(peers, dst) || rank_masked(masked, dst)) continue;  // warp-uniform
-      Remote::put_warp(local_at<ShapeFingerprint>(peers, layout.remote_shape_offset(half, op, peers.rank)),
+      Remote::put_warp(local_at<ShapeFingerprint>(peers, map.remote_shape_offset(half, op, peers.rank)),
                        staged, sizeof(ShapeFingerprint), dst);
     }
   }
@@ -163,11 +163,11 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowL
 // on another node put it into remote_shapes.
 template <typename Remote>
 __device__ __forceinline__ bool source_shape_agrees(const device::WaitContext& ctx, const PeerContext& peers,
-                                                    const LowLatencyBufferMap& layout, int half,
-                                                    LowLatencyOp op, int src, const ShapeFingerprint& shape) {
+                                                    const LowLatencyBufferMap& map, int half, LowLatencyOp op,
+                                                    int src, const ShapeFingerprint& shape) {
   if (!is_direct<Remote>(peers, src)) {
     return check_shape(ctx, src, shape,
-                       local_at<ShapeFingerprint>(peers, layout.remote_shape_offset(half, op, src)));
+                       local_at<ShapeFingerprint>(peers, map.remote_shape_offset(half, op, src)));
   }
   if (peers.abort.peers[src] == nullptr) return true;
   return check_shape(ctx, src, shape,
@@ -190,7 +190,7 @@ struct SourceWait {
 // `left_out` (block shared memory) holds the mask at entry and is complete after the call.
 template <typename Remote>
 __device__ __forceinline__ SourceWait wait_all_sources(
-    const PeerContext& peers, const LowLatencyBufferMap& layout, int half, LowLatencyOp op, int expected,
+    const PeerContext& peers, const LowLatencyBufferMap& map, int half, LowLatencyOp op, int expected,
     WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape, const LowLatencyMaskArgs& mask,
     unsigned long long* left_out, unsigned long long wanted = ~0ull) {
   const uint64_t start = device::global_timer_ns();
@@ -199,7 +199,7 @@ __device__ __forceinline__ SourceWait wait_all_sources(
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
     if (rank_masked(masked, src) || ((wanted >> src) & 1ull) == 0) continue;
-    const int* flag = local_at<int>(peers, layout.recv_flag_offset(half, op, src));
+    const int* flag = local_at<int>(peers, map.recv_flag_offset(half, op, src));
     bool ok = true;
     if (!mask.shrink) {
       ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
@@ -208,7 +208,7 @@ __device__ __forceinline__ SourceWait wait_all_sources(
                                                                         phase, device::OnTimeout::kGiveUp);
       ok = outcome == device::WaitOutcome::kArrived;
       if (outcome != device::WaitOutcome::kAborted) {
-        int* decision = local_at<int>(peers, layout.source_decision_offset(half, op, src));
+        int* decision = local_at<int>(peers, map.source_decision_offset(half, op, src));
         if (decide_source(decision, expected, ok)) {
           // Another block saw the flag: it is there, this look finds it.
           if (!ok) ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
@@ -219,7 +219,7 @@ __device__ __forceinline__ SourceWait wait_all_sources(
         }
       }
     }
-    if (ok) ok = source_shape_agrees<Remote>(ctx, peers, layout, half, op, src, shape);
+    if (ok) ok = source_shape_agrees<Remote>(ctx, peers, map, half, op, src, shape);
     arrived &= ok;
     if (wait_cost_stats != nullptr && blockIdx.x == 0) {
       atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
@@ -233,14 +233,14 @@ __device__ __forceinline__ SourceWait wait_all_sources(
 
 // Called by every thread of every block at the end of a receive phase: the last block bumps num_uses, which
 // moves the expected flag value of the next operation on this half.
-__device__ __forceinline__ void finish_receive(const PeerContext& peers, const LowLatencyBufferMap& layout,
+__device__ __forceinline__ void finish_receive(const PeerContext& peers, const LowLatencyBufferMap& map,
                                                int half, LowLatencyOp op, int num_uses) {
   __syncthreads();
   if (threadIdx.x == 0) {
-    int* done = local_at<int>(peers, layout.recv_done_offset(half, op));
+    int* done = local_at<int>(peers, map.recv_done_offset(half, op));
     if (atomicAdd(done, 1) == static_cast<int>(gridDim.x) - 1) {
       atomicExch(done, 0);
-      atomicExch(local_at<int>(peers, layout.num_uses_offset(half, op)), num_uses + 1);
+      atomicExch(local_at<int>(peers, map.num_uses_offset(half, op)), num_uses + 1);
     }
   }
 }

@@ -8,8 +8,8 @@ void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_
   launch_low_latency_dispatch_with<low_latency::NoRemote>(args, stream);
 }
 
-size_t low_latency_dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
-  return dispatch_smem_bytes(layout);
+size_t low_latency_dispatch_smem_bytes(const LowLatencyBufferMap& map) {
+  return dispatch_smem_bytes(map);
 }
 
 void preload_low_latency_dispatch_kernels() {

@@ -36,9 +36,9 @@ struct DispatchSmallSmem {
   int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
 };
 
-size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
-  const size_t routing = sizeof(int) * size_t(kNumWarps) * layout.num_experts;
-  const size_t prefix = sizeof(int) * (size_t(layout.num_experts) + 1);
+size_t dispatch_smem_bytes(const LowLatencyBufferMap& map) {
+  const size_t routing = sizeof(int) * size_t(kNumWarps) * map.num_experts;
+  const size_t prefix = sizeof(int) * (size_t(map.num_experts) + 1);
   return align_up(sizeof(DispatchSmallSmem), 16) + (routing > prefix ? routing : prefix);
 }
 
@@ -47,24 +47,23 @@ size_t dispatch_smem_bytes(const LowLatencyBufferMap& layout) {
 // The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
                                              unsigned long long masked, int64_t id) {
-  const int expert =
-      first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.layout.num_experts, id);
-  return expert >= 0 && rank_masked(masked, expert / args.layout.num_local_experts()) ? -1 : expert;
+  const int expert = first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.map.num_experts, id);
+  return expert >= 0 && rank_masked(masked, expert / args.map.num_local_experts()) ? -1 : expert;
 }
 
 // Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
 template <typename Remote>
 __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* totals) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int num_local = layout.num_local_experts();
+  const LowLatencyBufferMap& map = args.map;
+  const int num_local = map.num_local_experts();
   __syncthreads();
-  for (int expert = threadIdx.x / 32; expert < layout.num_experts; expert += kNumWarps) {
+  for (int expert = threadIdx.x / 32; expert < map.num_experts; expert += kNumWarps) {
     const int dst = expert / num_local;
     const int count = totals[expert];
     if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
-    Remote::put_warp(local_at<int>(args.peers, layout.dispatch_recv_index_offset(
-                                                   args.half, expert % num_local, args.peers.rank)),
-                     local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert)),
+    Remote::put_warp(local_at<int>(args.peers, map.dispatch_recv_index_offset(args.half, expert % num_local,
+                                                                              args.peers.rank)),
+                     local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert)),
                      sizeof(int) * count, dst);
   }
 }
@@ -101,8 +100,8 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
   if (threadIdx.x < 32 && lane < args.in.num_topk)
     pre.id = args.in.topk_idx[size_t(token) * args.in.num_topk + lane];
   const int group = threadIdx.x / 8;  // send_tokens' first group of this thread
-  if (group < args.layout.num_groups()) {
-    const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * args.layout.hidden / 8;
+  if (group < args.map.num_groups()) {
+    const int4* row = static_cast<const int4*>(args.in.x) + size_t(token) * args.map.hidden / 8;
     const int chunk = group * 16 + threadIdx.x % 8 * 2;
     pre.v0 = device::ld_nc_v4(row + chunk);
     pre.v1 = device::ld_nc_v4(row + chunk + 1);
@@ -118,9 +117,9 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
 template <typename Remote>
 __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
                               const SendPreload& pre) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int num_experts = layout.num_experts;
-  const int num_local = layout.num_local_experts();
+  const LowLatencyBufferMap& map = args.map;
+  const int num_experts = map.num_experts;
+  const int num_local = map.num_local_experts();
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
 
@@ -159,7 +158,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
     }
     const int dst = expert / num_local;
     if (rank_masked(masked, dst)) continue;  // nothing goes to a masked rank
-    const size_t offset = layout.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+    const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
     if (is_direct<Remote>(args.peers, dst)) {
       *peer_at<int>(args.peers, dst, offset) = running;
     } else {
@@ -184,11 +183,11 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
     if (expert >= 0) {
       const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
       const int dst = expert / num_local;
-      int* list = is_direct<Remote>(args.peers, dst)
-                      ? peer_at<int>(
-                            args.peers, dst,
-                            layout.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
-                      : local_at<int>(args.peers, layout.dispatch_send_index_offset(args.half, expert));
+      int* list =
+          is_direct<Remote>(args.peers, dst)
+              ? peer_at<int>(args.peers, dst,
+                             map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
+              : local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert));
       const int token = entry / args.in.num_topk;
       list[slot] = pack_recv_index_entry(token, entry % args.in.num_topk);
     }
@@ -224,12 +223,12 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const int expert =
       lane < args.in.num_topk
           ? expert_of(preloaded ? pre.id : args.in.topk_idx[size_t(token) * args.in.num_topk + lane],
-                      args.layout.num_experts)
+                      args.map.num_experts)
           : -1;
   const float weight = kListings && lane < args.in.num_topk
                            ? args.in.topk_weights[size_t(token) * args.in.num_topk + lane]
                            : 0.0f;
-  const int rank = expert >= 0 ? expert / args.layout.num_local_experts() : -1;
+  const int rank = expert >= 0 ? expert / args.map.num_local_experts() : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   const bool first = first_lane_with(dst, args.in.num_topk, lane) && dst >= 0;
   const bool direct = first && is_direct<Remote>(args.peers, dst);
@@ -237,11 +236,11 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const unsigned remotes = __ballot_sync(kFullMask, first && !direct);
   const unsigned lower = (1u << lane) - 1u;
   if (direct) {
-    small.dst_msgs[__popc(directs & lower)] = peer_at<char>(
-        args.peers, dst, args.layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
+    small.dst_msgs[__popc(directs & lower)] =
+        peer_at<char>(args.peers, dst, args.map.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
     if constexpr (kListings) {
       small.dst_listings[__popc(directs & lower)] = peer_at<int>(
-          args.peers, dst, args.layout.dispatch_recv_listings_offset(args.half, args.peers.rank, token));
+          args.peers, dst, args.map.dispatch_recv_listings_offset(args.half, args.peers.rank, token));
     }
   }
   if (first && !direct) small.remote_dsts[__popc(remotes & lower)] = dst;
@@ -250,9 +249,9 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
     small.num_remote = __popc(remotes);
     if (remotes != 0) {
       small.dst_listings[small.num_dsts] =
-          local_at<int>(args.peers, args.layout.dispatch_send_listings_offset(args.half, token));
+          local_at<int>(args.peers, args.map.dispatch_send_listings_offset(args.half, token));
       small.dst_msgs[small.num_dsts++] =
-          local_at<char>(args.peers, args.layout.dispatch_send_msg_offset(args.half, token));
+          local_at<char>(args.peers, args.map.dispatch_send_msg_offset(args.half, token));
     }
   }
   if constexpr (!kListings) return;
@@ -270,9 +269,9 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
 template <typename Remote, bool kListings>
 __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSmem& small,
                             const SendPreload& pre) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int hidden = layout.hidden;
-  const int num_groups = layout.num_groups();
+  const LowLatencyBufferMap& map = args.map;
+  const int hidden = map.hidden;
+  const int num_groups = map.num_groups();
   const int octet = threadIdx.x / 8;
   const int sub = threadIdx.x % 8;
   const unsigned octet_mask = 0xFFu << (threadIdx.x % 32 / 8 * 8);
@@ -313,8 +312,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
       for (int d = 0; d < num_dsts; ++d) {
         char* msg = small.dst_msgs[d];
         *reinterpret_cast<int4*>(msg + group * kFp8GroupSize + sub * 16) = codes;  // 1-byte codes
-        if (sub == 0)
-          reinterpret_cast<float*>(msg + layout.dispatch_msg_scales_offset())[group] = scale.scale;
+        if (sub == 0) reinterpret_cast<float*>(msg + map.dispatch_msg_scales_offset())[group] = scale.scale;
       }
     }
     if constexpr (Remote::kEnabled) {
@@ -327,12 +325,12 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
           const size_t bytes =
               args.in.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
           Remote::put_warp(
-              local_at<char>(args.peers, layout.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
+              local_at<char>(args.peers, map.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
           if constexpr (kListings) {
             Remote::put_warp(
                 local_at<char>(args.peers,
-                               layout.dispatch_recv_listings_offset(args.half, args.peers.rank, token)),
+                               map.dispatch_recv_listings_offset(args.half, args.peers.rank, token)),
                 small.dst_listings[small.num_dsts - 1], kLowLatencyListingsBytes, small.remote_dsts[warp]);
           }
         }
@@ -348,17 +346,17 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
 // together.
 __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg, int local_expert, int row,
                             int piece, int num_pieces, int lane) {
-  const LowLatencyBufferMap& layout = args.layout;
-  const int hidden = layout.hidden;
-  const int num_rows = layout.num_recv_rows();
+  const LowLatencyBufferMap& map = args.map;
+  const int hidden = map.hidden;
+  const int num_rows = map.num_recv_rows();
   const size_t row_idx = size_t(local_expert) * num_rows + row;
   if (!args.in.use_fp8) {
     warp_copy_piece<true>(static_cast<char*>(args.out.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2,
                           piece, num_pieces, lane);
     return;
   }
-  const float* scales = reinterpret_cast<const float*>(msg + layout.dispatch_msg_scales_offset());
-  const int num_groups = layout.num_groups();
+  const float* scales = reinterpret_cast<const float*>(msg + map.dispatch_msg_scales_offset());
+  const int num_groups = map.num_groups();
   // The first 128 groups (hidden <= 16384) are loaded ahead: lane l holds groups 4l..4l+3 (its UE8M0 word)
   // or groups l, l + 32, l + 64, l + 96 (float scales). Groups past them take a loop after the row.
   constexpr int kAhead = 4;
@@ -407,20 +405,19 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
 // reached this rank is written exactly once.
 __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int token, int local_expert,
                                int row_idx, int topk_pos, int lane) {
-  const LowLatencyBufferMap& layout = args.layout;
+  const LowLatencyBufferMap& map = args.map;
   const int num_topk = args.in.num_topk;
-  const int* received =
-      local_at<int>(args.peers, layout.dispatch_recv_listings_offset(args.half, src, token));
+  const int* received = local_at<int>(args.peers, map.dispatch_recv_listings_offset(args.half, src, token));
   const int id = lane < num_topk ? __ldcg(received + lane) : -1;
   const float weight =
       lane < num_topk ? __ldcg(reinterpret_cast<const float*>(received + kListingWeightsWord) + lane) : 0.0f;
-  const int num_local = layout.num_local_experts();
+  const int num_local = map.num_local_experts();
   const bool here = id >= 0 && id / num_local == args.peers.rank;
   const unsigned here_lanes = __ballot_sync(kFullMask, here);
   const bool first_here = topk_pos == __ffs(here_lanes) - 1;
   if (lane >= num_topk) return;
   LowLatencyListing* listings =
-      args.out.recv_token_listings + (size_t(src) * layout.num_max_tokens + token) * num_topk;
+      args.out.recv_token_listings + (size_t(src) * map.num_max_tokens + token) * num_topk;
   if (here && id % num_local == local_expert) {
     listings[lane] = LowLatencyListing{row_idx, weight};
   } else if (!here && first_here) {
@@ -434,21 +431,20 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
 template <typename Remote, bool kListings>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
-  const LowLatencyBufferMap& layout = args.layout;
+  const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
-  const int num_ranks = layout.num_ranks;
-  const int num_pairs = layout.num_experts;  // (local expert, source) pairs: L * R == E
-  const SourceWait wait = aborted
-                              ? SourceWait{false, 0ull}
-                              : wait_all_sources<Remote>(peers, layout, args.half, LowLatencyOp::kDispatch,
-                                                         num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
-                                                         args.in.dispatch_wait_recv_cost_stats, args.shape,
-                                                         args.mask, &small.left_out);
+  const int num_ranks = map.num_ranks;
+  const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E
+  const SourceWait wait = aborted ? SourceWait{false, 0ull}
+                                  : wait_all_sources<Remote>(peers, map, args.half, LowLatencyOp::kDispatch,
+                                                             num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
+                                                             args.in.dispatch_wait_recv_cost_stats,
+                                                             args.shape, args.mask, &small.left_out);
   stamp_phase(args.phase_stamps, kStampArrived);
   int* warp_sums = small.warp_sums;
 
   // Counts are stored pair-major (le * R + src), which is also the packed output order.
-  const int* counts = local_at<int>(peers, layout.dispatch_recv_count_offset(args.half, 0, 0));
+  const int* counts = local_at<int>(peers, map.dispatch_recv_count_offset(args.half, 0, 0));
   for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
     prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
   __syncthreads();
@@ -461,7 +457,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
       args.out.recv_layout_range[p] =
           LowLatencyRange{.count = prefix[p + 1] - prefix[p], .begin = prefix[p] - expert_begin};
     }
-    for (int le = threadIdx.x; le < layout.num_local_experts(); le += kNumThreads) {
+    for (int le = threadIdx.x; le < map.num_local_experts(); le += kNumThreads) {
       const int count = prefix[(le + 1) * num_ranks] - prefix[le * num_ranks];
       args.out.recv_count[le] = count;
       if (args.in.cumulative_local_expert_recv_stats != nullptr)
@@ -472,7 +468,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(layout.hidden) : size_t(layout.hidden) * 2);
+  const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(map.hidden) : size_t(map.hidden) * 2);
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
@@ -485,24 +481,24 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     const int src = pair % num_ranks;
     const int row = j - prefix[local_expert * num_ranks];
     const int entry =
-        __ldcg(local_at<int>(peers, layout.dispatch_recv_index_offset(args.half, local_expert, src)) +
+        __ldcg(local_at<int>(peers, map.dispatch_recv_index_offset(args.half, local_expert, src)) +
                (j - prefix[pair]));
     const int token = recv_index_entry_token(entry);
     // A dispatch with top-k weights: the token's listings first (loaded alongside the row, their values would
     // stay live across its copy and spill).
     if (kListings && piece == 0)
-      write_listings(args, src, token, local_expert, local_expert * layout.num_recv_rows() + row,
+      write_listings(args, src, token, local_expert, local_expert * map.num_recv_rows() + row,
                      recv_index_entry_topk_pos(entry), lane);
-    deliver_row(args, local_at<char>(peers, layout.dispatch_recv_msg_offset(args.half, src, token)),
+    deliver_row(args, local_at<char>(peers, map.dispatch_recv_msg_offset(args.half, src, token)),
                 local_expert, row, piece, num_pieces, lane);
     if (lane == 0 && piece == 0) {
-      const size_t row_idx = size_t(local_expert) * layout.num_recv_rows() + row;
+      const size_t row_idx = size_t(local_expert) * map.num_recv_rows() + row;
       args.out.recv_src_info[row_idx] = token;
       args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }
   }
   stamp_phase(args.phase_stamps, kStampDelivered);
-  finish_receive(peers, layout, args.half, LowLatencyOp::kDispatch, num_uses);
+  finish_receive(peers, map, args.half, LowLatencyOp::kDispatch, num_uses);
   stamp_phase(args.phase_stamps, kStampExit);
 }
 
@@ -516,7 +512,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   auto& small = *reinterpret_cast<DispatchSmallSmem*>(smem);
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   stamp_phase(args.phase_stamps, kStampEntry);
-  const int num_uses = read_num_uses(args.peers, args.layout, args.half, LowLatencyOp::kDispatch);
+  const int num_uses = read_num_uses(args.peers, args.map, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   const SendPreload pre = args.phases & kLowLatencySend ? preload_send(args) : SendPreload{};
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
@@ -528,12 +524,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
-    post_shapes<Remote>(args.peers, args.layout, args.half, LowLatencyOp::kDispatch, args.shape, masked);
+    post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
     send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
-        args.peers, args.layout, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
+        args.peers, args.map, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
         dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
@@ -542,7 +538,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
 
 template <typename Remote>
 void launch_low_latency_dispatch_with(const LowLatencyDispatchArgs& args, cudaStream_t stream) {
-  const size_t smem_bytes = dispatch_smem_bytes(args.layout);
+  const size_t smem_bytes = dispatch_smem_bytes(args.map);
   // A dispatch with top-k weights (the listings) is a kernel of its own: the plain one keeps its registers.
   const auto kernel =
       args.out.recv_token_listings != nullptr ? dispatch<Remote, true> : dispatch<Remote, false>;

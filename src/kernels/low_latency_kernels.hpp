@@ -55,7 +55,7 @@ constexpr int kMaxPhaseStampBlocks = 1024;
 
 struct LowLatencyDispatchArgs {
   PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not an NVLink peer, reached by puts)
-  LowLatencyBufferMap layout;
+  LowLatencyBufferMap map;
   int half;        // which half of the double buffer this call uses
   int phases;      // LowLatencyPhase bits
   int num_blocks;  // one block per SM: every block must be resident (receivers spin on senders)
@@ -69,17 +69,17 @@ struct LowLatencyDispatchArgs {
 void launch_low_latency_dispatch(const LowLatencyDispatchArgs& args, cudaStream_t stream);
 // Dynamic shared memory the dispatch kernel needs (the routing histogram grows with E); the host checks it
 // against the device limit before launching.
-size_t low_latency_dispatch_smem_bytes(const LowLatencyBufferMap& layout);
+size_t low_latency_dispatch_smem_bytes(const LowLatencyBufferMap& map);
 
 struct LowLatencyCombineArgs {
   PeerContext peers;
-  LowLatencyBufferMap layout;
+  LowLatencyBufferMap map;
   int half;
   int phases;
   int num_blocks;
 
   // The caller's; `in.x` is the expert outputs in the dispatch output order: the caller's, or (zero copy) the
-  // layout's combine_send rows.
+  // map's combine_send rows.
   LowLatencyCombineInput in;
   LowLatencyHandle handle;  // the dispatch's: which tokens the rows belong to
   void* out;                // [T, H] BF16
@@ -94,7 +94,7 @@ void launch_low_latency_combine(const LowLatencyCombineArgs& args, cudaStream_t 
 // The barrier leaves masked ranks out (with enable_shrink, a rank it times out on is masked).
 struct LowLatencyCleanArgs {
   PeerContext peers;
-  LowLatencyBufferMap layout;
+  LowLatencyBufferMap map;
   LowLatencyMaskArgs mask;
 };
 void launch_low_latency_clean(const LowLatencyCleanArgs& args, cudaStream_t stream);

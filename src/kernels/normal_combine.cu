@@ -19,10 +19,10 @@ namespace {
 __device__ void send_rows(const CombineArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
                           int calls) {
   const NormalRecord& r = args.record;
-  const int index = dst * args.layout.num_channels + channel;
+  const int index = dst * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
-  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens,
+  QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kCombineSend);
   queue.wait_until_peer_ready(calls);
   while (queue.pushed < num_rows) {
@@ -49,7 +49,7 @@ __device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, 
   if (r == args.peers.rank) {
     return static_cast<const char*>(args.in.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
   }
-  return args.layout.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
+  return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
 }
 
 // Output chunk c of token t: the sum, rounded once to BF16.
@@ -310,7 +310,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const ReduceContext context{args,
                               channel,
-                              args.handle.recv_channel_offset[rank * args.layout.num_channels + channel],
+                              args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
                               with_queues,
                               lane_is_peer ? counters->consumed[lane][channel] : 0u,
                               lane,
@@ -325,7 +325,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   __syncthreads();
 
   const int num_tokens = tokens.end - tokens.begin;
-  const int queue_tokens = args.layout.queue_tokens;
+  const int queue_tokens = args.map.queue_tokens;
   const int warps = with_queues ? min(kQueueWarps, queue_tokens) : kQueueWarps;
   const int per_warp = with_queues ? max(1, min(kMaxTokensPerWarp, queue_tokens / (4 * kQueueWarps)))
                                    : (num_tokens + kQueueWarps - 1) / kQueueWarps;
@@ -360,7 +360,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
-  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
+  const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
@@ -386,7 +386,7 @@ constexpr size_t kCombineSharedBytes = sizeof(TmaWarpStage) * kQueueWarps;
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
   launch(combine_kernel,
-         {unsigned(2 * args.layout.num_channels), kQueueThreads, kCombineSharedBytes, Residency::kCoResident},
+         {unsigned(2 * args.map.num_channels), kQueueThreads, kCombineSharedBytes, Residency::kCoResident},
          stream, args);
 }
 

@@ -35,7 +35,7 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
   const RowOutputs given{args.out.recv_x,          args.out.recv_x_scales,
                          args.out.recv_topk_idx,   args.out.recv_topk_weights,
                          args.handle.recv_src_idx, false};
-  const int num_channels = args.layout.num_channels;
+  const int num_channels = args.map.num_channels;
   const int* offsets = args.handle.recv_channel_offset;
   const int rows = offsets[args.peers.num_ranks * num_channels];
   // Rows the host read off the layout board for each source, against what the source sends: a source whose
@@ -151,8 +151,8 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
                               int num_workers, int lane, DispatchCopier& copier) {
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
-  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
-  const int row0 = args.handle.recv_channel_offset[rank * args.layout.num_channels + channel];
+  const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
+  const int row0 = args.handle.recv_channel_offset[rank * args.map.num_channels + channel];
   const int num_topk = args.record.num_topk_idx;
   int count = 0;
   const auto flag_at = [&](int t) {
@@ -188,10 +188,10 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
 __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, const WarpGroup& group,
                             int* shared, int calls) {
   const int num_ranks = args.peers.num_ranks;
-  QueueSender queue(args.peers, args.layout, group, shared, dst, channel, args.chunk_tokens,
+  QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kDispatchSend);
   queue.wait_until_peer_ready(calls);
-  const TokenRange range = channel_token_range(args.num_tokens, args.layout.num_channels, channel);
+  const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int lane = group.lane;
   int window = 0;
   for (int t0 = range.begin; t0 < range.end;) {
@@ -233,9 +233,9 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
 __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, int channel, int src,
                                const WarpGroup& group, int* shared, DispatchCopier& copier, int calls) {
-  const int index = src * args.layout.num_channels + channel;
+  const int index = src * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
-  QueueReceiver queue(args.peers, args.layout, group, shared, src, channel,
+  QueueReceiver queue(args.peers, args.map, group, shared, src, channel,
                       args.handle.recv_channel_offset[index + 1] - row0, WaitPhase::kDispatchReceive);
   // Records of another shape are never read: the group aborts, naming the field.
   if (!queue.done() && !queue.share(group.leader() ? check_launch_shape(args.peers, calls, args.shape, src,
@@ -263,11 +263,11 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
   queue.finish();
 }
 
-// Padding rows of the worst-case layout (after every received row): no source, no experts.
+// Padding rows of a worst-case-sized output (after every received row): no source, no experts.
 __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
-  const int num_rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.layout.num_channels];
+  const int num_rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.map.num_channels];
   const int num_topk = args.record.num_topk_idx;
-  const int stride = args.layout.num_channels * kQueueThreads;
+  const int stride = args.map.num_channels * kQueueThreads;
   for (int row = num_rows + channel * kQueueThreads + threadIdx.x; row < args.num_out_rows; row += stride) {
     args.handle.recv_src_idx[row] = -1;
     if (args.out.recv_topk_idx == nullptr) continue;
@@ -344,10 +344,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  launch(
-      dispatch_kernel,
-      {unsigned(2 * args.layout.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
-      stream, args);
+  launch(dispatch_kernel,
+         {unsigned(2 * args.map.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
+         stream, args);
 }
 
 void preload_normal_dispatch_kernels() {

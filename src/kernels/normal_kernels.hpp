@@ -116,7 +116,7 @@ struct BoardCheck {
 
 struct DispatchArgs {
   PeerContext peers;
-  NormalBufferMap layout;
+  NormalBufferMap map;
   NormalRecord record;
   int num_tokens;
   int num_experts;
@@ -145,7 +145,7 @@ void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
 struct CombineArgs {
   PeerContext peers;
-  NormalBufferMap layout;
+  NormalBufferMap map;
   NormalRecord record;  // num_topk_weights = the top-k reduced (0: no weights)
   int num_tokens;
   int chunk_tokens;

@@ -11,7 +11,7 @@
 #include "kernels/wait_context.cuh"
 #include "kernels/warp_copy.cuh"
 
-// The queues of normal-mode dispatch and combine (layout and invariants: NormalBufferMap). Every launch has
+// The queues of normal-mode dispatch and combine (map and invariants: NormalBufferMap). Every launch has
 // 2C blocks: even blocks send for channel b / 2, odd blocks receive for it. Inside a block the warps form one
 // group per peer, so a full queue to one peer never stalls the traffic to another.
 namespace epx::kernels {
@@ -66,7 +66,7 @@ __device__ __forceinline__ bool count_call_done_by_last_block(Control* control, 
 }
 
 // Called by every thread of every block at its end: the last block to arrive counts the call as done and
-// tells every peer, which may then write into this rank's queues with the next call's layout.
+// tells every peer, which may then write into this rank's queues with the next call's map.
 __device__ __forceinline__ void finish_launch(const PeerContext& peers, int calls) {
   if (!count_call_done_by_last_block(NormalBufferMap::control(peers.local_base), calls, [] {})) return;
   const int peer = threadIdx.x;
@@ -77,7 +77,7 @@ __device__ __forceinline__ void finish_launch(const PeerContext& peers, int call
 }
 
 // ---- Launch fingerprints: a dispatch or combine whose shape (or operation) differs between ranks reads
-// records of another layout. Every launch posts its ShapeFingerprint to every peer at its start; a receiver
+// records of another map. Every launch posts its ShapeFingerprint to every peer at its start; a receiver
 // checks a source's before it reads the source's first record. ----
 
 // Block 0, threads r < R: this launch's fingerprint to peer r (shape_check.cuh). `calls`: calls_before().
@@ -107,7 +107,7 @@ __device__ __forceinline__ bool check_launch_shape(const PeerContext& peers, int
 // Entries count from the start of the call; `base` is the queue's running count when the call began.
 struct QueueEnd {
   const PeerContext& peers;
-  const NormalBufferMap& layout;
+  const NormalBufferMap& map;
   WarpGroup group;
   int* shared_value;  // one int of shared memory for this group
   int peer;           // the rank at the other end
@@ -139,7 +139,7 @@ struct QueueSender : QueueEnd {
         chunk_tokens(chunk) {}
 
   // Before the first record: the peer finished every call before this one, so nothing of theirs is still
-  // unread in its queues (whatever their layout).
+  // unread in its queues (whatever their map).
   __device__ void wait_until_peer_ready(int calls) {
     if (group.leader()) {
       device::wait_at_least(&NormalBufferMap::control(peers.local_base)->done_signal[peer], calls,
@@ -154,16 +154,15 @@ struct QueueSender : QueueEnd {
     if (group.leader()) {
       const int consumed =
           device::wait_count_since(&NormalBufferMap::counters(peers.local_base)->head[peer][channel], base,
-                                   pushed - layout.queue_tokens + 1, wait_context(peers), peer, phase);
-      granted = min(min(queue_room(pushed, consumed, layout.queue_tokens), chunk_tokens), most);
+                                   pushed - map.queue_tokens + 1, wait_context(peers), peer, phase);
+      granted = min(min(queue_room(pushed, consumed, map.queue_tokens), chunk_tokens), most);
     }
     return share(granted);
   }
 
   // Record `j` of the reserved chunk, in the peer's buffer.
   __device__ char* record(int j) const {
-    return layout.record(peers.peer_bases[peer], peers.rank, peer, channel,
-                         static_cast<uint32_t>(pushed + j));
+    return map.record(peers.peer_bases[peer], peers.rank, peer, channel, static_cast<uint32_t>(pushed + j));
   }
 
   // The group wrote `count` records: the peer may read them.
@@ -209,7 +208,7 @@ struct QueueReceiver : QueueEnd {
   }
 
   __device__ const char* record(int j) const {
-    return layout.record(peers.local_base, peer, peers.rank, channel, static_cast<uint32_t>(got + j));
+    return map.record(peers.local_base, peer, peers.rank, channel, static_cast<uint32_t>(got + j));
   }
 
   // The group copied `num` records out: the peer may overwrite them.

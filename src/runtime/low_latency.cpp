@@ -19,15 +19,15 @@ bool aligned16(const void* pointer) {
   return reinterpret_cast<uintptr_t>(pointer) % 16 == 0;
 }
 
-LowLatencyBufferMap layout_for(const Buffer& buffer, int num_max_tokens, int hidden, int num_experts) {
+LowLatencyBufferMap map_for(const Buffer& buffer, int num_max_tokens, int hidden, int num_experts) {
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
             "must be > 0 for low-latency mode (size it with get_low_latency_rdma_size_hint)");
-  const LowLatencyBufferMap layout(num_max_tokens, hidden, buffer.num_ranks(), num_experts);
-  EPX_CHECK(layout.total_bytes() <= buffer.num_rdma_bytes(), "num_rdma_bytes", buffer.num_rdma_bytes(),
-            detail::concat("must be >= ", layout.total_bytes(), " for M = ", num_max_tokens,
+  const LowLatencyBufferMap map(num_max_tokens, hidden, buffer.num_ranks(), num_experts);
+  EPX_CHECK(map.total_bytes() <= buffer.num_rdma_bytes(), "num_rdma_bytes", buffer.num_rdma_bytes(),
+            detail::concat("must be >= ", map.total_bytes(), " for M = ", num_max_tokens,
                            ", hidden = ", hidden, ", E = ", num_experts, " (get_low_latency_rdma_size_hint)")
                 .c_str());
-  return layout;
+  return map;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
@@ -62,19 +62,19 @@ void run_mask_op(Buffer& buffer, const kernels::LowLatencyMaskUpdateArgs& args, 
 }
 
 // What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
-// the layout's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
-ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyBufferMap& layout, int format) {
+// the map's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
+ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyBufferMap& map, int format) {
   int32_t values[kNumShapeFields] = {};
-  values[static_cast<int>(ShapeField::kHidden)] = layout.hidden;
-  values[static_cast<int>(ShapeField::kNumExperts)] = layout.num_experts;
-  values[static_cast<int>(ShapeField::kMaxTokens)] = layout.num_max_tokens;
+  values[static_cast<int>(ShapeField::kHidden)] = map.hidden;
+  values[static_cast<int>(ShapeField::kNumExperts)] = map.num_experts;
+  values[static_cast<int>(ShapeField::kMaxTokens)] = map.num_max_tokens;
   values[static_cast<int>(ShapeField::kFormat)] = format;
   return make_shape_fingerprint(values);
 }
 
-void check_tokens(int num_tokens, int num_topk, const LowLatencyBufferMap& layout, const int64_t* topk_idx) {
+void check_tokens(int num_tokens, int num_topk, const LowLatencyBufferMap& map, const int64_t* topk_idx) {
   EPX_CHECK(num_tokens >= 0, "num_tokens", num_tokens, "must be >= 0");
-  EPX_CHECK(num_tokens <= layout.num_max_tokens, "num_tokens", num_tokens,
+  EPX_CHECK(num_tokens <= map.num_max_tokens, "num_tokens", num_tokens,
             "must be <= num_max_dispatch_tokens_per_rank");
   EPX_CHECK(num_topk >= 1, "num_topk", num_topk, "must be >= 1");
   EPX_CHECK(num_topk <= kMaxTopk, "num_topk", num_topk, "must be <= 16 (top-k > 16 is unsupported)");
@@ -83,9 +83,9 @@ void check_tokens(int num_tokens, int num_topk, const LowLatencyBufferMap& layou
 }
 
 void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
-                       const LowLatencyDispatchOutput& out, const LowLatencyBufferMap& layout,
+                       const LowLatencyDispatchOutput& out, const LowLatencyBufferMap& map,
                        const LowLatencyState& state, const StreamOrder& order) {
-  check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
+  check_tokens(in.num_tokens, in.num_topk, map, in.topk_idx);
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null",
             "must point to [num_tokens, hidden] BF16 tokens");
   EPX_CHECK(aligned16(in.x), "x", in.x, "must be 16-byte aligned");
@@ -108,8 +108,8 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
   EPX_CHECK(in.num_tokens == 0 || out.recv_token_listings == nullptr || in.topk_weights != nullptr,
             "topk_weights", "null",
             "must point to [num_tokens, num_topk] weights when recv_token_listings is given");
-  const size_t smem_bytes = kernels::low_latency_dispatch_smem_bytes(layout);
-  EPX_CHECK(smem_bytes <= static_cast<size_t>(state.max_smem_bytes), "num_experts", layout.num_experts,
+  const size_t smem_bytes = kernels::low_latency_dispatch_smem_bytes(map);
+  EPX_CHECK(smem_bytes <= static_cast<size_t>(state.max_smem_bytes), "num_experts", map.num_experts,
             detail::concat("needs ", smem_bytes, " bytes of shared memory for routing, more than the GPU's ",
                            state.max_smem_bytes, " (unsupported)")
                 .c_str());
@@ -159,41 +159,40 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
 }  // namespace
 
 LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const LowLatencyDispatchInput& in) {
-  const LowLatencyBufferMap layout(in.num_max_dispatch_tokens_per_rank, in.hidden, buffer.num_ranks(),
-                                   in.num_experts);
+  const LowLatencyBufferMap map(in.num_max_dispatch_tokens_per_rank, in.hidden, buffer.num_ranks(),
+                                in.num_experts);
   LowLatencyDispatchSizes sizes;
-  sizes.num_local_experts = layout.num_local_experts();
-  sizes.num_rows_per_expert = layout.num_recv_rows();
+  sizes.num_local_experts = map.num_local_experts();
+  sizes.num_rows_per_expert = map.num_recv_rows();
   const size_t rows = size_t(sizes.num_local_experts) * sizes.num_rows_per_expert;
   sizes.num_scale_columns = !in.use_fp8    ? 0
-                            : in.use_ue8m0 ? ue8m0_num_words(layout.num_groups())
-                                           : layout.num_groups();
-  sizes.recv_x_bytes = rows * layout.hidden * (in.use_fp8 ? 1 : 2);
+                            : in.use_ue8m0 ? ue8m0_num_words(map.num_groups())
+                                           : map.num_groups();
+  sizes.recv_x_bytes = rows * map.hidden * (in.use_fp8 ? 1 : 2);
   sizes.recv_x_scales_bytes = rows * sizes.num_scale_columns * 4;
   sizes.recv_count_bytes = sizeof(int) * sizes.num_local_experts;
   sizes.recv_src_info_bytes = sizeof(int) * rows;
-  sizes.recv_layout_range_bytes =
-      sizeof(LowLatencyRange) * size_t(sizes.num_local_experts) * layout.num_ranks;
+  sizes.recv_layout_range_bytes = sizeof(LowLatencyRange) * size_t(sizes.num_local_experts) * map.num_ranks;
   sizes.recv_token_listings_bytes =
-      sizeof(LowLatencyListing) * size_t(layout.num_ranks) * layout.num_max_tokens * in.num_topk;
+      sizeof(LowLatencyListing) * size_t(map.num_ranks) * map.num_max_tokens * in.num_topk;
   return sizes;
 }
 
 LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDispatchInput& in,
                                               const LowLatencyDispatchOutput& out, const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_dispatch");
-  const LowLatencyBufferMap layout =
-      layout_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
-  validate_dispatch(buffer, in, out, layout, *BufferAccess::low_latency_state(buffer), order);
+  const LowLatencyBufferMap map =
+      map_for(buffer, in.num_max_dispatch_tokens_per_rank, in.hidden, in.num_experts);
+  validate_dispatch(buffer, in, out, map, *BufferAccess::low_latency_state(buffer), order);
 
   kernels::LowLatencyDispatchArgs args{};
   args.peers = peer_context(buffer);
-  args.layout = layout;
+  args.map = map;
   args.in = in;
   args.out = out;
-  args.shape = low_latency_shape_fingerprint(layout, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) |
-                                                         (in.use_ue8m0 ? 4 : 0) |
-                                                         (out.recv_token_listings != nullptr ? 16 : 0));
+  args.shape = low_latency_shape_fingerprint(map, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) |
+                                                      (in.use_ue8m0 ? 4 : 0) |
+                                                      (out.recv_token_listings != nullptr ? 16 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
@@ -211,18 +210,18 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
 }
 
 void* next_low_latency_combine_buffer(const Buffer& buffer, const LowLatencyHandle& handle) {
-  const LowLatencyBufferMap layout =
-      layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
-  return LowLatencyBufferMap::at<char>(buffer.symmetric_buffer(), layout.combine_send_offset());
+  const LowLatencyBufferMap map =
+      map_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
+  return LowLatencyBufferMap::at<char>(buffer.symmetric_buffer(), map.combine_send_offset());
 }
 
 LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHandle& handle,
                                             const LowLatencyCombineInput& in, void* combined_x,
                                             const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "low_latency_combine");
-  const LowLatencyBufferMap layout =
-      layout_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
-  check_tokens(in.num_tokens, in.num_topk, layout, in.topk_idx);
+  const LowLatencyBufferMap map =
+      map_for(buffer, handle.num_max_dispatch_tokens_per_rank, handle.hidden, handle.num_experts);
+  check_tokens(in.num_tokens, in.num_topk, map, in.topk_idx);
   EPX_CHECK(handle.recv_src_info != nullptr && handle.recv_topk_pos != nullptr &&
                 handle.recv_layout_range != nullptr,
             "handle", "without arrays", "must come from low_latency_dispatch");
@@ -252,7 +251,7 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 
   kernels::LowLatencyCombineArgs args{};
   args.peers = peer_context(buffer);
-  args.layout = layout;
+  args.map = map;
   args.in = in;
   args.in.x = x;
   // LogFMT codes rows that cross nodes (and, asked, the others): within one node, the BF16 combine. The
@@ -261,9 +260,8 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
   args.in.use_logfmt = in.use_logfmt && (in.logfmt_within_node || buffer.spans_nodes());
   args.handle = handle;
   args.out = combined_x;
-  args.shape =
-      low_latency_shape_fingerprint(layout, (args.in.use_logfmt ? 8 : 0) | (in.pre_reduce ? 32 : 0) |
-                                                (args.in.use_logfmt && in.logfmt_within_node ? 64 : 0));
+  args.shape = low_latency_shape_fingerprint(map, (args.in.use_logfmt ? 8 : 0) | (in.pre_reduce ? 32 : 0) |
+                                                      (args.in.use_logfmt && in.logfmt_within_node ? 64 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,
@@ -275,10 +273,9 @@ LowLatencyCombineResult low_latency_combine(Buffer& buffer, const LowLatencyHand
 void clean_low_latency_buffer(Buffer& buffer, int num_max_dispatch_tokens_per_rank, int hidden,
                               int num_experts, const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "clean_low_latency_buffer");
-  const LowLatencyBufferMap layout =
-      layout_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
+  const LowLatencyBufferMap map = map_for(buffer, num_max_dispatch_tokens_per_rank, hidden, num_experts);
   begin_on_comm_stream(buffer, order);
-  const kernels::LowLatencyCleanArgs args{peer_context(buffer), layout, mask_args(buffer)};
+  const kernels::LowLatencyCleanArgs args{peer_context(buffer), map, mask_args(buffer)};
   if (buffer.spans_nodes()) {
     kernels::launch_low_latency_clean_remote(args, buffer.comm_stream());
   } else {

@@ -119,16 +119,16 @@ InternodeBufferMaps internode_buffer_maps(const Buffer& buffer, const DispatchHa
   const Config config = queue_config(buffer, state);
   const NodeMap nodes{buffer.num_ranks(), buffer.ranks_per_node()};
   check_normal_forward_queues(config, nodes.num_nodes());
-  InternodeBufferMaps layouts{InternodeBufferMap::of(nodes.num_nodes(), config, record),
-                              ForwardBufferMap::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
+  InternodeBufferMaps maps{InternodeBufferMap::of(nodes.num_nodes(), config, record),
+                           ForwardBufferMap::of(nodes.ranks_per_node, nodes.num_nodes(), config, record)};
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
             "must be > 0 for normal mode across nodes (size it with Config::get_rdma_buffer_size_hint)");
-  check_internode_map_fits(layouts.rdma, buffer.num_rdma_bytes());
-  check_forward_map_fits(layouts.nvl, buffer.num_nvl_bytes());
+  check_internode_map_fits(maps.rdma, buffer.num_rdma_bytes());
+  check_forward_map_fits(maps.nvl, buffer.num_nvl_bytes());
   // Every call across nodes passes here before it launches: its queues take the symmetric buffer's shared
   // area.
   lend_symmetric_buffer_to_normal_mode(*BufferAccess::low_latency_state(buffer));
-  return layouts;
+  return maps;
 }
 
 kernels::InternodeContext internode_context(const Buffer& buffer) {
@@ -190,7 +190,7 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.num_topk >= 0, "num_topk", in.num_topk, "must be >= 0");
   EPX_CHECK(in.num_topk <= kMaxTopk, "num_topk", in.num_topk, "must be <= 16");
   // num_topk > 0 means "with top-k" on every rank, even one whose empty tensors have null addresses: the
-  // buffer layout depends on it and must agree across ranks.
+  // buffer map depends on it and must agree across ranks.
   EPX_CHECK(in.topk_weights == nullptr || in.topk_idx != nullptr || in.num_tokens == 0, "topk_weights",
             "non-null", "need topk_idx as well");
   EPX_CHECK(in.topk_idx == nullptr || in.num_topk > 0, "num_topk", in.num_topk,
@@ -366,11 +366,11 @@ namespace {
 // outputs the host publishes there later.
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
                                     const DispatchInput& in, const DispatchOutput& out) {
-  const NormalBufferMap layout = dispatch_buffer_map(buffer, state);
+  const NormalBufferMap map = dispatch_buffer_map(buffer, state);
   const NormalRecord record = NormalRecord::dispatch(state.shape);
   return kernels::DispatchArgs{
       peer_context(buffer),
-      layout,
+      map,
       record,
       state.num_tokens,
       state.shape.num_experts,
@@ -380,7 +380,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.arrays,
       state.num_recv_rows,
       out,
-      normal_launch_fingerprint(layout, record, state.shape.hidden, state.shape.num_experts,
+      normal_launch_fingerprint(map, record, state.shape.hidden, state.shape.num_experts,
                                 NormalOperation::kDispatch, state.format == TokenFormat::kFp8),
       nullptr,
       0,
@@ -820,12 +820,12 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   begin_on_comm_stream(buffer, order);
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::dispatch(state.shape);
-    const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
+    const InternodeBufferMaps maps = internode_buffer_maps(buffer, state, record);
     const Config& config = buffer.config();
     const kernels::InternodeDispatchArgs args{
         internode_context(buffer),
-        layouts.rdma,
-        layouts.nvl,
+        maps.rdma,
+        maps.nvl,
         record,
         state.num_tokens,
         state.shape.num_experts,
@@ -835,10 +835,9 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
         in,
         state.arrays,
         out,
-        normal_launch_fingerprint(layouts.rdma.num_channels, layouts.nvl.queue_tokens,
-                                  layouts.rdma.queue_tokens, record.normal, state.shape.hidden,
-                                  state.shape.num_experts, NormalOperation::kDispatch,
-                                  state.format == TokenFormat::kFp8)};
+        normal_launch_fingerprint(maps.rdma.num_channels, maps.nvl.queue_tokens, maps.rdma.queue_tokens,
+                                  record.normal, state.shape.hidden, state.shape.num_experts,
+                                  NormalOperation::kDispatch, state.format == TokenFormat::kFp8)};
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
@@ -880,13 +879,13 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   EPX_CHECK(hidden % 8 == 0, "hidden", hidden, "must be a multiple of 8 (16-byte BF16 rows)");
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::combine(hidden, in.num_topk);
-    const InternodeBufferMaps layouts = internode_buffer_maps(buffer, state, record);
+    const InternodeBufferMaps maps = internode_buffer_maps(buffer, state, record);
     begin_on_comm_stream(buffer, order);
     const Config& config = buffer.config();
     const kernels::InternodeCombineArgs args{
         internode_context(buffer),
-        layouts.rdma,
-        layouts.nvl,
+        maps.rdma,
+        maps.nvl,
         record,
         state.num_tokens,
         config.num_max_rdma_chunked_send_tokens,
@@ -894,25 +893,25 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
         state.arrays,
         in,
         out,
-        normal_launch_fingerprint(layouts.rdma.num_channels, layouts.nvl.queue_tokens,
-                                  layouts.rdma.queue_tokens, record.normal, hidden, state.shape.num_experts,
-                                  NormalOperation::kCombine, false)};
+        normal_launch_fingerprint(maps.rdma.num_channels, maps.nvl.queue_tokens, maps.rdma.queue_tokens,
+                                  record.normal, hidden, state.shape.num_experts, NormalOperation::kCombine,
+                                  false)};
     kernels::launch_internode_combine(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
   const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
-  const NormalBufferMap layout = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
-  check_normal_map_fits(layout, buffer.num_nvl_bytes());
+  const NormalBufferMap map = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
+  check_normal_map_fits(map, buffer.num_nvl_bytes());
   begin_on_comm_stream(buffer, order);
   kernels::CombineArgs args{peer_context(buffer),
-                            layout,
+                            map,
                             record,
                             state.num_tokens,
                             buffer.config().num_max_nvl_chunked_send_tokens,
                             state.arrays,
                             in,
                             out,
-                            normal_launch_fingerprint(layout, record, hidden, state.shape.num_experts,
+                            normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                       NormalOperation::kCombine, false)};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);

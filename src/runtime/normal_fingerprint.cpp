@@ -43,10 +43,10 @@ ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, i
   return make_shape_fingerprint(values);
 }
 
-ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& layout, const NormalRecord& record,
-                                           int hidden, int num_experts, NormalOperation op, bool fp8) {
-  return normal_launch_fingerprint(layout.num_channels, layout.queue_tokens, 0, record, hidden, num_experts,
-                                   op, fp8);
+ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& map, const NormalRecord& record, int hidden,
+                                           int num_experts, NormalOperation op, bool fp8) {
+  return normal_launch_fingerprint(map.num_channels, map.queue_tokens, 0, record, hidden, num_experts, op,
+                                   fp8);
 }
 
 }  // namespace epx

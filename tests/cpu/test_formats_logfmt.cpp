@@ -106,7 +106,7 @@ std::pair<float, float> group_keys(const std::vector<uint16_t>& group) {
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Layout
+// Slots, packing and metadata keys
 // ---------------------------------------------------------------------------------------------------
 
 TEST(FormatsLogfmt, SlotSizes) {

@@ -93,33 +93,33 @@ TEST(InternodeBufferMap, SendRingsAndQueuesTileTheBufferAfterTheHead) {
   config.num_sms = 6;  // 3 channels
   config.num_max_rdma_chunked_recv_tokens = 5;
   const int num_nodes = 4, queue_tokens = 5;
-  const InternodeBufferMap layout = InternodeBufferMap::of(
+  const InternodeBufferMap map = InternodeBufferMap::of(
       num_nodes, config, InternodeRecord::dispatch(NormalShape{8, 64, 256, 512, 0, 4}));
-  ASSERT_EQ(layout.num_channels, 3);
-  ASSERT_EQ(layout.queue_tokens, queue_tokens);
+  ASSERT_EQ(map.num_channels, 3);
+  ASSERT_EQ(map.queue_tokens, queue_tokens);
   const size_t num_records = (2 * size_t(num_nodes) - 1) * 3 * queue_tokens;
-  EXPECT_EQ(layout.total_bytes(), InternodeBufferMap::kQueuesOffset + num_records * layout.record_bytes);
-  std::vector<char> buffer(layout.total_bytes());
+  EXPECT_EQ(map.total_bytes(), InternodeBufferMap::kQueuesOffset + num_records * map.record_bytes);
+  std::vector<char> buffer(map.total_bytes());
   char* base = buffer.data();
   for (int own = 0; own < num_nodes; ++own) {
     std::vector<size_t> offsets;
     for (int peer = 0; peer < num_nodes; ++peer) {
-      for (int c = 0; c < layout.num_channels; ++c) {
+      for (int c = 0; c < map.num_channels; ++c) {
         for (uint64_t entry = 0; entry < uint64_t(queue_tokens); ++entry) {
-          offsets.push_back(layout.recv_record(base, peer, c, entry) - base);
-          EXPECT_EQ(layout.recv_record(base, peer, c, entry + queue_tokens),
-                    layout.recv_record(base, peer, c, entry));
+          offsets.push_back(map.recv_record(base, peer, c, entry) - base);
+          EXPECT_EQ(map.recv_record(base, peer, c, entry + queue_tokens),
+                    map.recv_record(base, peer, c, entry));
           if (peer == own) continue;  // no ring towards the own node
-          offsets.push_back(layout.send_record(base, peer, own, c, entry) - base);
-          EXPECT_EQ(layout.send_record(base, peer, own, c, entry + queue_tokens),
-                    layout.send_record(base, peer, own, c, entry));
+          offsets.push_back(map.send_record(base, peer, own, c, entry) - base);
+          EXPECT_EQ(map.send_record(base, peer, own, c, entry + queue_tokens),
+                    map.send_record(base, peer, own, c, entry));
         }
       }
     }
     std::sort(offsets.begin(), offsets.end());
     ASSERT_EQ(offsets.size(), num_records);
     for (size_t i = 0; i < num_records; ++i)
-      ASSERT_EQ(offsets[i], InternodeBufferMap::kQueuesOffset + i * layout.record_bytes) << "node " << own;
+      ASSERT_EQ(offsets[i], InternodeBufferMap::kQueuesOffset + i * map.record_bytes) << "node " << own;
   }
   // The head keeps its size whatever the call: counters and notify counts stay at stable addresses.
   EXPECT_EQ(sizeof(InternodeBufferMap::Control), 776u);
@@ -188,12 +188,12 @@ TEST(InternodeBufferMap, SizeHintAndFitErrorsNameTheArgument) {
       [&] { epx::validate_config(bad); },
       "invalid num_max_rdma_chunked_send_tokens = 300: must be <= num_max_rdma_chunked_recv_tokens (256)");
 
-  const InternodeBufferMap layout = InternodeBufferMap::of(2, config, InternodeRecord::largest(7168 * 2));
-  expect_message([&] { epx::check_internode_map_fits(layout, layout.total_bytes()); }, "");
+  const InternodeBufferMap map = InternodeBufferMap::of(2, config, InternodeRecord::largest(7168 * 2));
+  expect_message([&] { epx::check_internode_map_fits(map, map.total_bytes()); }, "");
   expect_message(
-      [&] { epx::check_internode_map_fits(layout, layout.total_bytes() - 1); },
-      "invalid num_rdma_bytes = " + std::to_string(layout.total_bytes() - 1) +
-          ": must be >= " + std::to_string(layout.total_bytes()) +
+      [&] { epx::check_internode_map_fits(map, map.total_bytes() - 1); },
+      "invalid num_rdma_bytes = " + std::to_string(map.total_bytes() - 1) +
+          ": must be >= " + std::to_string(map.total_bytes()) +
           " for this call (2 nodes, 10 channels, 256 tokens per queue, 14480-byte records); size it "
           "with Config::get_rdma_buffer_size_hint");
 }

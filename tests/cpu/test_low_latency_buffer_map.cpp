@@ -22,43 +22,43 @@ struct Region {
   size_t end;
 };
 
-std::vector<Region> regions_of(const LowLatencyBufferMap& layout) {
+std::vector<Region> regions_of(const LowLatencyBufferMap& map) {
   std::vector<Region> regions;
   regions.push_back({"normal-mode head", 0, epx::InternodeBufferMap::kHeadBytes});
   regions.push_back(
-      {"barrier", layout.barrier_signal_offset(0), layout.barrier_signal_offset(0) + layout.barrier_bytes()});
+      {"barrier", map.barrier_signal_offset(0), map.barrier_signal_offset(0) + map.barrier_bytes()});
   for (int half = 0; half < 2; ++half) {
-    regions.push_back({"signals[" + std::to_string(half) + "]", layout.signals_offset(half),
-                       layout.signals_offset(half) + layout.signals_bytes()});
+    regions.push_back({"signals[" + std::to_string(half) + "]", map.signals_offset(half),
+                       map.signals_offset(half) + map.signals_bytes()});
   }
-  regions.push_back({"remote_shapes", layout.remote_shapes_offset(),
-                     layout.remote_shapes_offset() + layout.remote_shapes_bytes()});
-  regions.push_back({"staged_shapes", layout.staged_shapes_offset(),
-                     layout.staged_shapes_offset() + layout.staged_shapes_bytes()});
-  regions.push_back({"combine_send", layout.combine_send_offset(),
-                     layout.combine_send_offset() + layout.combine_send_bytes()});
-  regions.push_back({"combine_send_meta", layout.combine_send_meta_offset(),
-                     layout.combine_send_meta_offset() + layout.combine_send_meta_bytes()});
+  regions.push_back(
+      {"remote_shapes", map.remote_shapes_offset(), map.remote_shapes_offset() + map.remote_shapes_bytes()});
+  regions.push_back(
+      {"staged_shapes", map.staged_shapes_offset(), map.staged_shapes_offset() + map.staged_shapes_bytes()});
+  regions.push_back(
+      {"combine_send", map.combine_send_offset(), map.combine_send_offset() + map.combine_send_bytes()});
+  regions.push_back({"combine_send_meta", map.combine_send_meta_offset(),
+                     map.combine_send_meta_offset() + map.combine_send_meta_bytes()});
   for (int half = 0; half < 2; ++half) {
-    const size_t base = layout.half_offset(half);
+    const size_t base = map.half_offset(half);
     const std::string h = "[" + std::to_string(half) + "]";
-    regions.push_back({"dispatch_recv_counts" + h, base + layout.dispatch_recv_counts_rel(),
-                       base + layout.dispatch_recv_counts_rel() + layout.dispatch_recv_counts_bytes()});
-    regions.push_back({"dispatch_recv_index" + h, base + layout.dispatch_recv_index_rel(),
-                       base + layout.dispatch_recv_index_rel() + layout.dispatch_recv_index_bytes()});
-    regions.push_back({"dispatch_send_index" + h, base + layout.dispatch_send_index_rel(),
-                       base + layout.dispatch_send_index_rel() + layout.dispatch_send_index_bytes()});
-    regions.push_back({"dispatch_send_msgs" + h, base + layout.dispatch_send_msgs_rel(),
-                       base + layout.dispatch_send_msgs_rel() + layout.dispatch_send_msgs_bytes()});
-    regions.push_back({"dispatch_recv_msgs" + h, base + layout.dispatch_recv_msgs_rel(),
-                       base + layout.dispatch_recv_msgs_rel() + layout.dispatch_recv_msgs_bytes()});
-    const size_t listings = layout.listings_offset(half);
+    regions.push_back({"dispatch_recv_counts" + h, base + map.dispatch_recv_counts_rel(),
+                       base + map.dispatch_recv_counts_rel() + map.dispatch_recv_counts_bytes()});
+    regions.push_back({"dispatch_recv_index" + h, base + map.dispatch_recv_index_rel(),
+                       base + map.dispatch_recv_index_rel() + map.dispatch_recv_index_bytes()});
+    regions.push_back({"dispatch_send_index" + h, base + map.dispatch_send_index_rel(),
+                       base + map.dispatch_send_index_rel() + map.dispatch_send_index_bytes()});
+    regions.push_back({"dispatch_send_msgs" + h, base + map.dispatch_send_msgs_rel(),
+                       base + map.dispatch_send_msgs_rel() + map.dispatch_send_msgs_bytes()});
+    regions.push_back({"dispatch_recv_msgs" + h, base + map.dispatch_recv_msgs_rel(),
+                       base + map.dispatch_recv_msgs_rel() + map.dispatch_recv_msgs_bytes()});
+    const size_t listings = map.listings_offset(half);
     regions.push_back(
-        {"dispatch_send_listings" + h, listings, listings + layout.dispatch_send_listings_bytes()});
-    regions.push_back({"dispatch_recv_listings" + h, listings + layout.dispatch_send_listings_bytes(),
-                       listings + layout.listings_half_bytes()});
-    regions.push_back({"combine_recv_slots" + h, base + layout.combine_recv_slots_rel(),
-                       base + layout.combine_recv_slots_rel() + layout.combine_recv_slots_bytes()});
+        {"dispatch_send_listings" + h, listings, listings + map.dispatch_send_listings_bytes()});
+    regions.push_back({"dispatch_recv_listings" + h, listings + map.dispatch_send_listings_bytes(),
+                       listings + map.listings_half_bytes()});
+    regions.push_back({"combine_recv_slots" + h, base + map.combine_recv_slots_rel(),
+                       base + map.combine_recv_slots_rel() + map.combine_recv_slots_bytes()});
   }
   return regions;
 }
@@ -78,191 +78,188 @@ void expect_inside(const std::vector<Region>& regions, const std::string& name, 
 
 // The shape fingerprint slots: one per (half, op, source) and one staged per (half, op), all distinct, each
 // inside its region (so off every other region), and inside the control area a clean zeroes.
-void check_shape_slots(const LowLatencyBufferMap& layout, const std::vector<Region>& regions) {
+void check_shape_slots(const LowLatencyBufferMap& map, const std::vector<Region>& regions) {
   const size_t slot_bytes = epx::kLowLatencyShapeSlotBytes;
   std::set<size_t> slots;
   for (int half = 0; half < 2; ++half) {
     for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
-      for (int r = 0; r < layout.num_ranks; ++r) {
-        const size_t slot = layout.remote_shape_offset(half, op, r);
+      for (int r = 0; r < map.num_ranks; ++r) {
+        const size_t slot = map.remote_shape_offset(half, op, r);
         slots.insert(slot);
         expect_inside(regions, "remote_shapes", slot, slot_bytes);
         EXPECT_EQ(slot % sizeof(int), 0u);
       }
-      const size_t staged = layout.staged_shape_offset(half, op);
+      const size_t staged = map.staged_shape_offset(half, op);
       slots.insert(staged);
       expect_inside(regions, "staged_shapes", staged, slot_bytes);
       EXPECT_EQ(staged % sizeof(int), 0u);
     }
   }
   // All distinct, and no two overlap (a set iterates in ascending order).
-  EXPECT_EQ(slots.size(), size_t(2 * epx::kNumLowLatencyOps * (layout.num_ranks + 1)));
+  EXPECT_EQ(slots.size(), size_t(2 * epx::kNumLowLatencyOps * (map.num_ranks + 1)));
   for (auto next = std::next(slots.begin()); next != slots.end(); ++next)
     EXPECT_GE(*next - *std::prev(next), slot_bytes);
-  EXPECT_GE(layout.remote_shapes_offset(), layout.signals_offset(0));
-  EXPECT_LE(layout.staged_shapes_offset() + layout.staged_shapes_bytes(), layout.control_end_offset());
+  EXPECT_GE(map.remote_shapes_offset(), map.signals_offset(0));
+  EXPECT_LE(map.staged_shapes_offset() + map.staged_shapes_bytes(), map.control_end_offset());
 }
 
-void check_structure(const LowLatencyBufferMap& layout) {
-  SCOPED_TRACE("M=" + std::to_string(layout.num_max_tokens) + " H=" + std::to_string(layout.hidden) +
-               " R=" + std::to_string(layout.num_ranks) + " E=" + std::to_string(layout.num_experts));
-  std::vector<Region> regions = regions_of(layout);
+void check_structure(const LowLatencyBufferMap& map) {
+  SCOPED_TRACE("M=" + std::to_string(map.num_max_tokens) + " H=" + std::to_string(map.hidden) +
+               " R=" + std::to_string(map.num_ranks) + " E=" + std::to_string(map.num_experts));
+  std::vector<Region> regions = regions_of(map);
   for (const Region& region : regions) {
     EXPECT_EQ(region.begin % epx::kLowLatencyAlign, 0u) << region.name;
     EXPECT_LE(region.begin, region.end) << region.name;
-    EXPECT_LE(region.end, layout.total_bytes()) << region.name;
+    EXPECT_LE(region.end, map.total_bytes()) << region.name;
   }
   std::sort(regions.begin(), regions.end(),
             [](const Region& a, const Region& b) { return a.begin < b.begin; });
   for (size_t i = 1; i < regions.size(); ++i)
     EXPECT_LE(regions[i - 1].end, regions[i].begin) << regions[i - 1].name << " overlaps " << regions[i].name;
 
-  const int num_local = layout.num_local_experts();
-  const int last_rank = layout.num_ranks - 1;
-  const int last_token = layout.num_max_tokens - 1;
-  EXPECT_EQ(layout.dispatch_msg_bytes() % 16, 0u);
-  EXPECT_EQ(layout.combine_slot_bytes() % 16, 0u);
-  EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.num_groups()) * epx::kLogfmtGroupSlotBytes);
+  const int num_local = map.num_local_experts();
+  const int last_rank = map.num_ranks - 1;
+  const int last_token = map.num_max_tokens - 1;
+  EXPECT_EQ(map.dispatch_msg_bytes() % 16, 0u);
+  EXPECT_EQ(map.combine_slot_bytes() % 16, 0u);
+  EXPECT_GE(map.combine_slot_bytes(), size_t(map.num_groups()) * epx::kLogfmtGroupSlotBytes);
   // A LogFMT slot: payloads, metadata words, fallback words.
-  EXPECT_EQ(layout.logfmt_meta_offset(), size_t(layout.num_groups()) * 256);
-  EXPECT_GE(layout.combine_slot_bytes(),
-            layout.logfmt_meta_offset() + sizeof(uint32_t) * layout.logfmt_meta_words());
-  EXPECT_GE(layout.combine_slot_bytes(), size_t(layout.hidden) * 2);
-  EXPECT_GE(layout.dispatch_msg_bytes(), size_t(layout.hidden) * 2);
-  EXPECT_GE(layout.dispatch_msg_bytes(),
-            layout.dispatch_msg_scales_offset() + 4 * size_t(layout.num_groups()));
+  EXPECT_EQ(map.logfmt_meta_offset(), size_t(map.num_groups()) * 256);
+  EXPECT_GE(map.combine_slot_bytes(), map.logfmt_meta_offset() + sizeof(uint32_t) * map.logfmt_meta_words());
+  EXPECT_GE(map.combine_slot_bytes(), size_t(map.hidden) * 2);
+  EXPECT_GE(map.dispatch_msg_bytes(), size_t(map.hidden) * 2);
+  EXPECT_GE(map.dispatch_msg_bytes(), map.dispatch_msg_scales_offset() + 4 * size_t(map.num_groups()));
 
-  expect_inside(regions, "barrier", layout.barrier_signal_offset(last_rank), sizeof(int));
-  expect_inside(regions, "barrier", layout.barrier_count_offset(), sizeof(int));
-  EXPECT_NE(layout.barrier_signal_offset(last_rank), layout.barrier_count_offset());
-  expect_inside(regions, "combine_send", layout.combine_send_row_offset(0, 0), size_t(layout.hidden) * 2);
-  expect_inside(regions, "combine_send",
-                layout.combine_send_row_offset(num_local - 1, layout.num_recv_rows() - 1),
-                size_t(layout.hidden) * 2);
-  EXPECT_EQ(layout.combine_send_row_offset(0, 1) % 16, 0u);
+  expect_inside(regions, "barrier", map.barrier_signal_offset(last_rank), sizeof(int));
+  expect_inside(regions, "barrier", map.barrier_count_offset(), sizeof(int));
+  EXPECT_NE(map.barrier_signal_offset(last_rank), map.barrier_count_offset());
+  expect_inside(regions, "combine_send", map.combine_send_row_offset(0, 0), size_t(map.hidden) * 2);
+  expect_inside(regions, "combine_send", map.combine_send_row_offset(num_local - 1, map.num_recv_rows() - 1),
+                size_t(map.hidden) * 2);
+  EXPECT_EQ(map.combine_send_row_offset(0, 1) % 16, 0u);
   expect_inside(regions, "combine_send_meta",
-                layout.combine_send_meta_row_offset(num_local - 1, layout.num_recv_rows() - 1),
-                sizeof(uint32_t) * layout.logfmt_meta_words());
+                map.combine_send_meta_row_offset(num_local - 1, map.num_recv_rows() - 1),
+                sizeof(uint32_t) * map.logfmt_meta_words());
   // A staged LogFMT row's codes fill at most the BF16 row; its metadata lives in combine_send_meta.
-  EXPECT_LE(size_t(layout.num_groups()) * 2 * epx::kLogfmtGroupSize, size_t(layout.hidden) * 2);
+  EXPECT_LE(size_t(map.num_groups()) * 2 * epx::kLogfmtGroupSize, size_t(map.hidden) * 2);
 
   std::set<size_t> signal_words;
   for (int half = 0; half < 2; ++half) {
     const std::string h = "[" + std::to_string(half) + "]";
     for (LowLatencyOp op : {LowLatencyOp::kDispatch, LowLatencyOp::kCombine}) {
-      for (int r = 0; r < layout.num_ranks; ++r) {
-        signal_words.insert(layout.recv_flag_offset(half, op, r));
-        signal_words.insert(layout.send_finish_offset(half, op, r));
-        expect_inside(regions, "signals" + h, layout.recv_flag_offset(half, op, r), sizeof(int));
-        expect_inside(regions, "signals" + h, layout.send_finish_offset(half, op, r), sizeof(int));
+      for (int r = 0; r < map.num_ranks; ++r) {
+        signal_words.insert(map.recv_flag_offset(half, op, r));
+        signal_words.insert(map.send_finish_offset(half, op, r));
+        expect_inside(regions, "signals" + h, map.recv_flag_offset(half, op, r), sizeof(int));
+        expect_inside(regions, "signals" + h, map.send_finish_offset(half, op, r), sizeof(int));
       }
-      for (int r = 0; r < layout.num_ranks; ++r) {
-        signal_words.insert(layout.source_decision_offset(half, op, r));
-        expect_inside(regions, "signals" + h, layout.source_decision_offset(half, op, r), sizeof(int));
+      for (int r = 0; r < map.num_ranks; ++r) {
+        signal_words.insert(map.source_decision_offset(half, op, r));
+        expect_inside(regions, "signals" + h, map.source_decision_offset(half, op, r), sizeof(int));
       }
-      signal_words.insert(layout.num_uses_offset(half, op));
-      signal_words.insert(layout.recv_done_offset(half, op));
-      expect_inside(regions, "signals" + h, layout.num_uses_offset(half, op), sizeof(int));
-      expect_inside(regions, "signals" + h, layout.recv_done_offset(half, op), sizeof(int));
+      signal_words.insert(map.num_uses_offset(half, op));
+      signal_words.insert(map.recv_done_offset(half, op));
+      expect_inside(regions, "signals" + h, map.num_uses_offset(half, op), sizeof(int));
+      expect_inside(regions, "signals" + h, map.recv_done_offset(half, op), sizeof(int));
     }
-    expect_inside(regions, "dispatch_recv_counts" + h, layout.dispatch_recv_count_offset(half, 0, 0),
+    expect_inside(regions, "dispatch_recv_counts" + h, map.dispatch_recv_count_offset(half, 0, 0),
                   sizeof(int));
     expect_inside(regions, "dispatch_recv_counts" + h,
-                  layout.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(int));
+                  map.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(int));
     expect_inside(regions, "dispatch_recv_index" + h,
-                  layout.dispatch_recv_index_offset(half, num_local - 1, last_rank),
-                  sizeof(int) * layout.num_max_tokens);
+                  map.dispatch_recv_index_offset(half, num_local - 1, last_rank),
+                  sizeof(int) * map.num_max_tokens);
     expect_inside(regions, "dispatch_send_index" + h,
-                  layout.dispatch_send_index_offset(half, layout.num_experts - 1),
-                  sizeof(int) * layout.num_max_tokens);
-    expect_inside(regions, "dispatch_send_msgs" + h, layout.dispatch_send_msg_offset(half, last_token),
-                  layout.dispatch_msg_bytes());
+                  map.dispatch_send_index_offset(half, map.num_experts - 1),
+                  sizeof(int) * map.num_max_tokens);
+    expect_inside(regions, "dispatch_send_msgs" + h, map.dispatch_send_msg_offset(half, last_token),
+                  map.dispatch_msg_bytes());
     expect_inside(regions, "dispatch_recv_msgs" + h,
-                  layout.dispatch_recv_msg_offset(half, last_rank, last_token), layout.dispatch_msg_bytes());
-    expect_inside(regions, "dispatch_send_listings" + h,
-                  layout.dispatch_send_listings_offset(half, last_token), epx::kLowLatencyListingsBytes);
+                  map.dispatch_recv_msg_offset(half, last_rank, last_token), map.dispatch_msg_bytes());
+    expect_inside(regions, "dispatch_send_listings" + h, map.dispatch_send_listings_offset(half, last_token),
+                  epx::kLowLatencyListingsBytes);
     expect_inside(regions, "dispatch_recv_listings" + h,
-                  layout.dispatch_recv_listings_offset(half, last_rank, last_token),
+                  map.dispatch_recv_listings_offset(half, last_rank, last_token),
                   epx::kLowLatencyListingsBytes);
     expect_inside(regions, "combine_recv_slots" + h,
-                  layout.combine_recv_slot_offset(half, last_token, epx::kMaxTopk - 1),
-                  layout.combine_slot_bytes());
-    EXPECT_EQ(layout.dispatch_recv_msg_offset(half, last_rank, last_token) % 16, 0u);
-    EXPECT_EQ(layout.combine_recv_slot_offset(half, last_token, 3) % 16, 0u);
-    EXPECT_EQ(layout.dispatch_recv_index_offset(half, num_local - 1, last_rank) % 4, 0u);
+                  map.combine_recv_slot_offset(half, last_token, epx::kMaxTopk - 1),
+                  map.combine_slot_bytes());
+    EXPECT_EQ(map.dispatch_recv_msg_offset(half, last_rank, last_token) % 16, 0u);
+    EXPECT_EQ(map.combine_recv_slot_offset(half, last_token, 3) % 16, 0u);
+    EXPECT_EQ(map.dispatch_recv_index_offset(half, num_local - 1, last_rank) % 4, 0u);
   }
   // Every signal word is distinct across halves, ops and ranks.
-  EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (3 * layout.num_ranks + 2)));
-  check_shape_slots(layout, regions);
+  EXPECT_EQ(signal_words.size(), size_t(2 * epx::kNumLowLatencyOps * (3 * map.num_ranks + 2)));
+  check_shape_slots(map, regions);
   // The two halves have the same shape, one half_bytes() apart.
-  EXPECT_EQ(layout.half_offset(1) - layout.half_offset(0), layout.half_bytes());
-  EXPECT_EQ(layout.listings_offset(0), layout.half_offset(0) + 2 * layout.half_bytes());
-  EXPECT_EQ(layout.total_bytes(), layout.listings_offset(0) + 2 * layout.listings_half_bytes());
+  EXPECT_EQ(map.half_offset(1) - map.half_offset(0), map.half_bytes());
+  EXPECT_EQ(map.listings_offset(0), map.half_offset(0) + 2 * map.half_bytes());
+  EXPECT_EQ(map.total_bytes(), map.listings_offset(0) + 2 * map.listings_half_bytes());
 
-  const size_t hint = epx::get_low_latency_rdma_size_hint(layout.num_max_tokens, layout.hidden,
-                                                          layout.num_ranks, layout.num_experts);
+  const size_t hint =
+      epx::get_low_latency_rdma_size_hint(map.num_max_tokens, map.hidden, map.num_ranks, map.num_experts);
   EXPECT_EQ(hint % (size_t(2) << 20), 0u);
-  EXPECT_GE(hint, layout.total_bytes());
-  EXPECT_LT(hint - layout.total_bytes(), size_t(2) << 20);
+  EXPECT_GE(hint, map.total_bytes());
+  EXPECT_LT(hint - map.total_bytes(), size_t(2) << 20);
 }
 
 TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   // The decode benchmark shape: 128 tokens per rank, hidden 7168, 4 ranks, 288 experts.
-  const LowLatencyBufferMap layout(128, 7168, 4, 288);
-  EXPECT_EQ(layout.num_local_experts(), 72);
-  EXPECT_EQ(layout.num_groups(), 56);
-  EXPECT_EQ(layout.num_recv_rows(), 512);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
-  EXPECT_EQ(layout.combine_slot_bytes(),
+  const LowLatencyBufferMap map(128, 7168, 4, 288);
+  EXPECT_EQ(map.num_local_experts(), 72);
+  EXPECT_EQ(map.num_groups(), 56);
+  EXPECT_EQ(map.num_recv_rows(), 512);
+  EXPECT_EQ(map.dispatch_msg_bytes(), 14336u);  // BF16 row; the FP8 row + scales (7392) is smaller
+  EXPECT_EQ(map.combine_slot_bytes(),
             14576u);  // 56 LogFMT worst-case groups of 260 bytes, 2 fallback words
-  EXPECT_EQ(layout.barrier_bytes(), 128u);
+  EXPECT_EQ(map.barrier_bytes(), 128u);
   // Pinned from kQueuesOffset: the normal-mode head before it is InternodeBufferMap's to size.
   const size_t queues = epx::InternodeBufferMap::kQueuesOffset;
-  EXPECT_EQ(layout.remote_shapes_bytes(), 1024u);          // [2][2][4] slots of 64 bytes
-  EXPECT_EQ(layout.staged_shapes_bytes(), 256u);           // [2][2] slots
-  EXPECT_EQ(layout.control_end_offset() - queues, 1536u);  // 2 x signals, then the shape slots
-  EXPECT_EQ(layout.combine_send_bytes(), 528482304u);      // [72][512][7168] BF16
-  EXPECT_EQ(layout.signals_bytes(), 128u);
-  EXPECT_EQ(layout.dispatch_recv_counts_bytes(), 1152u);
-  EXPECT_EQ(layout.dispatch_recv_index_bytes(), 147456u);
-  EXPECT_EQ(layout.dispatch_send_msgs_bytes(), 1835008u);
-  EXPECT_EQ(layout.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
-  EXPECT_EQ(layout.dispatch_recv_listings_bytes(), 65536u);  // [4][128]
-  EXPECT_EQ(layout.dispatch_recv_msgs_bytes(), 7340032u);
-  EXPECT_EQ(layout.combine_recv_slots_bytes(), 29851648u);
-  EXPECT_EQ(layout.dispatch_send_index_bytes(), 147456u);
-  EXPECT_EQ(layout.combine_send_meta_bytes(), 8552448u);  // [72][512][56 + 2] words
-  EXPECT_EQ(layout.half_bytes(), 39322752u);
-  EXPECT_EQ(layout.listings_half_bytes(), 81920u);
-  EXPECT_EQ(layout.total_bytes() - queues, 615845632u);
+  EXPECT_EQ(map.remote_shapes_bytes(), 1024u);          // [2][2][4] slots of 64 bytes
+  EXPECT_EQ(map.staged_shapes_bytes(), 256u);           // [2][2] slots
+  EXPECT_EQ(map.control_end_offset() - queues, 1536u);  // 2 x signals, then the shape slots
+  EXPECT_EQ(map.combine_send_bytes(), 528482304u);      // [72][512][7168] BF16
+  EXPECT_EQ(map.signals_bytes(), 128u);
+  EXPECT_EQ(map.dispatch_recv_counts_bytes(), 1152u);
+  EXPECT_EQ(map.dispatch_recv_index_bytes(), 147456u);
+  EXPECT_EQ(map.dispatch_send_msgs_bytes(), 1835008u);
+  EXPECT_EQ(map.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
+  EXPECT_EQ(map.dispatch_recv_listings_bytes(), 65536u);  // [4][128]
+  EXPECT_EQ(map.dispatch_recv_msgs_bytes(), 7340032u);
+  EXPECT_EQ(map.combine_recv_slots_bytes(), 29851648u);
+  EXPECT_EQ(map.dispatch_send_index_bytes(), 147456u);
+  EXPECT_EQ(map.combine_send_meta_bytes(), 8552448u);  // [72][512][56 + 2] words
+  EXPECT_EQ(map.half_bytes(), 39322752u);
+  EXPECT_EQ(map.listings_half_bytes(), 81920u);
+  EXPECT_EQ(map.total_bytes() - queues, 615845632u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
-  check_structure(layout);
+  check_structure(map);
 }
 
 TEST(LowLatencyBufferMap, SmallestShape) {
-  const LowLatencyBufferMap layout(1, 128, 1, 1);
-  EXPECT_EQ(layout.dispatch_msg_bytes(), 256u);
-  EXPECT_EQ(layout.combine_slot_bytes(), 272u);  // 260 rounded up to 16
-  EXPECT_EQ(layout.half_bytes(), 5248u);
-  EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 12160u);
+  const LowLatencyBufferMap map(1, 128, 1, 1);
+  EXPECT_EQ(map.dispatch_msg_bytes(), 256u);
+  EXPECT_EQ(map.combine_slot_bytes(), 272u);  // 260 rounded up to 16
+  EXPECT_EQ(map.half_bytes(), 5248u);
+  EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 12160u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(1, 128, 1, 1), size_t(2) << 20);
-  check_structure(layout);
+  check_structure(map);
 }
 
 TEST(LowLatencyBufferMap, OddShapes) {
   {
-    const LowLatencyBufferMap layout(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
-    EXPECT_EQ(layout.dispatch_msg_bytes(), 5376u);
-    EXPECT_EQ(layout.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(layout.half_bytes(), 327552u);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 807040u);
-    check_structure(layout);
+    const LowLatencyBufferMap map(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
+    EXPECT_EQ(map.dispatch_msg_bytes(), 5376u);
+    EXPECT_EQ(map.combine_slot_bytes(), 5472u);
+    EXPECT_EQ(map.half_bytes(), 327552u);
+    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 807040u);
+    check_structure(map);
   }
   {
-    const LowLatencyBufferMap layout(256, 4096, 8, 256);
-    EXPECT_EQ(layout.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653202176u);
+    const LowLatencyBufferMap map(256, 4096, 8, 256);
+    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653202176u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
-    check_structure(layout);
+    check_structure(map);
   }
   for (int hidden : {128, 2048, 2688, 8192})
     for (int ranks : {1, 2, 5, 64}) check_structure(LowLatencyBufferMap(7, hidden, ranks, ranks * 3));
@@ -296,17 +293,17 @@ TEST(LowLatencyBufferMap, SignalsDoNotMoveWithTheShape) {
 // barrier and signals keep their offsets for any shape.
 TEST(LowLatencyBufferMap, SharesTheSymmetricBufferWithNormalMode) {
   for (int ranks : {1, 2, 16, epx::kMaxLowLatencyRanks}) {
-    const LowLatencyBufferMap layout(7, 256, ranks, 2 * ranks);
-    EXPECT_EQ(layout.barrier_signal_offset(0), epx::InternodeBufferMap::kHeadBytes) << ranks;
-    EXPECT_LE(layout.barrier_count_offset() + sizeof(int), epx::InternodeBufferMap::kQueuesOffset) << ranks;
-    EXPECT_EQ(layout.signals_offset(0), epx::InternodeBufferMap::kQueuesOffset) << ranks;
-    check_structure(layout);
+    const LowLatencyBufferMap map(7, 256, ranks, 2 * ranks);
+    EXPECT_EQ(map.barrier_signal_offset(0), epx::InternodeBufferMap::kHeadBytes) << ranks;
+    EXPECT_LE(map.barrier_count_offset() + sizeof(int), epx::InternodeBufferMap::kQueuesOffset) << ranks;
+    EXPECT_EQ(map.signals_offset(0), epx::InternodeBufferMap::kQueuesOffset) << ranks;
+    check_structure(map);
   }
 }
 
 void expect_rejected(int m, int hidden, int ranks, int experts, const std::string& argument) {
   try {
-    const LowLatencyBufferMap layout(m, hidden, ranks, experts);
+    const LowLatencyBufferMap map(m, hidden, ranks, experts);
     FAIL() << "expected epx::Error for " << argument;
   } catch (const epx::Error& error) {
     EXPECT_NE(error.message().find("invalid " + argument), std::string::npos) << error.message();
@@ -329,7 +326,7 @@ TEST(LowLatencyBufferMap, RejectsBadShapes) {
   EXPECT_NO_THROW(LowLatencyBufferMap(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
 }
 
-// The index-list entry round-trips every (token, top-k position) the layout allows, at both extremes.
+// The index-list entry round-trips every (token, top-k position) the map allows, at both extremes.
 TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
   for (int token : {0, 1, 4095, epx::kMaxLowLatencyTokensPerRank - 1}) {
     for (int topk_pos = 0; topk_pos < epx::kMaxTopk; ++topk_pos) {

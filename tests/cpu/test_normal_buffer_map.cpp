@@ -67,27 +67,25 @@ TEST(NormalBufferMap, QueuesAreDisjointAndInsideTheBuffer) {
   config.num_sms = 6;  // 3 channels
   config.num_max_nvl_chunked_recv_tokens = 5;
   const int ranks = 4;
-  const NormalBufferMap layout =
+  const NormalBufferMap map =
       NormalBufferMap::of(ranks, config, NormalRecord::dispatch(bf16_shape(ranks, 256, 4)));
-  EXPECT_EQ(layout.num_channels, 3);
-  EXPECT_EQ(layout.total_bytes(),
-            NormalBufferMap::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * layout.record_bytes);
-  std::vector<char> owner_buffer(layout.total_bytes());
+  EXPECT_EQ(map.num_channels, 3);
+  EXPECT_EQ(map.total_bytes(), NormalBufferMap::kQueuesOffset + size_t(ranks - 1) * 3 * 5 * map.record_bytes);
+  std::vector<char> owner_buffer(map.total_bytes());
   for (int owner = 0; owner < ranks; ++owner) {
     std::set<size_t> offsets;
     for (int src = 0; src < ranks; ++src) {
       if (src == owner) continue;
-      for (int c = 0; c < layout.num_channels; ++c) {
+      for (int c = 0; c < map.num_channels; ++c) {
         for (uint32_t entry = 0; entry < 5; ++entry) {
-          const size_t offset =
-              layout.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
+          const size_t offset = map.record(owner_buffer.data(), src, owner, c, entry) - owner_buffer.data();
           EXPECT_GE(offset, NormalBufferMap::kQueuesOffset);
-          EXPECT_LE(offset + layout.record_bytes, layout.total_bytes());
+          EXPECT_LE(offset + map.record_bytes, map.total_bytes());
           EXPECT_EQ(offset % 16, 0u);
           EXPECT_TRUE(offsets.insert(offset).second) << "record used twice";
           // Entry e and e + Q share a slot.
-          EXPECT_EQ(layout.record(owner_buffer.data(), src, owner, c, entry + 5),
-                    layout.record(owner_buffer.data(), src, owner, c, entry));
+          EXPECT_EQ(map.record(owner_buffer.data(), src, owner, c, entry + 5),
+                    map.record(owner_buffer.data(), src, owner, c, entry));
         }
       }
     }
@@ -155,8 +153,8 @@ TEST(NormalBufferMap, SizeHintDependsOnTheConfigNotOnTokens) {
   for (int ranks : {1, 2, 4, 8}) {
     for (size_t hidden : {4096u, 7168u}) {
       const size_t hint = config.get_nvl_buffer_size_hint(hidden * 2, ranks);
-      const NormalBufferMap layout = NormalBufferMap::of(ranks, config, NormalRecord::largest(hidden * 2));
-      EXPECT_EQ(hint, epx::align_up(layout.total_bytes(), epx::kNormalAlign));
+      const NormalBufferMap map = NormalBufferMap::of(ranks, config, NormalRecord::largest(hidden * 2));
+      EXPECT_EQ(hint, epx::align_up(map.total_bytes(), epx::kNormalAlign));
       EXPECT_EQ(hint,
                 NormalBufferMap::kQueuesOffset +
                     size_t(ranks - 1) * 10 * 256 * epx::align_up(hidden * 2 + 2 * 4 * epx::kMaxTopk + 4, 16));
@@ -209,11 +207,11 @@ TEST(NormalBufferMap, ConfigChecksNameTheField) {
 }
 
 TEST(NormalBufferMap, TooSmallBufferNamesTheBytesNeeded) {
-  const NormalBufferMap layout = NormalBufferMap::of(2, Config{}, NormalRecord::dispatch(bf16_shape(2)));
-  EXPECT_EQ(message_of([&] { epx::check_normal_map_fits(layout, layout.total_bytes()); }), "");
-  const std::string message = message_of([&] { epx::check_normal_map_fits(layout, 1000); });
+  const NormalBufferMap map = NormalBufferMap::of(2, Config{}, NormalRecord::dispatch(bf16_shape(2)));
+  EXPECT_EQ(message_of([&] { epx::check_normal_map_fits(map, map.total_bytes()); }), "");
+  const std::string message = message_of([&] { epx::check_normal_map_fits(map, 1000); });
   EXPECT_NE(message.find("num_nvl_bytes = 1000"), std::string::npos) << message;
-  EXPECT_NE(message.find(std::to_string(layout.total_bytes())), std::string::npos) << message;
+  EXPECT_NE(message.find(std::to_string(map.total_bytes())), std::string::npos) << message;
 }
 
 TEST(NormalBufferMap, ShapeChecksNameTheArgument) {

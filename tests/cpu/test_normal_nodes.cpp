@@ -81,12 +81,11 @@ TEST(NormalNodes, ForwardingQueuesMustHoldARecordAndFit) {
       error_of([&] { epx::check_forward_map_fits(too_short, size_t(1) << 30); }),
       "invalid num_max_nvl_chunked_recv_tokens = 0: must be >= the number of nodes (4) across nodes: every "
       "source node gets num_max_nvl_chunked_recv_tokens / nodes records of each NVLink queue");
-  const epx::ForwardBufferMap layout = epx::ForwardBufferMap::of(2, 2, epx::Config{}, record);
-  EXPECT_EQ(error_of([&] { epx::check_forward_map_fits(layout, layout.total_bytes()); }), "");
-  EXPECT_NE(error_of([&] { epx::check_forward_map_fits(layout, layout.total_bytes() - 1); })
-                .find("invalid num_nvl_bytes = " + std::to_string(layout.total_bytes() - 1) +
-                      ": must be >= " + std::to_string(layout.total_bytes()) +
-                      " for this call (2 nodes of 2 ranks"),
+  const epx::ForwardBufferMap map = epx::ForwardBufferMap::of(2, 2, epx::Config{}, record);
+  EXPECT_EQ(error_of([&] { epx::check_forward_map_fits(map, map.total_bytes()); }), "");
+  EXPECT_NE(error_of([&] { epx::check_forward_map_fits(map, map.total_bytes() - 1); })
+                .find("invalid num_nvl_bytes = " + std::to_string(map.total_bytes() - 1) + ": must be >= " +
+                      std::to_string(map.total_bytes()) + " for this call (2 nodes of 2 ranks"),
             std::string::npos);
 }
 

@@ -158,7 +158,7 @@ void run_shapes_that_differ_across_nodes(int num_nodes, int ranks_per_node) {
     const int rank = bootstrap.rank();
     epx::BufferOptions options;
     // The last rank lays out its buffer, and its writes into its peers, for its own hidden: every rank's
-    // buffer holds the larger layout.
+    // buffer holds the larger map.
     options.num_rdma_bytes =
         epx::get_low_latency_rdma_size_hint(c.num_max_tokens, kOtherHidden, c.num_ranks, c.num_experts);
     options.ranks_per_node = c.ranks_per_node;
