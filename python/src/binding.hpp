@@ -139,7 +139,7 @@ auto call_without_gil(F&& f) -> std::invoke_result_t<F&> {
 }
 
 // Parts of the module, one translation unit each (they compile in parallel).
-void bind_core(py::module_& m);       // errors, constants, Config, size hints, layouts, the bootstrap bridge
+void bind_core(py::module_& m);       // errors, constants, Config, size hints, buffer maps, bootstrap bridge
 void bind_reference(py::module_& m);  // the CPU reference and its seeded test data
 void bind_runtime(py::module_& m);    // Buffer, Event, normal and low-latency calls (EPX_WITH_CUDA only)
 void bind_native_calls(py::module_& m);  // the table the torch extension calls through (EPX_WITH_CUDA only)

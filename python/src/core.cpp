@@ -1,5 +1,5 @@
-// Host-only part of the binding: the exception type, constants, Config, buffer size hints, layouts and the
-// bridge that lets a Python process group act as an epx::Bootstrap. Needs no GPU and no CUDA.
+// Host-only part of the binding: the exception type, constants, Config, buffer size hints, buffer maps and
+// the bridge that lets a Python process group act as an epx::Bootstrap. Needs no GPU and no CUDA.
 
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
@@ -286,7 +286,7 @@ void bind_bench_bytes(py::module_& m) {
       py::arg("hidden"), py::arg("format"));
 }
 
-void bind_normal_layout(py::module_& m) {
+void bind_normal_buffer_map(py::module_& m) {
   py::class_<NormalShape>(m, "NormalShape")
       .def(py::init(
                [](int num_ranks, int num_experts, int hidden, int x_row_bytes, int num_scales, int num_topk) {
@@ -336,7 +336,7 @@ void bind_normal_layout(py::module_& m) {
 
   py::class_<NormalBufferMap>(m, "NormalBufferMap")
       .def_static("of", &NormalBufferMap::of, py::arg("num_ranks"), py::arg("config"), py::arg("record"),
-                  "The layout of a call with `config` and records of `record` on num_ranks ranks.")
+                  "The map of a call with `config` and records of `record` on num_ranks ranks.")
       .def_readonly("num_ranks", &NormalBufferMap::num_ranks)
       .def_readonly("num_channels", &NormalBufferMap::num_channels)
       .def_readonly("queue_tokens", &NormalBufferMap::queue_tokens)
@@ -354,11 +354,11 @@ void bind_normal_layout(py::module_& m) {
       .def_static("source_slot", &NormalBufferMap::source_slot, py::arg("src"), py::arg("owner"))
       .def("queue_bytes", &NormalBufferMap::queue_bytes)
       .def("total_bytes", &NormalBufferMap::total_bytes);
-  m.def("check_normal_map_fits", &check_normal_map_fits, py::arg("layout"), py::arg("buffer_bytes"),
-        "Raises EpxError naming the bytes needed when the layout does not fit buffer_bytes.");
+  m.def("check_normal_map_fits", &check_normal_map_fits, py::arg("buffer_map"), py::arg("buffer_bytes"),
+        "Raises EpxError naming the bytes needed when buffer_map does not fit buffer_bytes.");
 }
 
-void bind_low_latency_layout(py::module_& m) {
+void bind_low_latency_buffer_map(py::module_& m) {
   py::class_<LowLatencyBufferMap>(m, "LowLatencyBufferMap")
       .def(py::init<int, int, int, int>(), py::arg("num_max_dispatch_tokens_per_rank"), py::arg("hidden"),
            py::arg("num_ranks"), py::arg("num_experts"))
@@ -499,8 +499,8 @@ void bind_core(py::module_& m) {
   bind_config(m);
   bind_size_hints(m);
   bind_bench_bytes(m);
-  bind_normal_layout(m);
-  bind_low_latency_layout(m);
+  bind_normal_buffer_map(m);
+  bind_low_latency_buffer_map(m);
   m.def("device_view_capsule", &device_view_capsule, py::arg("address"), py::arg("code"), py::arg("bits"),
         py::arg("shape"), py::arg("device_type"), py::arg("device_id"), py::arg("owner"),
         "A DLPack capsule (\"dltensor\") over device memory at `address`: `shape` elements of DLPack type "
