@@ -472,6 +472,7 @@ def _fake_buffer():
     buffer.group = None
     buffer.device = torch.device("cpu")
     buffer.comm_stream = None
+    buffer._comm_stream_handle = 0  # the cudaStream_t the torch extension would take
     buffer.low_latency_mode = True
     if hasattr(buffer, "_init_call_state"):
         buffer._init_call_state()

@@ -212,6 +212,57 @@ def test_config_sets_the_whole_runtime_config(fake):
     assert buffer.config == epx.Config(16, 8, 32)
 
 
+class _TorchCalls:
+    """A stand-in for the torch extension epx._epx_torch: every call returns `made` or raises it."""
+
+    def __init__(self, made):
+        self.made, self.calls = made, 0
+
+    def __getattr__(self, name):
+        def call(*args):
+            self.calls += 1
+            if isinstance(self.made, BaseException):
+                raise self.made
+            return self.made
+
+        return call
+
+
+@pytest.mark.parametrize("made", [None, TypeError("incompatible function arguments")], ids=["none", "type-error"])
+def test_calls_the_extension_declines_take_the_python_path(fake, monkeypatch, made):
+    """The torch extension returns None (not the plain case) or its argument conversion raises TypeError: the call
+    runs the Python path, with the call's config applied once (none left half set)."""
+    import epx.buffer as buffer_module
+
+    buffer, _ = fake
+    x, ids, weights = tokens()
+    result = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    declining = _TorchCalls(made)
+    monkeypatch.setattr(buffer_module, "torch_calls", declining)
+    config = epx.Config(num_sms=8, num_max_nvl_chunked_send_tokens=4, num_max_nvl_chunked_recv_tokens=128)
+    combined = buffer.combine(result.recv_x, result.handle, config=config)
+    cached = buffer.dispatch(x, handle=result.handle, config=config)
+    assert declining.calls == 2
+    assert buffer.config == config
+    monkeypatch.setattr(buffer_module, "torch_calls", None)
+    assert torch.equal(combined.combined_x, buffer.combine(result.recv_x, result.handle).combined_x)
+    assert torch.equal(cached.recv_x, buffer.dispatch(x, handle=result.handle).recv_x)
+
+
+def test_an_extension_error_restores_the_config(fake, monkeypatch):
+    """An error the torch extension raises (the runtime's EpxError) leaves the Buffer's config as it was."""
+    import epx.buffer as buffer_module
+
+    buffer, _ = fake
+    x, ids, weights = tokens()
+    result = buffer.dispatch(x, topk_idx=ids, topk_weights=weights, num_experts=NUM_EXPERTS)
+    before = buffer.config
+    monkeypatch.setattr(buffer_module, "torch_calls", _TorchCalls(epx.EpxError("invalid x = 1: a test")))
+    with pytest.raises(epx.EpxError, match="a test"):
+        buffer.combine(result.recv_x, result.handle, config=epx.Config(num_sms=8))
+    assert buffer.config == before
+
+
 def test_deep_ep_calls_use_the_default_configs(compat):
     wrapper, _ = compat
     x, ids, weights = tokens()
