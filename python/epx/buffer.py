@@ -484,10 +484,8 @@ class Buffer:
         # rows fit (DispatchOutputGuess): then nothing crosses from the host to the receive after the counts.
         guess: Optional[Tuple[Any, ...]] = None
         native_guess = None
-        # (Across nodes the receive always follows the host's wait: no guess.)
-        if launches and not cached and not num_worst_tokens and self._last_recv_rows is not None \
-                and not self.runtime.spans_nodes:
-            guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
+        guess_rows = self._guess_rows(launches and not cached, num_worst_tokens)
+        if guess_rows > 0:
             with maybe_stream(alloc_stream):
                 guess = _dispatch_outputs(t, self._empty(), guess_rows, hidden, x.dtype, tokens.num_scales,
                                           scales_dtype, num_topk)
@@ -538,6 +536,16 @@ class Buffer:
         return DispatchResult(tokens.recv_view(recv_x), recv_scales, recv_idx, recv_weights, per_expert_list,
                               new_handle, overlap)
 
+    def _guess_rows(self, launches: bool, num_worst_tokens: int) -> int:
+        """Rows of the outputs a receive launched with the count exchange writes into when the rows fit
+        (DispatchOutputGuess): the last dispatch's rows plus a margin. 0, no guess: the receive is not launched
+        early, worst-case mode, no dispatch yet, or across nodes (where the receive always follows the host's
+        wait)."""
+        last = self._last_recv_rows
+        if not launches or num_worst_tokens or last is None or self.runtime.spans_nodes:
+            return 0
+        return last + last // 16 + 64
+
     def _call_natively(self, config: Optional[Config], call: Callable[..., Any], *args: Any) -> Any:
         """The torch extension's `call`(*args) (checks, outputs and the launch in C++) with `config` applied for it:
         its result, or None where the arguments are not the plain case (the extension's None, or the TypeError of
@@ -568,10 +576,7 @@ class Buffer:
         if num_experts is not None and getattr(num_tokens_per_expert, "numel", None) is not None \
                 and num_experts != num_tokens_per_expert.numel():
             return None  # the Python names the mismatch
-        guess_rows = 0
-        if launch_receive and not num_worst_tokens and self._last_recv_rows is not None \
-                and not self.runtime.spans_nodes:
-            guess_rows = self._last_recv_rows + self._last_recv_rows // 16 + 64
+        guess_rows = self._guess_rows(launch_receive, num_worst_tokens)
         made = self._call_natively(
             config, torch_calls.dispatch, self.runtime, self._device_index, self.num_ranks, data, scales, topk_idx,
             topk_weights, is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
@@ -661,14 +666,11 @@ class Buffer:
                           allocate_on_comm_stream: bool) -> Optional[CombineResult]:
         """combine through the torch extension (checks, outputs and the call in C++), or None where its arguments
         are not the plain case: combine's Python then raises or copes."""
-        if bias is None:
-            bias0 = bias1 = None
-        elif isinstance(bias, (tuple, list)):
-            if len(bias) > 2:
-                return None
-            bias0, bias1 = (tuple(bias) + (None, None))[:2]
-        else:
-            bias0, bias1 = bias, None
+        try:
+            biases = _biases(bias)
+        except EpxError:
+            return None  # combine's Python raises it, after the checks that come first
+        bias0, bias1 = (biases + [None, None])[:2]
         made = self._call_natively(
             config, torch_calls.combine, self.runtime, self._device_index, handle.native, x, handle.num_recv_rows,
             handle.num_tokens, topk_weights, bias0, bias1, event_handle(previous_event), async_finish,

@@ -40,11 +40,7 @@ int low_latency_dispatch_sizes_call(PyObject* buffer, const LowLatencyDispatchIn
   return with_python_error(
       [&] {
         const PyBuffer& owner = py::handle(buffer).cast<const PyBuffer&>();
-        try {
-          *sizes = low_latency_dispatch_sizes(owner.get(), input);
-        } catch (...) {
-          raise_cpp_exception(std::current_exception());
-        }
+        *sizes = call_without_gil([&] { return low_latency_dispatch_sizes(owner.get(), input); });
         return 0;
       },
       -1);

@@ -234,39 +234,6 @@ std::optional<epx::DispatchInput> token_input(const at::Tensor& x, const std::op
   return in;
 }
 
-// (recv_x, recv_x_scales or None, the `_epx.Event`) of a dispatch with a cached handle, or None. x is BF16
-// [T, H], or 1-byte FP8 rows with x_scales (float32 or int32 words [T, S]); rows and num_tokens are the
-// handle's.
-py::object dispatch_cached(py::handle buffer, int device, py::handle handle, const at::Tensor& x,
-                           const std::optional<at::Tensor>& x_scales, int64_t num_tokens, int64_t rows,
-                           int64_t num_experts, int64_t expert_alignment, uintptr_t previous_event,
-                           bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
-  std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
-  if (!tokens || x.size(0) != num_tokens || !fits_int(expert_alignment) || !fits_int(rows) ||
-      (allocate_on_comm_stream && (previous_event == 0 || !async_finish))) {
-    return py::none();
-  }
-  epx::DispatchInput& in = *tokens;
-  in.num_experts = static_cast<int>(num_experts);
-  in.expert_alignment = static_cast<int>(expert_alignment);
-  std::optional<at::Tensor> recv_x, recv_scales;
-  {
-    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    recv_x = at::empty({rows, x.size(1)}, x.options());
-    if (x_scales) recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
-  }
-  epx::DispatchOutput out;
-  out.recv_x = recv_x->data_ptr();
-  out.recv_x_scales = pointer_of<float*>(recv_scales);
-  py::object event =
-      adopt(native->dispatch_cached(buffer.ptr(), handle.ptr(), in, out, static_cast<int>(rows),
-                                    current_order(device, previous_event, async_finish)));
-  const std::optional<at::Tensor> input(x);
-  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input, &x_scales},
-              {&recv_x, &recv_scales});
-  return py::make_tuple(std::move(*recv_x), std::move(recv_scales), std::move(event));
-}
-
 // A dispatch's four outputs for `rows` rows (recv_x, scales with FP8, top-k ids and weights with top-k), on
 // the allocation stream.
 struct DispatchOutputs {
@@ -298,6 +265,35 @@ struct DispatchOutputs {
     }
   }
 };
+
+// (recv_x, recv_x_scales or None, the `_epx.Event`) of a dispatch with a cached handle, or None. x is BF16
+// [T, H], or 1-byte FP8 rows with x_scales (float32 or int32 words [T, S]); rows and num_tokens are the
+// handle's.
+py::object dispatch_cached(py::handle buffer, int device, py::handle handle, const at::Tensor& x,
+                           const std::optional<at::Tensor>& x_scales, int64_t num_tokens, int64_t rows,
+                           int64_t num_experts, int64_t expert_alignment, uintptr_t previous_event,
+                           bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
+  std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
+  if (!tokens || x.size(0) != num_tokens || !fits_int(expert_alignment) || !fits_int(rows) ||
+      (allocate_on_comm_stream && (previous_event == 0 || !async_finish))) {
+    return py::none();
+  }
+  epx::DispatchInput& in = *tokens;
+  in.num_experts = static_cast<int>(num_experts);
+  in.expert_alignment = static_cast<int>(expert_alignment);
+  DispatchOutputs outputs;  // no top-k outputs: a cached dispatch routes by its handle
+  {
+    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
+    outputs = DispatchOutputs::make(rows, x, x_scales, 0);
+  }
+  py::object event =
+      adopt(native->dispatch_cached(buffer.ptr(), handle.ptr(), in, outputs.native(), static_cast<int>(rows),
+                                    current_order(device, previous_event, async_finish)));
+  const std::optional<at::Tensor> input(x);
+  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input, &x_scales},
+              {&outputs.recv_x, &outputs.recv_scales});
+  return py::make_tuple(std::move(*outputs.recv_x), std::move(outputs.recv_scales), std::move(event));
+}
 
 // What the dispatch's allocate callback needs, and what it leaves.
 struct AllocateContext {
