@@ -5,10 +5,16 @@ NCCL's ``all_to_all_single`` of the same bytes: what a decode loop that is not g
 Each entry point runs alone, back to back, ``--iters`` times after ``--warmup`` calls: host microseconds of each
 call from time.perf_counter (no sync inside the loop; the median is printed), and the GPU's microseconds per call
 from CUDA events around the whole loop (back to back: when the host is the bottleneck, this is the host time).
-Entry points: get_dispatch_layout, dispatch (with the layout, as DeepEP callers pass it), cached dispatch,
-combine, low_latency_dispatch (FP8, cumulative_local_expert_recv_stats), low_latency_combine (BF16), both with
+Entry points: get_dispatch_layout, dispatch (with the layout, as DeepEP callers pass it), the same with
+num_worst_tokens (DeepEP's CPU-sync-free dispatch: outputs of the worst case's rows), cached dispatch, combine,
+low_latency_dispatch (FP8, cumulative_local_expert_recv_stats), low_latency_combine (BF16), both with
 return_recv_hook (the call plus its hook), and the eager low-latency step (dispatch then combine, no hooks,
 async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H100.
+
+A dispatch without a cached handle or num_worst_tokens sizes its outputs by the received counts, so its host
+waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
+queued before it. The last column splits it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us);
+host time minus it is the host's own work.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
@@ -42,6 +48,7 @@ NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_
 ENTRY_POINTS = (
     "get_dispatch_layout",
     "dispatch",
+    "dispatch_worst_case",
     "dispatch_cached",
     "combine",
     "low_latency_dispatch",
@@ -76,10 +83,14 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---- Timing ----
 
 
-def time_calls(call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool) -> Tuple[float, float]:
-    """(median host us per call, GPU us per call back to back or nan). No sync inside the timed loop."""
+def time_calls(
+    call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool, waited_us: Callable[[], float]
+) -> Tuple[float, float, float]:
+    """(median host us per call, GPU us per call back to back or nan, mean us per call the host waited for
+    dispatch counts). No sync inside the timed loop."""
     for _ in range(warmup):
         call()
+    waited_before = waited_us()
     if gpu:
         torch.cuda.synchronize()
         start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
@@ -95,7 +106,7 @@ def time_calls(call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu
         end.record()
         end.synchronize()
         gpu_us = start.elapsed_time(end) * 1e3 / iters
-    return statistics.median(host) * 1e6, gpu_us
+    return statistics.median(host) * 1e6, gpu_us, (waited_us() - waited_before) / iters
 
 
 def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) -> None:
@@ -113,9 +124,12 @@ def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) 
 # ---- The calls ----
 
 
-def normal_calls(buffer: Any, torch: Any, o: argparse.Namespace, device: Any) -> Dict[str, Callable]:
+def normal_calls(
+    buffer: Any, torch: Any, o: argparse.Namespace, num_ranks: int, device: Any
+) -> Dict[str, Callable]:
     """Normal mode as argument-free callables over fixed inputs (collective: every rank makes them alike): the
-    layout, a dispatch given it (as DeepEP callers pass it), a cached one, a combine."""
+    layout, a dispatch given it (as DeepEP callers pass it; also with num_worst_tokens), a cached one, a
+    combine."""
     gen = torch.Generator(device="cpu").manual_seed(1234)
     x = torch.randn(o.normal_tokens, o.hidden, generator=gen).to(torch.bfloat16).to(device)
     idx, weights = routing(torch, gen, o, o.normal_tokens, device)
@@ -132,6 +146,7 @@ def normal_calls(buffer: Any, torch: Any, o: argparse.Namespace, device: Any) ->
     return {
         "get_dispatch_layout": lambda: buffer.get_dispatch_layout(idx, o.experts),
         "dispatch": lambda: buffer.dispatch(x, **layout),
+        "dispatch_worst_case": lambda: buffer.dispatch(x, **layout, num_worst_tokens=o.normal_tokens * num_ranks),
         "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
         "combine": lambda: buffer.combine(recv_x, handle, topk_weights=recv_weights),
     }
@@ -219,7 +234,13 @@ def run_rows(
 ) -> List[Tuple[str, float, float]]:
     """The table's rows (--profile: prints the profile where `show`, returns none)."""
     normal_buffer, ll_buffer = buffers
-    calls = normal_calls(normal_buffer, torch, o, device)
+    calls = normal_calls(normal_buffer, torch, o, num_ranks, device)
+    # deep_ep.Buffer holds an epx.Buffer, which counts the host's waits for dispatch counts.
+    epx_buffer = normal_buffer._live()
+
+    def waited_us() -> float:
+        return epx_buffer.dispatch_count_wait_us
+
     calls.update(low_latency_calls(ll_buffer, torch, o, num_ranks, device))
     if o.profile:
         profile_calls(calls[o.profile], o.warmup, o.iters, show)
@@ -227,23 +248,33 @@ def run_rows(
     rows = []
     for name in ENTRY_POINTS:
         barrier()
-        rows.append((name, *time_calls(calls[name], o.warmup, o.iters, torch, gpu)))
+        rows.append((name, *time_calls(calls[name], o.warmup, o.iters, torch, gpu, waited_us)))
     if gpu:
         for name, call in nccl_calls(torch, o, num_ranks, device).items():
             barrier()
-            rows.append((name, *time_calls(call, o.warmup, o.iters, torch, gpu)))
+            rows.append((name, *time_calls(call, o.warmup, o.iters, torch, gpu, waited_us)))
     return rows
 
 
-def print_rows(rows: List[Tuple[str, float, float]], header: str, json_path: Optional[str]) -> None:
+def print_rows(rows: List[Tuple[str, float, float, float]], header: str, json_path: Optional[str]) -> None:
     print(header)
-    print(f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27}")
-    for name, host_us, gpu_us in rows:
-        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f}")
+    print(
+        f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27} "
+        f"{'of host: count wait (mean)':>27}"
+    )
+    for name, host_us, gpu_us, wait_us in rows:
+        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f}")
     if json_path:
         with open(json_path, "w") as f:
             # null where there is no GPU time (--stub): strict JSON has no NaN.
-            json.dump([{"entry": n, "host_us": h, "gpu_us": None if g != g else g} for n, h, g in rows], f, indent=1)
+            json.dump(
+                [
+                    {"entry": n, "host_us": h, "gpu_us": None if g != g else g, "count_wait_us": w}
+                    for n, h, g, w in rows
+                ],
+                f,
+                indent=1,
+            )
 
 
 # ---- Modes ----

@@ -220,6 +220,11 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
 // other plan.
 void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan);
 
+// Nanoseconds this rank's host spent in dispatch_notify waiting for counts (a dispatch without a cached
+// handle or num_worst_tokens), summed since construction or reset(): the part of a dispatch's host time that
+// is the GPU's count exchange (and the stream's earlier work), not host work.
+uint64_t dispatch_count_wait_ns(const Buffer& buffer);
+
 struct CombineInput {
   const void* x = nullptr;              // [rows, hidden] BF16, rows in the dispatch output order
   const float* topk_weights = nullptr;  // [rows, K] or nullptr

@@ -178,6 +178,14 @@ class Buffer:
         """True once a failure was raised; calls are refused until reset() or destroy()."""
         return bool(self.runtime.is_aborted)
 
+    @property
+    def dispatch_count_wait_us(self) -> float:
+        """Microseconds this rank's host spent in dispatch waiting for its counts (a dispatch without a cached
+        handle or num_worst_tokens waits for them: the outputs are sized by them), summed since construction
+        or reset(): the part of those calls' host time that is the GPU's count exchange (and the stream's work
+        queued before it), not host work."""
+        return self.runtime.dispatch_count_wait_ns / 1e3
+
     def reset(self) -> None:
         """Collective (every rank calls it): after an abort, waits for this rank's kernels (every wait is
         bounded), clears the abort and re-synchronizes both buffers' queue counters and signals. The Buffer

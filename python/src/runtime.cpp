@@ -92,6 +92,9 @@ void bind_buffer(py::module_& m) {
           "Raises EpxError when a device wait of this rank or of a peer gave up (after a torch or event "
           "sync).")
       .def_property_readonly("is_aborted", [](const PyBuffer& self) { return self.get().is_aborted(); })
+      .def_property_readonly(
+          "dispatch_count_wait_ns", [](const PyBuffer& self) { return dispatch_count_wait_ns(self.get()); },
+          "Nanoseconds the host spent waiting for dispatch counts, summed since construction or reset().")
       // Collective through the bootstrap callbacks: keeps the GIL, as construction does.
       .def(
           "reset", [](PyBuffer& self) { self.get().reset(); },

@@ -55,11 +55,16 @@ bool wait_for_board(const Buffer& buffer, const BoardCounts& board, uint32_t seq
   const auto start = std::chrono::steady_clock::now();
   for (uint64_t spin = 0;; ++spin) {
     const Posted state = read_board_counts(buffer, board, sequence, index, values);
-    if (state != Posted::kPending) return state == Posted::kAll;
+    if (state != Posted::kPending) {
+      normal_host_scratch(buffer).count_wait_ns += elapsed_ns(start);
+      return state == Posted::kAll;
+    }
     if (spin % 1024 != 1023) continue;
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    if (static_cast<uint64_t>(waited.count()) > bound_ns) return false;
+    const uint64_t waited = elapsed_ns(start);
+    if (waited > bound_ns) {
+      normal_host_scratch(buffer).count_wait_ns += waited;
+      return false;
+    }
   }
 }
 

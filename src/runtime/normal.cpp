@@ -60,16 +60,16 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
       EPX_FAIL("rank ", buffer.rank(), ": dispatch notify finished without publishing count ", done,
                " (sequence ", tagged_sequence(words[done]), ", expected ", sequence, ")");
     }
-    const auto waited =
-        std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start);
-    if (static_cast<uint64_t>(waited.count()) > host_bound_ns(buffer.wait_timeout_ns())) {
+    const uint64_t waited = elapsed_ns(start);
+    if (waited > host_bound_ns(buffer.wait_timeout_ns())) {
       buffer.check_timeout();  // the device's own report names the peer; prefer it
-      EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited.count() / 1e9,
+      EPX_FAIL("rank ", buffer.rank(), ": timed out after ", waited / 1e9,
                " s waiting for dispatch notify's counts (phase dispatch notify; a peer may not have called "
                "dispatch)");
     }
   }
   std::atomic_thread_fence(std::memory_order_acquire);
+  normal_host_scratch(buffer).count_wait_ns += elapsed_ns(start);
   buffer.check_timeout();  // an aborted notify publishes its counts too; they mean nothing then
   return values;
 }
@@ -83,6 +83,16 @@ bool launch_receive_allowed() {
     return text == nullptr || std::string_view(text) != "0";
   }();
   return allowed;
+}
+
+// EPX_DISPATCH_BULK_SEND=1: single-node dispatch senders move rows with bulk copies
+// (DispatchArgs::bulk_send).
+bool bulk_send_requested() {
+  static const bool requested = [] {
+    const char* text = std::getenv("EPX_DISPATCH_BULK_SEND");
+    return text != nullptr && std::string_view(text) == "1";
+  }();
+  return requested;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
@@ -387,7 +397,9 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       0,
       false,
       {},
-      state.board};
+      state.board,
+      // Bulk copies read x 16 bytes at a time from 16-byte aligned rows.
+      bulk_send_requested() && reinterpret_cast<uintptr_t>(in.x) % 16 == 0};
 }
 
 // The dispatch launch `args` runs the count exchange `exchange` too (DispatchArgs::with_notify). Its senders
@@ -777,6 +789,10 @@ void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
   if (plan.handle.valid()) cancel_receive(buffer, plan.handle.state().launched_receive);
 }
 
+uint64_t dispatch_count_wait_ns(const Buffer& buffer) {
+  return normal_host_scratch(buffer).count_wait_ns;
+}
+
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_receive");
@@ -912,7 +928,8 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             in,
                             out,
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
-                                                      NormalOperation::kCombine, false)};
+                                                      NormalOperation::kCombine, false),
+                            bulk_send_requested() && reinterpret_cast<uintptr_t>(in.x) % 16 == 0};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

@@ -1,5 +1,6 @@
 #pragma once
 
+#include <chrono>
 #include <cstdint>
 
 #include "buffer_map/internode_buffer_map.hpp"
@@ -23,6 +24,9 @@ struct NormalHostScratch {
   uint32_t notify_sequence;
   // Host only: the sequence of a receive launched by dispatch_notify whose outputs are not published yet.
   uint32_t pending_receive;
+  // Host only: nanoseconds the host spent waiting for dispatch counts (the notify's or the layout board's),
+  // summed over every call: what of a dispatch's host time is the count exchange, not the host's own work.
+  uint64_t count_wait_ns;
   // Host only: the rows the last notify received (sizes the next one's rows allocation before its counts).
   int last_recv_rows;
   // Host only: what the last get_dispatch_layout posted to the layout board, under the sequence of the
@@ -39,6 +43,12 @@ static_assert(sizeof(NormalHostScratch) <= sizeof(int) * BufferAccess::kHostScra
 
 inline NormalHostScratch& normal_host_scratch(const Buffer& buffer) {
   return *reinterpret_cast<NormalHostScratch*>(BufferAccess::host_scratch(buffer));
+}
+
+// Nanoseconds since `start` (the host's waits for counts: their bounds and NormalHostScratch::count_wait_ns).
+inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
+  return static_cast<uint64_t>(
+      std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
 // The device's address of `field`, a member of the Buffer's NormalHostScratch.

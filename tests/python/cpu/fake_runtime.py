@@ -134,6 +134,7 @@ class FakeRuntime:
         self.spans_nodes = False
         self.enable_shrink = False
         self.device = 0
+        self.dispatch_count_wait_ns = 0
 
     @property
     def config(self):

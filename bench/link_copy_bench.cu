@@ -1,0 +1,192 @@
+// epx-link-bench: how fast a budget of SMs moves rows to a peer GPU over NVLink, by each way a kernel can
+// write or read peer memory, beside the copy engine. It answers what the normal-mode kernels can reach at a
+// given SM budget (issue: normal mode toward the NVLink limit): the wire's rate per method and SM count, one
+// direction or both at once (a dispatch between 2 ranks writes both ways).
+//
+//   epx-link-bench [--mb 64] [--row-bytes 14336] [--sms 4,8,12,16,24,32] [--iters 20]
+//
+// Methods (every warp of every block copies whole rows; warp w takes rows w, w + W, ...):
+//   warp-store  16-byte loads of the local row, stores to the peer (warp_copy: what the dispatch senders do)
+//   tma-store   bulk copies: local row -> shared memory -> the peer (TmaRowCopier, one lane drives)
+//   tma-pull    bulk copies: the peer's row -> shared memory -> local memory (the receiver reads)
+//   copy-engine cudaMemcpyPeerAsync of the same bytes (no SMs)
+// Each line: method, SMs, direction, median µs, GB/s per direction (bytes one GPU sends / time).
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdio>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "kernels/tma_copy.cuh"
+#include "kernels/warp_copy.cuh"
+
+namespace {
+
+#define CHECK(call)                                                                               \
+  do {                                                                                            \
+    const cudaError_t status_ = (call);                                                           \
+    if (status_ != cudaSuccess) {                                                                 \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_));                \
+      std::exit(1);                                                                               \
+    }                                                                                             \
+  } while (0)
+
+constexpr int kThreads = 512;
+constexpr int kWarps = kThreads / 32;
+// Bigger pieces than the dispatch receiver's (3 KiB): one row of 14 KiB in fewer bulk copies.
+using Stage = epx::kernels::TmaStage<3, 4096>;
+using Copier = epx::kernels::TmaRowCopier<Stage>;
+
+enum class Method { kWarpStore, kTmaStore, kTmaPull };
+
+__global__ void __launch_bounds__(kThreads, 1)
+    copy_rows(char* dst, const char* src, int num_rows, int row_bytes, Method method) {
+  extern __shared__ Stage stages[];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  const int worker = blockIdx.x * kWarps + warp;
+  const int num_workers = gridDim.x * kWarps;
+  if (method == Method::kWarpStore) {
+    for (int row = worker; row < num_rows; row += num_workers) {
+      epx::kernels::warp_copy<false>(dst + static_cast<size_t>(row) * row_bytes,
+                                     src + static_cast<size_t>(row) * row_bytes, row_bytes, lane);
+    }
+    return;
+  }
+  Copier copier(&stages[warp], lane == 0);
+  if (copier.driver()) {
+    for (int row = worker; row < num_rows; row += num_workers) {
+      copier.copy(dst + static_cast<size_t>(row) * row_bytes, src + static_cast<size_t>(row) * row_bytes,
+                  row_bytes);
+    }
+  }
+  copier.finish();
+}
+
+struct Options {
+  size_t bytes = size_t(64) << 20;
+  int row_bytes = 14336;
+  std::vector<int> sms = {4, 8, 12, 16, 24, 32};
+  int iters = 20;
+};
+
+Options parse(int argc, char** argv) {
+  Options o;
+  for (int i = 1; i + 1 < argc; i += 2) {
+    const std::string flag = argv[i];
+    const char* value = argv[i + 1];
+    if (flag == "--mb") {
+      o.bytes = size_t(std::atoi(value)) << 20;
+    } else if (flag == "--row-bytes") {
+      o.row_bytes = std::atoi(value);
+    } else if (flag == "--iters") {
+      o.iters = std::atoi(value);
+    } else if (flag == "--sms") {
+      o.sms.clear();
+      for (const char* p = value; *p != '\0';) {
+        o.sms.push_back(std::atoi(p));
+        while (*p != '\0' && *p != ',') ++p;
+        if (*p == ',') ++p;
+      }
+    } else {
+      std::fprintf(stderr, "epx-link-bench: unknown flag %s (see the file's head)\n", flag.c_str());
+      std::exit(2);
+    }
+  }
+  if (o.row_bytes <= 0 || o.row_bytes % 16 != 0 || o.iters < 1) {
+    std::fprintf(stderr, "epx-link-bench: --row-bytes must be a positive multiple of 16, --iters >= 1\n");
+    std::exit(2);
+  }
+  return o;
+}
+
+// Per GPU g: a local source and a destination its peer writes into (both of `bytes`), a stream, events.
+struct Gpu {
+  char* src = nullptr;
+  char* dst = nullptr;
+  cudaStream_t stream{};
+  cudaEvent_t start{}, stop{};
+};
+
+}  // namespace
+
+int main(int argc, char** argv) {
+  const Options o = parse(argc, argv);
+  int num_gpus = 0;
+  CHECK(cudaGetDeviceCount(&num_gpus));
+  if (num_gpus < 2) {
+    std::fprintf(stderr, "epx-link-bench: needs 2 GPUs, %d present\n", num_gpus);
+    return 2;
+  }
+  const int num_rows = static_cast<int>(o.bytes / o.row_bytes);
+  const size_t bytes = static_cast<size_t>(num_rows) * o.row_bytes;
+  Gpu gpus[2];
+  for (int g = 0; g < 2; ++g) {
+    CHECK(cudaSetDevice(g));
+    CHECK(cudaDeviceEnablePeerAccess(1 - g, 0));
+    CHECK(cudaMalloc(&gpus[g].src, bytes));
+    CHECK(cudaMalloc(&gpus[g].dst, bytes));
+    CHECK(cudaMemset(gpus[g].src, g + 1, bytes));
+    CHECK(cudaStreamCreateWithFlags(&gpus[g].stream, cudaStreamNonBlocking));
+    CHECK(cudaEventCreate(&gpus[g].start));
+    CHECK(cudaEventCreate(&gpus[g].stop));
+    CHECK(cudaFuncSetAttribute(copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(sizeof(Stage) * kWarps)));
+  }
+  std::printf("rows of %d bytes, %.1f MB per direction, %d timed runs (median)\n", o.row_bytes, bytes / 1e6,
+              o.iters);
+  std::printf("%-12s %4s %-6s %10s %10s\n", "method", "SMs", "ways", "us", "GB/s/dir");
+  // GPU g runs: writes (warp/tma store) from its src into the peer's dst; pulls from the peer's src.
+  const auto launch = [&](int g, const char* method, int sms) {
+    Gpu& me = gpus[g];
+    Gpu& peer = gpus[1 - g];
+    if (std::strcmp(method, "copy-engine") == 0) {
+      CHECK(cudaMemcpyPeerAsync(peer.dst, 1 - g, me.src, g, bytes, me.stream));
+      return;
+    }
+    const Method m = std::strcmp(method, "warp-store") == 0  ? Method::kWarpStore
+                     : std::strcmp(method, "tma-store") == 0 ? Method::kTmaStore
+                                                             : Method::kTmaPull;
+    char* dst = m == Method::kTmaPull ? me.dst : peer.dst;
+    const char* src = m == Method::kTmaPull ? peer.src : me.src;
+    copy_rows<<<sms, kThreads, sizeof(Stage) * kWarps, me.stream>>>(dst, src, num_rows, o.row_bytes, m);
+  };
+  const char* methods[] = {"warp-store", "tma-store", "tma-pull", "copy-engine"};
+  for (const char* method : methods) {
+    const bool engine = std::strcmp(method, "copy-engine") == 0;
+    for (const int sms : engine ? std::vector<int>{0} : o.sms) {
+      for (const int ways : {1, 2}) {
+        std::vector<float> times;
+        for (int it = 0; it < o.iters + 2; ++it) {
+          for (int g = 0; g < 2; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaDeviceSynchronize());
+          }
+          for (int g = 0; g < ways; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaEventRecord(gpus[g].start, gpus[g].stream));
+            launch(g, method, sms);
+            CHECK(cudaEventRecord(gpus[g].stop, gpus[g].stream));
+          }
+          float worst = 0;
+          for (int g = 0; g < ways; ++g) {
+            CHECK(cudaSetDevice(g));
+            CHECK(cudaEventSynchronize(gpus[g].stop));
+            float ms = 0;
+            CHECK(cudaEventElapsedTime(&ms, gpus[g].start, gpus[g].stop));
+            worst = std::max(worst, ms);
+          }
+          if (it >= 2) times.push_back(worst);
+        }
+        std::sort(times.begin(), times.end());
+        const double us = times[times.size() / 2] * 1e3;
+        std::printf("%-12s %4d %-6s %10.1f %10.1f\n", method, sms, ways == 1 ? "one" : "both", us,
+                    bytes / us / 1e3);
+      }
+    }
+  }
+  return 0;
+}
