@@ -592,13 +592,17 @@ class Buffer:
             allocate_on_comm_stream, self._comm_stream_handle)
         if made is None:
             return None
-        recv_x, recv_scales, recv_idx, recv_weights, native_handle, rows, per_expert_list, event = made
+        recv_x, recv_scales, recv_idx, recv_weights, native_handle, rows, per_expert_list, event, views = made
         if not num_worst_tokens:
             self._last_recv_rows = rows
         num_tokens, hidden = data.shape
         handle = DispatchHandle(native_handle, id(self), num_tokens, rows, hidden, num_tokens_per_expert.numel(),
                                 0 if topk_idx is None else topk_idx.size(1), int(num_worst_tokens), per_expert_list,
                                 self.num_ranks, self)
+        if views is not None:  # the handle's views, made with the call (what DispatchHandle would make on first use)
+            fields = handle.__dict__
+            fields["deep_ep_matrices"] = views[:3]
+            fields["recv_src_idx"], fields["is_token_in_rank"], fields["send_head"] = views[3:]
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle,
                               EventOverlap(event if async_finish else None))
 

@@ -113,7 +113,8 @@ PyObject* combine_call(PyObject* buffer, PyObject* handle, const CombineInput& i
 
 PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const StreamOrder& order,
                         DispatchOverlap overlap, const DispatchOutputGuess* guess,
-                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context) {
+                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context,
+                        DispatchHandleArrays* arrays) {
   return with_python_error(
       [&]() -> PyObject* {
         PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
@@ -128,6 +129,9 @@ PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const Stre
             call_without_gil([&] { return dispatch_receive(owner.get(), plan, input, outputs, order); });
         const int rows = plan.num_recv_rows;
         const bool rows_in_guess = plan.rows_in_guess;
+        const DispatchHandle& handle = plan.handle;
+        *arrays = {handle.deep_ep_matrices_device(), handle.recv_src_idx_device(),
+                   handle.is_token_in_rank_device(), handle.send_head_device(), handle.num_channels()};
         py::list per_expert(plan.num_recv_tokens_per_expert.size());
         for (size_t i = 0; i < plan.num_recv_tokens_per_expert.size(); ++i) {
           per_expert[i] = py::int_(plan.num_recv_tokens_per_expert[i]);

@@ -35,7 +35,20 @@ struct NativeCallSizes {
   uint32_t combine_input;
   uint32_t combine_output;
   uint32_t dispatch_output_guess;
+  uint32_t dispatch_handle_arrays;
   friend bool operator==(const NativeCallSizes&, const NativeCallSizes&) = default;
+};
+
+// Where a dispatch's handle keeps what DeepEP's handle tuple shows (the extension views them as tensors, so
+// deep_ep makes its tuple without a view call per array). Within one node; across nodes deep_ep_matrices is
+// null (that tuple is made on the comm stream instead).
+struct DispatchHandleArrays {
+  const int*
+      deep_ep_matrices;     // [R * R + 2 * R * C]: rank prefix [R, R], channel prefix, recv channel prefix
+  const int* recv_src_idx;  // [rows]
+  const uint8_t* is_token_in_rank;  // [T, R]
+  const int* send_head;             // [T, R]
+  int num_channels;                 // C
 };
 
 struct NativeCalls {
@@ -57,10 +70,11 @@ struct NativeCalls {
   // the launched receive wrote into the guess, `allocate(context, rows, &outputs)` (with the GIL; false: it
   // failed and keeps its own error, the call then cancels the receive and returns nullptr with no Python
   // error set), then the receive. Returns (`_epx.DispatchHandle`, rows, [rows per local expert],
-  // rows_in_guess, `_epx.Event`).
+  // rows_in_guess, `_epx.Event`), and fills `arrays` with the handle's.
   PyObject* (*dispatch)(PyObject* buffer, const DispatchInput& input, const StreamOrder& order,
                         DispatchOverlap overlap, const DispatchOutputGuess* guess,
-                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context);
+                        bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context,
+                        DispatchHandleArrays* arrays);
 };
 
 // What this build's headers say; the extension compares it with the table's before using any call.
@@ -75,7 +89,8 @@ inline constexpr NativeCallSizes native_call_sizes() {
           sizeof(DispatchOutput),
           sizeof(CombineInput),
           sizeof(CombineOutput),
-          sizeof(DispatchOutputGuess)};
+          sizeof(DispatchOutputGuess),
+          sizeof(DispatchHandleArrays)};
 }
 
 inline constexpr const char* kNativeCallsCapsule = "epx._epx._native_calls";

@@ -13,6 +13,7 @@
 
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
+#include <ATen/ops/from_blob.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <torch/csrc/utils/pybind.h>
@@ -93,6 +94,38 @@ std::optional<c10::cuda::CUDAStreamGuard> allocation_stream(int device, uintptr_
   return std::optional<c10::cuda::CUDAStreamGuard>(
       std::in_place, c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream),  // NOLINT
                                                       static_cast<c10::DeviceIndex>(device)));
+}
+
+// A tensor over `count` elements of device memory the Python object `owner` keeps alive (it holds a reference
+// to it until the tensor's storage is freed, from whichever thread frees it).
+at::Tensor view_of(const void* address, at::IntArrayRef shape, at::ScalarType dtype, int device,
+                   PyObject* owner) {
+  Py_INCREF(owner);
+  const auto release = [owner](void*) {
+    if (!Py_IsInitialized()) return;  // at exit: the interpreter (and the handle) is gone already
+    const py::gil_scoped_acquire gil;
+    Py_DECREF(owner);
+  };
+  return at::from_blob(
+      const_cast<void*>(address), shape, release,  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+      at::TensorOptions().dtype(dtype).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+}
+
+// Within one node, DeepEP's handle tuple's arrays of a dispatch's `handle` (an `_epx.DispatchHandle`), as
+// deep_ep returns them: (rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix
+// [R, C], recv_src_idx [rows], is_token_in_rank bool [T, R], send_head [T, R]). None across nodes.
+py::object deep_ep_views(const epx::python::DispatchHandleArrays& arrays, PyObject* handle, int device,
+                         int64_t num_ranks, int64_t num_tokens, int64_t rows) {
+  if (arrays.deep_ep_matrices == nullptr) return py::none();
+  const int64_t channels = arrays.num_channels, cells = num_ranks * channels;
+  const at::Tensor matrices =
+      view_of(arrays.deep_ep_matrices, {num_ranks * num_ranks + 2 * cells}, at::kInt, device, handle);
+  return py::make_tuple(matrices.narrow(0, 0, num_ranks * num_ranks).view({num_ranks, num_ranks}),
+                        matrices.narrow(0, num_ranks * num_ranks, cells).view({num_ranks, channels}),
+                        matrices.narrow(0, num_ranks * num_ranks + cells, cells).view({num_ranks, channels}),
+                        view_of(arrays.recv_src_idx, {rows}, at::kInt, device, handle),
+                        view_of(arrays.is_token_in_rank, {num_tokens, num_ranks}, at::kBool, device, handle),
+                        view_of(arrays.send_head, {num_tokens, num_ranks}, at::kInt, device, handle));
 }
 
 py::object adopt(PyObject* result) {
@@ -322,9 +355,9 @@ bool allocate_dispatch_outputs(void* raw, int rows, epx::DispatchOutput* out) {
 }
 
 // (recv_x, recv_x_scales, recv_topk_idx, recv_topk_weights (each None where not made), the
-// `_epx.DispatchHandle`, rows, [rows per local expert], the `_epx.Event`) of a dispatch that is not cached,
-// with the layout given, or None. guess_rows > 0: outputs for that many rows go with a launched receive
-// (DispatchOutputGuess).
+// `_epx.DispatchHandle`, rows, [rows per local expert], the `_epx.Event`, deep_ep_views of the handle) of a
+// dispatch that is not cached, with the layout given, or None. guess_rows > 0: outputs for that many rows go
+// with a launched receive (DispatchOutputGuess).
 py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tensor& x,
                     const std::optional<at::Tensor>& x_scales, const std::optional<at::Tensor>& topk_idx,
                     const std::optional<at::Tensor>& topk_weights, const at::Tensor& is_token_in_rank,
@@ -365,6 +398,7 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   in.num_worst_tokens = static_cast<int>(num_worst_tokens);
 
   AllocateContext context{&x, &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream, {}, nullptr};
+  epx::python::DispatchHandleArrays arrays{};
   std::optional<epx::DispatchOutputGuess> guess;
   DispatchOutputs guessed;
   if (guess_rows > 0) {
@@ -377,7 +411,7 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   PyObject* made =
       native->dispatch(buffer.ptr(), in, current_order(device, previous_event, async_finish),
                        launch_receive ? epx::DispatchOverlap::kLaunchReceive : epx::DispatchOverlap::kNone,
-                       guess ? &*guess : nullptr, &allocate_dispatch_outputs, &context);
+                       guess ? &*guess : nullptr, &allocate_dispatch_outputs, &context, &arrays);
   if (made == nullptr) {
     if (context.error) std::rethrow_exception(context.error);
     throw py::error_already_set();
@@ -393,9 +427,10 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
                 {&x_input, &x_scales, &topk_idx, &topk_weights, &in_rank, &per_expert},
                 {&outputs.recv_x, &outputs.recv_scales, &outputs.recv_idx, &outputs.recv_weights});
   }
+  py::object views = deep_ep_views(arrays, plan[0].ptr(), device, num_ranks, num_tokens, rows);
   return py::make_tuple(std::move(outputs.recv_x), std::move(outputs.recv_scales),
                         std::move(outputs.recv_idx), std::move(outputs.recv_weights), plan[0], rows, plan[2],
-                        plan[4]);
+                        plan[4], std::move(views));
 }
 
 // (combined_x, combined_topk_weights or None, the `_epx.Event`), or None. x is BF16 [rows, H'] (H' may differ
