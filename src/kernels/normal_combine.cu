@@ -6,6 +6,7 @@
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
@@ -24,9 +25,11 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kCombineSend);
+  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
   while (queue.pushed < num_rows) {
     const int granted = queue.reserve(num_rows - queue.pushed);
+    clock.mark(0);
     for (int j = group.warp; j < granted; j += group.num_warps) {
       const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
@@ -42,14 +45,18 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
             args.in.topk_weights[row * r.num_topk_weights + group.lane];
       }
     }
+    clock.mark(1);
     if (args.bulk_send && copier.driver()) {  // the rows landed before the chunk is published
       copier.wait_loads();
       device::bulk_store_wait_all();
       device::fence_proxy_async();
     }
     queue.publish(granted);
+    clock.mark(2);
   }
   queue.finish();
+  clock.print("combine send", group.group, "room/write/publish", queue.pushed,
+              static_cast<int>(args.record.bytes()));
   copier.finish();
 }
 

@@ -3,6 +3,7 @@
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
 #include "kernels/notify_steps.cuh"
+#include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
@@ -205,12 +206,14 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
   const int num_ranks = args.peers.num_ranks;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kDispatchSend);
+  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int lane = group.lane;
   int window = 0;
   for (int t0 = range.begin; t0 < range.end;) {
     const int granted = queue.reserve(args.chunk_tokens);
+    clock.mark(0);
     int taken = 0;
     // Scan 32 tokens at a time; a window that holds more than the chunk has room for is cut after the last
     // token taken, and the next scan resumes there. Every warp scans identically.
@@ -240,10 +243,14 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
       t0 += width;
       ++window;
     }
+    clock.mark(1);
     complete_records(args, copier);
     queue.publish(taken);
+    clock.mark(2);
   }
   queue.finish();
+  clock.print("dispatch send", group.group, "room/write/publish", queue.pushed,
+              static_cast<int>(args.record.bytes()));
 }
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
@@ -260,8 +267,10 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
     return;
   }
   const NormalRecord& r = args.record;
+  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
   while (!queue.done()) {
     const int ready = queue.wait_ready();
+    clock.mark(0);
     // The records were written by a peer and published to this rank's generic proxy; the bulk copies read
     // through the async proxy.
     if (copier.driver()) device::fence_proxy_async();
@@ -273,10 +282,14 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
           reinterpret_cast<const float*>(record + r.topk_weights_offset()),
           *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
     }
+    clock.mark(1);
     if (copier.driver()) copier.wait_loads();  // the rows left the queue before its slots are released
     queue.release(ready);
+    clock.mark(2);
   }
   queue.finish();
+  clock.print("dispatch receive", group.group, "wait/copy/release", queue.count,
+              static_cast<int>(args.record.bytes()));
 }
 
 // Padding rows of a worst-case-sized output (after every received row): no source, no experts.

@@ -141,8 +141,9 @@ struct DispatchArgs {
   NotifyArgs notify{};
   BoardCheck board{};
   // Senders move each row with bulk copies (x -> shared memory -> the peer's queue, one lane of a warp
-  // driving them) instead of the warp's 16-byte stores (EPX_DISPATCH_BULK_SEND=1).
+  // driving them) instead of the warp's 16-byte stores (the default; EPX_BULK_SEND=0 turns it off).
   bool bulk_send = false;
+  bool trace_phases = false;  // channel 0's group leaders print their PhaseClock (EPX_NORMAL_PHASES=1)
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
@@ -155,8 +156,9 @@ struct CombineArgs {
   HandleArrays handle;
   CombineInput in;  // the caller's (x, top-k weights, biases)
   CombineOutput out;
-  ShapeFingerprint shape{};  // of this launch (normal_launch_fingerprint), checked by every receiver
-  bool bulk_send = false;    // as DispatchArgs::bulk_send, for the rows sent back
+  ShapeFingerprint shape{};   // of this launch (normal_launch_fingerprint), checked by every receiver
+  bool bulk_send = false;     // as DispatchArgs::bulk_send, for the rows sent back
+  bool trace_phases = false;  // as DispatchArgs::trace_phases, for the senders
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
