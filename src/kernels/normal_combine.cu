@@ -27,11 +27,15 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
                     WaitPhase::kCombineSend);
   PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
-  while (queue.pushed < num_rows) {
-    const int granted = queue.reserve(num_rows - queue.pushed);
+  // As the dispatch's senders: each chunk is published once the next one is written.
+  const bool lagged = args.bulk_send && args.send_lag && queue.may_lag();
+  while (queue.pushed + queue.ahead < num_rows) {
+    const int first = queue.pushed + queue.ahead;
+    const int granted = queue.reserve(num_rows - first);
     clock.mark(0);
+    const uint32_t chunk_mark = copier.issued();
     for (int j = group.warp; j < granted; j += group.num_warps) {
-      const size_t row = row0 + queue.pushed + j;
+      const size_t row = row0 + first + j;
       char* record = queue.record(j);
       const char* x_row = static_cast<const char*>(args.in.x) + row * r.x_bytes;
       if (args.bulk_send) {
@@ -46,13 +50,18 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
       }
     }
     clock.mark(1);
-    if (args.bulk_send && copier.driver()) {  // the rows landed before the chunk is published
-      copier.wait_loads();
-      device::bulk_store_wait_all();
-      device::fence_proxy_async();
+    if (lagged) {
+      if (copier.driver()) copier.complete_before(chunk_mark);  // the chunk before this one landed
+      queue.publish_lagged(granted);
+    } else {
+      if (args.bulk_send && copier.driver()) copier.complete_all();  // the rows landed before the publish
+      queue.publish(granted);
     }
-    queue.publish(granted);
     clock.mark(2);
+  }
+  if (lagged) {
+    if (copier.driver()) copier.complete_all();
+    queue.publish_lagged(0);
   }
   queue.finish();
   clock.print("combine send", group.group, "room/write/publish", queue.pushed,

@@ -101,6 +101,13 @@ bool bulk_send_for(const void* x) {
   return bulk_send_enabled() && reinterpret_cast<uintptr_t>(x) % 16 == 0;
 }
 
+// With bulk-copy senders, each chunk is published once the next one is written (DispatchArgs::send_lag);
+// EPX_SEND_LAG=0 publishes each chunk as it lands, for comparison.
+bool send_lag_enabled() {
+  static const bool enabled = !env_equals("EPX_SEND_LAG", "0");
+  return enabled;
+}
+
 // EPX_NORMAL_PHASES=1: channel 0's stream leaders print where their cycles went (DispatchArgs::trace_phases).
 bool trace_phases_requested() {
   static const bool requested = env_equals("EPX_NORMAL_PHASES", "1");
@@ -411,6 +418,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       {},
       state.board,
       bulk_send_for(in.x),
+      send_lag_enabled(),
       trace_phases_requested()};
 }
 
@@ -942,6 +950,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                       NormalOperation::kCombine, false),
                             bulk_send_for(in.x),
+                            send_lag_enabled(),
                             trace_phases_requested()};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
