@@ -25,13 +25,13 @@
 
 namespace {
 
-#define CHECK(call)                                                                               \
-  do {                                                                                            \
-    const cudaError_t status_ = (call);                                                           \
-    if (status_ != cudaSuccess) {                                                                 \
-      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_));                \
-      std::exit(1);                                                                               \
-    }                                                                                             \
+#define CHECK(call)                                                                \
+  do {                                                                             \
+    const cudaError_t status_ = (call);                                            \
+    if (status_ != cudaSuccess) {                                                  \
+      std::fprintf(stderr, "%s failed: %s\n", #call, cudaGetErrorString(status_)); \
+      std::exit(1);                                                                \
+    }                                                                              \
   } while (0)
 
 constexpr int kThreads = 512;

@@ -5,10 +5,12 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
+#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <random>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "bench_bytes.hpp"
@@ -22,11 +24,49 @@
 #include "formats/fp8.hpp"
 #include "nccl_baseline.hpp"
 #include "reference/test_data.hpp"
+#include "runtime/normal_host_scratch.hpp"
 #include "timing.hpp"
 
 namespace epx::bench {
 
 namespace {
+
+// EPX_NORMAL_PHASES=1: after an op was timed, where the leader of each stream of channel 0 spent its time,
+// per launch (kernels/phase_clock.cuh): rows "  phases <stream>: <step>" in µs at the GPU's clock rate (the
+// share of the whole matters more than the µs). Nothing otherwise.
+bool phases_on() {
+  static const bool on = [] {
+    const char* text = std::getenv("EPX_NORMAL_PHASES");
+    return text != nullptr && std::string_view(text) == "1";
+  }();
+  return on;
+}
+
+void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vector<BenchRow>& out) {
+  if (!phases_on()) return;
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  int khz = 0;
+  EPX_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, buffer.device()));
+  static constexpr const char* kStreams[kernels::kPhaseStreams] = {
+      "dispatch send", "dispatch receive", "combine send", "send across nodes", "forward across nodes"};
+  static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
+      {"room", "write", "publish"},
+      {"wait", "copy", "release"},
+      {"room", "write", "publish"},
+      {"room", "write", "publish"},
+      {"poll", "copy", "give back"}};
+  const auto reports = take_phase_reports(buffer);
+  for (int s = 0; s < kernels::kPhaseStreams; ++s) {
+    const kernels::PhaseReport& r = reports[s];
+    if (r.launches == 0) continue;
+    const double us_per_launch = 1e3 / khz / r.launches;
+    const std::string stream_name = std::string("  phases ") + kStreams[s];
+    out.push_back({stream_name + ": all (" + std::to_string(r.records / r.launches) + " records)", sms,
+                   r.total_cycles * us_per_launch, 0});
+    for (int p = 0; p < kernels::PhaseReport::kPhases; ++p)
+      out.push_back({stream_name + ": " + kSteps[s][p], sms, r.cycles[p] * us_per_launch, 0});
+  }
+}
 
 // Token contents any rank can recompute for any (source rank, token, channel): lets every rank verify every
 // row it received without holding the other ranks' inputs. Changes with `salt` so each check has fresh data.
@@ -483,8 +523,13 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       }
       // Cached: the layout of a previous call, no count exchange and no host sync.
       const auto cached = [&] { cached_dispatch(buffer, sms_plan.handle, in, dout, stream); };
+      if (phases_on()) {
+        EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+        take_phase_reports(buffer);  // from here: the cached dispatches only
+      }
       out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, back_to_back(cached),
                      nvl_bytes, network_bytes});
+      add_phase_rows(buffer, stream, sms, out);
       out.push_back({bf16 ? "dispatch BF16 cached (isolated)" : "dispatch FP8 cached (isolated)", sms,
                      isolated(flush, cached), nvl_bytes, network_bytes});
       // Once per run: what the isolated timing of the earlier benchmark (host barrier alone) also held.
@@ -499,7 +544,12 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     const auto run_combine = [&] {
       combine(buffer, sms_plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
     };
+    if (phases_on()) {
+      EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+      take_phase_reports(buffer);
+    }
     out.push_back({"combine BF16", sms, back_to_back(run_combine), bf16_bytes, bf16_network_bytes});
+    add_phase_rows(buffer, stream, sms, out);
     out.push_back(
         {"combine BF16 (isolated)", sms, isolated(flush, run_combine), bf16_bytes, bf16_network_bytes});
   }

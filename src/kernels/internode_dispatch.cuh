@@ -2,6 +2,7 @@
 
 #include "kernels/internode_common.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/phase_clock.cuh"
 
 // Dispatch across nodes. Every channel has two blocks:
 //   even: network senders, one warp group per destination node: the channel's tokens for that node, in token
@@ -33,6 +34,8 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
   InternodeBufferMap::Head* head = rdma_head(context);
   const uint64_t base = head->counters.sent[node][channel];
   const device::WaitContext wait = wait_context(context);
+  PhaseClock clock(args.phases, PhaseStream::kNodesSend,
+                   channel == 0 && node == (own + 1) % nodes.num_nodes() && group.leader());
   if (node != own && group.leader()) wait_rail_peer_ready(context, node, calls);
   group.sync();
   const TokenRange range = channel_token_range(args.num_tokens, args.rdma.num_channels, channel);
@@ -53,6 +56,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
     const int granted = *shared;
     group.sync();
     if (granted == kStopPolling) break;
+    clock.mark(0);
     int taken = 0;
     while (taken < granted && t0 < range.end) {
       const int t = t0 + lane;
@@ -91,6 +95,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
       t0 += width;
       ++window;
     }
+    clock.mark(1);
     __threadfence();  // the records are complete before the put that reads them
     group.sync();
     if (taken > 0) {  // the same in every warp (each counted the same ballots)
@@ -98,8 +103,10 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
                               &head->counters.tail[own][channel], group);
     }
     pushed += taken;
+    clock.mark(2);
   }
   if (group.leader()) head->counters.sent[node][channel] = base + pushed;
+  clock.add_to_report(pushed, static_cast<int>(args.record.normal.bytes()));
 }
 
 // What the forwarder groups of a block share about one source node's stream.
@@ -125,6 +132,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   void* dst_base = nvl_base(context, dst);
   auto* my_nvl = nvl_counters(context.peers.local_base);
   const device::WaitContext wait = wait_context(context);
+  PhaseClock clock(args.phases, PhaseStream::kNodesForward, channel == 0 && to_self && group.leader());
   if (!to_self && group.leader()) wait_local_peer_ready(context, dst, calls);
   group.sync();
 
@@ -177,6 +185,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
       if (packed == kStopPolling) return;
       const int available = packed & 0xffff;
       const int room = packed >> 16;
+      clock.mark(0);
       if (available == 0) continue;
       // Which of the next records go to dst, cut after the room-th one.
       const uint64_t position = rdma_base_count + progress[m] + lane;
@@ -214,6 +223,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
           warp_copy<true>(target, source, args.record.bytes(), lane);
         }
       }
+      clock.mark(1);
       group.sync();
       const int taken = __popc(mask);
       sent[m] += taken;
@@ -238,6 +248,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
                              nodes.rail_peer(context.peers.rank, m));
         }
       }
+      clock.mark(2);
       moved = true;
     }
     if (moved) {
@@ -258,6 +269,9 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   if (!to_self && group.leader()) {
     for (int m = 0; m < num_nodes; ++m) my_nvl->sent[dst][m][channel] += sent[m];
   }
+  int forwarded = 0;
+  for (int m = 0; m < num_nodes; ++m) forwarded += progress[m];
+  clock.add_to_report(forwarded, static_cast<int>(args.record.bytes()));
 }
 
 // ---- Receive: the rows local rank `src` forwarded, from its sub-queues into their final rows. ----

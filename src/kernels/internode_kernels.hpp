@@ -54,7 +54,8 @@ struct InternodeDispatchArgs {
   DispatchInput in;                 // the caller's (x, scales, top-k: what the kernel reads of it)
   HandleArrays handle;
   DispatchOutput out;
-  ShapeFingerprint shape;  // the launch's: checked by every receiver before a source's first record
+  ShapeFingerprint shape;         // the launch's: checked by every receiver before a source's first record
+  PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
 };
 void launch_internode_dispatch(const InternodeDispatchArgs& args, cudaStream_t stream);
 

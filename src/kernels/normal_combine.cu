@@ -25,7 +25,8 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kCombineSend);
-  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
+  PhaseClock clock(args.phases, PhaseStream::kCombineSend,
+                   channel == 0 && group.group == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
   // As the dispatch's senders: each chunk is published once the next one is written.
   const bool lagged = args.bulk_send && args.send_lag && queue.may_lag();
@@ -64,8 +65,7 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
     queue.publish_lagged(0);
   }
   queue.finish();
-  clock.print("combine send", group.group, "room/write/publish", queue.pushed,
-              static_cast<int>(args.record.bytes()));
+  clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
   copier.finish();
 }
 

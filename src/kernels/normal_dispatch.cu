@@ -203,7 +203,8 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
   const int num_ranks = args.peers.num_ranks;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kDispatchSend);
-  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
+  PhaseClock clock(args.phases, PhaseStream::kDispatchSend,
+                   channel == 0 && group.group == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int lane = group.lane;
@@ -260,8 +261,7 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
     queue.publish_lagged(0);
   }
   queue.finish();
-  clock.print("dispatch send", group.group, "room/write/publish", queue.pushed,
-              static_cast<int>(args.record.bytes()));
+  clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
 }
 
 // ---- Receive: the channel's rows from `src`, copied out of this rank's queue into their final rows. ----
@@ -278,7 +278,8 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
     return;
   }
   const NormalRecord& r = args.record;
-  PhaseClock clock(args.trace_phases && channel == 0 && group.leader());
+  PhaseClock clock(args.phases, PhaseStream::kDispatchReceive,
+                   channel == 0 && src == (args.peers.rank + 1) % args.peers.num_ranks && group.leader());
   while (!queue.done()) {
     const int ready = queue.wait_ready();
     clock.mark(0);
@@ -299,8 +300,7 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
     clock.mark(2);
   }
   queue.finish();
-  clock.print("dispatch receive", group.group, "wait/copy/release", queue.count,
-              static_cast<int>(args.record.bytes()));
+  clock.add_to_report(queue.count, static_cast<int>(args.record.bytes()));
 }
 
 // Padding rows of a worst-case-sized output (after every received row): no source, no experts.

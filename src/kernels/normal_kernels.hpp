@@ -114,6 +114,26 @@ struct BoardCheck {
   int rows_from[kMaxNvlRanks] = {};  // the rows it read for each source
 };
 
+// What the leader of one stream of channel 0 spent, summed over launches (EPX_NORMAL_PHASES=1; see
+// kernels/phase_clock.cuh): cycles per step and in all, records moved. Lives in host-mapped memory.
+enum class PhaseStream : int {
+  kDispatchSend,     // steps: waiting for room, writing, publishing
+  kDispatchReceive,  // waiting for records, copying, releasing
+  kCombineSend,      // waiting for room, writing, publishing
+  kNodesSend,        // across nodes: network senders (room, writing, publishing)
+  kNodesForward,     // across nodes: forwarders (polling, copying, giving back)
+  kCount
+};
+struct PhaseReport {
+  static constexpr int kPhases = 3;
+  long long cycles[kPhases];
+  long long total_cycles;
+  long long records;
+  int record_bytes;
+  int launches;
+};
+constexpr int kPhaseStreams = static_cast<int>(PhaseStream::kCount);
+
 struct DispatchArgs {
   PeerContext peers;
   NormalBufferMap map;
@@ -146,7 +166,7 @@ struct DispatchArgs {
   // With bulk_send, each chunk is published once the next one is written (QueueSender::publish_lagged), so
   // its bytes land while the next ones go out (the default; EPX_SEND_LAG=0 publishes each as it lands).
   bool send_lag = false;
-  bool trace_phases = false;  // channel 0's group leaders print their PhaseClock (EPX_NORMAL_PHASES=1)
+  PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 
@@ -159,10 +179,10 @@ struct CombineArgs {
   HandleArrays handle;
   CombineInput in;  // the caller's (x, top-k weights, biases)
   CombineOutput out;
-  ShapeFingerprint shape{};   // of this launch (normal_launch_fingerprint), checked by every receiver
-  bool bulk_send = false;     // as DispatchArgs::bulk_send, for the rows sent back
-  bool send_lag = false;      // as DispatchArgs::send_lag
-  bool trace_phases = false;  // as DispatchArgs::trace_phases, for the senders
+  ShapeFingerprint shape{};       // of this launch (normal_launch_fingerprint), checked by every receiver
+  bool bulk_send = false;         // as DispatchArgs::bulk_send, for the rows sent back
+  bool send_lag = false;          // as DispatchArgs::send_lag
+  PhaseReport* phases = nullptr;  // as DispatchArgs::phases, for the senders
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

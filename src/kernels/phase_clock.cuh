@@ -1,43 +1,42 @@
 #pragma once
 
-#include <cstdio>
+#include "kernels/normal_kernels.hpp"
 
-// Where one group leader of a normal-mode stream spends its cycles (EPX_NORMAL_PHASES=1 in a build configured
-// with -DEPX_PHASE_CLOCK=ON; other builds compile it away): a tool for the measured breakdown of a dispatch
-// or combine, not a feature. The leader marks the end of each step; channel 0 prints its totals when the
-// stream ends, so a run shows what each of its steps costs against the whole.
+// Where one group leader of a normal-mode stream spends its cycles (EPX_NORMAL_PHASES=1): a tool for the
+// measured breakdown of a dispatch or combine, not a feature. The leader of channel 0's first group marks the
+// end of each step and, when its stream ends, adds its totals to the stream's PhaseReport in host-mapped
+// memory (no printf: a kernel that can print may make its first launch wait for the device).
 namespace epx::kernels {
 
 struct PhaseClock {
-  static constexpr int kPhases = 3;
-  bool on = false;
+  PhaseReport* report;  // null: off
   long long begin = 0;
   long long last = 0;
-  long long spent[kPhases] = {};
+  long long spent[PhaseReport::kPhases] = {};
 
-#ifdef EPX_PHASE_CLOCK
-  __device__ explicit PhaseClock(bool enabled) : on(enabled) {
-    if (on) begin = last = clock64();
+  // `reports` (DispatchArgs::phases, null when off); `leads` whether this thread leads the stream measured.
+  __device__ PhaseClock(PhaseReport* reports, PhaseStream stream, bool leads)
+      : report(reports != nullptr && leads ? reports + static_cast<int>(stream) : nullptr) {
+    if (report != nullptr) begin = last = clock64();
   }
   // The cycles since the last mark count for `phase`.
   __device__ void mark(int phase) {
-    if (!on) return;
+    if (report == nullptr) return;
     const long long now = clock64();
     spent[phase] += now - last;
     last = now;
   }
-  // One line: `what`, the group, cycles per phase (named by `names`) and in all, the records moved and their
-  // bytes.
-  __device__ void print(const char* what, int group, const char* names, int records, int record_bytes) const {
-    if (!on) return;
-    printf("epx-phases %s group %d: %s = %lld %lld %lld cycles of %lld, %d records of %d bytes\n", what,
-           group, names, spent[0], spent[1], spent[2], last - begin, records, record_bytes);
+  // Adds this launch's totals and the records it moved. One writer per report (one leader, launches in
+  // stream order), so plain read-modify-writes suffice.
+  __device__ void add_to_report(int records, int record_bytes) const {
+    if (report == nullptr) return;
+    volatile PhaseReport& r = *report;
+    for (int p = 0; p < PhaseReport::kPhases; ++p) r.cycles[p] = r.cycles[p] + spent[p];
+    r.total_cycles = r.total_cycles + (last - begin);
+    r.records = r.records + records;
+    r.record_bytes = record_bytes;
+    r.launches = r.launches + 1;
   }
-#else
-  __device__ explicit PhaseClock(bool) {}
-  __device__ void mark(int) {}
-  __device__ void print(const char*, int, const char*, int, int) const {}
-#endif
 };
 
 }  // namespace epx::kernels

@@ -108,10 +108,11 @@ bool send_lag_enabled() {
   return enabled;
 }
 
-// EPX_NORMAL_PHASES=1: channel 0's stream leaders print where their cycles went (DispatchArgs::trace_phases).
-bool trace_phases_requested() {
+// EPX_NORMAL_PHASES=1: channel 0's stream leaders report where their cycles went (DispatchArgs::phases,
+// take_phase_reports); null otherwise.
+kernels::PhaseReport* phase_reports(const Buffer& buffer) {
   static const bool requested = env_equals("EPX_NORMAL_PHASES", "1");
-  return requested;
+  return requested ? device_address(buffer, normal_host_scratch(buffer).phases) : nullptr;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
@@ -419,7 +420,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.board,
       bulk_send_for(in.x),
       send_lag_enabled(),
-      trace_phases_requested()};
+      phase_reports(buffer)};
 }
 
 // The dispatch launch `args` runs the count exchange `exchange` too (DispatchArgs::with_notify). Its senders
@@ -809,6 +810,17 @@ void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
   if (plan.handle.valid()) cancel_receive(buffer, plan.handle.state().launched_receive);
 }
 
+std::array<kernels::PhaseReport, kernels::kPhaseStreams> take_phase_reports(const Buffer& buffer) {
+  NormalHostScratch& scratch = normal_host_scratch(buffer);
+  std::array<kernels::PhaseReport, kernels::kPhaseStreams> reports{};
+  std::atomic_thread_fence(std::memory_order_acquire);
+  for (int s = 0; s < kernels::kPhaseStreams; ++s) {
+    reports[s] = const_cast<const kernels::PhaseReport&>(scratch.phases[s]);
+    scratch.phases[s] = {};
+  }
+  return reports;
+}
+
 uint64_t dispatch_count_wait_ns(const Buffer& buffer) {
   return normal_host_scratch(buffer).count_wait_ns;
 }
@@ -873,7 +885,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
         out,
         normal_launch_fingerprint(maps.rdma.num_channels, maps.nvl.queue_tokens, maps.rdma.queue_tokens,
                                   record.normal, state.shape.hidden, state.shape.num_experts,
-                                  NormalOperation::kDispatch, state.format == TokenFormat::kFp8)};
+                                  NormalOperation::kDispatch, state.format == TokenFormat::kFp8),
+        phase_reports(buffer)};
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
@@ -951,7 +964,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                                                       NormalOperation::kCombine, false),
                             bulk_send_for(in.x),
                             send_lag_enabled(),
-                            trace_phases_requested()};
+                            phase_reports(buffer)};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

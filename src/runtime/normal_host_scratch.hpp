@@ -1,5 +1,6 @@
 #pragma once
 
+#include <array>
 #include <chrono>
 #include <cstdint>
 
@@ -27,6 +28,9 @@ struct NormalHostScratch {
   // Host only: nanoseconds the host spent waiting for dispatch counts (the notify's or the layout board's),
   // summed over every call: what of a dispatch's host time is the count exchange, not the host's own work.
   uint64_t count_wait_ns;
+  // Per normal-mode stream, where its channel-0 leader's cycles went (EPX_NORMAL_PHASES=1), written by the
+  // device; read and zeroed by take_phase_reports.
+  kernels::PhaseReport phases[kernels::kPhaseStreams];
   // Host only: the rows the last notify received (sizes the next one's rows allocation before its counts).
   int last_recv_rows;
   // Host only: what the last get_dispatch_layout posted to the layout board, under the sequence of the
@@ -50,6 +54,11 @@ inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
   return static_cast<uint64_t>(
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
+
+// The phase reports of this Buffer's normal-mode calls since the last take (all zero unless
+// EPX_NORMAL_PHASES=1), then zeroed. Call once those calls finished (after a stream sync). For the
+// benchmark's breakdown rows.
+std::array<kernels::PhaseReport, kernels::kPhaseStreams> take_phase_reports(const Buffer& buffer);
 
 // The device's address of `field`, a member of the Buffer's NormalHostScratch.
 template <typename T>
