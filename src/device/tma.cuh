@@ -101,40 +101,4 @@ __device__ __forceinline__ void bulk_store_wait_all() {
   asm volatile("cp.async.bulk.wait_group 0;" ::: "memory");
 }
 
-template <int N>
-__device__ __forceinline__ void bulk_store_wait() {
-  asm volatile("cp.async.bulk.wait_group %0;" ::"n"(N) : "memory");
-}
-
-// Until at most `newer` of this thread's bulk stores are still incomplete (every older one completed: the
-// groups complete in order). Above 7 it waits for 7, which completes more than asked.
-__device__ __forceinline__ void bulk_store_wait_at_most(uint32_t newer) {
-  switch (newer) {
-    case 0:
-      bulk_store_wait<0>();
-      break;
-    case 1:
-      bulk_store_wait<1>();
-      break;
-    case 2:
-      bulk_store_wait<2>();
-      break;
-    case 3:
-      bulk_store_wait<3>();
-      break;
-    case 4:
-      bulk_store_wait<4>();
-      break;
-    case 5:
-      bulk_store_wait<5>();
-      break;
-    case 6:
-      bulk_store_wait<6>();
-      break;
-    default:
-      bulk_store_wait<7>();
-      break;
-  }
-}
-
 }  // namespace epx::device

@@ -28,15 +28,11 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   PhaseClock clock(args.phases, PhaseStream::kCombineSend,
                    channel == 0 && group.group == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
-  // As the dispatch's senders: each chunk is published once the next one is written.
-  const bool lagged = args.bulk_send && args.send_lag && queue.may_lag();
-  while (queue.pushed + queue.ahead < num_rows) {
-    const int first = queue.pushed + queue.ahead;
-    const int granted = queue.reserve(num_rows - first);
+  while (queue.pushed < num_rows) {
+    const int granted = queue.reserve(num_rows - queue.pushed);
     clock.mark(0);
-    const uint32_t chunk_mark = copier.issued();
     for (int j = group.warp; j < granted; j += group.num_warps) {
-      const size_t row = row0 + first + j;
+      const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
       const char* x_row = static_cast<const char*>(args.in.x) + row * r.x_bytes;
       if (args.bulk_send) {
@@ -51,18 +47,9 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
       }
     }
     clock.mark(1);
-    if (lagged) {
-      if (copier.driver()) copier.complete_before(chunk_mark);  // the chunk before this one landed
-      queue.publish_lagged(granted);
-    } else {
-      if (args.bulk_send && copier.driver()) copier.complete_all();  // the rows landed before the publish
-      queue.publish(granted);
-    }
+    if (args.bulk_send && copier.driver()) copier.complete_all();  // the rows landed before the publish
+    queue.publish(granted);
     clock.mark(2);
-  }
-  if (lagged) {
-    if (copier.driver()) copier.complete_all();
-    queue.publish_lagged(0);
   }
   queue.finish();
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));

@@ -208,14 +208,10 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
   queue.wait_until_peer_ready(calls);
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int lane = group.lane;
-  // Bulk copies publish each chunk once the next one is written: its bytes land while the next ones go out.
-  const bool lagged = args.bulk_send && args.send_lag && queue.may_lag();
   int window = 0;
   for (int t0 = range.begin; t0 < range.end;) {
     const int granted = queue.reserve(args.chunk_tokens);
     clock.mark(0);
-    const uint32_t chunk_mark = copier.issued();   // the driver's pieces before this chunk
-    const int first = queue.pushed + queue.ahead;  // this chunk's first entry in the stream
     int taken = 0;
     // Scan 32 tokens at a time; a window that holds more than the chunk has room for is cut after the last
     // token taken, and the next scan resumes there. Every warp scans identically.
@@ -234,7 +230,7 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         const bool sent = (mask >> lane) & 1u;
         args.handle.send_head[static_cast<size_t>(t) * num_ranks + dst] =
-            sent ? first + taken + __popc(mask & lanes_below(lane)) : -1;
+            sent ? queue.pushed + taken + __popc(mask & lanes_below(lane)) : -1;
       }
       for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
            todo &= todo - 1) {
@@ -246,19 +242,9 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
       ++window;
     }
     clock.mark(1);
-    if (lagged) {
-      // The chunk before this one landed (this one's pieces may still be in flight): publish it.
-      if (copier.driver()) copier.complete_before(chunk_mark);
-      queue.publish_lagged(taken);
-    } else {
-      complete_records(args, copier);
-      queue.publish(taken);
-    }
-    clock.mark(2);
-  }
-  if (lagged) {
     complete_records(args, copier);
-    queue.publish_lagged(0);
+    queue.publish(taken);
+    clock.mark(2);
   }
   queue.finish();
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));

@@ -161,11 +161,8 @@ struct DispatchArgs {
   NotifyArgs notify{};
   BoardCheck board{};
   // Senders move each row with bulk copies (x -> shared memory -> the peer's queue, one lane of a warp
-  // driving them) instead of the warp's 16-byte stores (the default; EPX_BULK_SEND=0 turns it off).
+  // driving them) instead of the warp's 16-byte stores (EPX_BULK_SEND=1; see bulk_send_enabled).
   bool bulk_send = false;
-  // With bulk_send, each chunk is published once the next one is written (QueueSender::publish_lagged), so
-  // its bytes land while the next ones go out (the default; EPX_SEND_LAG=0 publishes each as it lands).
-  bool send_lag = false;
   PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
@@ -181,7 +178,6 @@ struct CombineArgs {
   CombineOutput out;
   ShapeFingerprint shape{};       // of this launch (normal_launch_fingerprint), checked by every receiver
   bool bulk_send = false;         // as DispatchArgs::bulk_send, for the rows sent back
-  bool send_lag = false;          // as DispatchArgs::send_lag
   PhaseReport* phases = nullptr;  // as DispatchArgs::phases, for the senders
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);

@@ -128,8 +128,7 @@ struct QueueEnd {
 // One sender's stream of records into queue (this rank -> peer, channel) in the peer's buffer.
 struct QueueSender : QueueEnd {
   int chunk_tokens;
-  int pushed = 0;  // records published
-  int ahead = 0;   // records written after those, published by the next publish_lagged
+  int pushed = 0;
 
   __device__ QueueSender(const PeerContext& p, const NormalBufferMap& l, const WarpGroup& g, int* shared,
                          int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase)
@@ -153,24 +152,18 @@ struct QueueSender : QueueEnd {
   __device__ int reserve(int most) {
     int granted = 0;
     if (group.leader()) {
-      const int written = pushed + ahead;
       const int consumed =
           device::wait_count_since(&NormalBufferMap::counters(peers.local_base)->head[peer][channel], base,
-                                   written - map.queue_tokens + 1, wait_context(peers), peer, phase);
-      granted = min(min(queue_room(written, consumed, map.queue_tokens), chunk_tokens), most);
+                                   pushed - map.queue_tokens + 1, wait_context(peers), peer, phase);
+      granted = min(min(queue_room(pushed, consumed, map.queue_tokens), chunk_tokens), most);
     }
     return share(granted);
   }
 
   // Record `j` of the reserved chunk, in the peer's buffer.
   __device__ char* record(int j) const {
-    return map.record(peers.peer_bases[peer], peers.rank, peer, channel,
-                      static_cast<uint32_t>(pushed + ahead + j));
+    return map.record(peers.peer_bases[peer], peers.rank, peer, channel, static_cast<uint32_t>(pushed + j));
   }
-
-  // Whether publish_lagged may hold a chunk back: the receiver can then still consume every published record
-  // while the next chunk waits for room (a chunk shorter than the queue).
-  __device__ bool may_lag() const { return chunk_tokens < map.queue_tokens; }
 
   // The group wrote `count` records: the peer may read them.
   __device__ void publish(int count) {
@@ -180,21 +173,6 @@ struct QueueSender : QueueEnd {
       auto* tail = &NormalBufferMap::counters(peers.peer_bases[peer])->tail[peers.rank][channel];
       device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(base + pushed));
     }
-  }
-
-  // The group wrote `count` more records after those `ahead`, and every warp's writes of those ahead landed:
-  // the peer may read those; these are held back until the next call (their writes may still be in flight,
-  // so the link stays busy while the earlier ones are published). publish_lagged(0) publishes the last.
-  __device__ void publish_lagged(int count) {
-    group.sync();
-    if (ahead > 0) {
-      pushed += ahead;
-      if (group.leader()) {
-        auto* tail = &NormalBufferMap::counters(peers.peer_bases[peer])->tail[peers.rank][channel];
-        device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(base + pushed));
-      }
-    }
-    ahead = count;
   }
 
   __device__ void finish() const {

@@ -52,20 +52,13 @@ class TmaRowCopier {
     while (stored_ != issued_) retire();
   }
 
-  // Pieces issued so far: a mark for complete_before.
-  __device__ uint32_t issued() const { return issued_; }
-
-  // Every piece issued before `mark` was stored and its store completed (its bytes are in the destination;
-  // a release by this thread or after a barrier then publishes them to other GPUs); pieces issued since may
-  // still be in flight.
-  __device__ void complete_before(uint32_t mark) {
-    while (stored_ < mark) retire();
-    device::bulk_store_wait_at_most(stored_ - mark);  // stores issue in piece order and complete in order
+  // Every piece so far was stored and its store completed (its bytes are in the destination; a release by
+  // this thread, or by another after a barrier, then publishes them to other GPUs).
+  __device__ void complete_all() {
+    wait_loads();
+    device::bulk_store_wait_all();
     device::fence_proxy_async();
   }
-
-  // complete_before(issued()): every piece so far.
-  __device__ void complete_all() { complete_before(issued_); }
 
   __device__ void finish() {
     if (!driver_) return;

@@ -88,24 +88,18 @@ bool launch_receive_allowed() {
   return allowed;
 }
 
-// Single-node senders move rows with bulk copies (DispatchArgs::bulk_send, CombineArgs::bulk_send):
-// 5-10 % faster dispatches and 16-24 % faster combines than the warp's stores at 8-24 SMs (2 x H100).
-// EPX_BULK_SEND=0 keeps the warp's stores, for comparison.
+// EPX_BULK_SEND=1: single-node senders move rows with bulk copies (DispatchArgs::bulk_send,
+// CombineArgs::bulk_send). Not the default: with the recommended send chunks at 2 ranks (64, 32) the warp's
+// stores were as fast at 8 and 16 SMs (within 2 %) and faster at 24 and 32 (2-14 %) on 2 x H100; bulk copies
+// won only with short chunks (24 and 10: 5-24 %).
 bool bulk_send_enabled() {
-  static const bool enabled = !env_equals("EPX_BULK_SEND", "0");
+  static const bool enabled = env_equals("EPX_BULK_SEND", "1");
   return enabled;
 }
 
 // Bulk copies read x 16 bytes at a time from 16-byte aligned rows.
 bool bulk_send_for(const void* x) {
   return bulk_send_enabled() && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-}
-
-// With bulk-copy senders, each chunk is published once the next one is written (DispatchArgs::send_lag);
-// EPX_SEND_LAG=0 publishes each chunk as it lands, for comparison.
-bool send_lag_enabled() {
-  static const bool enabled = !env_equals("EPX_SEND_LAG", "0");
-  return enabled;
 }
 
 // EPX_NORMAL_PHASES=1: channel 0's stream leaders report where their cycles went (DispatchArgs::phases,
@@ -419,7 +413,6 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       {},
       state.board,
       bulk_send_for(in.x),
-      send_lag_enabled(),
       phase_reports(buffer)};
 }
 
@@ -963,7 +956,6 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                       NormalOperation::kCombine, false),
                             bulk_send_for(in.x),
-                            send_lag_enabled(),
                             phase_reports(buffer)};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
