@@ -28,12 +28,6 @@ target_link_libraries(epx_cuda PUBLIC epx_core CUDA::cudart)
 target_compile_options(epx_cuda PRIVATE $<$<COMPILE_LANGUAGE:CXX>:${EPX_WARNINGS}>
                        $<$<COMPILE_LANGUAGE:CUDA>:--expt-relaxed-constexpr -lineinfo -Xcompiler=-Wall>)
 target_compile_definitions(epx_cuda PUBLIC EPX_WITH_CUDA=1)
-# The normal-mode phase clocks (src/kernels/phase_clock.cuh) print only in a build with this on: a kernel that
-# can printf may make its first launch wait for the device (a process's first call behind a busy stream).
-option(EPX_PHASE_CLOCK "Build the normal-mode kernels with their phase clocks (EPX_NORMAL_PHASES=1 prints)" OFF)
-if(EPX_PHASE_CLOCK)
-  target_compile_definitions(epx_cuda PRIVATE EPX_PHASE_CLOCK=1)
-endif()
 
 # NVSHMEM transport (optional): from NVSHMEM_HOME or the nvidia-nvshmem-cu13 wheel.
 include(cmake/nvshmem.cmake)

@@ -1,8 +1,5 @@
-// The recommended normal-mode configs by group size (deep_ep's Buffer.get_dispatch_config /
-// get_combine_config, the same table): the chunk sizes deep_ep callers run with, so the C++ benchmark times
-// what they get. DeepEP V1's, except where EPX's own measurements chose others: at 2 ranks (2 x H100, 4,096
-// tokens of 7168, 8 and 24 SMs, bulk-copy senders) a dispatch send chunk of 64 (FP8 10-15 % faster than 24,
-// BF16 0-6 %) and a combine send chunk of 32 (10-12 % faster than 10).
+// DeepEP V1's recommended normal-mode configs by group size (its Buffer.get_dispatch_config /
+// get_combine_config): the chunk sizes deep_ep callers run with, so the C++ benchmark times what they get.
 
 #include <array>
 
@@ -23,7 +20,7 @@ struct Recommended {
 };
 
 constexpr std::array<Recommended, 10> kRecommended{{
-    {2, {64, 256, 6, 128}, {32, 256, 6, 128}},
+    {2, {24, 256, 6, 128}, {10, 256, 6, 128}},
     {4, {6, 256, 6, 128}, {9, 256, 6, 128}},
     {8, {6, 256, 6, 128}, {4, 256, 6, 128}},
     {16, {36, 288, 20, 128}, {4, 288, 12, 128}},
