@@ -89,9 +89,9 @@ bool launch_receive_allowed() {
 }
 
 // EPX_BULK_SEND=1: single-node senders move rows with bulk copies (DispatchArgs::bulk_send,
-// CombineArgs::bulk_send). Not the default: with the recommended send chunks at 2 ranks (64, 32) the warp's
-// stores were as fast at 8 and 16 SMs (within 2 %) and faster at 24 and 32 (2-14 %) on 2 x H100; bulk copies
-// won only with short chunks (24 and 10: 5-24 %).
+// CombineArgs::bulk_send). Not the default: with send chunks of 64 (dispatch) and 32 (combine) at 2 ranks the
+// warp's stores were as fast at 8 and 16 SMs (within 2 %) and faster at 24 and 32 (2-14 %) on 2 x H100; bulk
+// copies won only with short chunks (24 and 10: 5-24 %).
 bool bulk_send_enabled() {
   static const bool enabled = env_equals("EPX_BULK_SEND", "1");
   return enabled;

@@ -228,12 +228,14 @@ TEST(NormalBufferMap, ShapeChecksNameTheArgument) {
 
 }  // namespace
 
-// The C++ benchmark runs what deep_ep callers get: DeepEP's recommended chunk sizes for the group size (the
-// same table as epx.compat.deep_ep), Config's defaults where it has none; the SM budget is the caller's.
+// The C++ benchmark runs what deep_ep callers get: the recommended chunk sizes for the group size (the same
+// table as epx.compat.deep_ep: DeepEP's, EPX's measured ones at 2 ranks), Config's defaults where it has none;
+// the SM budget is the caller's.
 TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
   const Config dispatch2 = epx::recommended_config(epx::ConfigFor::kDispatch, 2, 16);
   EXPECT_EQ(dispatch2.num_sms, 16);
-  EXPECT_EQ(dispatch2.num_max_nvl_chunked_send_tokens, 24);
+  EXPECT_EQ(dispatch2.num_max_nvl_chunked_send_tokens, 48);
+  EXPECT_EQ(epx::recommended_config(epx::ConfigFor::kCombine, 2, 16).num_max_nvl_chunked_send_tokens, 32);
   EXPECT_EQ(dispatch2.num_max_nvl_chunked_recv_tokens, 256);
   EXPECT_EQ(dispatch2.num_max_rdma_chunked_recv_tokens, 128);
   const Config combine8 = epx::recommended_config(epx::ConfigFor::kCombine, 8, 24);
