@@ -3,9 +3,9 @@
 // what they get. DeepEP V1's, except the send chunks at 2 ranks, chosen from `epx-bench --tune --num-sms
 // 8,16,24,32` (2 x H100, 4,096 tokens of 7168, top-8 of 256; docs/BENCHMARKS.md): a dispatch chunk of 48 was
 // within 1.3 % of the fastest (chunk, queue) at every budget for BF16 and FP8, DeepEP's 24 was 12-24 % slower
-// (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two); a combine chunk of
-// 32 was within 2.5 % of the fastest, chunks of 8 and 12 (around DeepEP's 10) 19-76 % slower. The queues stay
-// at 256 tokens, so the buffer sizes do not change.
+// (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two); a combine chunk
+// of 32 was within 2.5 % of the fastest, chunks of 8 and 12 (around DeepEP's 10) 19-76 % slower. The queues
+// stay at 256 tokens, so the buffer sizes do not change.
 
 #include <array>
 

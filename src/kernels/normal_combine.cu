@@ -18,7 +18,7 @@ namespace {
 // ---- Send: the rows this rank received from `dst` on `channel` (contiguous, in dst's token order) go back
 // into dst's queue, each with its top-k weights. ----
 __device__ void send_rows(const CombineArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
-                          TmaRowCopier<TmaWarpStage>& copier, int calls) {
+                          int calls) {
   const NormalRecord& r = args.record;
   const int index = dst * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
@@ -34,26 +34,20 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
     for (int j = group.warp; j < granted; j += group.num_warps) {
       const size_t row = row0 + queue.pushed + j;
       char* record = queue.record(j);
-      const char* x_row = static_cast<const char*>(args.in.x) + row * r.x_bytes;
-      if (args.bulk_send) {
-        if (copier.driver()) copier.copy(record, x_row, static_cast<int>(r.x_bytes));
-      } else {
-        if (group.lane == 0) device::bulk_prefetch_l2(x_row, r.x_bytes);
-        warp_copy<false>(record, x_row, r.x_bytes, group.lane);
-      }
+      if (group.lane == 0)
+        device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
+      warp_copy<false>(record, static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes, group.lane);
       if (group.lane < r.num_topk_weights) {
         reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
             args.in.topk_weights[row * r.num_topk_weights + group.lane];
       }
     }
     clock.mark(1);
-    if (args.bulk_send && copier.driver()) copier.complete_all();  // the rows landed before the publish
     queue.publish(granted);
     clock.mark(2);
   }
   queue.finish();
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
-  copier.finish();
 }
 
 // Where rank r's copy of the token lies: this rank's own copy in the combine input, a peer's in the queue.
@@ -365,7 +359,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
 // tokens. With one rank there are no queues and both blocks reduce, half of the channel each.
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
-  extern __shared__ TmaWarpStage stages[];  // [kQueueWarps]
+  extern __shared__ TmaWarpStage stages[];  // [kQueueWarps], reducer blocks only
   const int calls = calls_before(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kCombineReduce)) return;
@@ -385,9 +379,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
     if (peer_idx < num_ranks - 1) {
       const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                             static_cast<int>(threadIdx.x % 32)};
-      TmaRowCopier<TmaWarpStage> copier(&stages[warp], group.lane == 0);
-      send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], copier,
-                calls);
+      send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
     }
   } else {
     reduce_tokens(args, channel, range, true, stages, calls);

@@ -135,26 +135,14 @@ __device__ __forceinline__ void write_row(const DispatchArgs& args, const RowOut
   if (lane == 31) out.recv_src_idx[row] = src_idx;
 }
 
-// Copies token `token` of this rank into a queue record in a peer's buffer: posted NVLink stores, or with
-// bulk_send the row by bulk copies the copier's lane drives (complete_records() before they are published).
-__device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane,
-                                             DispatchCopier& copier) {
+// Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
+__device__ __forceinline__ void write_record(const DispatchArgs& args, char* record, int token, int lane) {
   const NormalRecord& r = args.record;
-  const char* x_row = static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes;
-  if (args.bulk_send) {
-    if (copier.driver()) copier.copy(record, x_row, static_cast<int>(r.x_bytes));
-    write_token_fields(record, r, args.in.x_scales, args.in.topk_idx, args.in.topk_weights, token, lane);
-    return;
-  }
-  if (lane == 0) device::bulk_prefetch_l2(x_row, r.x_bytes);
+  if (lane == 0)
+    device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes,
+                             r.x_bytes);
   write_token_record(record, r, args.in.x, args.in.x_scales, args.in.topk_idx, args.in.topk_weights, token,
                      lane);
-}
-
-// Before a chunk is published: the rows this warp's bulk copies wrote landed in the peer's queue. (The
-// publish's release at system scope then orders them, as it orders the plain stores.)
-__device__ __forceinline__ void complete_records(const DispatchArgs& args, DispatchCopier& copier) {
-  if (args.bulk_send && copier.driver()) copier.complete_all();
 }
 
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
@@ -199,7 +187,7 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
 
 // ---- Send: the channel's tokens for `dst`, in token order, into dst's queue, a chunk at a time. ----
 __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, const WarpGroup& group,
-                            int* shared, DispatchCopier& copier, int calls) {
+                            int* shared, int calls) {
   const int num_ranks = args.peers.num_ranks;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
                     WaitPhase::kDispatchSend);
@@ -235,14 +223,13 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
       for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
            todo &= todo - 1) {
         const int bit = __ffs(todo) - 1;
-        write_record(args, queue.record(taken + __popc(mask & lanes_below(bit))), t0 + bit, lane, copier);
+        write_record(args, queue.record(taken + __popc(mask & lanes_below(bit))), t0 + bit, lane);
       }
       taken += __popc(mask);
       t0 += width;
       ++window;
     }
     clock.mark(1);
-    complete_records(args, copier);
     queue.publish(taken);
     clock.mark(2);
   }
@@ -347,7 +334,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     const int peer_idx = warp / warps_per_peer;
     if (peer_idx < num_ranks - 1) {
       const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
-      send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], copier, calls);
+      send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
     }
   } else {
     const int warps_per_rank = kQueueWarps / num_ranks;

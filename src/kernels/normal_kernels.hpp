@@ -160,9 +160,6 @@ struct DispatchArgs {
   bool with_notify = false;
   NotifyArgs notify{};
   BoardCheck board{};
-  // Senders move each row with bulk copies (x -> shared memory -> the peer's queue, one lane of a warp
-  // driving them) instead of the warp's 16-byte stores (EPX_BULK_SEND=1; see bulk_send_enabled).
-  bool bulk_send = false;
   PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
@@ -177,7 +174,6 @@ struct CombineArgs {
   CombineInput in;  // the caller's (x, top-k weights, biases)
   CombineOutput out;
   ShapeFingerprint shape{};       // of this launch (normal_launch_fingerprint), checked by every receiver
-  bool bulk_send = false;         // as DispatchArgs::bulk_send, for the rows sent back
   PhaseReport* phases = nullptr;  // as DispatchArgs::phases, for the senders
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);

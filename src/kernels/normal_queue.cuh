@@ -237,11 +237,13 @@ __device__ __forceinline__ int to_local_expert(int global_expert, int rank, int 
   return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
 }
 
-// Copies token `token`'s small fields (scales, top-k ids as int32 and weights, its index) into the dispatch
-// record at `record` with the warp's plain stores; the row itself is the caller's.
-__device__ __forceinline__ void write_token_fields(char* record, const NormalRecord& r, const float* x_scales,
-                                                   const int64_t* topk_idx, const float* topk_weights,
-                                                   int token, int lane) {
+// Copies token `token` (row, scales, top-k ids as int32 and weights, its index) into the dispatch record at
+// `record` with the warp's plain stores (a peer's queue over NVLink, or a local staging slot).
+__device__ __forceinline__ void write_token_record(char* record, const NormalRecord& r, const void* x,
+                                                   const float* x_scales, const int64_t* topk_idx,
+                                                   const float* topk_weights, int token, int lane) {
+  warp_copy<false>(record, static_cast<const char*>(x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes,
+                   lane);
   auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
   for (int g = lane; g < r.num_scales; g += 32)
     scales[g] = x_scales[static_cast<size_t>(token) * r.num_scales + g];
@@ -252,16 +254,6 @@ __device__ __forceinline__ void write_token_fields(char* record, const NormalRec
         topk_weights != nullptr ? topk_weights[k] : 0.0f;
   }
   if (lane == 0) *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
-}
-
-// Copies token `token` (row, scales, top-k ids as int32 and weights, its index) into the dispatch record at
-// `record` with the warp's plain stores (a peer's queue over NVLink, or a local staging slot).
-__device__ __forceinline__ void write_token_record(char* record, const NormalRecord& r, const void* x,
-                                                   const float* x_scales, const int64_t* topk_idx,
-                                                   const float* topk_weights, int token, int lane) {
-  warp_copy<false>(record, static_cast<const char*>(x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes,
-                   lane);
-  write_token_fields(record, r, x_scales, topk_idx, topk_weights, token, lane);
 }
 
 // Lanes below this one.

@@ -52,14 +52,6 @@ class TmaRowCopier {
     while (stored_ != issued_) retire();
   }
 
-  // Every piece so far was stored and its store completed (its bytes are in the destination; a release by
-  // this thread, or by another after a barrier, then publishes them to other GPUs).
-  __device__ void complete_all() {
-    wait_loads();
-    device::bulk_store_wait_all();
-    device::fence_proxy_async();
-  }
-
   __device__ void finish() {
     if (!driver_) return;
     wait_loads();

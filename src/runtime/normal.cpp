@@ -88,20 +88,6 @@ bool launch_receive_allowed() {
   return allowed;
 }
 
-// EPX_BULK_SEND=1: single-node senders move rows with bulk copies (DispatchArgs::bulk_send,
-// CombineArgs::bulk_send). Not the default: with send chunks of 64 (dispatch) and 32 (combine) at 2 ranks the
-// warp's stores were as fast at 8 and 16 SMs (within 2 %) and faster at 24 and 32 (2-14 %) on 2 x H100; bulk
-// copies won only with short chunks (24 and 10: 5-24 %).
-bool bulk_send_enabled() {
-  static const bool enabled = env_equals("EPX_BULK_SEND", "1");
-  return enabled;
-}
-
-// Bulk copies read x 16 bytes at a time from 16-byte aligned rows.
-bool bulk_send_for(const void* x) {
-  return bulk_send_enabled() && reinterpret_cast<uintptr_t>(x) % 16 == 0;
-}
-
 // EPX_NORMAL_PHASES=1: channel 0's stream leaders report where their cycles went (DispatchArgs::phases,
 // take_phase_reports); null otherwise.
 kernels::PhaseReport* phase_reports(const Buffer& buffer) {
@@ -412,7 +398,6 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       false,
       {},
       state.board,
-      bulk_send_for(in.x),
       phase_reports(buffer)};
 }
 
@@ -955,7 +940,6 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             out,
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                       NormalOperation::kCombine, false),
-                            bulk_send_for(in.x),
                             phase_reports(buffer)};
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
