@@ -229,8 +229,8 @@ TEST(NormalBufferMap, ShapeChecksNameTheArgument) {
 }  // namespace
 
 // The C++ benchmark runs what deep_ep callers get: the recommended chunk sizes for the group size (the same
-// table as epx.compat.deep_ep: DeepEP's, EPX's measured ones at 2 ranks), Config's defaults where it has none;
-// the SM budget is the caller's.
+// table as epx.compat.deep_ep: DeepEP's, EPX's measured ones at 2 ranks), Config's defaults where it has
+// none; the SM budget is the caller's.
 TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
   const Config dispatch2 = epx::recommended_config(epx::ConfigFor::kDispatch, 2, 16);
   EXPECT_EQ(dispatch2.num_sms, 16);

@@ -222,6 +222,44 @@ def test_normal_handle_views_are_made_once(stub):
     assert native.recv_channel_offset is native.recv_channel_offset
 
 
+def test_extension_views_become_the_handles_views(stub, monkeypatch):
+    """A dispatch through the torch extension gets DeepEP's handle arrays as tensors with the call (the 9th item of
+    its result): the epx handle keeps them as its views, and deep_ep's tuple is made of them, with no view call of
+    its own. (A stand-in extension: the dispatch's result comes prebuilt.)"""
+    import epx.buffer as buffer_module
+
+    wrapper, _ = stub
+    x, ids, weights, _, _ = ll_inputs()
+    args = layout_args(wrapper, ids, weights)
+    _, _, _, _, first, _ = wrapper.dispatch(x, **args)
+    native = first[0]._epx_handle.native
+    rows = MAX_TOKENS
+    views = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
+             torch.zeros(1, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+             torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32))
+    made = (torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), None, torch.zeros(rows, NUM_TOPK, dtype=torch.int64),
+            torch.zeros(rows, NUM_TOPK), native, rows, [rows] * 4, None, views)
+
+    class Extension:
+        def dispatch(self, *arguments):
+            return made
+
+    monkeypatch.setattr(buffer_module, "torch_calls", Extension())
+    monkeypatch.setattr(util, "array_view", lambda *a, **k: pytest.fail("a view was made in Python"))
+    _, _, _, _, handle, _ = wrapper.dispatch(x, **args)
+    assert all(a is b for a, b in zip(handle, views)) and len(handle) == 6
+    epx_handle = handle[0]._epx_handle
+    assert epx_handle.recv_src_idx is views[3] and epx_handle.send_head is views[5]
+    assert epx_handle.is_token_in_rank is views[4] and epx_handle.deep_ep_matrices == views[:3]
+
+
+def test_dispatch_count_wait_is_the_runtimes(stub):
+    """epx.Buffer.dispatch_count_wait_us: the runtime's nanoseconds of host waits for dispatch counts, in µs."""
+    wrapper, _ = stub
+    wrapper.runtime.runtime.dispatch_count_wait_ns = 12_500
+    assert wrapper.runtime.dispatch_count_wait_us == 12.5
+
+
 def test_default_configs_are_set_once(stub, monkeypatch):
     wrapper, _ = stub
     x, ids, weights, _, _ = ll_inputs()
