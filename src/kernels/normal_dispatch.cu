@@ -155,6 +155,7 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int row0 = args.handle.recv_channel_offset[rank * args.map.num_channels + channel];
   const int num_topk = args.record.num_topk_idx;
+  PhaseClock clock(args.phases, PhaseStream::kDispatchOwnRows, channel == 0 && worker == 0 && lane == 0);
   int count = 0;
   const auto flag_at = [&](int t) {
     return t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + rank] != 0;
@@ -169,6 +170,7 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
       args.handle.send_head[static_cast<size_t>(t) * num_ranks + rank] =
           in ? count + __popc(mask & lanes_below(lane)) : -1;
     }
+    clock.mark(0);
     for (unsigned todo = worker_tokens(mask, count, worker, num_workers, lane); todo != 0; todo &= todo - 1) {
       const int bit = __ffs(todo) - 1;
       const int entry = count + __popc(mask & lanes_below(bit));
@@ -181,8 +183,13 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
                        args.in.topk_weights == nullptr ? nullptr : args.in.topk_weights + k, token, lane,
                        copier);
     }
+    clock.mark(1);
     count += __popc(mask);
   }
+  if (clock.on())
+    copier.wait_loads();  // measured: the copies' tail (the kernel's end would wait for it anyway)
+  clock.mark(2);
+  clock.add_to_report(count, static_cast<int>(args.record.x_bytes));
 }
 
 // ---- Send: the channel's tokens for `dst`, in token order, into dst's queue, a chunk at a time. ----

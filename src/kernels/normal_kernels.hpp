@@ -122,6 +122,7 @@ enum class PhaseStream : int {
   kCombineSend,      // waiting for room, writing, publishing
   kNodesSend,        // across nodes: network senders (room, writing, publishing)
   kNodesForward,     // across nodes: forwarders (polling, copying, giving back)
+  kDispatchOwnRows,  // the rank's own rows, copied by the receiving block: scanning, copying, draining
   kCount
 };
 struct PhaseReport {

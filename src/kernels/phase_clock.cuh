@@ -19,6 +19,7 @@ struct PhaseClock {
       : report(reports != nullptr && leads ? reports + static_cast<int>(stream) : nullptr) {
     if (report != nullptr) begin = last = clock64();
   }
+  __device__ bool on() const { return report != nullptr; }
   // The cycles since the last mark count for `phase`.
   __device__ void mark(int phase) {
     if (report == nullptr) return;
