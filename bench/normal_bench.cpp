@@ -5,12 +5,10 @@
 #include <algorithm>
 #include <array>
 #include <cstdint>
-#include <cstdlib>
 #include <functional>
 #include <optional>
 #include <random>
 #include <string>
-#include <string_view>
 #include <vector>
 
 #include "bench_bytes.hpp"
@@ -31,19 +29,18 @@ namespace epx::bench {
 
 namespace {
 
+// EPX_NORMAL_PHASES=1: the reports so far are dropped, so the next op's rows count only its own launches.
+void start_phase_reports(const Buffer& buffer, cudaStream_t stream) {
+  if (!phase_reports_requested()) return;
+  EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
+  take_phase_reports(buffer);
+}
+
 // EPX_NORMAL_PHASES=1: after an op was timed, where the leader of each stream of channel 0 spent its time,
 // per launch (kernels/phase_clock.cuh): rows "  phases <stream>: <step>" in µs at the GPU's clock rate (the
 // share of the whole matters more than the µs). Nothing otherwise.
-bool phases_on() {
-  static const bool on = [] {
-    const char* text = std::getenv("EPX_NORMAL_PHASES");
-    return text != nullptr && std::string_view(text) == "1";
-  }();
-  return on;
-}
-
 void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vector<BenchRow>& out) {
-  if (!phases_on()) return;
+  if (!phase_reports_requested()) return;
   EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
   int khz = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, buffer.device()));
@@ -521,10 +518,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       }
       // Cached: the layout of a previous call, no count exchange and no host sync.
       const auto cached = [&] { cached_dispatch(buffer, sms_plan.handle, in, dout, stream); };
-      if (phases_on()) {
-        EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-        take_phase_reports(buffer);  // from here: the cached dispatches only
-      }
+      start_phase_reports(buffer, stream);
       out.push_back({bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", sms, back_to_back(cached),
                      nvl_bytes, network_bytes});
       add_phase_rows(buffer, stream, sms, out);
@@ -542,10 +536,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     const auto run_combine = [&] {
       combine(buffer, sms_plan.handle, cin, cout, StreamOrder{stream, nullptr, false});
     };
-    if (phases_on()) {
-      EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
-      take_phase_reports(buffer);
-    }
+    start_phase_reports(buffer, stream);
     out.push_back({"combine BF16", sms, back_to_back(run_combine), bf16_bytes, bf16_network_bytes});
     add_phase_rows(buffer, stream, sms, out);
     out.push_back(

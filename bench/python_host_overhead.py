@@ -231,7 +231,7 @@ def run_rows(
     gpu: bool,
     barrier: Callable[[], None],
     show: bool = True,
-) -> List[Tuple[str, float, float]]:
+) -> List[Tuple[str, float, float, float]]:
     """The table's rows (--profile: prints the profile where `show`, returns none)."""
     normal_buffer, ll_buffer = buffers
     calls = normal_calls(normal_buffer, torch, o, num_ranks, device)

@@ -96,8 +96,8 @@ std::optional<c10::cuda::CUDAStreamGuard> allocation_stream(int device, uintptr_
                                                       static_cast<c10::DeviceIndex>(device)));
 }
 
-// A tensor over `count` elements of device memory the Python object `owner` keeps alive (it holds a reference
-// to it until the tensor's storage is freed, from whichever thread frees it).
+// A tensor of `shape` over device memory the Python object `owner` keeps alive (the tensor holds a reference
+// to it until its storage is freed, from whichever thread frees it).
 at::Tensor view_of(const void* address, at::IntArrayRef shape, at::ScalarType dtype, int device,
                    PyObject* owner) {
   Py_INCREF(owner);

@@ -88,11 +88,10 @@ bool launch_receive_allowed() {
   return allowed;
 }
 
-// EPX_NORMAL_PHASES=1: channel 0's stream leaders report where their cycles went (DispatchArgs::phases,
-// take_phase_reports); null otherwise.
+// Where channel 0's stream leaders report their cycles (DispatchArgs::phases): the Buffer's reports with
+// EPX_NORMAL_PHASES=1, else null.
 kernels::PhaseReport* phase_reports(const Buffer& buffer) {
-  static const bool requested = env_equals("EPX_NORMAL_PHASES", "1");
-  return requested ? device_address(buffer, normal_host_scratch(buffer).phases) : nullptr;
+  return phase_reports_requested() ? device_address(buffer, normal_host_scratch(buffer).phases) : nullptr;
 }
 
 kernels::PeerContext peer_context(const Buffer& buffer) {
@@ -786,6 +785,11 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
 // No enter_call: it runs on error paths (an aborted Buffer, a failed allocation) and must not raise there.
 void dispatch_cancel(Buffer& buffer, const DispatchPlan& plan) {
   if (plan.handle.valid()) cancel_receive(buffer, plan.handle.state().launched_receive);
+}
+
+bool phase_reports_requested() {
+  static const bool requested = env_equals("EPX_NORMAL_PHASES", "1");
+  return requested;
 }
 
 std::array<kernels::PhaseReport, kernels::kPhaseStreams> take_phase_reports(const Buffer& buffer) {

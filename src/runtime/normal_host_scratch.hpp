@@ -55,8 +55,11 @@ inline uint64_t elapsed_ns(std::chrono::steady_clock::time_point start) {
       std::chrono::duration_cast<std::chrono::nanoseconds>(std::chrono::steady_clock::now() - start).count());
 }
 
+// Whether the normal-mode kernels report their phases (EPX_NORMAL_PHASES=1, read once).
+bool phase_reports_requested();
+
 // The phase reports of this Buffer's normal-mode calls since the last take (all zero unless
-// EPX_NORMAL_PHASES=1), then zeroed. Call once those calls finished (after a stream sync). For the
+// phase_reports_requested()), then zeroed. Call once those calls finished (after a stream sync). For the
 // benchmark's breakdown rows.
 std::array<kernels::PhaseReport, kernels::kPhaseStreams> take_phase_reports(const Buffer& buffer);
 
