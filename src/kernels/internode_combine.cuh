@@ -99,12 +99,7 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
       for (int k = group.warp; k < take; k += group.num_warps) {
         const int row = row0 + pushed[m] + k;
         char* record = args.nvl.record(dst_base, me, dst, m, channel, base + pushed[m] + k);
-        warp_copy<false>(record, static_cast<const char*>(args.in.x) + static_cast<size_t>(row) * r.x_bytes,
-                         r.x_bytes, group.lane);
-        if (group.lane < r.num_topk_weights) {
-          reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
-              args.in.topk_weights[static_cast<size_t>(row) * r.num_topk_weights + group.lane];
-        }
+        write_combine_record(record, r, args.in.x, args.in.topk_weights, row, group.lane);
       }
       group.sync();
       pushed[m] += take;

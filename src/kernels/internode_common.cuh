@@ -205,26 +205,17 @@ __device__ __forceinline__ bool local_rank_started(const InternodeContext& conte
 
 // Output row `row` of dispatch from a queue record (which peers rewrite while the kernel runs, so it is read
 // coherently): the token row, its scales, its top-k as local expert ids (-1 and weight 0 elsewhere), its
-// source index. One warp.
+// source index. One warp; the fields' loads go out before the row's (record_fields.cuh).
 __device__ __forceinline__ void write_row_from_record(const InternodeDispatchArgs& args, int row,
                                                       const char* record, int lane) {
   const NormalRecord& r = args.record.normal;
+  const RecordFields fields = load_record_fields(r, record, lane);
   warp_copy<true>(static_cast<char*>(args.out.recv_x) + static_cast<size_t>(row) * r.x_bytes, record,
                   r.x_bytes, lane);
-  const auto* scales = reinterpret_cast<const volatile float*>(record + r.scales_offset());
-  for (int g = lane; g < r.num_scales; g += 32)
-    args.out.recv_x_scales[static_cast<size_t>(row) * r.num_scales + g] = scales[g];
-  const int num_topk = r.num_topk_idx;
-  if (args.out.recv_topk_idx != nullptr && lane < num_topk) {
-    const int experts_per_rank = args.num_experts / args.context.peers.num_ranks;
-    const int global = reinterpret_cast<const volatile int*>(record + r.topk_idx_offset())[lane];
-    const float weight = reinterpret_cast<const volatile float*>(record + r.topk_weights_offset())[lane];
-    const int local = to_local_expert(global, args.context.peers.rank, experts_per_rank);
-    args.out.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
-    args.out.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? weight : 0.0f;
-  }
-  if (lane == 31)
-    args.handle.recv_src_idx[row] = *reinterpret_cast<const volatile int*>(record + r.src_idx_offset());
+  const FieldOutputs out{args.out.recv_x_scales, args.out.recv_topk_idx, args.out.recv_topk_weights,
+                         args.handle.recv_src_idx};
+  store_output_fields<true>(out, r, row, fields, record + r.scales_offset(), args.context.peers.rank,
+                            args.num_experts / args.context.peers.num_ranks, lane);
 }
 
 // The rail peer a network sender group puts to: its rank, and its symmetric buffer as this GPU's loads and

@@ -109,6 +109,10 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
   clock.add_to_report(pushed, static_cast<int>(args.record.normal.bytes()));
 }
 
+// Records a forwarder group passes per round of one source node's stream at most: two ballots, so each of
+// the group's warps has a record or more to copy between the round's barriers.
+constexpr int kForwardRound = 64;
+
 // What the forwarder groups of a block share about one source node's stream.
 struct ForwardShared {
   int progress[kMaxNvlRanks][kMaxRdmaNodes];   // records of node m each group has passed
@@ -163,7 +167,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
             static_cast<int64_t>(device::ld_acquire_sys_u64(&head->counters.tail[m][channel]) -
                                  rdma_base_count) -
             progress[m]);
-        int room = 32;
+        int room = kForwardRound;
         if (!to_self) {
           const int consumed = count_since(static_cast<uint32_t>(device::ld_acquire_sys(
                                                reinterpret_cast<const int*>(&my_nvl->head[dst][m][channel]))),
@@ -175,8 +179,8 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
           shapes_seen |= 1u << m;
           stop |= !check_rail_launch_shape(context, calls, args.shape, m, WaitPhase::kDispatchReceive);
         }
-        shared.values[group.group] = room > 0 ? min(landed, 32) : 0;
-        shared.values[group.group] |= min(room, 32) << 16;
+        shared.values[group.group] = room > 0 ? min(landed, kForwardRound) : 0;
+        shared.values[group.group] |= min(room, kForwardRound) << 16;
         if (stop) shared.values[group.group] = kStopPolling;
       }
       group.sync();
@@ -187,47 +191,56 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
       const int room = packed >> 16;
       clock.mark(0);
       if (available == 0) continue;
-      // Which of the next records go to dst, cut after the room-th one.
-      const uint64_t position = rdma_base_count + progress[m] + lane;
-      const char* record = args.rdma.recv_record(context.rdma_base, m, channel, position);
-      const uint32_t record_mask =
-          lane < available
-              ? *reinterpret_cast<const volatile uint32_t*>(record + args.record.rank_mask_offset())
-              : 0u;
-      unsigned mask = __ballot_sync(~0u, (record_mask >> dst) & 1u);
-      int width = available;
-      if (__popc(mask) > room) {
-        unsigned last = mask;
-        for (int i = 1; i < room; ++i) last &= last - 1;
-        width = __ffs(last);
-        mask &= width == 32 ? ~0u : (1u << width) - 1u;
-      }
-      if (dst == 0 && group.warp == 0 && lane < width)
-        args.handle.forward_mask[first_record + progress[m] + lane] = static_cast<uint8_t>(record_mask);
+      // Which of the next records go to dst, 32 at a time (one ballot each), cut after the room-th one.
       const int src_rank = m * nodes.ranks_per_node + me;
-      for (unsigned todo = worker_tokens(mask, 0, group.warp, group.num_warps, lane); todo != 0;
-           todo &= todo - 1) {
-        const int bit = __ffs(todo) - 1;
-        const int entry = __popc(mask & lanes_below(bit));
-        const char* source =
-            args.rdma.recv_record(context.rdma_base, m, channel, rdma_base_count + progress[m] + bit);
-        if (to_self) {
-          const int cell = src_rank * num_channels + channel;
-          const int row = args.handle.recv_channel_offset[cell] + sent[m] + entry;
-          // NOTES: a rail peer whose room wait was abandoned (an abort of its node, which does not reach this
-          // one) may have overwritten unread records, so the masks may select more rows than this source
-          // sends: never write past its rows.
-          if (row < args.handle.recv_channel_offset[cell + 1]) write_row_from_record(args, row, source, lane);
-        } else {
-          char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
-          warp_copy<true>(target, source, args.record.bytes(), lane);
+      int taken = 0;   // records for dst among those passed this round
+      int passed = 0;  // records passed this round
+      while (passed < available) {
+        const int window = min(32, available - passed);
+        const uint64_t position = rdma_base_count + progress[m] + passed;
+        const uint32_t record_mask =
+            lane < window
+                ? device::ld_b32(args.rdma.recv_record(context.rdma_base, m, channel, position + lane) +
+                                 args.record.rank_mask_offset())
+                : 0u;
+        unsigned mask = __ballot_sync(~0u, (record_mask >> dst) & 1u);
+        int width = window;
+        const int left = room - taken;
+        if (__popc(mask) > left) {
+          unsigned last = mask;
+          for (int i = 0; i < left; ++i) last &= last - 1;
+          width = __ffs(last) - 1;  // up to the first record past the room
+          mask &= (1u << width) - 1u;
         }
+        if (dst == 0 && group.warp == 0 && lane < width)
+          args.handle.forward_mask[first_record + progress[m] + passed + lane] =
+              static_cast<uint8_t>(record_mask);
+        for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
+             todo &= todo - 1) {
+          const int bit = __ffs(todo) - 1;
+          const int entry = taken + __popc(mask & lanes_below(bit));
+          const char* source = args.rdma.recv_record(context.rdma_base, m, channel, position + bit);
+          if (to_self) {
+            const int cell = src_rank * num_channels + channel;
+            const int row = args.handle.recv_channel_offset[cell] + sent[m] + entry;
+            // NOTES: a rail peer whose room wait was abandoned (an abort of its node, which does not reach
+            // this one) may have overwritten unread records, so the masks may select more rows than this
+            // source sends: never write past its rows.
+            if (row < args.handle.recv_channel_offset[cell + 1])
+              write_row_from_record(args, row, source, lane);
+          } else {
+            char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
+            warp_copy<true>(target, source, args.record.bytes(), lane);
+          }
+        }
+        taken += __popc(mask);
+        passed += width;
+        if (width < window) break;  // dst's room is full
       }
       clock.mark(1);
       group.sync();
-      const int taken = __popc(mask);
       sent[m] += taken;
-      progress[m] += width;
+      progress[m] += passed;
       if (progress[m] == count) ++done_nodes;
       if (group.leader()) {
         if (!to_self && taken > 0) {
@@ -381,6 +394,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
       const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
       send_to_node<Remote>(args, channel, node, group, &group_values[node], calls);
     }
+  } else if (ranks_per_node == 1) {
+    // No other rank on the node: nothing to receive over NVLink, so every warp forwards (into the outputs).
+    forward_to<Remote>(args, channel, 0, WarpGroup{0, warp, kWarps, lane}, forward_shared, calls);
   } else {
     const int warps_per_rank = kHalfWarps / ranks_per_node;
     const int half_warp = warp % kHalfWarps;

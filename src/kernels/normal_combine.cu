@@ -36,11 +36,7 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
       char* record = queue.record(j);
       if (group.lane == 0)
         device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
-      warp_copy<false>(record, static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes, group.lane);
-      if (group.lane < r.num_topk_weights) {
-        reinterpret_cast<float*>(record + r.topk_weights_offset())[group.lane] =
-            args.in.topk_weights[row * r.num_topk_weights + group.lane];
-      }
+      write_combine_record(record, r, args.in.x, args.in.topk_weights, row, group.lane);
     }
     clock.mark(1);
     queue.publish(granted);

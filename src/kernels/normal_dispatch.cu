@@ -102,37 +102,18 @@ __device__ RowOutputs row_outputs(const DispatchArgs& args) {
           *reinterpret_cast<const volatile int*>(&control->outputs_cancelled) != 0};
 }
 
-// Writes output row `row`: the token row from `x_row` (a bulk copy driven by the copier's lane), its scales,
-// its top-k as this rank's local expert ids (-1 and weight 0 for other ranks' experts) and its source index.
-// `kFromQueue`: the inputs lie in a queue record that peers rewrite while the kernel runs, so they are read
-// coherently.
+// Writes output row `row`: the token row from `x_row` (a bulk copy driven by the copier's lane), then its
+// fields, loaded by the caller before (record_fields.cuh). `kFromQueue`: the inputs lie in a queue record
+// that peers rewrite while the kernel runs, so they are read coherently; `scales`: the token's scales there.
 template <bool kFromQueue>
 __device__ __forceinline__ void write_row(const DispatchArgs& args, const RowOutputs& out, int row,
-                                          const char* x_row, const float* scales, const int* topk_idx32,
-                                          const int64_t* topk_idx64, const float* weights, int src_idx,
+                                          const char* x_row, const RecordFields& fields, const void* scales,
                                           int lane, DispatchCopier& copier) {
   const size_t row_bytes = args.record.x_bytes;
   if (copier.driver()) copier.copy(static_cast<char*>(out.recv_x) + row * row_bytes, x_row, row_bytes);
-  // The small fields go to lanes 1.., so lane 0 keeps the bulk copies flowing.
-  const int num_scales = args.record.num_scales;
-  for (int g = lane - 1; g >= 0 && g < num_scales; g += 31) {
-    out.recv_x_scales[static_cast<size_t>(row) * num_scales + g] =
-        kFromQueue ? *reinterpret_cast<const volatile float*>(scales + g) : scales[g];
-  }
-  const int num_topk = args.record.num_topk_idx;
-  const int k = lane - 1;
-  if (out.recv_topk_idx != nullptr && k >= 0 && k < num_topk) {
-    const int experts_per_rank = args.num_experts / args.peers.num_ranks;
-    const int global =
-        kFromQueue ? *reinterpret_cast<const volatile int*>(topk_idx32 + k) : static_cast<int>(topk_idx64[k]);
-    const float weight = weights == nullptr ? 0.0f
-                         : kFromQueue       ? *reinterpret_cast<const volatile float*>(weights + k)
-                                            : weights[k];
-    const int local = to_local_expert(global, args.peers.rank, experts_per_rank);
-    out.recv_topk_idx[static_cast<size_t>(row) * num_topk + k] = local;
-    out.recv_topk_weights[static_cast<size_t>(row) * num_topk + k] = local >= 0 ? weight : 0.0f;
-  }
-  if (lane == 31) out.recv_src_idx[row] = src_idx;
+  const FieldOutputs field_out{out.recv_x_scales, out.recv_topk_idx, out.recv_topk_weights, out.recv_src_idx};
+  store_output_fields<kFromQueue>(field_out, args.record, row, fields, scales, args.peers.rank,
+                                  args.num_experts / args.peers.num_ranks, lane);
 }
 
 // Copies token `token` of this rank into a queue record in a peer's buffer (posted NVLink stores).
@@ -154,7 +135,6 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
   const int rank = args.peers.rank;
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int row0 = args.handle.recv_channel_offset[rank * args.map.num_channels + channel];
-  const int num_topk = args.record.num_topk_idx;
   PhaseClock clock(args.phases, PhaseStream::kDispatchOwnRows, channel == 0 && worker == 0 && lane == 0);
   int count = 0;
   const auto flag_at = [&](int t) {
@@ -175,12 +155,11 @@ __device__ void copy_own_rows(const DispatchArgs& args, const RowOutputs& out, i
       const int bit = __ffs(todo) - 1;
       const int entry = count + __popc(mask & lanes_below(bit));
       const int token = t0 + bit;
-      const size_t k = static_cast<size_t>(token) * num_topk;
+      const RecordFields fields = load_input_fields(args.record, args.in.x_scales, args.in.topk_idx,
+                                                    args.in.topk_weights, token, lane);
       write_row<false>(args, out, row0 + entry,
                        static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * args.record.x_bytes,
-                       args.in.x_scales + static_cast<size_t>(token) * args.record.num_scales, nullptr,
-                       args.in.topk_idx + k,
-                       args.in.topk_weights == nullptr ? nullptr : args.in.topk_weights + k, token, lane,
+                       fields, args.in.x_scales + static_cast<size_t>(token) * args.record.num_scales, lane,
                        copier);
     }
     clock.mark(1);
@@ -268,11 +247,9 @@ __device__ void receive_tokens(const DispatchArgs& args, const RowOutputs& out, 
     if (copier.driver()) device::fence_proxy_async();
     for (int j = group.warp; j < ready && !out.cancelled; j += group.num_warps) {
       const char* record = queue.record(j);
-      write_row<true>(
-          args, out, row0 + queue.got + j, record, reinterpret_cast<const float*>(record + r.scales_offset()),
-          reinterpret_cast<const int*>(record + r.topk_idx_offset()), nullptr,
-          reinterpret_cast<const float*>(record + r.topk_weights_offset()),
-          *reinterpret_cast<const volatile int*>(record + r.src_idx_offset()), group.lane, copier);
+      const RecordFields fields = load_record_fields(r, record, group.lane);
+      write_row<true>(args, out, row0 + queue.got + j, record, fields, record + r.scales_offset(), group.lane,
+                      copier);
     }
     clock.mark(1);
     if (copier.driver()) copier.wait_loads();  // the rows left the queue before its slots are released

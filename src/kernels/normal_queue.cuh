@@ -7,6 +7,7 @@
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
 #include "kernels/normal_kernels.hpp"
+#include "kernels/record_fields.cuh"
 #include "kernels/shape_check.cuh"
 #include "kernels/wait_context.cuh"
 #include "kernels/warp_copy.cuh"
@@ -229,31 +230,6 @@ struct QueueReceiver : QueueEnd {
 // Peer index -> rank, skipping this rank.
 __device__ __forceinline__ int peer_rank(int peer_idx, int rank) {
   return peer_idx < rank ? peer_idx : peer_idx + 1;
-}
-
-// A global expert id as `rank`'s local expert id, or -1 when another rank (or nobody) holds it.
-__device__ __forceinline__ int to_local_expert(int global_expert, int rank, int experts_per_rank) {
-  const int local = global_expert - rank * experts_per_rank;
-  return (global_expert >= 0 && local >= 0 && local < experts_per_rank) ? local : -1;
-}
-
-// Copies token `token` (row, scales, top-k ids as int32 and weights, its index) into the dispatch record at
-// `record` with the warp's plain stores (a peer's queue over NVLink, or a local staging slot).
-__device__ __forceinline__ void write_token_record(char* record, const NormalRecord& r, const void* x,
-                                                   const float* x_scales, const int64_t* topk_idx,
-                                                   const float* topk_weights, int token, int lane) {
-  warp_copy<false>(record, static_cast<const char*>(x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes,
-                   lane);
-  auto* scales = reinterpret_cast<float*>(record + r.scales_offset());
-  for (int g = lane; g < r.num_scales; g += 32)
-    scales[g] = x_scales[static_cast<size_t>(token) * r.num_scales + g];
-  if (lane < r.num_topk_idx) {
-    const size_t k = static_cast<size_t>(token) * r.num_topk_idx + lane;
-    reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = static_cast<int>(topk_idx[k]);
-    reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] =
-        topk_weights != nullptr ? topk_weights[k] : 0.0f;
-  }
-  if (lane == 0) *reinterpret_cast<int*>(record + r.src_idx_offset()) = token;
 }
 
 // Lanes below this one.
