@@ -45,11 +45,12 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
   int khz = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, buffer.device()));
   static constexpr const char* kStreams[kernels::kPhaseStreams] = {
-      "dispatch send",     "dispatch receive",     "combine send",
-      "send across nodes", "forward across nodes", "dispatch own rows"};
+      "dispatch send",        "dispatch receive",  "combine send",        "send across nodes",
+      "forward across nodes", "dispatch own rows", "reduce across nodes", "combine across nodes"};
   static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
       {"room", "write", "publish"}, {"wait", "copy", "release"},   {"room", "write", "publish"},
-      {"room", "write", "publish"}, {"poll", "copy", "give back"}, {"scan", "copy", "drain"}};
+      {"room", "write", "publish"}, {"poll", "copy", "give back"}, {"scan", "copy", "drain"},
+      {"room", "sum", "publish"},   {"wait", "sum", "give back"}};
   const auto reports = take_phase_reports(buffer);
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];

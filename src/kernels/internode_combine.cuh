@@ -5,6 +5,7 @@
 #include "kernels/bf16x8.cuh"
 #include "kernels/internode_common.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/phase_clock.cuh"
 
 // Combine across nodes: the reverse of dispatch. Every channel has two blocks:
 //   even: NVLink senders, one group per local rank f: the rows f forwarded to this rank, returned through the
@@ -142,6 +143,8 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
   const int first = args.handle.node_channel_offset[node * num_channels + channel];
   const int count = args.handle.node_channel_offset[node * num_channels + channel + 1] - first;
   const uint64_t base = head->counters.sent[node][channel];
+  PhaseClock clock(args.phases, PhaseStream::kNodesReduce,
+                   channel == 0 && node == (own + 1) % nodes.num_nodes() && group.leader());
   if (node != own && group.leader()) wait_rail_peer_ready(context, node, calls);
   group.sync();
   const int self_row0 =
@@ -166,6 +169,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
     const int take = *shared;
     group.sync();
     if (take == kStopPolling) break;
+    clock.mark(0);
     const uint32_t lane_mask = lane < take ? args.handle.forward_mask[first + done + lane] : 0u;
     for (int i = group.warp; i < take; i += group.num_warps) {
       const uint32_t mask = __shfl_sync(~0u, lane_mask, i);
@@ -220,7 +224,8 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
         reinterpret_cast<float*>(out + r.topk_weights_offset())[lane] = weight;
       }
     }
-    __threadfence();
+    clock.mark(1);
+    if (node != own && target.mapped == nullptr) __threadfence();  // for the put's reads (publish_records)
     // The group publishes the partials, unless a wait of this group was abandoned (rows never received: it
     // has set the abort word before this barrier); then nothing more leaves. The leader decides for the whole
     // group (one read of the abort word), so no warp copies into the peer's queue while another stops: the
@@ -246,7 +251,9 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
       }
     }
     done += take;
+    clock.mark(2);
   }
+  clock.add_to_report(count, static_cast<int>(r.bytes()));
   group.sync();
   if (group.leader()) {
     head->counters.sent[node][channel] = base + count;
@@ -279,6 +286,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
   if (group.leader()) {
     for (int n = 0; n < kMaxRdmaNodes; ++n) batch_end[n] = 0;
   }
+  PhaseClock clock(args.phases, PhaseStream::kNodesCombine, channel == 0 && group.leader());
   group.sync();
   for (int t0 = range.begin; t0 < range.end; t0 += batch) {
     const int t = t0 + group.warp;
@@ -298,6 +306,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
         }
       }
       __syncwarp();
+      clock.mark(0);
       const auto partial = [&](int n) {
         return args.rdma.recv_record(context.rdma_base, n, channel,
                                      head->counters.consumed[n][channel] + entry[n]);
@@ -330,6 +339,7 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
         }
         args.out.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = weight;
       }
+      clock.mark(1);
     }
     group.sync();
     if (group.leader()) {
@@ -343,7 +353,9 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
       }
     }
     group.sync();
+    clock.mark(2);
   }
+  clock.add_to_report(range.end - range.begin, static_cast<int>(r.bytes()));
   if (group.leader()) {
     for (int n = 0; n < num_nodes; ++n) {
       released[n] = *reinterpret_cast<volatile unsigned*>(&batch_end[n]);
@@ -367,7 +379,10 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
   const int lane = threadIdx.x % 32;
   const int num_nodes = context.nodes.num_nodes();
   const int ranks_per_node = context.nodes.ranks_per_node;
-  if (blockIdx.x % 2 == 0) {
+  if (blockIdx.x % 2 == 0 && ranks_per_node == 1) {
+    // No other rank on the node: no rows to return over NVLink, so every warp reduces tokens.
+    reduce_tokens<Remote>(args, channel, WarpGroup{1, warp, kCombineWarps, lane}, batch_end, calls);
+  } else if (blockIdx.x % 2 == 0) {
     constexpr int kHalf = kCombineWarps / 2;
     if (warp < kHalf) {
       const int warps_per_rank = kHalf / ranks_per_node;

@@ -70,7 +70,8 @@ struct InternodeCombineArgs {
   HandleArrays handle;
   CombineInput in;  // the caller's (x, top-k weights, biases)
   CombineOutput out;
-  ShapeFingerprint shape;  // the launch's: checked by every reducer before a source's first row
+  ShapeFingerprint shape;         // the launch's: checked by every reducer before a source's first row
+  PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
 };
 void launch_internode_combine(const InternodeCombineArgs& args, cudaStream_t stream);
 

@@ -123,6 +123,8 @@ enum class PhaseStream : int {
   kNodesSend,        // across nodes: network senders (room, writing, publishing)
   kNodesForward,     // across nodes: forwarders (polling, copying, giving back)
   kDispatchOwnRows,  // the rank's own rows, copied by the receiving block: scanning, copying, draining
+  kNodesReduce,      // combine across nodes: node reducers (room, summing, publishing)
+  kNodesCombine,     // combine across nodes: the final reducer (waiting for partials, summing, giving back)
   kCount
 };
 struct PhaseReport {

@@ -7,14 +7,14 @@
 #include "kernels/warp_copy.cuh"
 
 // What normal-mode records carry besides the row. A dispatch record's small fields (FP8 scales, top-k ids and
-// weights, the source index) are one lane's share in registers. A warp loads them before the row's copy and stores them after it, so their loads travel with the
-// row's first loads: a record costs the row's round trips only. (Loaded and stored field by field after the
-// row, each loop of loads followed by its stores cost a round trip more: two to three per record, as many as
-// an FP8 row's own.)
+// weights, the source index) are one lane's share in registers. A warp loads them before the row's copy and
+// stores them after it, so their loads travel with the row's first loads: a record costs the row's round
+// trips only. (Loaded and stored field by field after the row, each loop of loads followed by its stores cost
+// a round trip more: two to three per record, as many as an FP8 row's own.)
 namespace epx::kernels {
 
-// Scales a lane holds (two): rows of up to 64 scale words, e.g. hidden 8,192 at 128-channel blocks. Words past
-// them are copied after the row, a round trip each 32.
+// Scales a lane holds (two): rows of up to 64 scale words, e.g. hidden 8,192 at 128-channel blocks. Words
+// past them are copied after the row, a round trip each 32.
 constexpr int kScaleWordsPerLane = 2;
 constexpr int kScalesInRegisters = kScaleWordsPerLane * 32;
 
@@ -56,7 +56,8 @@ __device__ __forceinline__ RecordFields load_input_fields(const NormalRecord& r,
 }
 
 // The fields of the queue record at `record`.
-__device__ __forceinline__ RecordFields load_record_fields(const NormalRecord& r, const char* record, int lane) {
+__device__ __forceinline__ RecordFields load_record_fields(const NormalRecord& r, const char* record,
+                                                           int lane) {
   RecordFields f{{0u, 0u}, -1, 0.0f, 0};
   const char* scales = record + r.scales_offset();
 #pragma unroll
@@ -79,11 +80,11 @@ __device__ __forceinline__ void copy_scales_past_registers(uint32_t* out, const 
     out[g] = load_word<kCoherent>(static_cast<const uint32_t*>(scales) + g);
 }
 
-// Stores `f` into the dispatch record at `record` (top-k ids as int32). `scales`: the token's scales, for words
-// past the registers.
+// Stores `f` into the dispatch record at `record` (top-k ids as int32). `scales`: the token's scales, for
+// words past the registers.
 template <bool kCoherent>
-__device__ __forceinline__ void store_record_fields(char* record, const NormalRecord& r, const RecordFields& f,
-                                                    const void* scales, int lane) {
+__device__ __forceinline__ void store_record_fields(char* record, const NormalRecord& r,
+                                                    const RecordFields& f, const void* scales, int lane) {
   auto* out_scales = reinterpret_cast<uint32_t*>(record + r.scales_offset());
 #pragma unroll
   for (int i = 0; i < kScaleWordsPerLane; ++i) {
@@ -105,8 +106,9 @@ struct FieldOutputs {
   int* recv_src_idx;
 };
 
-// Stores `f` as output row `row`: its scales, its top-k as `rank`'s local expert ids (-1 and weight 0 for other
-// ranks' experts) and its source index. `scales`: where the token's scales are, for words past the registers.
+// Stores `f` as output row `row`: its scales, its top-k as `rank`'s local expert ids (-1 and weight 0 for
+// other ranks' experts) and its source index. `scales`: where the token's scales are, for words past the
+// registers.
 template <bool kCoherent>
 __device__ __forceinline__ void store_output_fields(const FieldOutputs& out, const NormalRecord& r, int row,
                                                     const RecordFields& f, const void* scales, int rank,

@@ -926,7 +926,8 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
         out,
         normal_launch_fingerprint(maps.rdma.num_channels, maps.nvl.queue_tokens, maps.rdma.queue_tokens,
                                   record.normal, hidden, state.shape.num_experts, NormalOperation::kCombine,
-                                  false)};
+                                  false),
+        phase_reports(buffer)};
     kernels::launch_internode_combine(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);
   }
