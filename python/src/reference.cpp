@@ -182,7 +182,10 @@ void bind_low_latency(py::module_& m) {
       .def_readwrite("masked_ranks", &ref::LowLatencyParams::masked_ranks);  // a list (a copy)
 
   py::class_<ref::LowLatencyDispatchOptions> options(m, "LowLatencyDispatchOptions");
-  def_fields(options);
+  def_kwargs_init(options);
+  options.def_readwrite("use_fp8", &ref::LowLatencyDispatchOptions::use_fp8)
+      .def_readwrite("round_scale", &ref::LowLatencyDispatchOptions::round_scale)
+      .def_readwrite("use_ue8m0", &ref::LowLatencyDispatchOptions::use_ue8m0);
 
   using In = ref::LowLatencyDispatchRankInput;
   py::class_<In> in(m, "LowLatencyDispatchRankInput");

@@ -6,7 +6,6 @@
 #include <utility>
 
 #include "common/host_device.hpp"
-#include "epx/fields.hpp"
 #include "formats/fp8.hpp"
 #include "formats/ue8m0.hpp"
 
@@ -20,10 +19,10 @@ namespace epx {
 
 // Values index every table derived from the traits; kCount is the number of formats.
 enum class ScaleFormat : uint8_t {
-  kBf16 = 0,       // BF16 rows, no scales
-  kFp8 = 1,        // e4m3 codes, one float scale per 128 channels
-  kFp8Pow2 = 2,    // e4m3 codes, float scales rounded up to powers of two
-  kFp8Ue8m0 = 3,   // e4m3 codes, power-of-two scales as UE8M0 bytes, four groups to an int32 word
+  kBf16 = 0,      // BF16 rows, no scales
+  kFp8 = 1,       // e4m3 codes, one float scale per 128 channels
+  kFp8Pow2 = 2,   // e4m3 codes, float scales rounded up to powers of two
+  kFp8Ue8m0 = 3,  // e4m3 codes, power-of-two scales as UE8M0 bytes, four groups to an int32 word
   kCount
 };
 constexpr int kNumScaleFormats = static_cast<int>(ScaleFormat::kCount);
@@ -37,40 +36,34 @@ enum class ScaleStorage : uint8_t { kNone, kFloat, kUe8m0x4 };
 template <ScaleFormat F>
 struct FormatTraits;
 
+// What a format is made of. Each specialization below names its format and takes one of these.
+template <ElementCoding kCodingOf, int kGroupSizeOf, bool kPow2ScalesOf, ScaleStorage kStorageOf>
+struct FormatMakeup {
+  static constexpr ElementCoding kCoding = kCodingOf;
+  static constexpr int kGroupSize = kGroupSizeOf;     // channels per scale, 0: no scales
+  static constexpr bool kPow2Scales = kPow2ScalesOf;  // scales rounded up to powers of two
+  static constexpr ScaleStorage kStorage = kStorageOf;
+};
+
 template <>
-struct FormatTraits<ScaleFormat::kBf16> {
+struct FormatTraits<ScaleFormat::kBf16> : FormatMakeup<ElementCoding::kBf16, 0, false, ScaleStorage::kNone> {
   static constexpr const char* kName = "bf16";
-  static constexpr ElementCoding kCoding = ElementCoding::kBf16;
-  static constexpr int kGroupSize = 0;  // channels per scale, 0: no scales
-  static constexpr bool kPow2Scales = false;
-  static constexpr ScaleStorage kStorage = ScaleStorage::kNone;
 };
-
 template <>
-struct FormatTraits<ScaleFormat::kFp8> {
+struct FormatTraits<ScaleFormat::kFp8>
+    : FormatMakeup<ElementCoding::kE4m3, kFp8GroupSize, false, ScaleStorage::kFloat> {
   static constexpr const char* kName = "fp8";
-  static constexpr ElementCoding kCoding = ElementCoding::kE4m3;
-  static constexpr int kGroupSize = kFp8GroupSize;
-  static constexpr bool kPow2Scales = false;
-  static constexpr ScaleStorage kStorage = ScaleStorage::kFloat;
 };
-
 template <>
-struct FormatTraits<ScaleFormat::kFp8Pow2> {
+struct FormatTraits<ScaleFormat::kFp8Pow2>
+    : FormatMakeup<ElementCoding::kE4m3, kFp8GroupSize, true, ScaleStorage::kFloat> {
   static constexpr const char* kName = "fp8_pow2";
-  static constexpr ElementCoding kCoding = ElementCoding::kE4m3;
-  static constexpr int kGroupSize = kFp8GroupSize;
-  static constexpr bool kPow2Scales = true;
-  static constexpr ScaleStorage kStorage = ScaleStorage::kFloat;
 };
-
+// UE8M0 holds powers of two only, so its scales are rounded.
 template <>
-struct FormatTraits<ScaleFormat::kFp8Ue8m0> {
+struct FormatTraits<ScaleFormat::kFp8Ue8m0>
+    : FormatMakeup<ElementCoding::kE4m3, kFp8GroupSize, true, ScaleStorage::kUe8m0x4> {
   static constexpr const char* kName = "fp8_ue8m0";
-  static constexpr ElementCoding kCoding = ElementCoding::kE4m3;
-  static constexpr int kGroupSize = kFp8GroupSize;
-  static constexpr bool kPow2Scales = true;  // UE8M0 holds powers of two only
-  static constexpr ScaleStorage kStorage = ScaleStorage::kUe8m0x4;
 };
 
 // Calls visit(FormatTraits<format>{}) for a format known only at run time (every specialization is
@@ -109,7 +102,9 @@ struct RowFormat {
   EPX_HD constexpr int scale_words(int hidden) const {
     return storage == ScaleStorage::kUe8m0x4 ? ue8m0_num_words(num_groups(hidden)) : num_groups(hidden);
   }
-  EPX_HD constexpr size_t scale_bytes(int hidden) const { return sizeof(uint32_t) * size_t(scale_words(hidden)); }
+  EPX_HD constexpr size_t scale_bytes(int hidden) const {
+    return sizeof(uint32_t) * size_t(scale_words(hidden));
+  }
   // A low-latency message: the cast row, then one float scale per group (stored as the outputs want it only
   // on receipt, so the sender writes each group's scale as soon as it has it).
   EPX_HD constexpr size_t msg_bytes(int hidden) const {
@@ -131,8 +126,8 @@ constexpr RowFormat row_format(ScaleFormat format) {
 }
 
 // The host reference of a format's cast of one BF16 row, as a low-latency message carries it:
-// row_bytes(hidden) bytes of codes and num_groups(hidden) float scales (the kernels cast the same way with the
-// same functions, a group per 8 lanes). Host only.
+// row_bytes(hidden) bytes of codes and num_groups(hidden) float scales (the kernels cast the same way with
+// the same functions, a group per 8 lanes). Host only.
 inline void cast_row(const RowFormat& format, const uint16_t* bf16_row, int hidden, uint8_t* codes_out,
                      float* scales_out) {
   switch (format.coding) {
@@ -146,22 +141,12 @@ inline void cast_row(const RowFormat& format, const uint16_t* bf16_row, int hidd
 }
 
 // Low-latency mode's API names a format with DeepEP's flags. LowLatencyDispatchInput carries the same fields
-// (low_latency_scale_format reads them off it); the reference's options are this struct, bound field by field.
+// (low_latency_scale_format reads them off it); the reference's options are this struct.
 struct LowLatencyFormatFlags {
   bool use_fp8 = true;       // cast per 128 channels
   bool round_scale = false;  // FP8 scales rounded up to powers of two
   bool use_ue8m0 = false;    // scales as packed UE8M0 bytes (requires use_fp8 and round_scale)
 };
-template <>
-struct Fields<LowLatencyFormatFlags> {
-  template <typename Visit>
-  static constexpr void visit(Visit&& v) {
-    v("use_fp8", &LowLatencyFormatFlags::use_fp8);
-    v("round_scale", &LowLatencyFormatFlags::round_scale);
-    v("use_ue8m0", &LowLatencyFormatFlags::use_ue8m0);
-  }
-};
-static_assert(lists_every_field<LowLatencyFormatFlags>(), "Fields<LowLatencyFormatFlags> must list every field");
 
 // The format `flags` name (LowLatencyFormatFlags, or an input with the same fields). Host only: throws
 // epx::Error naming the flag of a combination that is no format.
@@ -184,8 +169,8 @@ constexpr void for_each_scale_format(Visit&& visit) {
   for (int f = 0; f < kNumScaleFormats; ++f) visit(static_cast<ScaleFormat>(f));
 }
 
-// The most bytes a row of `hidden` channels takes with its scales in any format (what buffers that serve every
-// format are sized for).
+// The most bytes a row of `hidden` channels takes with its scales in any format (what buffers that serve
+// every format are sized for).
 constexpr size_t largest_row_bytes(int hidden) {
   size_t largest = 0;
   for_each_scale_format([&](ScaleFormat f) {

@@ -8,10 +8,10 @@
 
 #include "buffer_map/low_latency_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
+#include "epx/low_latency.hpp"
 #include "formats/fp8.hpp"
 #include "formats/scale_format.hpp"
 #include "formats/ue8m0.hpp"
-#include "epx/low_latency.hpp"
 #include "reference/low_latency.hpp"
 #include "reference/normal.hpp"
 #include "reference/test_data.hpp"
@@ -136,14 +136,15 @@ TEST(ScaleFormat, BufferMapsHoldTheLargestFormat) {
     const size_t before = align_up(std::max(size_t(hidden) * 2, size_t(hidden) + 4 * groups), 16);
     EXPECT_EQ(map.dispatch_msg_bytes(), before);
     EXPECT_EQ(map.dispatch_msg_bytes(), align_up(largest_msg_bytes(hidden), 16));
-    for_each_scale_format([&](ScaleFormat f) { EXPECT_LE(row_format(f).msg_bytes(hidden), map.dispatch_msg_bytes()); });
+    for_each_scale_format(
+        [&](ScaleFormat f) { EXPECT_LE(row_format(f).msg_bytes(hidden), map.dispatch_msg_bytes()); });
     const size_t hidden_bytes = size_t(hidden) * 2;
     const NormalRecord record_before{static_cast<int>(hidden_bytes), 0, kMaxTopk, kMaxTopk, true};
     EXPECT_EQ(NormalRecord::largest(hidden_bytes).bytes(), record_before.bytes());
     for_each_scale_format([&](ScaleFormat f) {
       const RowFormat format = row_format(f);
-      const NormalRecord record{static_cast<int>(format.row_bytes(hidden)), format.scale_words(hidden), kMaxTopk,
-                                kMaxTopk, true};
+      const NormalRecord record{static_cast<int>(format.row_bytes(hidden)), format.scale_words(hidden),
+                                kMaxTopk, kMaxTopk, true};
       EXPECT_LE(record.bytes(), NormalRecord::largest(hidden_bytes).bytes()) << scale_format_name(f);
     });
   }
@@ -151,14 +152,13 @@ TEST(ScaleFormat, BufferMapsHoldTheLargestFormat) {
 
 // ---- The reference: every format's outputs come out in the traits' sizes, each the same cast ----
 
+// 2 ranks of 2 experts, 3 tokens each, top-2.
 reference::LowLatencyParams ll_params(int hidden) {
-  reference::LowLatencyParams params;
-  params.num_ranks = 2;
-  params.num_experts = 4;
-  params.hidden = hidden;
-  params.num_topk = 2;
-  params.num_max_dispatch_tokens_per_rank = 3;
-  return params;
+  return reference::LowLatencyParams{.num_ranks = 2,
+                                     .num_experts = 4,
+                                     .hidden = hidden,
+                                     .num_topk = 2,
+                                     .num_max_dispatch_tokens_per_rank = 3};
 }
 
 reference::LowLatencyDispatchOptions options_of(ScaleFormat f) {
@@ -182,7 +182,8 @@ std::vector<reference::LowLatencyDispatchRankInput> ll_inputs(const reference::L
 TEST(ScaleFormat, LowLatencyReferenceOutputsTakeTheTraitsSizes) {
   const reference::LowLatencyParams params = ll_params(640);  // 5 groups: the UE8M0 word is partly padding
   const std::vector<reference::LowLatencyDispatchRankInput> inputs = ll_inputs(params);
-  const size_t rows = size_t(params.num_experts / params.num_ranks) * reference::ll_num_rows_per_expert(params);
+  const size_t rows =
+      size_t(params.num_experts / params.num_ranks) * reference::ll_num_rows_per_expert(params);
   for_each_scale_format([&](ScaleFormat f) {
     SCOPED_TRACE(scale_format_name(f));
     const RowFormat format = row_format(f);
@@ -209,7 +210,8 @@ TEST(ScaleFormat, LowLatencyReferenceCastsAsTheTraitsSay) {
       for (int row = 0; row < pow2[d].recv_count[le]; ++row) {
         uint8_t bytes[8] = {};
         for (int g = 0; g < num_groups; ++g)
-          bytes[g] = ue8m0_from_pow2_scale(pow2[d].recv_x_scales[ll_scale_index(le, row, g, num_rows, num_groups)]);
+          bytes[g] =
+              ue8m0_from_pow2_scale(pow2[d].recv_x_scales[ll_scale_index(le, row, g, num_rows, num_groups)]);
         for (int w = 0; w < num_words; ++w) {
           EXPECT_EQ(ue8m0[d].recv_x_scales_ue8m0[ll_scale_index(le, row, w, num_rows, num_words)],
                     pack_ue8m0x4(bytes[4 * w], bytes[4 * w + 1], bytes[4 * w + 2], bytes[4 * w + 3]));
@@ -251,7 +253,8 @@ TEST(ScaleFormat, NormalReferenceCarriesEveryFormatInTheTraitsSizes) {
     const reference::NormalDispatchResult result = reference::normal_dispatch(params, inputs);
     for (const reference::NormalDispatchRankOutput& out : result.ranks) {
       const size_t rows = size_t(out.num_rows);
-      EXPECT_EQ(format.casts() ? out.recv_x_fp8.size() : out.recv_x.size() * 2, rows * format.row_bytes(kNormalHidden));
+      EXPECT_EQ(format.casts() ? out.recv_x_fp8.size() : out.recv_x.size() * 2,
+                rows * format.row_bytes(kNormalHidden));
       EXPECT_EQ(out.recv_x_scales.size(), rows * format.scale_words(kNormalHidden));
       for (size_t r = 0; r < rows; ++r) {
         const float source = float(out.recv_src_rank[r] + 1);
