@@ -183,9 +183,7 @@ void bind_low_latency(py::module_& m) {
 
   py::class_<ref::LowLatencyDispatchOptions> options(m, "LowLatencyDispatchOptions");
   def_kwargs_init(options);
-  options.def_readwrite("use_fp8", &ref::LowLatencyDispatchOptions::use_fp8)
-      .def_readwrite("round_scale", &ref::LowLatencyDispatchOptions::round_scale)
-      .def_readwrite("use_ue8m0", &ref::LowLatencyDispatchOptions::use_ue8m0);
+  for (const auto& [name, flag] : kLowLatencyFormatFlagNames) options.def_readwrite(name, flag);
 
   using In = ref::LowLatencyDispatchRankInput;
   py::class_<In> in(m, "LowLatencyDispatchRankInput");

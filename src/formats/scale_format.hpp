@@ -147,6 +147,14 @@ struct LowLatencyFormatFlags {
   bool round_scale = false;  // FP8 scales rounded up to powers of two
   bool use_ue8m0 = false;    // scales as packed UE8M0 bytes (requires use_fp8 and round_scale)
 };
+// The flags by name (the reference's binding binds each).
+constexpr std::pair<const char*, bool LowLatencyFormatFlags::*> kLowLatencyFormatFlagNames[] = {
+    {"use_fp8", &LowLatencyFormatFlags::use_fp8},
+    {"round_scale", &LowLatencyFormatFlags::round_scale},
+    {"use_ue8m0", &LowLatencyFormatFlags::use_ue8m0}};
+static_assert(sizeof(LowLatencyFormatFlags) ==
+                  sizeof(kLowLatencyFormatFlagNames) / sizeof(kLowLatencyFormatFlagNames[0]) * sizeof(bool),
+              "kLowLatencyFormatFlagNames must name every flag");
 
 // The format `flags` name (LowLatencyFormatFlags, or an input with the same fields). Host only: throws
 // epx::Error naming the flag of a combination that is no format.

@@ -201,6 +201,17 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
 
 // ---- Send: token data ----
 
+// A cast row is `hidden` one-byte codes, its float scales right after them (RowFormat::msg_scales_offset),
+// which the kernel uses as the constant it is rather than asking the format per group.
+constexpr bool every_cast_is_one_byte() {
+  bool one_byte = true;
+  for_each_scale_format([&](ScaleFormat f) {
+    one_byte = one_byte && (!row_format(f).casts() || row_format(f).element_bytes() == 1);
+  });
+  return one_byte;
+}
+static_assert(every_cast_is_one_byte(), "the cast writes one-byte codes");
+
 // 4 e4m3 codes of v[0..3] * inv_scale, v[0] in the lowest byte. The SATFINITE hardware conversion is
 // bit-exact with float_to_e4m3 (see fp8.hpp).
 __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale) {
@@ -312,8 +323,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
       for (int d = 0; d < num_dsts; ++d) {
         char* msg = small.dst_msgs[d];
         *reinterpret_cast<int4*>(msg + group * kLowLatencyGroupSize + sub * 16) = codes;  // 1-byte codes
-        if (sub == 0)
-          reinterpret_cast<float*>(msg + args.format.msg_scales_offset(hidden))[group] = scale.scale;
+        if (sub == 0) reinterpret_cast<float*>(msg + hidden)[group] = scale.scale;
       }
     }
     if constexpr (Remote::kEnabled) {
@@ -356,7 +366,7 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
                           piece, num_pieces, lane);
     return;
   }
-  const float* scales = reinterpret_cast<const float*>(msg + format.msg_scales_offset(hidden));
+  const float* scales = reinterpret_cast<const float*>(msg + hidden);  // after the one-byte codes
   const int num_groups = map.num_groups();
   // The first 128 groups (hidden <= 16384) are loaded ahead: lane l holds groups 4l..4l+3 (its UE8M0 word)
   // or groups l, l + 32, l + 64, l + 96 (float scales). Groups past them take a loop after the row.
