@@ -7,11 +7,14 @@
 #include <pybind11/stl.h>
 
 #include <algorithm>
+#include <cctype>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "binding.hpp"
 #include "epx/error.hpp"
+#include "formats/scale_format.hpp"
 #include "reference/internode.hpp"
 #include "reference/layout.hpp"
 #include "reference/low_latency.hpp"
@@ -89,9 +92,13 @@ void bind_layout(py::module_& m) {
 }
 
 void bind_normal(py::module_& m) {
-  py::enum_<ref::PayloadFormat>(m, "PayloadFormat")
-      .value("BF16", ref::PayloadFormat::kBf16)
-      .value("FP8", ref::PayloadFormat::kFp8);
+  // Every scale format, named after its traits (BF16, FP8, FP8_POW2, FP8_UE8M0, ...).
+  py::enum_<ref::PayloadFormat> payload_format(m, "PayloadFormat");
+  for_each_scale_format([&](ScaleFormat format) {
+    std::string name = scale_format_name(format);
+    for (char& c : name) c = static_cast<char>(std::toupper(static_cast<unsigned char>(c)));
+    payload_format.value(name.c_str(), format);
+  });
 
   py::class_<ref::NormalDispatchParams> params(m, "NormalDispatchParams");
   def_kwargs_init(params);
@@ -176,9 +183,7 @@ void bind_low_latency(py::module_& m) {
 
   py::class_<ref::LowLatencyDispatchOptions> options(m, "LowLatencyDispatchOptions");
   def_kwargs_init(options);
-  options.def_readwrite("use_fp8", &ref::LowLatencyDispatchOptions::use_fp8)
-      .def_readwrite("round_scale", &ref::LowLatencyDispatchOptions::round_scale)
-      .def_readwrite("use_ue8m0", &ref::LowLatencyDispatchOptions::use_ue8m0);
+  for (const auto& [name, flag] : kLowLatencyFormatFlagNames) options.def_readwrite(name, flag);
 
   using In = ref::LowLatencyDispatchRankInput;
   py::class_<In> in(m, "LowLatencyDispatchRankInput");

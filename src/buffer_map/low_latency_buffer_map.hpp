@@ -9,6 +9,7 @@
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
 #include "formats/logfmt.hpp"
+#include "formats/scale_format.hpp"
 
 namespace epx {
 
@@ -21,6 +22,17 @@ constexpr size_t kLowLatencyShapeSlotBytes = 64;
 // FP8 scales and LogFMT metadata both cover groups of this many channels, so one group count serves both.
 constexpr int kLowLatencyGroupSize = kFp8GroupSize;
 static_assert(kLogfmtGroupSize == kLowLatencyGroupSize, "FP8 and LogFMT groups must coincide");
+// The dispatch kernel casts a group with 8 lanes of 16 channels each.
+constexpr bool every_scale_group_is(int group_size) {
+  bool same = true;
+  for_each_scale_format([&](ScaleFormat f) {
+    same = same && (row_format(f).group_size == 0 || row_format(f).group_size == group_size);
+  });
+  return same;
+}
+static_assert(every_scale_group_is(kLowLatencyGroupSize),
+              "a format's scale groups must be the cast's groups");
+constexpr size_t kLargestMsgBytesPerGroup = largest_msg_bytes(kLowLatencyGroupSize);
 
 // An entry of the dispatch index lists: the source token index above kRecvIndexTopkBits bits of its top-k
 // position, so one int names both the message slot and the combine slot the expert output returns to.
@@ -131,13 +143,12 @@ struct LowLatencyBufferMap {
   EPX_HD int num_groups() const { return hidden / kLowLatencyGroupSize; }
   EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M
 
-  // One dispatched token: BF16 row, or FP8 row followed by its float scales (the largest of the two).
+  // One dispatched token in any scale format (RowFormat::msg_bytes: the cast row, then its float scales), so
+  // calls of every format share the map. Messages grow by whole groups, so the largest is a constant per
+  // group.
   EPX_HD size_t dispatch_msg_bytes() const {
-    const size_t bf16_bytes = size_t(hidden) * 2;
-    const size_t fp8_bytes = size_t(hidden) + sizeof(float) * num_groups();
-    return align_up(bf16_bytes > fp8_bytes ? bf16_bytes : fp8_bytes, 16);
+    return align_up(size_t(num_groups()) * kLargestMsgBytesPerGroup, 16);
   }
-  EPX_HD size_t dispatch_msg_scales_offset() const { return size_t(hidden); }  // FP8 messages only
   // One returned expert output: BF16 row, or LogFMT with the worst-case group slot and, for a packed row
   // (logfmt.hpp), its fallback bits (the largest).
   EPX_HD size_t combine_slot_bytes() const {

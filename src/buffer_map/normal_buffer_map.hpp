@@ -6,6 +6,7 @@
 #include "common/host_device.hpp"
 #include "common/tagged_word.hpp"
 #include "epx/config.hpp"
+#include "formats/scale_format.hpp"
 
 namespace epx {
 
@@ -24,8 +25,8 @@ struct NormalShape {
   int num_ranks;
   int num_experts;
   int hidden;       // channels per token
-  int x_row_bytes;  // bytes of one dispatched token row: hidden*2 (BF16) or hidden (FP8)
-  int num_scales;   // float scales per row: 0 (BF16) or hidden/128 (FP8)
+  int x_row_bytes;  // bytes of one dispatched token row: RowFormat::row_bytes(hidden)
+  int num_scales;   // 4-byte scale words per row: 0 (BF16), the caller's, or RowFormat::scale_words(hidden)
   int num_topk;     // 0 when dispatch carries no top-k
 };
 
@@ -80,10 +81,11 @@ struct NormalRecord {
     return {shape.x_row_bytes, shape.num_scales, shape.num_topk, shape.num_topk, true};
   }
   EPX_HD static NormalRecord combine(int hidden, int num_topk) { return {hidden * 2, 0, 0, num_topk, false}; }
-  // The largest record of any call with rows of up to `hidden_bytes` (= hidden * 2): a BF16 row with
-  // kMaxTopk ids and weights (an FP8 row plus its scales is smaller).
+  // The largest record of any call with rows of up to `hidden_bytes` (= hidden * 2): the largest row of any
+  // scale format with its default scales (largest_row_bytes: today BF16's), kMaxTopk ids and weights.
   static NormalRecord largest(size_t hidden_bytes) {
-    return {static_cast<int>(hidden_bytes), 0, kMaxTopk, kMaxTopk, true};
+    return {static_cast<int>(largest_row_bytes(static_cast<int>(hidden_bytes / 2))), 0, kMaxTopk, kMaxTopk,
+            true};
   }
 };
 

@@ -201,6 +201,17 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
 
 // ---- Send: token data ----
 
+// A cast row is `hidden` one-byte codes, its float scales right after them (RowFormat::msg_scales_offset),
+// which the kernel uses as the constant it is rather than asking the format per group.
+constexpr bool every_cast_is_one_byte() {
+  bool one_byte = true;
+  for_each_scale_format([&](ScaleFormat f) {
+    one_byte = one_byte && (!row_format(f).casts() || row_format(f).element_bytes() == 1);
+  });
+  return one_byte;
+}
+static_assert(every_cast_is_one_byte(), "the cast writes one-byte codes");
+
 // 4 e4m3 codes of v[0..3] * inv_scale, v[0] in the lowest byte. The SATFINITE hardware conversion is
 // bit-exact with float_to_e4m3 (see fp8.hpp).
 __device__ __forceinline__ uint32_t cast_e4m3x4(const float* v, float inv_scale) {
@@ -287,7 +298,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
       const bool preloaded = pre.first_token && token == static_cast<int>(blockIdx.x) && group == octet;
       const int4 v0 = preloaded ? pre.v0 : device::ld_nc_v4(row + chunk);
       const int4 v1 = preloaded ? pre.v1 : device::ld_nc_v4(row + chunk + 1);
-      if (!args.in.use_fp8) {
+      if (!args.format.casts()) {
         for (int d = 0; d < num_dsts; ++d) {
           int4* out = reinterpret_cast<int4*>(small.dst_msgs[d]) + chunk;
           out[0] = v0;
@@ -304,15 +315,15 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 1));
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 2));
       amax = fmaxf(amax, __shfl_xor_sync(octet_mask, amax, 4));
-      const Fp8GroupScale scale = fp8_group_scale(amax, args.in.round_scale);
+      const Fp8GroupScale scale = args.format.group_scale(amax);
       const int4 codes = make_int4(static_cast<int>(cast_e4m3x4(values, scale.inv_scale)),
                                    static_cast<int>(cast_e4m3x4(values + 4, scale.inv_scale)),
                                    static_cast<int>(cast_e4m3x4(values + 8, scale.inv_scale)),
                                    static_cast<int>(cast_e4m3x4(values + 12, scale.inv_scale)));
       for (int d = 0; d < num_dsts; ++d) {
         char* msg = small.dst_msgs[d];
-        *reinterpret_cast<int4*>(msg + group * kFp8GroupSize + sub * 16) = codes;  // 1-byte codes
-        if (sub == 0) reinterpret_cast<float*>(msg + map.dispatch_msg_scales_offset())[group] = scale.scale;
+        *reinterpret_cast<int4*>(msg + group * kLowLatencyGroupSize + sub * 16) = codes;  // 1-byte codes
+        if (sub == 0) reinterpret_cast<float*>(msg + hidden)[group] = scale.scale;
       }
     }
     if constexpr (Remote::kEnabled) {
@@ -322,8 +333,7 @@ __device__ void send_tokens(const LowLatencyDispatchArgs& args, DispatchSmallSme
         __syncthreads();
         const int warp = threadIdx.x / 32;
         if (warp < small.num_remote) {
-          const size_t bytes =
-              args.in.use_fp8 ? size_t(hidden) + sizeof(float) * num_groups : size_t(hidden) * 2;
+          const size_t bytes = args.format.msg_bytes(hidden);
           Remote::put_warp(
               local_at<char>(args.peers, map.dispatch_recv_msg_offset(args.half, args.peers.rank, token)),
               small.dst_msgs[small.num_dsts - 1], bytes, small.remote_dsts[warp]);
@@ -350,12 +360,13 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   const int hidden = map.hidden;
   const int num_rows = map.num_recv_rows();
   const size_t row_idx = size_t(local_expert) * num_rows + row;
-  if (!args.in.use_fp8) {
+  const RowFormat& format = args.format;
+  if (!format.has_scales()) {
     warp_copy_piece<true>(static_cast<char*>(args.out.recv_x) + row_idx * hidden * 2, msg, size_t(hidden) * 2,
                           piece, num_pieces, lane);
     return;
   }
-  const float* scales = reinterpret_cast<const float*>(msg + map.dispatch_msg_scales_offset());
+  const float* scales = reinterpret_cast<const float*>(msg + hidden);  // after the one-byte codes
   const int num_groups = map.num_groups();
   // The first 128 groups (hidden <= 16384) are loaded ahead: lane l holds groups 4l..4l+3 (its UE8M0 word)
   // or groups l, l + 32, l + 64, l + 96 (float scales). Groups past them take a loop after the row.
@@ -364,14 +375,14 @@ __device__ void deliver_row(const LowLatencyDispatchArgs& args, const char* msg,
   if (piece == 0) {
 #pragma unroll
     for (int i = 0; i < kAhead; ++i) {
-      const int group = args.in.use_ue8m0 ? 4 * lane + i : lane + 32 * i;
+      const int group = format.storage == ScaleStorage::kUe8m0x4 ? 4 * lane + i : lane + 32 * i;
       ahead[i] = group < num_groups ? __ldcg(scales + group) : 0.0f;
     }
   }
   warp_copy_piece<true>(static_cast<char*>(args.out.recv_x) + row_idx * hidden, msg, size_t(hidden), piece,
                         num_pieces, lane);
   if (piece != 0) return;
-  if (args.in.use_ue8m0) {
+  if (format.storage == ScaleStorage::kUe8m0x4) {
     // ceil(G / 4) words; bytes past the last group stay 0.
     const int num_words = ue8m0_num_words(num_groups);
     for (int word = lane; word < num_words; word += 32) {
@@ -468,7 +479,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = row_pieces(args.in.use_fp8 ? size_t(map.hidden) : size_t(map.hidden) * 2);
+  const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,

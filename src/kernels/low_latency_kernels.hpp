@@ -60,8 +60,9 @@ struct LowLatencyDispatchArgs {
   int phases;      // LowLatencyPhase bits
   int num_blocks;  // one block per SM: every block must be resident (receivers spin on senders)
 
-  LowLatencyDispatchInput in;    // the caller's: the send phase's tokens and format, the statistics
+  LowLatencyDispatchInput in;    // the caller's: the send phase's tokens, the statistics
   LowLatencyDispatchOutput out;  // the receive phase's outputs (caller memory)
+  RowFormat format;              // the scale format of in's flags, resolved by the host once per call
   ShapeFingerprint shape;        // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
   uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)

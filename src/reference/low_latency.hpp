@@ -3,6 +3,8 @@
 #include <cstdint>
 #include <vector>
 
+#include "formats/scale_format.hpp"
+
 // Low-latency mode reference: dispatch into the fixed per-expert layout [L, R*M, H] and the weighted combine.
 //
 // Rows: a token that chose local expert le (of rank d) occupies one row of le's block on rank d. A token that
@@ -29,11 +31,8 @@ struct LowLatencyParams {
 // Whether `rank` is in params.masked_ranks.
 bool ll_is_masked(const LowLatencyParams& params, int rank);
 
-struct LowLatencyDispatchOptions {
-  bool use_fp8 = true;
-  bool round_scale = false;  // scales rounded up to powers of two
-  bool use_ue8m0 = false;    // scales packed as UE8M0 bytes (requires round_scale)
-};
+// The scale format, named by the API's flags (use_fp8, round_scale, use_ue8m0).
+using LowLatencyDispatchOptions = LowLatencyFormatFlags;
 
 struct LowLatencyDispatchRankInput {
   int num_tokens = 0;             // T <= M

@@ -3,6 +3,7 @@
 
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
+#include "formats/scale_format.hpp"
 #include "formats/ue8m0.hpp"
 #include "reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
@@ -17,35 +18,32 @@ struct SourcePayload {
   std::vector<float> scales;   // [T, G]
 };
 
-SourcePayload quantize_source(const LowLatencyDispatchRankInput& in, int hidden, bool round_scale) {
-  const int num_groups = hidden / kFp8GroupSize;
+SourcePayload quantize_source(const LowLatencyDispatchRankInput& in, int hidden, const RowFormat& format) {
+  const int num_groups = format.num_groups(hidden);
+  const size_t row_bytes = format.row_bytes(hidden);
   SourcePayload payload;
-  payload.x_fp8.resize(static_cast<size_t>(in.num_tokens) * hidden);
+  payload.x_fp8.resize(static_cast<size_t>(in.num_tokens) * row_bytes);
   payload.scales.resize(static_cast<size_t>(in.num_tokens) * num_groups);
   for (int t = 0; t < in.num_tokens; ++t) {
-    quantize_fp8_row(&in.x[static_cast<size_t>(t) * hidden], hidden, round_scale,
-                     &payload.x_fp8[static_cast<size_t>(t) * hidden],
-                     &payload.scales[static_cast<size_t>(t) * num_groups]);
+    cast_row(format, &in.x[static_cast<size_t>(t) * hidden], hidden,
+             &payload.x_fp8[static_cast<size_t>(t) * row_bytes],
+             &payload.scales[static_cast<size_t>(t) * num_groups]);
   }
   return payload;
 }
 
-LowLatencyDispatchRankOutput make_output(const LowLatencyParams& params,
-                                         const LowLatencyDispatchOptions& options) {
+LowLatencyDispatchRankOutput make_output(const LowLatencyParams& params, const RowFormat& format) {
   const int num_local_experts = params.num_experts / params.num_ranks;
   const size_t num_rows = static_cast<size_t>(num_local_experts) * ll_num_rows_per_expert(params);
-  const int num_groups = params.hidden / kFp8GroupSize;
+  const size_t scale_words = num_rows * format.scale_words(params.hidden);
   LowLatencyDispatchRankOutput out;
-  if (!options.use_fp8) {
+  if (!format.casts()) {
     out.recv_x.assign(num_rows * params.hidden, 0);
   } else {
-    out.recv_x_fp8.assign(num_rows * params.hidden, 0);
-    if (options.use_ue8m0) {
-      out.recv_x_scales_ue8m0.assign(num_rows * ll_num_ue8m0_words(params.hidden), 0u);
-    } else {
-      out.recv_x_scales.assign(num_rows * num_groups, 0.0f);
-    }
+    out.recv_x_fp8.assign(num_rows * format.row_bytes(params.hidden), 0);
   }
+  if (format.storage == ScaleStorage::kUe8m0x4) out.recv_x_scales_ue8m0.assign(scale_words, 0u);
+  if (format.storage == ScaleStorage::kFloat) out.recv_x_scales.assign(scale_words, 0.0f);
   out.recv_count.assign(num_local_experts, 0);
   out.recv_src_begin.assign(static_cast<size_t>(num_local_experts) * params.num_ranks, 0);
   out.recv_src_count.assign(static_cast<size_t>(num_local_experts) * params.num_ranks, 0);
@@ -55,17 +53,17 @@ LowLatencyDispatchRankOutput make_output(const LowLatencyParams& params,
 }
 
 // Writes one row's scales in the column-major layout (floats, or UE8M0 bytes packed 4 per word).
-void store_scales(const LowLatencyParams& params, bool use_ue8m0, const float* scales, int local_expert,
-                  int row, LowLatencyDispatchRankOutput& out) {
-  const int num_groups = params.hidden / kFp8GroupSize;
+void store_scales(const LowLatencyParams& params, const RowFormat& format, const float* scales,
+                  int local_expert, int row, LowLatencyDispatchRankOutput& out) {
+  const int num_groups = format.num_groups(params.hidden);
   const int num_rows = ll_num_rows_per_expert(params);
-  if (!use_ue8m0) {
+  if (format.storage == ScaleStorage::kFloat) {
     for (int g = 0; g < num_groups; ++g) {
       out.recv_x_scales[ll_scale_index(local_expert, row, g, num_rows, num_groups)] = scales[g];
     }
     return;
   }
-  const int num_words = ll_num_ue8m0_words(params.hidden);
+  const int num_words = format.scale_words(params.hidden);
   for (int w = 0; w < num_words; ++w) {
     uint8_t bytes[4] = {0, 0, 0, 0};
     for (int j = 0; j < 4 && 4 * w + j < num_groups; ++j) bytes[j] = ue8m0_from_pow2_scale(scales[4 * w + j]);
@@ -81,18 +79,17 @@ std::vector<LowLatencyDispatchRankOutput> low_latency_dispatch(
     const std::vector<LowLatencyDispatchRankInput>& inputs,
     std::vector<std::vector<int>>* cumulative_local_expert_recv_stats) {
   detail::check_low_latency_params(params);
-  EPX_CHECK(!options.use_ue8m0 || options.use_fp8, "use_ue8m0", options.use_ue8m0, "requires use_fp8");
-  EPX_CHECK(!options.use_ue8m0 || options.round_scale, "use_ue8m0", options.use_ue8m0,
-            "requires round_scale");
-  if (options.use_fp8) {
-    EPX_CHECK(params.hidden % kFp8GroupSize == 0, "hidden", params.hidden,
+  const RowFormat format = row_format(low_latency_scale_format(options));
+  if (format.has_scales()) {
+    EPX_CHECK(params.hidden % format.group_size == 0, "hidden", params.hidden,
               "must be a multiple of 128 for FP8");
   }
   const int num_ranks = params.num_ranks;
   const int num_local_experts = params.num_experts / num_ranks;
   const int num_topk = params.num_topk;
   const int hidden = params.hidden;
-  const int num_groups = options.use_fp8 ? hidden / kFp8GroupSize : 0;
+  const int num_groups = format.num_groups(hidden);
+  const size_t row_bytes = format.row_bytes(hidden);
   const int num_rows_per_expert = ll_num_rows_per_expert(params);
   EPX_CHECK(inputs.size() == static_cast<size_t>(num_ranks), "inputs.size()", inputs.size(),
             "must equal num_ranks");
@@ -118,12 +115,11 @@ std::vector<LowLatencyDispatchRankOutput> low_latency_dispatch(
 
   std::vector<LowLatencyDispatchRankOutput> outputs;
   outputs.reserve(num_ranks);
-  for (int d = 0; d < num_ranks; ++d) outputs.push_back(make_output(params, options));
+  for (int d = 0; d < num_ranks; ++d) outputs.push_back(make_output(params, format));
 
   for (int s = 0; s < num_ranks; ++s) {
     const LowLatencyDispatchRankInput& in = inputs[s];
-    const SourcePayload payload =
-        options.use_fp8 ? quantize_source(in, hidden, options.round_scale) : SourcePayload{};
+    const SourcePayload payload = format.casts() ? quantize_source(in, hidden, format) : SourcePayload{};
     for (int t = 0; t < in.num_tokens; ++t) {
       for (int k = 0; k < num_topk; ++k) {
         const size_t i = static_cast<size_t>(t) * num_topk + k;
@@ -142,15 +138,14 @@ std::vector<LowLatencyDispatchRankOutput> low_latency_dispatch(
         out.recv_src_token_idx[flat_row] = t;
         ++out.recv_count[le];
         ++out.recv_src_count[static_cast<size_t>(le) * num_ranks + s];
-        if (!options.use_fp8) {
+        if (!format.casts()) {
           std::memcpy(&out.recv_x[flat_row * hidden], &in.x[static_cast<size_t>(t) * hidden],
                       sizeof(uint16_t) * hidden);
           continue;
         }
-        std::memcpy(&out.recv_x_fp8[flat_row * hidden], &payload.x_fp8[static_cast<size_t>(t) * hidden],
-                    hidden);
-        store_scales(params, options.use_ue8m0, &payload.scales[static_cast<size_t>(t) * num_groups], le, row,
-                     out);
+        std::memcpy(&out.recv_x_fp8[flat_row * row_bytes], &payload.x_fp8[static_cast<size_t>(t) * row_bytes],
+                    row_bytes);
+        store_scales(params, format, &payload.scales[static_cast<size_t>(t) * num_groups], le, row, out);
       }
     }
   }

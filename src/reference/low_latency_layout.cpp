@@ -1,15 +1,14 @@
 #include <cstddef>
 
 #include "epx/error.hpp"
-#include "formats/fp8.hpp"
-#include "formats/ue8m0.hpp"
+#include "formats/scale_format.hpp"
 #include "reference/low_latency.hpp"
 #include "reference/low_latency_checks.hpp"
 
 namespace epx::reference {
 
 int ll_num_ue8m0_words(int hidden) {
-  return ue8m0_num_words(hidden / kFp8GroupSize);
+  return row_format(ScaleFormat::kFp8Ue8m0).scale_words(hidden);
 }
 
 bool ll_is_masked(const LowLatencyParams& params, int rank) {

@@ -3,15 +3,19 @@
 #include <cstdint>
 #include <vector>
 
+#include "formats/scale_format.hpp"
+
 // Normal (high-throughput) mode reference: dispatch and combine over R simulated ranks.
 namespace epx::reference {
 
-enum class PayloadFormat { kBf16, kFp8 };
+// The rows' scale format. Normal mode carries rows already cast, so every format is moved unchanged: the
+// BF16 rows in x, the others' row_bytes(H) bytes in x_fp8 and scale_words(H) words in x_scales.
+using PayloadFormat = ScaleFormat;
 
 struct NormalDispatchParams {
   int num_ranks = 0;
   int num_experts = 0;  // E, a multiple of num_ranks; L = E / R experts per rank
-  int hidden = 0;       // H; a multiple of 128 for FP8
+  int hidden = 0;       // H; a multiple of the format's group size
   PayloadFormat format = PayloadFormat::kBf16;
   // true: routing comes from topk_idx/topk_weights; false: from is_token_in_rank, and the recv top-k outputs
   // are empty.
@@ -26,8 +30,8 @@ struct NormalDispatchParams {
 struct NormalDispatchRankInput {
   int num_tokens = 0;                     // T (may differ per rank)
   std::vector<uint16_t> x;                // kBf16: [T, H]
-  std::vector<uint8_t> x_fp8;             // kFp8: [T, H] e4m3 bytes, carried unchanged
-  std::vector<float> x_scales;            // kFp8: [T, H / 128], carried unchanged
+  std::vector<uint8_t> x_fp8;             // cast formats: [T, row_bytes(H)] (e4m3 codes), carried unchanged
+  std::vector<float> x_scales;            // cast formats: [T, scale_words(H)] words, carried unchanged
   std::vector<int64_t> topk_idx;          // with_topk: [T, K] global expert ids, -1 = none
   std::vector<float> topk_weights;        // with_topk: [T, K]
   std::vector<uint8_t> is_token_in_rank;  // without topk: [T, R] 0/1 (required); with topk: empty or equal to
@@ -48,8 +52,8 @@ struct NormalDispatchRankOutput {
   int num_recv_tokens = 0;               // N: real rows
   int num_rows = 0;                      // rows of every per-row output: N, or num_worst_tokens
   std::vector<uint16_t> recv_x;          // kBf16: [rows, H]
-  std::vector<uint8_t> recv_x_fp8;       // kFp8: [rows, H]
-  std::vector<float> recv_x_scales;      // kFp8: [rows, H / 128]
+  std::vector<uint8_t> recv_x_fp8;       // cast formats: [rows, row_bytes(H)]
+  std::vector<float> recv_x_scales;      // cast formats: [rows, scale_words(H)]
   std::vector<int64_t> recv_topk_idx;    // with_topk: [rows, K] local ids (global - rank * L), -1 elsewhere
   std::vector<float> recv_topk_weights;  // with_topk: [rows, K], 0 where recv_topk_idx is -1
   // [L] tokens received for each local expert (rows whose top-k lists it), each rounded up to

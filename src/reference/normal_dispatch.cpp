@@ -9,8 +9,6 @@ namespace epx::reference {
 
 namespace {
 
-constexpr int kScaleGroupSize = 128;  // one FP8 scale per 128 channels
-
 // Routing facts of one source rank, whichever way they were given.
 struct SourceRouting {
   std::vector<uint8_t> is_token_in_rank;   // [T, R]
@@ -23,8 +21,9 @@ void check_params(const NormalDispatchParams& params) {
   EPX_CHECK(params.num_experts % params.num_ranks == 0, "num_experts", params.num_experts,
             "must be a multiple of num_ranks");
   EPX_CHECK(params.hidden >= 1, "hidden", params.hidden, "must be >= 1");
-  if (params.format == PayloadFormat::kFp8) {
-    EPX_CHECK(params.hidden % kScaleGroupSize == 0, "hidden", params.hidden,
+  const RowFormat format = row_format(params.format);
+  if (format.has_scales()) {
+    EPX_CHECK(params.hidden % format.group_size == 0, "hidden", params.hidden,
               "must be a multiple of 128 for FP8");
   }
   if (params.with_topk)
@@ -34,16 +33,17 @@ void check_params(const NormalDispatchParams& params) {
 }
 
 void check_payload(const NormalDispatchParams& params, const NormalDispatchRankInput& input) {
-  const size_t num_values = static_cast<size_t>(input.num_tokens) * params.hidden;
-  if (params.format == PayloadFormat::kBf16) {
-    EPX_CHECK(input.x.size() == num_values, "x.size()", input.x.size(), "must be num_tokens * hidden");
-  } else {
-    EPX_CHECK(input.x_fp8.size() == num_values, "x_fp8.size()", input.x_fp8.size(),
+  const RowFormat format = row_format(params.format);
+  const size_t num_tokens = static_cast<size_t>(input.num_tokens);
+  if (!format.casts()) {
+    EPX_CHECK(input.x.size() == num_tokens * params.hidden, "x.size()", input.x.size(),
               "must be num_tokens * hidden");
-    const size_t num_scales = static_cast<size_t>(input.num_tokens) * (params.hidden / kScaleGroupSize);
-    EPX_CHECK(input.x_scales.size() == num_scales, "x_scales.size()", input.x_scales.size(),
-              "must be num_tokens * hidden / 128");
+  } else {
+    EPX_CHECK(input.x_fp8.size() == num_tokens * format.row_bytes(params.hidden), "x_fp8.size()",
+              input.x_fp8.size(), "must be num_tokens * hidden");
   }
+  EPX_CHECK(input.x_scales.size() == num_tokens * format.scale_words(params.hidden), "x_scales.size()",
+            input.x_scales.size(), "must be num_tokens * hidden / 128");
 }
 
 SourceRouting routing_of(const NormalDispatchParams& params, const NormalDispatchRankInput& input) {
@@ -79,15 +79,16 @@ SourceRouting routing_of(const NormalDispatchParams& params, const NormalDispatc
 // Allocates one destination's outputs, padding rows already in their final state.
 NormalDispatchRankOutput make_output(const NormalDispatchParams& params, int num_recv_tokens, int num_rows) {
   const size_t rows = static_cast<size_t>(num_rows);
+  const RowFormat format = row_format(params.format);
   NormalDispatchRankOutput out;
   out.num_recv_tokens = num_recv_tokens;
   out.num_rows = num_rows;
-  if (params.format == PayloadFormat::kBf16) {
+  if (!format.casts()) {
     out.recv_x.assign(rows * params.hidden, 0);
   } else {
-    out.recv_x_fp8.assign(rows * params.hidden, 0);
-    out.recv_x_scales.assign(rows * (params.hidden / kScaleGroupSize), 0.0f);
+    out.recv_x_fp8.assign(rows * format.row_bytes(params.hidden), 0);
   }
+  out.recv_x_scales.assign(rows * format.scale_words(params.hidden), 0.0f);
   if (params.with_topk) {
     out.recv_topk_idx.assign(rows * params.num_topk, -1);
     out.recv_topk_weights.assign(rows * params.num_topk, 0.0f);
@@ -112,7 +113,9 @@ NormalDispatchResult normal_dispatch(const NormalDispatchParams& params,
   const int experts_per_rank = params.num_experts / num_ranks;
   const int hidden = params.hidden;
   const int num_topk = params.with_topk ? params.num_topk : 0;
-  const int num_scales = params.format == PayloadFormat::kFp8 ? hidden / kScaleGroupSize : 0;
+  const RowFormat format = row_format(params.format);
+  const size_t row_bytes = format.row_bytes(hidden);
+  const int num_scales = format.scale_words(hidden);
 
   std::vector<SourceRouting> routing(num_ranks);
   for (int s = 0; s < num_ranks; ++s) {
@@ -168,11 +171,12 @@ NormalDispatchResult normal_dispatch(const NormalDispatchParams& params,
         handle.recv_row[s][static_cast<size_t>(t) * num_ranks + d] = static_cast<int>(row);
         out.recv_src_rank[row] = s;
         out.recv_src_token_idx[row] = t;
-        if (params.format == PayloadFormat::kBf16) {
+        if (!format.casts()) {
           std::memcpy(&out.recv_x[row * hidden], &in.x[static_cast<size_t>(t) * hidden],
                       sizeof(uint16_t) * hidden);
         } else {
-          std::memcpy(&out.recv_x_fp8[row * hidden], &in.x_fp8[static_cast<size_t>(t) * hidden], hidden);
+          std::memcpy(&out.recv_x_fp8[row * row_bytes], &in.x_fp8[static_cast<size_t>(t) * row_bytes],
+                      row_bytes);
           std::memcpy(&out.recv_x_scales[row * num_scales], &in.x_scales[static_cast<size_t>(t) * num_scales],
                       sizeof(float) * num_scales);
         }

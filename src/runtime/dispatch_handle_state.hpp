@@ -5,6 +5,7 @@
 #include <vector>
 
 #include "epx/normal.hpp"
+#include "formats/scale_format.hpp"
 #include "kernels/normal_kernels.hpp"
 
 namespace epx {
@@ -12,7 +13,7 @@ namespace epx {
 struct DispatchHandle::State {
   NormalShape shape{};   // of the dispatch that made the handle
   int num_channels = 0;  // its token split; a cached dispatch and the combine keep it
-  TokenFormat format = TokenFormat::kBf16;
+  ScaleFormat format = ScaleFormat::kBf16;
   int num_tokens = 0;
   int num_topk = 0;
   int num_recv_rows = 0;  // rows of the outputs

@@ -3,7 +3,7 @@
 #include <cstdint>
 
 #include "epx/error.hpp"
-#include "formats/ue8m0.hpp"
+#include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/work_split.hpp"
@@ -62,7 +62,8 @@ void run_mask_op(Buffer& buffer, const kernels::LowLatencyMaskUpdateArgs& args, 
 }
 
 // What every rank's low-latency call must agree on (checked by every receiver against each NVLink source):
-// the map's shape and the wire format. `format`: FP8, rounded scales, UE8M0, LogFMT bits.
+// the map's shape and the wire format. `format`: a dispatch's ScaleFormat value (+16 with listings); a
+// combine's LogFMT (8), pre-reduced (32) and LogFMT-within-node (64) bits.
 ShapeFingerprint low_latency_shape_fingerprint(const LowLatencyBufferMap& map, int format) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = map.hidden;
@@ -89,13 +90,12 @@ void validate_dispatch(const Buffer& buffer, const LowLatencyDispatchInput& in,
   EPX_CHECK(in.num_tokens == 0 || in.x != nullptr, "x", "null",
             "must point to [num_tokens, hidden] BF16 tokens");
   EPX_CHECK(aligned16(in.x), "x", in.x, "must be 16-byte aligned");
-  EPX_CHECK(!in.use_ue8m0 || in.use_fp8, "use_ue8m0", in.use_ue8m0, "requires use_fp8");
-  EPX_CHECK(!in.use_ue8m0 || in.round_scale, "use_ue8m0", in.use_ue8m0, "requires round_scale");
+  const RowFormat format = row_format(low_latency_scale_format(in));
   EPX_CHECK(!(in.return_recv_hook && order.async_finish), "async_finish", order.async_finish,
             "must be false with return_recv_hook (the hook orders the receive)");
   EPX_CHECK(out.recv_x != nullptr, "recv_x", "null", "must point to [L, R*M, hidden] rows");
   EPX_CHECK(aligned16(out.recv_x), "recv_x", out.recv_x, "must be 16-byte aligned");
-  EPX_CHECK(!in.use_fp8 || out.recv_x_scales != nullptr, "recv_x_scales", "null",
+  EPX_CHECK(!format.has_scales() || out.recv_x_scales != nullptr, "recv_x_scales", "null",
             "are required with use_fp8");
   EPX_CHECK(out.recv_count != nullptr, "recv_count", "null", "must point to [L] ints");
   EPX_CHECK(out.recv_src_info != nullptr, "recv_src_info", "null", "must point to [L, R*M] ints");
@@ -165,11 +165,10 @@ LowLatencyDispatchSizes low_latency_dispatch_sizes(const Buffer& buffer, const L
   sizes.num_local_experts = map.num_local_experts();
   sizes.num_rows_per_expert = map.num_recv_rows();
   const size_t rows = size_t(sizes.num_local_experts) * sizes.num_rows_per_expert;
-  sizes.num_scale_columns = !in.use_fp8    ? 0
-                            : in.use_ue8m0 ? ue8m0_num_words(map.num_groups())
-                                           : map.num_groups();
-  sizes.recv_x_bytes = rows * map.hidden * (in.use_fp8 ? 1 : 2);
-  sizes.recv_x_scales_bytes = rows * sizes.num_scale_columns * 4;
+  const RowFormat format = row_format(low_latency_scale_format(in));
+  sizes.num_scale_columns = format.scale_words(map.hidden);
+  sizes.recv_x_bytes = rows * format.row_bytes(map.hidden);
+  sizes.recv_x_scales_bytes = rows * format.scale_bytes(map.hidden);
   sizes.recv_count_bytes = sizeof(int) * sizes.num_local_experts;
   sizes.recv_src_info_bytes = sizeof(int) * rows;
   sizes.recv_layout_range_bytes = sizeof(LowLatencyRange) * size_t(sizes.num_local_experts) * map.num_ranks;
@@ -190,9 +189,11 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.map = map;
   args.in = in;
   args.out = out;
-  args.shape = low_latency_shape_fingerprint(map, (in.use_fp8 ? 1 : 0) | (in.round_scale ? 2 : 0) |
-                                                      (in.use_ue8m0 ? 4 : 0) |
-                                                      (out.recv_token_listings != nullptr ? 16 : 0));
+  args.format = row_format(low_latency_scale_format(in));
+  // The format's value in the low bits (below 8: LogFMT's bit in a combine's fingerprint).
+  static_assert(kNumScaleFormats <= 8, "a scale format's value must stay below the listings bit");
+  args.shape = low_latency_shape_fingerprint(
+      map, static_cast<int>(args.format.format) | (out.recv_token_listings != nullptr ? 16 : 0));
   args.mask = mask_args(buffer);
   args.phase_stamps = phase_stamps(buffer);
   auto [event, hook] = issue(buffer, args, in.return_recv_hook, order,

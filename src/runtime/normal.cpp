@@ -14,6 +14,7 @@
 #include "buffer_map/normal_nodes.hpp"
 #include "common/tagged_word.hpp"
 #include "epx/error.hpp"
+#include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/deep_ep_matrices.hpp"
 #include "kernels/internode_kernels.hpp"
@@ -154,13 +155,24 @@ void check_row_alignment(const void* rows, const char* name) {
             "must be 16-byte aligned (rows move with 16-byte and bulk copies)");
 }
 
+// The public TokenFormat as a scale format (the boundary of the API). Normal mode moves rows already cast and
+// their scales as opaque words, so FP8 is one format whatever its scales hold (num_scales says how many).
+ScaleFormat scale_format_of(TokenFormat format) {
+  return format == TokenFormat::kFp8 ? ScaleFormat::kFp8 : ScaleFormat::kBf16;
+}
+
+// Scale words per row of a dispatch of `in`: the caller's num_scales, else its format's.
+int scale_words_of(const DispatchInput& in) {
+  return in.num_scales > 0 ? in.num_scales : row_format(scale_format_of(in.format)).scale_words(in.hidden);
+}
+
 // The outputs of a dispatch with `state`'s shape and format, for `rows` rows (`rows_text` names them).
 void check_outputs(const DispatchOutput& out, const DispatchHandle::State& state, int rows,
                    const char* rows_text) {
   EPX_CHECK(rows == 0 || out.recv_x != nullptr, "recv_x", "null",
             detail::concat("must point to ", rows_text).c_str());
-  EPX_CHECK(state.format != TokenFormat::kFp8 || rows == 0 || out.recv_x_scales != nullptr, "recv_x_scales",
-            "null", "are required for FP8 tokens");
+  EPX_CHECK(!row_format(state.format).has_scales() || rows == 0 || out.recv_x_scales != nullptr,
+            "recv_x_scales", "null", "are required for FP8 tokens");
   EPX_CHECK(out.recv_topk_idx == nullptr || state.shape.num_topk > 0, "recv_topk_idx", "non-null",
             "needs a dispatch with topk_idx");
   EPX_CHECK((out.recv_topk_idx == nullptr) == (out.recv_topk_weights == nullptr), "recv_topk_weights",
@@ -180,13 +192,14 @@ void validate_dispatch_input(const Buffer& buffer, const DispatchInput& in, bool
   EPX_CHECK(in.num_tokens >= 0, "num_tokens", in.num_tokens, "must be >= 0");
   EPX_CHECK(in.hidden > 0, "hidden", in.hidden, "must be > 0");
   EPX_CHECK(in.hidden % 8 == 0, "hidden", in.hidden, "must be a multiple of 8");
-  if (in.format == TokenFormat::kFp8) {
+  const RowFormat format = row_format(scale_format_of(in.format));
+  if (format.has_scales()) {
     // FP8 rows move with 16-byte accesses; the scales are opaque words, so only their default count
     // (one per 128 channels) needs hidden to be a multiple of 128.
-    EPX_CHECK(in.hidden % 16 == 0, "hidden", in.hidden,
+    EPX_CHECK(format.row_bytes(in.hidden) % 16 == 0, "hidden", in.hidden,
               "must be a multiple of 16 for FP8 tokens (16-byte rows)");
     EPX_CHECK(in.num_scales >= 0, "num_scales", in.num_scales, "must be >= 0 (0: hidden / 128)");
-    EPX_CHECK(in.num_scales > 0 || in.hidden % 128 == 0, "hidden", in.hidden,
+    EPX_CHECK(in.num_scales > 0 || in.hidden % format.group_size == 0, "hidden", in.hidden,
               "must be a multiple of 128 for FP8 tokens with the default num_scales = hidden / 128");
     EPX_CHECK(in.num_tokens == 0 || in.x_scales != nullptr, "x_scales", "null",
               "are required for FP8 tokens");
@@ -390,7 +403,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.num_recv_rows,
       out,
       normal_launch_fingerprint(map, record, state.shape.hidden, state.shape.num_experts,
-                                NormalOperation::kDispatch, state.format == TokenFormat::kFp8),
+                                NormalOperation::kDispatch, state.format != ScaleFormat::kBf16),
       nullptr,
       0,
       0,
@@ -476,10 +489,8 @@ struct NotifyCall {
 
 // The records' shape of a dispatch of `in`, checked.
 NormalShape notify_shape(const DispatchInput& in, int num_ranks) {
-  const bool fp8 = in.format == TokenFormat::kFp8;
-  const int num_scales = !fp8 ? 0 : in.num_scales > 0 ? in.num_scales : in.hidden / 128;
-  const NormalShape shape{num_ranks,  in.num_experts, in.hidden, fp8 ? in.hidden : in.hidden * 2,
-                          num_scales, in.num_topk};
+  const int row_bytes = static_cast<int>(row_format(scale_format_of(in.format)).row_bytes(in.hidden));
+  const NormalShape shape{num_ranks, in.num_experts, in.hidden, row_bytes, scale_words_of(in), in.num_topk};
   validate_normal_shape(shape);
   return shape;
 }
@@ -517,7 +528,7 @@ std::shared_ptr<DispatchHandle::State> notify_handle_state(const Buffer& buffer,
   } else {
     check_normal_map_fits(dispatch_buffer_map(buffer, *state), buffer.num_nvl_bytes());
   }
-  state->format = in.format;
+  state->format = scale_format_of(in.format);
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
   if (cached == nullptr || in.num_topk > 0) state->num_topk = shape.num_topk;
   return state;
@@ -820,13 +831,12 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
         "its receive was launched by dispatch_notify and must be received once, before the next notify");
     EPX_CHECK(in.num_tokens == state.num_tokens, "num_tokens", in.num_tokens,
               "must equal the num_tokens given to dispatch_notify (pass the same input)");
-    EPX_CHECK(in.format == state.format, "format", in.format == TokenFormat::kFp8 ? "FP8" : "BF16",
+    EPX_CHECK(scale_format_of(in.format) == state.format, "format",
+              scale_format_name(scale_format_of(in.format)),
               "must equal the format given to dispatch_notify (pass the same input)");
     EPX_CHECK(in.hidden == state.shape.hidden, "hidden", in.hidden,
               "must equal the hidden size given to dispatch_notify (pass the same input)");
-    const int num_scales =
-        in.format == TokenFormat::kFp8 && in.num_scales == 0 ? in.hidden / 128 : in.num_scales;
-    EPX_CHECK(num_scales == state.shape.num_scales, "num_scales", in.num_scales,
+    EPX_CHECK(scale_words_of(in) == state.shape.num_scales, "num_scales", in.num_scales,
               "must equal the num_scales given to dispatch_notify (pass the same input)");
     if (state.guessed_outputs) {
       EPX_CHECK(
@@ -867,7 +877,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
         out,
         normal_launch_fingerprint(maps.rdma.num_channels, maps.nvl.queue_tokens, maps.rdma.queue_tokens,
                                   record.normal, state.shape.hidden, state.shape.num_experts,
-                                  NormalOperation::kDispatch, state.format == TokenFormat::kFp8),
+                                  NormalOperation::kDispatch, state.format != ScaleFormat::kBf16),
         phase_reports(buffer)};
     kernels::launch_internode_dispatch(args, buffer.comm_stream());
     return end_on_comm_stream(buffer, order);

@@ -128,7 +128,9 @@ void check_structure(const LowLatencyBufferMap& map) {
   EXPECT_GE(map.combine_slot_bytes(), map.logfmt_meta_offset() + sizeof(uint32_t) * map.logfmt_meta_words());
   EXPECT_GE(map.combine_slot_bytes(), size_t(map.hidden) * 2);
   EXPECT_GE(map.dispatch_msg_bytes(), size_t(map.hidden) * 2);
-  EXPECT_GE(map.dispatch_msg_bytes(), map.dispatch_msg_scales_offset() + 4 * size_t(map.num_groups()));
+  epx::for_each_scale_format([&](epx::ScaleFormat f) {
+    EXPECT_GE(map.dispatch_msg_bytes(), epx::row_format(f).msg_bytes(map.hidden));
+  });
 
   expect_inside(regions, "barrier", map.barrier_signal_offset(last_rank), sizeof(int));
   expect_inside(regions, "barrier", map.barrier_count_offset(), sizeof(int));
