@@ -154,11 +154,13 @@ TEST(ScaleFormat, BufferMapsHoldTheLargestFormat) {
 
 // 2 ranks of 2 experts, 3 tokens each, top-2.
 reference::LowLatencyParams ll_params(int hidden) {
-  return reference::LowLatencyParams{.num_ranks = 2,
-                                     .num_experts = 4,
-                                     .hidden = hidden,
-                                     .num_topk = 2,
-                                     .num_max_dispatch_tokens_per_rank = 3};
+  reference::LowLatencyParams params;
+  params.num_ranks = 2;
+  params.num_experts = 4;
+  params.hidden = hidden;
+  params.num_topk = 2;
+  params.num_max_dispatch_tokens_per_rank = 3;
+  return params;
 }
 
 reference::LowLatencyDispatchOptions options_of(ScaleFormat f) {
