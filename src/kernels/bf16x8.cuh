@@ -2,6 +2,8 @@
 
 #include <cuda_bf16.h>
 
+#include <cstdint>
+
 // Combine's arithmetic on 16-byte chunks (8 BF16 values) summed in float, as the references define it.
 namespace epx::kernels {
 
@@ -31,6 +33,22 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
 #pragma unroll
   for (int h = 0; h < 4; ++h) pairs[h] = __floats2bfloat162_rn(acc[2 * h], acc[2 * h + 1]);
   return out;
+}
+
+// 8 BF16 values as a sum of one term rounds them: themselves (the sum starts at -0.0), each NaN the canonical
+// 0x7FFF.
+__device__ __forceinline__ int4 one_term_sum_bf16x8(int4 packed) {
+  uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),
+                       static_cast<uint32_t>(packed.z), static_cast<uint32_t>(packed.w)};
+#pragma unroll
+  for (int i = 0; i < 4; ++i) {
+    const uint32_t low = words[i] & 0xFFFFu;
+    const uint32_t high = words[i] >> 16;
+    words[i] =
+        ((high & 0x7FFFu) > 0x7F80u ? 0x7FFFu : high) << 16 | ((low & 0x7FFFu) > 0x7F80u ? 0x7FFFu : low);
+  }
+  return int4{static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
+              static_cast<int>(words[3])};
 }
 
 }  // namespace epx::kernels

@@ -51,6 +51,25 @@ __device__ __forceinline__ void store_vectors(int4* row, const float (&acc)[kRed
   }
 }
 
+// A row's sum when it is the only term (one_term_sum_bf16x8 per vector), as a warp copy: twice the loads in
+// flight of the sum's loop, and no float registers. kCoherent: the row lies in a queue peers write.
+template <bool kCoherent>
+__device__ __forceinline__ void copy_as_one_term_sum(int4* out, const int4* row, int num_vectors, int lane) {
+  constexpr int kUnroll = 8;
+  for (int base = lane; base < num_vectors; base += kUnroll * 32) {
+    int4 v[kUnroll];
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < num_vectors)
+        v[u] = kCoherent ? device::ld_v4(row + base + u * 32) : device::ld_nc_v4(row + base + u * 32);
+    }
+#pragma unroll
+    for (int u = 0; u < kUnroll; ++u) {
+      if (base + u * 32 < num_vectors) device::st_na_v4(out + base + u * 32, one_term_sum_bf16x8(v[u]));
+    }
+  }
+}
+
 // ---- NVLink send: the rows local rank `dst` forwarded to this rank, back to it, per source node. ----
 __device__ void return_rows(const InternodeCombineArgs& args, int channel, int dst, const WarpGroup& group,
                             int* shared, uint64_t calls) {
@@ -126,7 +145,8 @@ __device__ void return_rows(const InternodeCombineArgs& args, int channel, int d
 // ---- Node reduce: this rank's forwarded records from source node `node`, reduced over the local ranks. ----
 template <typename Remote>
 __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, int node,
-                                const WarpGroup& group, int* shared, int* publish, uint64_t calls) {
+                                const WarpGroup& group, int* shared, int* publish, const char** rows,
+                                uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_channels = args.rdma.num_channels;
@@ -190,7 +210,6 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
                                    WaitPhase::kCombineReduce);
         }
       }
-      __syncwarp();
       const auto row_of = [&](int l) -> const char* {
         if (l == me) {
           return static_cast<const char*>(args.in.x) +
@@ -199,26 +218,52 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
         return args.nvl.record(context.peers.local_base, l, me, node, channel,
                                my_nvl->consumed[l][node][channel] + got[l] + entry[l]);
       };
+      // Each local rank's row, looked up once per record (in the loop below, each lookup's loads of the
+      // queue counters were a round trip before every vector's loads).
+      if (lane == 0) {
+        for (int l = 0; l < nodes.ranks_per_node; ++l) rows[l] = (mask >> l) & 1u ? row_of(l) : nullptr;
+      }
+      __syncwarp();
       const uint64_t position = base + done + i;
       char* out = queue_record(args.rdma, context.rdma_base, target, node, own, channel, position);
+      if (__popc(mask) == 1) {
+        // One term: the sum is the row itself (its NaNs canonical), copied with the weight's load in flight.
+        const int l = __ffs(mask) - 1;
+        const uint32_t weight =
+            lane >= num_topk ? 0u
+            : l == me
+                ? load_word<false>(args.in.topk_weights +
+                                   static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane)
+                : load_word<true>(rows[l] + r.topk_weights_offset() + 4 * lane);
+        if (l == me) {
+          copy_as_one_term_sum<false>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(rows[l]),
+                                      num_vectors, lane);
+        } else {
+          copy_as_one_term_sum<true>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(rows[l]),
+                                     num_vectors, lane);
+        }
+        if (lane < num_topk)
+          reinterpret_cast<float*>(out + r.topk_weights_offset())[lane] = 0.0f + __uint_as_float(weight);
+        continue;
+      }
       for (int v0 = lane; v0 < num_vectors; v0 += 32 * kReduceUnroll) {
         float acc[kReduceUnroll][8];
         start_sums(acc);
         for (int l = 0; l < nodes.ranks_per_node; ++l) {
-          if ((mask >> l) & 1u) add_vectors(acc, reinterpret_cast<const int4*>(row_of(l)), v0, num_vectors);
+          if (rows[l] != nullptr) add_vectors(acc, reinterpret_cast<const int4*>(rows[l]), v0, num_vectors);
         }
         store_vectors(reinterpret_cast<int4*>(out), acc, v0, num_vectors);
       }
       if (lane < num_topk) {
         float weight = 0.0f;
         for (int l = 0; l < nodes.ranks_per_node; ++l) {
-          if (!((mask >> l) & 1u)) continue;
+          if (rows[l] == nullptr) continue;
           if (l == me) {
             weight +=
                 args.in
                     .topk_weights[static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane];
           } else {
-            weight += reinterpret_cast<const volatile float*>(row_of(l) + r.topk_weights_offset())[lane];
+            weight += reinterpret_cast<const volatile float*>(rows[l] + r.topk_weights_offset())[lane];
           }
         }
         reinterpret_cast<float*>(out + r.topk_weights_offset())[lane] = weight;
@@ -266,7 +311,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
 // ---- Final reduce: each token's node partials in node order, then the biases, one rounding. ----
 template <typename Remote>
 __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, const WarpGroup& group,
-                              unsigned* batch_end, uint64_t calls) {
+                              unsigned* batch_end, const char** partials, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_nodes = nodes.num_nodes();
@@ -305,12 +350,16 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
           atomicMax(&batch_end[n], static_cast<unsigned>(entry[n] + 1));
         }
       }
+      // Each node's partial, looked up once per token (as in reduce_for_node).
+      if (lane == 0) {
+        for (int n = 0; n < num_nodes; ++n) {
+          partials[n] = entry[n] >= 0 ? args.rdma.recv_record(context.rdma_base, n, channel,
+                                                              head->counters.consumed[n][channel] + entry[n])
+                                      : nullptr;
+        }
+      }
       __syncwarp();
       clock.mark(0);
-      const auto partial = [&](int n) {
-        return args.rdma.recv_record(context.rdma_base, n, channel,
-                                     head->counters.consumed[n][channel] + entry[n]);
-      };
       bool any_source = args.in.bias0 != nullptr || args.in.bias1 != nullptr;
       for (int n = 0; n < num_nodes; ++n) any_source |= entry[n] >= 0;
       const size_t token_vectors = static_cast<size_t>(t) * num_vectors;
@@ -318,7 +367,8 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
         float acc[kReduceUnroll][8];
         start_sums(acc);
         for (int n = 0; n < num_nodes; ++n) {
-          if (entry[n] >= 0) add_vectors(acc, reinterpret_cast<const int4*>(partial(n)), v0, num_vectors);
+          if (partials[n] != nullptr)
+            add_vectors(acc, reinterpret_cast<const int4*>(partials[n]), v0, num_vectors);
         }
         if (args.in.bias0 != nullptr)
           add_vectors(acc, static_cast<const int4*>(args.in.bias0) + token_vectors, v0, num_vectors);
@@ -334,8 +384,8 @@ __device__ void reduce_tokens(const InternodeCombineArgs& args, int channel, con
       if (args.out.combined_topk_weights != nullptr && lane < num_topk) {
         float weight = 0.0f;
         for (int n = 0; n < num_nodes; ++n) {
-          if (entry[n] >= 0)
-            weight += reinterpret_cast<const volatile float*>(partial(n) + r.topk_weights_offset())[lane];
+          if (partials[n] != nullptr)
+            weight += reinterpret_cast<const volatile float*>(partials[n] + r.topk_weights_offset())[lane];
         }
         args.out.combined_topk_weights[static_cast<size_t>(t) * num_topk + lane] = weight;
       }
@@ -369,6 +419,7 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
   __shared__ int group_values[kMaxRdmaNodes];
   __shared__ unsigned batch_end[kMaxRdmaNodes];
   __shared__ int publish_flags[kMaxRdmaNodes];  // node reducers: whether the group publishes its chunk
+  __shared__ const char* row_pointers[kCombineWarps][kMaxRdmaNodes];  // a reducing warp's rows of one token
   const InternodeContext& context = args.context;
   const uint64_t calls = calls_before(context);
   // A combine after an aborted dispatch must not trust the handle it left.
@@ -381,7 +432,8 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
   const int ranks_per_node = context.nodes.ranks_per_node;
   if (blockIdx.x % 2 == 0 && ranks_per_node == 1) {
     // No other rank on the node: no rows to return over NVLink, so every warp reduces tokens.
-    reduce_tokens<Remote>(args, channel, WarpGroup{1, warp, kCombineWarps, lane}, batch_end, calls);
+    reduce_tokens<Remote>(args, channel, WarpGroup{1, warp, kCombineWarps, lane}, batch_end,
+                          row_pointers[warp], calls);
   } else if (blockIdx.x % 2 == 0) {
     constexpr int kHalf = kCombineWarps / 2;
     if (warp < kHalf) {
@@ -393,14 +445,15 @@ __global__ void __launch_bounds__(kCombineThreads, 1) combine_kernel(InternodeCo
       }
     } else {
       const WarpGroup group{ranks_per_node, warp - kHalf, kHalf, lane};
-      reduce_tokens<Remote>(args, channel, group, batch_end, calls);
+      reduce_tokens<Remote>(args, channel, group, batch_end, row_pointers[warp], calls);
     }
   } else {
     const int warps_per_node = kCombineWarps / num_nodes;
     const int node = warp / warps_per_node;
     if (node < num_nodes) {
       const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
-      reduce_for_node<Remote>(args, channel, node, group, &group_values[node], &publish_flags[node], calls);
+      reduce_for_node<Remote>(args, channel, node, group, &group_values[node], &publish_flags[node],
+                              row_pointers[warp], calls);
     }
   }
   finish_launch<Remote>(context, calls);

@@ -125,7 +125,7 @@ struct ForwardShared {
 // ---- Forward: every record from every source node, those for local rank `dst` onwards. ----
 template <typename Remote>
 __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int dst, const WarpGroup& group,
-                           ForwardShared& shared, RowCopier& copier, uint64_t calls) {
+                           ForwardShared& shared, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_nodes = nodes.num_nodes();
@@ -195,9 +195,6 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
       if (available == 0) continue;
       // Which of the next records go to dst, 32 at a time (one ballot each), cut after the room-th one.
       const int src_rank = m * nodes.ranks_per_node + me;
-      // The records were written by peers and published to this rank's generic proxy; the bulk copies read
-      // through the async proxy.
-      if (to_self && copier.driver()) device::fence_proxy_async();
       int taken = 0;   // records for dst among those passed this round
       int passed = 0;  // records passed this round
       while (passed < available) {
@@ -232,7 +229,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
             // this one) may have overwritten unread records, so the masks may select more rows than this
             // source sends: never write past its rows.
             if (row < args.handle.recv_channel_offset[cell + 1])
-              write_row_from_record(args, row, source, lane, copier);
+              write_row_from_record(args, row, source, lane);
           } else {
             char* target = args.nvl.record(dst_base, me, dst, m, channel, nvl_base_count + sent[m] + entry);
             warp_copy<true>(target, source, args.record.bytes(), lane);
@@ -242,8 +239,6 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
         passed += width;
         if (width < window) break;  // dst's room is full
       }
-      if (to_self && copier.driver())
-        copier.wait_loads();  // the records were read before they are given back
       clock.mark(1);
       group.sync();
       sent[m] += taken;
@@ -296,7 +291,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
 
 // ---- Receive: the rows local rank `src` forwarded, from its sub-queues into their final rows. ----
 __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int src, const WarpGroup& group,
-                             int* shared, RowCopier& copier, uint64_t calls) {
+                             int* shared, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
   const int num_nodes = nodes.num_nodes();
@@ -340,13 +335,11 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
       group.sync();
       if (ready == kStopPolling) return;
       if (ready == 0) continue;
-      if (copier.driver()) device::fence_proxy_async();  // as in forward_to
       for (int j = group.warp; j < ready; j += group.num_warps) {
         const char* record =
             args.nvl.record(context.peers.local_base, src, me, m, channel, base + got[m] + j);
-        write_row_from_record(args, row0 + got[m] + j, record, group.lane, copier);
+        write_row_from_record(args, row0 + got[m] + j, record, group.lane);
       }
-      if (copier.driver()) copier.wait_loads();  // the records were read before their slots are released
       group.sync();
       got[m] += ready;
       if (got[m] == count) ++done_nodes;
@@ -383,7 +376,6 @@ template <typename Remote>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatchArgs args) {
   __shared__ ForwardShared forward_shared;
   __shared__ int group_values[kMaxRdmaNodes];
-  extern __shared__ RowStage row_stages[];  // [kWarps]
   const InternodeContext& context = args.context;
   const uint64_t calls = calls_before(context);
   // A dispatch after an aborted notify must not trust the offsets it left.
@@ -394,7 +386,6 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
   const int lane = threadIdx.x % 32;
   const int num_nodes = context.nodes.num_nodes();
   const int ranks_per_node = context.nodes.ranks_per_node;
-  RowCopier copier(&row_stages[warp], lane == 0);
   if (threadIdx.x < kMaxNvlRanks * kMaxRdmaNodes) (&forward_shared.progress[0][0])[threadIdx.x] = 0;
   if (threadIdx.x < kMaxRdmaNodes) forward_shared.released[threadIdx.x] = 0;
   __syncthreads();
@@ -407,7 +398,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
     }
   } else if (ranks_per_node == 1) {
     // No other rank on the node: nothing to receive over NVLink, so every warp forwards (into the outputs).
-    forward_to<Remote>(args, channel, 0, WarpGroup{0, warp, kWarps, lane}, forward_shared, copier, calls);
+    forward_to<Remote>(args, channel, 0, WarpGroup{0, warp, kWarps, lane}, forward_shared, calls);
   } else {
     const int warps_per_rank = kHalfWarps / ranks_per_node;
     const int half_warp = warp % kHalfWarps;
@@ -415,16 +406,15 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
     if (local < ranks_per_node) {
       if (warp < kHalfWarps) {
         const WarpGroup group{local, half_warp % warps_per_rank, warps_per_rank, lane};
-        forward_to<Remote>(args, channel, local, group, forward_shared, copier, calls);
+        forward_to<Remote>(args, channel, local, group, forward_shared, calls);
       } else if (local != own_local(context)) {
         // Named barriers 1..L serve the forwarders, L + 1 .. 2L - 1 the receivers (at most 15).
         const int slot = local < own_local(context) ? local : local - 1;
         const WarpGroup group{ranks_per_node + slot, half_warp % warps_per_rank, warps_per_rank, lane};
-        receive_from(args, channel, local, group, &group_values[local], copier, calls);
+        receive_from(args, channel, local, group, &group_values[local], calls);
       }
     }
   }
-  copier.finish();  // the rows' bulk stores landed before the launch counts as done
   __syncthreads();
   if (blockIdx.x % 2 == 1 && threadIdx.x == 0) {
     // Every group passed every record (and gave it back); the stream's consumed count moves on.
@@ -437,12 +427,9 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
   finish_launch<Remote>(context, calls);
 }
 
-constexpr size_t kDispatchSharedBytes = sizeof(RowStage) * kWarps;
-
 template <typename Remote>
 void launch_dispatch_with(const InternodeDispatchArgs& args, cudaStream_t stream) {
-  launch(dispatch_kernel<Remote>,
-         {unsigned(2 * args.rdma.num_channels), kThreads, kDispatchSharedBytes, Residency::kCoResident},
+  launch(dispatch_kernel<Remote>, {unsigned(2 * args.rdma.num_channels), kThreads, 0, Residency::kCoResident},
          stream, args);
 }
 

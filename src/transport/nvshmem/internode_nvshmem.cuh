@@ -51,8 +51,6 @@ namespace epx::transport::nvshmem {
 void preload_internode_kernels() {
   kernels::preload_kernel(kernels::internode::notify_kernel<kernels::NvshmemInternode>);
   kernels::preload_kernel(kernels::internode::dispatch_kernel<kernels::NvshmemInternode>);
-  kernels::allow_dynamic_smem(kernels::internode::dispatch_kernel<kernels::NvshmemInternode>,
-                              kernels::internode::kDispatchSharedBytes);
   kernels::preload_kernel(kernels::internode::combine_kernel<kernels::NvshmemInternode>);
 }
 
