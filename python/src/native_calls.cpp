@@ -10,6 +10,7 @@
 #include <utility>
 
 #include "binding.hpp"
+#include "core/host_steps.hpp"
 #include "epx/error.hpp"
 #include "epx/low_latency.hpp"
 #include "epx/normal.hpp"
@@ -117,11 +118,16 @@ PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const Stre
                         DispatchHandleArrays* arrays) {
   return with_python_error(
       [&]() -> PyObject* {
+        const HostStep step("native dispatch_call");
         PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
         DispatchPlan plan = call_without_gil(
             [&] { return dispatch_notify(owner.get(), input, order, nullptr, overlap, guess); });
         DispatchOutput outputs = guess != nullptr ? guess->outputs : DispatchOutput{};
-        if (!plan.rows_in_guess && !allocate(context, plan.num_recv_rows, &outputs)) {
+        const auto allocated = [&] {
+          const HostStep allocate_step("native dispatch_call: allocate outputs (torch)");
+          return allocate(context, plan.num_recv_rows, &outputs);
+        };
+        if (!plan.rows_in_guess && !allocated()) {
           call_without_gil([&] { dispatch_cancel(owner.get(), plan); });  // the launched receive drains
           return nullptr;
         }

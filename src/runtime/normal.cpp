@@ -1,4 +1,5 @@
 #include "epx/normal.hpp"
+#include "core/host_steps.hpp"
 
 #include <algorithm>
 #include <atomic>
@@ -713,12 +714,14 @@ DispatchPlan plan_after_host_wait(NotifyCall& call) {
   const cudaStream_t rows_stream =
       state.launched_receive != 0 ? BufferAccess::private_stream(buffer) : nullptr;
   if (rows_before_counts && call.guess_rows == 0) {
+    const HostStep allocate("dispatch_notify: allocate rows");
     const int rows_guess = call.scratch.last_recv_rows + call.scratch.last_recv_rows / 4 + 64;
     state.allocate_rows(buffer, rows_guess, rows_stream);
   }
   // The one CPU synchronisation of normal mode: the host needs the row count to size the outputs.
   std::vector<int> counts;
   try {
+    const HostStep wait("dispatch_notify: wait for counts");
     counts = wait_for_counts(buffer, buffer.comm_stream(), call.sequence,
                              call.count_index.num_words(state.num_nodes > 1));
   } catch (...) {
@@ -746,27 +749,40 @@ DispatchPlan plan_after_host_wait(NotifyCall& call) {
 DispatchPlan notify_with_count_exchange(NotifyCall& call) {
   DispatchHandle::State& state = *call.state;
   const bool host_waits = state.num_worst_tokens == 0;
-  begin_on_comm_stream(call.buffer, call.order);
+  {
+    const HostStep order("dispatch_notify: order streams");
+    begin_on_comm_stream(call.buffer, call.order);
+  }
   // With a guess, recv_src_idx for its rows comes in the same allocation: one pool call less before the
   // receive's launch.
-  state.allocate_routing(call.buffer, call.num_local_experts, call.guess_rows);
+  {
+    const HostStep allocate("dispatch_notify: allocate routing");
+    state.allocate_routing(call.buffer, call.num_local_experts, call.guess_rows);
+  }
   const kernels::HostCounts host{host_waits ? device_address(call.buffer, call.scratch.counts) : nullptr,
                                  call.sequence};
   // One launch for the count exchange and the receive: the host's counts come one launch after the call.
   const bool notify_in_receive = call.guess_rows > 0 && call.in.num_tokens_per_rank != nullptr;
-  if (state.num_nodes > 1) {
-    launch_notify_across_nodes(call, host);
-  } else if (!notify_in_receive) {
-    // With a guess and the per-rank totals the receive launched below runs the exchange itself.
-    kernels::launch_dispatch_notify(exchange_args(call, host), call.buffer.comm_stream());
+  {
+    const HostStep launch("dispatch_notify: launch exchange");
+    if (state.num_nodes > 1) {
+      launch_notify_across_nodes(call, host);
+    } else if (!notify_in_receive) {
+      // With a guess and the per-rank totals the receive launched below runs the exchange itself.
+      kernels::launch_dispatch_notify(exchange_args(call, host), call.buffer.comm_stream());
+    }
   }
   if (!host_waits) {
     // Worst-case mode: the outputs hold num_worst_tokens rows whatever arrives.
+    const HostStep allocate("dispatch_notify: allocate rows");
     state.num_recv_rows = state.num_worst_tokens;
     state.allocate_rows(call.buffer, state.num_recv_rows);
     return plan_of(std::move(call.state));
   }
-  if (call.launches_receive) launch_receive_before_counts(call, host, notify_in_receive);
+  if (call.launches_receive) {
+    const HostStep launch("dispatch_notify: launch receive");
+    launch_receive_before_counts(call, host, notify_in_receive);
+  }
   return plan_after_host_wait(call);
 }
 
@@ -778,10 +794,17 @@ DispatchPlan notify_with_count_exchange(NotifyCall& call) {
 DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const StreamOrder& order,
                              const DispatchHandle* cached, DispatchOverlap overlap,
                              const DispatchOutputGuess* guess) {
+  const HostStep step("dispatch_notify");
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_notify");
   const bool is_cached = cached != nullptr && cached->valid();
-  validate_dispatch_input(buffer, in, is_cached);
-  NotifyCall call = notify_call(buffer, in, order, is_cached ? cached : nullptr, overlap, guess);
+  {
+    const HostStep validate("dispatch_notify: validate");
+    validate_dispatch_input(buffer, in, is_cached);
+  }
+  NotifyCall call = [&] {
+    const HostStep plan("dispatch_notify: notify_call");
+    return notify_call(buffer, in, order, is_cached ? cached : nullptr, overlap, guess);
+  }();
   // A receive an earlier notify launched and nobody received: let it drain, writing nothing.
   cancel_receive(buffer, call.scratch.pending_receive);
   // A cached dispatch has its counts: nothing runs before dispatch_receive, which orders the comm stream.
@@ -789,7 +812,10 @@ DispatchPlan dispatch_notify(Buffer& buffer, const DispatchInput& in, const Stre
   // Every rank makes the same notifies, so every rank gives this one the same sequence.
   call.scratch.notify_sequence = next_sequence(call.scratch.notify_sequence);
   call.sequence = call.scratch.notify_sequence;
-  if (std::optional<DispatchPlan> plan = notify_from_layout_board(call)) return std::move(*plan);
+  {
+    const HostStep board("dispatch_notify: layout board");
+    if (std::optional<DispatchPlan> plan = notify_from_layout_board(call)) return std::move(*plan);
+  }
   return notify_with_count_exchange(call);
 }
 
@@ -820,6 +846,7 @@ uint64_t dispatch_count_wait_ns(const Buffer& buffer) {
 
 Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchInput& in,
                        const DispatchOutput& out, const StreamOrder& order) {
+  const HostStep step("dispatch_receive");
   const ExclusiveUse::Claim claim = BufferAccess::enter_call(buffer, "dispatch_receive");
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
