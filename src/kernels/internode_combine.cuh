@@ -53,21 +53,12 @@ __device__ __forceinline__ void store_vectors(int4* row, const float (&acc)[kRed
 
 // A row's sum when it is the only term (one_term_sum_bf16x8 per vector), as a warp copy: twice the loads in
 // flight of the sum's loop, and no float registers. kCoherent: the row lies in a queue peers write.
+struct OneTermSum {
+  __device__ int4 operator()(const int4& v) const { return one_term_sum_bf16x8(v); }
+};
 template <bool kCoherent>
 __device__ __forceinline__ void copy_as_one_term_sum(int4* out, const int4* row, int num_vectors, int lane) {
-  constexpr int kUnroll = 8;
-  for (int base = lane; base < num_vectors; base += kUnroll * 32) {
-    int4 v[kUnroll];
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < num_vectors)
-        v[u] = kCoherent ? device::ld_v4(row + base + u * 32) : device::ld_nc_v4(row + base + u * 32);
-    }
-#pragma unroll
-    for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < num_vectors) device::st_na_v4(out + base + u * 32, one_term_sum_bf16x8(v[u]));
-    }
-  }
+  warp_copy<kCoherent>(out, row, static_cast<size_t>(num_vectors) * 16, lane, OneTermSum{});
 }
 
 // ---- NVLink send: the rows local rank `dst` forwarded to this rank, back to it, per source node. ----

@@ -7,12 +7,19 @@
 
 namespace epx::kernels {
 
+// Each 16-byte word as it is (warp_copy's default transform).
+struct SameWords {
+  __device__ int4 operator()(const int4& v) const { return v; }
+};
+
 // Copies `bytes` (a multiple of 16) with 16-byte accesses by one warp: kUnroll loads per lane are issued
 // before the first store, the last partial round included, so a remote row never waits on serial round trips.
 // kSourceMayChange: the source is written by others while the kernel runs (peer memory, queues), so it is
-// read coherently (L1 bypassed, no read-only path).
-template <bool kSourceMayChange, int kUnroll = 8>
-__device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane) {
+// read coherently (L1 bypassed, no read-only path). `transform` maps each word on its way (register work
+// only).
+template <bool kSourceMayChange, int kUnroll = 8, typename Transform = SameWords>
+__device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t bytes, int lane,
+                                          Transform transform = {}) {
   auto* d = static_cast<int4*>(dst);
   const auto* s = static_cast<const int4*>(src);
   const int n = static_cast<int>(bytes / 16);
@@ -25,7 +32,7 @@ __device__ __forceinline__ void warp_copy(void* dst, const void* src, size_t byt
     }
 #pragma unroll
     for (int u = 0; u < kUnroll; ++u) {
-      if (base + u * 32 < n) device::st_na_v4(d + base + u * 32, v[u]);
+      if (base + u * 32 < n) device::st_na_v4(d + base + u * 32, transform(v[u]));
     }
   }
 }

@@ -10,6 +10,7 @@
 #include "formats/ue8m0.hpp"
 #include "reference/low_latency.hpp"
 #include "reference/test_data.hpp"
+#include "small_low_latency_params.hpp"
 
 namespace {
 
@@ -20,13 +21,7 @@ using namespace epx::reference;
 constexpr int kHidden = 128;
 
 LowLatencyParams small_params() {
-  LowLatencyParams params;
-  params.num_ranks = 2;
-  params.num_experts = 4;
-  params.hidden = kHidden;
-  params.num_topk = 2;
-  params.num_max_dispatch_tokens_per_rank = 3;
-  return params;
+  return epx::test_support::small_low_latency_params(kHidden);
 }
 
 // Token t of rank s holds the integer value (10 s + t + 1) in every channel (channel 0 negated).

@@ -14,6 +14,7 @@
 #include "reference/low_latency.hpp"
 #include "reference/normal.hpp"
 #include "reference/test_data.hpp"
+#include "small_low_latency_params.hpp"
 
 namespace {
 
@@ -149,15 +150,8 @@ TEST(ScaleFormat, BufferMapsHoldTheLargestFormat) {
 
 // ---- The reference: every format's outputs come out in the traits' sizes, each the same cast ----
 
-// 2 ranks of 2 experts, 3 tokens each, top-2.
 reference::LowLatencyParams ll_params(int hidden) {
-  reference::LowLatencyParams params;
-  params.num_ranks = 2;
-  params.num_experts = 4;
-  params.hidden = hidden;
-  params.num_topk = 2;
-  params.num_max_dispatch_tokens_per_rank = 3;
-  return params;
+  return epx::test_support::small_low_latency_params(hidden);
 }
 
 reference::LowLatencyDispatchOptions options_of(ScaleFormat f) {
