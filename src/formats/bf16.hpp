@@ -25,6 +25,12 @@ EPX_HD float bf16_to_float(uint16_t bits) {
   return bits_as_float(static_cast<uint32_t>(bits) << 16);
 }
 
+// A BF16 value as a sum of it alone rounds it (the sums start at -0.0, so the term stays as it is):
+// float_to_bf16(-0.0f + bf16_to_float(bits)), without the float: the value itself, a NaN the canonical NaN.
+EPX_HD uint16_t bf16_one_term_sum(uint16_t bits) {
+  return (bits & 0x7FFFu) > 0x7F80u ? kBf16CanonicalNan : bits;
+}
+
 // Directed roundings of a non-negative finite float, used where a BF16 bound must still enclose the value
 // (LogFMT's range metadata).
 EPX_HD uint16_t float_to_bf16_round_up(float x) {

@@ -4,6 +4,8 @@
 
 #include <cstdint>
 
+#include "formats/bf16.hpp"
+
 // Combine's arithmetic on 16-byte chunks (8 BF16 values) summed in float, as the references define it.
 namespace epx::kernels {
 
@@ -35,17 +37,14 @@ __device__ __forceinline__ int4 round_bf16x8(const float (&acc)[8]) {
   return out;
 }
 
-// 8 BF16 values as a sum of one term rounds them: themselves (the sum starts at -0.0), each NaN the canonical
-// 0x7FFF.
+// 8 BF16 values each as a sum of one term (bf16_one_term_sum).
 __device__ __forceinline__ int4 one_term_sum_bf16x8(int4 packed) {
   uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),
                        static_cast<uint32_t>(packed.z), static_cast<uint32_t>(packed.w)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    const uint32_t low = words[i] & 0xFFFFu;
-    const uint32_t high = words[i] >> 16;
-    words[i] =
-        ((high & 0x7FFFu) > 0x7F80u ? 0x7FFFu : high) << 16 | ((low & 0x7FFFu) > 0x7F80u ? 0x7FFFu : low);
+    words[i] = static_cast<uint32_t>(bf16_one_term_sum(static_cast<uint16_t>(words[i] >> 16))) << 16 |
+               bf16_one_term_sum(static_cast<uint16_t>(words[i] & 0xFFFFu));
   }
   return int4{static_cast<int>(words[0]), static_cast<int>(words[1]), static_cast<int>(words[2]),
               static_cast<int>(words[3])};

@@ -209,6 +209,10 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
         return args.nvl.record(context.peers.local_base, l, me, node, channel,
                                my_nvl->consumed[l][node][channel] + got[l] + entry[l]);
       };
+      // This rank's top-k weights of the record's token (its own row's, in the combine's input).
+      const auto own_weights = [&] {
+        return args.in.topk_weights + static_cast<size_t>(self_row0 + self_taken + entry[me]) * num_topk;
+      };
       // Each local rank's row, looked up once per record (in the loop below, each lookup's loads of the
       // queue counters were a round trip before every vector's loads).
       if (lane == 0) {
@@ -220,12 +224,9 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
       if (__popc(mask) == 1) {
         // One term: the sum is the row itself (its NaNs canonical), copied with the weight's load in flight.
         const int l = __ffs(mask) - 1;
-        const uint32_t weight =
-            lane >= num_topk ? 0u
-            : l == me
-                ? load_word<false>(args.in.topk_weights +
-                                   static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane)
-                : load_word<true>(rows[l] + r.topk_weights_offset() + 4 * lane);
+        const uint32_t weight = lane >= num_topk ? 0u
+                                : l == me        ? load_word<false>(own_weights() + lane)
+                                          : load_word<true>(rows[l] + r.topk_weights_offset() + 4 * lane);
         if (l == me) {
           copy_as_one_term_sum<false>(reinterpret_cast<int4*>(out), reinterpret_cast<const int4*>(rows[l]),
                                       num_vectors, lane);
@@ -250,9 +251,7 @@ __device__ void reduce_for_node(const InternodeCombineArgs& args, int channel, i
         for (int l = 0; l < nodes.ranks_per_node; ++l) {
           if (rows[l] == nullptr) continue;
           if (l == me) {
-            weight +=
-                args.in
-                    .topk_weights[static_cast<size_t>(self_row0 + self_taken + entry[l]) * num_topk + lane];
+            weight += own_weights()[lane];
           } else {
             weight += reinterpret_cast<const volatile float*>(rows[l] + r.topk_weights_offset())[lane];
           }

@@ -72,10 +72,15 @@ __device__ __forceinline__ RecordFields load_record_fields(const NormalRecord& r
   return f;
 }
 
-// Scale words [kScalesInRegisters, num_scales) from `scales` (a token's) to `out`, after the row.
+// Stores the token's scale words to `out`: those `f` holds, then [kScalesInRegisters, num_scales) from
+// `scales` (the token's, read after the row).
 template <bool kCoherent>
-__device__ __forceinline__ void copy_scales_past_registers(uint32_t* out, const void* scales, int num_scales,
-                                                           int lane) {
+__device__ __forceinline__ void store_scale_words(uint32_t* out, const RecordFields& f, const void* scales,
+                                                  int num_scales, int lane) {
+#pragma unroll
+  for (int i = 0; i < kScaleWordsPerLane; ++i) {
+    if (lane + 32 * i < num_scales) out[lane + 32 * i] = f.scales[i];
+  }
   for (int g = kScalesInRegisters + lane; g < num_scales; g += 32)
     out[g] = load_word<kCoherent>(static_cast<const uint32_t*>(scales) + g);
 }
@@ -85,12 +90,8 @@ __device__ __forceinline__ void copy_scales_past_registers(uint32_t* out, const 
 template <bool kCoherent>
 __device__ __forceinline__ void store_record_fields(char* record, const NormalRecord& r,
                                                     const RecordFields& f, const void* scales, int lane) {
-  auto* out_scales = reinterpret_cast<uint32_t*>(record + r.scales_offset());
-#pragma unroll
-  for (int i = 0; i < kScaleWordsPerLane; ++i) {
-    if (lane + 32 * i < r.num_scales) out_scales[lane + 32 * i] = f.scales[i];
-  }
-  copy_scales_past_registers<kCoherent>(out_scales, scales, r.num_scales, lane);
+  store_scale_words<kCoherent>(reinterpret_cast<uint32_t*>(record + r.scales_offset()), f, scales,
+                               r.num_scales, lane);
   if (lane < r.num_topk_idx) {
     reinterpret_cast<int*>(record + r.topk_idx_offset())[lane] = f.topk_idx;
     reinterpret_cast<float*>(record + r.topk_weights_offset())[lane] = f.topk_weight;
@@ -113,12 +114,9 @@ template <bool kCoherent>
 __device__ __forceinline__ void store_output_fields(const FieldOutputs& out, const NormalRecord& r, int row,
                                                     const RecordFields& f, const void* scales, int rank,
                                                     int experts_per_rank, int lane) {
-  auto* out_scales = reinterpret_cast<uint32_t*>(out.recv_x_scales + static_cast<size_t>(row) * r.num_scales);
-#pragma unroll
-  for (int i = 0; i < kScaleWordsPerLane; ++i) {
-    if (lane + 32 * i < r.num_scales) out_scales[lane + 32 * i] = f.scales[i];
-  }
-  copy_scales_past_registers<kCoherent>(out_scales, scales, r.num_scales, lane);
+  store_scale_words<kCoherent>(
+      reinterpret_cast<uint32_t*>(out.recv_x_scales + static_cast<size_t>(row) * r.num_scales), f, scales,
+      r.num_scales, lane);
   const int num_topk = r.num_topk_idx;
   if (out.recv_topk_idx != nullptr && lane < num_topk) {
     const int local = to_local_expert(f.topk_idx, rank, experts_per_rank);

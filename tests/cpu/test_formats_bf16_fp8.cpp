@@ -74,6 +74,15 @@ TEST(FormatsBf16, EveryPatternRoundTrips) {
   }
 }
 
+// The combine's one-term sum (a node partial of one row) is the reference's rounding of that row alone.
+TEST(FormatsBf16, OneTermSumIsTheRoundedSumOfOneTerm) {
+  for (uint32_t pattern = 0; pattern <= 0xFFFFu; ++pattern) {
+    const auto bits = static_cast<uint16_t>(pattern);
+    ASSERT_EQ(epx::bf16_one_term_sum(bits), float_to_bf16(-0.0f + bf16_to_float(bits)))
+        << "pattern " << pattern;
+  }
+}
+
 TEST(FormatsBf16, MatchesNearestEvenReference) {
   std::mt19937 rng(1234);
   for (int i = 0; i < 200000; ++i) {
