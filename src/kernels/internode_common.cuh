@@ -221,6 +221,23 @@ __device__ __forceinline__ void write_row_from_record(const InternodeDispatchArg
                             args.num_experts / args.context.peers.num_ranks, lane);
 }
 
+// Output row `row` of dispatch from this rank's own token `token` (the inputs), as write_row_from_record does
+// from a record. One warp.
+__device__ __forceinline__ void write_row_from_inputs(const InternodeDispatchArgs& args, int row, int token,
+                                                      int lane) {
+  const NormalRecord& r = args.record.normal;
+  const RecordFields fields =
+      load_input_fields(r, args.in.x_scales, args.in.topk_idx, args.in.topk_weights, token, lane);
+  warp_copy<false>(static_cast<char*>(args.out.recv_x) + static_cast<size_t>(row) * r.x_bytes,
+                   static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes, r.x_bytes,
+                   lane);
+  const FieldOutputs out{args.out.recv_x_scales, args.out.recv_topk_idx, args.out.recv_topk_weights,
+                         args.handle.recv_src_idx};
+  store_output_fields<false>(out, r, row, fields,
+                             args.in.x_scales + static_cast<size_t>(token) * r.num_scales,
+                             args.context.peers.rank, args.num_experts / args.context.peers.num_ranks, lane);
+}
+
 // The rail peer a network sender group puts to: its rank, and its symmetric buffer as this GPU's loads and
 // stores reach it (Remote::peer_pointer of this rank's base, looked up once per group), or nullptr when only
 // the transport's puts do.

@@ -115,6 +115,165 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
 // the group's warps has a record or more to copy between the round's barriers.
 constexpr int kForwardRound = 64;
 
+// Room that never runs out: this rank's own rows go straight into the outputs.
+constexpr int kUnbounded = 1 << 30;
+
+// ---- Own node: the channel's tokens for this node's ranks, straight where the forwarders would put them:
+// into each local rank's NVLink sub-queue (this rank -> l, own node) and, for this rank, into the outputs.
+// The records of the own node never enter the own receive queue (written there and copied out again, they
+// cost two SM copies of the own node's share instead of one), so the own node's network counters stay as they
+// are. The stream keeps the forwarders' order and positions: record e of the own node's stream is its e-th
+// token any local rank needs (send_head, forward_mask as the forwarders wrote them), and rank l's rows from
+// it come in token order. `rooms`: kMaxNvlRanks ints of shared memory for the leader's room counts. ----
+// kMaxRanks: a bound of the node's ranks (1, 2, 4 or 8), the size of the per-rank registers below.
+template <int kMaxRanks>
+__device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int channel, const WarpGroup& group,
+                                       int* rooms, uint64_t calls) {
+  const InternodeContext& context = args.context;
+  const NodeMap& nodes = context.nodes;
+  const int num_ranks = context.peers.num_ranks;
+  const int num_nodes = nodes.num_nodes();
+  const int ranks_per_node = nodes.ranks_per_node;
+  const int num_channels = args.rdma.num_channels;
+  const int own = own_node(context);
+  const int me = own_local(context);
+  const int lane = group.lane;
+  const int queue_tokens = args.nvl.queue_tokens;
+  auto* my_nvl = nvl_counters(context.peers.local_base);
+  const device::WaitContext wait = wait_context(context);
+  if (group.leader()) {
+    for (int l = 0; l < ranks_per_node; ++l) {
+      if (l != me) wait_local_peer_ready(context, l, calls);
+    }
+  }
+  group.sync();
+  const TokenRange range = channel_token_range(args.num_tokens, num_channels, channel);
+  const int first_record = args.handle.node_channel_offset[own * num_channels + channel];
+  const int self_row0 = args.handle.recv_channel_offset[(own * ranks_per_node + me) * num_channels + channel];
+  // Per local rank (unrolled, so they stay in registers; every warp counts the same ballots, so every warp
+  // holds the same values): the records written to its sub-queue so far (its tail, counted since the Buffer
+  // began), and the room left this round.
+  uint32_t next[kMaxRanks];
+  int left[kMaxRanks];
+#pragma unroll
+  for (int l = 0; l < kMaxRanks; ++l) next[l] = l < ranks_per_node ? my_nvl->sent[l][own][channel] : 0u;
+  int self_rows = 0;  // this rank's own rows written
+  int pushed = 0;     // records of the own node's stream so far
+  int window = 0;
+  // Which lanes' tokens local rank l needs.
+  const auto needing = [&](uint32_t local_mask, int l) { return __ballot_sync(~0u, (local_mask >> l) & 1u); };
+  for (int t0 = range.begin; t0 < range.end;) {
+    // The room in each sub-queue, waited for until there is some (its reader drains it whatever this rank
+    // does, so the wait ends); this rank's own rows need none.
+    if (group.leader()) {
+      for (int l = 0; l < ranks_per_node; ++l) {
+        // Consumed minus written (<= 0): the room is the queue less what is unread.
+        rooms[l] = l == me ? kUnbounded
+                           : queue_tokens + device::wait_count_since(
+                                                &my_nvl->head[l][own][channel], next[l], 1 - queue_tokens,
+                                                wait, own * ranks_per_node + l, WaitPhase::kDispatchSend);
+      }
+      if (group_aborted(context)) rooms[0] = kStopPolling;
+    }
+    group.sync();
+#pragma unroll
+    for (int l = 0; l < kMaxRanks; ++l) left[l] = l < ranks_per_node ? rooms[l] : 0;
+    if (left[0] == kStopPolling) break;  // the leader writes rooms again only after the round's barrier
+    // Windows of 32 tokens, each cut before the first token a full sub-queue would not take.
+    while (t0 < range.end) {
+      const int t = t0 + lane;
+      uint32_t local_mask = 0;
+      if (t < range.end) {
+        const uint8_t* flags =
+            args.is_token_in_rank + static_cast<size_t>(t) * num_ranks + own * ranks_per_node;
+        for (int l = 0; l < ranks_per_node; ++l) local_mask |= (flags[l] != 0 ? 1u : 0u) << l;
+      }
+      const int full = min(32, range.end - t0);
+      int width = full;
+#pragma unroll
+      for (int l = 0; l < kMaxRanks; ++l) {
+        unsigned last = needing(local_mask, l);
+        if (__popc(last) > left[l]) {
+          for (int i = 0; i < left[l]; ++i) last &= last - 1;
+          width = min(width, __ffs(last) - 1);  // up to the first token past the room
+        }
+      }
+      const unsigned below_width = width == 32 ? ~0u : (1u << width) - 1u;
+      local_mask = (below_width >> lane) & 1u ? local_mask : 0u;
+      const unsigned mask = __ballot_sync(~0u, local_mask != 0);
+      if (window % group.num_warps == group.warp && lane < width && t < range.end) {
+        args.handle.send_head[static_cast<size_t>(t) * num_nodes + own] =
+            (mask >> lane) & 1u ? pushed + __popc(mask & lanes_below(lane)) : -1;
+      }
+      for (unsigned todo = worker_tokens(mask, pushed, group.warp, group.num_warps, lane); todo != 0;
+           todo &= todo - 1) {
+        const int bit = __ffs(todo) - 1;
+        const int token = t0 + bit;
+        const uint32_t token_mask = __shfl_sync(~0u, local_mask, bit);
+        if (lane == 0) {
+          args.handle.forward_mask[first_record + pushed + __popc(mask & lanes_below(bit))] =
+              static_cast<uint8_t>(token_mask);
+        }
+        for (int l = 0; l < ranks_per_node; ++l) {
+          if (!((token_mask >> l) & 1u)) continue;
+          const int before = __popc(needing(local_mask, l) & lanes_below(bit));  // l's rows ahead of it
+          if (l == me) {
+            write_row_from_inputs(args, self_row0 + self_rows + before, token, lane);
+          } else {
+            char* record = args.nvl.record(nvl_base(context, l), me, l, own, channel,
+                                           next[l] + static_cast<uint32_t>(before));
+            write_token_record(record, args.record.normal, args.in.x, args.in.x_scales, args.in.topk_idx,
+                               args.in.topk_weights, token, lane);
+          }
+        }
+      }
+#pragma unroll
+      for (int l = 0; l < kMaxRanks; ++l) {
+        const int count = __popc(needing(local_mask, l));
+        left[l] -= count;
+        if (l == me) {
+          self_rows += count;
+        } else {
+          next[l] += static_cast<uint32_t>(count);
+        }
+      }
+      pushed += __popc(mask);
+      t0 += width;
+      ++window;
+      if (width < full) break;  // a sub-queue is full: publish, then wait for room
+    }
+    // The group's stores come before each reader's tail (the barrier, then the leader's release).
+    group.sync();
+    if (group.leader()) {
+      for (int l = 0; l < ranks_per_node; ++l) {
+        if (l == me) continue;
+        device::st_release_sys(
+            reinterpret_cast<int*>(&nvl_counters(nvl_base(context, l))->tail[me][own][channel]),
+            static_cast<int>(next[l]));
+      }
+    }
+  }
+  if (group.leader()) {
+    for (int l = 0; l < ranks_per_node; ++l) {
+      if (l != me) my_nvl->sent[l][own][channel] = next[l];
+    }
+  }
+}
+
+__device__ void deliver_own_node(const InternodeDispatchArgs& args, int channel, const WarpGroup& group,
+                                 int* rooms, uint64_t calls) {
+  const int ranks_per_node = args.context.nodes.ranks_per_node;
+  if (ranks_per_node == 1) {
+    deliver_own_node_up_to<1>(args, channel, group, rooms, calls);
+  } else if (ranks_per_node == 2) {
+    deliver_own_node_up_to<2>(args, channel, group, rooms, calls);
+  } else if (ranks_per_node <= 4) {
+    deliver_own_node_up_to<4>(args, channel, group, rooms, calls);
+  } else {
+    deliver_own_node_up_to<kMaxNvlRanks>(args, channel, group, rooms, calls);
+  }
+}
+
 // What the forwarder groups of a block share about one source node's stream.
 struct ForwardShared {
   int progress[kMaxNvlRanks][kMaxRdmaNodes];   // records of node m each group has passed
@@ -146,11 +305,12 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
   int sent[kMaxRdmaNodes];  // rows handed to dst (or, to_self, written) per source node
   int done_nodes = 0;
   for (int m = 0; m < num_nodes; ++m) {
-    progress[m] = 0;
+    const int count = args.handle.node_channel_offset[m * num_channels + channel + 1] -
+                      args.handle.node_channel_offset[m * num_channels + channel];
+    // The own node's records never enter the receive queue: its senders deliver them (deliver_own_node).
+    progress[m] = m == own ? count : 0;
     sent[m] = 0;
-    if (args.handle.node_channel_offset[m * num_channels + channel + 1] ==
-        args.handle.node_channel_offset[m * num_channels + channel])
-      ++done_nodes;
+    if (progress[m] == count) ++done_nodes;
   }
   device::StallClock stall;
   stall.restart();
@@ -285,7 +445,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
     for (int m = 0; m < num_nodes; ++m) my_nvl->sent[dst][m][channel] += sent[m];
   }
   int forwarded = 0;
-  for (int m = 0; m < num_nodes; ++m) forwarded += progress[m];
+  for (int m = 0; m < num_nodes; ++m) forwarded += m == own ? 0 : progress[m];
   clock.add_to_report(forwarded, static_cast<int>(args.record.bytes()));
 }
 
@@ -394,7 +554,11 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
     const int node = warp / warps_per_node;
     if (node < num_nodes) {
       const WarpGroup group{node, warp % warps_per_node, warps_per_node, lane};
-      send_to_node<Remote>(args, channel, node, group, &group_values[node], calls);
+      if (node == own_node(context)) {
+        deliver_own_node(args, channel, group, forward_shared.values, calls);
+      } else {
+        send_to_node<Remote>(args, channel, node, group, &group_values[node], calls);
+      }
     }
   } else if (ranks_per_node == 1) {
     // No other rank on the node: nothing to receive over NVLink, so every warp forwards (into the outputs).
@@ -419,6 +583,7 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
   if (blockIdx.x % 2 == 1 && threadIdx.x == 0) {
     // Every group passed every record (and gave it back); the stream's consumed count moves on.
     for (int m = 0; m < num_nodes; ++m) {
+      if (m == own_node(context)) continue;  // nothing of the own node passed the receive queue
       const int count = args.handle.node_channel_offset[m * args.rdma.num_channels + channel + 1] -
                         args.handle.node_channel_offset[m * args.rdma.num_channels + channel];
       rdma_head(context)->counters.consumed[m][channel] += count;
