@@ -167,11 +167,13 @@ __device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int ch
     // does, so the wait ends); this rank's own rows need none.
     if (group.leader()) {
       for (int l = 0; l < ranks_per_node; ++l) {
-        // Consumed minus written (<= 0): the room is the queue less what is unread.
+        // Consumed minus written (<= 0): the room is the queue less what is unread. A round takes at most
+        // kForwardRound rows for a rank, as a forwarder's does, so its reader sees the tail move as often.
         rooms[l] = l == me ? kUnbounded
-                           : queue_tokens + device::wait_count_since(
-                                                &my_nvl->head[l][own][channel], next[l], 1 - queue_tokens,
-                                                wait, own * ranks_per_node + l, WaitPhase::kDispatchSend);
+                           : min(queue_tokens + device::wait_count_since(
+                                                    &my_nvl->head[l][own][channel], next[l], 1 - queue_tokens,
+                                                    wait, own * ranks_per_node + l, WaitPhase::kDispatchSend),
+                                 kForwardRound);
       }
       if (group_aborted(context)) rooms[0] = kStopPolling;
     }
