@@ -3,6 +3,7 @@
 #include "kernels/internode_common.cuh"
 #include "kernels/launch.hpp"
 #include "kernels/phase_clock.cuh"
+#include "kernels/window_cut.hpp"
 
 // Dispatch across nodes. Every channel has two blocks:
 //   even: network senders, one warp group per destination node: the channel's tokens for that node, in token
@@ -193,13 +194,8 @@ __device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int ch
       const int full = min(32, range.end - t0);
       int width = full;
 #pragma unroll
-      for (int l = 0; l < kMaxRanks; ++l) {
-        unsigned last = needing(local_mask, l);
-        if (__popc(last) > left[l]) {
-          for (int i = 0; i < left[l]; ++i) last &= last - 1;
-          width = min(width, __ffs(last) - 1);  // up to the first token past the room
-        }
-      }
+      for (int l = 0; l < kMaxRanks; ++l)
+        width = min(width, tokens_within_room(needing(local_mask, l), left[l], full));
       const unsigned below_width = width == 32 ? ~0u : (1u << width) - 1u;
       local_mask = (below_width >> lane) & 1u ? local_mask : 0u;
       const unsigned mask = __ballot_sync(~0u, local_mask != 0);
@@ -368,14 +364,8 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
                                  args.record.rank_mask_offset())
                 : 0u;
         unsigned mask = __ballot_sync(~0u, (record_mask >> dst) & 1u);
-        int width = window;
-        const int left = room - taken;
-        if (__popc(mask) > left) {
-          unsigned last = mask;
-          for (int i = 0; i < left; ++i) last &= last - 1;
-          width = __ffs(last) - 1;  // up to the first record past the room
-          mask &= (1u << width) - 1u;
-        }
+        const int width = tokens_within_room(mask, room - taken, window);
+        mask &= width == 32 ? ~0u : (1u << width) - 1u;
         if (dst == 0 && group.warp == 0 && lane < width)
           args.handle.forward_mask[first_record + progress[m] + passed + lane] =
               static_cast<uint8_t>(record_mask);
