@@ -17,7 +17,10 @@
 // The reduction order is reference::internode_combine's, so results are bit-exact.
 namespace epx::kernels::internode {
 
-constexpr int kCombineThreads = 1024;
+#ifndef EPX_INTERNODE_THREADS
+#define EPX_INTERNODE_THREADS 1024  // as internode_dispatch.cuh's
+#endif
+constexpr int kCombineThreads = EPX_INTERNODE_THREADS;
 constexpr int kCombineWarps = kCombineThreads / 32;
 
 // The reducers' rows: each lane sums kReduceUnroll 16-byte vectors at a time, 32 vectors apart, loading a

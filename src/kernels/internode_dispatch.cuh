@@ -17,7 +17,12 @@
 // sub-queue carries one source rank's rows in token order, so streams never wait for each other.
 namespace epx::kernels::internode {
 
-constexpr int kThreads = 1024;
+// The block size (every group size derives from it). EPX_INTERNODE_THREADS (a -D of the build) sets it for
+// experiments: 1,024 threads leave 64 registers a thread, 512 leave 128.
+#ifndef EPX_INTERNODE_THREADS
+#define EPX_INTERNODE_THREADS 1024
+#endif
+constexpr int kThreads = EPX_INTERNODE_THREADS;
 constexpr int kWarps = kThreads / 32;
 constexpr int kHalfWarps = kWarps / 2;
 
