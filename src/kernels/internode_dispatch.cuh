@@ -17,14 +17,12 @@
 // sub-queue carries one source rank's rows in token order, so streams never wait for each other.
 namespace epx::kernels::internode {
 
-// The block size (every group size derives from it). EPX_INTERNODE_THREADS (a -D of the build) sets it for
-// experiments: 1,024 threads leave 64 registers a thread, 512 leave 128.
-#ifndef EPX_INTERNODE_THREADS
-#define EPX_INTERNODE_THREADS 1024
-#endif
-constexpr int kThreads = EPX_INTERNODE_THREADS;
-constexpr int kWarps = kThreads / 32;
-constexpr int kHalfWarps = kWarps / 2;
+// Block sizes per row format (every group size derives from them), measured on 2 x H100 as 2 virtual nodes
+// at 12 / 24 SMs: BF16 records are mostly row, and 1,024 threads (32 warps' copies in flight, 64 registers a
+// thread) took 22 % / 18 % less time than 512; FP8 records are half the row plus scales, per-record work weighs
+// more, and 512 threads (128 registers, a seventh of the spills) took 8 % less time than 1,024.
+constexpr int kBf16DispatchThreads = 1024;
+constexpr int kFp8DispatchThreads = 512;
 
 // ---- Network send: the channel's tokens for `node`, a chunk at a time. ----
 template <typename Remote>
@@ -529,8 +527,11 @@ __device__ void receive_from(const InternodeDispatchArgs& args, int channel, int
   }
 }
 
-template <typename Remote>
+template <typename Remote, int kThreads>
 __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatchArgs args) {
+  constexpr int kWarps = kThreads / 32;
+  constexpr int kHalfWarps = kWarps / 2;
+  static_assert(kWarps >= kMaxRdmaNodes && kHalfWarps >= kMaxNvlRanks, "a group per node and per local rank");
   __shared__ ForwardShared forward_shared;
   __shared__ int group_values[kMaxRdmaNodes];
   const InternodeContext& context = args.context;
@@ -591,8 +592,14 @@ __global__ void __launch_bounds__(kThreads, 1) dispatch_kernel(InternodeDispatch
 
 template <typename Remote>
 void launch_dispatch_with(const InternodeDispatchArgs& args, cudaStream_t stream) {
-  launch(dispatch_kernel<Remote>, {unsigned(2 * args.rdma.num_channels), kThreads, 0, Residency::kCoResident},
-         stream, args);
+  const unsigned blocks = 2 * args.rdma.num_channels;
+  if (args.record.normal.num_scales > 0) {
+    launch(dispatch_kernel<Remote, kFp8DispatchThreads>, {blocks, kFp8DispatchThreads, 0, Residency::kCoResident},
+           stream, args);
+  } else {
+    launch(dispatch_kernel<Remote, kBf16DispatchThreads>,
+           {blocks, kBf16DispatchThreads, 0, Residency::kCoResident}, stream, args);
+  }
 }
 
 }  // namespace epx::kernels::internode
