@@ -45,12 +45,19 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
   int khz = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, buffer.device()));
   static constexpr const char* kStreams[kernels::kPhaseStreams] = {
-      "dispatch send",        "dispatch receive",  "combine send",        "send across nodes",
-      "forward across nodes", "dispatch own rows", "reduce across nodes", "combine across nodes"};
+      "dispatch send",       "dispatch receive",     "combine send",
+      "send across nodes",   "forward across nodes", "dispatch own rows",
+      "reduce across nodes", "combine across nodes", "notify across nodes"};
   static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
-      {"room", "write", "publish"}, {"wait", "copy", "release"},   {"room", "write", "publish"},
-      {"room", "write", "publish"}, {"poll", "copy", "give back"}, {"scan", "copy", "drain"},
-      {"room", "sum", "publish"},   {"wait", "sum", "give back"}};
+      {"room", "write", "publish"},
+      {"wait", "copy", "release"},
+      {"room", "write", "publish"},
+      {"room", "write", "publish"},
+      {"poll", "copy", "give back"},
+      {"scan", "copy", "drain"},
+      {"room", "sum", "publish"},
+      {"wait", "sum", "give back"},
+      {"channel counts", "messages", "offsets, host"}};
   const auto reports = take_phase_reports(buffer);
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];
@@ -450,8 +457,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
                      isolated(flush, full_dispatch), nvl_bytes, network_bytes});
       // The first step alone (count exchange and host sync): the rest of the time moves the rows.
       const auto notify_alone = [&] { dispatch_notify(buffer, in, StreamOrder{stream, nullptr, false}); };
+      start_phase_reports(buffer, stream);
       const double notify_us = isolated(flush, notify_alone);
       out.push_back({bf16 ? "  of which notify (BF16)" : "  of which notify (FP8)", sms, notify_us, 0});
+      add_phase_rows(buffer, stream, sms, out);
       // The receive launched with the count exchange, its outputs handed over through host-mapped memory
       // (within one node: across nodes the receive always follows the host's wait).
       if (!across_nodes) {

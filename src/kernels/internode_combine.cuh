@@ -17,8 +17,8 @@
 // The reduction order is reference::internode_combine's, so results are bit-exact.
 namespace epx::kernels::internode {
 
-// 512 threads (128 registers a thread, a quarter of 1,024's spills) took 20 % / 16 % less time than 1,024 at 12 / 24
-// SMs (2 x H100 as 2 virtual nodes): the reducers' per-token work is register-heavy.
+// 512 threads (128 registers a thread, a quarter of 1,024's spills) took 20 % / 16 % less time than 1,024 at
+// 12 / 24 SMs (2 x H100 as 2 virtual nodes): the reducers' per-token work is register-heavy.
 constexpr int kCombineThreads = 512;
 constexpr int kCombineWarps = kCombineThreads / 32;
 

@@ -19,8 +19,8 @@ namespace epx::kernels::internode {
 
 // Block sizes per row format (every group size derives from them), measured on 2 x H100 as 2 virtual nodes
 // at 12 / 24 SMs: BF16 records are mostly row, and 1,024 threads (32 warps' copies in flight, 64 registers a
-// thread) took 22 % / 18 % less time than 512; FP8 records are half the row plus scales, per-record work weighs
-// more, and 512 threads (128 registers, a seventh of the spills) took 8 % less time than 1,024.
+// thread) took 22 % / 18 % less time than 512; FP8 records are half the row plus scales, per-record work
+// weighs more, and 512 threads (128 registers, a seventh of the spills) took 8 % less time than 1,024.
 constexpr int kBf16DispatchThreads = 1024;
 constexpr int kFp8DispatchThreads = 512;
 
@@ -594,8 +594,8 @@ template <typename Remote>
 void launch_dispatch_with(const InternodeDispatchArgs& args, cudaStream_t stream) {
   const unsigned blocks = 2 * args.rdma.num_channels;
   if (args.record.normal.num_scales > 0) {
-    launch(dispatch_kernel<Remote, kFp8DispatchThreads>, {blocks, kFp8DispatchThreads, 0, Residency::kCoResident},
-           stream, args);
+    launch(dispatch_kernel<Remote, kFp8DispatchThreads>,
+           {blocks, kFp8DispatchThreads, 0, Residency::kCoResident}, stream, args);
   } else {
     launch(dispatch_kernel<Remote, kBf16DispatchThreads>,
            {blocks, kBf16DispatchThreads, 0, Residency::kCoResident}, stream, args);

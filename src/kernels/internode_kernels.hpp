@@ -36,8 +36,9 @@ struct InternodeNotifyArgs {
   HandleArrays
       handle;  // is_token_in_rank (copy), recv_channel_offset, node_channel_offset, per-expert counts
   HostCounts host;
-  const int* invalid_id;   // host-mapped flag of the layout kernel, republished with the counts
-  ShapeFingerprint shape;  // what every rank must agree on; travels in every count message
+  const int* invalid_id;          // host-mapped flag of the layout kernel, republished with the counts
+  ShapeFingerprint shape;         // what every rank must agree on; travels in every count message
+  PhaseReport* phases = nullptr;  // EPX_NORMAL_PHASES=1: block 0's steps (kernels/phase_clock.cuh); else null
 };
 void launch_internode_notify(const InternodeNotifyArgs& args, cudaStream_t stream);
 

@@ -5,6 +5,7 @@
 #include "kernels/host_counts.cuh"
 #include "kernels/internode_common.cuh"
 #include "kernels/launch.hpp"
+#include "kernels/phase_clock.cuh"
 #include "kernels/shape_check.cuh"
 
 // The count exchange of normal mode across nodes. Blocks 1..C count what their channel sends to each rank and
@@ -80,6 +81,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   const device::WaitContext wait = wait_context(context);
   const HostCountIndex index{num_ranks, experts_per_rank};
   InternodeBufferMap::Head* head = rdma_head(context);
+  PhaseClock clock(args.phases, PhaseStream::kNodesNotify, threadIdx.x == 0);
   if (threadIdx.x == 0) sequence = *reinterpret_cast<volatile int*>(&head->control.op_count) + 1;
   for (int e = threadIdx.x; e < args.num_experts; e += kNotifyThreads) {
     InternodeBufferMap::message(head->send.messages, e / experts_per_rank, num_ranks, num_channels)
@@ -96,6 +98,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
     __threadfence();
   }
   __syncthreads();
+  clock.mark(0);
   const int parity = sequence & 1;
   const int stride = InternodeBufferMap::message_stride(num_ranks);
   const int message_ints = InternodeBufferMap::message_ints(num_channels, experts_per_rank);
@@ -127,6 +130,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
                 message_shape(InternodeBufferMap::message(arrived, threadIdx.x, num_ranks, num_channels)));
   }
   __syncthreads();
+  clock.mark(1);
 
   // Received rows: offsets per (source, channel), source-major.
   const auto count_at = [&](int cell) {
@@ -192,6 +196,8 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   __syncthreads();
   flush_host_counts(args.host);
   if (threadIdx.x == 0) head->control.op_count = sequence;
+  clock.mark(2);
+  clock.add_to_report(0, 0);
 }
 
 template <typename Remote>

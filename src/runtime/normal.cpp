@@ -681,7 +681,8 @@ void launch_notify_across_nodes(const NotifyCall& call, const kernels::HostCount
       state.arrays,
       host,
       device_address(call.buffer, &call.scratch.invalid_id),
-      normal_shape_fingerprint(call.shape, queue_config(call.buffer, state), true)};
+      normal_shape_fingerprint(call.shape, queue_config(call.buffer, state), true),
+      phase_reports(call.buffer)};
   kernels::launch_internode_notify(args, call.buffer.comm_stream());
 }
 

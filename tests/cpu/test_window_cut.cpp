@@ -8,7 +8,9 @@ namespace {
 
 using epx::kernels::tokens_within_room;
 
-unsigned below(int n) { return n >= 32 ? ~0u : (1u << n) - 1u; }
+unsigned below(int n) {
+  return n >= 32 ? ~0u : (1u << n) - 1u;
+}
 
 TEST(WindowCut, TakesEverythingThereIsRoomFor) {
   EXPECT_EQ(tokens_within_room(0u, 0, 32), 32);

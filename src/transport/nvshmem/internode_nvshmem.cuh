@@ -51,8 +51,10 @@ namespace epx::transport::nvshmem {
 void preload_internode_kernels() {
   kernels::preload_kernel(kernels::internode::notify_kernel<kernels::NvshmemInternode>);
   using kernels::internode::kBf16DispatchThreads, kernels::internode::kFp8DispatchThreads;
-  kernels::preload_kernel(kernels::internode::dispatch_kernel<kernels::NvshmemInternode, kBf16DispatchThreads>);
-  kernels::preload_kernel(kernels::internode::dispatch_kernel<kernels::NvshmemInternode, kFp8DispatchThreads>);
+  kernels::preload_kernel(
+      kernels::internode::dispatch_kernel<kernels::NvshmemInternode, kBf16DispatchThreads>);
+  kernels::preload_kernel(
+      kernels::internode::dispatch_kernel<kernels::NvshmemInternode, kFp8DispatchThreads>);
   kernels::preload_kernel(kernels::internode::combine_kernel<kernels::NvshmemInternode>);
 }
 
