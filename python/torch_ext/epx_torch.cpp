@@ -142,6 +142,13 @@ at::Tensor tensor_over(const c10::Storage& storage, int64_t offset_bytes, at::In
   return tensor;
 }
 
+// at::empty(shape, dtype on `device`) on the current stream, without the dispatcher.
+at::Tensor empty_on(int device, at::IntArrayRef shape, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int64_t bytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+  return tensor_over(allocate_storage(bytes), 0, shape, dtype);
+}
+
 char* address_in(const c10::Storage& storage, int64_t offset_bytes) {
   char* base = static_cast<char*>(storage.data_ptr().get());
   return base == nullptr ? nullptr : base + offset_bytes;
@@ -549,9 +556,8 @@ py::object combine(py::handle buffer, int device, py::handle handle, const at::T
   std::optional<at::Tensor> combined, combined_weights;
   {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    combined = at::empty({num_tokens, hidden}, x.options());
-    if (topk_weights)
-      combined_weights = at::empty({num_tokens, topk_weights->size(1)}, topk_weights->options());
+    combined = empty_on(device, {num_tokens, hidden}, at::kBFloat16);
+    if (topk_weights) combined_weights = empty_on(device, {num_tokens, topk_weights->size(1)}, at::kFloat);
   }
   epx::CombineInput in;
   in.x = x.data_ptr();
