@@ -147,6 +147,9 @@ class Buffer:
         self._on_comm_stream = StreamSwitch(self.comm_stream)  # `with` it: the comm stream is current
         self._fast_empty = fast_empty_strided(self.device)  # allocates on the current device
         self._current_device = getattr(torch()._C, "_cuda_getDevice", None) if self.device.type == "cuda" else None
+        # Whether the group spans nodes: fixed for the runtime's life (read per call otherwise, a binding call).
+        runtime = getattr(self, "runtime", None)
+        self._spans_nodes = bool(runtime.spans_nodes) if runtime is not None else False
 
     def _empty(self) -> Callable[[tuple, tuple, Any], Any]:
         """This call's allocator, f(sizes, strides, dtype) on the Buffer's device and the current stream: the fast
@@ -336,7 +339,7 @@ class Buffer:
         if config is None:
             return None
         # Its fields now (a Config changed in place is another config); an object that is not a config has none.
-        fields = tuple(getattr(config, name, None) for name in _CONFIG_FIELDS)
+        fields = _config_fields(config)
         if fields == self._config_set:
             return None
         previous = self.runtime.config
@@ -550,7 +553,7 @@ class Buffer:
         early, worst-case mode, no dispatch yet, or across nodes (where the receive always follows the host's
         wait)."""
         last = self._last_recv_rows
-        if not launches or num_worst_tokens or last is None or self.runtime.spans_nodes:
+        if not launches or num_worst_tokens or last is None or self._spans_nodes:
             return 0
         return last + last // 16 + 64
 
@@ -581,8 +584,12 @@ class Buffer:
         then raises or copes. The same steps as that Python: a launched receive (launch_receive) writes into
         outputs sized from the last dispatch's rows when they fit."""
         data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
-        if num_experts is not None and getattr(num_tokens_per_expert, "numel", None) is not None \
-                and num_experts != num_tokens_per_expert.numel():
+        numel = getattr(num_tokens_per_expert, "numel", None)
+        if numel is None:
+            return None  # not a tensor: the Python names it
+        num_experts_given = num_experts
+        num_experts = numel()
+        if num_experts_given is not None and num_experts_given != num_experts:
             return None  # the Python names the mismatch
         guess_rows = self._guess_rows(launch_receive, num_worst_tokens)
         made = self._call_natively(
@@ -596,7 +603,7 @@ class Buffer:
         if not num_worst_tokens:
             self._last_recv_rows = rows
         num_tokens, hidden = data.shape
-        handle = DispatchHandle(native_handle, id(self), num_tokens, rows, hidden, num_tokens_per_expert.numel(),
+        handle = DispatchHandle(native_handle, id(self), num_tokens, rows, hidden, num_experts,
                                 0 if topk_idx is None else topk_idx.size(1), int(num_worst_tokens), per_expert_list,
                                 self.num_ranks, self)
         if views is not None:  # the handle's views, made with the call (what DispatchHandle would make on first use)
@@ -967,6 +974,16 @@ class Buffer:
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
 _CONFIG_FIELDS = Config.__slots__  # _epx.Config has the same names
+_CONFIG_TYPES = (Config, getattr(_epx, "Config", Config))
+
+
+def _config_fields(config: Any) -> Tuple[Any, ...]:
+    """The fields of a config (an epx.Config or an _epx.Config) as a tuple; None for each that an object which is
+    not a config lacks. Read attribute by attribute: the per-call path of every normal-mode call."""
+    if isinstance(config, _CONFIG_TYPES):
+        return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+    return tuple(getattr(config, name, None) for name in _CONFIG_FIELDS)
 
 
 def _dispatch_outputs(t: Any, empty: Callable[[tuple, tuple, Any], Any], rows: int, hidden: int, dtype: Any,

@@ -120,19 +120,27 @@ PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const Stre
       [&]() -> PyObject* {
         const HostStep step("native dispatch_call");
         PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
-        DispatchPlan plan = call_without_gil(
-            [&] { return dispatch_notify(owner.get(), input, order, nullptr, overlap, guess); });
+        DispatchPlan plan;
         DispatchOutput outputs = guess != nullptr ? guess->outputs : DispatchOutput{};
-        const auto allocated = [&] {
-          const HostStep allocate_step("native dispatch_call: allocate outputs (torch)");
-          return allocate(context, plan.num_recv_rows, &outputs);
-        };
-        if (!plan.rows_in_guess && !allocated()) {
-          call_without_gil([&] { dispatch_cancel(owner.get(), plan); });  // the launched receive drains
-          return nullptr;
-        }
-        Event event =
-            call_without_gil([&] { return dispatch_receive(owner.get(), plan, input, outputs, order); });
+        bool allocated = true;
+        // One GIL release for notify and receive: the GIL comes back in between only when the outputs are
+        // allocated after the counts (not when the launched receive wrote into the guess). Each release is a
+        // chance for another Python thread to take the GIL and keep it for its switch interval.
+        Event event = call_without_gil([&] {
+          plan = dispatch_notify(owner.get(), input, order, nullptr, overlap, guess);
+          if (!plan.rows_in_guess) {
+            const HostStep allocate_step("native dispatch_call: allocate outputs (torch)");
+            const py::gil_scoped_acquire gil;
+            allocated = allocate(context, plan.num_recv_rows, &outputs);
+          }
+          if (!allocated) {
+            dispatch_cancel(owner.get(), plan);  // the launched receive drains
+            return Event{};
+          }
+          return dispatch_receive(owner.get(), plan, input, outputs, order);
+        });
+        if (!allocated) return nullptr;
+        const HostStep result_step("native dispatch_call: result");
         const int rows = plan.num_recv_rows;
         const bool rows_in_guess = plan.rows_in_guess;
         const DispatchHandle& handle = plan.handle;

@@ -14,8 +14,10 @@
 #include <ATen/ops/empty.h>
 #include <ATen/ops/empty_strided.h>
 #include <ATen/ops/from_blob.h>
+#include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
+#include <c10/util/accumulate.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <climits>
@@ -23,6 +25,7 @@
 #include <exception>
 #include <initializer_list>
 #include <optional>
+#include <tuple>
 
 #include "native_calls.hpp"
 
@@ -66,23 +69,33 @@ bool shaped(const at::Tensor& tensor, std::initializer_list<int64_t> shape) {
 
 // What epx.Buffer._finish does for a normal-mode call: with async_finish the comm stream still uses the
 // inputs and outputs after the call returns; with allocate_on_comm_stream (outputs made on the comm stream)
-// the caller's stream uses the outputs.
+// the caller's stream uses the outputs. `output_blocks`: outputs given as their storages (a dispatch's
+// blocks). Tensor.record_stream records its storage's block with the caching allocator; this records it
+// directly (no dispatcher round trip), once per block.
 void record_uses(int device, uintptr_t comm_stream, bool async_finish, bool allocate_on_comm_stream,
                  std::initializer_list<const std::optional<at::Tensor>*> inputs,
-                 std::initializer_list<const std::optional<at::Tensor>*> outputs) {
-  const auto record = [](const std::optional<at::Tensor>& tensor, const c10::cuda::CUDAStream& stream) {
-    if (tensor && tensor->numel() > 0) tensor->record_stream(stream.unwrap());
+                 std::initializer_list<const std::optional<at::Tensor>*> outputs,
+                 std::initializer_list<const c10::Storage*> output_blocks = {}) {
+  const auto record = [](const c10::Storage& storage, const c10::cuda::CUDAStream& stream) {
+    if (storage && storage.data_ptr().get() != nullptr)
+      c10::cuda::CUDACachingAllocator::recordStream(storage.data_ptr(), stream);
+  };
+  const auto record_all = [&](const c10::cuda::CUDAStream& stream, bool with_inputs) {
+    if (with_inputs) {
+      for (const auto* tensor : inputs)
+        if (*tensor) record((*tensor)->storage(), stream);
+    }
+    for (const auto* tensor : outputs)
+      if (*tensor) record((*tensor)->storage(), stream);
+    for (const auto* block : output_blocks) record(*block, stream);
   };
   if (async_finish) {
-    const c10::cuda::CUDAStream comm = c10::cuda::getStreamFromExternal(
-        reinterpret_cast<cudaStream_t>(comm_stream), static_cast<c10::DeviceIndex>(device));  // NOLINT
-    for (const auto* tensor : inputs) record(*tensor, comm);
-    for (const auto* tensor : outputs) record(*tensor, comm);
+    record_all(c10::cuda::getStreamFromExternal(reinterpret_cast<cudaStream_t>(comm_stream),  // NOLINT
+                                                static_cast<c10::DeviceIndex>(device)),
+               true);
   }
   if (allocate_on_comm_stream) {
-    const c10::cuda::CUDAStream caller =
-        c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device));
-    for (const auto* tensor : outputs) record(*tensor, caller);
+    record_all(c10::cuda::getCurrentCUDAStream(static_cast<c10::DeviceIndex>(device)), false);
   }
 }
 
@@ -96,19 +109,71 @@ std::optional<c10::cuda::CUDAStreamGuard> allocation_stream(int device, uintptr_
                                                       static_cast<c10::DeviceIndex>(device)));
 }
 
-// A tensor of `shape` over device memory the Python object `owner` keeps alive (the tensor holds a reference
-// to it until its storage is freed, from whichever thread frees it).
+// ---- Tensors made in place ----
+// at::empty goes through the dispatcher and at::from_blob asks the driver which device a pointer is on
+// (cudaPointerGetAttributes) unless told: a dispatch made ten such tensors. These make the TensorImpl over a
+// storage directly, as at::empty does underneath (at::detail::empty_generic), with the same dtype, contiguous
+// sizes and strides; a tensor at an offset into a shared storage is at a 256-byte boundary, as cudaMalloc's
+// addresses are.
+
+constexpr int64_t kOutputAlignment = 256;
+
+int64_t aligned(int64_t bytes) {
+  return (bytes + kOutputAlignment - 1) / kOutputAlignment * kOutputAlignment;
+}
+
+// `bytes` from torch's caching allocator on the current device and its current stream (where at::empty
+// allocates), resizable as at::empty's storage is.
+c10::Storage allocate_storage(int64_t bytes) {
+  c10::Allocator* allocator = c10::cuda::CUDACachingAllocator::get();
+  return {c10::Storage::use_byte_size_t(), c10::SymInt(bytes), allocator, /*resizable=*/true};
+}
+
+// A contiguous tensor of `shape` and `dtype` at `offset_bytes` into `storage` (a multiple of the dtype's
+// size).
+at::Tensor tensor_over(const c10::Storage& storage, int64_t offset_bytes, at::IntArrayRef shape,
+                       at::ScalarType dtype) {
+  at::Tensor tensor = at::detail::make_tensor<c10::TensorImpl>(
+      c10::Storage(storage), c10::DispatchKeySet(c10::DispatchKey::CUDA), c10::scalarTypeToTypeMeta(dtype));
+  c10::TensorImpl* impl = tensor.unsafeGetTensorImpl();
+  impl->set_sizes_contiguous(shape);
+  if (offset_bytes != 0)
+    impl->set_storage_offset(offset_bytes / static_cast<int64_t>(c10::elementSize(dtype)));
+  return tensor;
+}
+
+// at::empty(shape, dtype on `device`) on the current stream, without the dispatcher.
+at::Tensor empty_on(int device, at::IntArrayRef shape, at::ScalarType dtype) {
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+  const int64_t bytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+  return tensor_over(allocate_storage(bytes), 0, shape, dtype);
+}
+
+char* address_in(const c10::Storage& storage, int64_t offset_bytes) {
+  char* base = static_cast<char*>(storage.data_ptr().get());
+  return base == nullptr ? nullptr : base + offset_bytes;
+}
+
+void release_owner(void* owner) {
+  if (!Py_IsInitialized()) return;  // at exit: the interpreter (and the handle) is gone already
+  const py::gil_scoped_acquire gil;
+  Py_DECREF(static_cast<PyObject*>(owner));
+}
+
+// A storage of `bytes` over device memory the Python object `owner` keeps alive (the storage holds a
+// reference to it until it is freed, from whichever thread frees it).
+c10::Storage borrowed_storage(const void* address, int64_t bytes, int device, PyObject* owner) {
+  Py_INCREF(owner);
+  c10::DataPtr data(const_cast<void*>(address), owner,  // NOLINT(cppcoreguidelines-pro-type-const-cast)
+                    &release_owner, c10::Device(c10::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  return {c10::Storage::use_byte_size_t(), static_cast<size_t>(bytes), std::move(data), nullptr, false};
+}
+
+// A tensor of `shape` over device memory `owner` keeps alive.
 at::Tensor view_of(const void* address, at::IntArrayRef shape, at::ScalarType dtype, int device,
                    PyObject* owner) {
-  Py_INCREF(owner);
-  const auto release = [owner](void*) {
-    if (!Py_IsInitialized()) return;  // at exit: the interpreter (and the handle) is gone already
-    const py::gil_scoped_acquire gil;
-    Py_DECREF(owner);
-  };
-  return at::from_blob(
-      const_cast<void*>(address), shape, release,  // NOLINT(cppcoreguidelines-pro-type-const-cast)
-      at::TensorOptions().dtype(dtype).device(at::kCUDA, static_cast<c10::DeviceIndex>(device)));
+  const int64_t bytes = c10::multiply_integers(shape) * static_cast<int64_t>(c10::elementSize(dtype));
+  return tensor_over(borrowed_storage(address, bytes, device, owner), 0, shape, dtype);
 }
 
 // Within one node, DeepEP's handle tuple's arrays of a dispatch's `handle` (an `_epx.DispatchHandle`), as
@@ -118,11 +183,13 @@ py::object deep_ep_views(const epx::python::DispatchHandleArrays& arrays, PyObje
                          int64_t num_ranks, int64_t num_tokens, int64_t rows) {
   if (arrays.deep_ep_matrices == nullptr) return py::none();
   const int64_t channels = arrays.num_channels, cells = num_ranks * channels;
-  const at::Tensor matrices =
-      view_of(arrays.deep_ep_matrices, {num_ranks * num_ranks + 2 * cells}, at::kInt, device, handle);
-  return py::make_tuple(matrices.narrow(0, 0, num_ranks * num_ranks).view({num_ranks, num_ranks}),
-                        matrices.narrow(0, num_ranks * num_ranks, cells).view({num_ranks, channels}),
-                        matrices.narrow(0, num_ranks * num_ranks + cells, cells).view({num_ranks, channels}),
+  const int64_t square_bytes = num_ranks * num_ranks * static_cast<int64_t>(sizeof(int));
+  const int64_t cells_bytes = cells * static_cast<int64_t>(sizeof(int));
+  const c10::Storage matrices =
+      borrowed_storage(arrays.deep_ep_matrices, square_bytes + 2 * cells_bytes, device, handle);
+  return py::make_tuple(tensor_over(matrices, 0, {num_ranks, num_ranks}, at::kInt),
+                        tensor_over(matrices, square_bytes, {num_ranks, channels}, at::kInt),
+                        tensor_over(matrices, square_bytes + cells_bytes, {num_ranks, channels}, at::kInt),
                         view_of(arrays.recv_src_idx, {rows}, at::kInt, device, handle),
                         view_of(arrays.is_token_in_rank, {num_tokens, num_ranks}, at::kBool, device, handle),
                         view_of(arrays.send_head, {num_tokens, num_ranks}, at::kInt, device, handle));
@@ -267,35 +334,67 @@ std::optional<epx::DispatchInput> token_input(const at::Tensor& x, const std::op
   return in;
 }
 
-// A dispatch's four outputs for `rows` rows (recv_x, scales with FP8, top-k ids and weights with top-k), on
-// the allocation stream.
+// A dispatch's outputs (recv_x, scales with FP8, top-k ids and weights with top-k) for up to `capacity` rows,
+// from torch's caching allocator on the allocation stream, in two blocks: recv_x alone, and the scales, ids
+// and weights together. recv_x is most of the bytes and callers free it apart from the others (a DeepEP
+// caller keeps the top-k weights until combine, or for backward): in a block shared with them it would live
+// as long as they do. The small outputs share one block, each at a 256-byte boundary; sharing it keeps each
+// alive as long as the others, a few hundred bytes per row at most.
 struct DispatchOutputs {
-  std::optional<at::Tensor> recv_x, recv_scales, recv_idx, recv_weights;
+  c10::Storage rows_block, extras_block;
+  at::ScalarType x_dtype = at::kBFloat16, scales_dtype = at::kFloat;
+  int64_t hidden = 0, num_scales = 0, num_topk = 0;
+  bool with_scales = false;
+  int64_t idx_offset = 0, weights_offset = 0;  // bytes into extras_block (the scales start it)
 
-  static DispatchOutputs make(int64_t rows, const at::Tensor& x, const std::optional<at::Tensor>& x_scales,
-                              int64_t num_topk) {
+  static DispatchOutputs make(int64_t capacity, int device, const at::Tensor& x,
+                              const std::optional<at::Tensor>& x_scales, int64_t num_topk) {
     DispatchOutputs made;
-    made.recv_x = at::empty({rows, x.size(1)}, x.options());
-    if (x_scales) made.recv_scales = at::empty({rows, x_scales->size(1)}, x_scales->options());
-    if (num_topk > 0) {
-      made.recv_idx = at::empty({rows, num_topk}, x.options().dtype(at::kLong));
-      made.recv_weights = at::empty({rows, num_topk}, x.options().dtype(at::kFloat));
+    made.x_dtype = x.scalar_type();
+    made.hidden = x.size(1);
+    made.with_scales = x_scales.has_value();
+    if (made.with_scales) {
+      made.scales_dtype = x_scales->scalar_type();
+      made.num_scales = x_scales->size(1);
     }
+    made.num_topk = num_topk;
+    const int64_t scales_bytes =
+        made.with_scales
+            ? capacity * made.num_scales * static_cast<int64_t>(c10::elementSize(made.scales_dtype))
+            : 0;
+    made.idx_offset = aligned(scales_bytes);
+    made.weights_offset =
+        made.idx_offset + aligned(capacity * num_topk * static_cast<int64_t>(sizeof(int64_t)));
+    const int64_t extras_bytes =
+        made.weights_offset + capacity * num_topk * static_cast<int64_t>(sizeof(float));
+    // The allocator allocates on the current device (at::empty guards the tensor's device the same way).
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    made.rows_block = allocate_storage(capacity * made.hidden * x.element_size());
+    if (made.with_scales || num_topk > 0) made.extras_block = allocate_storage(extras_bytes);
     return made;
   }
   epx::DispatchOutput native() const {
     epx::DispatchOutput out;
-    out.recv_x = recv_x->data_ptr();
-    out.recv_x_scales = pointer_of<float*>(recv_scales);
-    out.recv_topk_idx = pointer_of<int64_t*>(recv_idx);
-    out.recv_topk_weights = pointer_of<float*>(recv_weights);
+    out.recv_x = address_in(rows_block, 0);
+    if (with_scales) out.recv_x_scales = reinterpret_cast<float*>(address_in(extras_block, 0));
+    if (num_topk > 0) {
+      out.recv_topk_idx = reinterpret_cast<int64_t*>(address_in(extras_block, idx_offset));
+      out.recv_topk_weights = reinterpret_cast<float*>(address_in(extras_block, weights_offset));
+    }
     return out;
   }
-  // The first `rows` rows of each (a guess made for more).
-  void narrow(int64_t rows) {
-    for (auto* output : {&recv_x, &recv_scales, &recv_idx, &recv_weights}) {
-      if (*output) *output = (*output)->narrow(0, 0, rows);
+  // The tensors of the first `rows` rows (<= capacity): recv_x, and each of the others or None where not
+  // made.
+  std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+  tensors(int64_t rows) const {
+    std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
+        made{tensor_over(rows_block, 0, {rows, hidden}, x_dtype), std::nullopt, std::nullopt, std::nullopt};
+    if (with_scales) std::get<1>(made) = tensor_over(extras_block, 0, {rows, num_scales}, scales_dtype);
+    if (num_topk > 0) {
+      std::get<2>(made) = tensor_over(extras_block, idx_offset, {rows, num_topk}, at::kLong);
+      std::get<3>(made) = tensor_over(extras_block, weights_offset, {rows, num_topk}, at::kFloat);
     }
+    return made;
   }
 };
 
@@ -317,15 +416,16 @@ py::object dispatch_cached(py::handle buffer, int device, py::handle handle, con
   DispatchOutputs outputs;  // no top-k outputs: a cached dispatch routes by its handle
   {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    outputs = DispatchOutputs::make(rows, x, x_scales, 0);
+    outputs = DispatchOutputs::make(rows, device, x, x_scales, 0);
   }
   py::object event =
       adopt(native->dispatch_cached(buffer.ptr(), handle.ptr(), in, outputs.native(), static_cast<int>(rows),
                                     current_order(device, previous_event, async_finish)));
   const std::optional<at::Tensor> input(x);
-  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input, &x_scales},
-              {&outputs.recv_x, &outputs.recv_scales});
-  return py::make_tuple(std::move(*outputs.recv_x), std::move(outputs.recv_scales), std::move(event));
+  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input, &x_scales}, {},
+              {&outputs.rows_block, &outputs.extras_block});
+  auto [recv_x, recv_scales, recv_idx, recv_weights] = outputs.tensors(rows);
+  return py::make_tuple(std::move(recv_x), std::move(recv_scales), std::move(event));
 }
 
 // What the dispatch's allocate callback needs, and what it leaves.
@@ -345,7 +445,8 @@ bool allocate_dispatch_outputs(void* raw, int rows, epx::DispatchOutput* out) {
   try {
     const auto guard =
         allocation_stream(context.device, context.comm_stream, context.allocate_on_comm_stream);
-    context.outputs = DispatchOutputs::make(rows, *context.x, *context.x_scales, context.num_topk);
+    context.outputs =
+        DispatchOutputs::make(rows, context.device, *context.x, *context.x_scales, context.num_topk);
     *out = context.outputs.native();
     return true;
   } catch (...) {
@@ -403,7 +504,7 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   DispatchOutputs guessed;
   if (guess_rows > 0) {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    guessed = DispatchOutputs::make(guess_rows, x, x_scales, num_topk);
+    guessed = DispatchOutputs::make(guess_rows, device, x, x_scales, num_topk);
     guess.emplace();
     guess->outputs = guessed.native();
     guess->rows = static_cast<int>(guess_rows);
@@ -419,18 +520,18 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   const py::tuple plan =
       py::reinterpret_steal<py::tuple>(made);  // (handle, rows, per expert, in guess, event)
   const int64_t rows = plan[1].cast<int64_t>();
-  DispatchOutputs& outputs = plan[3].cast<bool>() ? guessed : context.outputs;
-  if (&outputs == &guessed) outputs.narrow(rows);
+  // With the rows in the guess its blocks are the outputs (made for more rows: the tensors take the first).
+  const DispatchOutputs& outputs = plan[3].cast<bool>() ? guessed : context.outputs;
   if (async_finish || allocate_on_comm_stream) {
     const std::optional<at::Tensor> x_input(x), in_rank(is_token_in_rank), per_expert(num_tokens_per_expert);
     record_uses(device, comm_stream, async_finish, allocate_on_comm_stream,
-                {&x_input, &x_scales, &topk_idx, &topk_weights, &in_rank, &per_expert},
-                {&outputs.recv_x, &outputs.recv_scales, &outputs.recv_idx, &outputs.recv_weights});
+                {&x_input, &x_scales, &topk_idx, &topk_weights, &in_rank, &per_expert}, {},
+                {&outputs.rows_block, &outputs.extras_block});
   }
   py::object views = deep_ep_views(arrays, plan[0].ptr(), device, num_ranks, num_tokens, rows);
-  return py::make_tuple(std::move(outputs.recv_x), std::move(outputs.recv_scales),
-                        std::move(outputs.recv_idx), std::move(outputs.recv_weights), plan[0], rows, plan[2],
-                        plan[4], std::move(views));
+  auto [recv_x, recv_scales, recv_idx, recv_weights] = outputs.tensors(rows);
+  return py::make_tuple(std::move(recv_x), std::move(recv_scales), std::move(recv_idx),
+                        std::move(recv_weights), plan[0], rows, plan[2], plan[4], std::move(views));
 }
 
 // (combined_x, combined_topk_weights or None, the `_epx.Event`), or None. x is BF16 [rows, H'] (H' may differ
@@ -455,9 +556,8 @@ py::object combine(py::handle buffer, int device, py::handle handle, const at::T
   std::optional<at::Tensor> combined, combined_weights;
   {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    combined = at::empty({num_tokens, hidden}, x.options());
-    if (topk_weights)
-      combined_weights = at::empty({num_tokens, topk_weights->size(1)}, topk_weights->options());
+    combined = empty_on(device, {num_tokens, hidden}, at::kBFloat16);
+    if (topk_weights) combined_weights = empty_on(device, {num_tokens, topk_weights->size(1)}, at::kFloat);
   }
   epx::CombineInput in;
   in.x = x.data_ptr();

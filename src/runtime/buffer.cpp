@@ -15,6 +15,7 @@
 #include "buffer_map/normal_nodes.hpp"
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
+#include "core/block_recycler.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "gpu/cuda_check.hpp"
@@ -90,6 +91,9 @@ struct Buffer::State {
   // documents as deferred, left the driver's pool state broken: the next cudaMemPoolDestroy of the process,
   // NCCL's at ncclCommDestroy, crashed.)
   std::shared_ptr<CUmemPoolHandle_st> handle_pool;
+  // Blocks of the pool that dead handles gave back, for the next handles (core/block_recycler.hpp). Handles
+  // share it, so it may outlive the Buffer; closed (its blocks freed) when the Buffer frees its memory.
+  std::shared_ptr<BlockRecycler> handle_blocks = std::make_shared<BlockRecycler>();
   std::optional<IpcMemory> nvl;
   std::optional<IpcMemory> symmetric;            // low-latency memory of a one-node group
   std::optional<RemoteMemory> symmetric_remote;  // ... of a group spanning nodes
@@ -131,7 +135,11 @@ struct Buffer::State {
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
-    // Handles still alive keep the pool (and the comm stream) until their arrays are freed.
+    // Handles still alive keep the pool (and the comm stream) until their arrays are freed; the kept blocks
+    // go back to the pool now, before the Buffer gives up its share of it.
+    for (const BlockRecycler::Block& block : handle_blocks->close()) {
+      if (comm_stream != nullptr) cudaFreeAsync(block.address, comm_stream);
+    }
     handle_pool.reset();
     for (cudaEvent_t& event : ordering_events) {
       if (event != nullptr) cudaEventDestroy(event);
@@ -393,6 +401,9 @@ std::shared_ptr<CUstream_st> BufferAccess::comm_stream_shared(const Buffer& buff
 }
 std::shared_ptr<CUmemPoolHandle_st> BufferAccess::handle_memory_pool(const Buffer& buffer) {
   return buffer.live().handle_pool;
+}
+const std::shared_ptr<BlockRecycler>& BufferAccess::handle_blocks(const Buffer& buffer) {
+  return buffer.live().handle_blocks;
 }
 std::shared_ptr<LowLatencyState> BufferAccess::low_latency_state(const Buffer& buffer) {
   return buffer.live().low_latency;

@@ -6,6 +6,7 @@
 
 #include "buffer_map/layout_board_map.hpp"
 #include "core/abort_word.hpp"
+#include "core/block_recycler.hpp"
 #include "core/exclusive_use.hpp"
 #include "epx/buffer.hpp"
 
@@ -42,6 +43,8 @@ struct BufferAccess {
   // Memory pool of the handles' device arrays (allocated and freed on the comm stream; keeps freed memory).
   // Every allocation holds it: it is destroyed after the last one is freed, never with allocations out.
   static std::shared_ptr<CUmemPoolHandle_st> handle_memory_pool(const Buffer& buffer);
+  // The pool's blocks dead handles gave back, kept for the next handles' arrays on the comm stream.
+  static const std::shared_ptr<BlockRecycler>& handle_blocks(const Buffer& buffer);
   // The host side of the low-latency protocol (which half the next call uses, pending hooks). Created with
   // the Buffer and dropped by destroy(), so a new Buffer, even at the same address, starts afresh.
   static std::shared_ptr<LowLatencyState> low_latency_state(const Buffer& buffer);

@@ -14,6 +14,7 @@
 #include "buffer_map/normal_buffer_map.hpp"
 #include "buffer_map/normal_nodes.hpp"
 #include "common/tagged_word.hpp"
+#include "core/block_recycler.hpp"
 #include "epx/error.hpp"
 #include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
@@ -275,21 +276,32 @@ namespace {
 // `bytes` from the Buffer's handle pool, ordered on its comm stream, freed on it with the last owner. With
 // `complete_on` (a private, otherwise idle stream) the allocation is made there and waited for instead: then
 // it is valid for any work, even a kernel the comm stream already runs (a launched receive), which a
-// stream-ordered allocation behind that kernel would not be.
+// stream-ordered allocation behind that kernel would not be. On the comm stream a block a dead handle gave
+// back serves first (core/block_recycler.hpp says why that is stream-ordered too), and the last owner gives
+// its block back instead of freeing it: no pool call either way.
 std::shared_ptr<void> allocate_on_stream(const Buffer& buffer, size_t bytes,
                                          cudaStream_t complete_on = nullptr) {
-  const std::shared_ptr<CUstream_st> stream = BufferAccess::comm_stream_shared(buffer);
+  std::shared_ptr<CUstream_st> stream = BufferAccess::comm_stream_shared(buffer);
   std::shared_ptr<CUmemPoolHandle_st> pool = BufferAccess::handle_memory_pool(buffer);
   void* raw = nullptr;
   if (complete_on != nullptr) {
     EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool.get(), complete_on));
     EPX_CUDA_CHECK(cudaStreamSynchronize(complete_on));
-  } else {
-    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&raw, bytes, pool.get(), stream.get()));
+    // The array holds the pool: a handle that outlives its Buffer frees into a pool that still exists.
+    return std::shared_ptr<void>(raw, [stream = std::move(stream), pool = std::move(pool)](void* p) {
+      cudaFreeAsync(p, stream.get());
+    });
   }
-  // The array holds the pool: a handle that outlives its Buffer frees into a pool that still exists.
-  return std::shared_ptr<void>(raw,
-                               [stream, pool = std::move(pool)](void* p) { cudaFreeAsync(p, stream.get()); });
+  std::shared_ptr<BlockRecycler> blocks = BufferAccess::handle_blocks(buffer);
+  BlockRecycler::Block block = blocks->take(bytes);
+  if (block.address == nullptr) {
+    block.bytes = BlockRecycler::rounded(bytes);
+    EPX_CUDA_CHECK(cudaMallocFromPoolAsync(&block.address, block.bytes, pool.get(), stream.get()));
+  }
+  return std::shared_ptr<void>(block.address, [stream = std::move(stream), pool = std::move(pool),
+                                               blocks = std::move(blocks), bytes = block.bytes](void* p) {
+    if (!blocks->keep({p, bytes})) cudaFreeAsync(p, stream.get());
+  });
 }
 
 // What the caller sizes the outputs with, and the handle.

@@ -230,7 +230,9 @@ class Buffer:
         available = runtime.num_nvl_bytes
         if row_bytes is None or available <= 0:
             return config
-        key = tuple(getattr(config, name) for name in Config.__slots__) + (row_bytes, available, runtime.num_ranks)
+        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+               config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens, row_bytes, available,
+               runtime.num_ranks)
         if key in _FITTED_CONFIGS:
             fitted = _FITTED_CONFIGS[key]
             return config if fitted is None else fitted
@@ -306,7 +308,7 @@ class Buffer:
         live = self._live()
         # Across nodes the internode tuple's matrices are queued right after the count exchange; within one node
         # the count exchange writes DeepEP's matrices itself.
-        builder = NormalHandleBuilder() if live.runtime.spans_nodes else None
+        builder = NormalHandleBuilder() if live._spans_nodes else None
         result = live.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
                                num_tokens_per_rank=num_tokens_per_rank, expert_alignment=expert_alignment,

@@ -253,6 +253,29 @@ def test_extension_views_become_the_handles_views(stub, monkeypatch):
     assert epx_handle.is_token_in_rank is views[4] and epx_handle.deep_ep_matrices == views[:3]
 
 
+def test_dispatch_reads_the_spans_nodes_of_construction(stub, monkeypatch):
+    """Whether the group spans nodes is read once, when the Buffer is made: a dispatch (through deep_ep, and its
+    guess of the rows) asks the runtime nothing more for it."""
+    wrapper, _ = stub
+    x, ids, weights, _, _ = ll_inputs()
+    args = layout_args(wrapper, ids, weights)
+    wrapper.dispatch(x, **args)
+    monkeypatch.delattr(wrapper.runtime.runtime, "spans_nodes")  # reading it now raises AttributeError
+    _, _, _, _, handle, _ = wrapper.dispatch(x, **args)
+    assert len(handle) == 6 and wrapper.runtime._guess_rows(True, 0) > 0
+
+
+def test_config_fields_are_read_as_before():
+    """_config_fields (the per-call key of the config last set) reads what getattr over the field names read."""
+    import epx.buffer as buffer_module
+
+    slow = lambda config: tuple(getattr(config, name, None) for name in buffer_module._CONFIG_FIELDS)  # noqa: E731
+    config = epx.Config(8, 4, 64, 5, 96)
+    for each in (config, config.to_native(), object(), None):
+        assert buffer_module._config_fields(each) == slow(each)
+    assert buffer_module._config_fields(config) == (8, 4, 64, 5, 96)
+
+
 def test_dispatch_count_wait_is_the_runtimes(stub):
     """epx.Buffer.dispatch_count_wait_us: the runtime's nanoseconds of host waits for dispatch counts, in µs."""
     wrapper, _ = stub
