@@ -27,7 +27,6 @@
 #include "runtime/low_latency_state.hpp"
 #include "runtime/normal_fingerprint.hpp"
 #include "runtime/normal_host_scratch.hpp"
-#include "runtime/remote_memory.hpp"
 #include "runtime/stream_order.hpp"
 
 namespace epx {
@@ -145,8 +144,10 @@ InternodeBufferMaps internode_buffer_maps(const Buffer& buffer, const DispatchHa
 }
 
 kernels::InternodeContext internode_context(const Buffer& buffer) {
+  const char* puts = std::getenv("EPX_INTERNODE_PUTS");  // read per call: a test switches it between Buffers
   return {peer_context(buffer), buffer.symmetric_buffer(),
-          NodeMap{buffer.num_ranks(), buffer.ranks_per_node()}, !internode_puts_requested()};
+          NodeMap{buffer.num_ranks(), buffer.ranks_per_node()},
+          puts == nullptr || std::string_view(puts) != "1"};
 }
 
 // Rows move with 16-byte accesses and bulk copies, which fault (killing the CUDA context) on a misaligned

@@ -15,7 +15,6 @@
 #include "expect_error.hpp"
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_info.hpp"
-#include "internode_puts_only.hpp"
 #include "run_ranks.hpp"
 #include "test_low_latency_harness.hpp"
 
@@ -88,28 +87,6 @@ TEST(LowLatencyNodes, PreReduceOddCountsDuplicates) {
     SCOPED_TRACE(logfmt ? "LogFMT, zero copy" : "BF16");
     run_case(c);
   }
-}
-
-// The path a NIC takes (the transport's puts and a quiet per signal) on GPUs that map each other: every
-// format and option that changes what crosses, odd counts, a graph.
-TEST(LowLatencyNodes, NetworkPutsInsteadOfStores) {
-  const epx::test::InternodePutsOnly puts_only;
-  LowLatencyCase c = nodes_case(2, 1);
-  c.num_tokens = {0, c.num_max_tokens, 7, 1};
-  c.duplicates = true;
-  c.drop_probability = 0.2;
-  c.use_fp8 = c.round_scale = c.use_ue8m0 = true;
-  c.use_logfmt = true;
-  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
-  c.stats = true;
-  c.num_iterations = 3;
-  run_case(c);
-  LowLatencyCase pre_reduced = nodes_case(2, 1);
-  pre_reduced.num_tokens = {1, pre_reduced.num_max_tokens, 0, 9};
-  pre_reduced.pre_reduce = true;
-  pre_reduced.graph = true;
-  pre_reduced.num_iterations = 3;
-  run_case(pre_reduced);
 }
 
 TEST(LowLatencyNodes, DefaultShapeFp8) {

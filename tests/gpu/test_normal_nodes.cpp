@@ -12,7 +12,6 @@
 #include <vector>
 
 #include "expect_error.hpp"
-#include "internode_puts_only.hpp"
 #include "run_ranks.hpp"
 #include "test_normal_harness.hpp"
 
@@ -147,7 +146,10 @@ TEST_P(NormalNodes, OneTokenQueues) {
 // could write directly (EPX_INTERNODE_PUTS=1: no rail peer mapped): the ring wrapping mid-chunk, both
 // formats, cached.
 TEST_P(NormalNodes, NetworkPutsInsteadOfStores) {
-  const epx::test::InternodePutsOnly puts_only;
+  struct PutsOnly {
+    PutsOnly() { setenv("EPX_INTERNODE_PUTS", "1", 1); }
+    ~PutsOnly() { unsetenv("EPX_INTERNODE_PUTS"); }
+  } puts_only;
   NormalCase c = node_case(GetParam(), 308);
   c.num_tokens = {333, 1, 0};
   c.rdma_chunk_tokens = 5;

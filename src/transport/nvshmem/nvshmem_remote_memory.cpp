@@ -18,14 +18,9 @@ RemoteMemory allocate_remote_memory(Bootstrap& bootstrap, size_t bytes, int rank
   memory.local = heap->base();
   memory.bytes = heap->bytes();
   const int node = bootstrap.rank() / ranks_per_node;
-  // Stores into a peer the transport maps, as normal mode's rail peers: a put through NVSHMEM's P2P transport
-  // is a copy by the calling warp anyway, plus a quiet per signal.
-  const bool map_other_nodes = !internode_puts_requested();
   for (int rank = 0; rank < bootstrap.num_ranks(); ++rank) {
     void* mapped = nullptr;
-    if (rank / ranks_per_node != node) {
-      if (map_other_nodes) mapped = heap->peer_pointer(rank, 0);
-    } else {
+    if (rank / ranks_per_node == node) {
       mapped = heap->peer_pointer(rank, 0);
       if (mapped == nullptr) {
         EPX_FAIL(
