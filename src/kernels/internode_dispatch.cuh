@@ -437,7 +437,11 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
     }
   }
   if (!to_self && group.leader()) {
-    for (int m = 0; m < num_nodes; ++m) my_nvl->sent[dst][m][channel] += sent[m];
+    // Not the own node's count: deliver_own_node (the sender block, running at the same time) owns it, and
+    // even adding 0 here is a load and a store that could put back the value it had before that block's.
+    for (int m = 0; m < num_nodes; ++m) {
+      if (m != own) my_nvl->sent[dst][m][channel] += sent[m];
+    }
   }
   int forwarded = 0;
   for (int m = 0; m < num_nodes; ++m) forwarded += m == own ? 0 : progress[m];
