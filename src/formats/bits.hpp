@@ -68,4 +68,13 @@ EPX_HD int popcount32(uint32_t word) {
 #endif
 }
 
+// Position of the lowest set bit of a word; `word` must not be 0.
+EPX_HD int lowest_set_bit32(uint32_t word) {
+#if defined(__CUDA_ARCH__)
+  return __ffs(word) - 1;
+#else
+  return __builtin_ctz(word);
+#endif
+}
+
 }  // namespace epx
