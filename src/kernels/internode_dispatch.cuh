@@ -24,13 +24,22 @@ namespace epx::kernels::internode {
 constexpr int kBf16DispatchThreads = 1024;
 constexpr int kFp8DispatchThreads = 512;
 
+// Bit l: local rank l of `node` takes token t (the input's routing, or a cached handle's copy).
+__device__ __forceinline__ uint32_t ranks_of_node_taking(const InternodeDispatchArgs& args, int t, int node) {
+  const int ranks_per_node = args.context.nodes.ranks_per_node;
+  const uint8_t* flags =
+      args.is_token_in_rank + static_cast<size_t>(t) * args.context.peers.num_ranks + node * ranks_per_node;
+  uint32_t mask = 0;
+  for (int l = 0; l < ranks_per_node; ++l) mask |= (flags[l] != 0 ? 1u : 0u) << l;
+  return mask;
+}
+
 // ---- Network send: the channel's tokens for `node`, a chunk at a time. ----
 template <typename Remote>
 __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int node, const WarpGroup& group,
                              int* shared, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
-  const int num_ranks = context.peers.num_ranks;
   const int own = own_node(context);
   const int dst_rank = nodes.rail_peer(context.peers.rank, node);
   const RailTarget target = RailTarget::of<Remote>(context, dst_rank);
@@ -64,21 +73,10 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
     int taken = 0;
     while (taken < granted && t0 < range.end) {
       const int t = t0 + lane;
-      uint32_t local_mask = 0;
-      if (t < range.end) {
-        const uint8_t* flags =
-            args.is_token_in_rank + static_cast<size_t>(t) * num_ranks + node * nodes.ranks_per_node;
-        for (int l = 0; l < nodes.ranks_per_node; ++l) local_mask |= (flags[l] != 0 ? 1u : 0u) << l;
-      }
+      const uint32_t local_mask = t < range.end ? ranks_of_node_taking(args, t, node) : 0u;
       unsigned mask = __ballot_sync(~0u, local_mask != 0);
-      int width = 32;
-      const int room = granted - taken;
-      if (__popc(mask) > room) {
-        unsigned last = mask;
-        for (int i = 1; i < room; ++i) last &= last - 1;
-        width = __ffs(last);
-        mask &= width == 32 ? ~0u : (1u << width) - 1u;
-      }
+      const int width = tokens_within_room(mask, granted - taken, 32);
+      mask &= width == 32 ? ~0u : (1u << width) - 1u;
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         args.handle.send_head[static_cast<size_t>(t) * nodes.num_nodes() + node] =
             (mask >> lane) & 1u ? pushed + taken + __popc(mask & lanes_below(lane)) : -1;
@@ -135,7 +133,6 @@ __device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int ch
                                        int* rooms, uint64_t calls) {
   const InternodeContext& context = args.context;
   const NodeMap& nodes = context.nodes;
-  const int num_ranks = context.peers.num_ranks;
   const int num_nodes = nodes.num_nodes();
   const int ranks_per_node = nodes.ranks_per_node;
   const int num_channels = args.rdma.num_channels;
@@ -188,12 +185,7 @@ __device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int ch
     // Windows of 32 tokens, each cut before the first token a full sub-queue would not take.
     while (t0 < range.end) {
       const int t = t0 + lane;
-      uint32_t local_mask = 0;
-      if (t < range.end) {
-        const uint8_t* flags =
-            args.is_token_in_rank + static_cast<size_t>(t) * num_ranks + own * ranks_per_node;
-        for (int l = 0; l < ranks_per_node; ++l) local_mask |= (flags[l] != 0 ? 1u : 0u) << l;
-      }
+      uint32_t local_mask = t < range.end ? ranks_of_node_taking(args, t, own) : 0u;
       const int full = min(32, range.end - t0);
       int width = full;
 #pragma unroll
