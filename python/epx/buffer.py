@@ -26,7 +26,7 @@ from ._util import (
     StreamSwitch,
     torch,
 )
-from .config import Config, native_config
+from .config import Config, config_fields, native_config
 from .event import EventOverlap
 from .results import (
     CombineResult,
@@ -339,7 +339,7 @@ class Buffer:
         if config is None:
             return None
         # Its fields now (a Config changed in place is another config); an object that is not a config has none.
-        fields = _config_fields(config)
+        fields = config_fields(config)
         if fields == self._config_set:
             return None
         previous = self.runtime.config
@@ -973,17 +973,6 @@ class Buffer:
 
 
 _NO_CONTEXT = contextlib.nullcontext()  # stateless: one serves every `with`
-_CONFIG_FIELDS = Config.__slots__  # _epx.Config has the same names
-_CONFIG_TYPES = (Config, getattr(_epx, "Config", Config))
-
-
-def _config_fields(config: Any) -> Tuple[Any, ...]:
-    """The fields of a config (an epx.Config or an _epx.Config) as a tuple; None for each that an object which is
-    not a config lacks. Read attribute by attribute: the per-call path of every normal-mode call."""
-    if isinstance(config, _CONFIG_TYPES):
-        return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-                config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
-    return tuple(getattr(config, name, None) for name in _CONFIG_FIELDS)
 
 
 def _dispatch_outputs(t: Any, empty: Callable[[tuple, tuple, Any], Any], rows: int, hidden: int, dtype: Any,

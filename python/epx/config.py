@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Tuple
 
 from ._ext import _epx
 from ._util import check
@@ -86,6 +86,18 @@ class Config:
 
     def __hash__(self) -> int:
         return hash(tuple(getattr(self, n) for n in self.__slots__))
+
+
+_CONFIG_TYPES = (Config, getattr(_epx, "Config", Config))  # _epx.Config has the same field names
+
+
+def config_fields(config: Any) -> Tuple[Any, ...]:
+    """The fields of a config (an epx.Config or an _epx.Config) as a tuple; None for each that an object which is
+    not a config lacks. Read attribute by attribute: the per-call path of every normal-mode call."""
+    if isinstance(config, _CONFIG_TYPES):
+        return (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
+                config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens)
+    return tuple(getattr(config, name, None) for name in Config.__slots__)
 
 
 def native_config(config: Any) -> Any:

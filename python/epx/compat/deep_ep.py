@@ -35,7 +35,7 @@ from __future__ import annotations
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import Buffer as _EpxBuffer, _require_cuda_runtime
-from ..config import Config, get_low_latency_rdma_size_hint as _ll_size_hint
+from ..config import Config, config_fields, get_low_latency_rdma_size_hint as _ll_size_hint
 from ..event import EventHandle, EventOverlap
 from .._ext import _epx
 from .._util import EpxError, check
@@ -230,9 +230,7 @@ class Buffer:
         available = runtime.num_nvl_bytes
         if row_bytes is None or available <= 0:
             return config
-        key = (config.num_sms, config.num_max_nvl_chunked_send_tokens, config.num_max_nvl_chunked_recv_tokens,
-               config.num_max_rdma_chunked_send_tokens, config.num_max_rdma_chunked_recv_tokens, row_bytes, available,
-               runtime.num_ranks)
+        key = config_fields(config) + (row_bytes, available, runtime.num_ranks)
         if key in _FITTED_CONFIGS:
             fitted = _FITTED_CONFIGS[key]
             return config if fitted is None else fitted

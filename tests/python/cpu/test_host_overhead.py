@@ -266,14 +266,15 @@ def test_dispatch_reads_the_spans_nodes_of_construction(stub, monkeypatch):
 
 
 def test_config_fields_are_read_as_before():
-    """_config_fields (the per-call key of the config last set) reads what getattr over the field names read."""
-    import epx.buffer as buffer_module
+    """config_fields (the per-call key of the config last set, and of deep_ep's fitted configs) reads what getattr
+    over the field names read."""
+    from epx.config import config_fields
 
-    slow = lambda config: tuple(getattr(config, name, None) for name in buffer_module._CONFIG_FIELDS)  # noqa: E731
+    slow = lambda config: tuple(getattr(config, name, None) for name in epx.Config.__slots__)  # noqa: E731
     config = epx.Config(8, 4, 64, 5, 96)
     for each in (config, config.to_native(), object(), None):
-        assert buffer_module._config_fields(each) == slow(each)
-    assert buffer_module._config_fields(config) == (8, 4, 64, 5, 96)
+        assert config_fields(each) == slow(each)
+    assert config_fields(config) == (8, 4, 64, 5, 96)
 
 
 def test_dispatch_count_wait_is_the_runtimes(stub):
