@@ -2,11 +2,11 @@
 
 #include <chrono>
 #include <cstdio>
-#include <cstdlib>
-#include <cstring>
 #include <map>
 #include <mutex>
 #include <string>
+
+#include "core/env.hpp"
 
 namespace epx {
 
@@ -38,10 +38,7 @@ StepRegistry& registry() {
 }  // namespace
 
 bool host_steps_requested() {
-  static const bool requested = [] {
-    const char* value = std::getenv("EPX_HOST_STEPS");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-  }();
+  static const bool requested = env_equals("EPX_HOST_STEPS", "1");
   return requested;
 }
 

@@ -1,13 +1,10 @@
 #include "epx/normal.hpp"
-#include "core/host_steps.hpp"
 
 #include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
-#include <cstdlib>
 #include <optional>
-#include <string_view>
 
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/layout_board_map.hpp"
@@ -15,6 +12,8 @@
 #include "buffer_map/normal_nodes.hpp"
 #include "common/tagged_word.hpp"
 #include "core/block_recycler.hpp"
+#include "core/env.hpp"
+#include "core/host_steps.hpp"
 #include "epx/error.hpp"
 #include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
@@ -75,12 +74,6 @@ std::vector<int> wait_for_counts(const Buffer& buffer, cudaStream_t stream, uint
   normal_host_scratch(buffer).count_wait_ns += elapsed_ns(start);
   buffer.check_timeout();  // an aborted notify publishes its counts too; they mean nothing then
   return values;
-}
-
-// Whether the environment variable `name` is set to `value` (the callers keep the answer in a static).
-bool env_equals(const char* name, std::string_view value) {
-  const char* text = std::getenv(name);
-  return text != nullptr && std::string_view(text) == value;
 }
 
 // EPX_LAUNCH_RECEIVE=0 turns DispatchOverlap::kLaunchReceive into kNone for the whole process. For
@@ -144,10 +137,9 @@ InternodeBufferMaps internode_buffer_maps(const Buffer& buffer, const DispatchHa
 }
 
 kernels::InternodeContext internode_context(const Buffer& buffer) {
-  const char* puts = std::getenv("EPX_INTERNODE_PUTS");  // read per call: a test switches it between Buffers
+  // EPX_INTERNODE_PUTS is read per call: a test switches it between Buffers.
   return {peer_context(buffer), buffer.symmetric_buffer(),
-          NodeMap{buffer.num_ranks(), buffer.ranks_per_node()},
-          puts == nullptr || std::string_view(puts) != "1"};
+          NodeMap{buffer.num_ranks(), buffer.ranks_per_node()}, !env_equals("EPX_INTERNODE_PUTS", "1")};
 }
 
 // Rows move with 16-byte accesses and bulk copies, which fault (killing the CUDA context) on a misaligned
