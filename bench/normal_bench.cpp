@@ -57,7 +57,7 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       {"scan", "copy", "drain"},
       {"room", "sum", "publish"},
       {"wait", "sum", "give back"},
-      {"channel counts", "messages", "offsets, host"}};
+      {"channel counts", "messages", "host counts"}};
   const auto reports = take_phase_reports(buffer);
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];

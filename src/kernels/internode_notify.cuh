@@ -27,6 +27,8 @@ __device__ __forceinline__ ShapeFingerprint* message_shape(
 
 constexpr int kNotifyThreads = 1024;
 constexpr int kScanItems = kMaxInternodeRanks * kMaxChannels / kNotifyThreads;  // cells per thread
+static_assert(kMaxInternodeRanks + kMaxRdmaNodes <= kNotifyThreads,
+              "a thread per source rank, then per node");
 
 __device__ void count_channel(const InternodeNotifyArgs& args, int channel) {
   __shared__ int rank_counts[kMaxInternodeRanks];
@@ -73,6 +75,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   using BlockScan = cub::BlockScan<int, kNotifyThreads>;
   __shared__ typename BlockScan::TempStorage scan_storage;
   __shared__ int sequence;
+  __shared__ int totals[2];  // rows received, records forwarded: the host's totals
   const InternodeContext& context = args.context;
   const int num_ranks = context.peers.num_ranks;
   const int rank = context.peers.rank;
@@ -132,7 +135,9 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   __syncthreads();
   clock.mark(1);
 
-  // Received rows: offsets per (source, channel), source-major.
+  // Counts per (source, channel) and per (source node, channel), as the messages brought them.
+  const NodeMap& nodes = context.nodes;
+  const int num_nodes = nodes.num_nodes();
   const auto count_at = [&](int cell) {
     const int src = cell / num_channels;
     return src < num_ranks ? *reinterpret_cast<volatile int*>(
@@ -140,6 +145,51 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
                                       .rank_channel_counts[cell % num_channels])
                            : 0;
   };
+  const auto node_count_at = [&](int cell) {
+    const int node = cell / num_channels;
+    if (node >= num_nodes) return 0;
+    const int src = nodes.rail_peer(rank, node);
+    return *reinterpret_cast<volatile int*>(
+        &InternodeBufferMap::message(arrived, src, num_ranks, num_channels)
+             .node_channel_counts[cell % num_channels]);
+  };
+
+  // The host's counts first, flushed before the offsets are scanned: the host waits for them (it sizes the
+  // outputs with them), while only the kernels that follow this one in stream order read the offsets.
+  if (threadIdx.x < 2) totals[threadIdx.x] = 0;
+  __syncthreads();
+  if (threadIdx.x < num_ranks) {
+    int sum = 0;
+    for (int c = 0; c < num_channels; ++c) sum += count_at(threadIdx.x * num_channels + c);
+    publish_host_count(args.host, index.rows_from(threadIdx.x), sum);
+    atomicAdd(&totals[0], sum);
+  }
+  if (const int node = static_cast<int>(threadIdx.x) - kMaxInternodeRanks; node >= 0 && node < num_nodes) {
+    int sum = 0;
+    for (int c = 0; c < num_channels; ++c) sum += node_count_at(node * num_channels + c);
+    atomicAdd(&totals[1], sum);
+  }
+  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
+    int sum = 0;
+    for (int s = 0; s < num_ranks; ++s)
+      sum += *reinterpret_cast<volatile int*>(
+          &InternodeBufferMap::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
+    const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
+    args.handle.num_recv_tokens_per_expert[le] = aligned;
+    publish_host_count(args.host, index.expert(le), aligned);
+  }
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    publish_host_count(args.host, index.rows(), totals[0]);
+    publish_host_count(args.host, index.forward_records(), totals[1]);
+    publish_host_count(
+        args.host, index.invalid_id(),
+        args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
+  }
+  flush_host_counts(args.host);
+  clock.mark(2);
+
+  // Received rows: offsets per (source, channel), source-major.
   int items[kScanItems];
   for (int i = 0; i < kScanItems; ++i) items[i] = count_at(threadIdx.x * kScanItems + i);
   int total_rows = 0;
@@ -152,16 +202,6 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   __syncthreads();
 
   // Forwarded records: offsets per (source node, channel), from each node's rail peer.
-  const NodeMap& nodes = context.nodes;
-  const int num_nodes = nodes.num_nodes();
-  const auto node_count_at = [&](int cell) {
-    const int node = cell / num_channels;
-    if (node >= num_nodes) return 0;
-    const int src = nodes.rail_peer(rank, node);
-    return *reinterpret_cast<volatile int*>(
-        &InternodeBufferMap::message(arrived, src, num_ranks, num_channels)
-             .node_channel_counts[cell % num_channels]);
-  };
   constexpr int kNodeItems = kMaxRdmaNodes * kMaxChannels / kNotifyThreads;
   int node_items[kNodeItems];
   for (int i = 0; i < kNodeItems; ++i) node_items[i] = node_count_at(threadIdx.x * kNodeItems + i);
@@ -173,30 +213,8 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   }
   if (threadIdx.x == 0) {
     args.handle.node_channel_offset[num_nodes * num_channels] = total_records;
-    publish_host_count(args.host, index.rows(), total_rows);
-    publish_host_count(args.host, index.forward_records(), total_records);
-    publish_host_count(
-        args.host, index.invalid_id(),
-        args.invalid_id != nullptr ? *reinterpret_cast<const volatile int*>(args.invalid_id) : 0);
+    head->control.op_count = sequence;
   }
-  if (threadIdx.x < num_ranks) {
-    int sum = 0;
-    for (int c = 0; c < num_channels; ++c) sum += count_at(threadIdx.x * num_channels + c);
-    publish_host_count(args.host, index.rows_from(threadIdx.x), sum);
-  }
-  for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
-    int sum = 0;
-    for (int s = 0; s < num_ranks; ++s)
-      sum += *reinterpret_cast<volatile int*>(
-          &InternodeBufferMap::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
-    const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
-    args.handle.num_recv_tokens_per_expert[le] = aligned;
-    publish_host_count(args.host, index.expert(le), aligned);
-  }
-  __syncthreads();
-  flush_host_counts(args.host);
-  if (threadIdx.x == 0) head->control.op_count = sequence;
-  clock.mark(2);
   clock.add_to_report(0, 0);
 }
 

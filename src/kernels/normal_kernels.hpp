@@ -125,7 +125,7 @@ enum class PhaseStream : int {
   kDispatchOwnRows,  // the rank's own rows, copied by the receiving block: scanning, copying, draining
   kNodesReduce,      // combine across nodes: node reducers (room, summing, publishing)
   kNodesCombine,     // combine across nodes: the final reducer (waiting for partials, summing, giving back)
-  kNodesNotify,  // count exchange across nodes: block 0 (channel counts, messages, offsets and host counts)
+  kNodesNotify,      // count exchange across nodes: block 0 (channel counts, messages, host counts)
   kCount
 };
 struct PhaseReport {
