@@ -107,6 +107,7 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   const int message_ints = InternodeBufferMap::message_ints(num_channels, experts_per_rank);
   const int warp = threadIdx.x / 32;
   const int lane = threadIdx.x % 32;
+  bool put_any = false;  // whether this warp put a message (a quiet completes it; stores need none)
   for (int dst = warp; dst < num_ranks; dst += kNotifyThreads / 32) {
     int* slot = head->notify[parity].messages + size_t(rank) * stride;
     const int* message = head->send.messages + size_t(dst) * stride;
@@ -122,9 +123,10 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
       if (lane == 0) red_add_release_sys_u64(target.at(context.rdma_base, signal), 1);
     } else {
       Remote::put_signal_warp(slot, message, sizeof(int) * static_cast<size_t>(message_ints), signal, 1, dst);
+      put_any = true;
     }
   }
-  if (threadIdx.x % 32 == 0) Remote::quiet();
+  if (put_any && lane == 0) Remote::quiet();
   int* arrived = head->notify[parity].messages;
   if (threadIdx.x < num_ranks) {
     device::wait_count_since_u64(&head->control.notify_signal[threadIdx.x], 0, sequence, wait, threadIdx.x,
