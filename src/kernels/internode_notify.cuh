@@ -160,22 +160,36 @@ __device__ void exchange_counts(const InternodeNotifyArgs& args) {
   // outputs with them), while only the kernels that follow this one in stream order read the offsets.
   if (threadIdx.x < 2) totals[threadIdx.x] = 0;
   __syncthreads();
-  if (threadIdx.x < num_ranks) {
+  // A warp per source rank, then per source node: its lanes load the channels' counts together (one load's
+  // latency, not one per channel) and the warp adds them up.
+  for (int stream = warp; stream < num_ranks + num_nodes; stream += kNotifyThreads / 32) {
     int sum = 0;
-    for (int c = 0; c < num_channels; ++c) sum += count_at(threadIdx.x * num_channels + c);
-    publish_host_count(args.host, index.rows_from(threadIdx.x), sum);
-    atomicAdd(&totals[0], sum);
+    for (int c = lane; c < num_channels; c += 32) {
+      sum += stream < num_ranks ? count_at(stream * num_channels + c)
+                                : node_count_at((stream - num_ranks) * num_channels + c);
+    }
+    sum = __reduce_add_sync(~0u, sum);
+    if (lane == 0) {
+      if (stream < num_ranks) publish_host_count(args.host, index.rows_from(stream), sum);
+      atomicAdd(&totals[stream < num_ranks ? 0 : 1], sum);
+    }
   }
-  if (const int node = static_cast<int>(threadIdx.x) - kMaxInternodeRanks; node >= 0 && node < num_nodes) {
-    int sum = 0;
-    for (int c = 0; c < num_channels; ++c) sum += node_count_at(node * num_channels + c);
-    atomicAdd(&totals[1], sum);
-  }
+  // A thread per local expert: its sources' counts loaded eight at a time before they are added.
   for (int le = threadIdx.x; le < experts_per_rank; le += kNotifyThreads) {
     int sum = 0;
-    for (int s = 0; s < num_ranks; ++s)
-      sum += *reinterpret_cast<volatile int*>(
-          &InternodeBufferMap::message(arrived, s, num_ranks, num_channels).expert_counts[le]);
+    for (int s0 = 0; s0 < num_ranks; s0 += 8) {
+      int counts[8];
+#pragma unroll
+      for (int i = 0; i < 8; ++i) {
+        counts[i] = s0 + i < num_ranks
+                        ? *reinterpret_cast<volatile int*>(
+                              &InternodeBufferMap::message(arrived, s0 + i, num_ranks, num_channels)
+                                   .expert_counts[le])
+                        : 0;
+      }
+#pragma unroll
+      for (int i = 0; i < 8; ++i) sum += counts[i];
+    }
     const int aligned = (sum + args.expert_alignment - 1) / args.expert_alignment * args.expert_alignment;
     args.handle.num_recv_tokens_per_expert[le] = aligned;
     publish_host_count(args.host, index.expert(le), aligned);
