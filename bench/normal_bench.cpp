@@ -378,6 +378,9 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
     buffer_options.num_rdma_bytes = widest.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node);
   }
   Buffer buffer(bootstrap, buffer_options);
+  // The checks below run with the first budget's config: the Buffer's own first config has Config's queue
+  // sizes, which a smaller --rdma-queue / --nvl-queue would have sized the buffer too small for.
+  buffer.set_config(bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, o.num_sms.front()));
   cudaStream_t stream = nullptr;
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Workspace ws(o, num_ranks, num_nodes);

@@ -54,8 +54,9 @@ enum class ConfigFor { kDispatch, kCombine };
 Config recommended_config(ConfigFor op, int num_ranks, int num_sms);
 
 // EPX's config of a group that spans nodes, with `num_sms`: Config's queues (which size the symmetric
-// buffer), and a network send chunk of 32 records, not Config's 6 (2 x H100 as 2 nodes of 1 GPU at 24 SMs,
-// per call: BF16 dispatch 1,127 -> 649 us, FP8 833 -> 447 us, combine 1,728 -> 1,113 us; docs/BENCHMARKS.md).
+// buffer), and a network send chunk of 16 records, not Config's 6. Swept on 2 x H100 as 2 nodes of 1 GPU at
+// 12 / 24 SMs (chunks 8, 12, 16, 24, 32; docs/BENCHMARKS.md): 16 was the fastest for the FP8 dispatch and the
+// combine, and against 32 the FP8 dispatch took 13 % less time, BF16 2-7 %, the combine 2 %.
 Config across_nodes_config(int num_sms);
 
 // Throws epx::Error naming the first field that breaks a rule (>= 1; send chunk <= queue tokens, for the

@@ -213,7 +213,7 @@ class Buffer:
     def config(self) -> Config:
         """The config of the normal-mode calls (a copy): the last one a call was given, or the constructor's
         num_sms with, within one node, the recommended dispatch chunks for the group size (at 2 ranks a send
-        chunk of 48 tokens; the queues are Config's), across nodes a network send chunk of 32
+        chunk of 48 tokens; the queues are Config's), across nodes a network send chunk of 16
         (epx::across_nodes_config). Assign a Config to change it."""
         return Config.from_native(self.runtime.config)
 

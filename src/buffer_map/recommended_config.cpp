@@ -57,7 +57,7 @@ Config recommended_config(ConfigFor op, int num_ranks, int num_sms) {
 Config across_nodes_config(int num_sms) {
   Config config;
   config.num_sms = num_sms;
-  config.num_max_rdma_chunked_send_tokens = 32;
+  config.num_max_rdma_chunked_send_tokens = 16;
   return config;
 }
 

@@ -201,12 +201,12 @@ TEST(InternodeBufferMap, SizeHintAndFitErrorsNameTheArgument) {
 }  // namespace
 
 // The Buffer's first config across nodes: Config's queues (the symmetric buffer its hint sized stays big
-// enough), a send chunk of 32 that fits them.
+// enough), a send chunk of 16 that fits them.
 TEST(InternodeBufferMap, AcrossNodesConfigKeepsTheHintsQueues) {
   const Config defaults{.num_sms = 24};
   const Config config = epx::across_nodes_config(24);
   EXPECT_EQ(config.num_sms, 24);
-  EXPECT_EQ(config.num_max_rdma_chunked_send_tokens, 32);
+  EXPECT_EQ(config.num_max_rdma_chunked_send_tokens, 16);
   EXPECT_EQ(config.num_max_rdma_chunked_recv_tokens, defaults.num_max_rdma_chunked_recv_tokens);
   EXPECT_EQ(config.num_max_nvl_chunked_recv_tokens, defaults.num_max_nvl_chunked_recv_tokens);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), defaults.get_rdma_buffer_size_hint(7168 * 2, 16));
