@@ -14,7 +14,8 @@ async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H10
 A dispatch without a cached handle or num_worst_tokens sizes its outputs by the received counts, so its host
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
 queued before it. The last column splits it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us);
-host time minus it is the host's own work.
+host time minus it is the host's own work. Each rank's process runs on one core of its GPU's NUMA node
+(--no-pin leaves it where the OS puts it): unpinned, runs of one build differed by half.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
@@ -72,6 +73,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--profile", choices=ENTRY_POINTS, help="cProfile this entry point (--iters calls)")
     p.add_argument("--json", help="also write the rows to this file (JSON)")
+    p.add_argument("--no-pin", action="store_true",
+                   help="leave each rank's process where the OS puts it (default: one core near its GPU)")
     o = p.parse_args(argv)
     if o.experts is None:
         o.experts = 8 if o.stub else 288
@@ -277,6 +280,56 @@ def print_rows(rows: List[Tuple[str, float, float, float]], header: str, json_pa
             )
 
 
+# ---- Where each rank runs ----
+
+
+def gpu_local_cpus(pci_bus_id: str, sysfs: str = "/sys") -> List[int]:
+    """The CPUs of the NUMA node the GPU at `pci_bus_id` ("0000:1b:00.0") hangs off, from sysfs; [] when
+    sysfs does not say (no NUMA information, another OS)."""
+    try:
+        with open(os.path.join(sysfs, "bus", "pci", "devices", pci_bus_id.lower(), "numa_node")) as f:
+            node = int(f.read().strip())
+        if node < 0:
+            return []
+        with open(os.path.join(sysfs, "devices", "system", "node", f"node{node}", "cpulist")) as f:
+            text = f.read().strip()
+    except (OSError, ValueError):
+        return []
+    cpus: List[int] = []
+    for part in filter(None, text.split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
+def pick_cpu(rank: int, num_ranks: int, local: List[int], allowed: List[int]) -> Optional[int]:
+    """One core for `rank`: among its GPU's local CPUs that the process may use, else among all it may use,
+    ranks spread so that two ranks never share one (ranks whose GPUs share a NUMA node take different
+    cores of it). None when nothing is allowed."""
+    allowed_set = set(allowed)
+    candidates = [c for c in local if c in allowed_set] or sorted(allowed_set)
+    if not candidates:
+        return None
+    # Leave a node's first core (interrupts and housekeeping land there) when there is a choice.
+    if len(candidates) > num_ranks:
+        candidates = candidates[1:]
+    return candidates[(rank * len(candidates)) // num_ranks]
+
+
+# Host times on one machine drift between processes by more than the changes they measure (NCCL's
+# all_to_all_single row read 27 us in one run and 49 us in the next, same build): the CPU a rank lands on
+# (its distance to the GPU, its neighbours) is the largest part of that, so each rank takes one core near
+# its GPU.
+def pin_to_gpu_local_cpu(rank: int, num_ranks: int, torch: Any) -> Optional[int]:
+    props = torch.cuda.get_device_properties(rank)
+    ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
+    local = gpu_local_cpus("{:04x}:{:02x}:{:02x}.0".format(*ids)) if None not in ids else []
+    cpu = pick_cpu(rank, num_ranks, local, sorted(os.sched_getaffinity(0)))
+    if cpu is not None:
+        os.sched_setaffinity(0, {cpu})
+    return cpu
+
+
 # ---- Modes ----
 
 
@@ -306,6 +359,9 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
     import deep_ep
 
     torch.cuda.set_device(rank)
+    if not o.no_pin:
+        cpu = pin_to_gpu_local_cpu(rank, num_ranks, torch)
+        print(f"rank {rank}: CPU {cpu if cpu is not None else 'not pinned'}", file=sys.stderr)
     dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=num_ranks)
     try:
         group = dist.new_group(list(range(num_ranks)))

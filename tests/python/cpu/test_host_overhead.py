@@ -444,3 +444,43 @@ def test_stream_objects_are_made_once_per_stream(stub, monkeypatch):
     assert buffer._current_stream_object() is first and made == [buffer.device]  # the Buffer's device
     handle[0] = 8
     assert buffer._current_stream_object() is not first and len(made) == 2
+
+
+def _host_overhead_module():
+    import importlib.util
+    import os
+
+    path = os.path.join(os.path.dirname(__file__), "..", "..", "..", "bench", "python_host_overhead.py")
+    spec = importlib.util.spec_from_file_location("python_host_overhead", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_gpu_local_cpus_reads_the_numa_node_of_the_gpu(tmp_path):
+    bench = _host_overhead_module()
+    device = tmp_path / "bus" / "pci" / "devices" / "0000:1b:00.0"
+    device.mkdir(parents=True)
+    (device / "numa_node").write_text("1\n")
+    node = tmp_path / "devices" / "system" / "node" / "node1"
+    node.mkdir(parents=True)
+    (node / "cpulist").write_text("16-19,48,50-51\n")
+    assert bench.gpu_local_cpus("0000:1B:00.0", str(tmp_path)) == [16, 17, 18, 19, 48, 50, 51]
+    (device / "numa_node").write_text("-1\n")  # no NUMA information
+    assert bench.gpu_local_cpus("0000:1b:00.0", str(tmp_path)) == []
+    assert bench.gpu_local_cpus("0000:99:00.0", str(tmp_path)) == []  # no such device
+
+
+def test_pick_cpu_gives_each_rank_its_own_core_near_its_gpu():
+    bench = _host_overhead_module()
+    allowed = list(range(32))
+    # GPUs on different nodes: each rank near its own, past the node's first core.
+    assert bench.pick_cpu(0, 2, list(range(0, 16)), allowed) == 1
+    assert bench.pick_cpu(1, 2, list(range(16, 32)), allowed) == 17 + 7
+    # GPUs on one node: two different cores of it.
+    picks = {bench.pick_cpu(r, 2, list(range(0, 16)), allowed) for r in range(2)}
+    assert len(picks) == 2 and picks <= set(range(1, 16))
+    # Local CPUs the process may not use, or none known: among those it may use.
+    assert bench.pick_cpu(0, 1, [40, 41], allowed) == 1
+    assert bench.pick_cpu(0, 1, [], [5]) == 5
+    assert bench.pick_cpu(0, 1, [], []) is None
