@@ -84,9 +84,19 @@ class World:
                 torch.from_numpy(self.weights[rank]).to(device), ref.to_torch_bf16(self.expert_out[rank], device))
 
 
-def check_received(expected, recv_x, recv_count, case):
+def waits_succeeded(buffer):
+    """A device wait that gave up reports itself here (rank, peer, phase), not as counts of 0 or rows that
+    differ further down."""
+    import torch
+
+    torch.cuda.synchronize()
+    buffer.check()
+
+
+def check_received(buffer, expected, recv_x, recv_count, case):
     import epx_tools.reference as ref
 
+    waits_succeeded(buffer)
     counts = recv_count.cpu().numpy()
     np.testing.assert_array_equal(counts, expected.recv_count)
     data, scales = recv_x if isinstance(recv_x, tuple) else (recv_x, None)
@@ -113,7 +123,7 @@ def one_round(buffer, world, rank, num_experts, case, device, stats=None):
     if hook is not None:
         hook()
     event.current_stream_wait()
-    check_received(world.received[rank], recv_x, recv_count, case)
+    check_received(buffer, world.received[rank], recv_x, recv_count, case)
 
     if case.zero_copy:
         rows = buffer.get_next_low_latency_combine_buffer(handle)
@@ -125,6 +135,7 @@ def one_round(buffer, world, rank, num_experts, case, device, stats=None):
     if hook is not None:
         hook()
     event.current_stream_wait()
+    waits_succeeded(buffer)
     np.testing.assert_array_equal(ref.bf16_bits(combined), world.combined[rank])
 
 
@@ -138,7 +149,7 @@ def pre_reduced_round(buffer, world, rank, num_experts, case, device):
     if dispatched.hook is not None:
         dispatched.hook()
     recv_x = (dispatched.recv_x, dispatched.recv_x_scales) if case.use_fp8 else dispatched.recv_x
-    check_received(world.received[rank], recv_x, dispatched.recv_count, case)
+    check_received(buffer, world.received[rank], recv_x, dispatched.recv_count, case)
     if case.zero_copy:
         rows = buffer.get_next_low_latency_combine_buffer(dispatched.handle)
         rows.copy_(expert_out)
@@ -148,6 +159,7 @@ def pre_reduced_round(buffer, world, rank, num_experts, case, device):
                                           pre_reduce=True)
     if combined.hook is not None:
         combined.hook()
+    waits_succeeded(buffer)
     np.testing.assert_array_equal(ref.bf16_bits(combined.combined_x), world.combined[rank])
 
 
@@ -220,7 +232,7 @@ def low_latency_worker(rank, num_ranks, group, python_path=False):
     for w, (recv_x, recv_count, handle, _, hook) in zip(worlds, pending):
         hook()
     for w, (recv_x, recv_count, handle, _, hook) in zip(worlds, pending):
-        check_received(w.received[rank], recv_x, recv_count, case)
+        check_received(buffer, w.received[rank], recv_x, recv_count, case)
     with pytest.raises(epx.EpxError, match="runs once"):
         pending[0][4]()
 
@@ -254,7 +266,7 @@ def low_latency_worker(rank, num_ranks, group, python_path=False):
         expert_out.copy_(new_out)  # the reference knows which rows the replayed dispatch will deliver
         graph.replay()
         torch.cuda.synchronize()
-        check_received(world.received[rank], recv_x, recv_count, case)
+        check_received(buffer, world.received[rank], recv_x, recv_count, case)
         np.testing.assert_array_equal(ref.bf16_bits(combined), world.combined[rank])
     del graph
     torch.cuda.synchronize()
