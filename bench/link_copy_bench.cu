@@ -9,8 +9,12 @@
 //   warp-store  16-byte loads of the local row, stores to the peer (warp_copy: what the dispatch senders do)
 //   tma-store   bulk copies: local row -> shared memory -> the peer (TmaRowCopier, one lane drives)
 //   tma-pull    bulk copies: the peer's row -> shared memory -> local memory (the receiver reads)
+//   warp-local  warp_copy within one GPU (what a receiver's copy out of its queue and the own rows' copy do):
+//               the SMs' own copy rate, the ceiling of a receiver that copies what the peer wrote
+//   tma-local   bulk copies within one GPU
 //   copy-engine cudaMemcpyPeerAsync of the same bytes (no SMs)
-// Each line: method, SMs, direction, median µs, GB/s per direction (bytes one GPU sends / time).
+// Each line: method, SMs, direction, median µs, GB/s per direction (bytes one GPU sends / time; the local
+// methods: bytes copied / time, "one" GPU 0 alone, "both" both GPUs at once).
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -40,7 +44,7 @@ constexpr int kWarps = kThreads / 32;
 using Stage = epx::kernels::TmaStage<3, 4096>;
 using Copier = epx::kernels::TmaRowCopier<Stage>;
 
-enum class Method { kWarpStore, kTmaStore, kTmaPull };
+enum class Method { kWarpStore, kTmaStore, kTmaPull, kWarpLocal, kTmaLocal };
 
 __global__ void __launch_bounds__(kThreads, 1)
     copy_rows(char* dst, const char* src, int num_rows, int row_bytes, Method method) {
@@ -49,7 +53,7 @@ __global__ void __launch_bounds__(kThreads, 1)
   const int lane = threadIdx.x % 32;
   const int worker = blockIdx.x * kWarps + warp;
   const int num_workers = gridDim.x * kWarps;
-  if (method == Method::kWarpStore) {
+  if (method == Method::kWarpStore || method == Method::kWarpLocal) {
     for (int row = worker; row < num_rows; row += num_workers) {
       epx::kernels::warp_copy<false>(dst + static_cast<size_t>(row) * row_bytes,
                                      src + static_cast<size_t>(row) * row_bytes, row_bytes, lane);
@@ -147,14 +151,17 @@ int main(int argc, char** argv) {
       CHECK(cudaMemcpyPeerAsync(peer.dst, 1 - g, me.src, g, bytes, me.stream));
       return;
     }
-    const Method m = std::strcmp(method, "warp-store") == 0  ? Method::kWarpStore
-                     : std::strcmp(method, "tma-store") == 0 ? Method::kTmaStore
-                                                             : Method::kTmaPull;
-    char* dst = m == Method::kTmaPull ? me.dst : peer.dst;
+    const Method m = std::strcmp(method, "warp-store") == 0   ? Method::kWarpStore
+                     : std::strcmp(method, "tma-store") == 0  ? Method::kTmaStore
+                     : std::strcmp(method, "warp-local") == 0 ? Method::kWarpLocal
+                     : std::strcmp(method, "tma-local") == 0  ? Method::kTmaLocal
+                                                              : Method::kTmaPull;
+    const bool local = m == Method::kWarpLocal || m == Method::kTmaLocal;
+    char* dst = m == Method::kTmaPull || local ? me.dst : peer.dst;
     const char* src = m == Method::kTmaPull ? peer.src : me.src;
     copy_rows<<<sms, kThreads, sizeof(Stage) * kWarps, me.stream>>>(dst, src, num_rows, o.row_bytes, m);
   };
-  const char* methods[] = {"warp-store", "tma-store", "tma-pull", "copy-engine"};
+  const char* methods[] = {"warp-store", "tma-store", "tma-pull", "warp-local", "tma-local", "copy-engine"};
   for (const char* method : methods) {
     const bool engine = std::strcmp(method, "copy-engine") == 0;
     for (const int sms : engine ? std::vector<int>{0} : o.sms) {
