@@ -76,7 +76,7 @@ __device__ void send_to_node(const InternodeDispatchArgs& args, int channel, int
       const uint32_t local_mask = t < range.end ? ranks_of_node_taking(args, t, node) : 0u;
       unsigned mask = __ballot_sync(~0u, local_mask != 0);
       const int width = tokens_within_room(mask, granted - taken, 32);
-      mask &= width == 32 ? ~0u : (1u << width) - 1u;
+      mask &= window_bits(width);
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         args.handle.send_head[static_cast<size_t>(t) * nodes.num_nodes() + node] =
             (mask >> lane) & 1u ? pushed + taken + __popc(mask & lanes_below(lane)) : -1;
@@ -191,8 +191,7 @@ __device__ void deliver_own_node_up_to(const InternodeDispatchArgs& args, int ch
 #pragma unroll
       for (int l = 0; l < kMaxRanks; ++l)
         width = min(width, tokens_within_room(needing(local_mask, l), left[l], full));
-      const unsigned below_width = width == 32 ? ~0u : (1u << width) - 1u;
-      local_mask = (below_width >> lane) & 1u ? local_mask : 0u;
+      local_mask = (window_bits(width) >> lane) & 1u ? local_mask : 0u;
       const unsigned mask = __ballot_sync(~0u, local_mask != 0);
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         args.handle.send_head[static_cast<size_t>(t) * num_nodes + own] =
@@ -360,7 +359,7 @@ __device__ void forward_to(const InternodeDispatchArgs& args, int channel, int d
                 : 0u;
         unsigned mask = __ballot_sync(~0u, (record_mask >> dst) & 1u);
         const int width = tokens_within_room(mask, room - taken, window);
-        mask &= width == 32 ? ~0u : (1u << width) - 1u;
+        mask &= window_bits(width);
         if (dst == 0 && group.warp == 0 && lane < width)
           args.handle.forward_mask[first_record + progress[m] + passed + lane] =
               static_cast<uint8_t>(record_mask);

@@ -7,6 +7,7 @@
 #include "kernels/preload.hpp"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
+#include "kernels/window_cut.hpp"
 
 namespace epx::kernels {
 
@@ -199,7 +200,7 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
         unsigned last = mask;
         for (int i = 1; i < room; ++i) last &= last - 1;
         width = __ffs(last);  // one past the room-th token
-        mask &= width == 32 ? ~0u : (1u << width) - 1u;
+        mask &= window_bits(width);
       }
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         const bool sent = (mask >> lane) & 1u;

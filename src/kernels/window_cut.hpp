@@ -8,6 +8,11 @@
 // up to 32 tokens, one per lane; `needs` has a bit for each token the destination takes.
 namespace epx::kernels {
 
+// The bits of tokens [0, width) of a window (width in [0, 32]).
+EPX_HD unsigned window_bits(int width) {
+  return width >= 32 ? ~0u : (1u << width) - 1u;
+}
+
 // The tokens [0, result) of a window of `full` a sender may take when the destination needs those of `needs`
 // and has room for `room` more: all of them, or up to (not including) the first one past the room. Tokens it
 // does not need pass freely, so a cut window ends right before a needed token.

@@ -7,9 +7,14 @@
 namespace {
 
 using epx::kernels::tokens_within_room;
+using epx::kernels::window_bits;
 
-unsigned below(int n) {
-  return n >= 32 ? ~0u : (1u << n) - 1u;
+TEST(WindowCut, WindowBitsAreTheTokensBelowTheWidth) {
+  EXPECT_EQ(window_bits(0), 0u);
+  EXPECT_EQ(window_bits(1), 1u);
+  EXPECT_EQ(window_bits(5), 0b11111u);
+  EXPECT_EQ(window_bits(31), 0x7fffffffu);
+  EXPECT_EQ(window_bits(32), ~0u);
 }
 
 TEST(WindowCut, TakesEverythingThereIsRoomFor) {
@@ -30,14 +35,15 @@ TEST(WindowCut, IsTheLongestPrefixThatFits) {
   std::mt19937 random(7);
   for (int trial = 0; trial < 20000; ++trial) {
     const int full = 1 + static_cast<int>(random() % 32);
-    const unsigned needs = static_cast<unsigned>(random()) & static_cast<unsigned>(random()) & below(full);
+    const unsigned needs =
+        static_cast<unsigned>(random()) & static_cast<unsigned>(random()) & window_bits(full);
     const int room = static_cast<int>(random() % 34);
     const int taken = tokens_within_room(needs, room, full);
     ASSERT_GE(taken, 0);
     ASSERT_LE(taken, full);
-    ASSERT_LE(__builtin_popcount(needs & below(taken)), room) << needs << " " << room << " " << full;
+    ASSERT_LE(__builtin_popcount(needs & window_bits(taken)), room) << needs << " " << room << " " << full;
     if (taken < full) {
-      ASSERT_GT(__builtin_popcount(needs & below(taken + 1)), room) << needs << " " << room;
+      ASSERT_GT(__builtin_popcount(needs & window_bits(taken + 1)), room) << needs << " " << room;
     }
   }
 }
