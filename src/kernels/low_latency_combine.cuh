@@ -151,11 +151,12 @@ __device__ void copy_plain_groups(char* slot, uint32_t* meta, const uint16_t* ro
   for (int group = group_begin + lane; group < group_end; group += 32) meta[group] = kLogfmtFallbackMarker;
 }
 
-// Whether a LogFMT combine sends the rows it writes into NVLink peers as BF16 groups: when it spans nodes
-// (the NVLink-only kernels run only when LogFMT is asked within the node) and was not asked to code them.
+// Whether a LogFMT combine sends the rows it writes into `dst` as BF16 groups: `dst` is of this node, the
+// combine spans nodes (the NVLink-only kernels run only when LogFMT is asked within the node) and was not
+// asked to code them. A mapped rank of another node gets codes, as a put would carry them.
 template <typename Remote>
-__device__ __forceinline__ bool plain_within_node(const LowLatencyCombineArgs& args) {
-  return Remote::kEnabled && !args.in.logfmt_within_node;
+__device__ __forceinline__ bool plain_within_node(const LowLatencyCombineArgs& args, int dst) {
+  return Remote::kEnabled && !args.in.logfmt_within_node && same_node(args.peers, dst);
 }
 
 // One expert output row to `dst`'s slot at `slot_offset`, through this rank's staging row (`row_idx` of
@@ -285,7 +286,7 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
                     group_end * kGroupChunks, lane);
     __syncwarp();
     auto* meta = reinterpret_cast<uint32_t*>(slot + map.logfmt_meta_offset());
-    if (plain_within_node<Remote>(args)) {
+    if (plain_within_node<Remote>(args, dst)) {
       copy_plain_groups<true>(slot, meta, reinterpret_cast<const uint16_t*>(staged), group_begin, group_end,
                               lane);
     } else {
@@ -307,6 +308,17 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
   return p < args.map.num_experts ? args.handle.recv_layout_range[p].count : 0;
 }
 
+// The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
+template <typename Remote>
+__device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {
+  if constexpr (!Remote::kEnabled) return 0ull;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned low = __ballot_sync(kFullMask, lane < peers.num_ranks && !is_direct<Remote>(peers, lane));
+  const unsigned high =
+      __ballot_sync(kFullMask, lane + 32 < peers.num_ranks && !is_direct<Remote>(peers, lane + 32));
+  return low | static_cast<unsigned long long>(high) << 32;
+}
+
 // Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
 // straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
@@ -326,12 +338,14 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
 
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  // A put row is one piece (staged, then put whole); a row stored straight into an NVLink peer is split.
+  // A put row is one piece (staged, then put whole); a row stored straight into a mapped rank is split,
+  // unless some rank takes puts (every row then is one piece).
+  const bool some_puts = ranks_reached_by_puts<Remote>(args.peers) != 0ull;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  const int base_pieces = Remote::kEnabled ? 1
-                          : kLogfmt        ? logfmt_row_pieces(map.num_groups())
-                                           : row_pieces(size_t(hidden) * 2);
-  const int num_pieces = (kPreReduce || kLogfmt) && !Remote::kEnabled
+  const int base_pieces = some_puts ? 1
+                          : kLogfmt ? logfmt_row_pieces(map.num_groups())
+                                    : row_pieces(size_t(hidden) * 2);
+  const int num_pieces = (kPreReduce || kLogfmt) && !some_puts
                              ? spread_row_pieces(base_pieces, total_rows, num_grid_warps,
                                                  kLogfmt ? map.num_groups() : hidden / 8 / 32)
                              : base_pieces;
@@ -362,7 +376,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     if constexpr (kLogfmt) {
       const WordRange groups = piece_words(map.num_groups(), piece, num_pieces);
       auto* meta = reinterpret_cast<uint32_t*>(slot + map.logfmt_meta_offset());
-      if (plain_within_node<Remote>(args)) {
+      if (plain_within_node<Remote>(args, dst)) {
         copy_plain_groups<false>(slot, meta, row, groups.begin, groups.end, lane);
       } else {
         encode_logfmt_groups(slot, meta, row, groups.begin, groups.end, lane);
@@ -408,17 +422,6 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
   const int parts = reduce_parts_of(args);
   if (threadIdx.x >= 32 || item >= args.in.num_tokens * parts) return {-1, 0.0f};
   return load_topk_entry<kPreReduce>(args, item / parts, static_cast<int>(threadIdx.x));
-}
-
-// The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
-template <typename Remote>
-__device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {
-  if constexpr (!Remote::kEnabled) return 0ull;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const unsigned low = __ballot_sync(kFullMask, lane < peers.num_ranks && !is_direct<Remote>(peers, lane));
-  const unsigned high =
-      __ballot_sync(kFullMask, lane + 32 < peers.num_ranks && !is_direct<Remote>(peers, lane + 32));
-  return low | static_cast<unsigned long long>(high) << 32;
 }
 
 // A pre-reduced combine's reduction order, by warp 0 from lane k's expert: one entry per rank holding some

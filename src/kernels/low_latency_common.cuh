@@ -121,26 +121,32 @@ static_assert(sizeof(ShapeFingerprint) <= kLowLatencyShapeSlotBytes,
 
 // Called by every thread of every block at the start of a send phase: block 0 posts this rank's shape
 // fingerprint to every unmasked destination, early, so it is long complete when publish_sends releases it
-// with the flag (it adds nothing to the flag's latency). NVLink destinations get plain stores into their
-// abort-words allocation; destinations on other nodes get a put of this rank's staged fingerprint into their
-// remote_shapes slot for this rank (put_warp is warp-collective: block 0's warps share the destinations, so
-// many remote ranks do not hold one warp, and with it block 0's first token, for long).
-// NOTES: the puts are complete before any flag that releases them, in dispatch and in combine alike: block 0
-// is always a publishing block (dispatch_publishers and combine_publishers, work_split.hpp, count it even
-// with nothing else to send), and in publish_sends every thread of it, the warps that issued these puts
-// included, calls Remote::quiet() before the barrier and its arrival, which the last arriver for a
-// destination acquires before it signals the flag. The staged slot is rewritten only by the next send of this
-// op on this half, a later launch, so never while a put still reads it.
+// with the flag (it adds nothing to the flag's latency). The node's ranks get plain stores into their
+// abort-words allocation; other nodes' ranks get this rank's fingerprint in their remote_shapes slot for this
+// rank: a plain store where this GPU maps them, else a put of the staged fingerprint (put_warp is
+// warp-collective: block 0's warps share the destinations, so many remote ranks do not hold one warp, and
+// with it block 0's first token, for long). NOTES: the puts are complete before any flag that releases them,
+// in dispatch and in combine alike: block 0 is always a publishing block (dispatch_publishers and
+// combine_publishers, work_split.hpp, count it even with nothing else to send), and in publish_sends every
+// thread of it, the warps that issued these puts included, calls Remote::quiet() before the barrier and its
+// arrival, which the last arriver for a destination acquires before it signals the flag. The staged slot is
+// rewritten only by the next send of this op on this half, a later launch, so never while a put still reads
+// it.
 template <typename Remote>
 __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowLatencyBufferMap& map,
                                             int half, LowLatencyOp op, const ShapeFingerprint& shape,
                                             unsigned long long masked) {
   if (blockIdx.x != 0) return;
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {
-    if (peers.abort.peers[dst] == nullptr || rank_masked(masked, dst)) continue;
-    post_shape(
-        AbortWordsMap::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
-        shape);
+    if (rank_masked(masked, dst)) continue;
+    if (same_node(peers, dst)) {
+      post_shape(
+          AbortWordsMap::low_latency_shape(peers.abort.peers[dst], half, static_cast<int>(op), peers.rank),
+          shape);
+    } else if (Remote::kEnabled && is_direct<Remote>(peers, dst)) {
+      // Another node's rank this GPU maps: straight into its remote_shapes slot for this rank.
+      post_shape(peer_at<ShapeFingerprint>(peers, dst, map.remote_shape_offset(half, op, peers.rank)), shape);
+    }
   }
   if constexpr (Remote::kEnabled) {
     auto* staged = local_at<ShapeFingerprint>(peers, map.staged_shape_offset(half, op));
@@ -159,19 +165,21 @@ __device__ __forceinline__ void post_shapes(const PeerContext& peers, const LowL
 }
 
 // After acquiring source `src`'s flag: whether the fingerprint the flag released is this rank's shape (else
-// the group is aborted, naming the field). An NVLink source posted it into this rank's abort words, a source
-// on another node put it into remote_shapes.
+// the group is aborted, naming the field). A source of this node posted it into this rank's abort words, a
+// source on another node stored or put it into remote_shapes.
 template <typename Remote>
 __device__ __forceinline__ bool source_shape_agrees(const device::WaitContext& ctx, const PeerContext& peers,
                                                     const LowLatencyBufferMap& map, int half, LowLatencyOp op,
                                                     int src, const ShapeFingerprint& shape) {
-  if (!is_direct<Remote>(peers, src)) {
+  if (same_node(peers, src)) {
+    return check_shape(ctx, src, shape,
+                       AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
+  }
+  if constexpr (Remote::kEnabled) {
     return check_shape(ctx, src, shape,
                        local_at<ShapeFingerprint>(peers, map.remote_shape_offset(half, op, src)));
   }
-  if (peers.abort.peers[src] == nullptr) return true;
-  return check_shape(ctx, src, shape,
-                     AbortWordsMap::low_latency_shape(peers.abort.local, half, static_cast<int>(op), src));
+  return true;
 }
 
 // What a receive's wait for its sources found.

@@ -6,8 +6,9 @@
 #include "kernels/normal_kernels.hpp"
 
 // How the low-latency kernels reach another rank. A rank whose buffer this GPU maps (PeerContext::peer_bases
-// entry set: an NVLink peer of the same node) takes plain stores into its memory. Any other rank goes
-// through `Remote`, a transport policy:
+// entry set: an NVLink peer of the same node, or a rank of another node that the transport maps, over an
+// NVLink fabric or P2P) takes plain stores into its memory. Any other rank goes through `Remote`, a transport
+// policy:
 //   kEnabled                        false compiles the remote branches out (the NVLink-only kernels)
 //   put_warp(dst, src, bytes, rank) warp-collective, non-blocking put of [src, src + bytes) of this rank's
 //                                   buffer to symmetric address `dst` (this rank's address of the place)
@@ -27,6 +28,13 @@ struct NoRemote {
 template <typename Remote>
 __device__ __forceinline__ bool is_direct(const PeerContext& peers, int rank) {
   return !Remote::kEnabled || peers.peer_bases[rank] != nullptr;
+}
+
+// Whether `rank` is of this rank's NVLink node: its abort words are mapped here, which the node's ranks'
+// are, exactly. A mapped rank of another node takes stores like the node's ranks, but what travels to it
+// (LogFMT codes) and where its shape fingerprint lands are those of another node.
+__device__ __forceinline__ bool same_node(const PeerContext& peers, int rank) {
+  return peers.abort.peers[rank] != nullptr;
 }
 
 // `value` into `rank`'s int at `offset` with release semantics: after every store and completed put this

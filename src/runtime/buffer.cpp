@@ -16,6 +16,7 @@
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
 #include "core/block_recycler.hpp"
+#include "core/env.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
 #include "gpu/cuda_check.hpp"
@@ -248,7 +249,11 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     }
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
-      s.symmetric_table = upload_table(s.symmetric_remote->bases);
+      // The low-latency kernels store straight into every rank the transport maps (other nodes' ranks too,
+      // over an NVLink fabric or P2P); EPX_INTERNODE_PUTS=1 (read once per Buffer) keeps puts for every rank
+      // of another node, as over a NIC.
+      s.symmetric_table = upload_table(env_equals("EPX_INTERNODE_PUTS", "1") ? s.symmetric_remote->bases
+                                                                             : s.symmetric_remote->reachable);
     } else {
       s.symmetric.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
       s.symmetric_table = upload_table(s.symmetric->bases());

@@ -17,6 +17,9 @@ struct RemoteMemory {
   // [R]: rank r's allocation as seen from this GPU for the ranks of this rank's node (own included),
   // nullptr for ranks reached only by puts.
   std::vector<void*> bases;
+  // [R]: every rank's allocation this GPU reaches by loads and stores (the transport maps it: NVLink or PCIe
+  // peers, an NVLink fabric), its node's and other nodes'; nullptr for ranks reached only by puts.
+  std::vector<void*> reachable;
   std::shared_ptr<void> owner;  // releasing the last reference frees the memory (collective)
 };
 

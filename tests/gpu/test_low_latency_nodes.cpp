@@ -196,6 +196,43 @@ TEST(LowLatencyNodes, RanksPerNodeMustDivideRanks) {
   });
 }
 
+// Every rank of another node through the transport's puts (EPX_INTERNODE_PUTS=1, read when the Buffer is
+// made: the path a NIC takes) on GPUs whose buffers the transport maps, where the kernels would store
+// directly: both formats, LogFMT with hooks and zero copy, pre-reduced, odd counts.
+struct PutsOnly {
+  PutsOnly() { setenv("EPX_INTERNODE_PUTS", "1", 1); }
+  ~PutsOnly() { unsetenv("EPX_INTERNODE_PUTS"); }
+};
+
+TEST(LowLatencyNodes, PutsInsteadOfStoresFp8LogfmtHooksZeroCopy) {
+  const PutsOnly puts_only;
+  LowLatencyCase c = nodes_case(2, 1);
+  c.use_fp8 = true;
+  c.use_logfmt = true;
+  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
+  c.num_tokens = {1, c.num_max_tokens, 0, 9};
+  c.num_iterations = 3;
+  run_case(c);
+}
+
+TEST(LowLatencyNodes, PutsInsteadOfStoresPreReduce) {
+  const PutsOnly puts_only;
+  for (const bool logfmt : {false, true}) {
+    LowLatencyCase c = nodes_case(2, 1);
+    c.duplicates = true;
+    c.use_logfmt = logfmt;
+    c.pre_reduce = true;
+    c.num_iterations = 2;
+    SCOPED_TRACE(logfmt ? "LogFMT" : "BF16");
+    run_case(c);
+  }
+}
+
+TEST(LowLatencyNodes, PutsInsteadOfStoresShapesThatDiffer) {
+  const PutsOnly puts_only;
+  run_shapes_that_differ_across_nodes(2, 1);
+}
+
 // ---- 4 GPUs as 2 nodes x 2: NVLink inside a node, NVSHMEM between nodes ----
 
 TEST(LowLatencyNodes, Fp8TwoNodesOfTwo) {

@@ -19,9 +19,11 @@ RemoteMemory allocate_remote_memory(Bootstrap& bootstrap, size_t bytes, int rank
   memory.bytes = heap->bytes();
   const int node = bootstrap.rank() / ranks_per_node;
   for (int rank = 0; rank < bootstrap.num_ranks(); ++rank) {
+    void* const reachable = heap->peer_pointer(rank, 0);
+    memory.reachable.push_back(reachable);
     void* mapped = nullptr;
     if (rank / ranks_per_node == node) {
-      mapped = heap->peer_pointer(rank, 0);
+      mapped = reachable;
       if (mapped == nullptr) {
         EPX_FAIL(
             "rank ", bootstrap.rank(), " can not map rank ", rank,
