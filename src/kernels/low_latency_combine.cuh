@@ -308,17 +308,6 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
   return p < args.map.num_experts ? args.handle.recv_layout_range[p].count : 0;
 }
 
-// The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
-template <typename Remote>
-__device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {
-  if constexpr (!Remote::kEnabled) return 0ull;
-  const int lane = static_cast<int>(threadIdx.x) % 32;
-  const unsigned low = __ballot_sync(kFullMask, lane < peers.num_ranks && !is_direct<Remote>(peers, lane));
-  const unsigned high =
-      __ballot_sync(kFullMask, lane + 32 < peers.num_ranks && !is_direct<Remote>(peers, lane + 32));
-  return low | static_cast<unsigned long long>(high) << 32;
-}
-
 // Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
 // straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the

@@ -78,6 +78,17 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
   return __ldcg(local_at<int>(peers, map.num_uses_offset(half, op)));
 }
 
+// The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
+template <typename Remote>
+__device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {
+  if constexpr (!Remote::kEnabled) return 0ull;
+  const int lane = static_cast<int>(threadIdx.x) % 32;
+  const unsigned low = __ballot_sync(kFullMask, lane < peers.num_ranks && !is_direct<Remote>(peers, lane));
+  const unsigned high =
+      __ballot_sync(kFullMask, lane + 32 < peers.num_ranks && !is_direct<Remote>(peers, lane + 32));
+  return low | static_cast<unsigned long long>(high) << 32;
+}
+
 // Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
 // from values all blocks share) once its sends are issued: operation `num_ops` of this rank's sends is
 // published to every unmasked destination.
@@ -98,7 +109,8 @@ __device__ __forceinline__ void publish_sends(const PeerContext& peers, const Lo
                                               int half, LowLatencyOp op, int num_ops,
                                               unsigned long long masked, Publishers publishers) {
   if (!publishers.this_block) return;
-  Remote::quiet();
+  // With no rank reached by puts nothing is to complete, and a quiet would still cost every thread a fence.
+  if (ranks_reached_by_puts<Remote>(peers) != 0ull) Remote::quiet();
   __syncthreads();
   const int share = publish_share(static_cast<int>(blockIdx.x), publishers);
   for (int dst = threadIdx.x; dst < peers.num_ranks; dst += blockDim.x) {

@@ -251,7 +251,8 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
       s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
       // The low-latency kernels store straight into every rank the transport maps (other nodes' ranks too,
       // over an NVLink fabric or P2P); EPX_INTERNODE_PUTS=1 (read once per Buffer) keeps puts for every rank
-      // of another node, as over a NIC.
+      // of another node, as over a NIC. Every rank must choose alike: a LogFMT row arrives packed from a rank
+      // that puts and in place from one that stores, and the receiver reads it by its own choice.
       s.symmetric_table = upload_table(env_equals("EPX_INTERNODE_PUTS", "1") ? s.symmetric_remote->bases
                                                                              : s.symmetric_remote->reachable);
     } else {
