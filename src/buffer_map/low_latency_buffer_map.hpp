@@ -82,9 +82,10 @@ constexpr int kNumLowLatencyOps = 2;
 // after every rank's normal-mode calls. Normal mode needs nothing after low-latency calls: its queues are
 // written before they are read, and its count exchange waits for every peer to reach it.
 //
-// NOTES: shapes are checked across nodes too. A source on another node puts its shape fingerprint
+// NOTES: shapes are checked across nodes too. A source on another node stores its shape fingerprint
 // (core/shape_fingerprint.hpp) into remote_shapes[half][op][source] of the receiver before the flag that
-// publishes the operation, from its own staged_shapes[half][op] (a put reads this rank's symmetric buffer).
+// publishes the operation where it maps the receiver, else puts it there from its own
+// staged_shapes[half][op] (a put reads this rank's symmetric buffer).
 // Sources on this rank's NVLink node post theirs into the abort words instead (AbortWordsMap). A clean zeroes
 // the fingerprints with the signals (both lie in [signals_offset(0), control_end_offset())): a zero hash
 // never matches, and no flag releases them until a source posts again.
@@ -298,8 +299,8 @@ struct LowLatencyBufferMap {
            sizeof(int) * (size_t(2 * kNumLowLatencyOps) * num_ranks + 2 * kNumLowLatencyOps +
                           size_t(static_cast<int>(op)) * num_ranks + src_rank);
   }
-  // Written by `src_rank` on another node (a put): the shape fingerprint of its operation of kind `op` in
-  // this half, released by its recv_flag.
+  // Written by `src_rank` on another node (a store or a put): the shape fingerprint of its operation of kind
+  // `op` in this half, released by its recv_flag.
   EPX_HD size_t remote_shape_offset(int half, LowLatencyOp op, int src_rank) const {
     return remote_shapes_offset() +
            kLowLatencyShapeSlotBytes *

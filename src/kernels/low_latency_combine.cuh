@@ -309,7 +309,7 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
 }
 
 // Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
-// straight into an NVLink peer may take several pieces, BF16 words or LogFMT groups; a put row is one); each
+// straight into a mapped rank may take several pieces, BF16 words or LogFMT groups; a put row is one); each
 // goes to slot (token, first top-k position) of its source rank, unless that rank is masked. Returns the
 // blocks that sent anything (block 0 always counts: it posted the shapes).
 template <typename Remote, bool kLogfmt, bool kPreReduce>

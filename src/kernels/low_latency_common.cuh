@@ -92,18 +92,17 @@ __device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerCo
 // Called by every thread of every publishing block (Publishers, work_split.hpp: every block computes the same
 // from values all blocks share) once its sends are issued: operation `num_ops` of this rank's sends is
 // published to every unmasked destination.
-// NVLink destinations: each block adds its share (publish_share, work_split.hpp) to the destination's flag
-// for this rank with one release reduction at system scope, so the flag reaches flag_target(num_ops) when the
-// last block's add lands, and no block waits for a round trip.
-// Destinations reached by puts: the last of the `count` blocks to arrive at this rank's counter for the
-// destination puts the flag's new value.
-// NOTES: the barrier puts every store and completed put of the block before the publishing thread's add or
-// arrival, a release at system scope that covers them (cumulatively). Adds are read-modify-writes, so the
-// receiver's acquire of the final value synchronizes with every block's release (the shape fingerprints
-// post_shapes posted at the start of the send phase included). For puts, the last arriver's arrival acquires
-// the other blocks' arrivals, and its put after them orders every block's data first; the counter is reset
-// after the flag: the next operation on this half is a later launch. Masked destinations get nothing (their
-// flags and counters stay untouched until a clean).
+// Mapped destinations (NVLink peers, other nodes' ranks the transport maps): each block adds its share
+// (publish_share, work_split.hpp) to the destination's flag for this rank with one release reduction at
+// system scope, so the flag reaches flag_target(num_ops) when the last block's add lands, and no block waits
+// for a round trip. Destinations reached by puts: the last of the `count` blocks to arrive at this rank's
+// counter for the destination puts the flag's new value. NOTES: the barrier puts every store and completed
+// put of the block before the publishing thread's add or arrival, a release at system scope that covers them
+// (cumulatively). Adds are read-modify-writes, so the receiver's acquire of the final value synchronizes with
+// every block's release (the shape fingerprints post_shapes posted at the start of the send phase included).
+// For puts, the last arriver's arrival acquires the other blocks' arrivals, and its put after them orders
+// every block's data first; the counter is reset after the flag: the next operation on this half is a later
+// launch. Masked destinations get nothing (their flags and counters stay untouched until a clean).
 template <typename Remote>
 __device__ __forceinline__ void publish_sends(const PeerContext& peers, const LowLatencyBufferMap& map,
                                               int half, LowLatencyOp op, int num_ops,

@@ -24,7 +24,7 @@ using namespace low_latency;
 
 // Shared memory: a small fixed part, then one large area whose use depends on the phase.
 struct DispatchSmallSmem {
-  // Where this token's message is written: each NVLink destination's receive slot, plus this rank's staging
+  // Where this token's message is written: each mapped destination's receive slot, plus this rank's staging
   // slot when some destination is reached by puts.
   char* dst_msgs[kMaxTopk + 1];
   int num_dsts;

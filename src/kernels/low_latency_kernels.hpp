@@ -54,7 +54,7 @@ enum LowLatencyStamp : int {
 constexpr int kMaxPhaseStampBlocks = 1024;
 
 struct LowLatencyDispatchArgs {
-  PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not an NVLink peer, reached by puts)
+  PeerContext peers;  // low-latency buffer bases of every rank (nullptr: not mapped here, reached by puts)
   LowLatencyBufferMap map;
   int half;        // which half of the double buffer this call uses
   int phases;      // LowLatencyPhase bits

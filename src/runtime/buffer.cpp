@@ -16,6 +16,7 @@
 #include "core/abort_state.hpp"
 #include "core/abort_word.hpp"
 #include "core/block_recycler.hpp"
+#include "core/direct_ranks.hpp"
 #include "core/env.hpp"
 #include "core/wait_record.hpp"
 #include "core/wait_timeout.hpp"
@@ -30,6 +31,43 @@
 #include "transport/shared_host/shared_host_memory.hpp"
 
 namespace epx {
+
+namespace {
+
+// The low-latency kernels' peer table across nodes: every rank this one stores into. They store straight into
+// every rank the transport maps both ways (other nodes' ranks too, over an NVLink fabric or P2P), and put to
+// the others; EPX_INTERNODE_PUTS=1, the same on every rank (checked), keeps puts for every rank of another
+// node, as over a NIC (direct_ranks says why both sides must choose alike).
+std::vector<void*> low_latency_store_table(Bootstrap& bootstrap, const RemoteMemory& memory) {
+  const int num_ranks = bootstrap.num_ranks();
+  if (num_ranks > 64) return memory.bases;
+  struct Reach {
+    uint64_t maps = 0, node = 0;
+    int puts_only = 0;
+  } mine;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (memory.reachable[r] != nullptr) mine.maps |= uint64_t{1} << r;
+    if (memory.bases[r] != nullptr) mine.node |= uint64_t{1} << r;
+  }
+  mine.puts_only = env_equals("EPX_INTERNODE_PUTS", "1") ? 1 : 0;
+  const std::vector<Reach> all = all_gather_value(bootstrap, mine);
+  std::vector<uint64_t> maps;
+  for (int r = 0; r < num_ranks; ++r) {
+    EPX_CHECK(all[r].puts_only == mine.puts_only, "EPX_INTERNODE_PUTS", mine.puts_only == 1 ? "1" : "unset",
+              detail::concat("must be the same on every rank (rank ", r, " has ",
+                             all[r].puts_only == 1 ? "1" : "another value", ")")
+                  .c_str());
+    maps.push_back(all[r].maps);
+  }
+  const uint64_t direct = direct_ranks(maps, bootstrap.rank(), mine.node, mine.puts_only == 1);
+  std::vector<void*> table(num_ranks, nullptr);
+  for (int r = 0; r < num_ranks; ++r) {
+    if (((direct >> r) & 1u) != 0) table[r] = memory.reachable[r];
+  }
+  return table;
+}
+
+}  // namespace
 
 namespace {
 
@@ -249,12 +287,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     }
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
-      // The low-latency kernels store straight into every rank the transport maps (other nodes' ranks too,
-      // over an NVLink fabric or P2P); EPX_INTERNODE_PUTS=1 (read once per Buffer) keeps puts for every rank
-      // of another node, as over a NIC. Every rank must choose alike: a LogFMT row arrives packed from a rank
-      // that puts and in place from one that stores, and the receiver reads it by its own choice.
-      s.symmetric_table = upload_table(env_equals("EPX_INTERNODE_PUTS", "1") ? s.symmetric_remote->bases
-                                                                             : s.symmetric_remote->reachable);
+      s.symmetric_table = upload_table(low_latency_store_table(bootstrap, *s.symmetric_remote));
     } else {
       s.symmetric.emplace(bootstrap, options.num_rdma_bytes, "low-latency buffer");
       s.symmetric_table = upload_table(s.symmetric->bases());

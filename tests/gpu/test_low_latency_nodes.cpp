@@ -268,6 +268,22 @@ TEST(LowLatencyNodes, ShapesThatDifferFailOnEveryRankTwoNodesOfTwo) {
   run_shapes_that_differ_across_nodes(2, 2);
 }
 
+// Puts to the other node beside stores within it, in one kernel: packed coded rows next to BF16 groups,
+// shapes through the abort words and through remote_shapes, rows in one piece while node peers take stores.
+TEST(LowLatencyNodes, PutsInsteadOfStoresLogfmtHooksZeroCopyTwoNodesOfTwo) {
+  const PutsOnly puts_only;
+  LowLatencyCase c = nodes_case(2, 2);
+  c.use_logfmt = true;
+  c.dispatch_hook = c.combine_hook = c.zero_copy = true;
+  c.num_iterations = 3;
+  run_with_both_combine_orders(c, run_case);
+}
+
+TEST(LowLatencyNodes, PutsInsteadOfStoresShapesThatDifferTwoNodesOfTwo) {
+  const PutsOnly puts_only;
+  run_shapes_that_differ_across_nodes(2, 2);
+}
+
 TEST(LowLatencyNodes, GraphReplayFourNodesOfOne) {
   LowLatencyCase c = nodes_case(4, 1);
   c.use_fp8 = true;
