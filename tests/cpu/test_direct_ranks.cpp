@@ -34,7 +34,8 @@ TEST(DirectRanks, OneWayMappingsArePuts) {
     const uint64_t node = r < 2 ? kNode0 : kNode1;
     for (int q = 0; q < 4; ++q) {
       const uint64_t q_node = q < 2 ? kNode0 : kNode1;
-      EXPECT_EQ((direct_ranks(maps, r, node, false) >> q) & 1u, (direct_ranks(maps, q, q_node, false) >> r) & 1u)
+      EXPECT_EQ((direct_ranks(maps, r, node, false) >> q) & 1u,
+                (direct_ranks(maps, q, q_node, false) >> r) & 1u)
           << r << " " << q;
     }
   }
