@@ -11,8 +11,6 @@
 // It links no EPX library and uses no CUDA runtime call of its own; it is built only where torch is installed
 // (python/CMakeLists.txt) and loaded only where it matches the `_epx` beside it (python/epx/_ext.py).
 
-#include <ATen/ops/empty.h>
-#include <ATen/ops/empty_strided.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
@@ -141,6 +139,15 @@ at::Tensor tensor_over(const c10::Storage& storage, int64_t offset_bytes, at::In
   return tensor;
 }
 
+// A tensor of `shape` with `strides` (elements) at `offset_bytes` into `storage`.
+at::Tensor strided_tensor_over(const c10::Storage& storage, int64_t offset_bytes, at::IntArrayRef shape,
+                               at::IntArrayRef strides, at::ScalarType dtype) {
+  at::Tensor tensor = tensor_over(storage, offset_bytes, shape, dtype);
+  tensor.unsafeGetTensorImpl()->set_sizes_and_strides(
+      shape, strides, offset_bytes / static_cast<int64_t>(c10::elementSize(dtype)));
+  return tensor;
+}
+
 // at::empty(shape, dtype on `device`) on the current stream, without the dispatcher.
 at::Tensor empty_on(int device, at::IntArrayRef shape, at::ScalarType dtype) {
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
@@ -240,22 +247,41 @@ py::object low_latency_dispatch(py::handle buffer, int device, int num_ranks, co
   const int64_t num_columns = sizes.num_scale_columns;
   if (cumulative_stats && cumulative_stats->size(0) != num_local) return py::none();
 
-  const at::TensorOptions options = x.options();
-  at::Tensor recv_x =
-      at::empty({num_local, num_rows, hidden}, options.dtype(use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16));
+  // Two blocks from the caching allocator instead of a tensor each: the rows (recv_x and, with FP8, its
+  // scales), and the small outputs, which the handle keeps until combine (in the rows' block they would keep
+  // the rows alive as long). Each tensor at a 256-byte boundary.
+  const at::ScalarType x_dtype = use_fp8 ? at::kFloat8_e4m3fn : at::kBFloat16;
+  const at::ScalarType scales_dtype = use_ue8m0 ? at::kInt : at::kFloat;
+  const int64_t row_cells = num_local * num_rows;
+  const int64_t scales_offset = aligned(row_cells * hidden * static_cast<int64_t>(c10::elementSize(x_dtype)));
+  const int64_t rows_bytes = scales_offset + (use_fp8 ? row_cells * num_columns * 4 : 0);
+  const int64_t src_info_offset = aligned(num_local * 4);
+  const int64_t topk_pos_offset = src_info_offset + aligned(row_cells * 4);
+  const int64_t range_offset = topk_pos_offset + aligned(row_cells * 4);
+  const int64_t listings_offset = range_offset + aligned(num_local * num_ranks * 8);
+  const int64_t listings_count =
+      topk_weights ? num_ranks * num_max_dispatch_tokens_per_rank * num_topk * 2 : 0;
+  c10::Storage rows_block, small_block;
+  {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    rows_block = allocate_storage(rows_bytes);
+    small_block = allocate_storage(listings_offset + listings_count * 4);
+  }
+  at::Tensor recv_x = tensor_over(rows_block, 0, {num_local, num_rows, hidden}, x_dtype);
   std::optional<at::Tensor> recv_scales;
   if (use_fp8) {
     // [L, R*M, columns], column-major in the last two dimensions (the memory of [L, columns, R*M]).
-    recv_scales = at::empty_strided({num_local, num_rows, num_columns}, {num_columns * num_rows, 1, num_rows},
-                                    options.dtype(use_ue8m0 ? at::kInt : at::kFloat));
+    recv_scales = strided_tensor_over(rows_block, scales_offset, {num_local, num_rows, num_columns},
+                                      {num_columns * num_rows, 1, num_rows}, scales_dtype);
   }
-  at::Tensor recv_count = at::empty({num_local}, options.dtype(at::kInt));
-  at::Tensor src_info = at::empty({num_local, num_rows}, options.dtype(at::kInt));
-  at::Tensor topk_pos = at::empty({num_local, num_rows}, options.dtype(at::kInt));
-  at::Tensor layout_range = at::empty({num_local, num_ranks}, options.dtype(at::kLong));
+  at::Tensor recv_count = tensor_over(small_block, 0, {num_local}, at::kInt);
+  at::Tensor src_info = tensor_over(small_block, src_info_offset, {num_local, num_rows}, at::kInt);
+  at::Tensor topk_pos = tensor_over(small_block, topk_pos_offset, {num_local, num_rows}, at::kInt);
+  at::Tensor layout_range = tensor_over(small_block, range_offset, {num_local, num_ranks}, at::kLong);
   std::optional<at::Tensor> listings;
   if (topk_weights) {
-    listings = at::empty({num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2}, options.dtype(at::kInt));
+    listings = tensor_over(small_block, listings_offset,
+                           {num_ranks, num_max_dispatch_tokens_per_rank, num_topk, 2}, at::kInt);
   }
 
   epx::LowLatencyDispatchOutput out;
@@ -302,7 +328,7 @@ py::object low_latency_combine(py::handle buffer, int device, py::handle handle,
   in.zero_copy = zero_copy;
   in.return_recv_hook = return_recv_hook;
   in.combine_wait_recv_cost_stats = pointer_of<int64_t*>(wait_stats);
-  at::Tensor combined = out ? *out : at::empty({num_tokens, hidden}, topk_idx.options().dtype(at::kBFloat16));
+  at::Tensor combined = out ? *out : empty_on(device, {num_tokens, hidden}, at::kBFloat16);
   py::object result = adopt(native->low_latency_combine(buffer.ptr(), handle.ptr(), in, combined.data_ptr(),
                                                         current_order(device, async_finish)));
   return py::make_tuple(std::move(combined), std::move(result));
