@@ -13,8 +13,8 @@ async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H10
 
 A dispatch without a cached handle or num_worst_tokens sizes its outputs by the received counts, so its host
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
-queued before it. The last column splits it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us);
-host time minus it is the host's own work. Each rank's process runs on one core of its GPU's NUMA node
+queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
+and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process runs on one core of its GPU's NUMA node
 (--no-pin leaves it where the OS puts it): unpinned, runs of one build differed by half.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
@@ -86,11 +86,18 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
 # ---- Timing ----
 
 
+def own_work_us(host_s: List[float], waits_us: List[float]) -> float:
+    """Median over calls of the host's own work: each call's host time less its own wait for counts (a median
+    of host times less a mean of waits mixes two statistics of skewed samples)."""
+    return statistics.median(h * 1e6 - w for h, w in zip(host_s, waits_us))
+
+
 def time_calls(
     call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool, waited_us: Callable[[], float]
-) -> Tuple[float, float, float]:
+) -> Tuple[float, float, float, float]:
     """(median host us per call, GPU us per call back to back or nan, mean us per call the host waited for
-    dispatch counts). No sync inside the timed loop."""
+    dispatch counts, median us per call of the host's own work). No sync inside the timed loop; each call's
+    wait is read after its clock stops."""
     for _ in range(warmup):
         call()
     waited_before = waited_us()
@@ -100,16 +107,21 @@ def time_calls(
         start.record()
     clock = time.perf_counter
     host = []
+    waits = []
+    last_wait = waited_before
     for _ in range(iters):
         begin = clock()
         call()
         host.append(clock() - begin)
+        now = waited_us()
+        waits.append(now - last_wait)
+        last_wait = now
     gpu_us = float("nan")
     if gpu:
         end.record()
         end.synchronize()
         gpu_us = start.elapsed_time(end) * 1e3 / iters
-    return statistics.median(host) * 1e6, gpu_us, (waited_us() - waited_before) / iters
+    return statistics.median(host) * 1e6, gpu_us, (last_wait - waited_before) / iters, own_work_us(host, waits)
 
 
 def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) -> None:
@@ -234,7 +246,7 @@ def run_rows(
     gpu: bool,
     barrier: Callable[[], None],
     show: bool = True,
-) -> List[Tuple[str, float, float, float]]:
+) -> List[Tuple[str, float, float, float, float]]:
     """The table's rows (--profile: prints the profile where `show`, returns none)."""
     normal_buffer, ll_buffer = buffers
     calls = normal_calls(normal_buffer, torch, o, num_ranks, device)
@@ -259,21 +271,22 @@ def run_rows(
     return rows
 
 
-def print_rows(rows: List[Tuple[str, float, float, float]], header: str, json_path: Optional[str]) -> None:
+def print_rows(rows: List[Tuple[str, float, float, float, float]], header: str, json_path: Optional[str]) -> None:
     print(header)
     print(
         f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27} "
-        f"{'of host: count wait (mean)':>27}"
+        f"{'of host: count wait (mean)':>27} {'own work (median)':>18}"
     )
-    for name, host_us, gpu_us, wait_us in rows:
-        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f}")
+    for name, host_us, gpu_us, wait_us, own_us in rows:
+        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f} {own_us:>18.1f}")
     if json_path:
         with open(json_path, "w") as f:
             # null where there is no GPU time (--stub): strict JSON has no NaN.
             json.dump(
                 [
-                    {"entry": n, "host_us": h, "gpu_us": None if g != g else g, "count_wait_us": w}
-                    for n, h, g, w in rows
+                    {"entry": n, "host_us": h, "gpu_us": None if g != g else g, "count_wait_us": w,
+                     "own_work_us": own}
+                    for n, h, g, w, own in rows
                 ],
                 f,
                 indent=1,

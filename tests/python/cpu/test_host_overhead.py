@@ -484,3 +484,10 @@ def test_pick_cpu_gives_each_rank_its_own_core_near_its_gpu():
     assert bench.pick_cpu(0, 1, [40, 41], allowed) == 1
     assert bench.pick_cpu(0, 1, [], [5]) == 5
     assert bench.pick_cpu(0, 1, [], []) is None
+
+
+def test_own_work_is_the_median_of_each_calls_host_time_less_its_wait():
+    bench = _host_overhead_module()
+    # Calls of 50, 60 and 100 µs that waited 40, 0 and 30: own work 10, 60, 70 -> median 60 (the median of host
+    # times less the mean wait would read 60 - 23.3).
+    assert abs(bench.own_work_us([50e-6, 60e-6, 100e-6], [40.0, 0.0, 30.0]) - 60.0) < 1e-6
