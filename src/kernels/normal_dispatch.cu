@@ -188,20 +188,14 @@ __device__ void send_tokens(const DispatchArgs& args, int channel, int dst, cons
     const int granted = queue.reserve(args.chunk_tokens);
     clock.mark(0);
     int taken = 0;
-    // Scan 32 tokens at a time; a window that holds more than the chunk has room for is cut after the last
-    // token taken, and the next scan resumes there. Every warp scans identically.
+    // Scan 32 tokens at a time; a window that holds more than the chunk has room for is cut before the first
+    // token past the room, and the next scan resumes there. Every warp scans identically.
     while (taken < granted && t0 < range.end) {
       const int t = t0 + lane;
       const bool in = t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + dst] != 0;
       unsigned mask = __ballot_sync(~0u, in);
-      int width = 32;
-      const int room = granted - taken;
-      if (__popc(mask) > room) {
-        unsigned last = mask;
-        for (int i = 1; i < room; ++i) last &= last - 1;
-        width = __ffs(last);  // one past the room-th token
-        mask &= window_bits(width);
-      }
+      const int width = tokens_within_room(mask, granted - taken, 32);
+      mask &= window_bits(width);
       if (window % group.num_warps == group.warp && lane < width && t < range.end) {
         const bool sent = (mask >> lane) & 1u;
         args.handle.send_head[static_cast<size_t>(t) * num_ranks + dst] =
