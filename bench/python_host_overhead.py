@@ -14,8 +14,9 @@ async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H10
 A dispatch without a cached handle or num_worst_tokens sizes its outputs by the received counts, so its host
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
-and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process runs on one core of its GPU's NUMA node
-(--no-pin leaves it where the OS puts it): unpinned, runs of one build differed by half.
+and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process
+runs on one core of its GPU's NUMA node (--no-pin leaves it where the OS puts it): unpinned, runs of one build
+differed by half.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
