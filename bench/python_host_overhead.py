@@ -15,8 +15,8 @@ A dispatch without a cached handle or num_worst_tokens sizes its outputs by the 
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
 and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process
-runs on one core of its GPU's NUMA node (--no-pin leaves it where the OS puts it): unpinned, runs of one build
-differed by half.
+runs on a few cores of its GPU's NUMA node (--pin-cores, default 4; --no-pin leaves it where the OS puts it):
+unpinned, runs of one build differed by half; pinned to one core, the helper threads starved.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
@@ -75,7 +75,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--profile", choices=ENTRY_POINTS, help="cProfile this entry point (--iters calls)")
     p.add_argument("--json", help="also write the rows to this file (JSON)")
     p.add_argument("--no-pin", action="store_true",
-                   help="leave each rank's process where the OS puts it (default: one core near its GPU)")
+                   help="leave each rank's process where the OS puts it (default: --pin-cores cores near its GPU)")
+    p.add_argument("--pin-cores", type=int, default=4, help="cores each rank's process may run on (default 4)")
     o = p.parse_args(argv)
     if o.experts is None:
         o.experts = 8 if o.stub else 288
@@ -316,32 +317,36 @@ def gpu_local_cpus(pci_bus_id: str, sysfs: str = "/sys") -> List[int]:
     return cpus
 
 
-def pick_cpu(rank: int, num_ranks: int, local: List[int], allowed: List[int]) -> Optional[int]:
-    """One core for `rank`: among its GPU's local CPUs that the process may use, else among all it may use,
-    ranks spread so that two ranks never share one (ranks whose GPUs share a NUMA node take different
-    cores of it). None when nothing is allowed."""
+def pick_cpus(rank: int, num_ranks: int, local: List[int], allowed: List[int], count: int) -> List[int]:
+    """Up to `count` cores for `rank`: among its GPU's local CPUs that the process may use, else among all it
+    may use, ranks given disjoint slices so that two ranks never share one (ranks whose GPUs share a NUMA node
+    take different cores of it). [] when nothing is allowed."""
     allowed_set = set(allowed)
     candidates = [c for c in local if c in allowed_set] or sorted(allowed_set)
     if not candidates:
-        return None
+        return []
     # Leave a node's first core (interrupts and housekeeping land there) when there is a choice.
     if len(candidates) > num_ranks:
         candidates = candidates[1:]
-    return candidates[(rank * len(candidates)) // num_ranks]
+    begin = (rank * len(candidates)) // num_ranks
+    end = max(((rank + 1) * len(candidates)) // num_ranks, begin + 1)
+    return candidates[begin:min(end, begin + max(count, 1))]
 
 
 # Host times on one machine drift between processes by more than the changes they measure (NCCL's
 # all_to_all_single row read 27 us in one run and 49 us in the next, same build): the CPU a rank lands on
-# (its distance to the GPU, its neighbours) is the largest part of that, so each rank takes one core near
-# its GPU.
-def pin_to_gpu_local_cpu(rank: int, num_ranks: int, torch: Any) -> Optional[int]:
+# (its distance to the GPU, its neighbours) is the largest part of that, so each rank takes a few cores near
+# its GPU. Not one: the threads NCCL, NVSHMEM and the CUDA driver start then share the calling thread's core,
+# and on 2 x H100 the layout's GPU time per call read 90-729 us pinned to one core against 28-29 unpinned
+# (the GPU waited for work the starved threads hand it).
+def pin_to_gpu_local_cpus(rank: int, num_ranks: int, torch: Any, count: int) -> List[int]:
     props = torch.cuda.get_device_properties(rank)
     ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
     local = gpu_local_cpus("{:04x}:{:02x}:{:02x}.0".format(*ids)) if None not in ids else []
-    cpu = pick_cpu(rank, num_ranks, local, sorted(os.sched_getaffinity(0)))
-    if cpu is not None:
-        os.sched_setaffinity(0, {cpu})
-    return cpu
+    cpus = pick_cpus(rank, num_ranks, local, sorted(os.sched_getaffinity(0)), count)
+    if cpus:
+        os.sched_setaffinity(0, set(cpus))
+    return cpus
 
 
 # ---- Modes ----
@@ -374,8 +379,8 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
 
     torch.cuda.set_device(rank)
     if not o.no_pin:
-        cpu = pin_to_gpu_local_cpu(rank, num_ranks, torch)
-        print(f"rank {rank}: CPU {cpu if cpu is not None else 'not pinned'}", file=sys.stderr)
+        cpus = pin_to_gpu_local_cpus(rank, num_ranks, torch, o.pin_cores)
+        print(f"rank {rank}: CPUs {cpus if cpus else 'not pinned'}", file=sys.stderr)
     dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=num_ranks)
     try:
         group = dist.new_group(list(range(num_ranks)))

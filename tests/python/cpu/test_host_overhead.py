@@ -471,19 +471,22 @@ def test_gpu_local_cpus_reads_the_numa_node_of_the_gpu(tmp_path):
     assert bench.gpu_local_cpus("0000:99:00.0", str(tmp_path)) == []  # no such device
 
 
-def test_pick_cpu_gives_each_rank_its_own_core_near_its_gpu():
+def test_pick_cpus_gives_each_rank_its_own_cores_near_its_gpu():
     bench = _host_overhead_module()
     allowed = list(range(32))
     # GPUs on different nodes: each rank near its own, past the node's first core.
-    assert bench.pick_cpu(0, 2, list(range(0, 16)), allowed) == 1
-    assert bench.pick_cpu(1, 2, list(range(16, 32)), allowed) == 17 + 7
-    # GPUs on one node: two different cores of it.
-    picks = {bench.pick_cpu(r, 2, list(range(0, 16)), allowed) for r in range(2)}
-    assert len(picks) == 2 and picks <= set(range(1, 16))
+    assert bench.pick_cpus(0, 2, list(range(0, 16)), allowed, 4) == [1, 2, 3, 4]
+    assert bench.pick_cpus(1, 2, list(range(16, 32)), allowed, 4) == [24, 25, 26, 27]
+    # GPUs on one node: disjoint cores of it.
+    picks = [set(bench.pick_cpus(r, 2, list(range(0, 16)), allowed, 4)) for r in range(2)]
+    assert not picks[0] & picks[1] and picks[0] | picks[1] <= set(range(1, 16))
+    # Fewer cores than asked: what the rank's slice holds, at least one.
+    assert bench.pick_cpus(1, 2, [0, 1, 2], allowed, 4) == [2]
+    assert bench.pick_cpus(0, 1, list(range(8)), allowed, 1) == [1]
     # Local CPUs the process may not use, or none known: among those it may use.
-    assert bench.pick_cpu(0, 1, [40, 41], allowed) == 1
-    assert bench.pick_cpu(0, 1, [], [5]) == 5
-    assert bench.pick_cpu(0, 1, [], []) is None
+    assert bench.pick_cpus(0, 1, [40, 41], allowed, 2) == [1, 2]
+    assert bench.pick_cpus(0, 1, [], [5], 4) == [5]
+    assert bench.pick_cpus(0, 1, [], [], 4) == []
 
 
 def test_own_work_is_the_median_of_each_calls_host_time_less_its_wait():
