@@ -73,17 +73,23 @@ TEST(LowLatencyNodes, UnbalancedDuplicatesOddCounts) {
   run_case(c);
 }
 
-// Partial rows summed into the staging row and put whole, to the other (virtual) node.
+// A pre-reduced combine to the other (virtual) node, BF16 or LogFMT, with top-k ids that repeat.
+LowLatencyCase pre_reduce_case(bool logfmt, int num_iterations) {
+  LowLatencyCase c = nodes_case(2, 1);
+  c.duplicates = true;
+  c.use_logfmt = logfmt;
+  c.pre_reduce = true;
+  c.num_iterations = num_iterations;
+  return c;
+}
+
+// Partial rows summed, then sent whole to the other (virtual) node.
 TEST(LowLatencyNodes, PreReduceOddCountsDuplicates) {
   for (const bool logfmt : {false, true}) {
-    LowLatencyCase c = nodes_case(2, 1);
+    LowLatencyCase c = pre_reduce_case(logfmt, 3);
     c.num_tokens = {1, c.num_max_tokens, 0, 9};
-    c.duplicates = true;
     c.drop_probability = 0.1;
-    c.use_logfmt = logfmt;
     c.zero_copy = logfmt;
-    c.pre_reduce = true;
-    c.num_iterations = 3;
     SCOPED_TRACE(logfmt ? "LogFMT, zero copy" : "BF16");
     run_case(c);
   }
@@ -218,13 +224,8 @@ TEST(LowLatencyNodes, PutsInsteadOfStoresFp8LogfmtHooksZeroCopy) {
 TEST(LowLatencyNodes, PutsInsteadOfStoresPreReduce) {
   const PutsOnly puts_only;
   for (const bool logfmt : {false, true}) {
-    LowLatencyCase c = nodes_case(2, 1);
-    c.duplicates = true;
-    c.use_logfmt = logfmt;
-    c.pre_reduce = true;
-    c.num_iterations = 2;
     SCOPED_TRACE(logfmt ? "LogFMT" : "BF16");
-    run_case(c);
+    run_case(pre_reduce_case(logfmt, 2));
   }
 }
 
