@@ -15,8 +15,9 @@ A dispatch without a cached handle or num_worst_tokens sizes its outputs by the 
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
 and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process
-runs on a few cores of its GPU's NUMA node (--pin-cores, default 4; --no-pin leaves it where the OS puts it):
-unpinned, runs of one build differed by half; pinned to one core, the helper threads starved.
+runs on a few cores of its GPU's NUMA node (--pin-cores, default 4: the calling thread on the first, the threads
+NCCL, NVSHMEM and CUDA start on the others; --no-pin leaves it where the OS puts it): unpinned, runs of one build
+differed by half; all on one core, those threads starved.
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
@@ -336,17 +337,29 @@ def pick_cpus(rank: int, num_ranks: int, local: List[int], allowed: List[int], c
 # Host times on one machine drift between processes by more than the changes they measure (NCCL's
 # all_to_all_single row read 27 us in one run and 49 us in the next, same build): the CPU a rank lands on
 # (its distance to the GPU, its neighbours) is the largest part of that, so each rank takes a few cores near
-# its GPU. Not one: the threads NCCL, NVSHMEM and the CUDA driver start then share the calling thread's core,
-# and on 2 x H100 the layout's GPU time per call read 90-729 us pinned to one core against 28-29 unpinned
-# (the GPU waited for work the starved threads hand it).
+# its GPU, the calling thread one of its own. Not one for all: the threads NCCL, NVSHMEM and the CUDA driver
+# start then share the calling thread's core, and on 2 x H100 the layout's GPU time per call read 90-729 us
+# pinned so against 28-29 unpinned (the GPU waited for work the starved threads hand it). The calling thread
+# gets the first core once those threads exist (pin_main_thread); they keep the others, which they inherited
+# when they started (Linux: sched_setaffinity(0) sets the calling thread's mask).
+def split_cores(cpus: List[int]) -> Tuple[List[int], List[int]]:
+    """(the calling thread's core, the other threads' cores) of a rank's cores; one core serves both."""
+    return cpus[:1], cpus[1:] or cpus[:1]
+
+
 def pin_to_gpu_local_cpus(rank: int, num_ranks: int, torch: Any, count: int) -> List[int]:
     props = torch.cuda.get_device_properties(rank)
     ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
     local = gpu_local_cpus("{:04x}:{:02x}:{:02x}.0".format(*ids)) if None not in ids else []
     cpus = pick_cpus(rank, num_ranks, local, sorted(os.sched_getaffinity(0)), count)
     if cpus:
-        os.sched_setaffinity(0, set(cpus))
+        os.sched_setaffinity(0, set(split_cores(cpus)[1]))  # what threads started from now on inherit
     return cpus
+
+
+def pin_main_thread(cpus: List[int]) -> None:
+    if cpus:
+        os.sched_setaffinity(0, set(split_cores(cpus)[0]))
 
 
 # ---- Modes ----
@@ -378,9 +391,11 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
     import deep_ep
 
     torch.cuda.set_device(rank)
+    cpus = [] if o.no_pin else pin_to_gpu_local_cpus(rank, num_ranks, torch, o.pin_cores)
     if not o.no_pin:
-        cpus = pin_to_gpu_local_cpus(rank, num_ranks, torch, o.pin_cores)
-        print(f"rank {rank}: CPUs {cpus if cpus else 'not pinned'}", file=sys.stderr)
+        main_core, others = split_cores(cpus)
+        print(f"rank {rank}: calling thread on CPU {main_core}, other threads on {others}" if cpus
+              else f"rank {rank}: not pinned", file=sys.stderr)
     dist.init_process_group("nccl", init_method=f"file://{store_file}", rank=rank, world_size=num_ranks)
     try:
         group = dist.new_group(list(range(num_ranks)))
@@ -394,6 +409,8 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
         rdma_bytes = Buffer.get_low_latency_rdma_size_hint(o.tokens, o.hidden, num_ranks, o.experts)
         normal_buffer = Buffer(group, nvl_bytes, 0)
         ll_buffer = Buffer(group, 0, rdma_bytes, low_latency_mode=True, num_qps_per_rank=max(1, o.experts // num_ranks))
+        dist.barrier(group)  # the group's communicator (and its threads) exists before the calling thread moves
+        pin_main_thread(cpus)
         rows = run_rows(
             (normal_buffer, ll_buffer),
             torch,

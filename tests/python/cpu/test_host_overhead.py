@@ -494,3 +494,10 @@ def test_own_work_is_the_median_of_each_calls_host_time_less_its_wait():
     # Calls of 50, 60 and 100 µs that waited 40, 0 and 30: own work 10, 60, 70 -> median 60 (the median of host
     # times less the mean wait would read 60 - 23.3).
     assert abs(bench.own_work_us([50e-6, 60e-6, 100e-6], [40.0, 0.0, 30.0]) - 60.0) < 1e-6
+
+
+def test_split_cores_gives_the_calling_thread_its_own_core():
+    bench = _host_overhead_module()
+    assert bench.split_cores([3, 4, 5, 6]) == ([3], [4, 5, 6])
+    assert bench.split_cores([7]) == ([7], [7])  # one core serves both
+    assert bench.split_cores([]) == ([], [])
