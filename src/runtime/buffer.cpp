@@ -67,10 +67,6 @@ std::vector<void*> low_latency_store_table(Bootstrap& bootstrap, const RemoteMem
   return table;
 }
 
-}  // namespace
-
-namespace {
-
 // The node size every rank agrees on (bootstrap/topology.hpp): EPX_RANKS_PER_NODE, else `option`, else (0)
 // the ranks of this host whose GPUs reach each other. A rank that cannot prepare its part (a malformed
 // variable) still joins the exchange, so every rank raises the same error.
