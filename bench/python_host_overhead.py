@@ -117,14 +117,14 @@ def time_calls(
         call()
         host.append(clock() - begin)
         now = waited_us()
-        waits.append(now - last_wait)
+        waits.append(now - last_wait)  # this call's own wait
         last_wait = now
     gpu_us = float("nan")
     if gpu:
         end.record()
         end.synchronize()
         gpu_us = start.elapsed_time(end) * 1e3 / iters
-    return statistics.median(host) * 1e6, gpu_us, (last_wait - waited_before) / iters, own_work_us(host, waits)
+    return statistics.median(host) * 1e6, gpu_us, sum(waits) / iters, own_work_us(host, waits)
 
 
 def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) -> None:
@@ -391,8 +391,9 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
     import deep_ep
 
     torch.cuda.set_device(rank)
-    cpus = [] if o.no_pin else pin_to_gpu_local_cpus(rank, num_ranks, torch, o.pin_cores)
+    cpus: List[int] = []
     if not o.no_pin:
+        cpus = pin_to_gpu_local_cpus(rank, num_ranks, torch, o.pin_cores)
         main_core, others = split_cores(cpus)
         print(f"rank {rank}: calling thread on CPU {main_core}, other threads on {others}" if cpus
               else f"rank {rank}: not pinned", file=sys.stderr)
