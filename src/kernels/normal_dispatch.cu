@@ -127,6 +127,19 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
                      lane);
 }
 
+// row_outputs for a warp: its lane 0 waits for them, the warp shares what it found.
+__device__ RowOutputs warp_row_outputs(const DispatchArgs& args, int lane) {
+  RowOutputs found{};
+  if (lane == 0) found = row_outputs(args);
+  const auto share = [](auto* pointer) {
+    return reinterpret_cast<decltype(pointer)>(
+        __shfl_sync(~0u, reinterpret_cast<unsigned long long>(pointer), 0));
+  };
+  return {share(found.recv_x),        share(found.recv_x_scales),
+          share(found.recv_topk_idx), share(found.recv_topk_weights),
+          share(found.recv_src_idx),  __shfl_sync(~0u, static_cast<int>(found.cancelled), 0) != 0};
+}
+
 // ---- Rows this rank keeps: straight from x into recv_x, no queue. Warp `worker` of `num_workers` (possibly
 // spread over two blocks) takes every num_workers-th row; all of them scan the whole channel, so they agree
 // on every row's position. ----
@@ -304,23 +317,37 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     __syncthreads();
   }
 
+  // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps (their
+  // offsets come from a notify before this launch: with_notify, only the blocks that write rows scan them).
+  const int warps_per_rank = kQueueWarps / num_ranks;
+  const int sender_own_warps = num_ranks > 1 && !args.with_notify
+                                   ? max(0, min(args.sender_own_warps, kQueueWarps - (num_ranks - 1)))
+                                   : 0;
+  const int own_workers = warps_per_rank + sender_own_warps;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
       copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane,
                     copier);
   } else if (is_sender) {
-    const int warps_per_peer = kQueueWarps / (num_ranks - 1);
-    const int peer_idx = warp / warps_per_peer;
-    if (peer_idx < num_ranks - 1) {
-      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
-      send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
+    const int send_warps = kQueueWarps - sender_own_warps;
+    if (warp >= send_warps) {
+      // Only these warps wait for outputs published late: the others send from the launch on.
+      const RowOutputs own = warp_row_outputs(args, lane);
+      if (!own.cancelled)
+        copy_own_rows(args, own, channel, warps_per_rank + warp - send_warps, own_workers, lane, copier);
+    } else {
+      const int warps_per_peer = send_warps / (num_ranks - 1);
+      const int peer_idx = warp / warps_per_peer;
+      if (peer_idx < num_ranks - 1) {
+        const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
+        send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
+      }
     }
   } else {
-    const int warps_per_rank = kQueueWarps / num_ranks;
     const int src = warp / warps_per_rank;
     if (src == rank) {
       if (!outputs.cancelled)
-        copy_own_rows(args, outputs, channel, warp % warps_per_rank, warps_per_rank, lane, copier);
+        copy_own_rows(args, outputs, channel, warp % warps_per_rank, own_workers, lane, copier);
     } else if (src < num_ranks) {
       const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
       receive_tokens(args, outputs, channel, src, group, &group_values[src], copier, calls);

@@ -391,11 +391,21 @@ namespace {
 
 // The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
 // outputs the host publishes there later.
+// EPX_DISPATCH_SENDER_OWN_WARPS=N: N warps of each sender block copy rows this rank keeps (DispatchArgs::
+// sender_own_warps; read once, bounded by the kernel). 0 or unset: the receiver blocks copy them all.
+int sender_own_warps_requested() {
+  static const int warps = [] {
+    const char* text = std::getenv("EPX_DISPATCH_SENDER_OWN_WARPS");
+    return text != nullptr ? std::atoi(text) : 0;
+  }();
+  return warps;
+}
+
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
                                     const DispatchInput& in, const DispatchOutput& out) {
   const NormalBufferMap map = dispatch_buffer_map(buffer, state);
   const NormalRecord record = NormalRecord::dispatch(state.shape);
-  return kernels::DispatchArgs{
+  kernels::DispatchArgs args{
       peer_context(buffer),
       map,
       record,
@@ -416,6 +426,8 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       {},
       state.board,
       phase_reports(buffer)};
+  args.sender_own_warps = sender_own_warps_requested();
+  return args;
 }
 
 // The dispatch launch `args` runs the count exchange `exchange` too (DispatchArgs::with_notify). Its senders
