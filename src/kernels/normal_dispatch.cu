@@ -1,4 +1,5 @@
 #include "gpu/cuda_check.hpp"
+#include "kernels/dispatch_warp_roles.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
@@ -317,19 +318,17 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     __syncthreads();
   }
 
-  // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps (their
-  // offsets come from a notify before this launch: with_notify, only the blocks that write rows scan them).
+  // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps.
   const int warps_per_rank = kQueueWarps / num_ranks;
-  const int sender_own_warps = num_ranks > 1 && !args.with_notify
-                                   ? max(0, min(args.sender_own_warps, kQueueWarps - (num_ranks - 1)))
-                                   : 0;
-  const int own_workers = warps_per_rank + sender_own_warps;
+  const SenderWarpRoles roles =
+      sender_warp_roles(kQueueWarps, num_ranks, args.sender_own_warps, args.with_notify);
+  const int own_workers = warps_per_rank + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
       copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane,
                     copier);
   } else if (is_sender) {
-    const int send_warps = kQueueWarps - sender_own_warps;
+    const int send_warps = roles.send;
     if (warp >= send_warps) {
       // Only these warps wait for outputs published late: the others send from the launch on.
       const RowOutputs own = warp_row_outputs(args, lane);
