@@ -124,7 +124,10 @@ struct NormalBufferMap {
     uint64_t outputs_mirror[5];
     int outputs_cancelled;
     uint32_t outputs_sequence;
-    int pad[32 - kMaxNvlRanks - 2 - 12];
+    // A dispatch that runs the count exchange: block 1 writes the launch's number (calls before it + 1) once
+    // the handle's channel offsets are scanned and checked, for the sender blocks' own-row warps.
+    int offsets_sequence;
+    int pad[32 - kMaxNvlRanks - 2 - 13];
     // [src], written by src at the start of each dispatch and combine launch: pack_tagged(its launch count,
     // the hash of its launch's ShapeFingerprint, whose values go to the abort words' launch slot).
     uint64_t launch_shape[kMaxNvlRanks];

@@ -13,15 +13,22 @@ struct SenderWarpRoles {
 };
 
 // `requested` own-row warps of a sender block of `queue_warps`, bounded so that every peer keeps a sending
-// warp; none with one rank (both blocks copy then) or with the count exchange in the launch (only the blocks
-// that write rows scan its offsets).
-EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int requested, bool with_notify) {
+// warp; none with one rank (both blocks copy then).
+EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int requested) {
   int own = 0;
-  if (num_ranks > 1 && !with_notify && requested > 0) {
+  if (num_ranks > 1 && requested > 0) {
     const int most = queue_warps - (num_ranks - 1);
     own = requested < most ? requested : (most > 0 ? most : 0);
   }
   return {queue_warps - own, own};
+}
+
+// The own-row warps a within-node dispatch asks for when not told (EPX_DISPATCH_SENDER_OWN_WARPS): measured
+// on 2 x H100 (docs/BENCHMARKS.md, "Own rows in the sender blocks").
+EPX_HD int default_sender_own_warps(int num_ranks, int num_channels) {
+  (void)num_ranks;
+  (void)num_channels;
+  return 0;
 }
 
 }  // namespace epx::kernels

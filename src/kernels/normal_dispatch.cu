@@ -128,10 +128,18 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
                      lane);
 }
 
-// row_outputs for a warp: its lane 0 waits for them, the warp shares what it found.
-__device__ RowOutputs warp_row_outputs(const DispatchArgs& args, int lane) {
-  RowOutputs found{};
-  if (lane == 0) found = row_outputs(args);
+// row_outputs for a sender block's warp: its lane 0 waits for them, the warp shares what it found. With the
+// count exchange in the launch it first waits until block 1 scanned and checked the channel offsets (an
+// aborted scan never signals: the wait ends with the abort, and the warp writes nothing).
+__device__ RowOutputs warp_row_outputs(const DispatchArgs& args, int calls, int lane) {
+  RowOutputs found{nullptr, nullptr, nullptr, nullptr, nullptr, true};
+  if (lane == 0) {
+    const bool scanned = !args.with_notify ||
+                         device::try_wait_at_least(
+                             &NormalBufferMap::control(args.peers.local_base)->offsets_sequence, calls + 1,
+                             wait_context(args.peers), args.peers.rank, WaitPhase::kDispatchNotify);
+    if (scanned) found = row_outputs(args);
+  }
   const auto share = [](auto* pointer) {
     return reinterpret_cast<decltype(pointer)>(
         __shfl_sync(~0u, reinterpret_cast<unsigned long long>(pointer), 0));
@@ -312,6 +320,11 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       finish_launch(args.peers, calls);  // aborted: nothing is written
       return;
     }
+    // The offsets every thread of block 1 wrote (ordered by the scan's barrier), for the senders' own rows.
+    if (blockIdx.x == 1 && threadIdx.x == 0) {
+      __threadfence();
+      device::st_release_gpu(&NormalBufferMap::control(args.peers.local_base)->offsets_sequence, calls + 1);
+    }
   }
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
@@ -320,8 +333,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 
   // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps.
   const int warps_per_rank = kQueueWarps / num_ranks;
-  const SenderWarpRoles roles =
-      sender_warp_roles(kQueueWarps, num_ranks, args.sender_own_warps, args.with_notify);
+  const SenderWarpRoles roles = sender_warp_roles(kQueueWarps, num_ranks, args.sender_own_warps);
   const int own_workers = warps_per_rank + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
@@ -331,7 +343,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     const int send_warps = roles.send;
     if (warp >= send_warps) {
       // Only these warps wait for outputs published late: the others send from the launch on.
-      const RowOutputs own = warp_row_outputs(args, lane);
+      const RowOutputs own = warp_row_outputs(args, calls, lane);
       if (!own.cancelled)
         copy_own_rows(args, own, channel, warps_per_rank + warp - send_warps, own_workers, lane, copier);
     } else {

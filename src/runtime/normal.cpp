@@ -18,6 +18,7 @@
 #include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/deep_ep_matrices.hpp"
+#include "kernels/dispatch_warp_roles.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
@@ -392,13 +393,14 @@ namespace {
 // The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
 // outputs the host publishes there later.
 // EPX_DISPATCH_SENDER_OWN_WARPS=N: N warps of each sender block copy rows this rank keeps (DispatchArgs::
-// sender_own_warps; read once, bounded by the kernel). 0 or unset: the receiver blocks copy them all.
-int sender_own_warps_requested() {
-  static const int warps = [] {
+// sender_own_warps; read once, bounded by the kernel; 0: the receiver blocks copy them all). Unset: the
+// measured default for the launch's ranks and channels.
+int sender_own_warps(int num_ranks, int num_channels) {
+  static const int requested = [] {
     const char* text = std::getenv("EPX_DISPATCH_SENDER_OWN_WARPS");
-    return text != nullptr ? std::atoi(text) : 0;
+    return text != nullptr ? std::max(0, std::atoi(text)) : -1;
   }();
-  return warps;
+  return requested >= 0 ? requested : kernels::default_sender_own_warps(num_ranks, num_channels);
 }
 
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
@@ -426,7 +428,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       {},
       state.board,
       phase_reports(buffer)};
-  args.sender_own_warps = sender_own_warps_requested();
+  args.sender_own_warps = sender_own_warps(map.num_ranks, map.num_channels);
   return args;
 }
 

@@ -7,21 +7,21 @@
 namespace epx::kernels {
 namespace {
 
-TEST(DispatchWarpRoles, OffByDefaultWithOneRankAndWithTheExchangeInTheLaunch) {
+TEST(DispatchWarpRoles, NoneUnlessAskedAndNoneWithOneRank) {
   for (const int ranks : {1, 2, 8}) {
-    const SenderWarpRoles roles = sender_warp_roles(16, ranks, 0, false);
+    const SenderWarpRoles roles = sender_warp_roles(16, ranks, 0);
     EXPECT_EQ(roles.send, 16);
     EXPECT_EQ(roles.own, 0);
   }
-  EXPECT_EQ(sender_warp_roles(16, 1, 4, false).own, 0);
-  EXPECT_EQ(sender_warp_roles(16, 2, 4, true).own, 0);
-  EXPECT_EQ(sender_warp_roles(16, 2, -3, false).own, 0);
+  EXPECT_EQ(sender_warp_roles(16, 1, 4).own, 0);
+  EXPECT_EQ(sender_warp_roles(16, 2, -3).own, 0);
+  EXPECT_EQ(sender_warp_roles(16, 2, 4).own, 4);
 }
 
 TEST(DispatchWarpRoles, EveryPeerKeepsASendingWarp) {
   for (const int ranks : {2, 3, 4, 8}) {
     for (int requested = 0; requested <= 20; ++requested) {
-      const SenderWarpRoles roles = sender_warp_roles(16, ranks, requested, false);
+      const SenderWarpRoles roles = sender_warp_roles(16, ranks, requested);
       SCOPED_TRACE(::testing::Message() << ranks << " ranks, " << requested << " asked");
       EXPECT_EQ(roles.send + roles.own, 16);
       EXPECT_GE(roles.send / (ranks - 1), 1);
