@@ -23,12 +23,14 @@ EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int req
   return {queue_warps - own, own};
 }
 
-// The own-row warps a within-node dispatch asks for when not told (EPX_DISPATCH_SENDER_OWN_WARPS): measured
-// on 2 x H100 (docs/BENCHMARKS.md, "Own rows in the sender blocks").
-EPX_HD int default_sender_own_warps(int num_ranks, int num_channels) {
-  (void)num_ranks;
-  (void)num_channels;
-  return 0;
+// The own-row warps of a sender block of `queue_warps` when not told (EPX_DISPATCH_SENDER_OWN_WARPS). With 2
+// ranks a receiver block copies twice what its sender sends (the own rows and the arrived ones): a quarter of
+// the sender's warps taking own rows was fastest at 8 to 24 SMs and no slower at 32 (2 x H100, 4,096 and
+// 16,384 tokens; docs/BENCHMARKS.md). With more ranks the warps that no peer's group takes (queue_warps
+// % (ranks - 1)), which would idle otherwise.
+EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks) {
+  if (num_ranks == 2) return queue_warps / 4;
+  return num_ranks > 2 ? queue_warps % (num_ranks - 1) : 0;
 }
 
 }  // namespace epx::kernels

@@ -333,7 +333,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 
   // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps.
   const int warps_per_rank = kQueueWarps / num_ranks;
-  const SenderWarpRoles roles = sender_warp_roles(kQueueWarps, num_ranks, args.sender_own_warps);
+  const SenderWarpRoles roles = sender_warp_roles(
+      kQueueWarps, num_ranks,
+      args.sender_own_warps >= 0 ? args.sender_own_warps : default_sender_own_warps(kQueueWarps, num_ranks));
   const int own_workers = warps_per_rank + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)

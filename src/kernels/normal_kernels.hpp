@@ -167,8 +167,8 @@ struct DispatchArgs {
   PhaseReport* phases = nullptr;  // [kPhaseStreams] (EPX_NORMAL_PHASES=1), else null
   // Warps of each sender block that copy rows this rank keeps beside the receiver block's (2 ranks or more;
   // the kernel leaves every peer at least one sending warp): the receiver copies the own rows and the rows
-  // that arrive, the sender only what crosses the link (default_sender_own_warps).
-  int sender_own_warps = 0;
+  // that arrive, the sender only what crosses the link. -1: default_sender_own_warps.
+  int sender_own_warps = -1;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

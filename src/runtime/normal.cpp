@@ -18,7 +18,6 @@
 #include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
 #include "kernels/deep_ep_matrices.hpp"
-#include "kernels/dispatch_warp_roles.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
@@ -390,19 +389,19 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
 
 namespace {
 
-// The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
-// outputs the host publishes there later.
 // EPX_DISPATCH_SENDER_OWN_WARPS=N: N warps of each sender block copy rows this rank keeps (DispatchArgs::
-// sender_own_warps; read once, bounded by the kernel; 0: the receiver blocks copy them all). Unset: the
-// measured default for the launch's ranks and channels.
-int sender_own_warps(int num_ranks, int num_channels) {
+// sender_own_warps; read once, bounded by the kernel; 0: the receiver blocks copy them all). Unset: -1, the
+// kernel's measured default (default_sender_own_warps).
+int sender_own_warps() {
   static const int requested = [] {
     const char* text = std::getenv("EPX_DISPATCH_SENDER_OWN_WARPS");
     return text != nullptr ? std::max(0, std::atoi(text)) : -1;
   }();
-  return requested >= 0 ? requested : kernels::default_sender_own_warps(num_ranks, num_channels);
+  return requested;
 }
 
+// The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
+// outputs the host publishes there later.
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
                                     const DispatchInput& in, const DispatchOutput& out) {
   const NormalBufferMap map = dispatch_buffer_map(buffer, state);
@@ -428,7 +427,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       {},
       state.board,
       phase_reports(buffer)};
-  args.sender_own_warps = sender_own_warps(map.num_ranks, map.num_channels);
+  args.sender_own_warps = sender_own_warps();
   return args;
 }
 

@@ -30,5 +30,19 @@ TEST(DispatchWarpRoles, EveryPeerKeepsASendingWarp) {
   }
 }
 
+// The default leaves every peer its group: a quarter of the warps with one peer, otherwise only the warps
+// left over when the peers' groups are equal.
+TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
+  EXPECT_EQ(default_sender_own_warps(16, 1), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 2), 4);
+  EXPECT_EQ(default_sender_own_warps(16, 3), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 4), 1);
+  EXPECT_EQ(default_sender_own_warps(16, 8), 2);
+  for (const int ranks : {3, 4, 5, 6, 7, 8}) {
+    const SenderWarpRoles roles = sender_warp_roles(16, ranks, default_sender_own_warps(16, ranks));
+    EXPECT_EQ(roles.send / (ranks - 1), 16 / (ranks - 1)) << ranks << " ranks";
+  }
+}
+
 }  // namespace
 }  // namespace epx::kernels
