@@ -130,14 +130,17 @@ __device__ __forceinline__ void write_record(const DispatchArgs& args, char* rec
 
 // row_outputs for a sender block's warp: its lane 0 waits for them, the warp shares what it found. With the
 // count exchange in the launch it first waits until block 1 scanned and checked the channel offsets (an
-// aborted scan never signals: the wait ends with the abort, and the warp writes nothing).
+// aborted scan never signals: the wait ends with the abort, and the warp writes nothing). Block 1's own waits
+// name the peer that kept it, so this one is bounded four times longer: it reports only if none of them did.
 __device__ RowOutputs warp_row_outputs(const DispatchArgs& args, int calls, int lane) {
   RowOutputs found{nullptr, nullptr, nullptr, nullptr, nullptr, true};
   if (lane == 0) {
-    const bool scanned = !args.with_notify ||
-                         device::try_wait_at_least(
-                             &NormalBufferMap::control(args.peers.local_base)->offsets_sequence, calls + 1,
-                             wait_context(args.peers), args.peers.rank, WaitPhase::kDispatchNotify);
+    device::WaitContext ctx = wait_context(args.peers);
+    ctx.timeout_ns = ctx.timeout_ns > UINT64_MAX / 4 ? UINT64_MAX : 4 * ctx.timeout_ns;
+    const bool scanned =
+        !args.with_notify ||
+        device::try_wait_at_least(&NormalBufferMap::control(args.peers.local_base)->offsets_sequence,
+                                  calls + 1, ctx, args.peers.rank, WaitPhase::kDispatchNotify);
     if (scanned) found = row_outputs(args);
   }
   const auto share = [](auto* pointer) {
