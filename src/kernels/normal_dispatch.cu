@@ -143,6 +143,9 @@ __device__ RowOutputs warp_row_outputs(const DispatchArgs& args, int calls, int 
                                   calls + 1, ctx, args.peers.rank, WaitPhase::kDispatchNotify);
     if (scanned) found = row_outputs(args);
   }
+  // Lane 0's acquire ordered the offsets and outputs after the signals; the barrier orders every lane's reads
+  // of them (copy_own_rows reads the channel's offset in every lane) after lane 0's.
+  __syncwarp();
   const auto share = [](auto* pointer) {
     return reinterpret_cast<decltype(pointer)>(
         __shfl_sync(~0u, reinterpret_cast<unsigned long long>(pointer), 0));
