@@ -45,9 +45,9 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
   int khz = 0;
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&khz, cudaDevAttrClockRate, buffer.device()));
   static constexpr const char* kStreams[kernels::kPhaseStreams] = {
-      "dispatch send",       "dispatch receive",     "combine send",
-      "send across nodes",   "forward across nodes", "dispatch own rows",
-      "reduce across nodes", "combine across nodes", "notify across nodes"};
+      "dispatch send",        "dispatch receive",  "combine send",        "send across nodes",
+      "forward across nodes", "dispatch own rows", "reduce across nodes", "combine across nodes",
+      "notify across nodes",  "combine reduce"};
   static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
       {"room", "write", "publish"},
       {"wait", "copy", "release"},
@@ -57,7 +57,8 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       {"scan", "copy", "drain"},
       {"room", "sum", "publish"},
       {"wait", "sum", "give back"},
-      {"channel counts", "messages", "host counts"}};
+      {"channel counts", "messages", "host counts"},
+      {"wait", "sum", "batch end"}};
   const auto reports = take_phase_reports(buffer);
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];

@@ -120,8 +120,10 @@ class WarpReducer {
   static_assert(kPieceChunks % 32 == 0, "whole chunks per lane");
   static constexpr int kRing = kTmaBuffers;  // tokens the loads may be ahead of the sums, plus one
 
-  __device__ WarpReducer(const ReduceContext& context, TmaWarpStage& buffers, int* entry_ring)
-      : c_(context), buffers_(buffers), entry_ring_(entry_ring) {
+  // `clock`: the phase clock of the lane that leads the reduce stream (off in every other lane).
+  __device__ WarpReducer(const ReduceContext& context, TmaWarpStage& buffers, int* entry_ring,
+                         PhaseClock& clock)
+      : c_(context), buffers_(buffers), entry_ring_(entry_ring), clock_(clock) {
     row_bytes_ = c_.args.record.x_bytes;
     num_chunks_ = row_bytes_ / 16;
     num_pieces_ = (row_bytes_ + kTmaPieceBytes - 1) / kTmaPieceBytes;
@@ -236,8 +238,10 @@ class WarpReducer {
     const int entry = c_.entry_of(t);
     if (c_.with_queues && c_.lane_is_peer && entry >= 0) {
       auto* counters = NormalBufferMap::counters(c_.args.peers.local_base);
+      clock_.mark(1);
       device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
                                wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
+      clock_.mark(0);
     }
     // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
     // async proxy. Tokens without such a copy need no fence.
@@ -285,6 +289,7 @@ class WarpReducer {
   const ReduceContext& c_;
   TmaWarpStage& buffers_;
   int* entry_ring_;  // [kRing][32]: each lane's entry of the tokens the loads started
+  PhaseClock& clock_;
   int row_bytes_ = 0, num_chunks_ = 0, num_pieces_ = 0;
   uint32_t parities_ = 0;  // the phase each buffer's barrier waits for next
   WarpTokens tokens_{};
@@ -323,7 +328,10 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   // below then end at once).
   if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank)
     check_launch_shape(args.peers, calls, args.shape, threadIdx.x, WaitPhase::kCombineReduce);
-  WarpReducer reducer(context, stages[warp], entry_rings[warp]);
+  // The stream's leader: warp 0's lane of the next rank, which waits for that peer's copies.
+  PhaseClock clock(args.phases, PhaseStream::kCombineReduce,
+                   with_queues && channel == 0 && warp == 0 && lane == (rank + 1) % num_ranks);
+  WarpReducer reducer(context, stages[warp], entry_rings[warp], clock);
   int published = 0;  // thread r < R: what peer r was last told
   __syncthreads();
 
@@ -339,6 +347,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       const int count = mine < tokens.end ? min(per_warp, (tokens.end - mine + warps - 1) / warps) : 0;
       reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
+    clock.mark(1);
     __syncthreads();
     if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank && consumed[threadIdx.x] > published) {
       published = consumed[threadIdx.x];
@@ -346,9 +355,11 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(context.lane_base + published));
     }
     __syncthreads();  // the next batch's progress is not published before it is read
+    clock.mark(2);
   }
   if (with_queues && lane_is_peer && warp == 0)
     counters->consumed[lane][channel] = context.lane_base + consumed[lane];
+  clock.add_to_report(lane_is_peer ? consumed[lane] : 0, static_cast<int>(args.record.bytes()));
 }
 
 // Block 2c sends the rows received on channel c back to their sources, block 2c + 1 reduces channel c's

@@ -126,6 +126,8 @@ enum class PhaseStream : int {
   kNodesReduce,      // combine across nodes: node reducers (room, summing, publishing)
   kNodesCombine,     // combine across nodes: the final reducer (waiting for partials, summing, giving back)
   kNodesNotify,      // count exchange across nodes: block 0 (channel counts, messages, host counts)
+  kCombineReduce,    // within a node: a reducer lane of warp 0 (waiting for a peer's copies, summing, batch
+                     // end)
   kCount
 };
 struct PhaseReport {
