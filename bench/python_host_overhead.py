@@ -5,9 +5,10 @@ NCCL's ``all_to_all_single`` of the same bytes: what a decode loop that is not g
 Each entry point runs alone, back to back, ``--iters`` times after ``--warmup`` calls: host microseconds of each
 call from time.perf_counter (no sync inside the loop; the median is printed), and the GPU's microseconds per call
 from CUDA events around the whole loop (back to back: when the host is the bottleneck, this is the host time).
-Entry points: get_dispatch_layout, dispatch (with the layout, as DeepEP callers pass it), the same with
-num_worst_tokens (DeepEP's CPU-sync-free dispatch: outputs of the worst case's rows), cached dispatch, combine,
-low_latency_dispatch (FP8, cumulative_local_expert_recv_stats), low_latency_combine (BF16), both with
+Entry points: get_dispatch_layout, the layout then a dispatch given it (the pair callers issue each step: the
+dispatch reads its counts off the layout's board), dispatch (repeated with one layout: the count exchange), the
+same with num_worst_tokens (DeepEP's CPU-sync-free dispatch: outputs of the worst case's rows), cached dispatch,
+combine, low_latency_dispatch (FP8, cumulative_local_expert_recv_stats), low_latency_combine (BF16), both with
 return_recv_hook (the call plus its hook), and the eager low-latency step (dispatch then combine, no hooks,
 async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H100.
 
@@ -50,6 +51,7 @@ NVLINK_ENV = {"NCCL_NVLS_ENABLE": "0", "NVSHMEM_DISABLE_NVLS": "1", "TORCH_SYMM_
 # (entry point, what it runs): the rows of the table, in order.
 ENTRY_POINTS = (
     "get_dispatch_layout",
+    "layout_then_dispatch",
     "dispatch",
     "dispatch_worst_case",
     "dispatch_cached",
@@ -161,8 +163,18 @@ def normal_calls(
         topk_weights=weights,
     )
     recv_x, _, recv_weights, _, handle, _ = buffer.dispatch(x, **layout)
+
+    def layout_then_dispatch() -> Any:
+        # As callers issue them each step: the dispatch reads its counts off the fresh layout's board. The
+        # "dispatch" row reuses one layout, so its dispatches run the count exchange and wait for it instead.
+        fresh_rank, fresh_rdma, fresh_expert, fresh_in_rank, _ = buffer.get_dispatch_layout(idx, o.experts)
+        return buffer.dispatch(x, num_tokens_per_rank=fresh_rank, num_tokens_per_rdma_rank=fresh_rdma,
+                               is_token_in_rank=fresh_in_rank, num_tokens_per_expert=fresh_expert, topk_idx=idx,
+                               topk_weights=weights)
+
     return {
         "get_dispatch_layout": lambda: buffer.get_dispatch_layout(idx, o.experts),
+        "layout_then_dispatch": layout_then_dispatch,
         "dispatch": lambda: buffer.dispatch(x, **layout),
         "dispatch_worst_case": lambda: buffer.dispatch(x, **layout, num_worst_tokens=o.normal_tokens * num_ranks),
         "dispatch_cached": lambda: buffer.dispatch(x, handle=handle),
