@@ -612,7 +612,11 @@ kernels::NotifyArgs exchange_args(const NotifyCall& call, const kernels::HostCou
 // and needs nothing more from the host.
 void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exchange) {
   DispatchHandle::State& state = *call.state;
-  begin_on_comm_stream(call.buffer, call.order);
+  {
+    const HostStep order("dispatch_notify: board: order streams");
+    begin_on_comm_stream(call.buffer, call.order);
+  }
+  const HostStep launch("dispatch_notify: board: launch receive");
   kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in, call.guess->outputs);
   exchange_in_launch(args, exchange);
   kernels::launch_dispatch(args, call.buffer.comm_stream());
@@ -631,8 +635,11 @@ DispatchPlan plan_from_board_counts(NotifyCall& call, const std::vector<int>& co
   check_no_invalid_id(counts, index);
   take_counts(state, counts, index, with_experts);
   call.scratch.last_recv_rows = state.num_recv_rows;
-  // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
-  state.allocate_routing(call.buffer, call.num_local_experts, std::max(state.num_recv_rows, 1));
+  {
+    // Nothing runs before dispatch_receive, which orders the comm stream; the rows come with the routing.
+    const HostStep allocate("dispatch_notify: board: allocate routing");
+    state.allocate_routing(call.buffer, call.num_local_experts, std::max(state.num_recv_rows, 1));
+  }
   // The receive's launch checks the rows from each source against these before it writes.
   state.board.active = true;
   for (int src = 0; src < index.num_ranks; ++src) state.board.rows_from[src] = counts[index.rows_from(src)];
@@ -675,8 +682,11 @@ std::optional<DispatchPlan> notify_from_layout_board(NotifyCall& call) {
   const BoardCounts board_counts{board.host + half, board.map, call.num_local_experts, state.expert_alignment,
                                  with_experts};
   std::vector<int> counts(call.count_index.num_words(false));
-  if (!wait_for_board(call.buffer, board_counts, call.sequence, call.count_index, counts))
-    return std::nullopt;
+  {
+    const HostStep wait("dispatch_notify: board: wait");
+    if (!wait_for_board(call.buffer, board_counts, call.sequence, call.count_index, counts))
+      return std::nullopt;
+  }
   return plan_from_board_counts(call, counts, with_experts);
 }
 
