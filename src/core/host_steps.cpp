@@ -1,10 +1,12 @@
 #include "core/host_steps.hpp"
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <map>
 #include <mutex>
 #include <string>
+#include <vector>
 
 #include "core/env.hpp"
 
@@ -12,10 +14,19 @@ namespace epx {
 
 namespace {
 
+// Every sample: a step's first call (a pool growing, a module loading) can be a thousand times its usual
+// time, so the mean alone misleads; the median shows the usual call.
 struct StepTotals {
   uint64_t ns = 0;
-  uint64_t count = 0;
+  std::vector<uint64_t> samples;
 };
+
+double median_us(std::vector<uint64_t> samples) {
+  if (samples.empty()) return 0.0;
+  const auto middle = samples.begin() + static_cast<std::ptrdiff_t>(samples.size() / 2);
+  std::nth_element(samples.begin(), middle, samples.end());
+  return static_cast<double>(*middle) / 1e3;
+}
 
 // Totals by name, printed when the process exits (a static's destructor).
 struct StepRegistry {
@@ -23,9 +34,10 @@ struct StepRegistry {
   std::map<std::string, StepTotals> totals;
   ~StepRegistry() {
     for (const auto& [name, t] : totals) {
-      std::fprintf(stderr, "epx host step %s: %.2f us x %llu\n", name.c_str(),
-                   t.count == 0 ? 0.0 : static_cast<double>(t.ns) / 1e3 / static_cast<double>(t.count),
-                   static_cast<unsigned long long>(t.count));
+      const size_t count = t.samples.size();
+      std::fprintf(stderr, "epx host step %s: median %.2f us, mean %.2f us x %zu\n", name.c_str(),
+                   median_us(t.samples),
+                   count == 0 ? 0.0 : static_cast<double>(t.ns) / 1e3 / static_cast<double>(count), count);
     }
   }
 };
@@ -53,7 +65,7 @@ void HostStep::add(const char* name, uint64_t ns) {
   const std::lock_guard<std::mutex> lock(steps.mutex);
   StepTotals& t = steps.totals[name];
   t.ns += ns;
-  ++t.count;
+  t.samples.push_back(ns);
 }
 
 }  // namespace epx

@@ -5,7 +5,8 @@
 // Where the host spends a call's time, step by step (EPX_HOST_STEPS=1): a tool for the measured breakdown of
 // the host cost per call, like EPX_NORMAL_PHASES for the kernels, not a feature. Each HostStep scope adds its
 // nanoseconds to the counter of its name (a string literal); the totals print to stderr at exit, one line a
-// name: "epx host step <name>: <mean us> us x <count>". Off, a scope costs one load of a static flag.
+// name: "epx host step <name>: median <us> us, mean <us> us x <count>". Off, a scope costs one load of a
+// static flag.
 namespace epx {
 
 bool host_steps_requested();

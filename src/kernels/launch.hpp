@@ -5,7 +5,6 @@
 #include <cstddef>
 #include <utility>
 
-#include "core/env.hpp"
 #include "gpu/cuda_check.hpp"
 
 // The one way EPX launches a kernel: cudaLaunchKernelEx, checked at the call, so a bad launch raises its own
@@ -28,13 +27,6 @@ struct LaunchShape {
   Residency residency;
 };
 
-// EPX_COOPERATIVE_LAUNCH=0 (an experiment of issue 37, read once): co-resident kernels launch as plain ones,
-// to measure what the cooperative attribute costs the host per launch.
-inline bool cooperative_launches() {
-  static const bool cooperative = !env_equals("EPX_COOPERATIVE_LAUNCH", "0");
-  return cooperative;
-}
-
 template <typename... Params, typename... Args>
 void launch(void (*kernel)(Params...), const LaunchShape& shape, cudaStream_t stream, Args&&... args) {
   cudaLaunchAttribute attributes[1] = {};
@@ -43,7 +35,7 @@ void launch(void (*kernel)(Params...), const LaunchShape& shape, cudaStream_t st
   config.blockDim = shape.block;
   config.dynamicSmemBytes = shape.smem_bytes;
   config.stream = stream;
-  if (shape.residency == Residency::kCoResident && cooperative_launches()) {
+  if (shape.residency == Residency::kCoResident) {
     attributes[0].id = cudaLaunchAttributeCooperative;
     attributes[0].val.cooperative = 1;
     config.attrs = attributes;
