@@ -359,6 +359,11 @@ class Buffer:
                             async_finish: bool = False, allocate_on_comm_stream: bool = False) -> DispatchLayout:
         """Tokens per rank (a token counts once per rank), per expert, and the token-in-rank map; when the
         group spans nodes, also tokens per node (num_tokens_per_rdma_rank, a token counted once per node)."""
+        if torch_calls is not None:
+            made = self._layout_natively(topk_idx, num_experts, previous_event, async_finish,
+                                         allocate_on_comm_stream)
+            if made is not None:
+                return made
         t = torch()
         with self._input_copies(previous_event):
             topk_idx = as_topk_idx(topk_idx)
@@ -381,6 +386,22 @@ class Buffer:
         else:
             overlap = EventOverlap()
         return DispatchLayout(per_rank, per_node, per_expert, in_rank, overlap)
+
+    def _layout_natively(self, topk_idx: Any, num_experts: Any, previous_event: Any, async_finish: bool,
+                         allocate_on_comm_stream: bool) -> Optional[DispatchLayout]:
+        """get_dispatch_layout through the torch extension (checks, the outputs in one block, the launch in C++),
+        or None where its arguments are not the plain case (int32 ids to widen, a bad argument): the Python path
+        then copes or raises the named error."""
+        try:
+            made = torch_calls.get_dispatch_layout(
+                self.runtime, self._device_index, self.num_ranks, self.get_num_rdma_ranks(), topk_idx, num_experts,
+                event_handle(previous_event), async_finish, allocate_on_comm_stream, self._comm_stream_handle)
+        except TypeError:
+            return None
+        if made is None:
+            return None
+        per_rank, per_node, per_expert, in_rank, event = made
+        return DispatchLayout(per_rank, per_node, per_expert, in_rank, EventOverlap(event if async_finish else None))
 
     def dispatch(self, x: Tokens, *, handle: Optional[DispatchHandle] = None, topk_idx: Any = None,
                  topk_weights: Any = None, num_experts: Optional[int] = None, is_token_in_rank: Any = None,

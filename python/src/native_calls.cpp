@@ -158,6 +158,22 @@ PyObject* dispatch_call(PyObject* buffer, const DispatchInput& input, const Stre
       static_cast<PyObject*>(nullptr));
 }
 
+PyObject* get_dispatch_layout_call(PyObject* buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
+                                   int num_experts, const DispatchLayoutOutput& output,
+                                   const StreamOrder& order) {
+  return with_python_error(
+      [&] {
+        PyBuffer& owner = py::handle(buffer).cast<PyBuffer&>();
+        return py::cast(call_without_gil([&] {
+                 return get_dispatch_layout(owner.get(), topk_idx, num_tokens, num_topk, num_experts, output,
+                                            order);
+               }))
+            .release()
+            .ptr();
+      },
+      static_cast<PyObject*>(nullptr));
+}
+
 // One table for the process (the capsule points at it; it never changes).
 const NativeCalls kCalls{native_call_sizes(),
                          &low_latency_dispatch_sizes_call,
@@ -165,7 +181,8 @@ const NativeCalls kCalls{native_call_sizes(),
                          &low_latency_combine_call,
                          &dispatch_cached_call,
                          &combine_call,
-                         &dispatch_call};
+                         &dispatch_call,
+                         &get_dispatch_layout_call};
 
 }  // namespace
 

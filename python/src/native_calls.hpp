@@ -36,6 +36,7 @@ struct NativeCallSizes {
   uint32_t combine_output;
   uint32_t dispatch_output_guess;
   uint32_t dispatch_handle_arrays;
+  uint32_t dispatch_layout_output;
   friend bool operator==(const NativeCallSizes&, const NativeCallSizes&) = default;
 };
 
@@ -75,6 +76,10 @@ struct NativeCalls {
                         DispatchOverlap overlap, const DispatchOutputGuess* guess,
                         bool (*allocate)(void* context, int rows, DispatchOutput* outputs), void* context,
                         DispatchHandleArrays* arrays);
+  // get_dispatch_layout of `num_tokens` x `num_topk` int64 ids into `output`. Returns the `_epx.Event`.
+  PyObject* (*get_dispatch_layout)(PyObject* buffer, const int64_t* topk_idx, int num_tokens, int num_topk,
+                                   int num_experts, const DispatchLayoutOutput& output,
+                                   const StreamOrder& order);
 };
 
 // What this build's headers say; the extension compares it with the table's before using any call.
@@ -90,7 +95,8 @@ inline constexpr NativeCallSizes native_call_sizes() {
           sizeof(CombineInput),
           sizeof(CombineOutput),
           sizeof(DispatchOutputGuess),
-          sizeof(DispatchHandleArrays)};
+          sizeof(DispatchHandleArrays),
+          sizeof(DispatchLayoutOutput)};
 }
 
 inline constexpr const char* kNativeCallsCapsule = "epx._epx._native_calls";

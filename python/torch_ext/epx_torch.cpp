@@ -602,6 +602,48 @@ py::object combine(py::handle buffer, int device, py::handle handle, const at::T
   return py::make_tuple(std::move(*combined), std::move(combined_weights), std::move(event));
 }
 
+// (num_tokens_per_rank, num_tokens_per_rdma_rank or None within one node, num_tokens_per_expert,
+// is_token_in_rank, the `_epx.Event`) of get_dispatch_layout, or None. topk_idx is int64 [T, K]. The four
+// outputs share one block (a few KB: the token-in-rank map is T x R bytes), each at a 256-byte boundary.
+py::object get_dispatch_layout(py::handle buffer, int device, int64_t num_ranks, int64_t num_nodes,
+                               const at::Tensor& topk_idx, int64_t num_experts, uintptr_t previous_event,
+                               bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
+  if (!plain(topk_idx, device, at::kLong, 2) || !fits_int(topk_idx.size(0)) || !fits_int(topk_idx.size(1)) ||
+      num_experts <= 0 || !fits_int(num_experts) ||
+      (allocate_on_comm_stream && (previous_event == 0 || !async_finish))) {
+    return py::none();
+  }
+  const int64_t num_tokens = topk_idx.size(0);
+  const int64_t int_bytes = static_cast<int64_t>(sizeof(int));
+  const int64_t expert_offset = aligned(num_ranks * int_bytes);
+  const int64_t node_offset = expert_offset + aligned(num_experts * int_bytes);
+  const int64_t in_rank_offset = node_offset + (num_nodes > 1 ? aligned(num_nodes * int_bytes) : 0);
+  c10::Storage block;
+  {
+    const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
+    const c10::cuda::CUDAGuard device_guard(static_cast<c10::DeviceIndex>(device));
+    block = allocate_storage(in_rank_offset + num_tokens * num_ranks);
+  }
+  epx::DispatchLayoutOutput out;
+  out.num_tokens_per_rank = reinterpret_cast<int*>(address_in(block, 0));
+  out.num_tokens_per_expert = reinterpret_cast<int*>(address_in(block, expert_offset));
+  out.is_token_in_rank = reinterpret_cast<bool*>(address_in(block, in_rank_offset));
+  out.num_tokens_per_rdma_rank =
+      num_nodes > 1 ? reinterpret_cast<int*>(address_in(block, node_offset)) : nullptr;
+  py::object event = adopt(
+      native->get_dispatch_layout(buffer.ptr(), topk_idx.data_ptr<int64_t>(), static_cast<int>(num_tokens),
+                                  static_cast<int>(topk_idx.size(1)), static_cast<int>(num_experts), out,
+                                  current_order(device, previous_event, async_finish)));
+  const std::optional<at::Tensor> input(topk_idx);
+  record_uses(device, comm_stream, async_finish, allocate_on_comm_stream, {&input}, {}, {&block});
+  py::object per_node =
+      num_nodes > 1 ? py::cast(tensor_over(block, node_offset, {num_nodes}, at::kInt)) : py::none();
+  return py::make_tuple(tensor_over(block, 0, {num_ranks}, at::kInt), std::move(per_node),
+                        tensor_over(block, expert_offset, {num_experts}, at::kInt),
+                        tensor_over(block, in_rank_offset, {num_tokens, num_ranks}, at::kBool),
+                        std::move(event));
+}
+
 }  // namespace
 
 PYBIND11_MODULE(_epx_torch, m) {
@@ -620,4 +662,5 @@ PYBIND11_MODULE(_epx_torch, m) {
   m.def("dispatch_cached", &dispatch_cached);
   m.def("dispatch", &dispatch);
   m.def("combine", &combine);
+  m.def("get_dispatch_layout", &get_dispatch_layout);
 }

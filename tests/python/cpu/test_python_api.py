@@ -2,6 +2,7 @@
 the training helpers (torch on the CPU, skipped without torch)."""
 
 import inspect
+from types import SimpleNamespace
 
 import pytest
 
@@ -256,6 +257,8 @@ def test_buffer_calls_check_arguments_before_the_runtime():
     torch = pytest.importorskip("torch")
     buffer = object.__new__(epx.Buffer)  # no runtime needed: the checks come first
     buffer.num_ranks, buffer.rank = 2, 0
+    # What the torch extension's paths read before they decline a CPU tensor (the Python path then raises).
+    buffer.runtime, buffer._device_index, buffer._comm_stream_handle = SimpleNamespace(ranks_per_node=2), 0, 0
     with pytest.raises(epx.EpxError, match=r"invalid x.device = cpu: must be a CUDA device"):
         buffer.dispatch(torch.zeros(4, 128, dtype=torch.bfloat16))
     with pytest.raises(epx.EpxError, match=r"invalid topk_idx.device = cpu"):

@@ -92,6 +92,9 @@ def normal_worker(rank, num_ranks, group, seed, python_path=False):
     np.testing.assert_array_equal(per_rank.cpu().numpy(), exp_rank)
     np.testing.assert_array_equal(per_expert.cpu().numpy(), exp_expert)
     np.testing.assert_array_equal(in_rank.cpu().numpy(), exp_in_rank)
+    # The torch extension's layout (where it loaded) makes its outputs in one block; the Python path in four.
+    one_block = per_rank.untyped_storage().data_ptr() == in_rank.untyped_storage().data_ptr()
+    assert one_block == (epx.buffer.torch_calls is not None)
 
     # ---- BF16 dispatch with top-k ----
     outputs, ref_handle = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN,
