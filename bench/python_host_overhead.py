@@ -311,6 +311,15 @@ def print_rows(rows: List[Tuple[str, float, float, float, float]], header: str, 
 # ---- Where each rank runs ----
 
 
+def parse_cpu_list(text: str) -> List[int]:
+    """CPUs of a sysfs list such as "0-3,8,10-11"."""
+    cpus: List[int] = []
+    for part in filter(None, text.strip().split(",")):
+        first, _, last = part.partition("-")
+        cpus.extend(range(int(first), int(last or first) + 1))
+    return cpus
+
+
 def gpu_local_cpus(pci_bus_id: str, sysfs: str = "/sys") -> List[int]:
     """The CPUs of the NUMA node the GPU at `pci_bus_id` ("0000:1b:00.0") hangs off, from sysfs; [] when
     sysfs does not say (no NUMA information, another OS)."""
@@ -320,30 +329,46 @@ def gpu_local_cpus(pci_bus_id: str, sysfs: str = "/sys") -> List[int]:
         if node < 0:
             return []
         with open(os.path.join(sysfs, "devices", "system", "node", f"node{node}", "cpulist")) as f:
-            text = f.read().strip()
+            return parse_cpu_list(f.read())
     except (OSError, ValueError):
         return []
-    cpus: List[int] = []
-    for part in filter(None, text.split(",")):
-        first, _, last = part.partition("-")
-        cpus.extend(range(int(first), int(last or first) + 1))
-    return cpus
 
 
-def pick_cpus(rank: int, num_ranks: int, local: List[int], allowed: List[int], count: int) -> List[int]:
-    """Up to `count` cores for `rank`: among its GPU's local CPUs that the process may use, else among all it
-    may use, ranks given disjoint slices so that two ranks never share one (ranks whose GPUs share a NUMA node
-    take different cores of it). [] when nothing is allowed."""
+def thread_siblings(cpu: int, sysfs: str = "/sys") -> Tuple[int, ...]:
+    """The CPUs of `cpu`'s physical core (its hyperthreads, itself included); (cpu,) where sysfs does not say."""
+    path = os.path.join(sysfs, "devices", "system", "cpu", f"cpu{cpu}", "topology", "thread_siblings_list")
+    try:
+        with open(path) as f:
+            return tuple(parse_cpu_list(f.read())) or (cpu,)
+    except (OSError, ValueError):
+        return (cpu,)
+
+
+def pick_cpus(rank: int, num_ranks: int, local: List[int], allowed: List[int], count: int,
+              sysfs: str = "/sys") -> List[int]:
+    """Up to `count` physical cores for `rank`, one CPU of each: among its GPU's local CPUs that the process may
+    use, else among all it may use, ranks given disjoint slices of physical cores so that two ranks never share
+    one (ranks whose GPUs share a NUMA node take different cores of it). A core's other hyperthreads stay idle:
+    the calling thread (the first CPU) shares its core with no thread of any rank. [] when nothing is
+    allowed."""
     allowed_set = set(allowed)
     candidates = [c for c in local if c in allowed_set] or sorted(allowed_set)
-    if not candidates:
+    cores: List[List[int]] = []  # the candidates by physical core, in the order of their first CPU
+    core_of: Dict[Tuple[int, ...], List[int]] = {}
+    for cpu in candidates:
+        key = thread_siblings(cpu, sysfs)
+        if key not in core_of:
+            core_of[key] = []
+            cores.append(core_of[key])
+        core_of[key].append(cpu)
+    if not cores:
         return []
     # Leave a node's first core (interrupts and housekeeping land there) when there is a choice.
-    if len(candidates) > num_ranks:
-        candidates = candidates[1:]
-    begin = (rank * len(candidates)) // num_ranks
-    end = max(((rank + 1) * len(candidates)) // num_ranks, begin + 1)
-    return candidates[begin:min(end, begin + max(count, 1))]
+    if len(cores) > num_ranks:
+        cores = cores[1:]
+    begin = (rank * len(cores)) // num_ranks
+    end = max(((rank + 1) * len(cores)) // num_ranks, begin + 1)
+    return [core[0] for core in cores[begin:min(end, begin + max(count, 1))]]
 
 
 # Host times on one machine drift between processes by more than the changes they measure (NCCL's

@@ -471,22 +471,42 @@ def test_gpu_local_cpus_reads_the_numa_node_of_the_gpu(tmp_path):
     assert bench.gpu_local_cpus("0000:99:00.0", str(tmp_path)) == []  # no such device
 
 
-def test_pick_cpus_gives_each_rank_its_own_cores_near_its_gpu():
+def test_pick_cpus_gives_each_rank_its_own_cores_near_its_gpu(tmp_path):
     bench = _host_overhead_module()
     allowed = list(range(32))
+
+    def pick(rank, num_ranks, local, allowed, count):  # no topology in sysfs: each CPU its own core
+        return bench.pick_cpus(rank, num_ranks, local, allowed, count, str(tmp_path))
+
     # GPUs on different nodes: each rank near its own, past the node's first core.
-    assert bench.pick_cpus(0, 2, list(range(0, 16)), allowed, 4) == [1, 2, 3, 4]
-    assert bench.pick_cpus(1, 2, list(range(16, 32)), allowed, 4) == [24, 25, 26, 27]
+    assert pick(0, 2, list(range(0, 16)), allowed, 4) == [1, 2, 3, 4]
+    assert pick(1, 2, list(range(16, 32)), allowed, 4) == [24, 25, 26, 27]
     # GPUs on one node: disjoint cores of it.
-    picks = [set(bench.pick_cpus(r, 2, list(range(0, 16)), allowed, 4)) for r in range(2)]
+    picks = [set(pick(r, 2, list(range(0, 16)), allowed, 4)) for r in range(2)]
     assert not picks[0] & picks[1] and picks[0] | picks[1] <= set(range(1, 16))
     # Fewer cores than asked: what the rank's slice holds, at least one.
-    assert bench.pick_cpus(1, 2, [0, 1, 2], allowed, 4) == [2]
-    assert bench.pick_cpus(0, 1, list(range(8)), allowed, 1) == [1]
+    assert pick(1, 2, [0, 1, 2], allowed, 4) == [2]
+    assert pick(0, 1, list(range(8)), allowed, 1) == [1]
     # Local CPUs the process may not use, or none known: among those it may use.
-    assert bench.pick_cpus(0, 1, [40, 41], allowed, 2) == [1, 2]
-    assert bench.pick_cpus(0, 1, [], [5], 4) == [5]
-    assert bench.pick_cpus(0, 1, [], [], 4) == []
+    assert pick(0, 1, [40, 41], allowed, 2) == [1, 2]
+    assert pick(0, 1, [], [5], 4) == [5]
+    assert pick(0, 1, [], [], 4) == []
+
+
+def test_pick_cpus_keeps_a_cores_hyperthreads_to_one_thread(tmp_path):
+    bench = _host_overhead_module()
+    # 16 cores of two hyperthreads each, CPU n beside CPU n + 16 (one NUMA node, both GPUs on it).
+    for cpu in range(32):
+        topology = tmp_path / "devices" / "system" / "cpu" / f"cpu{cpu}" / "topology"
+        topology.mkdir(parents=True)
+        topology.joinpath("thread_siblings_list").write_text(f"{cpu % 16},{cpu % 16 + 16}\n")
+    assert bench.thread_siblings(17, str(tmp_path)) == (1, 17)
+    picks = [bench.pick_cpus(r, 2, list(range(32)), list(range(32)), 4, str(tmp_path)) for r in range(2)]
+    # Past the first core, disjoint physical cores: rank 0 on cores 1-4, rank 1 on cores 8-11, one CPU each, so
+    # no CPU of a rank (its calling thread's above all) has a hyperthread sibling that any rank uses.
+    assert picks == [[1, 2, 3, 4], [8, 9, 10, 11]]
+    used = {cpu for pick in picks for cpu in pick}
+    assert not any((cpu + 16) % 32 in used for cpu in used)
 
 
 def test_own_work_is_the_median_of_each_calls_host_time_less_its_wait():
