@@ -24,11 +24,14 @@ differed by half; all on one core, those threads starved.
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --stub      # no GPU, see below
     ... --stub --profile ll_step                                                    # cProfile of one entry
+    ... --stub --stub-extension                   # the torch extension's path (what a GPU runs), calls stubbed
 
 --stub runs one rank on the CPU with the native calls stubbed (tests/python/cpu/fake_runtime.py's
 StubBinding: they return at once, the structs are the compiled binding's): the Python layer's own cost. Its
 default shapes are smaller (--experts 8) so that CPU allocations stay cheap; the Python path is the same.
-A tool, not part of the shipped package.
+--stub-extension takes the torch extension's path instead, its calls stubbed too (StubTorchCalls): the Python
+that path runs per call on a GPU, the rest of a call's host time being the extension's and the runtime's C++
+and the driver. A tool, not part of the shipped package.
 """
 
 from __future__ import annotations
@@ -68,6 +71,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--ranks", type=int, default=2, help="ranks (one per GPU), at most the GPUs present")
     p.add_argument("--stub", action="store_true", help="CPU, one rank, native calls stubbed")
+    p.add_argument("--stub-extension", action="store_true",
+                   help="with --stub: the torch extension's path (what a GPU runs), its calls stubbed too")
     p.add_argument("--tokens", type=int, default=128, help="low-latency tokens per rank (and max per rank)")
     p.add_argument("--normal-tokens", type=int, default=128, help="normal-mode tokens per rank")
     p.add_argument("--hidden", type=int, default=7168)
@@ -407,11 +412,12 @@ def run_stub(o: argparse.Namespace) -> None:
     import torch
     from fake_runtime import deep_ep_wrapper, install_stub
 
-    buffer, _ = install_stub(o.normal_tokens, o.hidden, o.experts)
+    buffer, _ = install_stub(o.normal_tokens, o.hidden, o.experts, extension=o.stub_extension, num_topk=o.topk)
     wrapper = deep_ep_wrapper(buffer)
     rows = run_rows((wrapper, wrapper), torch, o, 1, torch.device("cpu"), False, lambda: None)
+    path = "the torch extension's path, its calls stubbed" if o.stub_extension else "native calls stubbed"
     if rows:
-        print_rows(rows, f"stub (CPU, native calls stubbed), torch {torch.__version__}: {header(o, 1)}", o.json)
+        print_rows(rows, f"stub (CPU, {path}), torch {torch.__version__}: {header(o, 1)}", o.json)
 
 
 def header(o: argparse.Namespace, num_ranks: int) -> str:

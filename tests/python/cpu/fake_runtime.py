@@ -571,17 +571,81 @@ class StubBinding(FakeBinding):
         return self.ll_result
 
 
-def install_stub(num_tokens, hidden, num_experts, monkeypatch=None):
+class StubTorchCalls:
+    """A stand-in for the torch extension epx._epx_torch whose calls return results made once, shaped as the
+    extension's: with it a profile of a call is the Python the extension's path runs on a GPU (deep_ep, epx.Buffer,
+    the handles and results), without the extension's C++ (python_host_overhead.py --stub --stub-extension). One
+    rank; every token goes to it."""
+
+    def __init__(self, binding, num_tokens, hidden, num_experts, num_topk, num_channels):
+        import torch
+
+        self.binding = binding
+        rows = num_tokens
+        self.views = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, num_channels, dtype=torch.int32),
+                      torch.zeros(1, num_channels, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
+                      torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32))
+        self.recv_x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
+        self.recv_idx = torch.zeros(rows, num_topk, dtype=torch.int64)
+        self.recv_weights = torch.zeros(rows, num_topk)
+        self.per_expert = [rows] * num_experts
+        self.layout = (torch.zeros(1, dtype=torch.int32), None, torch.zeros(num_experts, dtype=torch.int32),
+                       torch.zeros(num_tokens, 1, dtype=torch.bool), binding.no_event)
+        self.combined = torch.zeros(num_tokens, hidden, dtype=torch.bfloat16)
+        self.combined_weights = torch.zeros(num_tokens, num_topk)
+        self.ll = {}  # (tokens, hidden, experts) -> the low-latency dispatch's tensors
+
+    def get_dispatch_layout(self, *arguments):
+        return self.layout
+
+    def dispatch(self, *arguments):
+        plan = self.binding.plan
+        return (self.recv_x, None, self.recv_idx, self.recv_weights, plan.handle, plan.num_recv_rows,
+                self.per_expert, self.binding.no_event, self.views)
+
+    def dispatch_cached(self, *arguments):
+        return self.recv_x, None, self.binding.no_event
+
+    def combine(self, *arguments):
+        return self.combined, self.combined_weights, self.binding.no_event
+
+    def low_latency_dispatch(self, runtime, device, num_ranks, x, topk_idx, num_max_tokens, num_experts, *rest):
+        import torch
+
+        key = (num_max_tokens, x.shape[1], num_experts)
+        if key not in self.ll:
+            num_rows = num_ranks * num_max_tokens
+            local = num_experts // num_ranks
+            self.ll[key] = (torch.zeros(local, num_rows, x.shape[1], dtype=torch.uint8),
+                            torch.zeros(local, num_rows, x.shape[1] // 128), torch.zeros(local, dtype=torch.int32),
+                            torch.zeros(local, num_rows, dtype=torch.int32),
+                            torch.zeros(local, num_rows, dtype=torch.int32),
+                            torch.zeros(local, num_ranks, dtype=torch.int64), None, self.binding.ll_result)
+        return self.ll[key]
+
+    def low_latency_combine(self, runtime, device, handle, x, num_local, num_rows, topk_idx, topk_weights,
+                            num_tokens, hidden, *rest):
+        return self.combined, self.binding.ll_result
+
+
+def install_stub(num_tokens, hidden, num_experts, monkeypatch=None, extension=False, num_topk=8):
     """epx.buffer patched to run on the CPU against a StubBinding, through monkeypatch (a test) or for good (a
-    script); returns (epx.Buffer, binding)."""
+    script), and with `extension` against a StubTorchCalls too; returns (epx.Buffer, binding)."""
     import functools
 
     import epx._util as util
 
     buffer = _fake_buffer()
-    binding = StubBinding(num_tokens, hidden, num_experts, buffer.runtime.config.num_sms // 2)
-    _patch(setattr if monkeypatch is None else monkeypatch.setattr, binding,
-           functools.partial(util.check_tensor, cuda=False))
+    num_channels = buffer.runtime.config.num_sms // 2
+    binding = StubBinding(num_tokens, hidden, num_experts, num_channels)
+    set_attribute = setattr if monkeypatch is None else monkeypatch.setattr
+    _patch(set_attribute, binding, functools.partial(util.check_tensor, cuda=False))
+    if extension:  # the torch extension's path, its calls stubbed (StubTorchCalls)
+        import epx.buffer as buffer_module
+
+        calls = StubTorchCalls(binding, num_tokens, hidden, num_experts, num_topk, num_channels)
+        set_attribute(buffer_module, "torch_calls", calls)
+        buffer._device_index = 0
     return buffer, binding
 
 

@@ -521,3 +521,32 @@ def test_split_cores_gives_the_calling_thread_its_own_core():
     assert bench.split_cores([3, 4, 5, 6]) == ([3], [4, 5, 6])
     assert bench.split_cores([7]) == ([7], [7])  # one core serves both
     assert bench.split_cores([]) == ([], [])
+
+
+@pytest.mark.parametrize("extension", [False, True])
+def test_stub_rows_time_every_entry_point_on_both_paths(monkeypatch, extension):
+    """python_host_overhead.py --stub (--stub-extension) times every entry point: through the Python path, or
+    through the torch extension's path with its calls stubbed (fake_runtime.StubTorchCalls), whose results the
+    calls then return."""
+    import epx.buffer as buffer_module
+
+    bench = _host_overhead_module()
+    flags = ["--stub", "--iters", "2", "--warmup", "1", "--hidden", "256"] + (["--stub-extension"] * extension)
+    o = bench.parse_args(flags)
+    buffer, _ = install_stub(o.normal_tokens, o.hidden, o.experts, monkeypatch, extension=o.stub_extension,
+                             num_topk=o.topk)
+    wrapper = deep_ep_wrapper(buffer)
+    rows = bench.run_rows((wrapper, wrapper), torch, o, 1, torch.device("cpu"), False, lambda: None)
+    assert [row[0] for row in rows] == list(bench.ENTRY_POINTS)
+    calls = buffer_module.torch_calls
+    assert (calls is not None) == extension
+    if extension:
+        gen = torch.Generator().manual_seed(1)
+        ids = torch.rand(o.normal_tokens, o.experts, generator=gen).topk(o.topk, dim=1).indices
+        per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, o.experts)
+        assert per_expert is calls.layout[2]
+        x = torch.zeros(o.normal_tokens, o.hidden, dtype=torch.bfloat16)
+        recv_x, *_ = wrapper.dispatch(x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank,
+                                      num_tokens_per_expert=per_expert, topk_idx=ids,
+                                      topk_weights=torch.rand(o.normal_tokens, o.topk))
+        assert recv_x is calls.recv_x
