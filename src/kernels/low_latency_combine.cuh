@@ -775,7 +775,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
         send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_count);
-    stamp_phase(args.phase_stamps, kStampSent);
+    stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
     stamp_phase(args.phase_stamps, kStampPublished);

@@ -24,6 +24,15 @@ __device__ __forceinline__ void stamp_phase(uint64_t* stamps, LowLatencyStamp st
     stamps[size_t(blockIdx.x) * kNumPhaseStamps + stamp] = device::global_timer_ns();
 }
 
+// stamp_phase once every warp of the block got there (every thread calls it): thread 0 alone would stamp when
+// its own warp finished, and a phase whose warps finish unevenly (the sends) would read short. The barrier runs
+// only when stamps are on (a uniform branch), so timed calls without them are unchanged.
+__device__ __forceinline__ void stamp_phase_of_block(uint64_t* stamps, LowLatencyStamp stamp) {
+  if (stamps == nullptr) return;
+  __syncthreads();
+  stamp_phase(stamps, stamp);
+}
+
 template <typename T>
 __device__ __forceinline__ T* local_at(const PeerContext& peers, size_t offset) {
   return LowLatencyBufferMap::at<T>(peers.local_base, offset);

@@ -538,7 +538,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
     send_tokens<Remote, kListings>(args, small, pre);
-    stamp_phase(args.phase_stamps, kStampSent);
+    stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
         args.peers, args.map, args.half, LowLatencyOp::kDispatch, num_uses + 1, masked,
         dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
