@@ -25,8 +25,8 @@ __device__ __forceinline__ void stamp_phase(uint64_t* stamps, LowLatencyStamp st
 }
 
 // stamp_phase once every warp of the block got there (every thread calls it): thread 0 alone would stamp when
-// its own warp finished, and a phase whose warps finish unevenly (the sends) would read short. The barrier runs
-// only when stamps are on (a uniform branch), so timed calls without them are unchanged.
+// its own warp finished, and a phase whose warps finish unevenly (the sends) would read short. The barrier
+// runs only when stamps are on (a uniform branch), so timed calls without them are unchanged.
 __device__ __forceinline__ void stamp_phase_of_block(uint64_t* stamps, LowLatencyStamp stamp) {
   if (stamps == nullptr) return;
   __syncthreads();
