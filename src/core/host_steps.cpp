@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <map>
 #include <mutex>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -14,12 +15,11 @@ namespace epx {
 
 namespace {
 
-// Every sample: a step's first call (a pool growing, a module loading) can be a thousand times its usual
-// time, so the mean alone misleads; the median shows the usual call.
-struct StepTotals {
-  uint64_t ns = 0;
-  std::vector<uint64_t> samples;
-};
+double mean_us(const std::vector<uint64_t>& samples) {
+  if (samples.empty()) return 0.0;
+  const uint64_t total = std::accumulate(samples.begin(), samples.end(), uint64_t{0});
+  return static_cast<double>(total) / 1e3 / static_cast<double>(samples.size());
+}
 
 double median_us(std::vector<uint64_t> samples) {
   if (samples.empty()) return 0.0;
@@ -28,16 +28,16 @@ double median_us(std::vector<uint64_t> samples) {
   return static_cast<double>(*middle) / 1e3;
 }
 
-// Totals by name, printed when the process exits (a static's destructor).
+// Every sample by name, printed when the process exits (a static's destructor). Every sample, not a sum: a
+// step's first call (a pool growing, a module loading) can be a thousand times its usual time, so the mean
+// alone misleads; the median shows the usual call.
 struct StepRegistry {
   std::mutex mutex;
-  std::map<std::string, StepTotals> totals;
+  std::map<std::string, std::vector<uint64_t>> samples;
   ~StepRegistry() {
-    for (const auto& [name, t] : totals) {
-      const size_t count = t.samples.size();
+    for (const auto& [name, ns] : samples) {
       std::fprintf(stderr, "epx host step %s: median %.2f us, mean %.2f us x %zu\n", name.c_str(),
-                   median_us(t.samples),
-                   count == 0 ? 0.0 : static_cast<double>(t.ns) / 1e3 / static_cast<double>(count), count);
+                   median_us(ns), mean_us(ns), ns.size());
     }
   }
 };
@@ -63,9 +63,7 @@ uint64_t HostStep::now_ns() {
 void HostStep::add(const char* name, uint64_t ns) {
   StepRegistry& steps = registry();
   const std::lock_guard<std::mutex> lock(steps.mutex);
-  StepTotals& t = steps.totals[name];
-  t.ns += ns;
-  t.samples.push_back(ns);
+  steps.samples[name].push_back(ns);
 }
 
 }  // namespace epx
