@@ -358,14 +358,10 @@ def pick_cpus(rank: int, num_ranks: int, local: List[int], allowed: List[int], c
     allowed."""
     allowed_set = set(allowed)
     candidates = [c for c in local if c in allowed_set] or sorted(allowed_set)
-    cores: List[List[int]] = []  # the candidates by physical core, in the order of their first CPU
-    core_of: Dict[Tuple[int, ...], List[int]] = {}
+    core_of: Dict[Tuple[int, ...], List[int]] = {}  # the candidates by physical core (dicts keep insertion order)
     for cpu in candidates:
-        key = thread_siblings(cpu, sysfs)
-        if key not in core_of:
-            core_of[key] = []
-            cores.append(core_of[key])
-        core_of[key].append(cpu)
+        core_of.setdefault(thread_siblings(cpu, sysfs), []).append(cpu)
+    cores = list(core_of.values())  # in the order of their first CPU
     if not cores:
         return []
     # Leave a node's first core (interrupts and housekeeping land there) when there is a choice.
