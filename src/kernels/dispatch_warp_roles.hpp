@@ -2,8 +2,9 @@
 
 #include "common/host_device.hpp"
 
-// How a within-node dispatch's sender block divides its warps between sending and copying rows this rank
-// keeps (DispatchArgs::sender_own_warps): plain arithmetic shared by the kernel and the CPU tests
+// How a within-node dispatch's blocks divide their warps: the sender block between sending and copying rows
+// this rank keeps (DispatchArgs::sender_own_warps), the receiver block between its own rows and a group per
+// source (DispatchArgs::receiver_own_warps). Plain arithmetic shared by the kernel and the CPU tests
 // (tests/cpu/test_dispatch_warp_roles.cpp).
 namespace epx::kernels {
 
@@ -31,6 +32,23 @@ EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int req
 EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks) {
   if (num_ranks == 2) return queue_warps / 4;
   return num_ranks > 2 ? queue_warps % (num_ranks - 1) : 0;
+}
+
+struct ReceiverWarpRoles {
+  int own;         // warps copying own rows (the first ones)
+  int per_source;  // then a group of this many warps per source, in peer order; any warps left over idle
+};
+
+// A receiver block of `queue_warps`: `requested` own-row warps (<= 0: an equal share per rank, queue_warps /
+// ranks), at least 1, and at most what leaves every source a warp. With one rank every warp copies own rows.
+EPX_HD ReceiverWarpRoles receiver_warp_roles(int queue_warps, int num_ranks, int requested) {
+  if (num_ranks <= 1) return {queue_warps, 0};
+  const int peers = num_ranks - 1;
+  int own = requested > 0 ? requested : queue_warps / num_ranks;
+  const int most = queue_warps - peers;
+  if (own > most) own = most;
+  if (own < 1) own = 1;
+  return {own, (queue_warps - own) / peers};
 }
 
 }  // namespace epx::kernels

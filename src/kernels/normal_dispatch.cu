@@ -337,12 +337,12 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
     __syncthreads();
   }
 
-  // The own rows' workers: the receiver block's warps of this rank, then the sender block's last warps.
-  const int warps_per_rank = kQueueWarps / num_ranks;
+  // The own rows' workers: the receiver block's first warps, then the sender block's last warps.
+  const ReceiverWarpRoles receiving = receiver_warp_roles(kQueueWarps, num_ranks, args.receiver_own_warps);
   const SenderWarpRoles roles = sender_warp_roles(
       kQueueWarps, num_ranks,
       args.sender_own_warps >= 0 ? args.sender_own_warps : default_sender_own_warps(kQueueWarps, num_ranks));
-  const int own_workers = warps_per_rank + roles.own;
+  const int own_workers = receiving.own + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
       copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane,
@@ -353,7 +353,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       // Only these warps wait for outputs published late: the others send from the launch on.
       const RowOutputs own = warp_row_outputs(args, calls, lane);
       if (!own.cancelled)
-        copy_own_rows(args, own, channel, warps_per_rank + warp - send_warps, own_workers, lane, copier);
+        copy_own_rows(args, own, channel, receiving.own + warp - send_warps, own_workers, lane, copier);
     } else {
       const int warps_per_peer = send_warps / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;
@@ -362,13 +362,13 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
         send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
       }
     }
+  } else if (warp < receiving.own) {
+    if (!outputs.cancelled) copy_own_rows(args, outputs, channel, warp, own_workers, lane, copier);
   } else {
-    const int src = warp / warps_per_rank;
-    if (src == rank) {
-      if (!outputs.cancelled)
-        copy_own_rows(args, outputs, channel, warp % warps_per_rank, own_workers, lane, copier);
-    } else if (src < num_ranks) {
-      const WarpGroup group{src, warp % warps_per_rank, warps_per_rank, lane};
+    const int source_idx = (warp - receiving.own) / receiving.per_source;
+    if (source_idx < num_ranks - 1) {
+      const int src = peer_rank(source_idx, rank);
+      const WarpGroup group{src, (warp - receiving.own) % receiving.per_source, receiving.per_source, lane};
       receive_tokens(args, outputs, channel, src, group, &group_values[src], copier, calls);
     }
   }

@@ -171,6 +171,9 @@ struct DispatchArgs {
   // the kernel leaves every peer at least one sending warp): the receiver copies the own rows and the rows
   // that arrive, the sender only what crosses the link. -1: default_sender_own_warps.
   int sender_own_warps = -1;
+  // Warps of each receiver block that copy own rows, the rest in a group per source (receiver_warp_roles;
+  // -1: an equal share per rank).
+  int receiver_own_warps = -1;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

@@ -400,6 +400,16 @@ int sender_own_warps() {
   return requested;
 }
 
+// EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
+// (DispatchArgs::receiver_own_warps; read once, bounded by the kernel). Unset: -1, an equal share per rank.
+int receiver_own_warps() {
+  static const int requested = [] {
+    const char* text = std::getenv("EPX_DISPATCH_RECEIVER_OWN_WARPS");
+    return text != nullptr ? std::max(1, std::atoi(text)) : -1;
+  }();
+  return requested;
+}
+
 // The single-node dispatch launch of `state` for input `in`: into `out`, or (published != nullptr) into the
 // outputs the host publishes there later.
 kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::State& state,
@@ -428,6 +438,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.board,
       phase_reports(buffer)};
   args.sender_own_warps = sender_own_warps();
+  args.receiver_own_warps = receiver_own_warps();
   return args;
 }
 
