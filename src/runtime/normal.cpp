@@ -401,11 +401,12 @@ int sender_own_warps() {
 }
 
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
-// (DispatchArgs::receiver_own_warps; read once, bounded by the kernel). Unset: -1, an equal share per rank.
+// (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
+// own-row warps). Unset: -1, an equal share per rank.
 int receiver_own_warps() {
   static const int requested = [] {
     const char* text = std::getenv("EPX_DISPATCH_RECEIVER_OWN_WARPS");
-    return text != nullptr ? std::max(1, std::atoi(text)) : -1;
+    return text != nullptr ? std::max(0, std::atoi(text)) : -1;
   }();
   return requested;
 }

@@ -47,30 +47,41 @@ TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
 // By default the receiver's split is the one it always had: an equal share per rank, leftovers idle.
 TEST(DispatchWarpRoles, ReceiverDefaultIsAnEqualShare) {
   for (const int ranks : {2, 3, 4, 5, 6, 7, 8}) {
-    const ReceiverWarpRoles roles = receiver_warp_roles(16, ranks, 0);
+    const ReceiverWarpRoles roles = receiver_warp_roles(16, ranks, -1, default_sender_own_warps(16, ranks));
     EXPECT_EQ(roles.own, 16 / ranks) << ranks << " ranks";
     EXPECT_EQ(roles.per_source, 16 / ranks) << ranks << " ranks";
   }
-  EXPECT_EQ(receiver_warp_roles(16, 1, 0).own, 16);
-  EXPECT_EQ(receiver_warp_roles(16, 1, 0).per_source, 0);
+  EXPECT_EQ(receiver_warp_roles(16, 1, -1, 0).own, 16);
+  EXPECT_EQ(receiver_warp_roles(16, 1, -1, 0).per_source, 0);
 }
 
-// Asked for: the own warps are bounded so that every source keeps a warp and at least one copies own rows;
-// the sources share the rest equally and never more warps than the block has.
+// Asked for: the own warps are bounded so that every source keeps a warp and someone copies own rows (a
+// receiver warp, unless the sender block has own-row warps); the sources share the rest equally and never
+// more warps than the block has.
 TEST(DispatchWarpRoles, ReceiverKeepsEverySourceAWarp) {
   for (const int ranks : {2, 3, 4, 8}) {
-    for (int requested = -1; requested <= 20; ++requested) {
-      const ReceiverWarpRoles roles = receiver_warp_roles(16, ranks, requested);
-      SCOPED_TRACE(::testing::Message() << ranks << " ranks, " << requested << " asked");
-      EXPECT_GE(roles.own, 1);
-      EXPECT_GE(roles.per_source, 1);
-      EXPECT_LE(roles.own + roles.per_source * (ranks - 1), 16);
-      if (requested > 0 && requested <= 16 - (ranks - 1)) {
-        EXPECT_EQ(roles.own, requested);
+    for (const int sender_own : {0, 4}) {
+      for (int requested = -1; requested <= 20; ++requested) {
+        const ReceiverWarpRoles roles = receiver_warp_roles(16, ranks, requested, sender_own);
+        SCOPED_TRACE(::testing::Message()
+                     << ranks << " ranks, " << requested << " asked, sender " << sender_own);
+        EXPECT_GE(roles.own + sender_own, 1);
+        EXPECT_GE(roles.own, sender_own > 0 ? 0 : 1);
+        EXPECT_GE(roles.per_source, 1);
+        EXPECT_LE(roles.own + roles.per_source * (ranks - 1), 16);
+        if (requested >= (sender_own > 0 ? 0 : 1) && requested <= 16 - (ranks - 1)) {
+          EXPECT_EQ(roles.own, requested);
+        }
       }
     }
   }
-  EXPECT_EQ(receiver_warp_roles(16, 2, 4).per_source, 12);
+  EXPECT_EQ(receiver_warp_roles(16, 2, 4, 4).per_source, 12);
+  // None on the receiver: all 16 warps receive from the one peer; the sender's own-row warps copy every own
+  // row.
+  EXPECT_EQ(receiver_warp_roles(16, 2, 0, 4).own, 0);
+  EXPECT_EQ(receiver_warp_roles(16, 2, 0, 4).per_source, 16);
+  // Without sender own-row warps a receiver warp still copies them.
+  EXPECT_EQ(receiver_warp_roles(16, 2, 0, 0).own, 1);
 }
 
 }  // namespace
