@@ -34,13 +34,23 @@ EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks) {
   return num_ranks > 2 ? queue_warps % (num_ranks - 1) : 0;
 }
 
+// The own-row warps of a receiver block of `queue_warps` when not told (EPX_DISPATCH_RECEIVER_OWN_WARPS): an
+// equal share per rank, except BF16 rows with 2 ranks, where 4 of 16 (more warps on the arrived rows, the
+// long pole) read 6 % faster at 8 and 16 SMs and no slower at 24 and 32; FP8 rows read 5-8 % slower with 4
+// (2 x H100, docs/BENCHMARKS.md).
+EPX_HD int default_receiver_own_warps(int queue_warps, int num_ranks, bool scaled_rows) {
+  if (num_ranks == 2 && !scaled_rows) return queue_warps / 4;
+  return queue_warps / (num_ranks > 0 ? num_ranks : 1);
+}
+
 struct ReceiverWarpRoles {
   int own;         // warps copying own rows (the first ones)
   int per_source;  // then a group of this many warps per source, in peer order; any warps left over idle
 };
 
 // A receiver block of `queue_warps`: `requested` own-row warps (< 0: an equal share per rank, queue_warps /
-// ranks), at most what leaves every source a warp, and at least 1 unless the sender block has own-row warps
+// ranks; the kernel passes default_receiver_own_warps), at most what leaves every source a warp, and at least
+// 1 unless the sender block has own-row warps
 // (`sender_own` > 0): then 0 may leave every receiver warp to the sources, the sender's warps copying all the
 // own rows (a sender SM's port to the crossbar is a third busy with its stores to the peer; a receiver's
 // carries every copy out of the queue). With one rank every warp copies own rows.

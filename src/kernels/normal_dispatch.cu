@@ -341,8 +341,12 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   const SenderWarpRoles roles = sender_warp_roles(
       kQueueWarps, num_ranks,
       args.sender_own_warps >= 0 ? args.sender_own_warps : default_sender_own_warps(kQueueWarps, num_ranks));
-  const ReceiverWarpRoles receiving =
-      receiver_warp_roles(kQueueWarps, num_ranks, args.receiver_own_warps, roles.own);
+  const ReceiverWarpRoles receiving = receiver_warp_roles(
+      kQueueWarps, num_ranks,
+      args.receiver_own_warps >= 0
+          ? args.receiver_own_warps
+          : default_receiver_own_warps(kQueueWarps, num_ranks, args.record.num_scales > 0),
+      roles.own);
   const int own_workers = receiving.own + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)

@@ -172,7 +172,7 @@ struct DispatchArgs {
   // that arrive, the sender only what crosses the link. -1: default_sender_own_warps.
   int sender_own_warps = -1;
   // Warps of each receiver block that copy own rows, the rest in a group per source (receiver_warp_roles;
-  // -1: an equal share per rank; 0: none, while the sender block has own-row warps).
+  // -1: default_receiver_own_warps; 0: none, while the sender block has own-row warps).
   int receiver_own_warps = -1;
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);

@@ -402,7 +402,7 @@ int sender_own_warps() {
 
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
 // (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
-// own-row warps). Unset: -1, an equal share per rank.
+// own-row warps). Unset: -1, the measured default (default_receiver_own_warps).
 int receiver_own_warps() {
   static const int requested = [] {
     const char* text = std::getenv("EPX_DISPATCH_RECEIVER_OWN_WARPS");

@@ -44,14 +44,19 @@ TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
   }
 }
 
-// By default the receiver's split is the one it always had: an equal share per rank, leftovers idle.
-TEST(DispatchWarpRoles, ReceiverDefaultIsAnEqualShare) {
+// By default the receiver's split is an equal share per rank (leftovers idle), except BF16 rows with 2
+// ranks: a quarter of the warps on own rows, the other 12 on the arrived rows.
+TEST(DispatchWarpRoles, ReceiverDefaultIsAnEqualShareButForBf16AtTwoRanks) {
   for (const int ranks : {2, 3, 4, 5, 6, 7, 8}) {
-    const ReceiverWarpRoles roles = receiver_warp_roles(16, ranks, -1, default_sender_own_warps(16, ranks));
-    EXPECT_EQ(roles.own, 16 / ranks) << ranks << " ranks";
-    EXPECT_EQ(roles.per_source, 16 / ranks) << ranks << " ranks";
+    for (const bool scaled : {false, true}) {
+      const ReceiverWarpRoles roles = receiver_warp_roles(
+          16, ranks, default_receiver_own_warps(16, ranks, scaled), default_sender_own_warps(16, ranks));
+      const int own = ranks == 2 && !scaled ? 4 : 16 / ranks;
+      EXPECT_EQ(roles.own, own) << ranks << " ranks, scaled " << scaled;
+      EXPECT_EQ(roles.per_source, (16 - own) / (ranks - 1)) << ranks << " ranks, scaled " << scaled;
+    }
   }
-  EXPECT_EQ(receiver_warp_roles(16, 1, -1, 0).own, 16);
+  EXPECT_EQ(receiver_warp_roles(16, 1, default_receiver_own_warps(16, 1, false), 0).own, 16);
   EXPECT_EQ(receiver_warp_roles(16, 1, -1, 0).per_source, 0);
 }
 
