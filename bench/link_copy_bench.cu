@@ -15,6 +15,14 @@
 //   copy-engine cudaMemcpyPeerAsync of the same bytes (no SMs)
 // Each line: method, SMs, direction, median µs, GB/s per direction (bytes one GPU sends / time; the local
 // methods: bytes copied / time, "one" GPU 0 alone, "both" both GPUs at once).
+//
+// Then the traffic of a within-node dispatch between 2 ranks, both GPUs at once, with no queue protocol (the
+// bytes only; GB/s = what a rank receives, its own rows and the peer's, / time, as epx-bench counts):
+//   queue       today's design: half the blocks send (12 warps store rows into the peer's queue, 4 copy own
+//               rows), half receive (4 warps copy own rows, 12 copy the peer's rows out of the queue)
+//   direct-P    senders store straight into the peer's output (no queue, no copy out): in every block P warps
+//               store to the peer, the other 16 - P copy own rows
+// The gap between the two is what writing into the receiver's output would buy at that SM budget.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -45,6 +53,71 @@ using Stage = epx::kernels::TmaStage<3, 4096>;
 using Copier = epx::kernels::TmaRowCopier<Stage>;
 
 enum class Method { kWarpStore, kTmaStore, kTmaPull, kWarpLocal, kTmaLocal };
+
+// One GPU's share of the dispatch pattern: `num_rows` rows each of the peer's (stored from src into the
+// peer's out), its own (src into own), and, with a queue, the peer's again (queue into out).
+struct PatternArgs {
+  char* peer_out;
+  const char* src;
+  char* own;
+  const char* queue;  // null: the direct pattern
+  char* out;
+  int num_rows;
+  int row_bytes;
+  int peer_warps;  // direct: warps of each block storing to the peer
+};
+
+// Warp `warp` of block `block`: its class (0: peer stores, 1: own rows, 2: copy out of the queue) and its
+// index among the grid's workers of that class.
+__device__ void pattern_role(const PatternArgs& a, int block, int warp, int& role, int& index, int& workers) {
+  const int blocks = gridDim.x;
+  if (a.queue == nullptr) {
+    role = warp < a.peer_warps ? 0 : 1;
+    const int per_block = role == 0 ? a.peer_warps : kWarps - a.peer_warps;
+    index = block * per_block + (role == 0 ? warp : warp - a.peer_warps);
+    workers = blocks * per_block;
+    return;
+  }
+  const int senders = (blocks + 1) / 2;  // the receivers are the rest (at least one with 2 SMs or more)
+  const bool sender = block < senders;
+  constexpr int kOwnWarps = 4;
+  role = sender ? (warp < kWarps - kOwnWarps ? 0 : 1) : (warp < kOwnWarps ? 1 : 2);
+  const int own_blocks = blocks;  // every block has kOwnWarps own-row warps
+  if (role == 1) {
+    index = block * kOwnWarps + (sender ? warp - (kWarps - kOwnWarps) : warp);
+    workers = own_blocks * kOwnWarps;
+  } else {
+    index = (sender ? block : block - senders) * (kWarps - kOwnWarps) + (sender ? warp : warp - kOwnWarps);
+    workers = (sender ? senders : blocks - senders) * (kWarps - kOwnWarps);
+  }
+}
+
+__global__ void __launch_bounds__(kThreads, 1) pattern_rows(const PatternArgs a) {
+  extern __shared__ Stage stages[];
+  const int warp = threadIdx.x / 32;
+  const int lane = threadIdx.x % 32;
+  int role = 0, index = 0, workers = 1;
+  pattern_role(a, blockIdx.x, warp, role, index, workers);
+  if (workers <= 0) return;
+  if (role == 0) {  // the senders' warp stores, as the dispatch's
+    for (int row = index; row < a.num_rows; row += workers) {
+      epx::kernels::warp_copy<false>(a.peer_out + static_cast<size_t>(row) * a.row_bytes,
+                                     a.src + static_cast<size_t>(row) * a.row_bytes, a.row_bytes, lane);
+    }
+    return;
+  }
+  // Own rows and the copy out of the queue: bulk copies, as the dispatch's.
+  char* dst = role == 1 ? a.own : a.out;
+  const char* src = role == 1 ? a.src : a.queue;
+  Copier copier(&stages[warp], lane == 0);
+  if (copier.driver()) {
+    for (int row = index; row < a.num_rows; row += workers) {
+      copier.copy(dst + static_cast<size_t>(row) * a.row_bytes, src + static_cast<size_t>(row) * a.row_bytes,
+                  a.row_bytes);
+    }
+  }
+  copier.finish();
+}
 
 __global__ void __launch_bounds__(kThreads, 1)
     copy_rows(char* dst, const char* src, int num_rows, int row_bytes, Method method) {
@@ -111,6 +184,8 @@ Options parse(int argc, char** argv) {
 struct Gpu {
   char* src = nullptr;
   char* dst = nullptr;
+  char* own = nullptr;  // the dispatch pattern's own rows and output
+  char* out = nullptr;
   cudaStream_t stream{};
   cudaEvent_t start{}, stop{};
 };
@@ -133,11 +208,15 @@ int main(int argc, char** argv) {
     CHECK(cudaDeviceEnablePeerAccess(1 - g, 0));
     CHECK(cudaMalloc(&gpus[g].src, bytes));
     CHECK(cudaMalloc(&gpus[g].dst, bytes));
+    CHECK(cudaMalloc(&gpus[g].own, bytes));
+    CHECK(cudaMalloc(&gpus[g].out, bytes));
     CHECK(cudaMemset(gpus[g].src, g + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&gpus[g].stream, cudaStreamNonBlocking));
     CHECK(cudaEventCreate(&gpus[g].start));
     CHECK(cudaEventCreate(&gpus[g].stop));
     CHECK(cudaFuncSetAttribute(copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
+                               int(sizeof(Stage) * kWarps)));
+    CHECK(cudaFuncSetAttribute(pattern_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                int(sizeof(Stage) * kWarps)));
   }
   std::printf("rows of %d bytes, %.1f MB per direction, %d timed runs (median)\n", o.row_bytes, bytes / 1e6,
@@ -193,6 +272,47 @@ int main(int argc, char** argv) {
         std::printf("%-12s %4d %-6s %10.1f %10.1f\n", method, sms, ways == 1 ? "one" : "both", us,
                     bytes / us / 1e3);
       }
+    }
+  }
+  // The dispatch's traffic, both GPUs at once. The queue is the peer-written dst (what the senders stored).
+  std::printf("%-12s %4s %-6s %10s %10s\n", "pattern", "SMs", "ways", "us", "GB/s recv");
+  const auto time_pattern = [&](int peer_warps, bool queue, int sms) {
+    std::vector<float> times;
+    for (int it = 0; it < o.iters + 2; ++it) {
+      for (int g = 0; g < 2; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaDeviceSynchronize());
+      }
+      for (int g = 0; g < 2; ++g) {
+        CHECK(cudaSetDevice(g));
+        const PatternArgs args{gpus[1 - g].dst, gpus[g].src, gpus[g].own, queue ? gpus[g].dst : nullptr,
+                               gpus[g].out,     num_rows,    o.row_bytes, peer_warps};
+        CHECK(cudaEventRecord(gpus[g].start, gpus[g].stream));
+        pattern_rows<<<sms, kThreads, sizeof(Stage) * kWarps, gpus[g].stream>>>(args);
+        CHECK(cudaEventRecord(gpus[g].stop, gpus[g].stream));
+      }
+      float worst = 0;
+      for (int g = 0; g < 2; ++g) {
+        CHECK(cudaSetDevice(g));
+        CHECK(cudaEventSynchronize(gpus[g].stop));
+        float ms = 0;
+        CHECK(cudaEventElapsedTime(&ms, gpus[g].start, gpus[g].stop));
+        worst = std::max(worst, ms);
+      }
+      if (it >= 2) times.push_back(worst);
+    }
+    std::sort(times.begin(), times.end());
+    return times[times.size() / 2] * 1e3;
+  };
+  for (const int sms : o.sms) {
+    if (sms < 2) continue;
+    const double us = time_pattern(0, true, sms);
+    std::printf("%-12s %4d %-6s %10.1f %10.1f\n", "queue", sms, "both", us, 2.0 * bytes / us / 1e3);
+    for (const int peer_warps : {6, 8, 10, 12}) {
+      const double direct_us = time_pattern(peer_warps, false, sms);
+      const std::string name = "direct-" + std::to_string(peer_warps);
+      std::printf("%-12s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", direct_us,
+                  2.0 * bytes / direct_us / 1e3);
     }
   }
   return 0;
