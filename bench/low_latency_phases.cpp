@@ -3,6 +3,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <string>
 #include <vector>
 
 #include "gpu/cuda_check.hpp"
@@ -19,10 +20,10 @@ constexpr const char* kStampNames[kernels::kNumPhaseStamps] = {
     "entry", "prologue",  "histogram", "counts stored", "counted",   "ids",
     "sent",  "published", "arrived",   "scanned",       "delivered", "exit"};
 
-// Microseconds from the first block's entry to the last block's stamp of each phase in one call's stamps
-// ([blocks][kNumPhaseStamps], 0 = not stamped); -1 where no block stamped. The entry phase holds the spread
-// of the blocks' entries instead (last entry minus first).
-std::vector<double> phase_offsets_us(const std::vector<uint64_t>& stamps, int num_blocks) {
+// Microseconds from the first block's entry to the last stamp of each phase among blocks [0, stamping) in one
+// call's stamps ([blocks][kNumPhaseStamps], 0 = not stamped); -1 where no block stamped. The entry phase
+// holds the spread of the blocks' entries instead (last entry minus first).
+std::vector<double> phase_offsets_us(const std::vector<uint64_t>& stamps, int num_blocks, int stamping) {
   std::vector<double> out(kernels::kNumPhaseStamps, -1.0);
   uint64_t first_entry = UINT64_MAX;
   for (int b = 0; b < num_blocks; ++b) {
@@ -32,7 +33,7 @@ std::vector<double> phase_offsets_us(const std::vector<uint64_t>& stamps, int nu
   if (first_entry == UINT64_MAX) return out;
   for (int p = 0; p < kernels::kNumPhaseStamps; ++p) {
     uint64_t last = 0;
-    for (int b = 0; b < num_blocks; ++b)
+    for (int b = 0; b < stamping; ++b)
       last = std::max(last, stamps[size_t(b) * kernels::kNumPhaseStamps + p]);
     if (last != 0) out[p] = static_cast<double>(last - first_entry) / 1000.0;
   }
@@ -49,6 +50,9 @@ void print_low_latency_phases(Buffer& buffer, Bootstrap& bootstrap, cudaStream_t
   const size_t count = size_t(num_blocks) * kernels::kNumPhaseStamps;
   std::vector<uint64_t> host(count);
   std::vector<std::vector<float>> per_phase(kernels::kNumPhaseStamps);
+  // A dispatch's routing block is the last: the senders' own "sent" says whether the routing holds the flags
+  // back.
+  std::vector<float> senders_sent;
   for (int i = 0; i < warmup + iters; ++i) {
     EPX_CUDA_CHECK(cudaMemsetAsync(stamps, 0, sizeof(uint64_t) * count, stream));
     EPX_CUDA_CHECK(cudaStreamSynchronize(stream));
@@ -57,16 +61,27 @@ void print_low_latency_phases(Buffer& buffer, Bootstrap& bootstrap, cudaStream_t
     EPX_CUDA_CHECK(cudaDeviceSynchronize());
     EPX_CUDA_CHECK(cudaMemcpy(host.data(), stamps, sizeof(uint64_t) * count, cudaMemcpyDeviceToHost));
     if (i < warmup) continue;
-    const std::vector<double> offsets = phase_offsets_us(host, num_blocks);
+    const std::vector<double> offsets = phase_offsets_us(host, num_blocks, num_blocks);
     for (int p = 0; p < kernels::kNumPhaseStamps; ++p)
       if (offsets[p] >= 0) per_phase[p].push_back(static_cast<float>(offsets[p]));
+    const double sent = phase_offsets_us(host, num_blocks, num_blocks - 1)[kernels::kStampSent];
+    if (sent >= 0) senders_sent.push_back(static_cast<float>(sent));
   }
-  std::fprintf(stderr, "rank %d phases of %s (us after the first block's entry, last block; entry: spread):",
-               buffer.rank(), name.c_str());
+  // One write per line, so the ranks' lines do not interleave.
+  std::string line = "rank " + std::to_string(buffer.rank()) + " phases of " + name +
+                     " (us after the first block's entry, last block; entry: spread):";
+  char value[64];
   for (int p = 0; p < kernels::kNumPhaseStamps; ++p) {
-    if (!per_phase[p].empty()) std::fprintf(stderr, " %s %.2f", kStampNames[p], median(per_phase[p]));
+    if (per_phase[p].empty()) continue;
+    std::snprintf(value, sizeof(value), " %s %.2f", kStampNames[p], median(per_phase[p]));
+    line += value;
   }
-  std::fprintf(stderr, "\n");
+  if (!senders_sent.empty() && name.find("dispatch") != std::string::npos) {
+    std::snprintf(value, sizeof(value), "; sent by all but the last (routing) block %.2f",
+                  median(senders_sent));
+    line += value;
+  }
+  std::fprintf(stderr, "%s\n", line.c_str());
 }
 
 }  // namespace epx::bench
