@@ -48,12 +48,10 @@ struct ReceiverWarpRoles {
   int per_source;  // then a group of this many warps per source, in peer order; any warps left over idle
 };
 
-// A receiver block of `queue_warps`: `requested` own-row warps (< 0: an equal share per rank, queue_warps /
-// ranks; the kernel passes default_receiver_own_warps), at most what leaves every source a warp, and at least
-// 1 unless the sender block has own-row warps
-// (`sender_own` > 0): then 0 may leave every receiver warp to the sources, the sender's warps copying all the
-// own rows (a sender SM's port to the crossbar is a third busy with its stores to the peer; a receiver's
-// carries every copy out of the queue). With one rank every warp copies own rows.
+// A receiver block of `queue_warps`: `requested` own-row warps (< 0: an equal share per rank; the kernel
+// passes default_receiver_own_warps), at most what leaves every source a warp, and at least 1 unless the
+// sender block has own-row warps (`sender_own` > 0): then 0 may leave every receiver warp to the sources, the
+// sender's warps copying all the own rows. With one rank every warp copies own rows.
 EPX_HD ReceiverWarpRoles receiver_warp_roles(int queue_warps, int num_ranks, int requested, int sender_own) {
   if (num_ranks <= 1) return {queue_warps, 0};
   const int peers = num_ranks - 1;

@@ -393,10 +393,7 @@ namespace {
 // sender_own_warps; read once, bounded by the kernel; 0: the receiver blocks copy them all). Unset: -1, the
 // kernel's measured default (default_sender_own_warps).
 int sender_own_warps() {
-  static const int requested = [] {
-    const char* text = std::getenv("EPX_DISPATCH_SENDER_OWN_WARPS");
-    return text != nullptr ? std::max(0, std::atoi(text)) : -1;
-  }();
+  static const int requested = env_count("EPX_DISPATCH_SENDER_OWN_WARPS");
   return requested;
 }
 
@@ -404,10 +401,7 @@ int sender_own_warps() {
 // (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
 // own-row warps). Unset: -1, the measured default (default_receiver_own_warps).
 int receiver_own_warps() {
-  static const int requested = [] {
-    const char* text = std::getenv("EPX_DISPATCH_RECEIVER_OWN_WARPS");
-    return text != nullptr ? std::max(0, std::atoi(text)) : -1;
-  }();
+  static const int requested = env_count("EPX_DISPATCH_RECEIVER_OWN_WARPS");
   return requested;
 }
 
