@@ -29,6 +29,7 @@
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
+#include <functional>
 #include <string>
 #include <vector>
 
@@ -240,59 +241,23 @@ int main(int argc, char** argv) {
     const char* src = m == Method::kTmaPull ? peer.src : me.src;
     copy_rows<<<sms, kThreads, sizeof(Stage) * kWarps, me.stream>>>(dst, src, num_rows, o.row_bytes, m);
   };
-  const char* methods[] = {"warp-store", "tma-store", "tma-pull", "warp-local", "tma-local", "copy-engine"};
-  for (const char* method : methods) {
-    const bool engine = std::strcmp(method, "copy-engine") == 0;
-    for (const int sms : engine ? std::vector<int>{0} : o.sms) {
-      for (const int ways : {1, 2}) {
-        std::vector<float> times;
-        for (int it = 0; it < o.iters + 2; ++it) {
-          for (int g = 0; g < 2; ++g) {
-            CHECK(cudaSetDevice(g));
-            CHECK(cudaDeviceSynchronize());
-          }
-          for (int g = 0; g < ways; ++g) {
-            CHECK(cudaSetDevice(g));
-            CHECK(cudaEventRecord(gpus[g].start, gpus[g].stream));
-            launch(g, method, sms);
-            CHECK(cudaEventRecord(gpus[g].stop, gpus[g].stream));
-          }
-          float worst = 0;
-          for (int g = 0; g < ways; ++g) {
-            CHECK(cudaSetDevice(g));
-            CHECK(cudaEventSynchronize(gpus[g].stop));
-            float ms = 0;
-            CHECK(cudaEventElapsedTime(&ms, gpus[g].start, gpus[g].stop));
-            worst = std::max(worst, ms);
-          }
-          if (it >= 2) times.push_back(worst);
-        }
-        std::sort(times.begin(), times.end());
-        const double us = times[times.size() / 2] * 1e3;
-        std::printf("%-12s %4d %-6s %10.1f %10.1f\n", method, sms, ways == 1 ? "one" : "both", us,
-                    bytes / us / 1e3);
-      }
-    }
-  }
-  // The dispatch's traffic, both GPUs at once. The queue is the peer-written dst (what the senders stored).
-  std::printf("%-12s %4s %-6s %10s %10s\n", "pattern", "SMs", "ways", "us", "GB/s recv");
-  const auto time_pattern = [&](int peer_warps, bool queue, int sms) {
+  // Median µs over o.iters runs (after 2 warm-up) of `launch_on`(g) on GPUs 0 .. ways - 1 at once: the slower
+  // GPU's event time of each run.
+  const auto median_us = [&](int ways, const std::function<void(int)>& launch_on) {
     std::vector<float> times;
     for (int it = 0; it < o.iters + 2; ++it) {
       for (int g = 0; g < 2; ++g) {
         CHECK(cudaSetDevice(g));
         CHECK(cudaDeviceSynchronize());
       }
-      for (int g = 0; g < 2; ++g) {
+      for (int g = 0; g < ways; ++g) {
         CHECK(cudaSetDevice(g));
-        const PatternArgs args{gpus[1 - g].dst, gpus[g].src, gpus[g].own, queue ? gpus[g].dst : nullptr,
-                               gpus[g].out,     num_rows,    o.row_bytes, peer_warps};
         CHECK(cudaEventRecord(gpus[g].start, gpus[g].stream));
-        pattern_rows<<<sms, kThreads, sizeof(Stage) * kWarps, gpus[g].stream>>>(args);
+        launch_on(g);
         CHECK(cudaEventRecord(gpus[g].stop, gpus[g].stream));
       }
       float worst = 0;
-      for (int g = 0; g < 2; ++g) {
+      for (int g = 0; g < ways; ++g) {
         CHECK(cudaSetDevice(g));
         CHECK(cudaEventSynchronize(gpus[g].stop));
         float ms = 0;
@@ -303,6 +268,26 @@ int main(int argc, char** argv) {
     }
     std::sort(times.begin(), times.end());
     return times[times.size() / 2] * 1e3;
+  };
+  const char* methods[] = {"warp-store", "tma-store", "tma-pull", "warp-local", "tma-local", "copy-engine"};
+  for (const char* method : methods) {
+    const bool engine = std::strcmp(method, "copy-engine") == 0;
+    for (const int sms : engine ? std::vector<int>{0} : o.sms) {
+      for (const int ways : {1, 2}) {
+        const double us = median_us(ways, [&](int g) { launch(g, method, sms); });
+        std::printf("%-12s %4d %-6s %10.1f %10.1f\n", method, sms, ways == 1 ? "one" : "both", us,
+                    bytes / us / 1e3);
+      }
+    }
+  }
+  // The dispatch's traffic, both GPUs at once. The queue is the peer-written dst (what the senders stored).
+  std::printf("%-12s %4s %-6s %10s %10s\n", "pattern", "SMs", "ways", "us", "GB/s recv");
+  const auto time_pattern = [&](int peer_warps, bool queue, int sms) {
+    return median_us(2, [&](int g) {
+      const PatternArgs args{gpus[1 - g].dst, gpus[g].src, gpus[g].own, queue ? gpus[g].dst : nullptr,
+                             gpus[g].out,     num_rows,    o.row_bytes, peer_warps};
+      pattern_rows<<<sms, kThreads, sizeof(Stage) * kWarps, gpus[g].stream>>>(args);
+    });
   };
   for (const int sms : o.sms) {
     if (sms < 2) continue;
