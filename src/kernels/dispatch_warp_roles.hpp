@@ -48,14 +48,14 @@ struct ReceiverWarpRoles {
   int per_source;  // then a group of this many warps per source, in peer order; any warps left over idle
 };
 
-// A receiver block of `queue_warps`: `requested` own-row warps (< 0: an equal share per rank; the kernel
-// passes default_receiver_own_warps), at most what leaves every source a warp, and at least 1 unless the
-// sender block has own-row warps (`sender_own` > 0): then 0 may leave every receiver warp to the sources, the
+// A receiver block of `queue_warps`: `requested` own-row warps (the kernel passes the switch's value, else
+// default_receiver_own_warps), at most what leaves every source a warp, and at least 1 unless the sender
+// block has own-row warps (`sender_own` > 0): then 0 may leave every receiver warp to the sources, the
 // sender's warps copying all the own rows. With one rank every warp copies own rows.
 EPX_HD ReceiverWarpRoles receiver_warp_roles(int queue_warps, int num_ranks, int requested, int sender_own) {
   if (num_ranks <= 1) return {queue_warps, 0};
   const int peers = num_ranks - 1;
-  int own = requested >= 0 ? requested : queue_warps / num_ranks;
+  int own = requested;
   const int most = queue_warps - peers;
   const int least = sender_own > 0 ? 0 : 1;
   if (own > most) own = most;
