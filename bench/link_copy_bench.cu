@@ -83,10 +83,9 @@ __device__ void pattern_role(const PatternArgs& a, int block, int warp, int& rol
   const bool sender = block < senders;
   constexpr int kOwnWarps = 4;
   role = sender ? (warp < kWarps - kOwnWarps ? 0 : 1) : (warp < kOwnWarps ? 1 : 2);
-  const int own_blocks = blocks;  // every block has kOwnWarps own-row warps
-  if (role == 1) {
+  if (role == 1) {  // every block has kOwnWarps own-row warps
     index = block * kOwnWarps + (sender ? warp - (kWarps - kOwnWarps) : warp);
-    workers = own_blocks * kOwnWarps;
+    workers = blocks * kOwnWarps;
   } else {
     index = (sender ? block : block - senders) * (kWarps - kOwnWarps) + (sender ? warp : warp - kOwnWarps);
     workers = (sender ? senders : blocks - senders) * (kWarps - kOwnWarps);
