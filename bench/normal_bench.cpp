@@ -200,6 +200,25 @@ void cached_dispatch(Buffer& buffer, const DispatchHandle& handle, const Dispatc
   dispatch_receive(buffer, again, in, out, order);
 }
 
+// The rows a cached dispatch writes into the output window (`wout`) are byte for byte those it writes
+// through the queues into `out`.
+void check_window_rows(Buffer& buffer, const DispatchHandle& handle, const DispatchInput& in,
+                       const DispatchOutput& out, const DispatchOutput& wout, size_t rows, int hidden,
+                       bool bf16, cudaStream_t stream) {
+  cached_dispatch(buffer, handle, in, out, stream);
+  cached_dispatch(buffer, handle, in, wout, stream);
+  buffer.synchronize(stream);
+  const auto same = [&](const void* a, const void* b, size_t bytes, const char* what) {
+    std::vector<char> ha(bytes), hb(bytes);
+    EPX_CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
+    EPX_CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
+    EPX_CHECK(ha == hb, what, "differs", "must equal the queue's rows (dispatch into the output window)");
+  };
+  same(out.recv_x, wout.recv_x, rows * hidden * (bf16 ? 2 : 1), "recv_x");
+  if (!bf16)
+    same(out.recv_x_scales, wout.recv_x_scales, rows * (hidden / 128) * sizeof(float), "recv_x_scales");
+}
+
 // Every received row holds the source's token, checked from the source rank and index the handle records;
 // the identity combine returns each token times the number of ranks it went to (across nodes: the sum over
 // the nodes it went to of its copies there, each node's partial rounded to BF16, as
@@ -374,6 +393,13 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       std::max(widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
                bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, widest_sms)
                    .get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
+  // Within one node an output window for every row a rank can receive: the cached dispatch is also timed
+  // with its outputs there (the senders store straight into them, no queue).
+  const size_t window_row_bytes = size_t(o.hidden) * 2 + size_t(o.hidden) / 32;
+  if (!across_nodes) {
+    buffer_options.num_nvl_output_bytes = size_t(num_ranks) * o.num_tokens * window_row_bytes + 256;
+    buffer_options.num_nvl_bytes += buffer_options.num_nvl_output_bytes;
+  }
   if (across_nodes) {
     buffer_options.ranks_per_node = ranks_per_node;
     buffer_options.num_rdma_bytes = widest.get_rdma_buffer_size_hint(hidden_bytes, num_ranks, ranks_per_node);
@@ -538,6 +564,22 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       add_phase_rows(buffer, stream, sms, out);
       out.push_back({bf16 ? "dispatch BF16 cached (isolated)" : "dispatch FP8 cached (isolated)", sms,
                      isolated(flush, cached), nvl_bytes, network_bytes});
+      if (!across_nodes && num_ranks > 1) {
+        // The same into the output window: recv_x at its start, the scales 16-byte aligned after it.
+        char* window = static_cast<char*>(buffer.nvl_output_window());
+        const size_t x_bytes = (size_t(rows) * normal_row_bytes(o.hidden, false) + 15) / 16 * 16;
+        const DispatchOutput wout{window, bf16 ? nullptr : reinterpret_cast<float*>(window + x_bytes),
+                                  nullptr, nullptr};
+        const auto into_window = [&] { cached_dispatch(buffer, sms_plan.handle, in, wout, stream); };
+        check_window_rows(buffer, sms_plan.handle, in, dout, wout, size_t(rows), o.hidden, bf16, stream);
+        start_phase_reports(buffer, stream);
+        out.push_back({bf16 ? "dispatch BF16 cached into window" : "dispatch FP8 cached into window", sms,
+                       back_to_back(into_window), nvl_bytes, network_bytes});
+        add_phase_rows(buffer, stream, sms, out);
+        out.push_back({bf16 ? "dispatch BF16 cached into window (isolated)"
+                            : "dispatch FP8 cached into window (isolated)",
+                       sms, isolated(flush, into_window), nvl_bytes, network_bytes});
+      }
       // Once per run: what the isolated timing of the earlier benchmark (host barrier alone) also held.
       if (bf16 && !studied) {
         studied = true;

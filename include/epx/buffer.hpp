@@ -13,6 +13,10 @@ namespace epx {
 
 struct BufferOptions {
   size_t num_nvl_bytes = 0;  // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
+  // Of num_nvl_bytes, the last this many (rounded down to 128) form the output window: dispatch outputs the
+  // caller places there (all of them) are written by the sources straight over NVLink, with no queue and
+  // no copy out of one (a cached dispatch within one node). The queues use the rest.
+  size_t num_nvl_output_bytes = 0;
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
   // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).
   size_t num_rdma_bytes = 0;
@@ -76,6 +80,11 @@ class Buffer {
   // from this GPU (own included).
   void* nvl_buffer() const;
   size_t num_nvl_bytes() const;
+  // The output window (BufferOptions::num_nvl_output_bytes): its first byte (128-byte aligned) and size; the
+  // queues' part of the buffer ends where it begins.
+  void* nvl_output_window() const;
+  size_t num_nvl_output_bytes() const;
+  size_t num_nvl_queue_bytes() const;
   void* const* nvl_peer_bases_device() const;
 
   // Ranks per NVLink node (num_ranks for one node), the same on every rank; the low-latency buffer reaches

@@ -104,6 +104,7 @@ struct NormalRecord {
 //   NotifyHalf x 2    count exchange of dispatch, as tagged words (pack_tagged), double-buffered by the
 //                     parity of the notify's sequence: a fast rank may write notify n+1 while a slow one
 //                     still reads notify n, but never n+2 (that needs the slow rank's n+1 counts)
+//   DirectPosts       a dispatch into the output window: where rows go, and when they are all there
 //   queues            [R - 1 sources][C channels][Q records] of this call's record size
 //
 // A call's queues are carved for its own shape, so before a source writes into a peer's queues it waits
@@ -150,11 +151,25 @@ struct NormalBufferMap {
         rank_totals[kMaxNvlRanks];  // [src], written by src: its tokens for me, when the caller gave them
   };
 
+  // A dispatch into outputs in the output window (Buffer::nvl_output_window) skips the queues: the receiver
+  // posts where each source's rows go, the source stores them there and then says it is done.
+  struct DirectPosts {
+    // [dst][c], written by dst: pack_tagged(its launch number, the first row of my channel c's rows there).
+    uint64_t first_row[kMaxNvlRanks][kMaxChannels];
+    // [dst][DirectOutput], written by dst: pack_tagged(its launch number, the output's offset from dst's
+    // buffer base in 16-byte units, or -1 when it has none).
+    uint64_t outputs[kMaxNvlRanks][4];
+    // [src][c], written by src: its launch number once channel c's rows are all stored into my outputs.
+    int rows_done[kMaxNvlRanks][kMaxChannels];
+  };
+  enum DirectOutput { kDirectX = 0, kDirectScales = 1, kDirectTopkIdx = 2, kDirectTopkWeights = 3 };
+
   static constexpr size_t kControlOffset = 0;
   static constexpr size_t kCountersOffset = align_up(sizeof(Control), kNormalAlign);
   static constexpr size_t kNotifyOffset = kCountersOffset + align_up(sizeof(QueueCounters), kNormalAlign);
   static constexpr size_t kNotifyHalfBytes = align_up(sizeof(NotifyHalf), kNormalAlign);
-  static constexpr size_t kQueuesOffset = kNotifyOffset + 2 * kNotifyHalfBytes;
+  static constexpr size_t kDirectOffset = kNotifyOffset + 2 * kNotifyHalfBytes;
+  static constexpr size_t kQueuesOffset = kDirectOffset + align_up(sizeof(DirectPosts), kNormalAlign);
 
   EPX_HD size_t queue_bytes() const { return size_t(queue_tokens) * record_bytes; }
   EPX_HD size_t total_bytes() const {
@@ -164,6 +179,9 @@ struct NormalBufferMap {
   EPX_HD static Control* control(void* base) { return reinterpret_cast<Control*>(base); }
   EPX_HD static QueueCounters* counters(void* base) {
     return reinterpret_cast<QueueCounters*>(static_cast<char*>(base) + kCountersOffset);
+  }
+  EPX_HD static DirectPosts* direct(void* base) {
+    return reinterpret_cast<DirectPosts*>(static_cast<char*>(base) + kDirectOffset);
   }
   // The half notify `sequence` uses.
   EPX_HD static NotifyHalf* notify(void* base, uint32_t sequence) {

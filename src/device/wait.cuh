@@ -171,6 +171,21 @@ __device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t seq
   return arrived ? tagged_value(word) : 0;
 }
 
+// As wait_tagged, but says whether the word arrived (false: the wait was abandoned), for callers that turn
+// the value into an address.
+__device__ __forceinline__ bool try_wait_tagged(const uint64_t* address, uint32_t sequence,
+                                                const WaitContext& ctx, int peer, WaitPhase phase,
+                                                int& value) {
+  uint64_t word = ld_relaxed_sys_u64(address);
+  const auto done = [sequence](uint64_t w) { return tagged_sequence(w) == sequence; };
+  const bool arrived =
+      done(word) || spin_until_loaded([address] { return ld_relaxed_sys_u64(address); }, done,
+                                      [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); },
+                                      sequence, ctx, peer, phase, word);
+  value = tagged_value(word);
+  return arrived;
+}
+
 // Waits until *address >= expected (counter_reached: modulo 2^32). Returns the value seen (expected when
 // abandoned).
 __device__ __forceinline__ int wait_at_least(const int* address, int expected, const WaitContext& ctx,

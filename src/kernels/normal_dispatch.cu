@@ -3,6 +3,7 @@
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
+#include "kernels/normal_window.cuh"
 #include "kernels/notify_steps.cuh"
 #include "kernels/phase_clock.cuh"
 #include "kernels/preload.hpp"
@@ -301,6 +302,8 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 // Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
 // the rows this rank keeps. With one rank there are no queues and both blocks copy. Only blocks that write
 // rows wait for published outputs: senders start as soon as the launch does.
+// kToWindow: args.to_window, a kernel of its own so that the queue's way keeps its registers.
+template <bool kToWindow>
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ RowOutputs outputs;
@@ -347,7 +350,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
           ? args.receiver_own_warps
           : default_receiver_own_warps(kQueueWarps, num_ranks, args.record.num_scales > 0),
       roles.own);
-  const int own_workers = receiving.own + roles.own;
+  // Into the output window the receiver block has no queue to empty: all its warps copy own rows.
+  const int receiver_own = kToWindow ? kQueueWarps : receiving.own;
+  const int own_workers = receiver_own + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
       copy_own_rows(args, outputs, channel, warp + (is_sender ? kQueueWarps : 0), 2 * kQueueWarps, lane,
@@ -358,15 +363,24 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       // Only these warps wait for outputs published late: the others send from the launch on.
       const RowOutputs own = warp_row_outputs(args, calls, lane);
       if (!own.cancelled)
-        copy_own_rows(args, own, channel, receiving.own + warp - send_warps, own_workers, lane, copier);
+        copy_own_rows(args, own, channel, receiver_own + warp - send_warps, own_workers, lane, copier);
     } else {
       const int warps_per_peer = send_warps / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;
       if (peer_idx < num_ranks - 1) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
-        send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
+        if constexpr (kToWindow) {
+          send_tokens_to_window(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx],
+                                calls);
+        } else {
+          send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
+        }
       }
     }
+  } else if (kToWindow) {
+    post_window_rows(args, channel, calls);
+    if (!outputs.cancelled) copy_own_rows(args, outputs, channel, warp, own_workers, lane, copier);
+    wait_window_rows(args, channel, calls);
   } else if (warp < receiving.own) {
     if (!outputs.cancelled) copy_own_rows(args, outputs, channel, warp, own_workers, lane, copier);
   } else {
@@ -387,14 +401,16 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  launch(dispatch_kernel,
+  launch(args.to_window ? dispatch_kernel<true> : dispatch_kernel<false>,
          {unsigned(2 * args.map.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
          stream, args);
 }
 
 void preload_normal_dispatch_kernels() {
-  preload_kernel(dispatch_kernel);
-  allow_dynamic_smem(dispatch_kernel, kDispatchSharedBytes);
+  for (auto* kernel : {dispatch_kernel<false>, dispatch_kernel<true>}) {
+    preload_kernel(kernel);
+    allow_dynamic_smem(kernel, kDispatchSharedBytes);
+  }
 }
 
 }  // namespace epx::kernels

@@ -99,7 +99,8 @@ __device__ __forceinline__ void store_record_fields(char* record, const NormalRe
   if (lane == 0 && r.with_src_idx) *reinterpret_cast<int*>(record + r.src_idx_offset()) = f.src_idx;
 }
 
-// Where a received row's fields go (recv_topk_idx may be null: no top-k outputs).
+// Where a received row's fields go (recv_topk_idx may be null: no top-k outputs; recv_src_idx null: a
+// cached dispatch into the output window, whose handle holds them already).
 struct FieldOutputs {
   float* recv_x_scales;
   int64_t* recv_topk_idx;
@@ -123,7 +124,7 @@ __device__ __forceinline__ void store_output_fields(const FieldOutputs& out, con
     out.recv_topk_idx[static_cast<size_t>(row) * num_topk + lane] = local;
     out.recv_topk_weights[static_cast<size_t>(row) * num_topk + lane] = local >= 0 ? f.topk_weight : 0.0f;
   }
-  if (lane == 0) out.recv_src_idx[row] = f.src_idx;
+  if (lane == 0 && out.recv_src_idx != nullptr) out.recv_src_idx[row] = f.src_idx;
 }
 
 // Copies token `token` (row, scales, top-k ids as int32 and weights, its index) into the dispatch record at

@@ -117,6 +117,7 @@ struct Buffer::State {
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   bool enable_shrink = false;
+  size_t num_nvl_output_bytes = 0;          // BufferOptions', rounded down to kNormalAlign
   unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
@@ -205,6 +206,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
   s.enable_shrink = options.enable_shrink;
+  EPX_CHECK(options.num_nvl_output_bytes <= options.num_nvl_bytes, "num_nvl_output_bytes",
+            options.num_nvl_output_bytes, "must be <= num_nvl_bytes (the window is the buffer's tail)");
+  s.num_nvl_output_bytes = options.num_nvl_output_bytes / kNormalAlign * kNormalAlign;
   try {
     EPX_CUDA_CHECK(cudaMalloc(&s.rank_mask, sizeof(unsigned long long) * 2));
     EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));
@@ -400,6 +404,15 @@ void* Buffer::nvl_buffer() const {
 }
 size_t Buffer::num_nvl_bytes() const {
   return live().nvl->bytes();
+}
+void* Buffer::nvl_output_window() const {
+  return static_cast<char*>(nvl_buffer()) + num_nvl_queue_bytes();
+}
+size_t Buffer::num_nvl_output_bytes() const {
+  return live().num_nvl_output_bytes;
+}
+size_t Buffer::num_nvl_queue_bytes() const {
+  return num_nvl_bytes() - num_nvl_output_bytes();
 }
 void* const* Buffer::nvl_peer_bases_device() const {
   return live().nvl_table;

@@ -21,6 +21,7 @@ struct DispatchHandle::State {
   int expert_alignment = 1;
   int num_nodes = 1;            // > 1: the group spans nodes (normal mode across nodes)
   int num_forward_records = 0;  // across nodes: records this rank forwards (the size of forward_mask)
+  bool cached = false;          // a cached re-dispatch: recv_src_idx holds its rows' sources already
   // The sequence of the notify that launched the receive (DispatchOverlap::kLaunchReceive), 0: none. Outputs
   // go only to the receive of this sequence, so a spent or stale plan cannot feed a later notify's receive.
   uint32_t launched_receive = 0;

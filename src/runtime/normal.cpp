@@ -1,6 +1,7 @@
 #include "epx/normal.hpp"
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -129,7 +130,7 @@ InternodeBufferMaps internode_buffer_maps(const Buffer& buffer, const DispatchHa
   EPX_CHECK(buffer.num_rdma_bytes() > 0, "num_rdma_bytes", buffer.num_rdma_bytes(),
             "must be > 0 for normal mode across nodes (size it with Config::get_rdma_buffer_size_hint)");
   check_internode_map_fits(maps.rdma, buffer.num_rdma_bytes());
-  check_forward_map_fits(maps.nvl, buffer.num_nvl_bytes());
+  check_forward_map_fits(maps.nvl, buffer.num_nvl_queue_bytes());
   // Every call across nodes passes here before it launches: its queues take the symmetric buffer's shared
   // area.
   lend_symmetric_buffer_to_normal_mode(*BufferAccess::low_latency_state(buffer));
@@ -437,6 +438,43 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
   return args;
 }
 
+// A cached dispatch within one node whose recv_x lies in the output window goes straight into its outputs
+// (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned. Returns the outputs'
+// offsets from the buffer's base in 16-byte units (-1: none), or nothing for the queue's way. Every rank must
+// choose alike: the launch's fingerprint says which way it runs, so a mismatch is an error on every rank.
+std::optional<std::array<int, 4>> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
+                                                   const DispatchOutput& out) {
+  const char* window = static_cast<const char*>(buffer.nvl_output_window());
+  const char* window_end = window + buffer.num_nvl_output_bytes();
+  const auto* x = static_cast<const char*>(out.recv_x);
+  if (!state.cached || state.num_nodes > 1 || buffer.num_ranks() == 1 || x == nullptr || x < window ||
+      x >= window_end) {
+    return std::nullopt;
+  }
+  const auto rows = static_cast<size_t>(state.num_recv_rows);
+  const auto topk = static_cast<size_t>(state.shape.num_topk);
+  const struct {
+    const void* data;
+    size_t bytes;
+    const char* name;
+  } outputs[4] = {{out.recv_x, rows * state.shape.x_row_bytes, "recv_x"},
+                  {out.recv_x_scales, rows * state.shape.num_scales * sizeof(float), "recv_x_scales"},
+                  {out.recv_topk_idx, rows * topk * sizeof(int64_t), "recv_topk_idx"},
+                  {out.recv_topk_weights, rows * topk * sizeof(float), "recv_topk_weights"}};
+  const char* base = static_cast<const char*>(buffer.nvl_buffer());
+  std::array<int, 4> offsets{-1, -1, -1, -1};
+  for (int i = 0; i < 4; ++i) {
+    const char* data = static_cast<const char*>(outputs[i].data);
+    if (data == nullptr) continue;
+    EPX_CHECK(data >= window && data + outputs[i].bytes <= window_end, outputs[i].name, "outside the window",
+              "must lie in the output window (Buffer::nvl_output_window) when recv_x does");
+    EPX_CHECK((data - base) % 16 == 0, outputs[i].name, "not 16-byte aligned",
+              "must be 16-byte aligned in the output window");
+    offsets[i] = static_cast<int>((data - base) / 16);
+  }
+  return offsets;
+}
+
 // The dispatch launch `args` runs the count exchange `exchange` too (DispatchArgs::with_notify). Its senders
 // then read the caller's is_token_in_rank, since they write the handle's copy.
 void exchange_in_launch(kernels::DispatchArgs& args, const kernels::NotifyArgs& exchange) {
@@ -533,6 +571,7 @@ std::shared_ptr<DispatchHandle::State> notify_handle_state(const Buffer& buffer,
     EPX_CHECK(old.shape.num_ranks == buffer.num_ranks(), "handle", "from another buffer",
               "must come from this buffer");
     state = std::make_shared<DispatchHandle::State>(old);  // shares the device arrays
+    state->cached = true;
   } else {
     state = std::make_shared<DispatchHandle::State>();
     state->num_channels = buffer.config().num_channels();
@@ -550,7 +589,7 @@ std::shared_ptr<DispatchHandle::State> notify_handle_state(const Buffer& buffer,
   if (state->num_nodes > 1) {
     internode_buffer_maps(buffer, *state, InternodeRecord::dispatch(shape));
   } else {
-    check_normal_map_fits(dispatch_buffer_map(buffer, *state), buffer.num_nvl_bytes());
+    check_normal_map_fits(dispatch_buffer_map(buffer, *state), buffer.num_nvl_queue_bytes());
   }
   state->format = scale_format_of(in.format);
   // A cached re-dispatch without top-k keeps the handle's top-k, so its combine can still reduce weights.
@@ -885,6 +924,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
   const uint32_t launched = state.launched_receive;
+  std::optional<std::array<int, 4>> window;
   // A receive dispatch_notify launched waits for these outputs: a rejected call lets it drain instead.
   try {
     EPX_CHECK(
@@ -905,6 +945,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
           "must be the guess's outputs: the launched receive wrote the rows there (plan.rows_in_guess)");
     }
     check_outputs(out, state, rows, "the plan's num_recv_rows rows");
+    window = window_placement(buffer, state, out);
   } catch (...) {
     cancel_receive(buffer, launched);
     throw;
@@ -946,6 +987,13 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   kernels::DispatchArgs args = dispatch_args(buffer, state, in, out);
   // The count exchange of a notify that read its counts off the layout board runs here.
   if (state.exchange) exchange_in_launch(args, *state.exchange);
+  if (window) {
+    args.to_window = true;
+    std::copy(window->begin(), window->end(), args.window_outputs);
+    args.shape =
+        normal_launch_fingerprint(args.map, args.record, state.shape.hidden, state.shape.num_experts,
+                                  NormalOperation::kDispatchToWindow, state.format != ScaleFormat::kBf16);
+  }
   kernels::launch_dispatch(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
@@ -1004,7 +1052,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   }
   const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
   const NormalBufferMap map = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
-  check_normal_map_fits(map, buffer.num_nvl_bytes());
+  check_normal_map_fits(map, buffer.num_nvl_queue_bytes());
   begin_on_comm_stream(buffer, order);
   kernels::CombineArgs args{peer_context(buffer),
                             map,

@@ -84,6 +84,13 @@ class DeviceArray {
     EPX_CUDA_CHECK(cudaStreamSynchronize(cudaStreamLegacy));
     memory_ = std::shared_ptr<void>(raw, [](void* p) { cudaFree(p); });
   }
+  // `bytes` at `data`, owned by someone else (e.g. a Buffer's output window).
+  static DeviceArray view(void* data, size_t bytes) {
+    DeviceArray array;
+    array.bytes_ = bytes;
+    array.memory_ = std::shared_ptr<void>(data, [](void*) {});
+    return array;
+  }
   template <typename T = void>
   T* get() const {
     return static_cast<T*>(memory_.get());

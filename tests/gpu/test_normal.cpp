@@ -275,6 +275,20 @@ TEST_P(NormalRanks, CachedRedispatch) {
   run_case(cached_case(GetParam()));
 }
 
+// The cached re-dispatch into the output window (the senders store straight into the peers' outputs):
+// BF16 and FP8, 0, 1 and odd token counts, unbalanced routing (experts and ranks with no tokens), worst-case
+// padding rows, two SM budgets, and the queue's way in between on the same Buffer.
+TEST_P(NormalRanks, CachedRedispatchIntoTheOutputWindow) {
+  NormalCase c = cached_case(GetParam());
+  c.cached_into_window = {true, true, false};
+  c.num_tokens = {0, 1, 333, 64};
+  c.routing = NormalRouting::kUnbalanced;
+  c.worst_case = {false, false, false, false, true};
+  c.num_sms = {20, 6};
+  c.num_iterations = 6;
+  run_case(c);
+}
+
 // Outputs of num_worst_tokens rows with padding; the caller's stream is held while the calls are issued, so a
 // host synchronization inside any of them would show.
 NormalCase worst_case_case(int num_ranks) {

@@ -81,6 +81,8 @@ struct NormalCase {
   std::vector<int> expert_alignments{1};
   std::vector<bool> worst_case{false};  // num_worst_tokens = every rank's tokens + 3, so padding rows exist
   std::vector<bool> cached{false};  // then re-dispatch new x with the handle and combine with the new handle
+  // The cached re-dispatch's outputs lie in the Buffer's output window (the senders store straight there).
+  std::vector<bool> cached_into_window{false};
   std::vector<int> num_sms{20};
   std::vector<int> num_biases{1};
   std::vector<bool> combine_weights{true};  // with top-k: the combine also reduces [rows, K] weights
@@ -139,6 +141,16 @@ inline size_t normal_buffer_bytes(const NormalCase& c) {
   const ForwardBufferMap forward = ForwardBufferMap::of(c.ranks_per_node, c.num_ranks / c.ranks_per_node,
                                                         config, InternodeRecord::largest(size_t(hidden) * 2));
   return std::max(hint, forward.total_bytes());
+}
+
+// Output-window bytes (BufferOptions::num_nvl_output_bytes) for every iteration of `c`: the most rows a rank
+// can receive (every token of every rank, plus worst-case padding) with BF16 rows, FP8 scales and top-k, each
+// output 16-byte aligned. 0 when no iteration dispatches into the window.
+inline size_t normal_window_bytes(const NormalCase& c) {
+  if (std::find(c.cached_into_window.begin(), c.cached_into_window.end(), true) == c.cached_into_window.end())
+    return 0;
+  const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 3;
+  return rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + 4 * 16 + 128;
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
@@ -232,6 +244,7 @@ struct NormalStep {
   int expert_alignment = 1;
   int num_worst_tokens = 0;
   bool cached = false;
+  bool cached_into_window = false;
   int num_sms = 20;
   int num_biases = 0;
   bool combine_weights = false;  // only with top-k: a dispatch without it has no weights to combine
@@ -275,6 +288,7 @@ inline NormalStep normal_step(const NormalCase& c, int iteration) {
   s.expert_alignment = cyclic_at(c.expert_alignments, i);
   s.num_worst_tokens = cyclic_at(c.worst_case, i) ? all_tokens + 3 : 0;
   s.cached = cyclic_at(c.cached, i);
+  s.cached_into_window = s.cached && cyclic_at(c.cached_into_window, i);
   s.num_sms = cyclic_at(c.num_sms, i);
   s.num_biases = cyclic_at(c.num_biases, i);
   s.combine_weights = s.with_topk() && cyclic_at(c.combine_weights, i);
@@ -293,7 +307,7 @@ inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
       << c.num_topk << ", routed by " << kRouteBy[static_cast<int>(s.route_by)] << ", alignment "
       << s.expert_alignment;
   if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
-  if (s.cached) out << ", cached re-dispatch";
+  if (s.cached) out << ", cached re-dispatch" << (s.cached_into_window ? " into the output window" : "");
   if (s.launch_receive) out << ", receive launched by notify";
   if (s.guess == NormalGuess::kFits) out << " into a guess with room";
   if (s.guess == NormalGuess::kTooSmall) out << " with a guess too small";
@@ -441,7 +455,8 @@ class NormalRunner {
   // Runs on a Buffer of its own.
   NormalRunner(const NormalCase& c, Bootstrap& bootstrap) : c_(c), rank_(bootstrap.rank()) {
     BufferOptions options;
-    options.num_nvl_bytes = normal_buffer_bytes(c);
+    options.num_nvl_output_bytes = normal_window_bytes(c);
+    options.num_nvl_bytes = normal_buffer_bytes(c) + options.num_nvl_output_bytes;
     options.num_rdma_bytes = normal_rdma_buffer_bytes(c);
     options.ranks_per_node = c.ranks_per_node;
     options.wait_timeout_s = 20.0;
@@ -529,6 +544,15 @@ class NormalRunner {
       if (s.fp8()) {
         slot.cached_x_scales = DeviceArray(T * scale_bytes);
         slot.cached_recv_x_scales = DeviceArray(rows * scale_bytes);
+      }
+      if (s.cached_into_window) {
+        // The window's start, then the scales 16-byte aligned after the rows.
+        char* window = static_cast<char*>(buffer_->nvl_output_window());
+        const size_t x_bytes = (rows * row_bytes + 15) / 16 * 16;
+        if (x_bytes + (s.fp8() ? rows * scale_bytes : 0) > buffer_->num_nvl_output_bytes())
+          fail_at(s, "the output window is too small for the cached re-dispatch");
+        slot.cached_recv_x = DeviceArray::view(window, rows * row_bytes);
+        if (s.fp8()) slot.cached_recv_x_scales = DeviceArray::view(window + x_bytes, rows * scale_bytes);
       }
     }
     // DeviceArray zeroes on the legacy default stream, which does not order against the non-blocking streams

@@ -1,0 +1,136 @@
+#pragma once
+
+#include <cstdint>
+
+#include "common/tagged_word.hpp"
+#include "device/ptx.cuh"
+#include "device/tma.cuh"
+#include "device/wait.cuh"
+#include "kernels/normal_kernels.hpp"
+#include "kernels/normal_queue.cuh"
+#include "kernels/record_fields.cuh"
+#include "kernels/wait_context.cuh"
+#include "kernels/warp_copy.cuh"
+
+// A within-node dispatch into the output window (DispatchArgs::to_window): the rows that cross go straight
+// from the source's x into the receiver's outputs, so each crosses an SM's port once (the queue's way passes
+// three: the source's store, the receiver's load and store out of the queue). The receiver posts where its
+// outputs are and where each (source, channel)'s rows start; a source's senders store there and say when
+// they are done; the receiver's kernel ends once every source said so. Posts and the done words carry the
+// launch number (calls + 1, the same on every rank), so nothing of an earlier call is taken for this one's.
+namespace epx::kernels {
+
+// The outputs of one receiver as its sources address them.
+struct WindowOutputs {
+  char* x;
+  float* x_scales;
+  int64_t* topk_idx;
+  float* topk_weights;
+};
+
+// Receiver block of `channel`, threads below R: tells every source where its rows of this channel start
+// (and, block 1, where the outputs are) in this rank's outputs.
+__device__ __forceinline__ void post_window_rows(const DispatchArgs& args, int channel, int calls) {
+  const int src = threadIdx.x;
+  if (src >= args.peers.num_ranks || src == args.peers.rank) return;
+  const uint32_t launch = static_cast<uint32_t>(calls + 1);
+  auto* posts = NormalBufferMap::direct(args.peers.peer_bases[src]);
+  const int first = args.handle.recv_channel_offset[src * args.map.num_channels + channel];
+  device::st_relaxed_sys_u64(&posts->first_row[args.peers.rank][channel], pack_tagged(launch, first));
+  if (channel != 0) return;
+  for (int i = 0; i < 4; ++i)
+    device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i], pack_tagged(launch, args.window_outputs[i]));
+}
+
+// Receiver block of `channel`, threads below R: waits until every source stored its rows of the channel.
+__device__ __forceinline__ void wait_window_rows(const DispatchArgs& args, int channel, int calls) {
+  const int src = threadIdx.x;
+  if (src >= args.peers.num_ranks || src == args.peers.rank) return;
+  auto* posts = NormalBufferMap::direct(args.peers.local_base);
+  device::try_wait_at_least(&posts->rows_done[src][channel], calls + 1, wait_context(args.peers), src,
+                            WaitPhase::kDispatchReceive);
+}
+
+// Lane 0 of each warp: where `dst` wants this channel's rows (false: the wait was abandoned, or dst's launch
+// is another operation or shape, which the group's leader reported). Every lane gets the answer.
+__device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel, int dst,
+                                          const WarpGroup& group, int* shared, int calls, WindowOutputs& out,
+                                          int& first_row) {
+  // dst's fingerprint first: a dst that runs the queue's dispatch posts nothing here and is named at once.
+  int same = 1;
+  if (group.leader())
+    same = check_launch_shape(args.peers, calls, args.shape, dst, WaitPhase::kDispatchSend) ? 1 : 0;
+  if (group.leader()) *shared = same;
+  group.sync();
+  same = *shared;
+  group.sync();
+  if (same == 0) return false;
+  const uint32_t launch = static_cast<uint32_t>(calls + 1);
+  const auto* posts = NormalBufferMap::direct(args.peers.local_base);
+  const device::WaitContext ctx = wait_context(args.peers);
+  const int lane = group.lane;
+  // Lanes 0-3 the outputs, lane 4 the first row: five words waited for side by side.
+  int value = -1;
+  bool arrived = true;
+  if (lane < 5) {
+    const uint64_t* word = lane < 4 ? &posts->outputs[dst][lane] : &posts->first_row[dst][channel];
+    arrived = device::try_wait_tagged(word, launch, ctx, dst, WaitPhase::kDispatchSend, value);
+  }
+  if (!__all_sync(~0u, arrived)) return false;
+  char* base = static_cast<char*>(args.peers.peer_bases[dst]);
+  const auto at = [&](int i) -> void* {
+    const int units = __shfl_sync(~0u, value, i);
+    return units < 0 ? nullptr : base + static_cast<size_t>(units) * 16;
+  };
+  out = {static_cast<char*>(at(0)), static_cast<float*>(at(1)), static_cast<int64_t*>(at(2)),
+         static_cast<float*>(at(3))};
+  first_row = __shfl_sync(~0u, value, 4);
+  return true;
+}
+
+// ---- Send: the channel's tokens for `dst`, in token order, straight into dst's outputs. ----
+__device__ void send_tokens_to_window(const DispatchArgs& args, int channel, int dst, const WarpGroup& group,
+                                      int* shared, int calls) {
+  WindowOutputs out{};
+  int first_row = 0;
+  if (!window_of(args, channel, dst, group, shared, calls, out, first_row)) return;
+  const int num_ranks = args.peers.num_ranks;
+  const NormalRecord& r = args.record;
+  const FieldOutputs field_out{out.x_scales, out.topk_idx, out.topk_weights, nullptr};
+  const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
+  const int lane = group.lane;
+  int taken = 0;
+  for (int t0 = range.begin, window = 0; t0 < range.end; t0 += 32, ++window) {
+    const int t = t0 + lane;
+    const bool in = t < range.end && args.is_token_in_rank[static_cast<size_t>(t) * num_ranks + dst] != 0;
+    const unsigned mask = __ballot_sync(~0u, in);
+    // Entries count as the queue's do, so the combine reads send_head the same way.
+    if (window % group.num_warps == group.warp && t < range.end)
+      args.handle.send_head[static_cast<size_t>(t) * num_ranks + dst] =
+          in ? taken + __popc(mask & lanes_below(lane)) : -1;
+    for (unsigned todo = worker_tokens(mask, taken, group.warp, group.num_warps, lane); todo != 0;
+         todo &= todo - 1) {
+      const int bit = __ffs(todo) - 1;
+      const int token = t0 + bit;
+      const int row = first_row + taken + __popc(mask & lanes_below(bit));
+      const char* x_row = static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes;
+      if (lane == 0) device::bulk_prefetch_l2(x_row, r.x_bytes);
+      const RecordFields fields = load_input_fields(r, args.in.x_scales, args.in.topk_idx,
+                                                    args.in.topk_weights, token, lane);
+      warp_copy<false>(out.x + static_cast<size_t>(row) * r.x_bytes, x_row, r.x_bytes, lane);
+      store_output_fields<false>(field_out, r, row, fields,
+                                 args.in.x_scales + static_cast<size_t>(token) * r.num_scales, dst,
+                                 args.num_experts / num_ranks, lane);
+    }
+    taken += __popc(mask);
+  }
+  // Every warp's stores are ordered before the leader's release by the barrier (the queue's publish does
+  // the same).
+  group.sync();
+  if (group.leader()) {
+    device::st_release_sys(&NormalBufferMap::direct(args.peers.peer_bases[dst])->rows_done[args.peers.rank][channel],
+                           calls + 1);
+  }
+}
+
+}  // namespace epx::kernels
