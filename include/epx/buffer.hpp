@@ -13,7 +13,7 @@ namespace epx {
 
 struct BufferOptions {
   size_t num_nvl_bytes = 0;  // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
-  // Of num_nvl_bytes, the last this many (rounded down to 128) form the output window: dispatch outputs the
+  // Of num_nvl_bytes, the last this many (or up to 127 more) form the output window: dispatch outputs the
   // caller places there (all of them) are written by the sources straight over NVLink, with no queue and
   // no copy out of one (a cached dispatch within one node). The queues use the rest.
   size_t num_nvl_output_bytes = 0;

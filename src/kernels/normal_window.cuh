@@ -39,7 +39,8 @@ __device__ __forceinline__ void post_window_rows(const DispatchArgs& args, int c
   device::st_relaxed_sys_u64(&posts->first_row[args.peers.rank][channel], pack_tagged(launch, first));
   if (channel != 0) return;
   for (int i = 0; i < 4; ++i)
-    device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i], pack_tagged(launch, args.window_outputs[i]));
+    device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i],
+                               pack_tagged(launch, args.window_outputs[i]));
 }
 
 // Receiver block of `channel`, threads below R: waits until every source stored its rows of the channel.
@@ -115,8 +116,8 @@ __device__ void send_tokens_to_window(const DispatchArgs& args, int channel, int
       const int row = first_row + taken + __popc(mask & lanes_below(bit));
       const char* x_row = static_cast<const char*>(args.in.x) + static_cast<size_t>(token) * r.x_bytes;
       if (lane == 0) device::bulk_prefetch_l2(x_row, r.x_bytes);
-      const RecordFields fields = load_input_fields(r, args.in.x_scales, args.in.topk_idx,
-                                                    args.in.topk_weights, token, lane);
+      const RecordFields fields =
+          load_input_fields(r, args.in.x_scales, args.in.topk_idx, args.in.topk_weights, token, lane);
       warp_copy<false>(out.x + static_cast<size_t>(row) * r.x_bytes, x_row, r.x_bytes, lane);
       store_output_fields<false>(field_out, r, row, fields,
                                  args.in.x_scales + static_cast<size_t>(token) * r.num_scales, dst,
@@ -128,8 +129,8 @@ __device__ void send_tokens_to_window(const DispatchArgs& args, int channel, int
   // the same).
   group.sync();
   if (group.leader()) {
-    device::st_release_sys(&NormalBufferMap::direct(args.peers.peer_bases[dst])->rows_done[args.peers.rank][channel],
-                           calls + 1);
+    device::st_release_sys(
+        &NormalBufferMap::direct(args.peers.peer_bases[dst])->rows_done[args.peers.rank][channel], calls + 1);
   }
 }
 

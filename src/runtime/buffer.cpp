@@ -117,7 +117,7 @@ struct Buffer::State {
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   bool enable_shrink = false;
-  size_t num_nvl_output_bytes = 0;          // BufferOptions', rounded down to kNormalAlign
+  size_t num_nvl_output_bytes = 0;          // BufferOptions'
   unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
@@ -208,7 +208,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   s.enable_shrink = options.enable_shrink;
   EPX_CHECK(options.num_nvl_output_bytes <= options.num_nvl_bytes, "num_nvl_output_bytes",
             options.num_nvl_output_bytes, "must be <= num_nvl_bytes (the window is the buffer's tail)");
-  s.num_nvl_output_bytes = options.num_nvl_output_bytes / kNormalAlign * kNormalAlign;
+  s.num_nvl_output_bytes = options.num_nvl_output_bytes;
   try {
     EPX_CUDA_CHECK(cudaMalloc(&s.rank_mask, sizeof(unsigned long long) * 2));
     EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));
@@ -409,10 +409,11 @@ void* Buffer::nvl_output_window() const {
   return static_cast<char*>(nvl_buffer()) + num_nvl_queue_bytes();
 }
 size_t Buffer::num_nvl_output_bytes() const {
-  return live().num_nvl_output_bytes;
+  return num_nvl_bytes() - num_nvl_queue_bytes();
 }
 size_t Buffer::num_nvl_queue_bytes() const {
-  return num_nvl_bytes() - num_nvl_output_bytes();
+  // The window starts 128-byte aligned, so it may hold a little more than asked for.
+  return (num_nvl_bytes() - live().num_nvl_output_bytes) / kNormalAlign * kNormalAlign;
 }
 void* const* Buffer::nvl_peer_bases_device() const {
   return live().nvl_table;
