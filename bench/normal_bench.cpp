@@ -567,7 +567,7 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       if (!across_nodes && num_ranks > 1) {
         // The same into the output window: recv_x at its start, the scales 16-byte aligned after it.
         char* window = static_cast<char*>(buffer.nvl_output_window());
-        const size_t x_bytes = (size_t(rows) * normal_row_bytes(o.hidden, false) + 15) / 16 * 16;
+        const size_t x_bytes = (size_t(rows) * o.hidden * 2 + 15) / 16 * 16;
         const DispatchOutput wout{window, bf16 ? nullptr : reinterpret_cast<float*>(window + x_bytes),
                                   nullptr, nullptr};
         const auto into_window = [&] { cached_dispatch(buffer, sms_plan.handle, in, wout, stream); };
