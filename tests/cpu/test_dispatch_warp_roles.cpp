@@ -38,6 +38,9 @@ TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
   EXPECT_EQ(default_sender_own_warps(16, 3), 0);
   EXPECT_EQ(default_sender_own_warps(16, 4), 1);
   EXPECT_EQ(default_sender_own_warps(16, 8), 2);
+  // Into the output window every sender warp sends at 2 ranks; with more the leftover warps still copy.
+  EXPECT_EQ(default_sender_own_warps(16, 2, true), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 4, true), 1);
   for (const int ranks : {3, 4, 5, 6, 7, 8}) {
     const SenderWarpRoles roles = sender_warp_roles(16, ranks, default_sender_own_warps(16, ranks));
     EXPECT_EQ(roles.send / (ranks - 1), 16 / (ranks - 1)) << ranks << " ranks";
