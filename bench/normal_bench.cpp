@@ -200,23 +200,45 @@ void cached_dispatch(Buffer& buffer, const DispatchHandle& handle, const Dispatc
   dispatch_receive(buffer, again, in, out, order);
 }
 
-// The rows a cached dispatch writes into the output window (`wout`) are byte for byte those it writes
-// through the queues into `out`.
-void check_window_rows(Buffer& buffer, const DispatchHandle& handle, const DispatchInput& in,
+// Outputs of `rows` rows carved from the start of `buffer`'s output window, each 16-byte aligned: recv_x, FP8
+// scales (`fp8`), top-k ids and weights (`topk` > 0).
+DispatchOutput window_outputs(const Buffer& buffer, size_t rows, int hidden, bool fp8, int topk) {
+  char* next = static_cast<char*>(buffer.nvl_output_window());
+  const auto carve = [&](size_t bytes) {
+    char* at = next;
+    next += (bytes + 15) / 16 * 16;
+    return at;
+  };
+  DispatchOutput out;
+  out.recv_x = carve(rows * hidden * (fp8 ? 1 : 2));
+  if (fp8) out.recv_x_scales = reinterpret_cast<float*>(carve(rows * (hidden / 128) * sizeof(float)));
+  if (topk > 0) {
+    out.recv_topk_idx = reinterpret_cast<int64_t*>(carve(rows * topk * sizeof(int64_t)));
+    out.recv_topk_weights = reinterpret_cast<float*>(carve(rows * topk * sizeof(float)));
+  }
+  return out;
+}
+
+// The rows `run(outputs)` writes into the output window (`wout`) are byte for byte those it writes through
+// the queues into `out`.
+void check_window_rows(Buffer& buffer, const std::function<void(const DispatchOutput&)>& run,
                        const DispatchOutput& out, const DispatchOutput& wout, size_t rows, int hidden,
-                       bool bf16, cudaStream_t stream) {
-  cached_dispatch(buffer, handle, in, out, stream);
-  cached_dispatch(buffer, handle, in, wout, stream);
+                       int topk, cudaStream_t stream) {
+  run(out);
+  run(wout);
   buffer.synchronize(stream);
   const auto same = [&](const void* a, const void* b, size_t bytes, const char* what) {
+    if (b == nullptr) return;
     std::vector<char> ha(bytes), hb(bytes);
     EPX_CUDA_CHECK(cudaMemcpy(ha.data(), a, bytes, cudaMemcpyDeviceToHost));
     EPX_CUDA_CHECK(cudaMemcpy(hb.data(), b, bytes, cudaMemcpyDeviceToHost));
     EPX_CHECK(ha == hb, what, "differs", "must equal the queue's rows (dispatch into the output window)");
   };
-  same(out.recv_x, wout.recv_x, rows * hidden * (bf16 ? 2 : 1), "recv_x");
-  if (!bf16)
-    same(out.recv_x_scales, wout.recv_x_scales, rows * (hidden / 128) * sizeof(float), "recv_x_scales");
+  const bool fp8 = wout.recv_x_scales != nullptr;
+  same(out.recv_x, wout.recv_x, rows * hidden * (fp8 ? 1 : 2), "recv_x");
+  same(out.recv_x_scales, wout.recv_x_scales, rows * (hidden / 128) * sizeof(float), "recv_x_scales");
+  same(out.recv_topk_idx, wout.recv_topk_idx, rows * topk * sizeof(int64_t), "recv_topk_idx");
+  same(out.recv_topk_weights, wout.recv_topk_weights, rows * topk * sizeof(float), "recv_topk_weights");
 }
 
 // Every received row holds the source's token, checked from the source rank and index the handle records;
@@ -395,9 +417,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
                    .get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
   // Within one node an output window for every row a rank can receive: the cached dispatch is also timed
   // with its outputs there (the senders store straight into them, no queue).
-  const size_t window_row_bytes = size_t(o.hidden) * 2 + size_t(o.hidden) / 32;
+  // A row's outputs: BF16 row, FP8 scales, top-k ids and weights, and its source index (scratch).
+  const size_t window_row_bytes = size_t(o.hidden) * 2 + size_t(o.hidden) / 32 + size_t(o.num_topk) * 12 + 4;
   if (!across_nodes) {
-    buffer_options.num_nvl_output_bytes = size_t(num_ranks) * o.num_tokens * window_row_bytes + 256;
+    buffer_options.num_nvl_output_bytes = size_t(num_ranks) * o.num_tokens * window_row_bytes + 1024;
     buffer_options.num_nvl_bytes += buffer_options.num_nvl_output_bytes;
   }
   if (across_nodes) {
@@ -565,13 +588,19 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       out.push_back({bf16 ? "dispatch BF16 cached (isolated)" : "dispatch FP8 cached (isolated)", sms,
                      isolated(flush, cached), nvl_bytes, network_bytes});
       if (!across_nodes && num_ranks > 1) {
-        // The same into the output window: recv_x at its start, the scales 16-byte aligned after it.
-        char* window = static_cast<char*>(buffer.nvl_output_window());
-        const size_t x_bytes = (size_t(rows) * o.hidden * 2 + 15) / 16 * 16;
-        const DispatchOutput wout{window, bf16 ? nullptr : reinterpret_cast<float*>(window + x_bytes),
-                                  nullptr, nullptr};
-        const auto into_window = [&] { cached_dispatch(buffer, sms_plan.handle, in, wout, stream); };
-        check_window_rows(buffer, sms_plan.handle, in, dout, wout, size_t(rows), o.hidden, bf16, stream);
+        // Both dispatches again into the output window (the senders store straight into the outputs there).
+        const DispatchOutput full_wout = window_outputs(buffer, size_t(rows), o.hidden, !bf16, o.num_topk);
+        const auto full_into_window = [&](const DispatchOutput& to) { dispatch(buffer, in, to, stream); };
+        check_window_rows(buffer, full_into_window, dout, full_wout, size_t(rows), o.hidden, o.num_topk,
+                          stream);
+        out.push_back({bf16 ? "dispatch BF16 into window" : "dispatch FP8 into window", sms,
+                       back_to_back([&] { full_into_window(full_wout); }), nvl_bytes, network_bytes});
+        const DispatchOutput wout = window_outputs(buffer, size_t(rows), o.hidden, !bf16, 0);
+        const auto cached_to = [&](const DispatchOutput& to) {
+          cached_dispatch(buffer, sms_plan.handle, in, to, stream);
+        };
+        const auto into_window = [&] { cached_to(wout); };
+        check_window_rows(buffer, cached_to, dout, wout, size_t(rows), o.hidden, 0, stream);
         start_phase_reports(buffer, stream);
         out.push_back({bf16 ? "dispatch BF16 cached into window" : "dispatch FP8 cached into window", sms,
                        back_to_back(into_window), nvl_bytes, network_bytes});

@@ -152,17 +152,26 @@ struct NormalBufferMap {
   };
 
   // A dispatch into outputs in the output window (Buffer::nvl_output_window) skips the queues: the receiver
-  // posts where each source's rows go, the source stores them there and then says it is done.
+  // posts where each source's rows go, the source stores them there and then says it is done. The outputs a
+  // receiver posts, in this order; the source indices go to a scratch array in the window, which the
+  // receiver copies into its handle (none for a cached dispatch, whose handle has them).
+  enum DirectOutput {
+    kDirectX,
+    kDirectScales,
+    kDirectTopkIdx,
+    kDirectTopkWeights,
+    kDirectSrcIdx,
+    kDirectOutputs
+  };
   struct DirectPosts {
     // [dst][c], written by dst: pack_tagged(its launch number, the first row of my channel c's rows there).
     uint64_t first_row[kMaxNvlRanks][kMaxChannels];
     // [dst][DirectOutput], written by dst: pack_tagged(its launch number, the output's offset from dst's
     // buffer base in 16-byte units, or -1 when it has none).
-    uint64_t outputs[kMaxNvlRanks][4];
+    uint64_t outputs[kMaxNvlRanks][kDirectOutputs];
     // [src][c], written by src: its launch number once channel c's rows are all stored into my outputs.
     int rows_done[kMaxNvlRanks][kMaxChannels];
   };
-  enum DirectOutput { kDirectX = 0, kDirectScales = 1, kDirectTopkIdx = 2, kDirectTopkWeights = 3 };
 
   static constexpr size_t kControlOffset = 0;
   static constexpr size_t kCountersOffset = align_up(sizeof(Control), kNormalAlign);

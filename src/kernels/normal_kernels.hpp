@@ -178,8 +178,9 @@ struct DispatchArgs {
   // posts where they are and where each source's rows start (NormalBufferMap::DirectPosts), the senders store
   // rows straight into the peers' outputs and the receiver blocks copy the own rows; no queue is used.
   bool to_window = false;
-  // This rank's outputs in DirectOutput order: offsets from its buffer base in 16-byte units (-1: none).
-  int window_outputs[4] = {-1, -1, -1, -1};
+  // This rank's outputs in NormalBufferMap::DirectOutput order: offsets from its buffer base in 16-byte
+  // units (-1: none).
+  int window_outputs[NormalBufferMap::kDirectOutputs] = {-1, -1, -1, -1, -1};
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);
 

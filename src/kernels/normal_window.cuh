@@ -26,6 +26,7 @@ struct WindowOutputs {
   float* x_scales;
   int64_t* topk_idx;
   float* topk_weights;
+  int* src_idx;  // the window's scratch for the rows' source indices, or null (a cached dispatch)
 };
 
 // Receiver block of `channel`, threads below R: tells every source where its rows of this channel start
@@ -38,18 +39,35 @@ __device__ __forceinline__ void post_window_rows(const DispatchArgs& args, int c
   const int first = args.handle.recv_channel_offset[src * args.map.num_channels + channel];
   device::st_relaxed_sys_u64(&posts->first_row[args.peers.rank][channel], pack_tagged(launch, first));
   if (channel != 0) return;
-  for (int i = 0; i < 4; ++i)
+  for (int i = 0; i < NormalBufferMap::kDirectOutputs; ++i)
     device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i],
                                pack_tagged(launch, args.window_outputs[i]));
 }
 
-// Receiver block of `channel`, threads below R: waits until every source stored its rows of the channel.
+// Receiver block of `channel`, every thread: waits until every source stored its rows of the channel (threads
+// below R wait), then copies their source indices from the window's scratch into the handle, when they went
+// there.
 __device__ __forceinline__ void wait_window_rows(const DispatchArgs& args, int channel, int calls) {
+  const int num_ranks = args.peers.num_ranks;
   const int src = threadIdx.x;
-  if (src >= args.peers.num_ranks || src == args.peers.rank) return;
-  auto* posts = NormalBufferMap::direct(args.peers.local_base);
-  device::try_wait_at_least(&posts->rows_done[src][channel], calls + 1, wait_context(args.peers), src,
-                            WaitPhase::kDispatchReceive);
+  if (src < num_ranks && src != args.peers.rank) {
+    auto* posts = NormalBufferMap::direct(args.peers.local_base);
+    device::try_wait_at_least(&posts->rows_done[src][channel], calls + 1, wait_context(args.peers), src,
+                              WaitPhase::kDispatchReceive);
+  }
+  const int scratch = args.window_outputs[NormalBufferMap::kDirectSrcIdx];
+  if (scratch < 0) return;
+  // The waits' acquires, then the barrier, order the sources' stores before these loads.
+  __syncthreads();
+  const int* src_idx =
+      reinterpret_cast<const int*>(static_cast<char*>(args.peers.local_base) + size_t(scratch) * 16);
+  const int* offsets = args.handle.recv_channel_offset;
+  for (int s = 0; s < num_ranks; ++s) {
+    if (s == args.peers.rank) continue;
+    const int index = s * args.map.num_channels + channel;
+    for (int row = offsets[index] + threadIdx.x; row < offsets[index + 1]; row += blockDim.x)
+      args.handle.recv_src_idx[row] = static_cast<int>(load_word<true>(src_idx + row));
+  }
 }
 
 // Lane 0 of each warp: where `dst` wants this channel's rows (false: the wait was abandoned, or dst's launch
@@ -70,11 +88,12 @@ __device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel,
   const auto* posts = NormalBufferMap::direct(args.peers.local_base);
   const device::WaitContext ctx = wait_context(args.peers);
   const int lane = group.lane;
-  // Lanes 0-3 the outputs, lane 4 the first row: five words waited for side by side.
+  // Lanes below kDirectOutputs the outputs, the next lane the first row: words waited for side by side.
+  constexpr int kOutputs = NormalBufferMap::kDirectOutputs;
   int value = -1;
   bool arrived = true;
-  if (lane < 5) {
-    const uint64_t* word = lane < 4 ? &posts->outputs[dst][lane] : &posts->first_row[dst][channel];
+  if (lane <= kOutputs) {
+    const uint64_t* word = lane < kOutputs ? &posts->outputs[dst][lane] : &posts->first_row[dst][channel];
     arrived = device::try_wait_tagged(word, launch, ctx, dst, WaitPhase::kDispatchSend, value);
   }
   if (!__all_sync(~0u, arrived)) return false;
@@ -83,9 +102,12 @@ __device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel,
     const int units = __shfl_sync(~0u, value, i);
     return units < 0 ? nullptr : base + static_cast<size_t>(units) * 16;
   };
-  out = {static_cast<char*>(at(0)), static_cast<float*>(at(1)), static_cast<int64_t*>(at(2)),
-         static_cast<float*>(at(3))};
-  first_row = __shfl_sync(~0u, value, 4);
+  out = {static_cast<char*>(at(NormalBufferMap::kDirectX)),
+         static_cast<float*>(at(NormalBufferMap::kDirectScales)),
+         static_cast<int64_t*>(at(NormalBufferMap::kDirectTopkIdx)),
+         static_cast<float*>(at(NormalBufferMap::kDirectTopkWeights)),
+         static_cast<int*>(at(NormalBufferMap::kDirectSrcIdx))};
+  first_row = __shfl_sync(~0u, value, kOutputs);
   return true;
 }
 
@@ -97,7 +119,7 @@ __device__ void send_tokens_to_window(const DispatchArgs& args, int channel, int
   if (!window_of(args, channel, dst, group, shared, calls, out, first_row)) return;
   const int num_ranks = args.peers.num_ranks;
   const NormalRecord& r = args.record;
-  const FieldOutputs field_out{out.x_scales, out.topk_idx, out.topk_weights, nullptr};
+  const FieldOutputs field_out{out.x_scales, out.topk_idx, out.topk_weights, out.src_idx};
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int lane = group.lane;
   int taken = 0;

@@ -438,21 +438,31 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
   return args;
 }
 
-// A cached dispatch within one node whose recv_x lies in the output window goes straight into its outputs
-// (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned. Returns the outputs'
-// offsets from the buffer's base in 16-byte units (-1: none), or nothing for the queue's way. Every rank must
-// choose alike: the launch's fingerprint says which way it runs, so a mismatch is an error on every rank.
-std::optional<std::array<int, 4>> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
-                                                   const DispatchOutput& out) {
+// A dispatch within one node whose recv_x lies in the output window goes straight into its outputs
+// (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned, and, without a cached
+// handle, clear of the window's last num_recv_rows * 4 bytes (rounded to 16), where the sources put the rows'
+// source indices for the receiver to copy into the handle. Returns the offsets from the buffer's base in
+// 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the queue's way. Every rank
+// must choose alike: the launch's fingerprint says which way it runs, so a mismatch is an error on every
+// rank.
+using WindowOffsets = std::array<int, NormalBufferMap::kDirectOutputs>;
+std::optional<WindowOffsets> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
+                                              const DispatchOutput& out) {
   const char* window = static_cast<const char*>(buffer.nvl_output_window());
   const char* window_end = window + buffer.num_nvl_output_bytes();
   const auto* x = static_cast<const char*>(out.recv_x);
-  if (!state.cached || state.num_nodes > 1 || buffer.num_ranks() == 1 || x == nullptr || x < window ||
-      x >= window_end) {
+  if (state.num_nodes > 1 || buffer.num_ranks() == 1 || x == nullptr || x < window || x >= window_end) {
     return std::nullopt;
   }
   const auto rows = static_cast<size_t>(state.num_recv_rows);
   const auto topk = static_cast<size_t>(state.shape.num_topk);
+  const char* base = static_cast<const char*>(buffer.nvl_buffer());
+  // The source indices' scratch: the window's tail, 16-byte aligned (the window's end is 128-aligned).
+  const size_t scratch_bytes = state.cached ? 0 : align_up(rows * sizeof(int), 16);
+  EPX_CHECK(
+      scratch_bytes <= size_t(window_end - window), "num_nvl_output_bytes", buffer.num_nvl_output_bytes(),
+      "must hold num_recv_rows * 4 bytes of source indices past the outputs (a dispatch into the window)");
+  const char* scratch = window_end - scratch_bytes;
   const struct {
     const void* data;
     size_t bytes;
@@ -461,17 +471,20 @@ std::optional<std::array<int, 4>> window_placement(const Buffer& buffer, const D
                   {out.recv_x_scales, rows * state.shape.num_scales * sizeof(float), "recv_x_scales"},
                   {out.recv_topk_idx, rows * topk * sizeof(int64_t), "recv_topk_idx"},
                   {out.recv_topk_weights, rows * topk * sizeof(float), "recv_topk_weights"}};
-  const char* base = static_cast<const char*>(buffer.nvl_buffer());
-  std::array<int, 4> offsets{-1, -1, -1, -1};
+  WindowOffsets offsets;
+  offsets.fill(-1);
   for (int i = 0; i < 4; ++i) {
     const char* data = static_cast<const char*>(outputs[i].data);
     if (data == nullptr) continue;
-    EPX_CHECK(data >= window && data + outputs[i].bytes <= window_end, outputs[i].name, "outside the window",
-              "must lie in the output window (Buffer::nvl_output_window) when recv_x does");
+    EPX_CHECK(data >= window && data + outputs[i].bytes <= scratch, outputs[i].name, "outside the window",
+              state.cached ? "must lie in the output window (Buffer::nvl_output_window) when recv_x does"
+                           : "must lie in the output window (Buffer::nvl_output_window) when recv_x does, "
+                             "before its last num_recv_rows * 4 bytes (the rows' source indices go there)");
     EPX_CHECK((data - base) % 16 == 0, outputs[i].name, "not 16-byte aligned",
               "must be 16-byte aligned in the output window");
     offsets[i] = static_cast<int>((data - base) / 16);
   }
+  if (!state.cached) offsets[NormalBufferMap::kDirectSrcIdx] = static_cast<int>((scratch - base) / 16);
   return offsets;
 }
 
@@ -924,7 +937,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   const auto& state = plan.handle.state();
   const int rows = state.num_recv_rows;
   const uint32_t launched = state.launched_receive;
-  std::optional<std::array<int, 4>> window;
+  std::optional<WindowOffsets> window;
   // A receive dispatch_notify launched waits for these outputs: a rejected call lets it drain instead.
   try {
     EPX_CHECK(

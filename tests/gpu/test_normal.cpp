@@ -289,6 +289,28 @@ TEST_P(NormalRanks, CachedRedispatchIntoTheOutputWindow) {
   run_case(c);
 }
 
+// Every dispatch into the output window: top-k and rank-map routing, BF16 and FP8, worst-case padding,
+// expert alignment, counts off the layout board or the count exchange (the receive launched by notify goes
+// through the queues, into the same window memory), 0, 1 and odd token counts, skewed routing.
+TEST_P(NormalRanks, DispatchIntoTheOutputWindow) {
+  NormalCase c = small_case(GetParam());
+  c.into_window = {true};
+  c.cached = {true, false};
+  c.cached_into_window = {true, false, false};
+  c.formats = {kBf16, kFp8, kFp8};
+  c.route_by = {NormalRouteBy::kTopk, NormalRouteBy::kTopk, NormalRouteBy::kRankMapCounts,
+                NormalRouteBy::kTopk};
+  c.expert_alignments = {1, 128};
+  c.worst_case = {false, false, false, false, false, true};
+  c.launch_receive = {false, false, true};
+  c.num_tokens = {0, 1, 333, 64};
+  c.routing = NormalRouting::kUnbalanced;
+  c.num_sms = {20, 6};
+  c.num_iterations = 8;
+  c.seed = 67;
+  run_case(c);
+}
+
 // Outputs of num_worst_tokens rows with padding; the caller's stream is held while the calls are issued, so a
 // host synchronization inside any of them would show.
 NormalCase worst_case_case(int num_ranks) {

@@ -81,7 +81,9 @@ struct NormalCase {
   std::vector<int> expert_alignments{1};
   std::vector<bool> worst_case{false};  // num_worst_tokens = every rank's tokens + 3, so padding rows exist
   std::vector<bool> cached{false};  // then re-dispatch new x with the handle and combine with the new handle
-  // The cached re-dispatch's outputs lie in the Buffer's output window (the senders store straight there).
+  // The dispatch's outputs lie in the Buffer's output window (the senders store straight there), and those of
+  // the cached re-dispatch after them.
+  std::vector<bool> into_window{false};
   std::vector<bool> cached_into_window{false};
   std::vector<int> num_sms{20};
   std::vector<int> num_biases{1};
@@ -143,14 +145,17 @@ inline size_t normal_buffer_bytes(const NormalCase& c) {
   return std::max(hint, forward.total_bytes());
 }
 
-// Output-window bytes (BufferOptions::num_nvl_output_bytes) for every iteration of `c`: the most rows a rank
-// can receive (every token of every rank, plus worst-case padding) with BF16 rows, FP8 scales and top-k, each
-// output 16-byte aligned. 0 when no iteration dispatches into the window.
+// Output-window bytes (BufferOptions::num_nvl_output_bytes) for every iteration of `c`: twice the most rows a
+// rank can receive (every token of every rank, plus worst-case padding or a guess's room) with BF16 rows, FP8
+// scales and top-k, each output 16-byte aligned, and 4 bytes a row for the source indices. 0 when no
+// iteration dispatches into the window.
 inline size_t normal_window_bytes(const NormalCase& c) {
-  if (std::find(c.cached_into_window.begin(), c.cached_into_window.end(), true) == c.cached_into_window.end())
-    return 0;
-  const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 3;
-  return rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + 4 * 16 + 128;
+  const auto any = [](const std::vector<bool>& v) { return std::find(v.begin(), v.end(), true) != v.end(); };
+  if (!any(c.into_window) && !any(c.cached_into_window)) return 0;
+  // Room for 7 rows more (a guess that fits), both dispatches' outputs, and the source indices' scratch.
+  const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 10;
+  return 2 * rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + rows * 4 +
+         16 * 16 + 128;
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
@@ -244,6 +249,7 @@ struct NormalStep {
   int expert_alignment = 1;
   int num_worst_tokens = 0;
   bool cached = false;
+  bool into_window = false;
   bool cached_into_window = false;
   int num_sms = 20;
   int num_biases = 0;
@@ -288,6 +294,7 @@ inline NormalStep normal_step(const NormalCase& c, int iteration) {
   s.expert_alignment = cyclic_at(c.expert_alignments, i);
   s.num_worst_tokens = cyclic_at(c.worst_case, i) ? all_tokens + 3 : 0;
   s.cached = cyclic_at(c.cached, i);
+  s.into_window = cyclic_at(c.into_window, i);
   s.cached_into_window = s.cached && cyclic_at(c.cached_into_window, i);
   s.num_sms = cyclic_at(c.num_sms, i);
   s.num_biases = cyclic_at(c.num_biases, i);
@@ -307,6 +314,7 @@ inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
       << c.num_topk << ", routed by " << kRouteBy[static_cast<int>(s.route_by)] << ", alignment "
       << s.expert_alignment;
   if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
+  if (s.into_window) out << ", into the output window";
   if (s.cached) out << ", cached re-dispatch" << (s.cached_into_window ? " into the output window" : "");
   if (s.launch_receive) out << ", receive launched by notify";
   if (s.guess == NormalGuess::kFits) out << " into a guess with room";
@@ -529,6 +537,22 @@ class NormalRunner {
       slot.recv_topk_idx = DeviceArray(room * K * sizeof(int64_t));
       slot.recv_topk_weights = DeviceArray(room * K * sizeof(float));
     }
+    // Outputs in the output window: carved from its start, each 16-byte aligned.
+    size_t window_used = 0;
+    const auto carve = [&](size_t bytes) {
+      const size_t at = window_used;
+      window_used = (at + bytes + 15) / 16 * 16;
+      if (window_used > buffer_->num_nvl_output_bytes()) fail_at(s, "the output window is too small");
+      return DeviceArray::view(static_cast<char*>(buffer_->nvl_output_window()) + at, bytes);
+    };
+    if (s.into_window) {
+      slot.recv_x = carve(room * row_bytes);
+      if (s.fp8()) slot.recv_x_scales = carve(room * scale_bytes);
+      if (s.with_topk()) {
+        slot.recv_topk_idx = carve(room * K * sizeof(int64_t));
+        slot.recv_topk_weights = carve(room * K * sizeof(float));
+      }
+    }
     slot.combine_x = DeviceArray(rows * H * 2);
     slot.combined_x = DeviceArray(T * H * 2);
     if (s.combine_weights) {
@@ -546,13 +570,8 @@ class NormalRunner {
         slot.cached_recv_x_scales = DeviceArray(rows * scale_bytes);
       }
       if (s.cached_into_window) {
-        // The window's start, then the scales 16-byte aligned after the rows.
-        char* window = static_cast<char*>(buffer_->nvl_output_window());
-        const size_t x_bytes = (rows * row_bytes + 15) / 16 * 16;
-        if (x_bytes + (s.fp8() ? rows * scale_bytes : 0) > buffer_->num_nvl_output_bytes())
-          fail_at(s, "the output window is too small for the cached re-dispatch");
-        slot.cached_recv_x = DeviceArray::view(window, rows * row_bytes);
-        if (s.fp8()) slot.cached_recv_x_scales = DeviceArray::view(window + x_bytes, rows * scale_bytes);
+        slot.cached_recv_x = carve(rows * row_bytes);
+        if (s.fp8()) slot.cached_recv_x_scales = carve(rows * scale_bytes);
       }
     }
     // DeviceArray zeroes on the legacy default stream, which does not order against the non-blocking streams
