@@ -28,11 +28,20 @@ EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int req
 // ranks a receiver block copies twice what its sender sends (the own rows and the arrived ones): a quarter of
 // the sender's warps taking own rows was fastest at 8 to 24 SMs and no slower at 32 (2 x H100, 4,096 and
 // 16,384 tokens; docs/BENCHMARKS.md). With more ranks the warps that no peer's group takes (queue_warps
-// % (ranks - 1)), which would idle otherwise. Into the output window (`to_window`) the receiver block copies
-// only own rows, with all its warps: at 2 ranks every sender warp sending read 15-25 % faster than 12 of 16
-// at 8 to 32 SMs (2 x H200, docs/BENCHMARKS.md).
-EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks, bool to_window = false) {
-  if (num_ranks == 2 && !to_window) return queue_warps / 4;
+// % (ranks - 1)), which would idle otherwise. Into the output window (`to_window`, `sender_blocks` blocks
+// sending) the receiver block copies only own rows, with all its warps, and at 2 ranks the senders send with
+// up to kWindowSendWarps warps in all, the rest of theirs copying own rows: every warp sending read 15-25 %
+// faster than 12 of 16 at 8 to 24 SMs, and 192 sending warps at 32 SMs 5 % faster than 256 (2 x H200,
+// docs/BENCHMARKS.md; more stores in flight than the link drains slow it down).
+constexpr int kWindowSendWarps = 192;
+EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks, bool to_window = false,
+                                    int sender_blocks = 1) {
+  if (num_ranks == 2 && to_window) {
+    const int blocks = sender_blocks > 0 ? sender_blocks : 1;
+    const int send = (kWindowSendWarps + blocks - 1) / blocks;
+    return send < queue_warps ? queue_warps - send : 0;
+  }
+  if (num_ranks == 2) return queue_warps / 4;
   return num_ranks > 2 ? queue_warps % (num_ranks - 1) : 0;
 }
 

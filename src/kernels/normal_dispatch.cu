@@ -343,8 +343,9 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   // The own rows' workers: the receiver block's first warps, then the sender block's last warps.
   const SenderWarpRoles roles = sender_warp_roles(
       kQueueWarps, num_ranks,
-      args.sender_own_warps >= 0 ? args.sender_own_warps
-                                 : default_sender_own_warps(kQueueWarps, num_ranks, kToWindow));
+      args.sender_own_warps >= 0
+          ? args.sender_own_warps
+          : default_sender_own_warps(kQueueWarps, num_ranks, kToWindow, args.map.num_channels));
   const ReceiverWarpRoles receiving = receiver_warp_roles(
       kQueueWarps, num_ranks,
       args.receiver_own_warps >= 0

@@ -38,9 +38,13 @@ TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
   EXPECT_EQ(default_sender_own_warps(16, 3), 0);
   EXPECT_EQ(default_sender_own_warps(16, 4), 1);
   EXPECT_EQ(default_sender_own_warps(16, 8), 2);
-  // Into the output window every sender warp sends at 2 ranks; with more the leftover warps still copy.
-  EXPECT_EQ(default_sender_own_warps(16, 2, true), 0);
-  EXPECT_EQ(default_sender_own_warps(16, 4, true), 1);
+  // Into the output window every sender warp sends at 2 ranks up to 192 in all (12 of 16 in each of 16
+  // blocks); with more ranks the leftover warps still copy.
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 4), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 12), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 16), 4);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 64), 13);
+  EXPECT_EQ(default_sender_own_warps(16, 4, true, 16), 1);
   for (const int ranks : {3, 4, 5, 6, 7, 8}) {
     const SenderWarpRoles roles = sender_warp_roles(16, ranks, default_sender_own_warps(16, ranks));
     EXPECT_EQ(roles.send / (ranks - 1), 16 / (ranks - 1)) << ranks << " ranks";
