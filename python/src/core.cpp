@@ -349,6 +349,8 @@ void bind_normal_buffer_map(py::module_& m) {
                                     [](py::object) { return NormalBufferMap::kNotifyOffset; })
       .def_property_readonly_static("NOTIFY_HALF_BYTES",
                                     [](py::object) { return NormalBufferMap::kNotifyHalfBytes; })
+      .def_property_readonly_static("DIRECT_OFFSET",
+                                    [](py::object) { return NormalBufferMap::kDirectOffset; })
       .def_property_readonly_static("QUEUES_OFFSET",
                                     [](py::object) { return NormalBufferMap::kQueuesOffset; })
       .def_static("source_slot", &NormalBufferMap::source_slot, py::arg("src"), py::arg("owner"))

@@ -42,6 +42,7 @@ void bind_buffer(py::module_& m) {
            py::arg("wait_timeout_s") = 30.0, py::arg("ranks_per_node") = 0, py::arg("comm_stream") = 0,
            py::arg("enable_shrink") = false)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
+      .def_readwrite("num_nvl_output_bytes", &BufferOptions::num_nvl_output_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
       .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s)

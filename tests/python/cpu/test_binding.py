@@ -173,10 +173,10 @@ def test_normal_layout_of_a_config():
     assert layout.queue_bytes() == 128 * record.bytes()
     assert layout.total_bytes() == _epx.NormalBufferMap.QUEUES_OFFSET + 3 * 12 * layout.queue_bytes()
     bm = _epx.NormalBufferMap
-    offsets = [bm.CONTROL_OFFSET, bm.COUNTERS_OFFSET, bm.NOTIFY_OFFSET, bm.QUEUES_OFFSET]
+    offsets = [bm.CONTROL_OFFSET, bm.COUNTERS_OFFSET, bm.NOTIFY_OFFSET, bm.DIRECT_OFFSET, bm.QUEUES_OFFSET]
     assert offsets == sorted(set(offsets)) and offsets[0] == 0
     assert all(offset % 128 == 0 for offset in offsets)
-    assert bm.NOTIFY_OFFSET + 2 * bm.NOTIFY_HALF_BYTES == bm.QUEUES_OFFSET
+    assert bm.NOTIFY_OFFSET + 2 * bm.NOTIFY_HALF_BYTES == bm.DIRECT_OFFSET
     # Owners keep no queue from themselves.
     assert [_epx.NormalBufferMap.source_slot(src, 2) for src in (0, 1, 3)] == [0, 1, 2]
     assert _epx.MAX_CHANNELS == 128
