@@ -174,9 +174,10 @@ struct DispatchArgs {
   // Warps of each receiver block that copy own rows, the rest in a group per source (receiver_warp_roles;
   // -1: default_receiver_own_warps; 0: none, while the sender block has own-row warps).
   int receiver_own_warps = -1;
-  // The outputs lie in the output window (a cached dispatch within one node, 2 ranks or more): each rank
-  // posts where they are and where each source's rows start (NormalBufferMap::DirectPosts), the senders store
-  // rows straight into the peers' outputs and the receiver blocks copy the own rows; no queue is used.
+  // The outputs lie in the output window (a dispatch within one node, 2 ranks or more, its receive launched
+  // after the outputs exist): each rank posts where they are and where each source's rows start
+  // (NormalBufferMap::DirectPosts), the senders store rows straight into the peers' outputs and the receiver
+  // blocks copy the own rows; no queue is used.
   bool to_window = false;
   // This rank's outputs in NormalBufferMap::DirectOutput order: offsets from its buffer base in 16-byte
   // units (-1: none).

@@ -70,8 +70,9 @@ __device__ __forceinline__ void wait_window_rows(const DispatchArgs& args, int c
   }
 }
 
-// Lane 0 of each warp: where `dst` wants this channel's rows (false: the wait was abandoned, or dst's launch
-// is another operation or shape, which the group's leader reported). Every lane gets the answer.
+// Where `dst` wants this channel's rows, each warp's first lanes waiting for one posted word each (false: the
+// wait was abandoned, or dst's launch is another operation or shape, which the group's leader reported).
+// Every lane gets the answer.
 __device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel, int dst,
                                           const WarpGroup& group, int* shared, int calls, WindowOutputs& out,
                                           int& first_row) {
