@@ -302,8 +302,9 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 // Block 2c sends channel c's tokens to the peers, block 2c + 1 receives channel c's rows from them and copies
 // the rows this rank keeps. With one rank there are no queues and both blocks copy. Only blocks that write
 // rows wait for published outputs: senders start as soon as the launch does.
-// kToWindow: args.to_window, a kernel of its own so that the queue's way keeps its registers.
-template <bool kToWindow>
+// kWindowPosts: args.window_posts (the Buffer has an output window: every receiver posts how it receives), a
+// kernel of its own so that the queue's way keeps its registers.
+template <bool kWindowPosts>
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ RowOutputs outputs;
@@ -313,6 +314,8 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   // offsets may be anything: write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kDispatchReceive)) return;
   post_launch_shape(args.peers, calls, args.shape);
+  if (kWindowPosts && blockIdx.x == 1) post_window_way(args, calls);
+  const bool own_window = kWindowPosts && args.to_window;
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
@@ -345,7 +348,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       kQueueWarps, num_ranks,
       args.sender_own_warps >= 0
           ? args.sender_own_warps
-          : default_sender_own_warps(kQueueWarps, num_ranks, kToWindow, args.map.num_channels));
+          : default_sender_own_warps(kQueueWarps, num_ranks, own_window, args.map.num_channels));
   const ReceiverWarpRoles receiving = receiver_warp_roles(
       kQueueWarps, num_ranks,
       args.receiver_own_warps >= 0
@@ -353,7 +356,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
           : default_receiver_own_warps(kQueueWarps, num_ranks, args.record.num_scales > 0),
       roles.own);
   // Into the output window the receiver block has no queue to empty: all its warps copy own rows.
-  const int receiver_own = kToWindow ? kQueueWarps : receiving.own;
+  const int receiver_own = own_window ? kQueueWarps : receiving.own;
   const int own_workers = receiver_own + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
@@ -371,15 +374,18 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
       const int peer_idx = warp / warps_per_peer;
       if (peer_idx < num_ranks - 1) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer, lane};
-        if constexpr (kToWindow) {
-          send_tokens_to_window(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx],
-                                calls);
-        } else {
-          send_tokens(args, channel, peer_rank(peer_idx, rank), group, &group_values[peer_idx], calls);
-        }
+        const int dst = peer_rank(peer_idx, rank);
+        WindowWay way = WindowWay::kQueue;
+        WindowOutputs out{};
+        int first_row = 0;
+        if constexpr (kWindowPosts)
+          way = window_way(args, channel, dst, group, &group_values[peer_idx], calls, out, first_row);
+        if (way == WindowWay::kWindow)
+          send_tokens_to_window(args, channel, dst, group, out, first_row, calls);
+        if (way == WindowWay::kQueue) send_tokens(args, channel, dst, group, &group_values[peer_idx], calls);
       }
     }
-  } else if (kToWindow) {
+  } else if (own_window) {
     post_window_rows(args, channel, calls);
     if (!outputs.cancelled) copy_own_rows(args, outputs, channel, warp, own_workers, lane, copier);
     wait_window_rows(args, channel, calls);
@@ -403,7 +409,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
 constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  launch(args.to_window ? dispatch_kernel<true> : dispatch_kernel<false>,
+  launch(args.window_posts ? dispatch_kernel<true> : dispatch_kernel<false>,
          {unsigned(2 * args.map.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
          stream, args);
 }

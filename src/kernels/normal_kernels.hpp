@@ -174,10 +174,12 @@ struct DispatchArgs {
   // Warps of each receiver block that copy own rows, the rest in a group per source (receiver_warp_roles;
   // -1: default_receiver_own_warps; 0: none, while the sender block has own-row warps).
   int receiver_own_warps = -1;
-  // The outputs lie in the output window (a dispatch within one node, 2 ranks or more, its receive launched
-  // after the outputs exist): each rank posts where they are and where each source's rows start
-  // (NormalBufferMap::DirectPosts), the senders store rows straight into the peers' outputs and the receiver
-  // blocks copy the own rows; no queue is used.
+  // The Buffer has an output window (within one node, 2 ranks or more): every receiver posts how it receives
+  // (NormalBufferMap::DirectPosts) and each source sends each destination that way
+  // (kernels/normal_window.cuh).
+  bool window_posts = false;
+  // With window_posts: this rank's outputs lie in the window; the sources store rows straight into them and
+  // the receiver blocks copy the own rows; no queue carries them.
   bool to_window = false;
   // This rank's outputs in NormalBufferMap::DirectOutput order: offsets from its buffer base in 16-byte
   // units (-1: none).

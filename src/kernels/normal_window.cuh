@@ -12,12 +12,15 @@
 #include "kernels/wait_context.cuh"
 #include "kernels/warp_copy.cuh"
 
-// A within-node dispatch into the output window (DispatchArgs::to_window): the rows that cross go straight
-// from the source's x into the receiver's outputs, so each crosses an SM's port once (the queue's way passes
-// three: the source's store, the receiver's load and store out of the queue). The receiver posts where its
-// outputs are and where each (source, channel)'s rows start; a source's senders store there and say when
-// they are done; the receiver's kernel ends once every source said so. Posts and the done words carry the
-// launch number (calls + 1, the same on every rank), so nothing of an earlier call is taken for this one's.
+// A within-node dispatch of a Buffer with an output window (DispatchArgs::window_posts): every receiver posts
+// how it receives, and each source sends each destination that way. Into the window (DispatchArgs::to_window)
+// the rows that cross go straight from the source's x into the receiver's outputs, so each crosses an SM's
+// port once (the queue's way passes three: the source's store, the receiver's load and store out of the
+// queue): the receiver posts where its outputs are and where each (source, channel)'s rows start, a source's
+// senders store there and say when they are done, and the receiver's kernel ends once every source said so.
+// A receiver whose outputs are elsewhere posts that it receives through its queues. The choice is each
+// receiver's own, so ranks need not agree on it. Posts and the done words carry the launch number (calls + 1,
+// the same on every rank), so nothing of an earlier call is taken for this one's.
 namespace epx::kernels {
 
 // The outputs of one receiver as its sources address them.
@@ -29,19 +32,28 @@ struct WindowOutputs {
   int* src_idx;  // the window's scratch for the rows' source indices, or null (a cached dispatch)
 };
 
-// Receiver block of `channel`, threads below R: tells every source where its rows of this channel start
-// (and, block 1, where the outputs are) in this rank's outputs.
+// Block 1, threads below R, first thing: tells every source how this rank receives, as where its outputs are
+// (recv_x's offset -1: through the queues). Nothing of the launch comes before it, so a source never waits
+// on this rank's host (published outputs) or count exchange to learn it.
+__device__ __forceinline__ void post_window_way(const DispatchArgs& args, int calls) {
+  const int src = threadIdx.x;
+  if (src >= args.peers.num_ranks || src == args.peers.rank) return;
+  auto* posts = NormalBufferMap::direct(args.peers.peer_bases[src]);
+  for (int i = 0; i < NormalBufferMap::kDirectOutputs; ++i) {
+    device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i],
+                               pack_tagged(static_cast<uint32_t>(calls + 1), args.window_outputs[i]));
+  }
+}
+
+// Receiver block of `channel` into the window, threads below R: tells every source where its rows of this
+// channel start in this rank's outputs.
 __device__ __forceinline__ void post_window_rows(const DispatchArgs& args, int channel, int calls) {
   const int src = threadIdx.x;
   if (src >= args.peers.num_ranks || src == args.peers.rank) return;
-  const uint32_t launch = static_cast<uint32_t>(calls + 1);
   auto* posts = NormalBufferMap::direct(args.peers.peer_bases[src]);
   const int first = args.handle.recv_channel_offset[src * args.map.num_channels + channel];
-  device::st_relaxed_sys_u64(&posts->first_row[args.peers.rank][channel], pack_tagged(launch, first));
-  if (channel != 0) return;
-  for (int i = 0; i < NormalBufferMap::kDirectOutputs; ++i)
-    device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i],
-                               pack_tagged(launch, args.window_outputs[i]));
+  device::st_relaxed_sys_u64(&posts->first_row[args.peers.rank][channel],
+                             pack_tagged(static_cast<uint32_t>(calls + 1), first));
 }
 
 // Receiver block of `channel`, every thread: waits until every source stored its rows of the channel (threads
@@ -70,13 +82,14 @@ __device__ __forceinline__ void wait_window_rows(const DispatchArgs& args, int c
   }
 }
 
-// Where `dst` wants this channel's rows, each warp's first lanes waiting for one posted word each (false: the
-// wait was abandoned, or dst's launch is another operation or shape, which the group's leader reported).
-// Every lane gets the answer.
-__device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel, int dst,
-                                          const WarpGroup& group, int* shared, int calls, WindowOutputs& out,
-                                          int& first_row) {
-  // dst's fingerprint first: a dst that runs the queue's dispatch posts nothing here and is named at once.
+// How `dst` receives this channel's rows, for every lane of the group: kWindow (`out` and `first_row` say
+// where), kQueue, or kNone (the wait was abandoned, or dst's launch has another shape, which the group's
+// leader reported).
+enum class WindowWay { kNone, kQueue, kWindow };
+__device__ __forceinline__ WindowWay window_way(const DispatchArgs& args, int channel, int dst,
+                                                const WarpGroup& group, int* shared, int calls,
+                                                WindowOutputs& out, int& first_row) {
+  // dst's fingerprint first: a dst of another shape or without a window is named at once.
   int same = 1;
   if (group.leader())
     same = check_launch_shape(args.peers, calls, args.shape, dst, WaitPhase::kDispatchSend) ? 1 : 0;
@@ -84,20 +97,25 @@ __device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel,
   group.sync();
   same = *shared;
   group.sync();
-  if (same == 0) return false;
+  if (same == 0) return WindowWay::kNone;
   const uint32_t launch = static_cast<uint32_t>(calls + 1);
   const auto* posts = NormalBufferMap::direct(args.peers.local_base);
   const device::WaitContext ctx = wait_context(args.peers);
   const int lane = group.lane;
-  // Lanes below kDirectOutputs the outputs, the next lane the first row: words waited for side by side.
+  // The outputs' words side by side, one a lane; then, into a window, the channel's first row.
   constexpr int kOutputs = NormalBufferMap::kDirectOutputs;
   int value = -1;
   bool arrived = true;
-  if (lane <= kOutputs) {
-    const uint64_t* word = lane < kOutputs ? &posts->outputs[dst][lane] : &posts->first_row[dst][channel];
-    arrived = device::try_wait_tagged(word, launch, ctx, dst, WaitPhase::kDispatchSend, value);
-  }
-  if (!__all_sync(~0u, arrived)) return false;
+  if (lane < kOutputs)
+    arrived = device::try_wait_tagged(&posts->outputs[dst][lane], launch, ctx, dst, WaitPhase::kDispatchSend,
+                                      value);
+  if (!__all_sync(~0u, arrived)) return WindowWay::kNone;
+  if (__shfl_sync(~0u, value, NormalBufferMap::kDirectX) < 0) return WindowWay::kQueue;
+  int first = 0;
+  if (lane == 0)
+    arrived = device::try_wait_tagged(&posts->first_row[dst][channel], launch, ctx, dst,
+                                      WaitPhase::kDispatchSend, first);
+  if (__shfl_sync(~0u, static_cast<int>(arrived), 0) == 0) return WindowWay::kNone;
   char* base = static_cast<char*>(args.peers.peer_bases[dst]);
   const auto at = [&](int i) -> void* {
     const int units = __shfl_sync(~0u, value, i);
@@ -108,16 +126,13 @@ __device__ __forceinline__ bool window_of(const DispatchArgs& args, int channel,
          static_cast<int64_t*>(at(NormalBufferMap::kDirectTopkIdx)),
          static_cast<float*>(at(NormalBufferMap::kDirectTopkWeights)),
          static_cast<int*>(at(NormalBufferMap::kDirectSrcIdx))};
-  first_row = __shfl_sync(~0u, value, kOutputs);
-  return true;
+  first_row = __shfl_sync(~0u, first, 0);
+  return WindowWay::kWindow;
 }
 
-// ---- Send: the channel's tokens for `dst`, in token order, straight into dst's outputs. ----
+// ---- Send: the channel's tokens for `dst`, in token order, straight into dst's outputs (window_way). ----
 __device__ void send_tokens_to_window(const DispatchArgs& args, int channel, int dst, const WarpGroup& group,
-                                      int* shared, int calls) {
-  WindowOutputs out{};
-  int first_row = 0;
-  if (!window_of(args, channel, dst, group, shared, calls, out, first_row)) return;
+                                      const WindowOutputs& out, int first_row, int calls) {
   const int num_ranks = args.peers.num_ranks;
   const NormalRecord& r = args.record;
   const FieldOutputs field_out{out.x_scales, out.topk_idx, out.topk_weights, out.src_idx};

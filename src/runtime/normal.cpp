@@ -435,6 +435,14 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       phase_reports(buffer)};
   args.sender_own_warps = sender_own_warps();
   args.receiver_own_warps = receiver_own_warps();
+  // A Buffer with an output window: every receiver posts how it receives, into its window or through its
+  // queues (kernels/normal_window.cuh), so each rank chooses for itself.
+  if (buffer.num_nvl_output_bytes() > 0 && buffer.num_ranks() > 1) {
+    args.window_posts = true;
+    args.shape =
+        normal_launch_fingerprint(map, record, state.shape.hidden, state.shape.num_experts,
+                                  NormalOperation::kDispatchWithWindow, state.format != ScaleFormat::kBf16);
+  }
   return args;
 }
 
@@ -442,9 +450,8 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
 // (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned, and, without a cached
 // handle, clear of the window's last num_recv_rows * 4 bytes (rounded to 16), where the sources put the rows'
 // source indices for the receiver to copy into the handle. Returns the offsets from the buffer's base in
-// 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the queue's way. Every rank
-// must choose alike: the launch's fingerprint says which way it runs, so a mismatch is an error on every
-// rank.
+// 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the queue's way. Each rank
+// chooses for itself: its receivers post which way it receives (DispatchArgs::window_posts).
 using WindowOffsets = std::array<int, NormalBufferMap::kDirectOutputs>;
 std::optional<WindowOffsets> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
                                               const DispatchOutput& out) {
@@ -1003,9 +1010,6 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
   if (window) {
     args.to_window = true;
     std::copy(window->begin(), window->end(), args.window_outputs);
-    args.shape =
-        normal_launch_fingerprint(args.map, args.record, state.shape.hidden, state.shape.num_experts,
-                                  NormalOperation::kDispatchToWindow, state.format != ScaleFormat::kBf16);
   }
   kernels::launch_dispatch(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);

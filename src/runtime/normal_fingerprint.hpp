@@ -19,8 +19,9 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
 // What every rank's dispatch or combine launch must agree on, checked by each receiver before it reads a
 // source's records (kernels/normal_queue.cuh, kernels/internode_common.cuh): the queues' map, the records,
 // and the operation. `network_queue_tokens`: records per network queue across nodes (0 within one node).
-// kDispatchToWindow: a dispatch whose outputs lie in the output window (no queues): every rank's must be one.
-enum class NormalOperation { kDispatch = 1, kCombine = 2, kDispatchToWindow = 3 };
+// kDispatchWithWindow: a dispatch whose receivers post how they receive (a Buffer with an output window):
+// every rank's must be one, whichever way each receives.
+enum class NormalOperation { kDispatch = 1, kCombine = 2, kDispatchWithWindow = 3 };
 ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
                                            const NormalRecord& record, int hidden, int num_experts,
                                            NormalOperation op, bool fp8);

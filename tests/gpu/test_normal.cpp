@@ -277,10 +277,12 @@ TEST_P(NormalRanks, CachedRedispatch) {
 
 // The cached re-dispatch into the output window (the senders store straight into the peers' outputs):
 // BF16 and FP8, 0, 1 and odd token counts, unbalanced routing (experts and ranks with no tokens), worst-case
-// padding rows, two SM budgets, and the queue's way in between on the same Buffer.
+// padding rows, two SM budgets, the queue's way in between on the same Buffer, and odd ranks through their
+// queues while even ranks take the rows into their windows.
 TEST_P(NormalRanks, CachedRedispatchIntoTheOutputWindow) {
   NormalCase c = cached_case(GetParam());
   c.cached_into_window = {true, true, false};
+  c.odd_ranks_into_window = {true, true, true, false};
   c.num_tokens = {0, 1, 333, 64};
   c.routing = NormalRouting::kUnbalanced;
   c.worst_case = {false, false, false, false, true};
@@ -291,12 +293,14 @@ TEST_P(NormalRanks, CachedRedispatchIntoTheOutputWindow) {
 
 // Every dispatch into the output window: top-k and rank-map routing, BF16 and FP8, worst-case padding,
 // expert alignment, counts off the layout board or the count exchange (the receive launched by notify goes
-// through the queues, into the same window memory), 0, 1 and odd token counts, skewed routing.
+// through the queues, into the same window memory), 0, 1 and odd token counts, skewed routing, odd ranks
+// through their queues.
 TEST_P(NormalRanks, DispatchIntoTheOutputWindow) {
   NormalCase c = small_case(GetParam());
   c.into_window = {true};
   c.cached = {true, false};
   c.cached_into_window = {true, false, false};
+  c.odd_ranks_into_window = {true, true, true, false};
   c.formats = {kBf16, kFp8, kFp8};
   c.route_by = {NormalRouteBy::kTopk, NormalRouteBy::kTopk, NormalRouteBy::kRankMapCounts,
                 NormalRouteBy::kTopk};

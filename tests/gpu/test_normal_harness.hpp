@@ -85,6 +85,9 @@ struct NormalCase {
   // the cached re-dispatch after them.
   std::vector<bool> into_window{false};
   std::vector<bool> cached_into_window{false};
+  // false: odd ranks keep both dispatches' outputs out of their windows (they receive through their queues
+  // while their peers' sources store straight into the others').
+  std::vector<bool> odd_ranks_into_window{true};
   std::vector<int> num_sms{20};
   std::vector<int> num_biases{1};
   std::vector<bool> combine_weights{true};  // with top-k: the combine also reduces [rows, K] weights
@@ -251,6 +254,7 @@ struct NormalStep {
   bool cached = false;
   bool into_window = false;
   bool cached_into_window = false;
+  bool odd_ranks_into_window = true;
   int num_sms = 20;
   int num_biases = 0;
   bool combine_weights = false;  // only with top-k: a dispatch without it has no weights to combine
@@ -296,6 +300,7 @@ inline NormalStep normal_step(const NormalCase& c, int iteration) {
   s.cached = cyclic_at(c.cached, i);
   s.into_window = cyclic_at(c.into_window, i);
   s.cached_into_window = s.cached && cyclic_at(c.cached_into_window, i);
+  s.odd_ranks_into_window = cyclic_at(c.odd_ranks_into_window, i);
   s.num_sms = cyclic_at(c.num_sms, i);
   s.num_biases = cyclic_at(c.num_biases, i);
   s.combine_weights = s.with_topk() && cyclic_at(c.combine_weights, i);
@@ -315,6 +320,7 @@ inline std::string describe_step(const NormalCase& c, const NormalStep& s) {
       << s.expert_alignment;
   if (s.num_worst_tokens > 0) out << ", worst-case " << s.num_worst_tokens << " rows";
   if (s.into_window) out << ", into the output window";
+  if ((s.into_window || s.cached_into_window) && !s.odd_ranks_into_window) out << " (even ranks only)";
   if (s.cached) out << ", cached re-dispatch" << (s.cached_into_window ? " into the output window" : "");
   if (s.launch_receive) out << ", receive launched by notify";
   if (s.guess == NormalGuess::kFits) out << " into a guess with room";
@@ -545,7 +551,8 @@ class NormalRunner {
       if (window_used > buffer_->num_nvl_output_bytes()) fail_at(s, "the output window is too small");
       return DeviceArray::view(static_cast<char*>(buffer_->nvl_output_window()) + at, bytes);
     };
-    if (s.into_window) {
+    const bool window_rank = rank_ % 2 == 0 || s.odd_ranks_into_window;
+    if (s.into_window && window_rank) {
       slot.recv_x = carve(room * row_bytes);
       if (s.fp8()) slot.recv_x_scales = carve(room * scale_bytes);
       if (s.with_topk()) {
@@ -569,7 +576,7 @@ class NormalRunner {
         slot.cached_x_scales = DeviceArray(T * scale_bytes);
         slot.cached_recv_x_scales = DeviceArray(rows * scale_bytes);
       }
-      if (s.cached_into_window) {
+      if (s.cached_into_window && window_rank) {
         slot.cached_recv_x = carve(rows * row_bytes);
         if (s.fp8()) slot.cached_recv_x_scales = carve(rows * scale_bytes);
       }
