@@ -499,10 +499,10 @@ void run_shape_mismatch(epx::Bootstrap& bootstrap, MismatchAt at, int ranks_per_
   const epx::test::LowLatencyCase low_latency = low_latency_case(num_ranks, ranks_per_node);
   const bool window_on_some = at == MismatchAt::kNormalWindowOnSomeRanks;
   epx::BufferOptions options = fault_buffer_options(num_ranks, ranks_per_node);
-  if (window_on_some && rank != num_ranks - 1) {
-    options.num_nvl_output_bytes = 1 << 20;
-    options.num_nvl_bytes += options.num_nvl_output_bytes;
-  }
+  // Every rank's NVLink buffer has the same size (checked when the Buffer is made); the last one's tail is
+  // not a window.
+  if (window_on_some) options.num_nvl_bytes += 1 << 20;
+  if (window_on_some && rank != num_ranks - 1) options.num_nvl_output_bytes = 1 << 20;
   epx::Buffer buffer(bootstrap, options);
   // Buffers that differ that way fail every dispatch: no checked calls before or after.
   if (!window_on_some) run_checked_calls(normal, low_latency, buffer);
