@@ -305,7 +305,7 @@ __device__ void mark_padding_rows(const DispatchArgs& args, int channel) {
 // kWindowPosts: args.window_posts (the Buffer has an output window: every receiver posts how it receives), a
 // kernel of its own so that the queue's way keeps its registers.
 template <bool kWindowPosts>
-__global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
+__device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ RowOutputs outputs;
   extern __shared__ DispatchStage tma_stages[];  // [kQueueWarps]
@@ -404,18 +404,28 @@ __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs
   finish_launch(args.peers, calls);
 }
 
+// Both ways of sending in one kernel took 128 registers (either alone: 110-120), and read 20-27 % slower
+// through the queues than the queue's own kernel (2 x H200, docs/BENCHMARKS.md): capped at the queue
+// kernel's 120, which ptxas meets without spilling.
+__global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
+  dispatch_blocks<false>(args);
+}
+__global__ void __maxnreg__(120) dispatch_kernel_with_window(DispatchArgs args) {
+  dispatch_blocks<true>(args);
+}
+
 }  // namespace
 
 constexpr size_t kDispatchSharedBytes = sizeof(DispatchStage) * kQueueWarps;
 
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream) {
-  launch(args.window_posts ? dispatch_kernel<true> : dispatch_kernel<false>,
+  launch(args.window_posts ? dispatch_kernel_with_window : dispatch_kernel,
          {unsigned(2 * args.map.num_channels), kQueueThreads, kDispatchSharedBytes, Residency::kCoResident},
          stream, args);
 }
 
 void preload_normal_dispatch_kernels() {
-  for (auto* kernel : {dispatch_kernel<false>, dispatch_kernel<true>}) {
+  for (auto* kernel : {dispatch_kernel, dispatch_kernel_with_window}) {
     preload_kernel(kernel);
     allow_dynamic_smem(kernel, kDispatchSharedBytes);
   }
