@@ -447,14 +447,16 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
 }
 
 // A dispatch within one node whose recv_x lies in the output window goes straight into its outputs
-// (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned, and, without a cached
-// handle, clear of the window's last num_recv_rows * 4 bytes (rounded to 16), where the sources put the rows'
-// source indices for the receiver to copy into the handle. Returns the offsets from the buffer's base in
-// 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the queue's way. Each rank
-// chooses for itself: its receivers post which way it receives (DispatchArgs::window_posts).
+// (DispatchArgs::to_window): then every output it has must lie there, 16-byte aligned. Without a cached
+// handle the sources put the rows' source indices into this rank's queues (no source writes them while this
+// rank receives into its window: its posts say so), for the receiver to copy into the handle; when they do
+// not fit there (tiny queues, very many rows) this rank receives through its queues. Returns the offsets from
+// the buffer's base in 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the
+// queue's way. Each rank chooses for itself: its receivers post which way it receives
+// (DispatchArgs::window_posts).
 using WindowOffsets = std::array<int, NormalBufferMap::kDirectOutputs>;
 std::optional<WindowOffsets> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
-                                              const DispatchOutput& out) {
+                                              const NormalBufferMap& map, const DispatchOutput& out) {
   const char* window = static_cast<const char*>(buffer.nvl_output_window());
   const char* window_end = window + buffer.num_nvl_output_bytes();
   const auto* x = static_cast<const char*>(out.recv_x);
@@ -464,12 +466,8 @@ std::optional<WindowOffsets> window_placement(const Buffer& buffer, const Dispat
   const auto rows = static_cast<size_t>(state.num_recv_rows);
   const auto topk = static_cast<size_t>(state.shape.num_topk);
   const char* base = static_cast<const char*>(buffer.nvl_buffer());
-  // The source indices' scratch: the window's tail, 16-byte aligned (the window's end is 128-aligned).
-  const size_t scratch_bytes = state.cached ? 0 : align_up(rows * sizeof(int), 16);
-  EPX_CHECK(
-      scratch_bytes <= size_t(window_end - window), "num_nvl_output_bytes", buffer.num_nvl_output_bytes(),
-      "must hold num_recv_rows * 4 bytes of source indices past the outputs (a dispatch into the window)");
-  const char* scratch = window_end - scratch_bytes;
+  if (!state.cached && rows * sizeof(int) > map.total_bytes() - NormalBufferMap::kQueuesOffset)
+    return std::nullopt;
   const struct {
     const void* data;
     size_t bytes;
@@ -483,15 +481,13 @@ std::optional<WindowOffsets> window_placement(const Buffer& buffer, const Dispat
   for (int i = 0; i < 4; ++i) {
     const char* data = static_cast<const char*>(outputs[i].data);
     if (data == nullptr) continue;
-    EPX_CHECK(data >= window && data + outputs[i].bytes <= scratch, outputs[i].name, "outside the window",
-              state.cached ? "must lie in the output window (Buffer::nvl_output_window) when recv_x does"
-                           : "must lie in the output window (Buffer::nvl_output_window) when recv_x does, "
-                             "before its last num_recv_rows * 4 bytes (the rows' source indices go there)");
+    EPX_CHECK(data >= window && data + outputs[i].bytes <= window_end, outputs[i].name, "outside the window",
+              "must lie in the output window (Buffer::nvl_output_window) when recv_x does");
     EPX_CHECK((data - base) % 16 == 0, outputs[i].name, "not 16-byte aligned",
               "must be 16-byte aligned in the output window");
     offsets[i] = static_cast<int>((data - base) / 16);
   }
-  if (!state.cached) offsets[NormalBufferMap::kDirectSrcIdx] = static_cast<int>((scratch - base) / 16);
+  if (!state.cached) offsets[NormalBufferMap::kDirectSrcIdx] = NormalBufferMap::kQueuesOffset / 16;
   return offsets;
 }
 
@@ -965,7 +961,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
           "must be the guess's outputs: the launched receive wrote the rows there (plan.rows_in_guess)");
     }
     check_outputs(out, state, rows, "the plan's num_recv_rows rows");
-    window = window_placement(buffer, state, out);
+    window = window_placement(buffer, state, dispatch_buffer_map(buffer, state), out);
   } catch (...) {
     cancel_receive(buffer, launched);
     throw;
