@@ -92,6 +92,10 @@ class Buffer:
         enable_shrink: low-latency mode: a device wait that times out on a peer masks that peer (see
             low_latency_update_mask_buffer) and the call completes without its traffic, instead of aborting
             the group (DeepEP's enable_shrink).
+        num_nvl_output_bytes: of num_nvl_bytes, the tail kept as an output window (0: none; every rank the
+            same). With the torch extension, normal-mode dispatch outputs come from it while it has room
+            (torch's caching allocator over it; the sources store rows straight into them, no queue); without
+            room they come from torch's allocator as usual. Tensors from it must not outlive destroy().
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -103,10 +107,12 @@ class Buffer:
 
     # Rows of the last dispatch that exchanged counts: sizes the next one's guess (DispatchOutputGuess).
     _last_recv_rows: Optional[int] = None
+    # The output window's pool (the torch extension's), or None.
+    _window: Any = None
 
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
-                 ranks_per_node: int = 0, enable_shrink: bool = False,
+                 ranks_per_node: int = 0, enable_shrink: bool = False, num_nvl_output_bytes: int = 0,
                  bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
         _require_cuda_runtime()
         t = torch()
@@ -127,7 +133,12 @@ class Buffer:
                                      num_sms=int(num_sms), wait_timeout_s=float(wait_timeout_s),
                                      ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream,
                                      enable_shrink=bool(enable_shrink))
+        options.num_nvl_output_bytes = int(num_nvl_output_bytes)
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
+        # The output window as a torch memory pool (the extension's capsule), or None.
+        window_bytes = self.runtime.num_nvl_output_bytes
+        self._window = torch_calls.window_pool(self.device.index, self.runtime.nvl_output_window, window_bytes) \
+            if torch_calls is not None and window_bytes > 0 else None
         self.rank = rank
         self.num_ranks = num_ranks
         self.low_latency_mode = bool(low_latency_mode)
@@ -165,6 +176,7 @@ class Buffer:
     def destroy(self) -> None:
         """Frees the buffers now (collective). Calls after it raise EpxError. After an abort it meets no peer
         (peers may be gone): it frees this rank's memory and returns."""
+        self._window = None
         self.runtime.destroy()
 
     # ---- Failures (docs/RELIABILITY.md) ----
@@ -617,7 +629,7 @@ class Buffer:
             config, torch_calls.dispatch, self.runtime, self._device_index, self.num_ranks, data, scales, topk_idx,
             topk_weights, is_token_in_rank, num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
             num_worst_tokens, launch_receive, guess_rows, event_handle(previous_event), async_finish,
-            allocate_on_comm_stream, self._comm_stream_handle)
+            allocate_on_comm_stream, self._comm_stream_handle, self._window)
         if made is None:
             return None
         recv_x, recv_scales, recv_idx, recv_weights, native_handle, rows, per_expert_list, event, views = made
@@ -643,7 +655,8 @@ class Buffer:
         made = self._call_natively(
             config, torch_calls.dispatch_cached, self.runtime, self._device_index, handle.native, data, scales,
             handle.num_tokens, handle.num_recv_rows, handle.num_experts, expert_alignment,
-            event_handle(previous_event), async_finish, allocate_on_comm_stream, self._comm_stream_handle)
+            event_handle(previous_event), async_finish, allocate_on_comm_stream, self._comm_stream_handle,
+            self._window)
         if made is None:
             return None
         recv_x, recv_scales, event = made

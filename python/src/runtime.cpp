@@ -82,6 +82,11 @@ void bind_buffer(py::module_& m) {
           "nvl_buffer",
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_buffer()); })
       .def_property_readonly("num_nvl_bytes", [](const PyBuffer& self) { return self.get().num_nvl_bytes(); })
+      .def_property_readonly("num_nvl_output_bytes",
+                             [](const PyBuffer& self) { return self.get().num_nvl_output_bytes(); })
+      .def_property_readonly(
+          "nvl_output_window",
+          [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_output_window()); })
       .def_property_readonly(
           "symmetric_buffer",
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().symmetric_buffer()); })

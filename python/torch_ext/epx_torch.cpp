@@ -11,16 +11,21 @@
 // It links no EPX library and uses no CUDA runtime call of its own; it is built only where torch is installed
 // (python/CMakeLists.txt) and loaded only where it matches the `_epx` beside it (python/epx/_ext.py).
 
+#include <ATen/cuda/MemPool.h>
 #include <c10/cuda/CUDACachingAllocator.h>
 #include <c10/cuda/CUDAGuard.h>
 #include <c10/cuda/CUDAStream.h>
 #include <c10/util/accumulate.h>
+#include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/utils/pybind.h>
 
 #include <climits>
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
+#include <map>
+#include <memory>
+#include <mutex>
 #include <optional>
 #include <tuple>
 
@@ -423,13 +428,126 @@ struct DispatchOutputs {
   }
 };
 
+// ---- A Buffer's output window as a torch memory pool ----
+// Dispatch outputs placed in the window (BufferOptions::num_nvl_output_bytes) are stored straight into by the
+// sources. torch's caching allocator hands them out from a pool whose segments are the window's, so they are
+// ordinary tensors under torch's stream rules (record_stream included); when the window has no room, torch
+// raises its out-of-memory error and the outputs come from the usual allocator (the rank then receives
+// through its queues while its peers still take rows into their windows).
+
+// First-fit ranges of the window: what the caching allocator asks of the pool (whole segments).
+class WindowRanges {
+ public:
+  explicit WindowRanges(int64_t bytes) { free_[0] = bytes; }
+  // The offset of a range of `bytes` (rounded up to kOutputAlignment), or -1 when none fits.
+  int64_t take(int64_t bytes) {
+    const int64_t size = aligned(bytes);
+    const std::lock_guard<std::mutex> lock(mutex_);
+    for (auto it = free_.begin(); it != free_.end(); ++it) {
+      if (it->second < size) continue;
+      const int64_t offset = it->first;
+      const int64_t left = it->second - size;
+      free_.erase(it);
+      if (left > 0) free_[offset + size] = left;
+      taken_[offset] = size;
+      return offset;
+    }
+    return -1;
+  }
+  // Returns the range at `offset`, merged with its free neighbours.
+  void give_back(int64_t offset) {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    const auto found = taken_.find(offset);
+    if (found == taken_.end()) return;
+    int64_t start = offset;
+    int64_t size = found->second;
+    taken_.erase(found);
+    const auto next = free_.find(start + size);
+    if (next != free_.end()) {
+      size += next->second;
+      free_.erase(next);
+    }
+    const auto after = free_.lower_bound(start);
+    if (after != free_.begin()) {
+      const auto before = std::prev(after);
+      if (before->first + before->second == start) {
+        start = before->first;
+        size += before->second;
+        free_.erase(before);
+      }
+    }
+    free_[start] = size;
+  }
+
+ private:
+  std::mutex mutex_;
+  std::map<int64_t, int64_t> free_;   // offset -> bytes
+  std::map<int64_t, int64_t> taken_;  // offset -> bytes
+};
+
+struct WindowPool {
+  char* base;
+  int device;
+  std::shared_ptr<WindowRanges> ranges;
+  std::unique_ptr<at::cuda::MemPool> pool;
+};
+
+// The pool over `bytes` at `base` (a Buffer's output window) on `device`, as a capsule epx.Buffer keeps.
+py::object window_pool(int device, uintptr_t base, int64_t bytes) {
+  auto made = std::make_unique<WindowPool>();
+  made->base = reinterpret_cast<char*>(base);  // NOLINT(performance-no-int-to-ptr)
+  made->device = device;
+  made->ranges = std::make_shared<WindowRanges>(bytes);
+  const auto ranges = made->ranges;
+  char* window = made->base;
+  auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(
+      [ranges, window](size_t size, int, cudaStream_t) -> void* {
+        const int64_t offset = ranges->take(static_cast<int64_t>(size));
+        return offset < 0 ? nullptr : window + offset;
+      },
+      [ranges, window](void* ptr, size_t, int, cudaStream_t) {
+        ranges->give_back(static_cast<char*>(ptr) - window);
+      });
+  {
+    const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(device));
+    made->pool = std::make_unique<at::cuda::MemPool>(allocator);
+  }
+  return py::capsule(made.release(), "epx.WindowPool",
+                     [](void* pool) { delete static_cast<WindowPool*>(pool); });
+}
+
+// `make()` with torch's allocations on the current stream routed into the window's pool (`window`: the
+// capsule, or None). Returns what it made and whether it came from the window; without room there, made as
+// usual.
+template <typename Make>
+auto made_in_window(const py::object& window, int device, Make make) -> std::pair<decltype(make()), bool> {
+  if (window.is_none()) return {make(), false};
+  auto* pool = static_cast<WindowPool*>(window.cast<py::capsule>().get_pointer());
+  const auto index = static_cast<c10::DeviceIndex>(device);
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
+  c10::cuda::CUDACachingAllocator::beginAllocateToPool(index, pool->pool->id(),
+                                                       [stream](cudaStream_t s) { return s == stream; });
+  try {
+    auto made = make();
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+    return {std::move(made), true};
+  } catch (const c10::OutOfMemoryError&) {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+  } catch (...) {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+    throw;
+  }
+  return {make(), false};
+}
+
 // (recv_x, recv_x_scales or None, the `_epx.Event`) of a dispatch with a cached handle, or None. x is BF16
 // [T, H], or 1-byte FP8 rows with x_scales (float32 or int32 words [T, S]); rows and num_tokens are the
 // handle's.
 py::object dispatch_cached(py::handle buffer, int device, py::handle handle, const at::Tensor& x,
                            const std::optional<at::Tensor>& x_scales, int64_t num_tokens, int64_t rows,
                            int64_t num_experts, int64_t expert_alignment, uintptr_t previous_event,
-                           bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream) {
+                           bool async_finish, bool allocate_on_comm_stream, uintptr_t comm_stream,
+                           const py::object& window) {
   std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
   if (!tokens || x.size(0) != num_tokens || !fits_int(expert_alignment) || !fits_int(rows) ||
       (allocate_on_comm_stream && (previous_event == 0 || !async_finish))) {
@@ -441,7 +559,9 @@ py::object dispatch_cached(py::handle buffer, int device, py::handle handle, con
   DispatchOutputs outputs;  // no top-k outputs: a cached dispatch routes by its handle
   {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    outputs = DispatchOutputs::make(rows, device, x, x_scales, 0);
+    outputs = made_in_window(window, device, [&] {
+                return DispatchOutputs::make(rows, device, x, x_scales, 0);
+              }).first;
   }
   py::object event =
       adopt(native->dispatch_cached(buffer.ptr(), handle.ptr(), in, outputs.native(), static_cast<int>(rows),
@@ -461,6 +581,7 @@ struct AllocateContext {
   int device;
   uintptr_t comm_stream;
   bool allocate_on_comm_stream;
+  const py::object* window;  // the output window's pool, or None
   DispatchOutputs outputs;
   std::exception_ptr error;
 };
@@ -471,7 +592,9 @@ bool allocate_dispatch_outputs(void* raw, int rows, epx::DispatchOutput* out) {
     const auto guard =
         allocation_stream(context.device, context.comm_stream, context.allocate_on_comm_stream);
     context.outputs =
-        DispatchOutputs::make(rows, context.device, *context.x, *context.x_scales, context.num_topk);
+        made_in_window(*context.window, context.device, [&] {
+          return DispatchOutputs::make(rows, context.device, *context.x, *context.x_scales, context.num_topk);
+        }).first;
     *out = context.outputs.native();
     return true;
   } catch (...) {
@@ -491,7 +614,7 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
                     const std::optional<at::Tensor>& num_tokens_per_rank, int64_t expert_alignment,
                     int64_t num_worst_tokens, bool launch_receive, int64_t guess_rows,
                     uintptr_t previous_event, bool async_finish, bool allocate_on_comm_stream,
-                    uintptr_t comm_stream) {
+                    uintptr_t comm_stream, const py::object& window) {
   std::optional<epx::DispatchInput> tokens = token_input(x, x_scales, device);
   if (!tokens || !fits_int(expert_alignment) || !fits_int(num_worst_tokens) || !fits_int(guess_rows)) {
     return py::none();
@@ -523,7 +646,13 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   in.expert_alignment = static_cast<int>(expert_alignment);
   in.num_worst_tokens = static_cast<int>(num_worst_tokens);
 
-  AllocateContext context{&x, &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream, {}, nullptr};
+  // Outputs in the window are allocated once the counts are known: no receive launched before them.
+  if (!window.is_none()) {
+    launch_receive = false;
+    guess_rows = 0;
+  }
+  AllocateContext context{&x,      &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream,
+                          &window, {},        nullptr};
   epx::python::DispatchHandleArrays arrays{};
   std::optional<epx::DispatchOutputGuess> guess;
   DispatchOutputs guessed;
@@ -659,6 +788,7 @@ PYBIND11_MODULE(_epx_torch, m) {
   native = table;
   m.def("low_latency_dispatch", &low_latency_dispatch);
   m.def("low_latency_combine", &low_latency_combine);
+  m.def("window_pool", &window_pool);
   m.def("dispatch_cached", &dispatch_cached);
   m.def("dispatch", &dispatch);
   m.def("combine", &combine);

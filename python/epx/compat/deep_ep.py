@@ -32,6 +32,8 @@ EventOverlap, EventHandle, topk_idx_t), running on EPX's runtime. Differences a 
 
 from __future__ import annotations
 
+import os
+
 from typing import Any, Callable, Dict, List, Optional, Tuple, Union
 
 from ..buffer import Buffer as _EpxBuffer, _require_cuda_runtime
@@ -167,9 +169,14 @@ class Buffer:
         self.explicitly_destroy = explicitly_destroy
         self.enable_shrink = enable_shrink
         self.use_fabric = use_fabric
-        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes, num_rdma_bytes,
+        # EPX_NVL_OUTPUT_BYTES=N: N more NVLink bytes per rank as an output window (epx.Buffer's
+        # num_nvl_output_bytes): dispatch outputs come from it while it has room. Every rank sets the same.
+        window = int(os.environ.get("EPX_NVL_OUTPUT_BYTES", "0") or 0) if num_nvl_bytes > 0 else 0
+        extra = {"num_nvl_output_bytes": window} if window > 0 else {}
+        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes + window, num_rdma_bytes,
                                                          low_latency_mode, num_sms=Buffer.num_sms,
-                                                         enable_shrink=bool(enable_shrink), bootstrap=bootstrap)
+                                                         enable_shrink=bool(enable_shrink), bootstrap=bootstrap,
+                                                         **extra)
 
     # ---- Static helpers ----
 

@@ -260,6 +260,58 @@ def test_native_api(num_ranks):
     run(native_api_worker, num_ranks)
 
 
+def window_worker(rank, num_ranks, group):
+    """epx.Buffer with an output window: with the torch extension the dispatch outputs come from it (the
+    sources store rows straight into them) and go back to it when freed, a cached re-dispatch too; odd ranks'
+    windows are too small for any output, so they receive through their queues while the others take rows
+    into their windows. Every result as the reference's."""
+    import torch
+
+    import epx
+    import epx_tools.reference as ref
+    from epx._ext import torch_calls
+
+    device = torch.device("cuda", torch.cuda.current_device())
+    num_experts = 4 * num_ranks
+    hint = epx.normal_nvl_buffer_size_hint(HIDDEN * 2, num_ranks)
+    room = 64 << 20
+    window = room if rank % 2 == 0 else 4096  # every rank's NVLink buffer has the same size
+    buffer = epx.Buffer(group, num_nvl_bytes=hint + room, num_nvl_output_bytes=window)
+    base, size = buffer.runtime.nvl_output_window, buffer.runtime.num_nvl_output_bytes
+    in_window = rank % 2 == 0 and torch_calls is not None
+    inputs = make_inputs(num_ranks, num_experts, 9)
+    x, topk_idx, topk_weights = to_device(inputs[rank], device)
+    outputs, _ = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
+    copies = torch.from_numpy(ref.dispatch_layout(inputs[rank].topk_idx, num_experts, num_ranks)[2].sum(1))
+    expected = x.float().cpu() * copies.float().unsqueeze(1)
+    seen = set()
+    for _ in range(3):
+        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
+        result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
+                                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights,
+                       result.num_recv_tokens_per_expert_list)
+        np.testing.assert_array_equal(result.handle.recv_src_idx.cpu().numpy(), outputs[rank].recv_src_token_idx)
+        rows = outputs[rank].num_rows
+        if rows > 0:
+            assert (base <= result.recv_x.data_ptr() < base + size) == in_window
+            seen.add(result.recv_x.data_ptr())
+        combined = buffer.combine(result.recv_x, result.handle)
+        assert torch.equal(combined.combined_x.float().cpu(), expected)
+        again = buffer.dispatch(x, handle=result.handle)
+        assert torch.equal(again.recv_x.view(torch.int16), result.recv_x.view(torch.int16))
+        del result, again, combined
+        torch.cuda.synchronize()
+    # Outputs freed went back to the window's pool: the next dispatch took the same memory.
+    assert len(seen) <= 1
+    buffer.destroy()
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
+def test_outputs_in_the_window(num_ranks):
+    run(window_worker, num_ranks)
+
+
 # ---- A large batch through a buffer sized as Megatron-LM sizes it ----
 
 BIG_TOKENS = 32768
