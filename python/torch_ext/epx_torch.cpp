@@ -19,6 +19,7 @@
 #include <torch/csrc/cuda/CUDAPluggableAllocator.h>
 #include <torch/csrc/utils/pybind.h>
 
+#include <algorithm>
 #include <climits>
 #include <cstdint>
 #include <exception>
@@ -435,13 +436,17 @@ struct DispatchOutputs {
 // raises its out-of-memory error and the outputs come from the usual allocator (the rank then receives
 // through its queues while its peers still take rows into their windows).
 
+// Where the pool's segments start: torch splits a segment into blocks at multiples of 512 bytes from its
+// start, as it would a cudaMalloc'd one (whose addresses are at least that aligned).
+constexpr int64_t kSegmentAlignment = 512;
+
 // First-fit ranges of the window: what the caching allocator asks of the pool (whole segments).
 class WindowRanges {
  public:
-  explicit WindowRanges(int64_t bytes) { free_[0] = bytes; }
-  // The offset of a range of `bytes` (rounded up to kOutputAlignment), or -1 when none fits.
+  explicit WindowRanges(int64_t bytes) { free_[0] = bytes / kSegmentAlignment * kSegmentAlignment; }
+  // The offset of a range of `bytes` (rounded up to kSegmentAlignment), or -1 when none fits.
   int64_t take(int64_t bytes) {
-    const int64_t size = aligned(bytes);
+    const int64_t size = (bytes + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
     const std::lock_guard<std::mutex> lock(mutex_);
     for (auto it = free_.begin(); it != free_.end(); ++it) {
       if (it->second < size) continue;
@@ -495,9 +500,11 @@ struct WindowPool {
 // The pool over `bytes` at `base` (a Buffer's output window) on `device`, as a capsule epx.Buffer keeps.
 py::object window_pool(int device, uintptr_t base, int64_t bytes) {
   auto made = std::make_unique<WindowPool>();
-  made->base = reinterpret_cast<char*>(base);  // NOLINT(performance-no-int-to-ptr)
+  const uintptr_t start = (base + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
+  made->base = reinterpret_cast<char*>(start);  // NOLINT(performance-no-int-to-ptr)
   made->device = device;
-  made->ranges = std::make_shared<WindowRanges>(bytes);
+  made->ranges =
+      std::make_shared<WindowRanges>(std::max<int64_t>(bytes - static_cast<int64_t>(start - base), 0));
   const auto ranges = made->ranges;
   char* window = made->base;
   auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(
