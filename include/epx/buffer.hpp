@@ -13,10 +13,10 @@ namespace epx {
 
 struct BufferOptions {
   size_t num_nvl_bytes = 0;  // normal-mode NVLink buffer per rank (see Config::get_nvl_buffer_size_hint)
-  // Of num_nvl_bytes, the last this many (or up to 127 more) form the output window: dispatch outputs the
-  // caller places there (all of them, on every rank) are written by the sources straight over NVLink, with
-  // no queue and no copy out of one (a dispatch within one node; without a cached handle the window's last
-  // rows x 4 bytes must stay clear). The queues use the rest.
+  // Of num_nvl_bytes, the last this many (or up to 127 more) form the output window (every rank the same):
+  // a rank whose dispatch outputs all lie there has them written by the sources straight over NVLink, with
+  // no queue and no copy out of one (within one node); a rank whose outputs are elsewhere receives through
+  // its queues, whatever its peers do. The queues use the rest.
   size_t num_nvl_output_bytes = 0;
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
   // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import operator
+import warnings
 from typing import Any, Callable, Dict, Iterator, List, Optional, Sequence, Tuple, Union
 
 from ._ext import _epx, torch_calls
@@ -176,7 +177,13 @@ class Buffer:
     def destroy(self) -> None:
         """Frees the buffers now (collective). Calls after it raise EpxError. After an abort it meets no peer
         (peers may be gone): it frees this rank's memory and returns."""
-        self._window = None
+        if self._window is not None:
+            alive = torch_calls.window_release(self._window)
+            self._window = None
+            if alive > 0:
+                warnings.warn(f"epx.Buffer.destroy: {alive} bytes of dispatch outputs in the output window are "
+                              "still referenced; they must not be used after destroy() (the window is freed)",
+                              RuntimeWarning, stacklevel=2)
         self.runtime.destroy()
 
     # ---- Failures (docs/RELIABILITY.md) ----

@@ -483,6 +483,13 @@ class WindowRanges {
     }
     free_[start] = size;
   }
+  // Bytes handed out and not given back.
+  int64_t taken() {
+    const std::lock_guard<std::mutex> lock(mutex_);
+    int64_t bytes = 0;
+    for (const auto& [offset, size] : taken_) bytes += size;
+    return bytes;
+  }
 
  private:
   std::mutex mutex_;
@@ -521,6 +528,16 @@ py::object window_pool(int device, uintptr_t base, int64_t bytes) {
   }
   return py::capsule(made.release(), "epx.WindowPool",
                      [](void* pool) { delete static_cast<WindowPool*>(pool); });
+}
+
+// Ends the pool of a window capsule before its Buffer's memory goes: torch gives back the segments it keeps
+// cached. Returns the bytes still taken: tensors from the window that are still alive (they would point at
+// freed memory once the Buffer is destroyed).
+int64_t window_release(const py::object& window) {
+  auto* pool = static_cast<WindowPool*>(window.cast<py::capsule>().get_pointer());
+  const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool->device));
+  pool->pool.reset();
+  return pool->ranges->taken();
 }
 
 // `make()` with torch's allocations on the current stream routed into the window's pool (`window`: the
@@ -796,6 +813,7 @@ PYBIND11_MODULE(_epx_torch, m) {
   m.def("low_latency_dispatch", &low_latency_dispatch);
   m.def("low_latency_combine", &low_latency_combine);
   m.def("window_pool", &window_pool);
+  m.def("window_release", &window_release);
   m.def("dispatch_cached", &dispatch_cached);
   m.def("dispatch", &dispatch);
   m.def("combine", &combine);

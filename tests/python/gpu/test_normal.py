@@ -4,6 +4,9 @@ comm-stream allocation, worst-case rows, argument errors, configs (queue sizes) 
 through a buffer sized as Megatron-LM sizes it. Data movement is compared bit-exactly (the values are small
 integers, so the combine's sums are exact in any order)."""
 
+import os
+import warnings
+
 import numpy as np
 import pytest
 
@@ -286,9 +289,11 @@ def window_worker(rank, num_ranks, group):
     expected = x.float().cpu() * copies.float().unsqueeze(1)
     seen = set()
     for _ in range(3):
-        per_rank, _, per_expert, in_rank, _ = buffer.get_dispatch_layout(topk_idx, num_experts)
-        result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_tokens_per_rank=per_rank,
-                                 is_token_in_rank=in_rank, num_tokens_per_expert=per_expert)
+        layout = buffer.get_dispatch_layout(topk_idx, num_experts)
+        result = buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                 num_tokens_per_rank=layout.num_tokens_per_rank,
+                                 is_token_in_rank=layout.is_token_in_rank,
+                                 num_tokens_per_expert=layout.num_tokens_per_expert)
         check_dispatch(outputs[rank], result.recv_x, result.recv_topk_idx, result.recv_topk_weights,
                        result.num_recv_tokens_per_expert_list)
         np.testing.assert_array_equal(result.handle.recv_src_idx.cpu().numpy(), outputs[rank].recv_src_token_idx)
@@ -304,7 +309,41 @@ def window_worker(rank, num_ranks, group):
         torch.cuda.synchronize()
     # Outputs freed went back to the window's pool: the next dispatch took the same memory.
     assert len(seen) <= 1
-    buffer.destroy()
+    # A window output still alive at destroy() is named (it would point at freed memory).
+    kept = buffer.dispatch(x, handle=buffer.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights,
+                                                     num_tokens_per_rank=layout.num_tokens_per_rank,
+                                                     is_token_in_rank=layout.is_token_in_rank,
+                                                     num_tokens_per_expert=layout.num_tokens_per_expert).handle)
+    torch.cuda.synchronize()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        buffer.destroy()
+    named = [w for w in caught if "output window" in str(w.message)]
+    assert len(named) == (1 if in_window and outputs[rank].num_rows > 0 else 0), [str(w.message) for w in caught]
+    del kept
+
+    # deep_ep.Buffer: EPX_NVL_OUTPUT_BYTES adds the window on every rank.
+    import deep_ep
+
+    os.environ["EPX_NVL_OUTPUT_BYTES"] = str(room)
+    try:
+        compat = deep_ep.Buffer(group, hint, explicitly_destroy=True)
+    finally:
+        del os.environ["EPX_NVL_OUTPUT_BYTES"]
+    native = compat.runtime.runtime
+    base, size = native.nvl_output_window, native.num_nvl_output_bytes
+    assert size >= room
+    per_rank, _, per_expert, in_rank, _ = compat.get_dispatch_layout(topk_idx, num_experts)
+    recv_x, recv_idx, recv_weights, per_expert_list, handle, _ = compat.dispatch(
+        x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
+        topk_idx=topk_idx, topk_weights=topk_weights)
+    check_dispatch(outputs[rank], recv_x, recv_idx, recv_weights, per_expert_list)
+    if outputs[rank].num_rows > 0:
+        assert (base <= recv_x.data_ptr() < base + size) == (torch_calls is not None)
+    combined, _, _ = compat.combine(recv_x, handle)
+    assert torch.equal(combined.float().cpu(), expected)
+    del recv_x, recv_idx, recv_weights, handle, combined
+    compat.destroy()
 
 
 @pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
