@@ -404,13 +404,14 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
   finish_launch(args.peers, calls);
 }
 
-// Both ways of sending in one kernel took 128 registers (either alone: 110-120), and read 20-27 % slower
-// through the queues than the queue's own kernel (2 x H200, docs/BENCHMARKS.md): capped at the queue
-// kernel's 120, which ptxas meets without spilling.
+// Both ways of sending in one kernel take 128 registers unbounded (either alone: 96-120) and read 20-27 %
+// slower through the queues than the queue's own kernel; capped at 120 the same; capped at 112 (no spills)
+// the queues' way runs as fast as in the queue's own kernel and the window's way keeps its speed (2 x H200,
+// docs/BENCHMARKS.md). Below 112 ptxas spills.
 __global__ void __launch_bounds__(kQueueThreads, 1) dispatch_kernel(DispatchArgs args) {
   dispatch_blocks<false>(args);
 }
-__global__ void __maxnreg__(120) dispatch_kernel_with_window(DispatchArgs args) {
+__global__ void __maxnreg__(112) dispatch_kernel_with_window(DispatchArgs args) {
   dispatch_blocks<true>(args);
 }
 
