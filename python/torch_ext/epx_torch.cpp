@@ -28,6 +28,7 @@
 #include <memory>
 #include <mutex>
 #include <optional>
+#include <string>
 #include <tuple>
 
 #include "native_calls.hpp"
@@ -502,6 +503,9 @@ struct WindowPool {
   int device;
   std::shared_ptr<WindowRanges> ranges;
   std::unique_ptr<at::cuda::MemPool> pool;
+  // torch refused the pool once for another reason than room (some releases refuse custom-allocator pools
+  // under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): every later call allocates as usual.
+  bool refused = false;
 };
 
 // The pool over `bytes` at `base` (a Buffer's output window) on `device`, as a capsule epx.Buffer keeps.
@@ -547,6 +551,7 @@ template <typename Make>
 auto made_in_window(const py::object& window, int device, Make make) -> std::pair<decltype(make()), bool> {
   if (window.is_none()) return {make(), false};
   auto* pool = static_cast<WindowPool*>(window.cast<py::capsule>().get_pointer());
+  if (pool->refused || !pool->pool) return {make(), false};
   const auto index = static_cast<c10::DeviceIndex>(device);
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
   c10::cuda::CUDACachingAllocator::beginAllocateToPool(index, pool->pool->id(),
@@ -557,6 +562,14 @@ auto made_in_window(const py::object& window, int device, Make make) -> std::pai
     return {std::move(made), true};
   } catch (const c10::OutOfMemoryError&) {
     c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+  } catch (const c10::Error& error) {
+    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+    pool->refused = true;
+    const py::gil_scoped_acquire gil;
+    const std::string message =
+        std::string("epx: torch refused the output window's memory pool (") + error.what_without_backtrace() +
+        "); dispatch outputs come from torch's allocator and rows go through the queues";
+    if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) PyErr_Clear();
   } catch (...) {
     c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
     throw;

@@ -158,21 +158,9 @@ __device__ __forceinline__ int wait_until(const int* address, Done done, int64_t
   return spin_until(address, done, expected, ctx, peer, phase, value) ? value : static_cast<int>(expected);
 }
 
-// Tagged words (pack_tagged): waits until the word at `address` carries `sequence` and returns its value (0
-// when abandoned). The value travels in the word the tag does, so a relaxed load suffices.
-__device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t sequence, const WaitContext& ctx,
-                                           int peer, WaitPhase phase) {
-  uint64_t word = ld_relaxed_sys_u64(address);
-  const auto done = [sequence](uint64_t w) { return tagged_sequence(w) == sequence; };
-  if (done(word)) return tagged_value(word);
-  const bool arrived = spin_until_loaded([address] { return ld_relaxed_sys_u64(address); }, done,
-                                         [](uint64_t w) { return static_cast<int64_t>(tagged_sequence(w)); },
-                                         sequence, ctx, peer, phase, word);
-  return arrived ? tagged_value(word) : 0;
-}
-
-// As wait_tagged, but says whether the word arrived (false: the wait was abandoned), for callers that turn
-// the value into an address.
+// Tagged words (pack_tagged): waits until the word at `address` carries `sequence`; `value` gets its value.
+// Returns whether it arrived (false: the wait was abandoned), for callers that turn the value into an
+// address. The value travels in the word the tag does, so a relaxed load suffices.
 __device__ __forceinline__ bool try_wait_tagged(const uint64_t* address, uint32_t sequence,
                                                 const WaitContext& ctx, int peer, WaitPhase phase,
                                                 int& value) {
@@ -184,6 +172,13 @@ __device__ __forceinline__ bool try_wait_tagged(const uint64_t* address, uint32_
                                       sequence, ctx, peer, phase, word);
   value = tagged_value(word);
   return arrived;
+}
+
+// As try_wait_tagged, returning the value (0 when abandoned).
+__device__ __forceinline__ int wait_tagged(const uint64_t* address, uint32_t sequence, const WaitContext& ctx,
+                                           int peer, WaitPhase phase) {
+  int value = 0;
+  return try_wait_tagged(address, sequence, ctx, peer, phase, value) ? value : 0;
 }
 
 // Waits until *address >= expected (counter_reached: modulo 2^32). Returns the value seen (expected when

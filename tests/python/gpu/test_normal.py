@@ -282,6 +282,9 @@ def window_worker(rank, num_ranks, group):
     buffer = epx.Buffer(group, num_nvl_bytes=hint + room, num_nvl_output_bytes=window)
     base, size = buffer.runtime.nvl_output_window, buffer.runtime.num_nvl_output_bytes
     in_window = rank % 2 == 0 and torch_calls is not None
+    # Under expandable segments some torch releases refuse pools with their own allocator: then the outputs
+    # come from torch's allocator (with a warning) and only the results are checked.
+    either = "expandable_segments:True" in os.environ.get("PYTORCH_CUDA_ALLOC_CONF", "")
     inputs = make_inputs(num_ranks, num_experts, 9)
     x, topk_idx, topk_weights = to_device(inputs[rank], device)
     outputs, _ = ref.normal_dispatch(inputs, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
@@ -298,7 +301,7 @@ def window_worker(rank, num_ranks, group):
                        result.num_recv_tokens_per_expert_list)
         np.testing.assert_array_equal(result.handle.recv_src_idx.cpu().numpy(), outputs[rank].recv_src_token_idx)
         rows = outputs[rank].num_rows
-        if rows > 0:
+        if rows > 0 and not either:
             assert (base <= result.recv_x.data_ptr() < base + size) == in_window
             seen.add(result.recv_x.data_ptr())
         combined = buffer.combine(result.recv_x, result.handle)
@@ -319,7 +322,8 @@ def window_worker(rank, num_ranks, group):
         warnings.simplefilter("always")
         buffer.destroy()
     named = [w for w in caught if "output window" in str(w.message)]
-    assert len(named) == (1 if in_window and outputs[rank].num_rows > 0 else 0), [str(w.message) for w in caught]
+    if not either:
+        assert len(named) == (1 if in_window and outputs[rank].num_rows > 0 else 0), [str(w.message) for w in caught]
     del kept
 
     # deep_ep.Buffer: EPX_NVL_OUTPUT_BYTES adds the window on every rank.
@@ -338,7 +342,7 @@ def window_worker(rank, num_ranks, group):
         x, num_tokens_per_rank=per_rank, is_token_in_rank=in_rank, num_tokens_per_expert=per_expert,
         topk_idx=topk_idx, topk_weights=topk_weights)
     check_dispatch(outputs[rank], recv_x, recv_idx, recv_weights, per_expert_list)
-    if outputs[rank].num_rows > 0:
+    if outputs[rank].num_rows > 0 and not either:
         assert (base <= recv_x.data_ptr() < base + size) == (torch_calls is not None)
     combined, _, _ = compat.combine(recv_x, handle)
     assert torch.equal(combined.float().cpu(), expected)
@@ -348,6 +352,12 @@ def window_worker(rank, num_ranks, group):
 
 @pytest.mark.parametrize("num_ranks", gpu_counts(2, 4))
 def test_outputs_in_the_window(num_ranks):
+    run(window_worker, num_ranks)
+
+
+@pytest.mark.parametrize("num_ranks", gpu_counts(2))
+def test_outputs_in_the_window_under_expandable_segments(num_ranks, monkeypatch):
+    monkeypatch.setenv("PYTORCH_CUDA_ALLOC_CONF", "expandable_segments:True")  # as Megatron-LM recommends
     run(window_worker, num_ranks)
 
 
