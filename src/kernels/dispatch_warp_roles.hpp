@@ -31,9 +31,10 @@ EPX_HD SenderWarpRoles sender_warp_roles(int queue_warps, int num_ranks, int req
 // % (ranks - 1)), which would idle otherwise. Into the output window (`to_window`, `sender_blocks` blocks
 // sending) the receiver block copies only own rows, with all its warps, and at 2 ranks the senders send with
 // up to kWindowSendWarps warps in all, the rest of theirs copying own rows: every warp sending read 15-25 %
-// faster than 12 of 16 at 8 to 24 SMs, and 192 sending warps at 32 SMs 5 % faster than 256 (2 x H200,
-// docs/BENCHMARKS.md; more stores in flight than the link drains slow it down).
-constexpr int kWindowSendWarps = 192;
+// faster than 12 of 16 at 8 and 16 SMs; with the window-posting kernel 168 sending warps in all (14 of 16
+// at 24 SMs, 11 at 32) read 4-7 % faster than 192 at 24 and 32 SMs (2 x H200, docs/BENCHMARKS.md; more
+// stores in flight than the link drains slow it down).
+constexpr int kWindowSendWarps = 168;
 EPX_HD int default_sender_own_warps(int queue_warps, int num_ranks, bool to_window = false,
                                     int sender_blocks = 1) {
   if (num_ranks == 2 && to_window) {

@@ -38,11 +38,12 @@ TEST(DispatchWarpRoles, DefaultKeepsThePeersGroups) {
   EXPECT_EQ(default_sender_own_warps(16, 3), 0);
   EXPECT_EQ(default_sender_own_warps(16, 4), 1);
   EXPECT_EQ(default_sender_own_warps(16, 8), 2);
-  // Into the output window every sender warp sends at 2 ranks up to 192 in all (12 of 16 in each of 16
-  // blocks); with more ranks the leftover warps still copy.
+  // Into the output window every sender warp sends at 2 ranks up to 168 in all (14 of 16 in each of 12
+  // blocks, 11 in each of 16); with more ranks the leftover warps still copy.
   EXPECT_EQ(default_sender_own_warps(16, 2, true, 4), 0);
-  EXPECT_EQ(default_sender_own_warps(16, 2, true, 12), 0);
-  EXPECT_EQ(default_sender_own_warps(16, 2, true, 16), 4);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 8), 0);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 12), 2);
+  EXPECT_EQ(default_sender_own_warps(16, 2, true, 16), 5);
   EXPECT_EQ(default_sender_own_warps(16, 2, true, 64), 13);
   EXPECT_EQ(default_sender_own_warps(16, 4, true, 16), 1);
   for (const int ranks : {3, 4, 5, 6, 7, 8}) {
