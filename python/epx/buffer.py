@@ -97,6 +97,7 @@ class Buffer:
             same). With the torch extension, normal-mode dispatch outputs come from it while it has room
             (torch's caching allocator over it; the sources store rows straight into them, no queue); without
             room they come from torch's allocator as usual. Tensors from it must not outlive destroy().
+            normal_nvl_output_bytes_hint sizes it.
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 

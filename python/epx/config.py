@@ -117,6 +117,44 @@ def normal_nvl_buffer_size_hint(hidden_bytes: int, num_ranks: int, config: Optio
     return _epx.normal_nvl_buffer_size_hint(hidden_bytes, num_ranks, native)
 
 
+# torch's caching allocator sizes its segments so (c10/cuda/CUDACachingAllocator.cpp): requests up to 1 MiB
+# share 2 MiB segments, requests below 10 MiB take a 20 MiB segment, larger ones round up to 2 MiB.
+_MIB = 1 << 20
+
+
+def _torch_segment_bytes(nbytes: int) -> int:
+    if nbytes <= 0:
+        return 0
+    if nbytes <= _MIB:
+        return 2 * _MIB
+    if nbytes < 10 * _MIB:
+        return 20 * _MIB
+    return -(-nbytes // (2 * _MIB)) * 2 * _MIB
+
+
+def normal_nvl_output_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int, num_topk: int = 0,
+                                 fp8: bool = False, num_live: int = 1) -> int:
+    """Output-window bytes per rank (``num_nvl_output_bytes``, or ``EPX_NVL_OUTPUT_BYTES`` for ``deep_ep``) that
+    hold the outputs of `num_live` dispatches alive at once, each receiving at most every rank's
+    `num_max_tokens_per_rank` tokens: recv_x (BF16, or FP8 with float32 scales per 128 columns) and, with
+    `num_topk`, the top-k ids and weights, as torch's caching allocator sizes their segments. Outputs that do
+    not fit come from torch's allocator as usual (that rank then receives through its queues)."""
+    check(num_max_tokens_per_rank >= 0, "num_max_tokens_per_rank", num_max_tokens_per_rank, "must be >= 0")
+    check(hidden > 0, "hidden", hidden, "must be > 0")
+    check(num_ranks > 0, "num_ranks", num_ranks, "must be > 0")
+    check(num_topk >= 0, "num_topk", num_topk, "must be >= 0")
+    check(num_live >= 1, "num_live", num_live, "must be >= 1")
+    rows = num_max_tokens_per_rank * num_ranks
+    outputs = [rows * hidden * (1 if fp8 else 2)]
+    if fp8:
+        outputs.append(rows * -(-hidden // 128) * 4)
+    if num_topk:
+        outputs += [rows * num_topk * 8, rows * num_topk * 4]
+    large = sum(_torch_segment_bytes(n) for n in outputs if n > _MIB)
+    small = _torch_segment_bytes(sum(n for n in outputs if 0 < n <= _MIB))
+    return num_live * (large + small) + 512  # the window's first segment starts 512-byte aligned
+
+
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                    num_experts: int) -> int:
     """Low-latency buffer bytes per rank (``num_rdma_bytes`` of a low-latency Buffer), a multiple of 2 MiB."""

@@ -58,6 +58,21 @@ def test_config_size_hints():
         config.get_nvl_buffer_size_hint(7, 8)
 
 
+def test_output_window_hint():
+    mib = 1 << 20
+    # 4,096 tokens x 7,168 from 2 ranks, top-8: recv_x 8,192 x 14,336 bytes = 112 MiB; the top-k ids and weights
+    # (0.75 MiB together) share one 2 MiB segment; the window's first segment starts 512-byte aligned.
+    assert epx.normal_nvl_output_bytes_hint(4096, 7168, 2, 8) == 114 * mib + 512
+    assert epx.normal_nvl_output_bytes_hint(4096, 7168, 2, 8, num_live=2) == 228 * mib + 512
+    # FP8: 56 MiB of rows, 1.75 MiB of scales in a 20 MiB segment, the top-k's 2 MiB.
+    assert epx.normal_nvl_output_bytes_hint(4096, 7168, 2, 8, fp8=True) == 78 * mib + 512
+    # A cached dispatch (no top-k outputs), and no tokens.
+    assert epx.normal_nvl_output_bytes_hint(4096, 7168, 2) == 112 * mib + 512
+    assert epx.normal_nvl_output_bytes_hint(0, 7168, 2, 8) == 512
+    with pytest.raises(epx.EpxError, match="invalid num_live = 0: must be >= 1"):
+        epx.normal_nvl_output_bytes_hint(4096, 7168, 2, num_live=0)
+
+
 # ---- DeepEP V1 compatibility: names, signatures, defaults ----
 
 
