@@ -1,8 +1,9 @@
 """Normal mode through epx.compat.deep_ep (DeepEP V1's calls) against the CPU reference, on 2 and 4 GPUs:
 layout, BF16 and FP8 dispatch, combine with weights and biases, the cached handle, async with events and
-comm-stream allocation, worst-case rows, argument errors, configs (queue sizes) and a 32,768-token batch
-through a buffer sized as Megatron-LM sizes it. Data movement is compared bit-exactly (the values are small
-integers, so the combine's sums are exact in any order)."""
+comm-stream allocation, worst-case rows, argument errors, configs (queue sizes), a 32,768-token batch
+through a buffer sized as Megatron-LM sizes it, and outputs from the output window (epx.Buffer and deep_ep).
+Data movement is compared bit-exactly (the values are small integers, so the combine's sums are exact in any
+order)."""
 
 import os
 import warnings
