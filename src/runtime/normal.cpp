@@ -412,6 +412,9 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
                                     const DispatchInput& in, const DispatchOutput& out) {
   const NormalBufferMap map = dispatch_buffer_map(buffer, state);
   const NormalRecord record = NormalRecord::dispatch(state.shape);
+  // A Buffer with an output window: every receiver posts how it receives, into its window or through its
+  // queues (kernels/normal_window.cuh), so each rank chooses for itself.
+  const bool window_posts = buffer.num_nvl_output_bytes() > 0 && buffer.num_ranks() > 1;
   kernels::DispatchArgs args{
       peer_context(buffer),
       map,
@@ -424,8 +427,10 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       state.arrays,
       state.num_recv_rows,
       out,
-      normal_launch_fingerprint(map, record, state.shape.hidden, state.shape.num_experts,
-                                NormalOperation::kDispatch, state.format != ScaleFormat::kBf16),
+      normal_launch_fingerprint(
+          map, record, state.shape.hidden, state.shape.num_experts,
+          window_posts ? NormalOperation::kDispatchWithWindow : NormalOperation::kDispatch,
+          state.format != ScaleFormat::kBf16),
       nullptr,
       0,
       0,
@@ -435,14 +440,7 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
       phase_reports(buffer)};
   args.sender_own_warps = sender_own_warps();
   args.receiver_own_warps = receiver_own_warps();
-  // A Buffer with an output window: every receiver posts how it receives, into its window or through its
-  // queues (kernels/normal_window.cuh), so each rank chooses for itself.
-  if (buffer.num_nvl_output_bytes() > 0 && buffer.num_ranks() > 1) {
-    args.window_posts = true;
-    args.shape =
-        normal_launch_fingerprint(map, record, state.shape.hidden, state.shape.num_experts,
-                                  NormalOperation::kDispatchWithWindow, state.format != ScaleFormat::kBf16);
-  }
+  args.window_posts = window_posts;
   return args;
 }
 
