@@ -31,7 +31,9 @@ endforeach()
 message(STATUS "epx._epx_torch: against torch in ${_epx_torch_dir}")
 
 Python_add_library(_epx_torch MODULE WITH_SOABI torch_ext/epx_torch.cpp)
-target_include_directories(_epx_torch PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include)
+# src/core/first_fit_ranges.hpp (the output window's ranges): a header of plain C++, no EPX library linked.
+target_include_directories(_epx_torch PRIVATE ${CMAKE_CURRENT_SOURCE_DIR}/src ${PROJECT_SOURCE_DIR}/include
+                                              ${PROJECT_SOURCE_DIR}/src)
 target_include_directories(_epx_torch SYSTEM PRIVATE "${_epx_torch_dir}/include"
                            "${_epx_torch_dir}/include/torch/csrc/api/include" ${CUDAToolkit_INCLUDE_DIRS})
 target_compile_definitions(_epx_torch PRIVATE _GLIBCXX_USE_CXX11_ABI=${_epx_torch_cxx11_abi})

@@ -24,13 +24,12 @@
 #include <cstdint>
 #include <exception>
 #include <initializer_list>
-#include <map>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <tuple>
 
+#include "core/first_fit_ranges.hpp"
 #include "native_calls.hpp"
 
 namespace {
@@ -441,67 +440,10 @@ struct DispatchOutputs {
 // start, as it would a cudaMalloc'd one (whose addresses are at least that aligned).
 constexpr int64_t kSegmentAlignment = 512;
 
-// First-fit ranges of the window: what the caching allocator asks of the pool (whole segments).
-class WindowRanges {
- public:
-  explicit WindowRanges(int64_t bytes) { free_[0] = bytes / kSegmentAlignment * kSegmentAlignment; }
-  // The offset of a range of `bytes` (rounded up to kSegmentAlignment), or -1 when none fits.
-  int64_t take(int64_t bytes) {
-    const int64_t size = (bytes + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
-    const std::lock_guard<std::mutex> lock(mutex_);
-    for (auto it = free_.begin(); it != free_.end(); ++it) {
-      if (it->second < size) continue;
-      const int64_t offset = it->first;
-      const int64_t left = it->second - size;
-      free_.erase(it);
-      if (left > 0) free_[offset + size] = left;
-      taken_[offset] = size;
-      return offset;
-    }
-    return -1;
-  }
-  // Returns the range at `offset`, merged with its free neighbours.
-  void give_back(int64_t offset) {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    const auto found = taken_.find(offset);
-    if (found == taken_.end()) return;
-    int64_t start = offset;
-    int64_t size = found->second;
-    taken_.erase(found);
-    const auto next = free_.find(start + size);
-    if (next != free_.end()) {
-      size += next->second;
-      free_.erase(next);
-    }
-    const auto after = free_.lower_bound(start);
-    if (after != free_.begin()) {
-      const auto before = std::prev(after);
-      if (before->first + before->second == start) {
-        start = before->first;
-        size += before->second;
-        free_.erase(before);
-      }
-    }
-    free_[start] = size;
-  }
-  // Bytes handed out and not given back.
-  int64_t taken() {
-    const std::lock_guard<std::mutex> lock(mutex_);
-    int64_t bytes = 0;
-    for (const auto& [offset, size] : taken_) bytes += size;
-    return bytes;
-  }
-
- private:
-  std::mutex mutex_;
-  std::map<int64_t, int64_t> free_;   // offset -> bytes
-  std::map<int64_t, int64_t> taken_;  // offset -> bytes
-};
-
 struct WindowPool {
   char* base;
   int device;
-  std::shared_ptr<WindowRanges> ranges;
+  std::shared_ptr<epx::FirstFitRanges> ranges;
   std::unique_ptr<at::cuda::MemPool> pool;
   // torch refused the pool once for another reason than room (some releases refuse custom-allocator pools
   // under PYTORCH_CUDA_ALLOC_CONF=expandable_segments:True): every later call allocates as usual.
@@ -514,8 +456,8 @@ py::object window_pool(int device, uintptr_t base, int64_t bytes) {
   const uintptr_t start = (base + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
   made->base = reinterpret_cast<char*>(start);  // NOLINT(performance-no-int-to-ptr)
   made->device = device;
-  made->ranges =
-      std::make_shared<WindowRanges>(std::max<int64_t>(bytes - static_cast<int64_t>(start - base), 0));
+  made->ranges = std::make_shared<epx::FirstFitRanges>(
+      std::max<int64_t>(bytes - static_cast<int64_t>(start - base), 0), kSegmentAlignment);
   const auto ranges = made->ranges;
   char* window = made->base;
   auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(
