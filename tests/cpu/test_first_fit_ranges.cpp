@@ -27,7 +27,7 @@ TEST(FirstFitRanges, RangesGivenBackMergeWithTheirFreeNeighbours) {
   ranges.give_back(d);
   EXPECT_EQ(ranges.free_ranges(), 2u);
   EXPECT_EQ(ranges.take(1024), -1);  // two free units, apart
-  ranges.give_back(c);                // joins b's and d's
+  ranges.give_back(c);               // joins b's and d's
   EXPECT_EQ(ranges.free_ranges(), 1u);
   EXPECT_EQ(ranges.take(1536), b);
   ranges.give_back(a);
@@ -42,7 +42,7 @@ TEST(FirstFitRanges, AnOffsetNotTakenIsIgnored) {
   const int64_t a = ranges.take(512);
   ranges.give_back(a + 512);  // never taken
   ranges.give_back(a);
-  ranges.give_back(a);        // twice
+  ranges.give_back(a);  // twice
   EXPECT_EQ(ranges.taken(), 0);
   EXPECT_EQ(ranges.free_ranges(), 1u);
   EXPECT_EQ(ranges.take(2048), 0);
