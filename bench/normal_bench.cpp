@@ -417,8 +417,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
                    .get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
   // Within one node an output window for every row a rank can receive: the cached dispatch is also timed
   // with its outputs there (the senders store straight into them, no queue).
-  // A row's outputs: BF16 row, FP8 scales, top-k ids and weights, and its source index (scratch).
-  const size_t window_row_bytes = size_t(o.hidden) * 2 + size_t(o.hidden) / 32 + size_t(o.num_topk) * 12 + 4;
+  // A row's outputs: BF16 row, FP8 scales, top-k ids and weights (its source index goes through the queues).
+  const size_t window_row_bytes = size_t(o.hidden) * 2 + size_t(o.hidden) / 32 + size_t(o.num_topk) * 12;
   if (!across_nodes) {
     buffer_options.num_nvl_output_bytes = size_t(num_ranks) * o.num_tokens * window_row_bytes + 1024;
     buffer_options.num_nvl_bytes += buffer_options.num_nvl_output_bytes;

@@ -153,8 +153,8 @@ struct NormalBufferMap {
 
   // A dispatch into outputs in the output window (Buffer::nvl_output_window) skips the queues: the receiver
   // posts where each source's rows go, the source stores them there and then says it is done. The outputs a
-  // receiver posts, in this order; the source indices go to a scratch array in the window, which the
-  // receiver copies into its handle (none for a cached dispatch, whose handle has them).
+  // receiver posts, in this order; the source indices go to the receiver's queues (idle while it receives
+  // into its window), which it copies into its handle (none for a cached dispatch, whose handle has them).
   enum DirectOutput {
     kDirectX,
     kDirectScales,

@@ -32,6 +32,14 @@ struct WarpGroup {
   __device__ void sync() const {
     asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
   }
+  // The leader's `value`, for every thread of the group, through `shared` (one int of shared memory).
+  __device__ int share(int value, int* shared) const {
+    if (leader()) *shared = value;
+    sync();
+    const int seen = *shared;
+    sync();  // everybody read it before the leader may overwrite it
+    return seen;
+  }
 };
 
 // Dispatch and combine launches this rank finished before the running one. Every block reads it at its start;
@@ -117,13 +125,7 @@ struct QueueEnd {
   uint32_t base;
 
   // The leader's `value`, for every thread of the group.
-  __device__ int share(int value) const {
-    if (group.leader()) *shared_value = value;
-    group.sync();
-    const int shared = *shared_value;
-    group.sync();  // everybody read it before the leader may overwrite it
-    return shared;
-  }
+  __device__ int share(int value) const { return group.share(value, shared_value); }
 };
 
 // One sender's stream of records into queue (this rank -> peer, channel) in the peer's buffer.

@@ -29,7 +29,8 @@ struct WindowOutputs {
   float* x_scales;
   int64_t* topk_idx;
   float* topk_weights;
-  int* src_idx;  // the window's scratch for the rows' source indices, or null (a cached dispatch)
+  int*
+      src_idx;  // where the rows' source indices go (the receiver's idle queues), or null (a cached dispatch)
 };
 
 // Block 1, threads below R, first thing: tells every source how this rank receives, as where its outputs are
@@ -57,8 +58,8 @@ __device__ __forceinline__ void post_window_rows(const DispatchArgs& args, int c
 }
 
 // Receiver block of `channel`, every thread: waits until every source stored its rows of the channel (threads
-// below R wait), then copies their source indices from the window's scratch into the handle, when they went
-// there.
+// below R wait), then copies their source indices from where the sources put them (this rank's idle queues)
+// into the handle, when they went there (not for a cached dispatch).
 __device__ __forceinline__ void wait_window_rows(const DispatchArgs& args, int channel, int calls) {
   const int num_ranks = args.peers.num_ranks;
   const int src = threadIdx.x;
@@ -90,14 +91,11 @@ __device__ __forceinline__ WindowWay window_way(const DispatchArgs& args, int ch
                                                 const WarpGroup& group, int* shared, int calls,
                                                 WindowOutputs& out, int& first_row) {
   // dst's fingerprint first: a dst of another shape or without a window is named at once.
-  int same = 1;
-  if (group.leader())
-    same = check_launch_shape(args.peers, calls, args.shape, dst, WaitPhase::kDispatchSend) ? 1 : 0;
-  if (group.leader()) *shared = same;
-  group.sync();
-  same = *shared;
-  group.sync();
-  if (same == 0) return WindowWay::kNone;
+  const bool same = group.share(group.leader() ? check_launch_shape(args.peers, calls, args.shape, dst,
+                                                                    WaitPhase::kDispatchSend)
+                                               : 1,
+                                shared) != 0;
+  if (!same) return WindowWay::kNone;
   const uint32_t launch = static_cast<uint32_t>(calls + 1);
   const auto* posts = NormalBufferMap::direct(args.peers.local_base);
   const device::WaitContext ctx = wait_context(args.peers);

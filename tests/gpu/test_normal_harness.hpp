@@ -150,15 +150,14 @@ inline size_t normal_buffer_bytes(const NormalCase& c) {
 
 // Output-window bytes (BufferOptions::num_nvl_output_bytes) for every iteration of `c`: twice the most rows a
 // rank can receive (every token of every rank, plus worst-case padding or a guess's room) with BF16 rows, FP8
-// scales and top-k, each output 16-byte aligned, and 4 bytes a row for the source indices. 0 when no
+// scales and top-k, each output 16-byte aligned (the source indices go through the queues). 0 when no
 // iteration dispatches into the window.
 inline size_t normal_window_bytes(const NormalCase& c) {
   const auto any = [](const std::vector<bool>& v) { return std::find(v.begin(), v.end(), true) != v.end(); };
   if (!any(c.into_window) && !any(c.cached_into_window)) return 0;
-  // Room for 7 rows more (a guess that fits), both dispatches' outputs, and the source indices' scratch.
+  // Room for 7 rows more (a guess that fits) and both dispatches' outputs.
   const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 10;
-  return 2 * rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + rows * 4 +
-         16 * 16 + 128;
+  return 2 * rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + 16 * 16 + 128;
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
