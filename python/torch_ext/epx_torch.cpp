@@ -441,7 +441,6 @@ struct DispatchOutputs {
 constexpr int64_t kSegmentAlignment = 512;
 
 struct WindowPool {
-  char* base;
   int device;
   std::shared_ptr<epx::FirstFitRanges> ranges;
   std::unique_ptr<at::cuda::MemPool> pool;
@@ -454,12 +453,11 @@ struct WindowPool {
 py::object window_pool(int device, uintptr_t base, int64_t bytes) {
   auto made = std::make_unique<WindowPool>();
   const uintptr_t start = (base + kSegmentAlignment - 1) / kSegmentAlignment * kSegmentAlignment;
-  made->base = reinterpret_cast<char*>(start);  // NOLINT(performance-no-int-to-ptr)
+  char* window = reinterpret_cast<char*>(start);  // NOLINT(performance-no-int-to-ptr)
   made->device = device;
   made->ranges = std::make_shared<epx::FirstFitRanges>(
       std::max<int64_t>(bytes - static_cast<int64_t>(start - base), 0), kSegmentAlignment);
   const auto ranges = made->ranges;
-  char* window = made->base;
   auto allocator = torch::cuda::CUDAPluggableAllocator::createCustomAllocator(
       [ranges, window](size_t size, int, cudaStream_t) -> void* {
         const int64_t offset = ranges->take(static_cast<int64_t>(size));
