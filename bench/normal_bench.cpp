@@ -595,6 +595,17 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
                           stream);
         out.push_back({bf16 ? "dispatch BF16 into window" : "dispatch FP8 into window", sms,
                        back_to_back([&] { full_into_window(full_wout); }), nvl_bytes, network_bytes});
+        // The receive launched with the count exchange, into a guess in the window that the rows fit: the
+        // launch learns from the counts that it takes the window's way.
+        const auto guessed_into_window = [&](const DispatchOutput& to) {
+          const DispatchOutputGuess guess{to, static_cast<int>(rows)};
+          dispatch(buffer, in, to, stream, DispatchOverlap::kLaunchReceive, &guess);
+        };
+        check_window_rows(buffer, guessed_into_window, dout, full_wout, size_t(rows), o.hidden, o.num_topk,
+                          stream);
+        out.push_back({bf16 ? "dispatch BF16 into window, launched into a guess"
+                            : "dispatch FP8 into window, launched into a guess",
+                       sms, back_to_back([&] { guessed_into_window(full_wout); }), nvl_bytes, network_bytes});
         const DispatchOutput wout = window_outputs(buffer, size_t(rows), o.hidden, !bf16, 0);
         const auto cached_to = [&](const DispatchOutput& to) {
           cached_dispatch(buffer, sms_plan.handle, in, to, stream);

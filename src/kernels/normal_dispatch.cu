@@ -314,8 +314,10 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
   // offsets may be anything: write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kDispatchReceive)) return;
   post_launch_shape(args.peers, calls, args.shape);
-  if (kWindowPosts && blockIdx.x == 1) post_window_way(args, calls);
-  const bool own_window = kWindowPosts && args.to_window;
+  if (kWindowPosts && blockIdx.x == 1 && !args.window_guess) post_window_way(args, calls, args.to_window);
+  // The warp split is fixed at launch, as if into the window whenever it may be (its own-row warps agree on
+  // it in every block); whether the rows go into the window is known once the offsets are.
+  const bool split_window = kWindowPosts && (args.to_window || args.window_guess);
   const int channel = blockIdx.x / 2;
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
@@ -338,6 +340,10 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
       device::st_release_gpu(&NormalBufferMap::control(args.peers.local_base)->offsets_sequence, calls + 1);
     }
   }
+  // A guess in the window: the offsets (this block's scan, or the notify before the launch) say now whether
+  // the rows fit it, before the host's outputs are waited for when they do not.
+  const bool own_window = kWindowPosts && writes_rows && receives_into_window(args);
+  if (kWindowPosts && args.window_guess && blockIdx.x == 1) post_window_way(args, calls, own_window);
   if (writes_rows) {
     if (threadIdx.x == 0) outputs = row_outputs(args);
     __syncthreads();
@@ -348,7 +354,7 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
       kQueueWarps, num_ranks,
       args.sender_own_warps >= 0
           ? args.sender_own_warps
-          : default_sender_own_warps(kQueueWarps, num_ranks, own_window, args.map.num_channels));
+          : default_sender_own_warps(kQueueWarps, num_ranks, split_window, args.map.num_channels));
   const ReceiverWarpRoles receiving = receiver_warp_roles(
       kQueueWarps, num_ranks,
       args.receiver_own_warps >= 0
@@ -356,7 +362,8 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
           : default_receiver_own_warps(kQueueWarps, num_ranks, args.record.num_scales > 0),
       roles.own);
   // Into the output window the receiver block has no queue to empty: all its warps copy own rows.
-  const int receiver_own = own_window ? kQueueWarps : receiving.own;
+  const auto receiver_own_of = [&](bool into_window) { return into_window ? kQueueWarps : receiving.own; };
+  const int receiver_own = receiver_own_of(own_window);
   const int own_workers = receiver_own + roles.own;
   if (num_ranks == 1) {
     if (!outputs.cancelled)
@@ -365,10 +372,13 @@ __device__ __forceinline__ void dispatch_blocks(const DispatchArgs& args) {
   } else if (is_sender) {
     const int send_warps = roles.send;
     if (warp >= send_warps) {
-      // Only these warps wait for outputs published late: the others send from the launch on.
+      // Only these warps wait for outputs published late: the others send from the launch on. After that
+      // wait the offsets are known, and with them whether the receiver block takes all own rows' first share.
       const RowOutputs own = warp_row_outputs(args, calls, lane);
+      const int receiver_share = receiver_own_of(kWindowPosts && receives_into_window(args));
       if (!own.cancelled)
-        copy_own_rows(args, own, channel, receiver_own + warp - send_warps, own_workers, lane, copier);
+        copy_own_rows(args, own, channel, receiver_share + warp - send_warps, receiver_share + roles.own,
+                      lane, copier);
     } else {
       const int warps_per_peer = send_warps / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;

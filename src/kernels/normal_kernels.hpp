@@ -181,8 +181,12 @@ struct DispatchArgs {
   // With window_posts: this rank's outputs lie in the window; the sources store rows straight into them and
   // the receiver blocks copy the own rows; no queue carries them.
   bool to_window = false;
-  // This rank's outputs in NormalBufferMap::DirectOutput order: offsets from its buffer base in 16-byte
-  // units (-1: none).
+  // With window_posts and `published`: the guess (guess_rows) lies in the window, so this rank receives into
+  // it when the rows fit, which the device knows once the counts are (receives_into_window); block 1 posts
+  // the way then instead of first thing.
+  bool window_guess = false;
+  // This rank's outputs (or the guess) in NormalBufferMap::DirectOutput order: offsets from its buffer base
+  // in 16-byte units (-1: none).
   int window_outputs[NormalBufferMap::kDirectOutputs] = {-1, -1, -1, -1, -1};
 };
 void launch_dispatch(const DispatchArgs& args, cudaStream_t stream);

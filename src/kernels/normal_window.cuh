@@ -33,16 +33,26 @@ struct WindowOutputs {
       src_idx;  // where the rows' source indices go (the receiver's idle queues), or null (a cached dispatch)
 };
 
-// Block 1, threads below R, first thing: tells every source how this rank receives, as where its outputs are
-// (recv_x's offset -1: through the queues). Nothing of the launch comes before it, so a source never waits
-// on this rank's host (published outputs) or count exchange to learn it.
-__device__ __forceinline__ void post_window_way(const DispatchArgs& args, int calls) {
+// Whether this rank receives into its window: its outputs lie there (to_window), or a guess there holds the
+// rows (window_guess). Read after the channel offsets are known (the rows are their last entry).
+__device__ __forceinline__ bool receives_into_window(const DispatchArgs& args) {
+  if (args.to_window) return true;
+  if (!args.window_guess) return false;
+  const int rows = args.handle.recv_channel_offset[args.peers.num_ranks * args.map.num_channels];
+  return rows <= args.guess_rows;
+}
+
+// Block 1, threads below R: tells every source how this rank receives, as where its outputs are (recv_x's
+// offset -1: through the queues). First thing in the launch, so a source never waits on this rank's host
+// (published outputs) to learn it; with a guess in the window once the counts say whether the rows fit it.
+__device__ __forceinline__ void post_window_way(const DispatchArgs& args, int calls, bool into_window) {
   const int src = threadIdx.x;
   if (src >= args.peers.num_ranks || src == args.peers.rank) return;
   auto* posts = NormalBufferMap::direct(args.peers.peer_bases[src]);
   for (int i = 0; i < NormalBufferMap::kDirectOutputs; ++i) {
+    const int offset = into_window ? args.window_outputs[i] : -1;
     device::st_relaxed_sys_u64(&posts->outputs[args.peers.rank][i],
-                               pack_tagged(static_cast<uint32_t>(calls + 1), args.window_outputs[i]));
+                               pack_tagged(static_cast<uint32_t>(calls + 1), offset));
   }
 }
 

@@ -452,16 +452,20 @@ kernels::DispatchArgs dispatch_args(const Buffer& buffer, const DispatchHandle::
 // the buffer's base in 16-byte units (NormalBufferMap::DirectOutput order, -1: none), or nothing for the
 // queue's way. Each rank chooses for itself: its receivers post which way it receives
 // (DispatchArgs::window_posts).
+// `rows`: of the outputs (a guess's room before the counts are known; -1: the state's num_recv_rows).
+// `strict`: outputs of which only recv_x lies in the window are an error; otherwise (a guess) they take the
+// queues' way.
 using WindowOffsets = std::array<int, NormalBufferMap::kDirectOutputs>;
 std::optional<WindowOffsets> window_placement(const Buffer& buffer, const DispatchHandle::State& state,
-                                              const NormalBufferMap& map, const DispatchOutput& out) {
+                                              const NormalBufferMap& map, const DispatchOutput& out,
+                                              int rows_of_outputs = -1, bool strict = true) {
   const char* window = static_cast<const char*>(buffer.nvl_output_window());
   const char* window_end = window + buffer.num_nvl_output_bytes();
   const auto* x = static_cast<const char*>(out.recv_x);
   if (state.num_nodes > 1 || buffer.num_ranks() == 1 || x == nullptr || x < window || x >= window_end) {
     return std::nullopt;
   }
-  const auto rows = static_cast<size_t>(state.num_recv_rows);
+  const auto rows = static_cast<size_t>(rows_of_outputs >= 0 ? rows_of_outputs : state.num_recv_rows);
   const auto topk = static_cast<size_t>(state.shape.num_topk);
   const char* base = static_cast<const char*>(buffer.nvl_buffer());
   if (!state.cached && rows * sizeof(int) > map.total_bytes() - NormalBufferMap::kQueuesOffset)
@@ -479,9 +483,12 @@ std::optional<WindowOffsets> window_placement(const Buffer& buffer, const Dispat
   for (int i = 0; i < 4; ++i) {
     const char* data = static_cast<const char*>(outputs[i].data);
     if (data == nullptr) continue;
-    EPX_CHECK(data >= window && data + outputs[i].bytes <= window_end, outputs[i].name, "outside the window",
+    const bool inside = data >= window && data + outputs[i].bytes <= window_end;
+    const bool aligned = (data - base) % 16 == 0;
+    if (!strict && !(inside && aligned)) return std::nullopt;
+    EPX_CHECK(inside, outputs[i].name, "outside the window",
               "must lie in the output window (Buffer::nvl_output_window) when recv_x does");
-    EPX_CHECK((data - base) % 16 == 0, outputs[i].name, "not 16-byte aligned",
+    EPX_CHECK(aligned, outputs[i].name, "not 16-byte aligned",
               "must be 16-byte aligned in the output window");
     offsets[i] = static_cast<int>((data - base) / 16);
   }
@@ -678,6 +685,14 @@ void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exch
   const HostStep launch("dispatch_notify: board: launch receive");
   kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in, call.guess->outputs);
   exchange_in_launch(args, exchange);
+  // The host has the counts: a guess in the output window that holds the rows takes them straight in.
+  if (args.window_posts) {
+    if (const auto window =
+            window_placement(call.buffer, state, args.map, call.guess->outputs, call.guess->rows, false)) {
+      args.to_window = true;
+      std::copy(window->begin(), window->end(), args.window_outputs);
+    }
+  }
   kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.sequence;  // dispatch_receive completes the call
   state.launched_receive = call.sequence;
@@ -783,6 +798,15 @@ void launch_receive_before_counts(NotifyCall& call, const kernels::HostCounts& h
   args.published_sequence = call.scratch.notify_sequence;
   args.guess_rows = call.guess_rows;
   if (notify_in_receive) exchange_in_launch(args, exchange_args(call, host));
+  // A guess in the output window: the receivers take the rows straight into it when they fit it, which the
+  // launch learns from the counts (DispatchArgs::window_guess); otherwise through the queues.
+  if (args.window_posts && call.guess_rows > 0) {
+    if (const auto window =
+            window_placement(call.buffer, state, args.map, call.guess->outputs, call.guess_rows, false)) {
+      args.window_guess = true;
+      std::copy(window->begin(), window->end(), args.window_outputs);
+    }
+  }
   kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.scratch.notify_sequence;
   state.launched_receive = call.scratch.notify_sequence;
@@ -959,7 +983,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
           "must be the guess's outputs: the launched receive wrote the rows there (plan.rows_in_guess)");
     }
     check_outputs(out, state, rows, "the plan's num_recv_rows rows");
-    window = window_placement(buffer, state, dispatch_buffer_map(buffer, state), out);
+    // A launched receive chose its way at launch (or on the device, for a guess in the window).
+    if (launched == 0) window = window_placement(buffer, state, dispatch_buffer_map(buffer, state), out);
   } catch (...) {
     cancel_receive(buffer, launched);
     throw;
