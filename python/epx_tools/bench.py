@@ -907,6 +907,72 @@ class _Rank:
                                 fp8_net if fp8 else bf16_net))
         self.stream.synchronize()
         buffer.destroy()
+        plan = None  # its outputs go before the window's Buffer comes
+        if num_ranks > 1 and ranks_per_node == num_ranks:
+            out += self.run_normal_window(num_nvl_bytes, mine, layout, flush)
+        return out
+
+    def run_normal_window(self, num_nvl_bytes: int, mine: dict, layout: Any,
+                          flush: Callable[[], None]) -> List[BenchRow]:
+        """The dispatch rows with the outputs in an output window (epx.Buffer(num_nvl_output_bytes=...), within
+        one node, with the torch extension): the sources store rows straight into them. Verified first; no rows
+        where the outputs did not land in the window (said once)."""
+        import epx
+        from epx._ext import torch_calls
+
+        torch, o, rank, num_ranks = self.torch, self.o, self.rank, self.num_ranks
+        if torch_calls is None:
+            return []
+        # A timed call's outputs beside the two plans' (BF16 with top-k: the largest).
+        window = epx.normal_nvl_output_bytes_hint(o.tokens, o.hidden, num_ranks, o.topk, num_live=3)
+        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes + window, num_nvl_output_bytes=window)
+        base, size = buffer.runtime.nvl_output_window, buffer.runtime.num_nvl_output_bytes
+
+        def dispatch(fp8: bool) -> Any:
+            x = (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
+            return buffer.dispatch(x, topk_idx=mine["topk"], topk_weights=mine["weights"], num_experts=o.experts,
+                                   is_token_in_rank=layout.is_token_in_rank,
+                                   num_tokens_per_expert=layout.num_tokens_per_expert,
+                                   num_tokens_per_rank=layout.num_tokens_per_rank)
+
+        salt = o.seed * 2 + 2  # `mine`'s
+        plans = {}
+        for fp8 in (False, True):
+            plans[fp8] = dispatch(fp8)
+            self.stream.synchronize()
+            result = plans[fp8]
+            check_received(torch, o, salt, rank, num_ranks, fp8, result.recv_x, result.recv_x_scales,
+                           result.recv_topk_idx, result.recv_topk_weights, result.handle.recv_src_idx,
+                           result.handle.num_recv_per_rank, self.device)
+        probe = dispatch(False)  # a timed call's outputs, beside the plans'
+        self.stream.synchronize()
+        recv_x = plans[True].recv_x[0] if isinstance(plans[True].recv_x, tuple) else plans[True].recv_x
+        in_window = all(base <= p.data_ptr() < base + size for p in (plans[False].recv_x, recv_x, probe.recv_x))
+        del probe
+        if not all(self.gather(in_window)):
+            self.warnings.append("the output window's rows were skipped: a dispatch's outputs did not land in "
+                                 "a window")
+            del plans
+            self.stream.synchronize()
+            buffer.destroy()
+            return []
+        rows = plans[False].handle.num_recv_rows
+        out: List[BenchRow] = []
+        for sms in o.num_sms:
+            buffer.num_sms = sms
+            for fp8 in (False, True):
+                x = (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
+                name = "FP8" if fp8 else "BF16"
+                nbytes = normal_bytes(rows, o.hidden, fp8)
+                handle = plans[fp8].handle
+                us = self.median_us(f"dispatch {name} into window", flush, lambda: dispatch(fp8), host_waits=True)
+                out.append(BenchRow(f"dispatch {name} into window", sms, us, nbytes))
+                us = self.median_us(f"dispatch {name} cached into window", flush,
+                                    lambda: buffer.dispatch(x, handle=handle))
+                out.append(BenchRow(f"dispatch {name} cached into window", sms, us, nbytes))
+        del plans
+        self.stream.synchronize()
+        buffer.destroy()
         return out
 
     def copy_engine_row(self, num_bytes: int, flush: Callable[[], None]) -> Optional[BenchRow]:
