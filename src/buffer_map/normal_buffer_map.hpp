@@ -141,6 +141,13 @@ struct NormalBufferMap {
     uint32_t head[kMaxNvlRanks][kMaxChannels];      // [dst][c], written by dst: my records it consumed
     uint32_t sent[kMaxNvlRanks][kMaxChannels];      // [dst][c], own: records written to dst so far
     uint32_t consumed[kMaxNvlRanks][kMaxChannels];  // [src][c], own: records consumed from src so far
+    // A combine's second reducer (the sender block's reducing warps, kernels/combine_warp_roles.hpp) keeps
+    // its own pair, so that neither block reads a count the other may already have advanced in the same
+    // call. head_second: [dst][c], written by dst's second reducer: the records of mine it no longer needs
+    // (a source writes up to the smaller of head and head_second plus the queue's size). consumed_second:
+    // [src][c], own: as consumed, for the second reducer (every dispatch receiver advances both).
+    uint32_t head_second[kMaxNvlRanks][kMaxChannels];
+    uint32_t consumed_second[kMaxNvlRanks][kMaxChannels];
   };
 
   struct NotifyHalf {                                     // tagged words (pack_tagged)

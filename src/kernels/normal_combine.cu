@@ -3,6 +3,7 @@
 #include "device/tma.cuh"
 #include "gpu/cuda_check.hpp"
 #include "kernels/bf16x8.cuh"
+#include "kernels/combine_warp_roles.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/normal_queue.cuh"
@@ -18,13 +19,13 @@ namespace {
 // ---- Send: the rows this rank received from `dst` on `channel` (contiguous, in dst's token order) go back
 // into dst's queue, each with its top-k weights. ----
 __device__ void send_rows(const CombineArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
-                          int calls) {
+                          int calls, bool two_reducers) {
   const NormalRecord& r = args.record;
   const int index = dst * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
   QueueSender queue(args.peers, args.map, group, shared, dst, channel, args.chunk_tokens,
-                    WaitPhase::kCombineSend);
+                    WaitPhase::kCombineSend, two_reducers);
   PhaseClock clock(args.phases, PhaseStream::kCombineSend,
                    channel == 0 && group.group == 0 && group.leader());
   queue.wait_until_peer_ready(calls);
@@ -299,74 +300,151 @@ class WarpReducer {
 };
 
 // ---- Reduce: the channel's tokens (or `tokens`, a part of them, without queues) in batches; in a batch each
-// warp streams up to kMaxTokensPerWarp tokens (without queues: all of its tokens in one batch). A warp waits
-// only for its own tokens' copies; after each batch, each peer learns how far its queue was consumed.
-// NOTES: a batch needs at most `batch` <= Q new records of each queue, and senders write whatever room
-// allows, so every record a batch waits for fits in the queue: no deadlock for any chunk sizes. Batches of at
-// most a quarter of Q let senders refill the queue while a batch is reduced. ----
-constexpr int kMaxTokensPerWarp = 4;
+// warp streams up to CombineBatches::per_warp tokens (without queues: all of its tokens in one batch). With
+// queues the batches alternate between the reducer block and the sender block's reducing warps
+// (combine_batches: both blocks' reads then bound the call, not the reducer's alone). A warp waits only for
+// its own tokens' copies; after each batch a part tells each peer how far it no longer needs the peer's
+// queue (its next batch's first record). ----
+
+// The warps of a block that reduce, [first_warp, first_warp + num_warps), and the named barrier they meet at
+// (0 with the whole block).
+struct ReduceWarps {
+  int part;  // 0: the reducer block, 1: the sender block's reducing warps (CombineBatches)
+  int first_warp;
+  int num_warps;
+  int barrier;
+  __device__ void sync() const {
+    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(num_warps * 32) : "memory");
+  }
+};
+
+// The sender block's reducing warps meet at this named barrier (the peers' send groups take 1 .. R - 1).
+constexpr int kSenderReduceBarrier = 15;
+
+// One warp, every lane, after a part's batches before token `next` (its next batch starts there): for each
+// peer r, the records of r's queue before `next` (the entry after that of the last token before `next` of
+// which r holds a copy) into claims[r]. Scans [scanned, next) backwards, 32 tokens a step; where no token
+// there has a copy, claims[r] keeps the count of the earlier scans.
+__device__ void claim_records_before(const CombineArgs& args, int scanned, int next, int lane, int* claims) {
+  const int num_ranks = args.peers.num_ranks;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r == args.peers.rank) continue;
+    for (int hi = next; hi > scanned; hi -= 32) {
+      const int t = hi - 1 - lane;
+      const int entry = t >= scanned ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + r] : -1;
+      const unsigned found = __ballot_sync(~0u, entry >= 0);
+      if (found != 0) {
+        const int last = __shfl_sync(~0u, entry, __ffs(found) - 1);  // the lowest lane has the latest token
+        if (lane == 0) claims[r] = last + 1;
+        break;
+      }
+    }
+  }
+}
 
 __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
-                              TmaWarpStage* stages, int calls) {
+                              const ReduceWarps& part, const CombineBatches& batches, TmaWarpStage* stages,
+                              int calls) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
+  __shared__ int claims[kMaxNvlRanks];    // with two parts: records of each peer's queue this part is done with
   __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
-  const int warp = threadIdx.x / 32;
-  const int lane = threadIdx.x % 32;
+  const int thread = static_cast<int>(threadIdx.x) - part.first_warp * 32;  // within the part
+  const int warp = thread / 32;
+  const int lane = thread % 32;
   const bool lane_is_peer = lane < num_ranks && lane != rank;
+  const bool two_parts = with_queues && batches.warps[1] > 0;
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
+  const uint32_t lane_base =
+      !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
   const ReduceContext context{args,
                               channel,
                               args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
                               with_queues,
-                              lane_is_peer ? counters->consumed[lane][channel] : 0u,
+                              lane_base,
                               lane,
                               lane_is_peer};
-  if (threadIdx.x < kMaxNvlRanks) consumed[threadIdx.x] = 0;
+  if (thread < kMaxNvlRanks) consumed[thread] = claims[thread] = 0;
   // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
   // below then end at once).
-  if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank)
-    check_launch_shape(args.peers, calls, args.shape, threadIdx.x, WaitPhase::kCombineReduce);
-  // The stream's leader: warp 0's lane of the next rank, which waits for that peer's copies.
+  if (with_queues && thread < num_ranks && thread != rank)
+    check_launch_shape(args.peers, calls, args.shape, thread, WaitPhase::kCombineReduce);
+  // The stream's leader: the reducer block's warp 0's lane of the next rank, which waits for that peer's
+  // copies.
   PhaseClock clock(args.phases, PhaseStream::kCombineReduce,
-                   with_queues && channel == 0 && warp == 0 && lane == (rank + 1) % num_ranks);
-  WarpReducer reducer(context, stages[warp], entry_rings[warp], clock);
+                   with_queues && part.part == 0 && channel == 0 && warp == 0 &&
+                       lane == (rank + 1) % num_ranks);
+  WarpReducer reducer(context, stages[part.first_warp + warp], entry_rings[part.first_warp + warp], clock);
+  part.sync();
+
+  // Thread r < R of the part (lane r of its warp 0): tells peer r the records of its queue this part is done
+  // with (`force`: even when not more than last time).
   int published = 0;  // thread r < R: what peer r was last told
-  __syncthreads();
+  const auto publish = [&](int value, bool force) {
+    if (!with_queues || thread >= num_ranks || thread == rank || (value <= published && !force)) return;
+    published = value;
+    auto* peer = NormalBufferMap::counters(args.peers.peer_bases[thread]);
+    uint32_t* head = part.part == 0 ? &peer->head[rank][channel] : &peer->head_second[rank][channel];
+    device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(context.lane_base + value));
+  };
+  int scanned = tokens.begin;
+  if (two_parts && part.part == 1) {
+    // head_second is stale from an earlier call (dispatches advance head only): this part's first word is due
+    // at once, before any of its waits.
+    scanned = min(tokens.end, tokens.begin + batches.start(1, 0));
+    if (warp == 0) claim_records_before(args, tokens.begin, scanned, lane, claims);
+    part.sync();
+    if (thread < kMaxNvlRanks) publish(claims[thread], true);
+  }
 
   const int num_tokens = tokens.end - tokens.begin;
-  const int queue_tokens = args.map.queue_tokens;
-  const int warps = with_queues ? min(kQueueWarps, queue_tokens) : kQueueWarps;
-  const int per_warp = with_queues ? max(1, min(kMaxTokensPerWarp, queue_tokens / (4 * kQueueWarps)))
-                                   : (num_tokens + kQueueWarps - 1) / kQueueWarps;
-  const int batch = max(1, warps * per_warp);
-  for (int first = tokens.begin; first < tokens.end; first += batch) {
+  const int warps = with_queues ? batches.warps[part.part] : part.num_warps;
+  const int size = with_queues ? batches.size[part.part] : num_tokens;
+  const int step = with_queues ? batches.cycle() : num_tokens;
+  for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0); first < tokens.end && size > 0;
+       first += step) {
+    const int batch_end = min(tokens.end, first + size);
     if (warp < warps) {
       const int mine = first + warp;
-      const int count = mine < tokens.end ? min(per_warp, (tokens.end - mine + warps - 1) / warps) : 0;
+      const int count = mine < batch_end ? (batch_end - mine + warps - 1) / warps : 0;
       reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
     clock.mark(1);
-    __syncthreads();
-    if (with_queues && threadIdx.x < num_ranks && threadIdx.x != rank && consumed[threadIdx.x] > published) {
-      published = consumed[threadIdx.x];
-      auto* head = &NormalBufferMap::counters(args.peers.peer_bases[threadIdx.x])->head[rank][channel];
-      device::st_release_sys(reinterpret_cast<int*>(head), static_cast<int>(context.lane_base + published));
+    part.sync();
+    if (two_parts) {
+      const int next = min(tokens.end, first + step);
+      if (warp == 0) claim_records_before(args, scanned, next, lane, claims);
+      scanned = next;
+      part.sync();
+      if (thread < kMaxNvlRanks) publish(claims[thread], false);
+    } else if (thread < kMaxNvlRanks) {
+      publish(consumed[thread], false);
     }
-    __syncthreads();  // the next batch's progress is not published before it is read
+    part.sync();  // the next batch's progress is not published before it is read
     clock.mark(2);
   }
-  if (with_queues && lane_is_peer && warp == 0)
-    counters->consumed[lane][channel] = context.lane_base + consumed[lane];
+  if (two_parts && scanned < tokens.end) {  // this part's last batch came before the other's
+    if (warp == 0) claim_records_before(args, scanned, tokens.end, lane, claims);
+    part.sync();
+    if (thread < kMaxNvlRanks) publish(claims[thread], false);
+  }
+  // The running counts the next call starts from: every record of this call (a part that reduced none of a
+  // peer's tokens still counts them). Each part keeps its own; a part alone keeps both.
+  if (with_queues && lane_is_peer && warp == 0) {
+    const uint32_t done = context.lane_base + (two_parts ? claims[lane] : consumed[lane]);
+    if (part.part == 0) counters->consumed[lane][channel] = done;
+    if (part.part == 1 || !two_parts) counters->consumed_second[lane][channel] = done;
+  }
   clock.add_to_report(lane_is_peer ? consumed[lane] : 0, static_cast<int>(args.record.bytes()));
 }
 
-// Block 2c sends the rows received on channel c back to their sources, block 2c + 1 reduces channel c's
-// tokens. With one rank there are no queues and both blocks reduce, half of the channel each.
+// Block 2c sends the rows received on channel c back to their sources with its first warps and reduces a
+// share of channel c's tokens with the rest (combine_sender_roles); block 2c + 1 reduces the others. With
+// one rank there are no queues and both blocks reduce, half of the channel each.
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
-  extern __shared__ TmaWarpStage stages[];  // [kQueueWarps], reducer blocks only
+  extern __shared__ TmaWarpStage stages[];  // [kQueueWarps]: the reducing warps'
   const int calls = calls_before(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
   if (device::block_sees_abort(wait_context(args.peers), WaitPhase::kCombineReduce)) return;
@@ -375,21 +453,30 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const bool is_sender = blockIdx.x % 2 == 0;
   const int num_ranks = args.peers.num_ranks;
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
+  const int warp = threadIdx.x / 32;
   if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
-                  false, stages, calls);
-  } else if (is_sender) {
-    const int warp = threadIdx.x / 32;
-    const int warps_per_peer = kQueueWarps / (num_ranks - 1);
-    const int peer_idx = warp / warps_per_peer;
-    if (peer_idx < num_ranks - 1) {
-      const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
-                            static_cast<int>(threadIdx.x % 32)};
-      send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls);
-    }
+                  false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls);
   } else {
-    reduce_tokens(args, channel, range, true, stages, calls);
+    const CombineSenderRoles roles =
+        combine_sender_roles(kQueueWarps, num_ranks, args.sender_reduce_warps);
+    const CombineBatches batches = combine_batches(args.map.queue_tokens, kQueueWarps, roles.reduce);
+    if (!is_sender) {
+      reduce_tokens(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages, calls);
+    } else if (warp >= roles.send) {
+      reduce_tokens(args, channel, range, true,
+                    ReduceWarps{1, roles.send, roles.reduce, kSenderReduceBarrier}, batches, stages, calls);
+    } else {
+      const int warps_per_peer = roles.send / (num_ranks - 1);
+      const int peer_idx = warp / warps_per_peer;
+      if (peer_idx < num_ranks - 1) {
+        const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
+                              static_cast<int>(threadIdx.x % 32)};
+        send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls,
+                  batches.warps[1] > 0);
+      }
+    }
   }
   finish_launch(args.peers, calls);
 }

@@ -202,6 +202,9 @@ struct CombineArgs {
   CombineOutput out;
   ShapeFingerprint shape{};       // of this launch (normal_launch_fingerprint), checked by every receiver
   PhaseReport* phases = nullptr;  // as DispatchArgs::phases, for the senders
+  // Warps of each sender block that reduce a share of the tokens (combine_sender_roles; the same on every
+  // rank: a source writes by both reducers' words when there are two). -1: the default.
+  int sender_reduce_warps = -1;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -131,15 +131,18 @@ struct QueueEnd {
 // One sender's stream of records into queue (this rank -> peer, channel) in the peer's buffer.
 struct QueueSender : QueueEnd {
   int chunk_tokens;
+  bool second_head;  // the peer consumes with two reducers (a combine's, QueueCounters::head_second)
   int pushed = 0;
 
   __device__ QueueSender(const PeerContext& p, const NormalBufferMap& l, const WarpGroup& g, int* shared,
-                         int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase)
+                         int dst_rank, int channel_idx, int chunk, WaitPhase wait_phase,
+                         bool two_heads = false)
       : QueueEnd{p,          l,
                  g,          shared,
                  dst_rank,   channel_idx,
                  wait_phase, NormalBufferMap::counters(p.local_base)->sent[dst_rank][channel_idx]},
-        chunk_tokens(chunk) {}
+        chunk_tokens(chunk),
+        second_head(two_heads) {}
 
   // Before the first record: the peer finished every call before this one, so nothing of theirs is still
   // unread in its queues (whatever their map).
@@ -155,9 +158,14 @@ struct QueueSender : QueueEnd {
   __device__ int reserve(int most) {
     int granted = 0;
     if (group.leader()) {
-      const int consumed =
-          device::wait_count_since(&NormalBufferMap::counters(peers.local_base)->head[peer][channel], base,
-                                   pushed - map.queue_tokens + 1, wait_context(peers), peer, phase);
+      auto* counters = NormalBufferMap::counters(peers.local_base);
+      const int needed = pushed - map.queue_tokens + 1;
+      int consumed =
+          device::wait_count_since(&counters->head[peer][channel], base, needed, wait_context(peers), peer, phase);
+      if (second_head) {
+        consumed = min(consumed, device::wait_count_since(&counters->head_second[peer][channel], base, needed,
+                                                          wait_context(peers), peer, phase));
+      }
       granted = min(min(queue_room(pushed, consumed, map.queue_tokens), chunk_tokens), most);
     }
     return share(granted);
@@ -225,7 +233,11 @@ struct QueueReceiver : QueueEnd {
   }
 
   __device__ void finish() const {
-    if (group.leader()) NormalBufferMap::counters(peers.local_base)->consumed[peer][channel] = base + count;
+    if (group.leader()) {
+      auto* counters = NormalBufferMap::counters(peers.local_base);
+      counters->consumed[peer][channel] = base + count;
+      counters->consumed_second[peer][channel] = base + count;  // a combine's second reducer starts there
+    }
   }
 };
 

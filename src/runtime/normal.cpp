@@ -398,6 +398,15 @@ int sender_own_warps() {
   return requested;
 }
 
+// EPX_COMBINE_SENDER_REDUCE_WARPS=N: N warps of each combine sender block reduce a share of the tokens beside
+// the reducer block (CombineArgs::sender_reduce_warps; read once, bounded by the kernel; 0: the reducer block
+// reduces them all). It must be the same on every rank. Unset: -1, the default
+// (default_combine_sender_reduce_warps).
+int combine_sender_reduce_warps() {
+  static const int requested = env_count("EPX_COMBINE_SENDER_REDUCE_WARPS");
+  return requested;
+}
+
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
 // (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
 // own-row warps). Unset: -1, the measured default (default_receiver_own_warps).
@@ -1101,6 +1110,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                       NormalOperation::kCombine, false),
                             phase_reports(buffer)};
+  args.sender_reduce_warps = combine_sender_reduce_warps();
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

@@ -91,11 +91,11 @@ TEST(NormalBufferMap, QueuesAreDisjointAndInsideTheBuffer) {
     }
     EXPECT_EQ(offsets.size(), size_t(ranks - 1) * 3 * 5);
   }
-  // The fixed areas: control is 32 ints and the launch fingerprints, the counters cover every (rank,
-  // channel).
+  // The fixed areas: control is 32 ints and the launch fingerprints, the counters (tail, head, sent,
+  // consumed and a combine's second reducer's head and consumed) cover every (rank, channel).
   EXPECT_EQ(sizeof(NormalBufferMap::Control), 128u + 8u * epx::kMaxNvlRanks);
   EXPECT_EQ(NormalBufferMap::kCountersOffset, 256u);
-  EXPECT_EQ(sizeof(NormalBufferMap::QueueCounters), 4u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
+  EXPECT_EQ(sizeof(NormalBufferMap::QueueCounters), 6u * epx::kMaxNvlRanks * epx::kMaxChannels * 4);
 }
 
 // The protocol of one queue, played on the CPU with counters that wrap: a sender writes whatever room a
