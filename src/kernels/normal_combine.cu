@@ -346,7 +346,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
                               const ReduceWarps& part, const CombineBatches& batches, TmaWarpStage* stages,
                               int calls) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
-  __shared__ int claims[kMaxNvlRanks];    // with two parts: records of each peer's queue this part is done with
+  __shared__ int claims[kMaxNvlRanks];  // with two parts: records of each peer's queue this part is done with
   __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
@@ -358,13 +358,10 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const uint32_t lane_base =
       !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
-  const ReduceContext context{args,
-                              channel,
-                              args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
-                              with_queues,
-                              lane_base,
-                              lane,
-                              lane_is_peer};
+  const ReduceContext context{
+      args,        channel,   args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
+      with_queues, lane_base, lane,
+      lane_is_peer};
   if (thread < kMaxNvlRanks) consumed[thread] = claims[thread] = 0;
   // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
   // below then end at once).
@@ -372,9 +369,9 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     check_launch_shape(args.peers, calls, args.shape, thread, WaitPhase::kCombineReduce);
   // The stream's leader: the reducer block's warp 0's lane of the next rank, which waits for that peer's
   // copies.
-  PhaseClock clock(args.phases, PhaseStream::kCombineReduce,
-                   with_queues && part.part == 0 && channel == 0 && warp == 0 &&
-                       lane == (rank + 1) % num_ranks);
+  PhaseClock clock(
+      args.phases, PhaseStream::kCombineReduce,
+      with_queues && part.part == 0 && channel == 0 && warp == 0 && lane == (rank + 1) % num_ranks);
   WarpReducer reducer(context, stages[part.first_warp + warp], entry_rings[part.first_warp + warp], clock);
   part.sync();
 
@@ -402,8 +399,8 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const int warps = with_queues ? batches.warps[part.part] : part.num_warps;
   const int size = with_queues ? batches.size[part.part] : num_tokens;
   const int step = with_queues ? batches.cycle() : num_tokens;
-  for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0); first < tokens.end && size > 0;
-       first += step) {
+  for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0);
+       first < tokens.end && size > 0; first += step) {
     const int batch_end = min(tokens.end, first + size);
     if (warp < warps) {
       const int mine = first + warp;
@@ -459,8 +456,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
                   false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls);
   } else {
-    const CombineSenderRoles roles =
-        combine_sender_roles(kQueueWarps, num_ranks, args.sender_reduce_warps);
+    const CombineSenderRoles roles = combine_sender_roles(kQueueWarps, num_ranks, args.sender_reduce_warps);
     const CombineBatches batches = combine_batches(args.map.queue_tokens, kQueueWarps, roles.reduce);
     if (!is_sender) {
       reduce_tokens(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages, calls);

@@ -160,8 +160,8 @@ struct QueueSender : QueueEnd {
     if (group.leader()) {
       auto* counters = NormalBufferMap::counters(peers.local_base);
       const int needed = pushed - map.queue_tokens + 1;
-      int consumed =
-          device::wait_count_since(&counters->head[peer][channel], base, needed, wait_context(peers), peer, phase);
+      int consumed = device::wait_count_since(&counters->head[peer][channel], base, needed,
+                                              wait_context(peers), peer, phase);
       if (second_head) {
         consumed = min(consumed, device::wait_count_since(&counters->head_second[peer][channel], base, needed,
                                                           wait_context(peers), peer, phase));
