@@ -292,9 +292,10 @@ TEST_P(NormalRanks, CachedRedispatchIntoTheOutputWindow) {
 }
 
 // Every dispatch into the output window: top-k and rank-map routing, BF16 and FP8, worst-case padding,
-// expert alignment, counts off the layout board or the count exchange (the receive launched by notify goes
-// through the queues, into the same window memory), 0, 1 and odd token counts, skewed routing, odd ranks
-// through their queues.
+// expert alignment, counts off the layout board or the count exchange, the receive launched by notify into a
+// guess in the window that the rows fit (the way decided at launch or, before the counts, on the device), one
+// too small or none (through the queues, into the same window memory), 0, 1 and odd token counts, skewed
+// routing, odd ranks through their queues.
 TEST_P(NormalRanks, DispatchIntoTheOutputWindow) {
   NormalCase c = small_case(GetParam());
   c.into_window = {true};
@@ -302,15 +303,18 @@ TEST_P(NormalRanks, DispatchIntoTheOutputWindow) {
   c.cached_into_window = {true, false, false};
   c.odd_ranks_into_window = {true, true, true, false};
   c.formats = {kBf16, kFp8, kFp8};
-  c.route_by = {NormalRouteBy::kTopk, NormalRouteBy::kTopk, NormalRouteBy::kRankMapCounts,
-                NormalRouteBy::kTopk};
+  c.route_by = {NormalRouteBy::kTopk, NormalRouteBy::kTopk, NormalRouteBy::kRankMapCounts};
   c.expert_alignments = {1, 128};
-  c.worst_case = {false, false, false, false, false, true};
-  c.launch_receive = {false, false, true};
+  c.worst_case = {false, false, false, false, true};
+  // Odd iterations launch the receive: a guess that fits off the board (1, and 7 with odd ranks out of
+  // their windows) and with the count exchange (5, and 11 with odd ranks out), one too small (3), none (9).
+  c.launch_receive = {false, true};
+  using enum epx::test::NormalGuess;
+  c.guesses = {kNone, kFits, kNone, kTooSmall, kNone, kFits, kNone, kFits, kNone, kNone, kNone, kFits};
   c.num_tokens = {0, 1, 333, 64};
   c.routing = NormalRouting::kUnbalanced;
   c.num_sms = {20, 6};
-  c.num_iterations = 8;
+  c.num_iterations = 12;
   c.seed = 67;
   run_case(c);
 }
