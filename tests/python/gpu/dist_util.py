@@ -6,7 +6,9 @@ two ranks on one GPU): it checks larger groups' logic on fewer GPUs, never their
 the tests of fewer ranks."""
 
 import os
+import sys
 import tempfile
+import traceback
 
 import pytest
 
@@ -47,8 +49,12 @@ def _entry(rank, num_ranks, store_file, worker, args):
         worker(rank, num_ranks, dist.group.WORLD, *args)
         torch.cuda.synchronize()
         dist.barrier()
-    finally:
-        dist.destroy_process_group()
+    except BaseException:
+        # Said at once, naming the rank, and without destroy_process_group: a peer left waiting in a collective
+        # keeps this rank there, and spawn then reports nothing (the process never exits).
+        print(f"rank {rank} of {num_ranks} failed:\n{traceback.format_exc()}", file=sys.stderr, flush=True)
+        raise
+    dist.destroy_process_group()
 
 
 def run(worker, num_ranks, *args):
