@@ -22,7 +22,9 @@ TEST(CombineWarpRoles, EveryPeerKeepsASendingWarp) {
       EXPECT_EQ(roles.send + roles.reduce, 16);
       EXPECT_GE(roles.send / (ranks - 1), 1);
       EXPECT_GE(roles.reduce, 0);
-      if (requested >= 0) EXPECT_EQ(roles.reduce, std::min(requested, 16 - (ranks - 1)));
+      if (requested >= 0) {
+        EXPECT_EQ(roles.reduce, std::min(requested, 16 - (ranks - 1)));
+      }
     }
   }
 }
@@ -46,7 +48,9 @@ TEST(CombineBatches, EachBatchFitsTheQueueAndTheyAlternate) {
       EXPECT_LE(b.size[1], queue);
       EXPECT_GE(b.size[0], 1);
       EXPECT_EQ(b.size[1] == 0, second == 0);
-      if (queue >= 64) EXPECT_LE(b.size[0], queue / 4);  // room for the sender while a batch is reduced
+      if (queue >= 64) {
+        EXPECT_LE(b.size[0], queue / 4);  // room for the sender while a batch is reduced
+      }
       EXPECT_EQ(b.start(0, 0), 0);
       EXPECT_EQ(b.start(1, 0), b.size[0]);
       EXPECT_EQ(b.start(0, 3), 3 * b.cycle());
@@ -104,7 +108,9 @@ TEST(CombineBatches, TwoReducersNeverDeadlock) {
       const int step = can[rng() % can.size()];
       if (step == 2) {
         // The slot of record `written` held record written - queue: it must have been used by then.
-        if (written >= queue) ASSERT_EQ(used[written - queue], 1);
+        if (written >= queue) {
+          ASSERT_EQ(used[written - queue], 1);
+        }
         ++written;
         continue;
       }
