@@ -928,10 +928,12 @@ class _Rank:
         buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes + window, num_nvl_output_bytes=window)
         base, size = buffer.runtime.nvl_output_window, buffer.runtime.num_nvl_output_bytes
 
+        def tokens(fp8: bool) -> Any:
+            return (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
+
         def dispatch(fp8: bool) -> Any:
-            x = (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
-            return buffer.dispatch(x, topk_idx=mine["topk"], topk_weights=mine["weights"], num_experts=o.experts,
-                                   is_token_in_rank=layout.is_token_in_rank,
+            return buffer.dispatch(tokens(fp8), topk_idx=mine["topk"], topk_weights=mine["weights"],
+                                   num_experts=o.experts, is_token_in_rank=layout.is_token_in_rank,
                                    num_tokens_per_expert=layout.num_tokens_per_expert,
                                    num_tokens_per_rank=layout.num_tokens_per_rank)
 
@@ -961,7 +963,7 @@ class _Rank:
         for sms in o.num_sms:
             buffer.num_sms = sms
             for fp8 in (False, True):
-                x = (mine["x_fp8"], mine["scales"]) if fp8 else mine["x_bf16"]
+                x = tokens(fp8)
                 name = "FP8" if fp8 else "BF16"
                 nbytes = normal_bytes(rows, o.hidden, fp8)
                 handle = plans[fp8].handle

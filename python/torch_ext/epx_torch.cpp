@@ -484,6 +484,23 @@ int64_t window_release(const py::object& window) {
   return pool->ranges->taken();
 }
 
+// torch's allocations on `stream` go to `pool` while this lives.
+class AllocatingToPool {
+ public:
+  AllocatingToPool(c10::DeviceIndex device, at::cuda::MemPool& pool, cudaStream_t stream)
+      : device_(device), id_(pool.id()) {
+    c10::cuda::CUDACachingAllocator::beginAllocateToPool(device_, id_,
+                                                         [stream](cudaStream_t s) { return s == stream; });
+  }
+  ~AllocatingToPool() { c10::cuda::CUDACachingAllocator::endAllocateToPool(device_, id_); }
+  AllocatingToPool(const AllocatingToPool&) = delete;
+  AllocatingToPool& operator=(const AllocatingToPool&) = delete;
+
+ private:
+  c10::DeviceIndex device_;
+  at::cuda::MempoolId_t id_;
+};
+
 // `make()` with torch's allocations on the current stream routed into the window's pool (`window`: the
 // capsule, or None). Returns what it made and whether it came from the window; without room there, made as
 // usual.
@@ -493,26 +510,23 @@ auto made_in_window(const py::object& window, int device, Make make) -> std::pai
   auto* pool = static_cast<WindowPool*>(window.cast<py::capsule>().get_pointer());
   if (pool->refused || !pool->pool) return {make(), false};
   const auto index = static_cast<c10::DeviceIndex>(device);
-  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream(index).stream();
-  c10::cuda::CUDACachingAllocator::beginAllocateToPool(index, pool->pool->id(),
-                                                       [stream](cudaStream_t s) { return s == stream; });
-  try {
-    auto made = make();
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
-    return {std::move(made), true};
-  } catch (const c10::OutOfMemoryError&) {
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
-  } catch (const c10::Error& error) {
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
+  std::optional<std::string> refusal;  // torch's error when it refused the pool for another reason than room
+  {
+    const AllocatingToPool routed(index, *pool->pool, c10::cuda::getCurrentCUDAStream(index).stream());
+    try {
+      return {make(), true};
+    } catch (const c10::OutOfMemoryError&) {
+    } catch (const c10::Error& error) {
+      refusal = error.what_without_backtrace();
+    }
+  }
+  if (refusal) {
     pool->refused = true;
     const py::gil_scoped_acquire gil;
     const std::string message =
-        std::string("epx: torch refused the output window's memory pool (") + error.what_without_backtrace() +
+        "epx: torch refused the output window's memory pool (" + *refusal +
         "); dispatch outputs come from torch's allocator and rows go through the queues";
     if (PyErr_WarnEx(PyExc_RuntimeWarning, message.c_str(), 1) != 0) PyErr_Clear();
-  } catch (...) {
-    c10::cuda::CUDACachingAllocator::endAllocateToPool(index, pool->pool->id());
-    throw;
   }
   return {make(), false};
 }

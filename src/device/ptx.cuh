@@ -72,6 +72,11 @@ __device__ __forceinline__ void red_add_release_sys(int* address, int value) {
   asm volatile("red.release.sys.global.add.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
 }
 
+// Named barrier `id` (0 is __syncthreads') over `threads` threads of the block, a multiple of 32.
+__device__ __forceinline__ void named_barrier_sync(int id, int threads) {
+  asm volatile("bar.sync %0, %1;" ::"r"(id), "r"(threads) : "memory");
+}
+
 __device__ __forceinline__ uint64_t global_timer_ns() {
   uint64_t ns;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(ns));

@@ -313,9 +313,7 @@ struct ReduceWarps {
   int first_warp;
   int num_warps;
   int barrier;
-  __device__ void sync() const {
-    asm volatile("bar.sync %0, %1;" ::"r"(barrier), "r"(num_warps * 32) : "memory");
-  }
+  __device__ void sync() const { device::named_barrier_sync(barrier, num_warps * 32); }
 };
 
 // The sender block's reducing warps meet at this named barrier (the peers' send groups take 1 .. R - 1).

@@ -29,9 +29,7 @@ struct WarpGroup {
   int lane;
 
   __device__ bool leader() const { return warp == 0 && lane == 0; }
-  __device__ void sync() const {
-    asm volatile("bar.sync %0, %1;" ::"r"(group + 1), "r"(num_warps * 32) : "memory");
-  }
+  __device__ void sync() const { device::named_barrier_sync(group + 1, num_warps * 32); }
   // The leader's `value`, for every thread of the group, through `shared` (one int of shared memory).
   __device__ int share(int value, int* shared) const {
     if (leader()) *shared = value;

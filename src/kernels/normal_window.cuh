@@ -29,8 +29,8 @@ struct WindowOutputs {
   float* x_scales;
   int64_t* topk_idx;
   float* topk_weights;
-  int*
-      src_idx;  // where the rows' source indices go (the receiver's idle queues), or null (a cached dispatch)
+  // Where the rows' source indices go (the receiver's idle queues), or null (a cached dispatch).
+  int* src_idx;
 };
 
 // Whether this rank receives into its window: its outputs lie there (to_window), or a guess there holds the

@@ -683,6 +683,17 @@ kernels::NotifyArgs exchange_args(const NotifyCall& call, const kernels::HostCou
 
 // ---- Counts off the layout board ----
 
+// Whether the call's guess lies in the output window whole (a Buffer with one; its offsets then go into
+// args.window_outputs): the launched receive may take the rows straight into it. Otherwise it receives
+// through its queues.
+bool place_guess_in_window(const NotifyCall& call, kernels::DispatchArgs& args) {
+  if (!args.window_posts || call.guess_rows <= 0) return false;
+  const auto window =
+      window_placement(call.buffer, *call.state, args.map, call.guess->outputs, call.guess_rows, false);
+  if (window) std::copy(window->begin(), window->end(), args.window_outputs);
+  return window.has_value();
+}
+
 // The guess's outputs are the outputs: the receive goes out now, running the count exchange `exchange` too,
 // and needs nothing more from the host.
 void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exchange) {
@@ -695,13 +706,7 @@ void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exch
   kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in, call.guess->outputs);
   exchange_in_launch(args, exchange);
   // The host has the counts: a guess in the output window that holds the rows takes them straight in.
-  if (args.window_posts) {
-    if (const auto window =
-            window_placement(call.buffer, state, args.map, call.guess->outputs, call.guess->rows, false)) {
-      args.to_window = true;
-      std::copy(window->begin(), window->end(), args.window_outputs);
-    }
-  }
+  args.to_window = place_guess_in_window(call, args);
   kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.sequence;  // dispatch_receive completes the call
   state.launched_receive = call.sequence;
@@ -809,13 +814,7 @@ void launch_receive_before_counts(NotifyCall& call, const kernels::HostCounts& h
   if (notify_in_receive) exchange_in_launch(args, exchange_args(call, host));
   // A guess in the output window: the receivers take the rows straight into it when they fit it, which the
   // launch learns from the counts (DispatchArgs::window_guess); otherwise through the queues.
-  if (args.window_posts && call.guess_rows > 0) {
-    if (const auto window =
-            window_placement(call.buffer, state, args.map, call.guess->outputs, call.guess_rows, false)) {
-      args.window_guess = true;
-      std::copy(window->begin(), window->end(), args.window_outputs);
-    }
-  }
+  args.window_guess = place_guess_in_window(call, args);
   kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.scratch.notify_sequence;
   state.launched_receive = call.scratch.notify_sequence;
