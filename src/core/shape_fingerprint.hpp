@@ -24,9 +24,10 @@ enum class ShapeField : int32_t {
   // whether num_tokens_per_rank was given
   kFormat = 8,
   kNetworkQueueTokens =
-      9,  // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens)
+      9,            // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens)
+  kWarpRoles = 10,  // normal combine within a node: the reducing warps of each sender block
 };
-constexpr int kNumShapeFields = 10;
+constexpr int kNumShapeFields = 11;
 
 struct ShapeFingerprint {
   int32_t hash;  // of the values: receivers compare it first, one word

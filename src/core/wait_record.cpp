@@ -165,6 +165,8 @@ const char* shape_field_name(int field) {
       return "num_max_dispatch_tokens_per_rank";
     case ShapeField::kNetworkQueueTokens:
       return "num_max_rdma_chunked_recv_tokens";
+    case ShapeField::kWarpRoles:
+      return "the combine's reducing warps per sender block (EPX_COMBINE_SENDER_REDUCE_WARPS)";
     case ShapeField::kFormat:
       return "format (use_fp8, round_scale, use_ue8m0, use_logfmt, pre_reduce, logfmt_within_node; in normal "
              "mode the operation, dispatch or "

@@ -14,6 +14,11 @@
 // Launchers of the normal-mode kernels; each takes one Args struct of plain pointers.
 namespace epx::kernels {
 
+// Threads of every block of the within-node dispatch and combine (kernels/normal_queue.cuh); the host
+// resolves the combine's warp roles (combine_warp_roles.hpp) from them.
+constexpr int kQueueThreads = 512;
+constexpr int kQueueWarps = kQueueThreads / 32;
+
 // Device-side handle arrays (allocated by the host, filled by the kernels).
 struct HandleArrays {
   uint8_t* is_token_in_rank;  // [T, R] copy, for cached dispatch
@@ -202,9 +207,10 @@ struct CombineArgs {
   CombineOutput out;
   ShapeFingerprint shape{};       // of this launch (normal_launch_fingerprint), checked by every receiver
   PhaseReport* phases = nullptr;  // as DispatchArgs::phases, for the senders
-  // Warps of each sender block that reduce a share of the tokens (combine_sender_roles; the same on every
-  // rank: a source writes by both reducers' words when there are two). -1: the default.
-  int sender_reduce_warps = -1;
+  // Warps of each sender block that reduce a share of the tokens, as the host resolved them
+  // (combine_sender_roles; the launch's fingerprint carries them, so ranks that differ fail the shape check:
+  // a source writes by both reducers' words when there are two).
+  int sender_reduce_warps = 0;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

@@ -17,9 +17,6 @@
 // group per peer, so a full queue to one peer never stalls the traffic to another.
 namespace epx::kernels {
 
-constexpr int kQueueThreads = 512;
-constexpr int kQueueWarps = kQueueThreads / 32;
-
 // The warps of a block that serve one peer. Group g synchronizes on named barrier 1 + g (0 is
 // __syncthreads), so groups never wait for each other.
 struct WarpGroup {

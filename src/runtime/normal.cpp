@@ -18,6 +18,7 @@
 #include "epx/error.hpp"
 #include "formats/scale_format.hpp"
 #include "gpu/cuda_check.hpp"
+#include "kernels/combine_warp_roles.hpp"
 #include "kernels/deep_ep_matrices.hpp"
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
@@ -399,9 +400,9 @@ int sender_own_warps() {
 }
 
 // EPX_COMBINE_SENDER_REDUCE_WARPS=N: N warps of each combine sender block reduce a share of the tokens beside
-// the reducer block (CombineArgs::sender_reduce_warps; read once, bounded by the kernel; 0: the reducer block
-// reduces them all). It must be the same on every rank. Unset: -1, the default
-// (default_combine_sender_reduce_warps).
+// the reducer block (CombineArgs::sender_reduce_warps; read once, bounded by combine_sender_roles; 0: the
+// reducer block reduces them all). It must be the same on every rank: the launch's fingerprint carries it, so
+// ranks that differ fail the shape check. Unset: -1, the default (default_combine_sender_reduce_warps).
 int combine_sender_reduce_warps() {
   static const int requested = env_count("EPX_COMBINE_SENDER_REDUCE_WARPS");
   return requested;
@@ -1098,6 +1099,9 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   const NormalBufferMap map = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
   check_normal_map_fits(map, buffer.num_nvl_queue_bytes());
   begin_on_comm_stream(buffer, order);
+  const int reduce_warps =
+      kernels::combine_sender_roles(kernels::kQueueWarps, buffer.num_ranks(), combine_sender_reduce_warps())
+          .reduce;
   kernels::CombineArgs args{peer_context(buffer),
                             map,
                             record,
@@ -1107,9 +1111,9 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             in,
                             out,
                             normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
-                                                      NormalOperation::kCombine, false),
+                                                      NormalOperation::kCombine, false, reduce_warps),
                             phase_reports(buffer)};
-  args.sender_reduce_warps = combine_sender_reduce_warps();
+  args.sender_reduce_warps = reduce_warps;
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }

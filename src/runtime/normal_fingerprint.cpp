@@ -27,9 +27,11 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
   return make_shape_fingerprint(values);
 }
 
-ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
-                                           const NormalRecord& record, int hidden, int num_experts,
-                                           NormalOperation op, bool fp8) {
+namespace {
+
+ShapeFingerprint launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
+                                    const NormalRecord& record, int hidden, int num_experts,
+                                    NormalOperation op, bool fp8, int warp_roles) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = hidden;
   values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
@@ -40,13 +42,23 @@ ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, i
   values[static_cast<int>(ShapeField::kQueueTokens)] = queue_tokens;
   values[static_cast<int>(ShapeField::kFormat)] = 2 * static_cast<int>(op) + (fp8 ? 1 : 0);
   values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = network_queue_tokens;
+  values[static_cast<int>(ShapeField::kWarpRoles)] = warp_roles;
   return make_shape_fingerprint(values);
 }
 
+}  // namespace
+
+ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
+                                           const NormalRecord& record, int hidden, int num_experts,
+                                           NormalOperation op, bool fp8) {
+  return launch_fingerprint(num_channels, queue_tokens, network_queue_tokens, record, hidden, num_experts, op,
+                            fp8, 0);
+}
+
 ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& map, const NormalRecord& record, int hidden,
-                                           int num_experts, NormalOperation op, bool fp8) {
-  return normal_launch_fingerprint(map.num_channels, map.queue_tokens, 0, record, hidden, num_experts, op,
-                                   fp8);
+                                           int num_experts, NormalOperation op, bool fp8, int warp_roles) {
+  return launch_fingerprint(map.num_channels, map.queue_tokens, 0, record, hidden, num_experts, op, fp8,
+                            warp_roles);
 }
 
 }  // namespace epx

@@ -25,8 +25,8 @@ enum class NormalOperation { kDispatch = 1, kCombine = 2, kDispatchWithWindow = 
 ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
                                            const NormalRecord& record, int hidden, int num_experts,
                                            NormalOperation op, bool fp8);
-// Within one node: the queues of `map`.
+// Within one node: the queues of `map`; `warp_roles`: a combine's reducing warps per sender block.
 ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& map, const NormalRecord& record, int hidden,
-                                           int num_experts, NormalOperation op, bool fp8);
+                                           int num_experts, NormalOperation op, bool fp8, int warp_roles = 0);
 
 }  // namespace epx
