@@ -637,11 +637,6 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   in.expert_alignment = static_cast<int>(expert_alignment);
   in.num_worst_tokens = static_cast<int>(num_worst_tokens);
 
-  // Outputs in the window are allocated once the counts are known: no receive launched before them.
-  if (!window.is_none()) {
-    launch_receive = false;
-    guess_rows = 0;
-  }
   AllocateContext context{&x,      &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream,
                           &window, {},        nullptr};
   epx::python::DispatchHandleArrays arrays{};
@@ -649,7 +644,11 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   DispatchOutputs guessed;
   if (guess_rows > 0) {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    guessed = DispatchOutputs::make(guess_rows, device, x, x_scales, num_topk);
+    // In the output window when it has room: the receive launched before the counts takes the rows
+    // straight into it when they fit.
+    guessed = made_in_window(window, device, [&] {
+                return DispatchOutputs::make(guess_rows, device, x, x_scales, num_topk);
+              }).first;
     guess.emplace();
     guess->outputs = guessed.native();
     guess->rows = static_cast<int>(guess_rows);
