@@ -377,6 +377,7 @@ struct DispatchOutputs {
   int64_t hidden = 0, num_scales = 0, num_topk = 0;
   bool with_scales = false;
   int64_t idx_offset = 0, weights_offset = 0;  // bytes into extras_block (the scales start it)
+  int device = 0;
 
   static DispatchOutputs make(int64_t capacity, int device, const at::Tensor& x,
                               const std::optional<at::Tensor>& x_scales, int64_t num_topk) {
@@ -389,6 +390,7 @@ struct DispatchOutputs {
       made.num_scales = x_scales->size(1);
     }
     made.num_topk = num_topk;
+    made.device = device;
     const int64_t scales_bytes =
         made.with_scales
             ? capacity * made.num_scales * static_cast<int64_t>(c10::elementSize(made.scales_dtype))
@@ -415,15 +417,20 @@ struct DispatchOutputs {
     return out;
   }
   // The tensors of the first `rows` rows (<= capacity): recv_x, and each of the others or None where not
-  // made.
+  // made. No rows: tensors over no memory, so a result of none keeps no block alive (a guess made for more
+  // rows, say in the output window, which destroy() would then name as still referenced).
   std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
   tensors(int64_t rows) const {
+    const auto over = [&](const c10::Storage& block, int64_t offset, at::IntArrayRef shape,
+                          at::ScalarType dtype) {
+      return rows == 0 ? empty_on(device, shape, dtype) : tensor_over(block, offset, shape, dtype);
+    };
     std::tuple<at::Tensor, std::optional<at::Tensor>, std::optional<at::Tensor>, std::optional<at::Tensor>>
-        made{tensor_over(rows_block, 0, {rows, hidden}, x_dtype), std::nullopt, std::nullopt, std::nullopt};
-    if (with_scales) std::get<1>(made) = tensor_over(extras_block, 0, {rows, num_scales}, scales_dtype);
+        made{over(rows_block, 0, {rows, hidden}, x_dtype), std::nullopt, std::nullopt, std::nullopt};
+    if (with_scales) std::get<1>(made) = over(extras_block, 0, {rows, num_scales}, scales_dtype);
     if (num_topk > 0) {
-      std::get<2>(made) = tensor_over(extras_block, idx_offset, {rows, num_topk}, at::kLong);
-      std::get<3>(made) = tensor_over(extras_block, weights_offset, {rows, num_topk}, at::kFloat);
+      std::get<2>(made) = over(extras_block, idx_offset, {rows, num_topk}, at::kLong);
+      std::get<3>(made) = over(extras_block, weights_offset, {rows, num_topk}, at::kFloat);
     }
     return made;
   }
@@ -637,11 +644,6 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   in.expert_alignment = static_cast<int>(expert_alignment);
   in.num_worst_tokens = static_cast<int>(num_worst_tokens);
 
-  // Outputs in the window are allocated once the counts are known: no receive launched before them.
-  if (!window.is_none()) {
-    launch_receive = false;
-    guess_rows = 0;
-  }
   AllocateContext context{&x,      &x_scales, num_topk, device, comm_stream, allocate_on_comm_stream,
                           &window, {},        nullptr};
   epx::python::DispatchHandleArrays arrays{};
@@ -649,7 +651,11 @@ py::object dispatch(py::handle buffer, int device, int num_ranks, const at::Tens
   DispatchOutputs guessed;
   if (guess_rows > 0) {
     const auto guard = allocation_stream(device, comm_stream, allocate_on_comm_stream);
-    guessed = DispatchOutputs::make(guess_rows, device, x, x_scales, num_topk);
+    // In the output window when it has room: the receive launched before the counts takes the rows
+    // straight into it when they fit.
+    guessed = made_in_window(window, device, [&] {
+                return DispatchOutputs::make(guess_rows, device, x, x_scales, num_topk);
+              }).first;
     guess.emplace();
     guess->outputs = guessed.native();
     guess->rows = static_cast<int>(guess_rows);
