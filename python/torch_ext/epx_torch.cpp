@@ -481,14 +481,24 @@ py::object window_pool(int device, uintptr_t base, int64_t bytes) {
                      [](void* pool) { delete static_cast<WindowPool*>(pool); });
 }
 
-// Ends the pool of a window capsule before its Buffer's memory goes: torch gives back the segments it keeps
-// cached. Returns the bytes still taken: tensors from the window that are still alive (they would point at
-// freed memory once the Buffer is destroyed).
+// Ends the pool of a window capsule before its Buffer's memory goes. Returns the bytes of tensors from the
+// window that are still alive (they would point at freed memory once the Buffer is destroyed).
 int64_t window_release(const py::object& window) {
   auto* pool = static_cast<WindowPool*>(window.cast<py::capsule>().get_pointer());
   const c10::cuda::CUDAGuard guard(static_cast<c10::DeviceIndex>(pool->device));
+  // Bytes of the pool's live blocks (outputs still referenced). Not the window's ranges torch holds: it keeps
+  // the pool's free segments cached past the pool's end (emptyCache of the pool does not return them either).
+  int64_t live = 0;
+  if (pool->pool) {
+    const auto id = pool->pool->id();
+    for (const auto& segment : c10::cuda::CUDACachingAllocator::snapshot().segments) {
+      if (segment.device == pool->device && segment.owner_private_pool_id == id) {
+        live += static_cast<int64_t>(segment.active_size);
+      }
+    }
+  }
   pool->pool.reset();
-  return pool->ranges->taken();
+  return live;
 }
 
 // torch's allocations on `stream` go to `pool` while this lives.
