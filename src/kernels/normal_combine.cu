@@ -66,9 +66,9 @@ __device__ __forceinline__ int shared_load(const int* address) {
 }
 
 // send_rows with the group's last warp publishing: the other warps write chunk after chunk and never wait for
-// a system-scope release; the publisher waits until every writer warp finished chunk k, stores the queue's tail
-// (the release covers what it observed the writers write) and frees chunk k's ring slot. A writer chunk k + 2
-// waits only until the publisher took chunk k. Needs 3 or more warps in the group.
+// a system-scope release; the publisher waits until every writer warp finished chunk k, stores the queue's
+// tail (the release covers what it observed the writers write) and frees chunk k's ring slot. A writer chunk
+// k + 2 waits only until the publisher took chunk k. Needs 3 or more warps in the group.
 __device__ void send_rows_published(const CombineArgs& args, int channel, int dst, const WarpGroup& group,
                                     PublishRing& ring, int calls, bool two_reducers) {
   const NormalRecord& r = args.record;
@@ -76,14 +76,16 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
   const int num_writers = group.num_warps - 1;
+  const WarpGroup writers{kWriterBarrierBase + group.group, group.warp, num_writers, group.lane};
+  // Every warp reads the queue's running count (QueueEnd::base) before the group meets: no writer finishes
+  // (and advances it) before that.
+  QueueSender queue(args.peers, args.map, writers, &ring.granted, dst, channel, args.chunk_tokens,
+                    WaitPhase::kCombineSend, two_reducers);
   if (group.leader()) {
     ring.written[0] = ring.written[1] = 0;
     ring.published = 0;
   }
   group.sync();
-  const WarpGroup writers{kWriterBarrierBase + group.group, group.warp, num_writers, group.lane};
-  QueueSender queue(args.peers, args.map, writers, &ring.granted, dst, channel, args.chunk_tokens,
-                    WaitPhase::kCombineSend, two_reducers);
   if (group.warp == num_writers) {  // the publisher
     auto* tail = &NormalBufferMap::counters(args.peers.peer_bases[dst])->tail[args.peers.rank][channel];
     int end = 0;
@@ -554,11 +556,11 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
         if (args.publisher_warp && warps_per_peer >= 3) {
-          send_rows_published(args, channel, peer_rank(peer_idx, args.peers.rank), group, rings[peer_idx], calls,
-                              batches.warps[1] > 0);
+          send_rows_published(args, channel, peer_rank(peer_idx, args.peers.rank), group, rings[peer_idx],
+                              calls, batches.warps[1] > 0);
         } else {
-          send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls,
-                    batches.warps[1] > 0);
+          send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx],
+                    calls, batches.warps[1] > 0);
         }
       }
     }
