@@ -3,6 +3,7 @@
 #include "device/tma.cuh"
 #include "gpu/cuda_check.hpp"
 #include "kernels/bf16x8.cuh"
+#include "kernels/combine_publish_ring.hpp"
 #include "kernels/combine_warp_roles.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
@@ -47,13 +48,14 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
 }
 
-// What a sender group's writer warps and its publisher warp share (CombineArgs::publisher_warp): the
-// writers' chunks in a ring of two slots, how many writer warps finished each, and the chunks published.
+// What a sender group's writer warps and its publisher warp share (CombineArgs::publisher_warp; the rules:
+// combine_publish_ring.hpp): the writers' chunks in a ring of slots, how many writer warps finished each, and
+// the chunks published.
 struct PublishRing {
-  int end[2];      // chunk k's end (slot k % 2): records reserved up to it, from the call's start
-  int written[2];  // writer warps done with chunk k's records (slot k % 2)
-  int published;   // chunks whose tail the publisher stored
-  int granted;     // the writers' leader's grant, shared with the writers (QueueEnd::shared_value)
+  int end[kPublishRingSlots];  // chunk k's end (its slot): records reserved up to it, from the call's start
+  int written[kPublishRingSlots];  // writer warps done with chunk k's records (its slot)
+  int published;                   // chunks whose tail the publisher stored
+  int granted;  // the writers' leader's grant, shared with the writers (QueueEnd::shared_value)
 };
 
 // Writer warps meet at named barrier kWriterBarrierBase + 1 + group (WarpGroup::sync adds the 1): past the
@@ -67,8 +69,8 @@ __device__ __forceinline__ int shared_load(const int* address) {
 
 // send_rows with the group's last warp publishing: the other warps write chunk after chunk and never wait for
 // a system-scope release; the publisher waits until every writer warp finished chunk k, stores the queue's
-// tail (the release covers what it observed the writers write) and frees chunk k's ring slot. A writer chunk
-// k + 2 waits only until the publisher took chunk k. Needs 3 or more warps in the group.
+// tail (the release covers what it observed the writers write) and frees chunk k's ring slot
+// (combine_publish_ring.hpp). Needs group_takes_publisher.
 __device__ void send_rows_published(const CombineArgs& args, int channel, int dst, const WarpGroup& group,
                                     PublishRing& ring, int calls, bool two_reducers) {
   const NormalRecord& r = args.record;
@@ -82,7 +84,7 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
   QueueSender queue(args.peers, args.map, writers, &ring.granted, dst, channel, args.chunk_tokens,
                     WaitPhase::kCombineSend, two_reducers);
   if (group.leader()) {
-    ring.written[0] = ring.written[1] = 0;
+    for (int slot = 0; slot < kPublishRingSlots; ++slot) ring.written[slot] = 0;
     ring.published = 0;
   }
   group.sync();
@@ -91,11 +93,12 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
     int end = 0;
     for (int k = 0; end < num_rows; ++k) {
       if (group.lane == 0) {
-        while (shared_load(&ring.written[k % 2]) < num_writers) {
+        const int slot = publish_ring_slot(k);
+        while (!publisher_may_take(shared_load(&ring.written[slot]), num_writers)) {
         }
         __threadfence_block();  // the writers' arrivals (and what they wrote) before what follows
-        end = shared_load(&ring.end[k % 2]);
-        ring.written[k % 2] = 0;
+        end = shared_load(&ring.end[slot]);
+        ring.written[slot] = 0;
         device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(queue.base + end));
         __threadfence_block();  // the slot's reset before the writers see it free
         *reinterpret_cast<volatile int*>(&ring.published) = k + 1;
@@ -109,11 +112,11 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
   queue.wait_until_peer_ready(calls);
   for (int k = 0; queue.pushed < num_rows; ++k) {
     if (writers.leader()) {
-      while (shared_load(&ring.published) < k - 1) {  // slot k % 2 held chunk k - 2
+      while (!writers_may_start(k, shared_load(&ring.published))) {
       }
     }
     const int granted = queue.reserve(num_rows - queue.pushed);
-    if (writers.leader()) ring.end[k % 2] = queue.pushed + granted;
+    if (writers.leader()) ring.end[publish_ring_slot(k)] = queue.pushed + granted;
     clock.mark(0);
     for (int j = writers.warp; j < granted; j += num_writers) {
       const size_t row = row0 + queue.pushed + j;
@@ -125,7 +128,7 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
     __syncwarp();
     if (group.lane == 0) {
       __threadfence_block();  // this warp's records before its arrival
-      atomicAdd(&ring.written[k % 2], 1);
+      atomicAdd(&ring.written[publish_ring_slot(k)], 1);
     }
     queue.pushed += granted;
     clock.mark(1);
@@ -555,7 +558,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
       if (peer_idx < num_ranks - 1) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
-        if (args.publisher_warp && warps_per_peer >= 3) {
+        if (args.publisher_warp && group_takes_publisher(warps_per_peer)) {
           send_rows_published(args, channel, peer_rank(peer_idx, args.peers.rank), group, rings[peer_idx],
                               calls, batches.warps[1] > 0);
         } else {
