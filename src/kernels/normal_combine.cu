@@ -3,6 +3,7 @@
 #include "device/tma.cuh"
 #include "gpu/cuda_check.hpp"
 #include "kernels/bf16x8.cuh"
+#include "kernels/combine_publish_ring.hpp"
 #include "kernels/combine_warp_roles.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
@@ -42,6 +43,95 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
     clock.mark(1);
     queue.publish(granted);
     clock.mark(2);
+  }
+  queue.finish();
+  clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
+}
+
+// What a sender group's writer warps and its publisher warp share (CombineArgs::publisher_warp; the rules:
+// combine_publish_ring.hpp): the writers' chunks in a ring of slots, how many writer warps finished each, and
+// the chunks published.
+struct PublishRing {
+  int end[kPublishRingSlots];  // chunk k's end (its slot): records reserved up to it, from the call's start
+  int written[kPublishRingSlots];  // writer warps done with chunk k's records (its slot)
+  int published;                   // chunks whose tail the publisher stored
+  int granted;  // the writers' leader's grant, shared with the writers (QueueEnd::shared_value)
+};
+
+// Writer warps meet at named barrier kWriterBarrierBase + 1 + group (WarpGroup::sync adds the 1): past the
+// groups' barriers (1 .. R - 1) and below the sender block's reducing warps' (15).
+constexpr int kWriterBarrierBase = 7;
+static_assert(kWriterBarrierBase + kMaxNvlRanks - 1 < 15, "writer barriers below kSenderReduceBarrier");
+
+__device__ __forceinline__ int shared_load(const int* address) {
+  return *reinterpret_cast<const volatile int*>(address);
+}
+
+// send_rows with the group's last warp publishing: the other warps write chunk after chunk and never wait for
+// a system-scope release; the publisher waits until every writer warp finished chunk k, stores the queue's
+// tail (the release covers what it observed the writers write) and frees chunk k's ring slot
+// (combine_publish_ring.hpp). Needs group_takes_publisher.
+__device__ void send_rows_published(const CombineArgs& args, int channel, int dst, const WarpGroup& group,
+                                    PublishRing& ring, int calls, bool two_reducers) {
+  const NormalRecord& r = args.record;
+  const int index = dst * args.map.num_channels + channel;
+  const int row0 = args.handle.recv_channel_offset[index];
+  const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
+  const int num_writers = group.num_warps - 1;
+  const WarpGroup writers{kWriterBarrierBase + group.group, group.warp, num_writers, group.lane};
+  // Every warp reads the queue's running count (QueueEnd::base) before the group meets: no writer finishes
+  // (and advances it) before that.
+  QueueSender queue(args.peers, args.map, writers, &ring.granted, dst, channel, args.chunk_tokens,
+                    WaitPhase::kCombineSend, two_reducers);
+  if (group.leader()) {
+    for (int slot = 0; slot < kPublishRingSlots; ++slot) ring.written[slot] = 0;
+    ring.published = 0;
+  }
+  group.sync();
+  if (group.warp == num_writers) {  // the publisher
+    auto* tail = &NormalBufferMap::counters(args.peers.peer_bases[dst])->tail[args.peers.rank][channel];
+    int end = 0;
+    for (int k = 0; end < num_rows; ++k) {
+      if (group.lane == 0) {
+        const int slot = publish_ring_slot(k);
+        while (!publisher_may_take(shared_load(&ring.written[slot]), num_writers)) {
+        }
+        __threadfence_block();  // the writers' arrivals (and what they wrote) before what follows
+        end = shared_load(&ring.end[slot]);
+        ring.written[slot] = 0;
+        device::st_release_sys(reinterpret_cast<int*>(tail), static_cast<int>(queue.base + end));
+        __threadfence_block();  // the slot's reset before the writers see it free
+        *reinterpret_cast<volatile int*>(&ring.published) = k + 1;
+      }
+      end = __shfl_sync(~0u, end, 0);
+    }
+    return;
+  }
+  PhaseClock clock(args.phases, PhaseStream::kCombineSend,
+                   channel == 0 && group.group == 0 && writers.leader());
+  queue.wait_until_peer_ready(calls);
+  for (int k = 0; queue.pushed < num_rows; ++k) {
+    if (writers.leader()) {
+      while (!writers_may_start(k, shared_load(&ring.published))) {
+      }
+    }
+    const int granted = queue.reserve(num_rows - queue.pushed);
+    if (writers.leader()) ring.end[publish_ring_slot(k)] = queue.pushed + granted;
+    clock.mark(0);
+    for (int j = writers.warp; j < granted; j += num_writers) {
+      const size_t row = row0 + queue.pushed + j;
+      char* record = queue.record(j);
+      if (group.lane == 0)
+        device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
+      write_combine_record(record, r, args.in.x, args.in.topk_weights, row, group.lane);
+    }
+    __syncwarp();
+    if (group.lane == 0) {
+      __threadfence_block();  // this warp's records before its arrival
+      atomicAdd(&ring.written[publish_ring_slot(k)], 1);
+    }
+    queue.pushed += granted;
+    clock.mark(1);
   }
   queue.finish();
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
@@ -439,6 +529,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
 // one rank there are no queues and both blocks reduce, half of the channel each.
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
+  __shared__ PublishRing rings[kMaxNvlRanks];
   extern __shared__ TmaWarpStage stages[];  // [kQueueWarps]: the reducing warps'
   const int calls = calls_before(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
@@ -467,8 +558,13 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
       if (peer_idx < num_ranks - 1) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
-        send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx], calls,
-                  batches.warps[1] > 0);
+        if (args.publisher_warp && group_takes_publisher(warps_per_peer)) {
+          send_rows_published(args, channel, peer_rank(peer_idx, args.peers.rank), group, rings[peer_idx],
+                              calls, batches.warps[1] > 0);
+        } else {
+          send_rows(args, channel, peer_rank(peer_idx, args.peers.rank), group, &group_values[peer_idx],
+                    calls, batches.warps[1] > 0);
+        }
       }
     }
   }

@@ -408,6 +408,13 @@ int combine_sender_reduce_warps() {
   return requested;
 }
 
+// EPX_COMBINE_PUBLISHER_WARP=1: each combine sender group's last warp publishes the queue's tail while the
+// others write on (CombineArgs::publisher_warp; read once). A measuring switch: ranks may differ.
+bool combine_publisher_warp() {
+  static const bool on = env_count("EPX_COMBINE_PUBLISHER_WARP") == 1;
+  return on;
+}
+
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
 // (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
 // own-row warps). Unset: -1, the measured default (default_receiver_own_warps).
@@ -1114,6 +1121,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                                                       NormalOperation::kCombine, false, reduce_warps),
                             phase_reports(buffer)};
   args.sender_reduce_warps = reduce_warps;
+  args.publisher_warp = combine_publisher_warp();
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
