@@ -19,9 +19,23 @@ namespace {
 
 // ---- Send: the rows this rank received from `dst` on `channel` (contiguous, in dst's token order) go back
 // into dst's queue, each with its top-k weights. ----
+
+// The `granted` rows the queue reserved, from row row0 + queue.pushed, into their records: warp `warp` of
+// `num_warps` writes every num_warps-th.
+__device__ __forceinline__ void write_reserved_rows(const CombineArgs& args, const QueueSender& queue,
+                                                    int row0, int granted, int warp, int num_warps,
+                                                    int lane) {
+  const NormalRecord& r = args.record;
+  for (int j = warp; j < granted; j += num_warps) {
+    const size_t row = row0 + queue.pushed + j;
+    char* record = queue.record(j);
+    if (lane == 0) device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
+    write_combine_record(record, r, args.in.x, args.in.topk_weights, row, lane);
+  }
+}
+
 __device__ void send_rows(const CombineArgs& args, int channel, int dst, const WarpGroup& group, int* shared,
                           int calls, bool two_reducers) {
-  const NormalRecord& r = args.record;
   const int index = dst * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
@@ -33,13 +47,7 @@ __device__ void send_rows(const CombineArgs& args, int channel, int dst, const W
   while (queue.pushed < num_rows) {
     const int granted = queue.reserve(num_rows - queue.pushed);
     clock.mark(0);
-    for (int j = group.warp; j < granted; j += group.num_warps) {
-      const size_t row = row0 + queue.pushed + j;
-      char* record = queue.record(j);
-      if (group.lane == 0)
-        device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
-      write_combine_record(record, r, args.in.x, args.in.topk_weights, row, group.lane);
-    }
+    write_reserved_rows(args, queue, row0, granted, group.warp, group.num_warps, group.lane);
     clock.mark(1);
     queue.publish(granted);
     clock.mark(2);
@@ -73,7 +81,6 @@ __device__ __forceinline__ int shared_load(const int* address) {
 // (combine_publish_ring.hpp). Needs group_takes_publisher.
 __device__ void send_rows_published(const CombineArgs& args, int channel, int dst, const WarpGroup& group,
                                     PublishRing& ring, int calls, bool two_reducers) {
-  const NormalRecord& r = args.record;
   const int index = dst * args.map.num_channels + channel;
   const int row0 = args.handle.recv_channel_offset[index];
   const int num_rows = args.handle.recv_channel_offset[index + 1] - row0;
@@ -118,13 +125,7 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
     const int granted = queue.reserve(num_rows - queue.pushed);
     if (writers.leader()) ring.end[publish_ring_slot(k)] = queue.pushed + granted;
     clock.mark(0);
-    for (int j = writers.warp; j < granted; j += num_writers) {
-      const size_t row = row0 + queue.pushed + j;
-      char* record = queue.record(j);
-      if (group.lane == 0)
-        device::bulk_prefetch_l2(static_cast<const char*>(args.in.x) + row * r.x_bytes, r.x_bytes);
-      write_combine_record(record, r, args.in.x, args.in.topk_weights, row, group.lane);
-    }
+    write_reserved_rows(args, queue, row0, granted, writers.warp, num_writers, group.lane);
     __syncwarp();
     if (group.lane == 0) {
       __threadfence_block();  // this warp's records before its arrival

@@ -20,8 +20,8 @@ struct Stream {
 // Runs one schedule to its end; false when no step could run before the tail reached num_rows.
 bool run_schedule(const Stream& s, unsigned seed) {
   std::mt19937 rng(seed);
-  std::vector<int> chunk_end;                       // chunk k's end, as the leader granted it
-  std::vector<int> next_chunk(s.num_writers, 0);    // the chunk each writer warp writes next
+  std::vector<int> chunk_end;                     // chunk k's end, as the leader granted it
+  std::vector<int> next_chunk(s.num_writers, 0);  // the chunk each writer warp writes next
   int slot_end[kPublishRingSlots] = {}, written[kPublishRingSlots] = {};
   int pushed = 0, published = 0, tail = 0, consumed = 0;
   while (tail < s.num_rows) {
@@ -29,8 +29,10 @@ bool run_schedule(const Stream& s, unsigned seed) {
     const int granted = static_cast<int>(chunk_end.size());
     // The leader reserves chunk `granted` once every writer finished the chunk before (the writers' barrier
     // inside the grant's share), its slot is free and the queue has room.
-    const bool writers_done = std::all_of(next_chunk.begin(), next_chunk.end(), [&](int c) { return c == granted; });
-    if (pushed < s.num_rows && writers_done && writers_may_start(granted, published) && s.queue - (pushed - consumed) > 0)
+    const bool writers_done =
+        std::all_of(next_chunk.begin(), next_chunk.end(), [&](int c) { return c == granted; });
+    if (pushed < s.num_rows && writers_done && writers_may_start(granted, published) &&
+        s.queue - (pushed - consumed) > 0)
       steps.push_back(0);
     for (int w = 0; w < s.num_writers; ++w)
       if (next_chunk[w] < granted) steps.push_back(1 + w);
@@ -64,8 +66,9 @@ bool run_schedule(const Stream& s, unsigned seed) {
 }
 
 TEST(CombinePublishRing, EveryScheduleFinishesAndPublishesOnlyWrittenRecords) {
-  for (const Stream s : {Stream{1, 256, 32, 11}, Stream{1000, 256, 32, 11}, Stream{341, 256, 16, 11},
-                         Stream{77, 1, 1, 2}, Stream{50, 3, 2, 4}, Stream{64, 64, 64, 2}, Stream{200, 8, 5, 3}}) {
+  for (const Stream s :
+       {Stream{1, 256, 32, 11}, Stream{1000, 256, 32, 11}, Stream{341, 256, 16, 11}, Stream{77, 1, 1, 2},
+        Stream{50, 3, 2, 4}, Stream{64, 64, 64, 2}, Stream{200, 8, 5, 3}}) {
     for (unsigned seed = 0; seed < 200; ++seed) {
       SCOPED_TRACE(::testing::Message() << s.num_rows << " rows, queue " << s.queue << ", chunk " << s.chunk
                                         << ", " << s.num_writers << " writers, seed " << seed);
