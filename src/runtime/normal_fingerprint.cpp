@@ -27,11 +27,9 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
   return make_shape_fingerprint(values);
 }
 
-namespace {
-
-ShapeFingerprint launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
-                                    const NormalRecord& record, int hidden, int num_experts,
-                                    NormalOperation op, bool fp8, int warp_roles) {
+ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
+                                           const NormalRecord& record, int hidden, int num_experts,
+                                           NormalOperation op, bool fp8, int warp_roles) {
   int32_t values[kNumShapeFields] = {};
   values[static_cast<int>(ShapeField::kHidden)] = hidden;
   values[static_cast<int>(ShapeField::kRowBytes)] = record.x_bytes;
@@ -46,19 +44,10 @@ ShapeFingerprint launch_fingerprint(int num_channels, int queue_tokens, int netw
   return make_shape_fingerprint(values);
 }
 
-}  // namespace
-
-ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
-                                           const NormalRecord& record, int hidden, int num_experts,
-                                           NormalOperation op, bool fp8) {
-  return launch_fingerprint(num_channels, queue_tokens, network_queue_tokens, record, hidden, num_experts, op,
-                            fp8, 0);
-}
-
 ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& map, const NormalRecord& record, int hidden,
                                            int num_experts, NormalOperation op, bool fp8, int warp_roles) {
-  return launch_fingerprint(map.num_channels, map.queue_tokens, 0, record, hidden, num_experts, op, fp8,
-                            warp_roles);
+  return normal_launch_fingerprint(map.num_channels, map.queue_tokens, 0, record, hidden, num_experts, op,
+                                   fp8, warp_roles);
 }
 
 }  // namespace epx

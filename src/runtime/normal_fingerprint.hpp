@@ -22,10 +22,11 @@ ShapeFingerprint normal_shape_fingerprint(const NormalShape& shape, const Config
 // kDispatchWithWindow: a dispatch whose receivers post how they receive (a Buffer with an output window):
 // every rank's must be one, whichever way each receives.
 enum class NormalOperation { kDispatch = 1, kCombine = 2, kDispatchWithWindow = 3 };
+// `warp_roles`: a within-node combine's reducing warps per sender block (0 otherwise).
 ShapeFingerprint normal_launch_fingerprint(int num_channels, int queue_tokens, int network_queue_tokens,
                                            const NormalRecord& record, int hidden, int num_experts,
-                                           NormalOperation op, bool fp8);
-// Within one node: the queues of `map`; `warp_roles`: a combine's reducing warps per sender block.
+                                           NormalOperation op, bool fp8, int warp_roles = 0);
+// Within one node: the queues of `map`.
 ShapeFingerprint normal_launch_fingerprint(const NormalBufferMap& map, const NormalRecord& record, int hidden,
                                            int num_experts, NormalOperation op, bool fp8, int warp_roles = 0);
 
