@@ -951,28 +951,26 @@ class _Rank:
         recv_x = plans[True].recv_x[0] if isinstance(plans[True].recv_x, tuple) else plans[True].recv_x
         in_window = all(base <= p.data_ptr() < base + size for p in (plans[False].recv_x, recv_x, probe.recv_x))
         del probe
+        out: List[BenchRow] = []
         if not all(self.gather(in_window)):
             self.warnings.append("the output window's rows were skipped: a dispatch's outputs did not land in "
                                  "a window")
-            del plans
-            self.stream.synchronize()
-            buffer.destroy()
-            return []
-        rows = plans[False].handle.num_recv_rows
-        out: List[BenchRow] = []
-        for sms in o.num_sms:
-            buffer.num_sms = sms
-            for fp8 in (False, True):
-                x = tokens(fp8)
-                name = "FP8" if fp8 else "BF16"
-                nbytes = normal_bytes(rows, o.hidden, fp8)
-                handle = plans[fp8].handle
-                us = self.median_us(f"dispatch {name} into window", flush, lambda: dispatch(fp8), host_waits=True)
-                out.append(BenchRow(f"dispatch {name} into window", sms, us, nbytes))
-                us = self.median_us(f"dispatch {name} cached into window", flush,
-                                    lambda: buffer.dispatch(x, handle=handle))
-                out.append(BenchRow(f"dispatch {name} cached into window", sms, us, nbytes))
-        del plans
+        else:
+            rows = plans[False].handle.num_recv_rows
+            for sms in o.num_sms:
+                buffer.num_sms = sms
+                for fp8 in (False, True):
+                    x = tokens(fp8)
+                    name = "FP8" if fp8 else "BF16"
+                    nbytes = normal_bytes(rows, o.hidden, fp8)
+                    handle = plans[fp8].handle
+                    us = self.median_us(f"dispatch {name} into window", flush, lambda: dispatch(fp8),
+                                        host_waits=True)
+                    out.append(BenchRow(f"dispatch {name} into window", sms, us, nbytes))
+                    us = self.median_us(f"dispatch {name} cached into window", flush,
+                                        lambda: buffer.dispatch(x, handle=handle))
+                    out.append(BenchRow(f"dispatch {name} cached into window", sms, us, nbytes))
+        del plans  # the window's outputs go before its Buffer
         self.stream.synchronize()
         buffer.destroy()
         return out
