@@ -61,7 +61,7 @@ class FirstFitRanges {
     free_[start] = size;
   }
 
-  // Bytes taken and not given back.
+  // Bytes taken and not given back, for tests.
   int64_t taken() const {
     const std::lock_guard<std::mutex> lock(mutex_);
     int64_t bytes = 0;
