@@ -497,22 +497,25 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
     clock.mark(1);
-    part.sync();
+    part.sync();  // every warp's reads of the batch's records are done
     if (two_parts) {
-      const int next = min(tokens.end, first + step);
-      if (warp == 0) claim_records_before(args, scanned, next, lane, claims);
-      scanned = next;
-      part.sync();
-      if (thread < kMaxNvlRanks) publish(claims[thread], false);
-    } else if (thread < kMaxNvlRanks) {
-      publish(consumed[thread], false);
+      // claims[] is warp 0's alone: the other warps go on to the next batch while it scans and publishes.
+      if (warp == 0) {
+        const int next = min(tokens.end, first + step);
+        claim_records_before(args, scanned, next, lane, claims);
+        scanned = next;
+        __syncwarp();
+        if (thread < kMaxNvlRanks) publish(claims[thread], false);
+      }
+    } else {
+      if (thread < kMaxNvlRanks) publish(consumed[thread], false);
+      part.sync();  // the next batch's progress is not published before it is read
     }
-    part.sync();  // the next batch's progress is not published before it is read
     clock.mark(2);
   }
-  if (two_parts && scanned < tokens.end) {  // this part's last batch came before the other's
-    if (warp == 0) claim_records_before(args, scanned, tokens.end, lane, claims);
-    part.sync();
+  if (two_parts && warp == 0 && scanned < tokens.end) {  // this part's last batch came before the other's
+    claim_records_before(args, scanned, tokens.end, lane, claims);
+    __syncwarp();
     if (thread < kMaxNvlRanks) publish(claims[thread], false);
   }
   // The running counts the next call starts from: every record of this call (a part that reduced none of a
