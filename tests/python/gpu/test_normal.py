@@ -1,7 +1,8 @@
 """Normal mode through epx.compat.deep_ep (DeepEP V1's calls) against the CPU reference, on 2 and 4 GPUs:
-layout, BF16 and FP8 dispatch, combine with weights and biases, the cached handle, async with events and
-comm-stream allocation, worst-case rows, argument errors, configs (queue sizes), a 32,768-token batch
-through a buffer sized as Megatron-LM sizes it, and outputs from the output window (epx.Buffer and deep_ep).
+layout, BF16 and FP8 dispatch, combine with weights and biases, the cached handle, calls from two streams,
+async with events and comm-stream allocation, worst-case rows, argument errors, configs (queue sizes), a
+32,768-token batch through a buffer sized as Megatron-LM sizes it, and outputs from the output window (epx.Buffer
+and deep_ep).
 Data movement is compared bit-exactly (the values are small integers, so the combine's sums are exact in any
 order)."""
 
@@ -134,6 +135,33 @@ def normal_worker(rank, num_ranks, group, seed, python_path=False):
     cached_outputs, _ = ref.normal_dispatch(fresh, num_ranks=num_ranks, num_experts=num_experts, hidden=HIDDEN)
     result = buffer.dispatch(ref.to_torch_bf16(fresh[rank].x, device), handle=handle)
     assert len(result) == 6 and result[1:5] == (None, None, None, None)
+    check_dispatch(cached_outputs[rank], result[0], None, None, None)
+
+    # ---- Calls from two streams: a combine that went straight onto the current stream (the last call joined
+    # it) behind a long kernel, then a cached dispatch from another stream that waits for neither: the comm
+    # stream must wait for the combine before the dispatch uses the same queues ----
+    expert_rows = ref.to_torch_bf16(expert_out[rank], device)
+    fresh_x = ref.to_torch_bf16(fresh[rank].x, device)
+    inputs_ready = torch.cuda.Event()
+    inputs_ready.record()
+    torch.cuda._sleep(50_000_000)
+    combined, _, _ = buffer.combine(expert_rows, handle)
+    side = torch.cuda.Stream()
+    side.wait_event(inputs_ready)
+    with torch.cuda.stream(side):
+        result = buffer.dispatch(fresh_x, handle=handle)
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
+    check_dispatch(cached_outputs[rank], result[0], None, None, None)
+    # The same with the dispatch ordered by an event of the other stream (the comm stream waits for that alone).
+    buffer.dispatch(fresh_x, handle=handle)  # joins the current stream again
+    torch.cuda._sleep(50_000_000)
+    combined, _, _ = buffer.combine(expert_rows, handle)
+    with torch.cuda.stream(side):
+        result = buffer.dispatch(fresh_x, handle=handle, previous_event=buffer.capture(), async_finish=True)
+        result[5].current_stream_wait()
+    torch.cuda.synchronize()
+    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
     check_dispatch(cached_outputs[rank], result[0], None, None, None)
 
     # ---- Async: previous_event, async_finish, outputs allocated on the comm stream ----
