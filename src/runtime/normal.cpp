@@ -408,11 +408,13 @@ int combine_sender_reduce_warps() {
   return requested;
 }
 
-// EPX_COMBINE_PUBLISHER_WARP=1: each combine sender group's last warp publishes the queue's tail while the
-// others write on (CombineArgs::publisher_warp; read once). A measuring switch: ranks may differ.
-bool combine_publisher_warp() {
-  static const bool on = env_count("EPX_COMBINE_PUBLISHER_WARP") == 1;
-  return on;
+// Whether each combine sender group's last warp publishes the queue's tail while the others write on
+// (CombineArgs::publisher_warp): by default with 2 ranks, where it was measured (with the send chunk of 16
+// the 2-rank config recommends: docs/BENCHMARKS.md); EPX_COMBINE_PUBLISHER_WARP=1 / 0 turns it on / off for
+// any group (read once). The receivers read the tails alike either way, so ranks may differ.
+bool combine_publisher_warp(int num_ranks) {
+  static const int requested = env_count("EPX_COMBINE_PUBLISHER_WARP");
+  return requested < 0 ? num_ranks == 2 : requested == 1;
 }
 
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
@@ -717,6 +719,8 @@ void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exch
   // The host has the counts: a guess in the output window that holds the rows takes them straight in.
   args.to_window = place_guess_in_window(call, args);
   kernels::launch_dispatch(args, state.launched_on);
+  // Marked now: a plan dropped before its receive still leaves the comm stream something to wait for.
+  mark_launched(call.buffer, state.launched_on);
   call.scratch.pending_receive = call.sequence;  // dispatch_receive completes the call
   state.launched_receive = call.sequence;
   state.guessed_outputs = call.guess->outputs;
@@ -1013,7 +1017,7 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     } else {
       publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, rows, false);
     }
-    return end_operation(buffer, order, state.launched_on);
+    return end_operation(buffer, order, state.launched_on, true);
   }
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
   const cudaStream_t stream = begin_operation(buffer, order);
@@ -1123,7 +1127,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                                                       NormalOperation::kCombine, false, reduce_warps),
                             phase_reports(buffer)};
   args.sender_reduce_warps = reduce_warps;
-  args.publisher_warp = combine_publisher_warp();
+  args.publisher_warp = combine_publisher_warp(buffer.num_ranks());
   kernels::launch_combine(args, stream);
   return end_operation(buffer, order, stream);
 }

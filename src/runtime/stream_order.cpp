@@ -12,8 +12,8 @@ void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
       order.previous_event == nullptr && order.compute_stream != buffer.comm_stream();
   if (state.joined_stream_has_calls && !(waits_for_caller && order.compute_stream == state.joined_stream)) {
     // Earlier calls went straight onto another stream (or the caller orders this one by an event): the comm
-    // stream waits for them first.
-    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), *state.joined_stream));
+    // stream waits for the last of them (recorded after its launch, so not for the stream's later work, and
+    // the stream may be gone by now).
     EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), BufferAccess::ordering_event(buffer, 2), 0));
   }
   state.joined_stream_has_calls = false;
@@ -55,17 +55,22 @@ Event end_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
 
 cudaStream_t begin_operation(const Buffer& buffer, const StreamOrder& order) {
   LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
-  if (!order.async_finish && order.previous_event == nullptr && state.joined_stream == order.compute_stream) {
-    state.joined_stream_has_calls = order.compute_stream != buffer.comm_stream();
+  if (!order.async_finish && order.previous_event == nullptr && state.joined_stream == order.compute_stream)
     return order.compute_stream;
-  }
   begin_on_comm_stream(buffer, order);
   return buffer.comm_stream();
 }
 
-Event end_operation(const Buffer& buffer, const StreamOrder& order, cudaStream_t stream) {
+void mark_launched(const Buffer& buffer, cudaStream_t stream) {
+  if (stream == buffer.comm_stream()) return;
+  EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), stream));
+  BufferAccess::low_latency_state(buffer)->joined_stream_has_calls = true;
+}
+
+Event end_operation(const Buffer& buffer, const StreamOrder& order, cudaStream_t stream, bool marked) {
   if (stream == buffer.comm_stream()) return end_on_comm_stream(buffer, order);
   // A caller's stream, which stays joined (a receive whose notify went onto it may end on another stream).
+  if (!marked) mark_launched(buffer, stream);
   return end_on(buffer, order, stream);
 }
 
