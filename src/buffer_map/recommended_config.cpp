@@ -3,8 +3,9 @@
 // what they get. DeepEP V1's, except the send chunks at 2 ranks, chosen from `epx-bench --tune --num-sms
 // 8,16,24,32` (2 x H100, 4,096 tokens of 7168, top-8 of 256; docs/BENCHMARKS.md): a dispatch chunk of 48 was
 // within 1.3 % of the fastest (chunk, queue) at every budget for BF16 and FP8, DeepEP's 24 was 12-24 % slower
-// (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two); a combine chunk
-// of 32 was within 2.5 % of the fastest, chunks of 8 and 12 (around DeepEP's 10) 19-76 % slower. The queues
+// (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two). The combine's
+// chunk is 16 with its publisher warp (on by default with 2 ranks): as fast as 32 at 8 and 16 SMs, 2 % faster
+// at 24, 10-17 % at 32; without the publisher 32 was best (16 was 12-23 % slower at 8-24 SMs). The queues
 // stay at 256 tokens, so the buffer sizes do not change.
 
 #include <array>
@@ -26,7 +27,7 @@ struct Recommended {
 };
 
 constexpr std::array<Recommended, 10> kRecommended{{
-    {2, {48, 256, 6, 128}, {32, 256, 6, 128}},
+    {2, {48, 256, 6, 128}, {16, 256, 6, 128}},
     {4, {6, 256, 6, 128}, {9, 256, 6, 128}},
     {8, {6, 256, 6, 128}, {4, 256, 6, 128}},
     {16, {36, 288, 20, 128}, {4, 288, 12, 128}},

@@ -211,8 +211,8 @@ struct CombineArgs {
   // (combine_sender_roles; the launch's fingerprint carries them, so ranks that differ fail the shape check:
   // a source writes by both reducers' words when there are two).
   int sender_reduce_warps = 0;
-  // Each sender group's last warp publishes the tail while the others write on (EPX_COMBINE_PUBLISHER_WARP=1;
-  // groups of 3 or more warps). The receivers see the same protocol either way.
+  // Each sender group's last warp publishes the tail while the others write on (default with 2 ranks,
+  // EPX_COMBINE_PUBLISHER_WARP; groups of 3 or more warps). The receivers see the same protocol either way.
   bool publisher_warp = false;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);

@@ -235,7 +235,7 @@ TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
   const Config dispatch2 = epx::recommended_config(epx::ConfigFor::kDispatch, 2, 16);
   EXPECT_EQ(dispatch2.num_sms, 16);
   EXPECT_EQ(dispatch2.num_max_nvl_chunked_send_tokens, 48);
-  EXPECT_EQ(epx::recommended_config(epx::ConfigFor::kCombine, 2, 16).num_max_nvl_chunked_send_tokens, 32);
+  EXPECT_EQ(epx::recommended_config(epx::ConfigFor::kCombine, 2, 16).num_max_nvl_chunked_send_tokens, 16);
   EXPECT_EQ(dispatch2.num_max_nvl_chunked_recv_tokens, 256);
   EXPECT_EQ(dispatch2.num_max_rdma_chunked_recv_tokens, 128);
   const Config combine8 = epx::recommended_config(epx::ConfigFor::kCombine, 8, 24);

@@ -57,7 +57,7 @@ DEEP_EP_VERSION = "1.2.1"
 
 # The recommended configs (get_dispatch_config / get_combine_config): (nvl send chunk, nvl queue tokens, rdma send
 # chunk, rdma queue tokens) after Buffer.num_sms, the table of epx::recommended_config: DeepEP v1.2.1's
-# (deep_ep/buffer.py), except the send chunks at 2 ranks, which EPX's measurements chose (48 and 32; DeepEP's 24
+# (deep_ep/buffer.py), except the send chunks at 2 ranks, which EPX's measurements chose (48 and 16; DeepEP's 24
 # and 10: src/buffer_map/recommended_config.cpp). DeepEP asserts for a rank count it does not list; so do
 # get_dispatch_config and get_combine_config here (EpxError).
 _DISPATCH_CONFIGS = {
@@ -66,7 +66,7 @@ _DISPATCH_CONFIGS = {
     144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
 }
 _COMBINE_CONFIGS = {
-    2: (32, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    2: (16, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
     24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
     144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
 }

@@ -197,14 +197,14 @@ def test_buffers_of_a_build_without_cuda_raise_epx_error(monkeypatch):
 
 
 # DeepEP v1.2.1's deep_ep/buffer.py: get_dispatch_config / get_combine_config, after Buffer.num_sms; at 2 ranks the
-# send chunks EPX's measurements chose (48 for dispatch, 32 for combine; DeepEP's: 24 and 10).
+# send chunks EPX's measurements chose (48 for dispatch, 16 for combine; DeepEP's: 24 and 10).
 DEEP_EP_DISPATCH_CONFIGS = {
     2: (48, 256, 6, 128), 4: (6, 256, 6, 128), 8: (6, 256, 6, 128), 16: (36, 288, 20, 128),
     24: (8, 288, 32, 128), 32: (32, 288, 32, 128), 64: (20, 288, 28, 128), 128: (20, 560, 32, 128),
     144: (32, 720, 12, 128), 160: (28, 720, 12, 128),
 }
 DEEP_EP_COMBINE_CONFIGS = {
-    2: (32, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
+    2: (16, 256, 6, 128), 4: (9, 256, 6, 128), 8: (4, 256, 6, 128), 16: (4, 288, 12, 128),
     24: (1, 288, 8, 128), 32: (1, 288, 8, 128), 64: (1, 288, 20, 128), 128: (1, 560, 12, 128),
     144: (2, 720, 8, 128), 160: (2, 720, 8, 128),
 }
