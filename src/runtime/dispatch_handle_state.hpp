@@ -25,8 +25,6 @@ struct DispatchHandle::State {
   // The sequence of the notify that launched the receive (DispatchOverlap::kLaunchReceive), 0: none. Outputs
   // go only to the receive of this sequence, so a spent or stale plan cannot feed a later notify's receive.
   uint32_t launched_receive = 0;
-  // The stream that receive went onto (begin_operation's), which dispatch_receive ends.
-  cudaStream_t launched_on = nullptr;
   // What the host read off the layout board for this dispatch, checked by its launch (none for a cached
   // dispatch: no notify ran).
   kernels::BoardCheck board;

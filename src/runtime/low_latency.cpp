@@ -142,10 +142,18 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
             })};
   }
   args.phases = kernels::kLowLatencyBoth;
-  const cudaStream_t stream = begin_operation(buffer, order);
-  launch(args, stream);
+  if (!order.async_finish && order.previous_event == nullptr &&
+      state->joined_stream == order.compute_stream) {
+    // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
+    // anyway: the comm stream would only add two cross-stream hops.
+    launch(args, order.compute_stream);
+    state->num_calls += 1;
+    return {Event{}, LowLatencyRecvHook{}};
+  }
+  begin_on_comm_stream(buffer, order);
+  launch(args, buffer.comm_stream());
   state->num_calls += 1;
-  return {end_operation(buffer, order, stream), LowLatencyRecvHook{}};
+  return {end_on_comm_stream(buffer, order), LowLatencyRecvHook{}};
 }
 
 }  // namespace

@@ -22,13 +22,9 @@ struct LowLatencyState {
   // clean.
   bool needs_clean = false;
   // The caller's stream the last call joined the comm stream into (every call issued so far is ordered before
-  // work queued there next), if the last call ended that way: a call that returns no event may then launch
-  // straight on that stream (begin_operation), saving the two cross-stream hops of the comm stream.
+  // work queued there next), if the last call ended that way: a low-latency call that returns no event may
+  // then launch straight on that stream, saving the two cross-stream hops of the comm stream.
   std::optional<cudaStream_t> joined_stream;
-  // Calls went straight onto joined_stream since the comm stream last waited for it (begin_operation), the
-  // last of them marked by the Buffer's ordering event 2 (mark_launched): the comm stream's next work waits
-  // for that event even when the caller orders it by another stream or an event.
-  bool joined_stream_has_calls = false;
   // EPX_LL_PHASE_STAMPS=1 at construction: device memory the kernels stamp their phases into
   // ([kMaxPhaseStampBlocks][kNumPhaseStamps], kernels::LowLatencyStamp, for epx-bench), else null.
   std::shared_ptr<uint64_t> phase_stamps;

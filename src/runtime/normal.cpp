@@ -359,7 +359,7 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
             "must be a multiple of the number of ranks");
   EPX_CHECK(num_tokens == 0 || topk_idx != nullptr, "topk_idx", "null",
             "must point to [num_tokens, num_topk] ids");
-  const cudaStream_t stream = begin_operation(buffer, order);
+  begin_on_comm_stream(buffer, order);
   NormalHostScratch& scratch = normal_host_scratch(buffer);
   scratch.invalid_id = 0;
   kernels::LayoutArgs args{topk_idx,
@@ -385,8 +385,8 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
     scratch.layout_post = {out.num_tokens_per_rank, out.num_tokens_per_expert, num_experts,
                            args.board_sequence};
   }
-  kernels::launch_layout(args, stream);
-  return end_operation(buffer, order, stream);
+  kernels::launch_layout(args, buffer.comm_stream());
+  return end_on_comm_stream(buffer, order);
 }
 
 namespace {
@@ -409,9 +409,9 @@ int combine_sender_reduce_warps() {
 }
 
 // Whether each combine sender group's last warp publishes the queue's tail while the others write on
-// (CombineArgs::publisher_warp): by default with 2 ranks, where it was measured (with the send chunk of 16
-// the 2-rank config recommends: docs/BENCHMARKS.md); EPX_COMBINE_PUBLISHER_WARP=1 / 0 turns it on / off for
-// any group (read once). The receivers read the tails alike either way, so ranks may differ.
+// (CombineArgs::publisher_warp): by default with 2 ranks, where it was measured (with the send chunk of 16 the
+// 2-rank config recommends: docs/BENCHMARKS.md); EPX_COMBINE_PUBLISHER_WARP=1 / 0 turns it on / off for any
+// group (read once). The receivers read the tails alike either way, so ranks may differ.
 bool combine_publisher_warp(int num_ranks) {
   static const int requested = env_count("EPX_COMBINE_PUBLISHER_WARP");
   return requested < 0 ? num_ranks == 2 : requested == 1;
@@ -709,18 +709,15 @@ bool place_guess_in_window(const NotifyCall& call, kernels::DispatchArgs& args) 
 void launch_receive_into_guess(NotifyCall& call, const kernels::NotifyArgs& exchange) {
   DispatchHandle::State& state = *call.state;
   {
-    // It waits for nothing from the host, so it may go straight onto the caller's stream.
     const HostStep order("dispatch_notify: board: order streams");
-    state.launched_on = begin_operation(call.buffer, call.order);
+    begin_on_comm_stream(call.buffer, call.order);
   }
   const HostStep launch("dispatch_notify: board: launch receive");
   kernels::DispatchArgs args = dispatch_args(call.buffer, state, call.in, call.guess->outputs);
   exchange_in_launch(args, exchange);
   // The host has the counts: a guess in the output window that holds the rows takes them straight in.
   args.to_window = place_guess_in_window(call, args);
-  kernels::launch_dispatch(args, state.launched_on);
-  // Marked now: a plan dropped before its receive still leaves the comm stream something to wait for.
-  mark_launched(call.buffer, state.launched_on);
+  kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.sequence;  // dispatch_receive completes the call
   state.launched_receive = call.sequence;
   state.guessed_outputs = call.guess->outputs;
@@ -831,7 +828,6 @@ void launch_receive_before_counts(NotifyCall& call, const kernels::HostCounts& h
   kernels::launch_dispatch(args, call.buffer.comm_stream());
   call.scratch.pending_receive = call.scratch.notify_sequence;
   state.launched_receive = call.scratch.notify_sequence;
-  state.launched_on = call.buffer.comm_stream();
 }
 
 // The host waits for the counts the exchange publishes and sizes the rows by them. recv_src_idx for a guess
@@ -1017,10 +1013,10 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     } else {
       publish_outputs(buffer, launched, out, state.arrays.recv_src_idx, rows, false);
     }
-    return end_operation(buffer, order, state.launched_on, true);
+    return end_on_comm_stream(buffer, order);
   }
   // Work the caller queued between notify and receive (e.g. allocating or clearing the outputs) comes first.
-  const cudaStream_t stream = begin_operation(buffer, order);
+  begin_on_comm_stream(buffer, order);
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::dispatch(state.shape);
     const InternodeBufferMaps maps = internode_buffer_maps(buffer, state, record);
@@ -1042,8 +1038,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
                                   record.normal, state.shape.hidden, state.shape.num_experts,
                                   NormalOperation::kDispatch, state.format != ScaleFormat::kBf16),
         phase_reports(buffer)};
-    kernels::launch_internode_dispatch(args, stream);
-    return end_operation(buffer, order, stream);
+    kernels::launch_internode_dispatch(args, buffer.comm_stream());
+    return end_on_comm_stream(buffer, order);
   }
   kernels::DispatchArgs args = dispatch_args(buffer, state, in, out);
   // The count exchange of a notify that read its counts off the layout board runs here.
@@ -1052,8 +1048,8 @@ Event dispatch_receive(Buffer& buffer, const DispatchPlan& plan, const DispatchI
     args.to_window = true;
     std::copy(window->begin(), window->end(), args.window_outputs);
   }
-  kernels::launch_dispatch(args, stream);
-  return end_operation(buffer, order, stream);
+  kernels::launch_dispatch(args, buffer.comm_stream());
+  return end_on_comm_stream(buffer, order);
 }
 
 Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& in, const CombineOutput& out,
@@ -1088,7 +1084,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   if (state.num_nodes > 1) {
     const InternodeRecord record = InternodeRecord::combine(hidden, in.num_topk);
     const InternodeBufferMaps maps = internode_buffer_maps(buffer, state, record);
-    const cudaStream_t stream = begin_operation(buffer, order);
+    begin_on_comm_stream(buffer, order);
     const Config& config = buffer.config();
     const kernels::InternodeCombineArgs args{
         internode_context(buffer),
@@ -1105,13 +1101,13 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                                   record.normal, hidden, state.shape.num_experts, NormalOperation::kCombine,
                                   false),
         phase_reports(buffer)};
-    kernels::launch_internode_combine(args, stream);
-    return end_operation(buffer, order, stream);
+    kernels::launch_internode_combine(args, buffer.comm_stream());
+    return end_on_comm_stream(buffer, order);
   }
   const NormalRecord record = NormalRecord::combine(hidden, in.num_topk);
   const NormalBufferMap map = NormalBufferMap::of(buffer.num_ranks(), queue_config(buffer, state), record);
   check_normal_map_fits(map, buffer.num_nvl_queue_bytes());
-  const cudaStream_t stream = begin_operation(buffer, order);
+  begin_on_comm_stream(buffer, order);
   const int reduce_warps =
       kernels::combine_sender_roles(kernels::kQueueWarps, buffer.num_ranks(), combine_sender_reduce_warps())
           .reduce;
@@ -1128,8 +1124,8 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             phase_reports(buffer)};
   args.sender_reduce_warps = reduce_warps;
   args.publisher_warp = combine_publisher_warp(buffer.num_ranks());
-  kernels::launch_combine(args, stream);
-  return end_operation(buffer, order, stream);
+  kernels::launch_combine(args, buffer.comm_stream());
+  return end_on_comm_stream(buffer, order);
 }
 
 }  // namespace epx
