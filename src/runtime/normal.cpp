@@ -409,9 +409,9 @@ int combine_sender_reduce_warps() {
 }
 
 // Whether each combine sender group's last warp publishes the queue's tail while the others write on
-// (CombineArgs::publisher_warp): by default with 2 ranks, where it was measured (with the send chunk of 16 the
-// 2-rank config recommends: docs/BENCHMARKS.md); EPX_COMBINE_PUBLISHER_WARP=1 / 0 turns it on / off for any
-// group (read once). The receivers read the tails alike either way, so ranks may differ.
+// (CombineArgs::publisher_warp): by default with 2 ranks, where it was measured (with the send chunk of 16
+// the 2-rank config recommends: docs/BENCHMARKS.md); EPX_COMBINE_PUBLISHER_WARP=1 / 0 turns it on / off for
+// any group (read once). The receivers read the tails alike either way, so ranks may differ.
 bool combine_publisher_warp(int num_ranks) {
   static const int requested = env_count("EPX_COMBINE_PUBLISHER_WARP");
   return requested < 0 ? num_ranks == 2 : requested == 1;
