@@ -137,9 +137,9 @@ def normal_worker(rank, num_ranks, group, seed, python_path=False):
     assert len(result) == 6 and result[1:5] == (None, None, None, None)
     check_dispatch(cached_outputs[rank], result[0], None, None, None)
 
-    # ---- Calls from two streams: a combine that went straight onto the current stream (the last call joined
-    # it) behind a long kernel, then a cached dispatch from another stream that waits for neither: the comm
-    # stream must wait for the combine before the dispatch uses the same queues ----
+    # ---- Calls from two streams: a combine queued behind a long kernel on the current stream, then a cached
+    # dispatch from another stream that waits for neither: one Buffer's calls run in the order they were made
+    # whatever streams they come from (the dispatch uses the same queues), however the runtime orders them ----
     expert_rows = ref.to_torch_bf16(expert_out[rank], device)
     fresh_x = ref.to_torch_bf16(fresh[rank].x, device)
     inputs_ready = torch.cuda.Event()
