@@ -140,29 +140,26 @@ def normal_worker(rank, num_ranks, group, seed, python_path=False):
     # ---- Calls from two streams: a combine queued behind a long kernel on the current stream, then a cached
     # dispatch from another stream that waits for neither: one Buffer's calls run in the order they were made
     # whatever streams they come from (the dispatch uses the same queues), however the runtime orders them ----
+    # Then the same with the dispatch ordered by an event of the other stream (the comm stream waits for that alone).
     expert_rows = ref.to_torch_bf16(expert_out[rank], device)
     fresh_x = ref.to_torch_bf16(fresh[rank].x, device)
-    inputs_ready = torch.cuda.Event()
-    inputs_ready.record()
-    torch.cuda._sleep(50_000_000)
-    combined, _, _ = buffer.combine(expert_rows, handle)
     side = torch.cuda.Stream()
-    side.wait_event(inputs_ready)
-    with torch.cuda.stream(side):
-        result = buffer.dispatch(fresh_x, handle=handle)
-    torch.cuda.synchronize()
-    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
-    check_dispatch(cached_outputs[rank], result[0], None, None, None)
-    # The same with the dispatch ordered by an event of the other stream (the comm stream waits for that alone).
-    buffer.dispatch(fresh_x, handle=handle)  # joins the current stream again
-    torch.cuda._sleep(50_000_000)
-    combined, _, _ = buffer.combine(expert_rows, handle)
-    with torch.cuda.stream(side):
-        result = buffer.dispatch(fresh_x, handle=handle, previous_event=buffer.capture(), async_finish=True)
-        result[5].current_stream_wait()
-    torch.cuda.synchronize()
-    np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
-    check_dispatch(cached_outputs[rank], result[0], None, None, None)
+    for by_event in (False, True):
+        buffer.dispatch(fresh_x, handle=handle)  # the last call before the pair came from the current stream
+        inputs_ready = torch.cuda.Event()
+        inputs_ready.record()
+        torch.cuda._sleep(50_000_000)
+        combined, _, _ = buffer.combine(expert_rows, handle)
+        side.wait_event(inputs_ready)
+        with torch.cuda.stream(side):
+            if by_event:
+                result = buffer.dispatch(fresh_x, handle=handle, previous_event=buffer.capture(), async_finish=True)
+                result[5].current_stream_wait()
+            else:
+                result = buffer.dispatch(fresh_x, handle=handle)
+        torch.cuda.synchronize()
+        np.testing.assert_array_equal(ref.bf16_bits(combined), plain[0])
+        check_dispatch(cached_outputs[rank], result[0], None, None, None)
 
     # ---- Async: previous_event, async_finish, outputs allocated on the comm stream ----
     layout = buffer.get_dispatch_layout(topk_idx, num_experts, previous_event=buffer.capture(), async_finish=True,
