@@ -49,16 +49,16 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       "forward across nodes", "dispatch own rows", "reduce across nodes", "combine across nodes",
       "notify across nodes",  "combine reduce"};
   static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
-      {"room", "write", "publish"},
-      {"wait", "copy", "release"},
-      {"room", "write", "publish"},
-      {"room", "write", "publish"},
-      {"poll", "copy", "give back"},
-      {"scan", "copy", "drain"},
-      {"room", "sum", "publish"},
-      {"wait", "sum", "give back"},
-      {"channel counts", "messages", "host counts"},
-      {"wait", "sum", "batch end"}};
+      {"room", "write", "publish", nullptr},
+      {"wait", "copy", "release", nullptr},
+      {"room", "write", "publish", nullptr},
+      {"room", "write", "publish", nullptr},
+      {"poll", "copy", "give back", nullptr},
+      {"scan", "copy", "drain", nullptr},
+      {"room", "sum", "publish", nullptr},
+      {"wait", "sum", "give back", nullptr},
+      {"channel counts", "messages", "host counts", nullptr},
+      {"wait", "add and store", "batch end", "loads landing"}};
   const auto reports = take_phase_reports(buffer);
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];
@@ -67,8 +67,10 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
     const std::string stream_name = std::string("  phases ") + kStreams[s];
     out.push_back({stream_name + ": all (" + std::to_string(r.records / r.launches) + " records)", sms,
                    r.total_cycles * us_per_launch, 0});
-    for (int p = 0; p < kernels::PhaseReport::kPhases; ++p)
-      out.push_back({stream_name + ": " + kSteps[s][p], sms, r.cycles[p] * us_per_launch, 0});
+    for (int p = 0; p < kernels::PhaseReport::kPhases; ++p) {
+      if (kSteps[s][p] != nullptr)
+        out.push_back({stream_name + ": " + kSteps[s][p], sms, r.cycles[p] * us_per_launch, 0});
+    }
   }
 }
 

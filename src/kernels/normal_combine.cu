@@ -292,8 +292,10 @@ class WarpReducer {
   // `item`'s piece has landed in its buffer and returns it (every lane calls it with the same state).
   __device__ const int4* next_landed(int item) {
     issue_next();
+    clock_.mark(1);
     const int b = item % kTmaBuffers;
     device::mbarrier_wait(&buffers_.barriers[b], (parities_ >> b) & 1u);
+    clock_.mark(3);
     parities_ ^= 1u << b;
     return reinterpret_cast<const int4*>(buffers_.pieces[b]);
   }
@@ -328,16 +330,20 @@ class WarpReducer {
   __device__ void start_issue_token(int k) {
     const int t = tokens_.token(k);
     const int entry = c_.entry_of(t);
-    if (c_.with_queues && c_.lane_is_peer && entry >= 0) {
+    // Lane r (a peer): waits for the copy unless a wait already saw the peer's tail past it (then the fence
+    // after that wait covers it too).
+    bool saw_more = false;
+    if (c_.with_queues && c_.lane_is_peer && entry >= 0 && (entry >= seen_ || c_.args.fence_each_token)) {
       auto* counters = NormalBufferMap::counters(c_.args.peers.local_base);
       clock_.mark(1);
-      device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
-                               wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
+      seen_ = device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
+                                       wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
       clock_.mark(0);
+      saw_more = true;
     }
     // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
-    // async proxy. Tokens without such a copy need no fence.
-    if (__ballot_sync(~0u, c_.lane_is_peer && entry >= 0) != 0 && c_.lane == 0) device::fence_proxy_async();
+    // async proxy: lane 0 fences after the waits that saw new copies, before its loads of them.
+    if (__ballot_sync(~0u, saw_more) != 0 && c_.lane == 0) device::fence_proxy_async();
     const unsigned copies = __ballot_sync(~0u, entry >= 0);
     entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
     issue_sources_ = c_.num_sources(copies);
@@ -387,6 +393,7 @@ class WarpReducer {
   WarpTokens tokens_{};
   int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
   int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;
+  int seen_ = 0;  // lane r (a peer): the records of r's queue a wait saw, from the call's start
   const char* issue_row_ = nullptr;  // lane j: source j of the token being issued
 };
 

@@ -131,12 +131,12 @@ enum class PhaseStream : int {
   kNodesReduce,      // combine across nodes: node reducers (room, summing, publishing)
   kNodesCombine,     // combine across nodes: the final reducer (waiting for partials, summing, giving back)
   kNodesNotify,      // count exchange across nodes: block 0 (channel counts, messages, host counts)
-  kCombineReduce,    // within a node: a reducer lane of warp 0 (waiting for a peer's copies, summing, batch
-                     // end)
+  kCombineReduce,    // within a node: a reducer lane of warp 0 (waiting for a peer's copies, adding and
+                     // storing, batch end, waiting for its bulk loads to land)
   kCount
 };
 struct PhaseReport {
-  static constexpr int kPhases = 3;
+  static constexpr int kPhases = 4;  // a stream's steps; streams with fewer leave the rest at 0
   long long cycles[kPhases];
   long long total_cycles;
   long long records;
@@ -214,6 +214,9 @@ struct CombineArgs {
   // Each sender group's last warp publishes the tail while the others write on (default with 2 ranks,
   // EPX_COMBINE_PUBLISHER_WARP; groups of 3 or more warps). The receivers see the same protocol either way.
   bool publisher_warp = false;
+  // A reducer warp fences the async proxy for every token with a peer's copy (true), or only after a wait that
+  // saw the peer's tail move past what it had seen (false; EPX_COMBINE_FENCE_EACH_TOKEN, an experiment).
+  bool fence_each_token = false;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 
