@@ -333,7 +333,7 @@ class WarpReducer {
     // Lane r (a peer): waits for the copy unless a wait already saw the peer's tail past it (then the fence
     // after that wait covers it too).
     bool saw_more = false;
-    if (c_.with_queues && c_.lane_is_peer && entry >= 0 && (entry >= seen_ || c_.args.fence_each_token)) {
+    if (c_.with_queues && c_.lane_is_peer && entry >= 0 && entry >= seen_) {
       auto* counters = NormalBufferMap::counters(c_.args.peers.local_base);
       clock_.mark(1);
       seen_ = device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,

@@ -214,9 +214,6 @@ struct CombineArgs {
   // Each sender group's last warp publishes the tail while the others write on (default with 2 ranks,
   // EPX_COMBINE_PUBLISHER_WARP; groups of 3 or more warps). The receivers see the same protocol either way.
   bool publisher_warp = false;
-  // A reducer warp fences the async proxy for every token with a peer's copy (true), or only after a wait that
-  // saw the peer's tail move past what it had seen (false; EPX_COMBINE_FENCE_EACH_TOKEN, an experiment).
-  bool fence_each_token = false;
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
 

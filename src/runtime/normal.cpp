@@ -417,13 +417,6 @@ bool combine_publisher_warp(int num_ranks) {
   return requested < 0 ? num_ranks == 2 : requested == 1;
 }
 
-// EPX_COMBINE_FENCE_EACH_TOKEN=1: the reducer's proxy fence for every token with a peer's copy, as before
-// (CombineArgs::fence_each_token; read once). Unset or 0: one fence per tail the warp saw move.
-bool combine_fence_each_token() {
-  static const bool requested = env_count("EPX_COMBINE_FENCE_EACH_TOKEN") == 1;
-  return requested;
-}
-
 // EPX_DISPATCH_RECEIVER_OWN_WARPS=N: N warps of each receiver block copy own rows, the rest receive
 // (DispatchArgs::receiver_own_warps; read once, bounded by the kernel: 0 only while the sender block has
 // own-row warps). Unset: -1, the measured default (default_receiver_own_warps).
@@ -1131,7 +1124,6 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             phase_reports(buffer)};
   args.sender_reduce_warps = reduce_warps;
   args.publisher_warp = combine_publisher_warp(buffer.num_ranks());
-  args.fence_each_token = combine_fence_each_token();
   kernels::launch_combine(args, buffer.comm_stream());
   return end_on_comm_stream(buffer, order);
 }
