@@ -48,6 +48,7 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       "dispatch send",        "dispatch receive",  "combine send",        "send across nodes",
       "forward across nodes", "dispatch own rows", "reduce across nodes", "combine across nodes",
       "notify across nodes",  "combine reduce"};
+  // nullptr: the stream has no such step (no row).
   static constexpr const char* kSteps[kernels::kPhaseStreams][kernels::PhaseReport::kPhases] = {
       {"room", "write", "publish", nullptr},
       {"wait", "copy", "release", nullptr},
