@@ -333,7 +333,7 @@ class WarpReducer {
     // Lane r (a peer): waits for the copy unless a wait already saw the peer's tail past it (then the fence
     // after that wait covers it too).
     bool saw_more = false;
-    if (c_.with_queues && c_.lane_is_peer && entry >= 0 && entry >= seen_) {
+    if (c_.with_queues && c_.lane_is_peer && entry >= seen_) {  // seen_ >= 0 > a missing copy's -1
       auto* counters = NormalBufferMap::counters(c_.args.peers.local_base);
       clock_.mark(1);
       seen_ = device::wait_count_since(&counters->tail[c_.lane][c_.channel], c_.lane_base, entry + 1,
@@ -507,6 +507,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     part.sync();  // every warp's reads of the batch's records are done
     if (two_parts) {
       // claims[] is warp 0's alone: the other warps go on to the next batch while it scans and publishes.
+      // The last batch scans up to tokens.end (a part whose loop runs none starts there).
       if (warp == 0) {
         const int next = min(tokens.end, first + step);
         claim_records_before(args, scanned, next, lane, claims);
@@ -519,11 +520,6 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       part.sync();  // the next batch's progress is not published before it is read
     }
     clock.mark(2);
-  }
-  if (two_parts && warp == 0 && scanned < tokens.end) {  // this part's last batch came before the other's
-    claim_records_before(args, scanned, tokens.end, lane, claims);
-    __syncwarp();
-    if (thread < kMaxNvlRanks) publish(claims[thread], false);
   }
   // The running counts the next call starts from: every record of this call (a part that reduced none of a
   // peer's tokens still counts them). Each part keeps its own; a part alone keeps both.
