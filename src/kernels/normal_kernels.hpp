@@ -43,14 +43,22 @@ struct LayoutArgs {
   int* invalid_id_flag;  // host-mapped: set to 1 + the first bad id's token index when an id is out of range
   int ranks_per_node;    // nodes are blocks of this many consecutive ranks
   int* num_tokens_per_rdma_rank;  // [num_ranks / ranks_per_node] tokens per node (once per node), or nullptr
+  // Device memory of layout_scratch_bytes(num_ranks), zero between launches: word 0 counts the blocks that
+  // finished, then the rank, expert and node counts the blocks add up. The last block to finish moves them
+  // into the outputs and zeroes them: the outputs need no clearing before the launch (no memset calls).
+  int* scratch = nullptr;
   // One node: the last block posts the counts into every rank's row of the layout board under
   // `board_sequence` (the notify this layout feeds). `board` nullptr: nothing is posted.
   uint64_t* board = nullptr;
   LayoutBoardMap board_map{1};
   uint32_t board_sequence = 0;
   int rank = 0;
-  unsigned* blocks_done = nullptr;  // device counter of finished blocks, zero between launches
 };
+// LayoutArgs::scratch's size: the block count, then a count per rank, per expert (up to kMaxExperts) and per
+// node (up to one per rank).
+constexpr size_t layout_scratch_bytes(int num_ranks) {
+  return sizeof(int) * (1 + 2 * static_cast<size_t>(num_ranks) + kMaxExperts);
+}
 void launch_layout(const LayoutArgs& args, cudaStream_t stream);
 
 // Host-mapped counts notify publishes as tagged words (pack_tagged with `sequence`): [0] rows, [1 + r] rows

@@ -2,7 +2,6 @@
 
 #include "buffer_map/internode_buffer_map.hpp"
 #include "device/ptx.cuh"
-#include "gpu/cuda_check.hpp"
 #include "kernels/launch.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
@@ -18,33 +17,60 @@ __host__ __device__ int layout_num_nodes(const LayoutArgs& args) {
   return args.num_tokens_per_rdma_rank != nullptr ? args.num_ranks / args.ranks_per_node : 0;
 }
 
-// The last block to finish posts this rank's counts into every rank's row of the layout board: for rank d,
-// the tokens it gets, then its experts' tokens, each a tagged word of the notify sequence the layout feeds.
-// Called by every thread of every block once the block's counts are added.
+// Where a block adds its counts (LayoutArgs::scratch): word 0 counts the finished blocks, the counts follow
+// in the shared histogram's order (ranks, experts, nodes).
+__device__ __forceinline__ unsigned* blocks_done(const LayoutArgs& args) {
+  return reinterpret_cast<unsigned*>(args.scratch);
+}
+__device__ __forceinline__ int* scratch_counts(const LayoutArgs& args) {
+  return args.scratch + 1;
+}
+
+// Count i of the histogram's order (ranks, experts, nodes) in the caller's outputs.
+__device__ __forceinline__ int* output_count(const LayoutArgs& args, int i) {
+  if (i < args.num_ranks) return &args.num_tokens_per_rank[i];
+  i -= args.num_ranks;
+  if (i < args.num_experts) return &args.num_tokens_per_expert[i];
+  return &args.num_tokens_per_rdma_rank[i - args.num_experts];
+}
+
+// The last block to finish moves the counts from the scratch into the outputs (so nothing clears the outputs
+// before the launch) and zeroes the scratch for the next launch; on one node it then posts this rank's counts
+// into every rank's row of the layout board: for rank d, the tokens it gets, then its experts' tokens, each a
+// tagged word of the notify sequence the layout feeds. Called by every thread of every block once the block's
+// counts are added.
 // NOTES: every thread fences before the block counts itself done, so the last block, which sees every other
 // block's count, reads their sums complete. Each posting thread's closing system fence pushes its words out
 // of the GPU's caches: the kernels queued behind may otherwise keep them there (kernels/host_counts.cuh), and
 // a peer's host must see them no later than the notify counts that follow them.
-__device__ void post_to_board(const LayoutArgs& args) {
+__device__ void finish_layout(const LayoutArgs& args, int num_counts) {
   __shared__ bool is_last;
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) is_last = atomicAdd(args.blocks_done, 1u) == gridDim.x - 1;
+  if (threadIdx.x == 0) is_last = atomicAdd(blocks_done(args), 1u) == gridDim.x - 1;
   __syncthreads();
   if (!is_last) return;
   __threadfence();
-  const int num_local_experts = args.num_experts / args.num_ranks;
-  const int words = 1 + num_local_experts;
-  for (int i = threadIdx.x; i < args.num_ranks * words; i += blockDim.x) {
-    const int dest = i / words;
-    const int word = i % words;
-    const int value = word == 0 ? __ldcg(&args.num_tokens_per_rank[dest])
-                                : __ldcg(&args.num_tokens_per_expert[dest * num_local_experts + word - 1]);
-    uint64_t* slot = args.board + args.board_map.slot(dest, args.board_sequence, args.rank);
-    device::st_relaxed_sys_u64(slot + word, pack_tagged(args.board_sequence, value));
+  int* counts = scratch_counts(args);
+  for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
+    *output_count(args, i) = __ldcg(&counts[i]);
+    counts[i] = 0;
   }
-  __threadfence_system();
-  if (threadIdx.x == 0) *args.blocks_done = 0;  // for the next launch (stream order)
+  __syncthreads();  // the outputs written before the board's words are read from them
+  if (args.board != nullptr) {
+    const int num_local_experts = args.num_experts / args.num_ranks;
+    const int words = 1 + num_local_experts;
+    for (int i = threadIdx.x; i < args.num_ranks * words; i += blockDim.x) {
+      const int dest = i / words;
+      const int word = i % words;
+      const int value = word == 0 ? args.num_tokens_per_rank[dest]
+                                  : args.num_tokens_per_expert[dest * num_local_experts + word - 1];
+      uint64_t* slot = args.board + args.board_map.slot(dest, args.board_sequence, args.rank);
+      device::st_relaxed_sys_u64(slot + word, pack_tagged(args.board_sequence, value));
+    }
+    __threadfence_system();
+  }
+  if (threadIdx.x == 0) *blocks_done(args) = 0;  // for the next launch (stream order)
 }
 
 // One thread per token. Counts go through shared-memory histograms first so the global atomics are one per
@@ -90,32 +116,18 @@ __global__ void __launch_bounds__(kLayoutThreads) layout_kernel(LayoutArgs args)
     }
   }
   __syncthreads();
+  int* counts = scratch_counts(args);
   for (int i = threadIdx.x; i < num_counts; i += blockDim.x) {
-    if (shared_counts[i] == 0) continue;
-    if (i < args.num_ranks) {
-      atomicAdd(&args.num_tokens_per_rank[i], shared_counts[i]);
-    } else if (i < args.num_ranks + args.num_experts) {
-      atomicAdd(&args.num_tokens_per_expert[i - args.num_ranks], shared_counts[i]);
-    } else {
-      atomicAdd(&args.num_tokens_per_rdma_rank[i - args.num_ranks - args.num_experts], shared_counts[i]);
-    }
+    if (shared_counts[i] != 0) atomicAdd(&counts[i], shared_counts[i]);
   }
-  if (args.board != nullptr) post_to_board(args);
+  finish_layout(args, num_counts);
 }
 
 }  // namespace
 
 void launch_layout(const LayoutArgs& args, cudaStream_t stream) {
-  EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rank, 0, sizeof(int) * args.num_ranks, stream));
-  if (args.num_experts > 0) {
-    EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_expert, 0, sizeof(int) * args.num_experts, stream));
-  }
   const int num_nodes = layout_num_nodes(args);
-  if (num_nodes > 0) {
-    EPX_CUDA_CHECK(cudaMemsetAsync(args.num_tokens_per_rdma_rank, 0, sizeof(int) * num_nodes, stream));
-  }
-  // With no tokens a block still runs when the counts (zeros) go to the board.
-  if (args.num_tokens == 0 && args.board == nullptr) return;
+  // With no tokens a block still runs: it writes the counts (zeros) and posts them.
   const int blocks = std::max((args.num_tokens + kLayoutThreads - 1) / kLayoutThreads, 1);
   const size_t shared_bytes = sizeof(int) * (args.num_ranks + args.num_experts + num_nodes);
   launch(layout_kernel, {unsigned(blocks), kLayoutThreads, shared_bytes, Residency::kIndependent}, stream,

@@ -23,6 +23,7 @@
 #include "gpu/cuda_check.hpp"
 #include "gpu/device_info.hpp"
 #include "kernels/low_latency_kernels.hpp"
+#include "kernels/normal_kernels.hpp"
 #include "kernels/preload.hpp"
 #include "runtime/buffer_access.hpp"
 #include "runtime/low_latency_state.hpp"
@@ -140,9 +141,11 @@ struct Buffer::State {
   int* host_scratch = nullptr;  // host-mapped
   int* host_scratch_device = nullptr;
   // Normal mode on one node: where get_dispatch_layout posts the counts each rank's host reads
-  // (src/buffer_map/layout_board_map.hpp), and the layout kernel's count of finished blocks (device).
+  // (src/buffer_map/layout_board_map.hpp).
   std::optional<SharedHostMemory> layout_board;
-  unsigned* layout_blocks_done = nullptr;
+  // The layout kernel's device scratch, zero between launches (kernels::LayoutArgs): its count of finished
+  // blocks, then the counts its blocks add up.
+  int* layout_scratch = nullptr;
   std::shared_ptr<LowLatencyState> low_latency;  // hooks share it, so it may outlive the Buffer
   std::optional<IpcMemory> abort_memory;         // this rank's abort word, mapped into the node's ranks
   void* const* abort_table = nullptr;   // device [kMaxLowLatencyRanks]: every rank's word (nullptr: off node)
@@ -166,8 +169,8 @@ struct Buffer::State {
     if (rank_mask != nullptr) cudaFree(rank_mask);
     rank_mask = nullptr;
     if (layout_board) layout_board->release();
-    if (layout_blocks_done != nullptr) cudaFree(layout_blocks_done);
-    layout_blocks_done = nullptr;
+    if (layout_scratch != nullptr) cudaFree(layout_scratch);
+    layout_scratch = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
     if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
@@ -282,9 +285,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     // Every rank has the same NVLink buffer size (checked just above), so every rank joins or none does.
     if (options.num_nvl_bytes > 0 && s.ranks_per_node == s.num_ranks) {
       s.layout_board.emplace(bootstrap, LayoutBoardMap{s.num_ranks}.num_bytes());
-      EPX_CUDA_CHECK(cudaMalloc(&s.layout_blocks_done, sizeof(unsigned)));
-      EPX_CUDA_CHECK(cudaMemset(s.layout_blocks_done, 0, sizeof(unsigned)));
     }
+    EPX_CUDA_CHECK(cudaMalloc(&s.layout_scratch, kernels::layout_scratch_bytes(s.num_ranks)));
+    EPX_CUDA_CHECK(cudaMemset(s.layout_scratch, 0, kernels::layout_scratch_bytes(s.num_ranks)));
     if (s.ranks_per_node < s.num_ranks && options.num_rdma_bytes > 0) {
       s.symmetric_remote = allocate_remote_memory(bootstrap, options.num_rdma_bytes, s.ranks_per_node);
       s.symmetric_table = upload_table(low_latency_store_table(bootstrap, *s.symmetric_remote));
@@ -473,7 +476,11 @@ BufferAccess::LayoutBoard BufferAccess::layout_board(const Buffer& buffer) {
   const Buffer::State& s = buffer.live();
   if (!s.layout_board || !s.layout_board->valid()) return {};
   return {static_cast<uint64_t*>(s.layout_board->host()), static_cast<uint64_t*>(s.layout_board->device()),
-          LayoutBoardMap{s.num_ranks}, s.layout_blocks_done};
+          LayoutBoardMap{s.num_ranks}};
+}
+
+int* BufferAccess::layout_scratch(const Buffer& buffer) {
+  return buffer.live().layout_scratch;
 }
 
 cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
@@ -536,7 +543,7 @@ void Buffer::reset() {
   EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));  // no rank masked
   if (s.nvl->bytes() > 0) EPX_CUDA_CHECK(cudaMemset(s.nvl->local(), 0, s.nvl->bytes()));
   if (num_rdma_bytes() > 0) EPX_CUDA_CHECK(cudaMemset(symmetric_buffer(), 0, num_rdma_bytes()));
-  if (s.layout_blocks_done != nullptr) EPX_CUDA_CHECK(cudaMemset(s.layout_blocks_done, 0, sizeof(unsigned)));
+  EPX_CUDA_CHECK(cudaMemset(s.layout_scratch, 0, kernels::layout_scratch_bytes(s.num_ranks)));
   EPX_CUDA_CHECK(cudaDeviceSynchronize());
   // This rank's row of the layout board: the notify sequence restarts below, and a count posted before the
   // reset must not pass for one posted after it.

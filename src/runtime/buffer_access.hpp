@@ -26,15 +26,16 @@ struct BufferAccess {
   static int* host_scratch(const Buffer& buffer);
   static int* host_scratch_device(const Buffer& buffer);
   // Normal mode on one node: the layout board (src/buffer_map/layout_board_map.hpp) as the host and the
-  // device see it, and the layout kernel's device counter of finished blocks (zero between launches). All
-  // null where the group spans nodes, has no NVLink buffer, or could not map the shared memory.
+  // device see it. Null where the group spans nodes, has no NVLink buffer, or could not map the shared
+  // memory.
   struct LayoutBoard {
     uint64_t* host = nullptr;
     uint64_t* device = nullptr;
     LayoutBoardMap map{1};
-    unsigned* blocks_done = nullptr;
   };
   static LayoutBoard layout_board(const Buffer& buffer);
+  // The layout kernel's device scratch of layout_scratch_bytes(num_ranks), zero between launches.
+  static int* layout_scratch(const Buffer& buffer);
   // Where a device wait that gives up writes its record (host-mapped), as the device sees it.
   static FailureRecord* failure_record_device(const Buffer& buffer);
   // Shares ownership of the comm stream, for objects (handles) that may outlive the Buffer and free memory on

@@ -372,7 +372,8 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
                            out.is_token_in_rank,
                            device_address(buffer, &scratch.invalid_id),
                            buffer.ranks_per_node(),
-                           out.num_tokens_per_rdma_rank};
+                           out.num_tokens_per_rdma_rank,
+                           BufferAccess::layout_scratch(buffer)};
   // One node: the counts go to the layout board too, for the notify after this layout.
   const BufferAccess::LayoutBoard board = BufferAccess::layout_board(buffer);
   scratch.layout_post = {};
@@ -381,7 +382,6 @@ Event get_dispatch_layout(Buffer& buffer, const int64_t* topk_idx, int num_token
     args.board_map = board.map;
     args.board_sequence = next_sequence(scratch.notify_sequence);
     args.rank = buffer.rank();
-    args.blocks_done = board.blocks_done;
     scratch.layout_post = {out.num_tokens_per_rank, out.num_tokens_per_expert, num_experts,
                            args.board_sequence};
   }
