@@ -81,6 +81,8 @@ def parse_args(argv: Optional[List[str]] = None) -> argparse.Namespace:
     p.add_argument("--warmup", type=int, default=20)
     p.add_argument("--iters", type=int, default=300)
     p.add_argument("--profile", choices=ENTRY_POINTS, help="cProfile this entry point (--iters calls)")
+    p.add_argument("--trace", help="comma-separated entry points: the CUDA API calls each makes per call and their "
+                   "host time (torch.profiler, --iters calls), printed instead of the table")
     p.add_argument("--json", help="also write the rows to this file (JSON)")
     p.add_argument("--no-pin", action="store_true",
                    help="leave each rank's process where the OS puts it (default: --pin-cores cores near its GPU)")
@@ -144,6 +146,26 @@ def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) 
     profiler.disable()
     if show:
         pstats.Stats(profiler).sort_stats("tottime").print_stats(25)
+
+
+def trace_api_calls(call: Callable[[], Any], warmup: int, iters: int, torch: Any) -> List[str]:
+    """The CUDA runtime and driver calls one call of `call` makes: per name, calls per call and host us per
+    call (CUPTI adds its own cost to each)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    for _ in range(warmup):
+        call()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(iters):
+            call()
+        torch.cuda.synchronize()
+    lines = []
+    for event in sorted(prof.key_averages(), key=lambda e: -e.self_cpu_time_total):
+        if event.key.startswith(("cuda", "cu")) and event.key != "cudaDeviceSynchronize":
+            lines.append(f"  {event.key}: {event.count / iters:.2f} per call, "
+                         f"{event.self_cpu_time_total / iters:.1f} us per call")
+    return lines
 
 
 # ---- The calls ----
@@ -280,6 +302,13 @@ def run_rows(
     if o.profile:
         profile_calls(calls[o.profile], o.warmup, o.iters, show)
         return []
+    if o.trace:
+        for name in o.trace.split(","):
+            barrier()
+            lines = trace_api_calls(calls[name], o.warmup, o.iters, torch)
+            if show:
+                print(f"{name}: CUDA API calls\n" + "\n".join(lines), flush=True)
+        return []
     rows = []
     for name in ENTRY_POINTS:
         barrier()
@@ -400,6 +429,29 @@ def pin_main_thread(cpus: List[int]) -> None:
         os.sched_setaffinity(0, set(split_cores(cpus)[0]))
 
 
+def busy_threads(min_share: float = 0.05, task_dir: str = "/proc/self/task") -> List[str]:
+    """This process's threads that used at least min_share of the process's lifetime on a CPU, busiest first:
+    a thread that spins (a proxy polling for work) takes a core from the calling thread when they share one."""
+    ticks = os.sysconf("SC_CLK_TCK")
+    with open("/proc/self/stat") as f:
+        start_ticks = int(f.read().rsplit(")", 1)[1].split()[19])
+    with open("/proc/uptime") as f:
+        lifetime_s = float(f.read().split()[0]) - start_ticks / ticks
+    rows = []
+    for tid in os.listdir(task_dir):
+        try:
+            with open(f"{task_dir}/{tid}/stat") as f:
+                fields = f.read().rsplit(")", 1)[1].split()
+            with open(f"{task_dir}/{tid}/comm") as f:
+                name = f.read().strip()
+        except OSError:  # the thread ended meanwhile
+            continue
+        cpu_s = (int(fields[11]) + int(fields[12])) / ticks  # utime + stime
+        if lifetime_s > 0 and cpu_s / lifetime_s >= min_share:
+            rows.append((cpu_s, f"{name} (tid {tid}, CPU {fields[36]}): {cpu_s:.1f} s of {lifetime_s:.1f} s"))
+    return [text for _, text in sorted(rows, reverse=True)]
+
+
 # ---- Modes ----
 
 
@@ -462,6 +514,7 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
             show=rank == 0,
         )
         torch.cuda.synchronize()
+        print(f"rank {rank}: busy threads: " + "; ".join(busy_threads()), file=sys.stderr)
         dist.barrier(group)
         if rank == 0 and rows:
             print_rows(
