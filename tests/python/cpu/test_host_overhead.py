@@ -6,6 +6,7 @@ behave as the paths they replace. bench/python_host_overhead.py --stub times the
 torch."""
 
 import gc
+import os
 import weakref
 
 import pytest
@@ -521,6 +522,30 @@ def test_split_cores_gives_the_calling_thread_its_own_core():
     assert bench.split_cores([3, 4, 5, 6]) == ([3], [4, 5, 6])
     assert bench.split_cores([7]) == ([7], [7])  # one core serves both
     assert bench.split_cores([]) == ([], [])
+
+
+def test_busy_threads_names_the_threads_that_kept_a_cpu_busy(tmp_path):
+    bench = _host_overhead_module()
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def thread(tid, name, cpu_s, cpu):
+        task = tmp_path / str(tid)
+        task.mkdir()
+        fields = ["S"] + ["0"] * 40  # fields 3.. of /proc/<pid>/task/<tid>/stat
+        fields[11], fields[12] = str(int(cpu_s * ticks)), "0"  # utime, stime
+        fields[36] = str(cpu)  # the CPU it last ran on
+        (task / "stat").write_text(f"{tid} ({name}) " + " ".join(fields) + "\n")
+        (task / "comm").write_text(name + "\n")
+
+    thread(1, "python3", 5.0, 3)
+    thread(2, "cuda-EvtHandlr", 0.1, 7)
+    thread(3, "pt_autograd_0", 2.0, 4)
+    # Busiest first; a thread under the share (0.1 s of 10 s) is left out.
+    assert bench.busy_threads(0.05, str(tmp_path), lifetime_s=10.0) == [
+        "python3 (tid 1, CPU 3): 5.0 s of 10.0 s",
+        "pt_autograd_0 (tid 3, CPU 4): 2.0 s of 10.0 s",
+    ]
+    assert bench.process_lifetime_s() > 0
 
 
 @pytest.mark.parametrize("extension", [False, True])
