@@ -6,7 +6,8 @@
 #   - the C++ GPU tests of larger groups (4 ranks by default) with ranks sharing the GPUs
 #     (EPX_TEST_RANKS_PER_GPU, EPX_TEST_MIN_RANKS: only the groups one rank per GPU could not run);
 #   - the Python GPU tests (megatron-core's included when its wheel is installed or carried in .whl/) and the
-#     examples, at one rank per GPU, and the Python tests of larger groups with ranks sharing the GPUs;
+#     examples, at one rank per GPU (the test files in two jobs), and the Python tests of larger groups with
+#     ranks sharing the GPUs;
 #   - epx-bench: normal mode at SM budgets 8, 16, 24 and 32, low-latency mode, NCCL beside both.
 # Logs, the benchmark's table, JSON and plot (bench.svg) and summary.txt go under $OUT (default gpu-out/); at
 # most 8 files, the per-job logs packed in logs.tar.gz. Exit status: non-zero when any stage failed.
@@ -110,7 +111,18 @@ if [ "${GPU_TESTS:-*}" != "-" ]; then
 fi
 if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
   pytest_args=(-q -p no:cacheprovider -rs tests/python/gpu)
-  job py -- bash -c "python3 -m pytest ${pytest_args[*]} && python3 examples/03_moe_layer.py"
+  # One rank per GPU in two jobs, the test files alternately (one job took 219 s alone and ran past 240 s beside
+  # the others); each lists its slowest tests.
+  mapfile -t py_files < <(find tests/python/gpu -name 'test_*.py' | sort)
+  for shard in 0 1; do
+    files=()
+    for i in "${!py_files[@]}"; do
+      if ((i % 2 == shard)); then files+=("${py_files[$i]}"); fi
+    done
+    then_example=""
+    if [ "$shard" = 0 ]; then then_example=" && python3 examples/03_moe_layer.py"; fi
+    job "py-$shard" -- bash -c "python3 -m pytest -q -p no:cacheprovider -rs --durations=5 ${files[*]}$then_example"
+  done
   if [ "$shared_ranks" -gt "$num_gpus" ]; then
     job py-shared EPX_TEST_RANKS_PER_GPU="$shared_per_gpu" EPX_TEST_MIN_RANKS=$((num_gpus + 1)) \
       -- python3 -m pytest "${pytest_args[@]}"
@@ -148,7 +160,13 @@ EOF
 cat "$summary"
 [ $tests_failed = 0 ] || for name in "${names[@]}"; do
   read -r rc _ <"$logs/$name.rc"
-  [ "$rc" = 0 ] || { echo "--- $name (rc $rc), last lines:"; grep -E "FAILED|Error|error" "$logs/$name.log" | tail -15; }
+  if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
+    echo "--- $name: killed at TEST_TIMEOUT=${test_timeout}s, last lines:"
+    grep -vE "Skipped|needs [0-9]+ GPUs|below EPX_TEST_MIN_RANKS|^$" "$logs/$name.log" | tail -5
+  elif [ "$rc" != 0 ]; then
+    echo "--- $name (rc $rc), last lines:"
+    grep -E "FAILED|Error|error" "$logs/$name.log" | tail -15
+  fi
 done | tee -a "$summary"
 echo "tests done at $(elapsed)s" | tee -a "$summary"
 
