@@ -61,6 +61,18 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       {"channel counts", "messages", "host counts", nullptr},
       {"wait", "add and store", "batch end", "loads landing"}};
   const auto reports = take_phase_reports(buffer);
+  // The latest launch's streams on the GPU's global timer, from the earliest leader's start (its end less its
+  // cycles at the device's clock rate).
+  const auto begin_ns = [&](const kernels::PhaseReport& r) {
+    return static_cast<double>(r.last_end_ns) - r.last_cycles * 1e6 / khz;
+  };
+  double first_begin_ns = 0;
+  bool any = false;
+  for (const kernels::PhaseReport& r : reports) {
+    if (r.launches == 0) continue;
+    first_begin_ns = any ? std::min(first_begin_ns, begin_ns(r)) : begin_ns(r);
+    any = true;
+  }
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];
     if (r.launches == 0) continue;
@@ -72,6 +84,10 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
       if (kSteps[s][p] != nullptr)
         out.push_back({stream_name + ": " + kSteps[s][p], sms, r.cycles[p] * us_per_launch, 0});
     }
+    out.push_back({stream_name + ": starts, last launch (from the first leader's start)", sms,
+                   (begin_ns(r) - first_begin_ns) / 1e3, 0});
+    out.push_back({stream_name + ": ends, last launch (from the first leader's start)", sms,
+                   (r.last_end_ns - first_begin_ns) / 1e3, 0});
   }
 }
 

@@ -150,6 +150,10 @@ struct PhaseReport {
   long long records;
   int record_bytes;
   int launches;
+  // The latest launch: the leader's end on the GPU's global timer (ns) and its cycles from start to end, so
+  // the streams of one launch share a clock (when the reducers end after the senders, and by how much).
+  unsigned long long last_end_ns;
+  long long last_cycles;
 };
 constexpr int kPhaseStreams = static_cast<int>(PhaseStream::kCount);
 

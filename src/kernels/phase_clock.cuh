@@ -1,5 +1,6 @@
 #pragma once
 
+#include "device/ptx.cuh"
 #include "kernels/normal_kernels.hpp"
 
 // Where one group leader of a normal-mode stream spends its cycles (EPX_NORMAL_PHASES=1): a tool for the
@@ -37,6 +38,8 @@ struct PhaseClock {
     r.records = r.records + records;
     r.record_bytes = record_bytes;
     r.launches = r.launches + 1;
+    r.last_end_ns = device::global_timer_ns();  // no start time kept: a register more spilled across nodes
+    r.last_cycles = last - begin;
   }
 };
 
