@@ -58,6 +58,13 @@ def _attach(tensor: Any, handle: Any) -> Any:
     return tensor
 
 
+def _attach_to_alias(tensor: Any, handle: Any) -> Any:
+    """`tensor` as a new tensor object over the same memory, carrying `handle`: for a tensor the handle holds
+    itself (one of its views), which carrying the handle would make a reference cycle (freed only by the garbage
+    collector, with the handle's device arrays)."""
+    return _attach(tensor.detach(), handle)
+
+
 def _find(handle: Any, kind: type, call: str) -> Any:
     if isinstance(handle, kind):
         return handle  # EPX's own handle, as epx.Buffer returns it
@@ -120,7 +127,7 @@ def internode_handle_tuple(handle: Any, matrices: List[Any]) -> Tuple[Any, ...]:
     """DeepEP's 10-element internode handle over `handle`, with `matrices` from internode_matrices."""
     (rdma_channel_prefix, gbl_channel_prefix, recv_rdma_channel_prefix, recv_rdma_rank_prefix_sum,
      recv_gbl_channel_prefix, recv_gbl_rank_prefix_sum, recv_src_meta, send_nvl_head) = matrices
-    return (_attach(handle.is_token_in_rank, handle), rdma_channel_prefix, gbl_channel_prefix,
+    return (_attach_to_alias(handle.is_token_in_rank, handle), rdma_channel_prefix, gbl_channel_prefix,
             recv_rdma_channel_prefix, recv_rdma_rank_prefix_sum, recv_gbl_channel_prefix, recv_gbl_rank_prefix_sum,
             recv_src_meta, handle.send_head, send_nvl_head)
 
@@ -146,7 +153,7 @@ def normal_handle_tuple(handle: DispatchHandle) -> Tuple[Any, ...]:
     """DeepEP's 6-element intranode handle over `handle` (a dispatch within one node): views of the matrices its
     count exchange wrote (DispatchHandle.deep_ep_matrices) and of its arrays."""
     rank_prefix, channel_prefix, recv_channel_prefix = handle.deep_ep_matrices
-    return (_attach(rank_prefix, handle), channel_prefix, recv_channel_prefix, handle.recv_src_idx,
+    return (_attach_to_alias(rank_prefix, handle), channel_prefix, recv_channel_prefix, handle.recv_src_idx,
             handle.is_token_in_rank, handle.send_head)
 
 
