@@ -248,7 +248,8 @@ def test_normal_handles_are_freed_by_reference_counting(stub):
 def test_extension_views_become_the_handles_views(stub, monkeypatch):
     """A dispatch through the torch extension gets DeepEP's handle arrays as tensors with the call (the 9th item of
     its result): the epx handle keeps them as its views, and deep_ep's tuple is made of them, with no view call of
-    its own (the first, which carries the handle, as an alias). (A stand-in extension: the dispatch's result comes prebuilt.)"""
+    its own (the first, which carries the handle, as an alias). (A stand-in extension: the dispatch's result comes
+    prebuilt.)"""
     import epx.buffer as buffer_module
 
     wrapper, _ = stub
