@@ -6,7 +6,8 @@
 
 #include "formats/bf16.hpp"
 
-// Combine's arithmetic on 16-byte chunks (8 BF16 values) summed in float, as the references define it.
+// Arithmetic on 16-byte chunks (8 BF16 values): widening to float, and combine's sums in float as the
+// references define them.
 namespace epx::kernels {
 
 // Sums start at -0.0f, the identity of float addition: a sum is exactly its terms added left to right (a lone
@@ -18,24 +19,24 @@ __device__ __forceinline__ void start_sum(float (&acc)[8]) {
   for (int i = 0; i < 8; ++i) acc[i] = kSumStart;
 }
 
-// A BF16 value is the upper half of the float it widens to: value 2i of a chunk (the low half of word i) is
-// that word shifted up, value 2i + 1 the word with its low half cleared. One instruction a value, where the
-// intrinsics' widening took three for two (a byte permute, then two shifts).
-__device__ __forceinline__ float bf16_low_as_float(uint32_t word) {
-  return __uint_as_float(word << 16);
-}
-__device__ __forceinline__ float bf16_high_as_float(uint32_t word) {
-  return __uint_as_float(word & 0xFFFF0000u);
-}
-
-__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
+// 8 BF16 values (16 bytes) widened to float. A BF16 value is the upper half of the float it widens to: value
+// 2i (the low half of word i) is that word shifted up, value 2i + 1 the word with its low half cleared. One
+// instruction a value, where the intrinsic's widening took three for two (a byte permute, then two shifts).
+__device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
   const uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),
                              static_cast<uint32_t>(packed.z), static_cast<uint32_t>(packed.w)};
 #pragma unroll
   for (int i = 0; i < 4; ++i) {
-    acc[2 * i] += bf16_low_as_float(words[i]);
-    acc[2 * i + 1] += bf16_high_as_float(words[i]);
+    out[2 * i] = __uint_as_float(words[i] << 16);
+    out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
   }
+}
+
+__device__ __forceinline__ void add_bf16x8(float (&acc)[8], const int4& packed) {
+  float values[8];
+  unpack_bf16x8(packed, values);
+#pragma unroll
+  for (int i = 0; i < 8; ++i) acc[i] += values[i];
 }
 
 // The sums rounded once to BF16 (round to nearest even).

@@ -4,6 +4,7 @@
 
 #include "device/ptx.cuh"
 #include "device/wait.cuh"
+#include "kernels/bf16x8.cuh"
 #include "kernels/low_latency_kernels.hpp"
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/shape_check.cuh"
@@ -345,17 +346,6 @@ __device__ __forceinline__ bool first_lane_with(int value, int num_topk, int lan
     if (k < lane && other == value) first = false;
   }
   return first;
-}
-
-// 8 BF16 values (16 bytes) widened to float.
-__device__ __forceinline__ void unpack_bf16x8(const int4& packed, float* out) {
-  const uint32_t words[4] = {static_cast<uint32_t>(packed.x), static_cast<uint32_t>(packed.y),
-                             static_cast<uint32_t>(packed.z), static_cast<uint32_t>(packed.w)};
-#pragma unroll
-  for (int i = 0; i < 4; ++i) {
-    out[2 * i] = __uint_as_float(words[i] << 16);
-    out[2 * i + 1] = __uint_as_float(words[i] & 0xFFFF0000u);
-  }
 }
 
 // The expert of top-k entry `entry` (flat t * K + k) if it is that token's first listing of it, else -1: a
