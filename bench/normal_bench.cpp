@@ -6,6 +6,7 @@
 #include <array>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <optional>
 #include <random>
 #include <string>
@@ -66,12 +67,9 @@ void add_phase_rows(const Buffer& buffer, cudaStream_t stream, int sms, std::vec
   const auto begin_ns = [&](const kernels::PhaseReport& r) {
     return static_cast<double>(r.last_end_ns) - r.last_cycles * 1e6 / khz;
   };
-  double first_begin_ns = 0;
-  bool any = false;
+  double first_begin_ns = std::numeric_limits<double>::infinity();
   for (const kernels::PhaseReport& r : reports) {
-    if (r.launches == 0) continue;
-    first_begin_ns = any ? std::min(first_begin_ns, begin_ns(r)) : begin_ns(r);
-    any = true;
+    if (r.launches > 0) first_begin_ns = std::min(first_begin_ns, begin_ns(r));
   }
   for (int s = 0; s < kernels::kPhaseStreams; ++s) {
     const kernels::PhaseReport& r = reports[s];

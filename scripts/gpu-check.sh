@@ -110,7 +110,7 @@ if [ "${GPU_TESTS:-*}" != "-" ]; then
   fi
 fi
 if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
-  pytest_args=(-q -p no:cacheprovider -rs tests/python/gpu)
+  pytest_opts=(-q -p no:cacheprovider -rs)
   # One rank per GPU in two jobs, the test files alternately (one job took 219 s alone and ran past 240 s beside
   # the others); each lists its slowest tests.
   mapfile -t py_files < <(find tests/python/gpu -name 'test_*.py' | sort)
@@ -121,11 +121,11 @@ if [ "${PY_TESTS:-1}" != "-" ] && [ -d "$build/python/epx" ]; then
     done
     then_example=""
     if [ "$shard" = 0 ]; then then_example=" && python3 examples/03_moe_layer.py"; fi
-    job "py-$shard" -- bash -c "python3 -m pytest -q -p no:cacheprovider -rs --durations=5 ${files[*]}$then_example"
+    job "py-$shard" -- bash -c "python3 -m pytest ${pytest_opts[*]} --durations=5 ${files[*]}$then_example"
   done
   if [ "$shared_ranks" -gt "$num_gpus" ]; then
     job py-shared EPX_TEST_RANKS_PER_GPU="$shared_per_gpu" EPX_TEST_MIN_RANKS=$((num_gpus + 1)) \
-      -- python3 -m pytest "${pytest_args[@]}"
+      -- python3 -m pytest "${pytest_opts[@]}" tests/python/gpu
   fi
 fi
 wait
