@@ -92,11 +92,14 @@ def _row_bytes(x: Any) -> Optional[int]:
     """Bytes of one row of a call's tokens with their FP8 scales (what a queue record holds besides top-k data),
     or None for what is not a token tensor (the call then names the argument's error)."""
     data, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-    if getattr(data, "dim", None) is None or data.dim() != 2:
+    shape, element_size = getattr(data, "shape", None), getattr(data, "element_size", None)
+    if shape is None or element_size is None or len(shape) != 2:
         return None
-    row_bytes = data.size(1) * data.element_size()
-    if getattr(scales, "dim", None) is not None:
-        row_bytes += (scales.size(-1) if scales.dim() == 2 else 1) * scales.element_size()
+    row_bytes = shape[1] * element_size()
+    if scales is not None:
+        shape, element_size = getattr(scales, "shape", None), getattr(scales, "element_size", None)
+        if shape is not None and element_size is not None:
+            row_bytes += (shape[-1] if len(shape) == 2 else 1) * element_size()
     return row_bytes
 
 
@@ -223,6 +226,30 @@ class Buffer:
             _DEFAULT_CONFIGS[key] = config
         return config
 
+    # _call_config's answers without a caller's config, per Buffer: {(table id, num_sms, group size, row bytes):
+    # Config}.
+    _call_configs: Optional[Dict[Tuple[int, int, int, Optional[int]], Config]] = None
+
+    def _call_config(self, table: dict, recommended: Callable[[int], Config], config: Optional[Config],
+                     x: Any) -> Config:
+        """The config a normal-mode call with tokens `x` runs with: the caller's `config`, or the recommended one
+        (_default_config), with queues that fit the Buffer (_config_that_fits). Without a caller's config the
+        answer depends only on the table, Buffer.num_sms, the group size and the rows' bytes: kept per Buffer, one
+        dictionary lookup a call. A caller's config may change in place between calls: its fields are read every
+        call."""
+        row_bytes = _row_bytes(x)
+        if config is not None:
+            return self._config_that_fits(config, row_bytes)
+        memo = self._call_configs
+        if memo is None:
+            memo = self._call_configs = {}
+        key = (id(table), Buffer.num_sms, self.group_size, row_bytes)
+        fitted = memo.get(key)
+        if fitted is None:
+            fitted = self._config_that_fits(self._default_config(table, recommended), row_bytes)
+            memo[key] = fitted
+        return fitted
+
     def _config_that_fits(self, config: Config, row_bytes: Optional[int]) -> Config:
         """`config`, or a copy with shorter NVLink queues when its queues for records of rows of `row_bytes` do not
         fit the Buffer's NVLink memory.
@@ -298,15 +325,18 @@ class Buffer:
                  previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                  allocate_on_comm_stream: bool = False
                  ) -> Tuple[Union[Tuple[Any, Any], Any], Optional[Any], Optional[Any], List[int], Any, EventOverlap]:
-        config = self._default_config(_DISPATCH_CONFIGS, self.get_dispatch_config) if config is None else config
+        config = self._call_config(_DISPATCH_CONFIGS, self.get_dispatch_config, config, x)
         is_fp8 = isinstance(x, tuple)
-        config = self._config_that_fits(config, _row_bytes(x))
         if handle is not None:
-            result = self._live().dispatch(x, handle=normal_handle(handle), topk_idx=topk_idx,
-                                           topk_weights=topk_weights,
-                                           expert_alignment=expert_alignment, config=config,
-                                           previous_event=previous_event, async_finish=async_finish,
-                                           allocate_on_comm_stream=allocate_on_comm_stream)
+            live = self._live()
+            if topk_idx is None and topk_weights is None:
+                recv_x, recv_scales, event = live._dispatch_cached_tuple(
+                    x, normal_handle(handle), expert_alignment, config, previous_event, async_finish,
+                    allocate_on_comm_stream)
+                return (recv_x, recv_scales) if is_fp8 else recv_x, None, None, None, None, event
+            result = live.dispatch(x, handle=normal_handle(handle), topk_idx=topk_idx, topk_weights=topk_weights,
+                                   expert_alignment=expert_alignment, config=config, previous_event=previous_event,
+                                   async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
             recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
             return recv_x, None, None, None, None, result.event
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
@@ -329,12 +359,9 @@ class Buffer:
                 bias: Union[Any, Tuple[Any, Any], None] = None, config: Optional[Config] = None,
                 previous_event: Optional[EventOverlap] = None, async_finish: bool = False,
                 allocate_on_comm_stream: bool = False) -> Tuple[Any, Optional[Any], EventOverlap]:
-        config = self._default_config(_COMBINE_CONFIGS, self.get_combine_config) if config is None else config
-        config = self._config_that_fits(config, _row_bytes(x))
-        result = self._live().combine(x, normal_handle(handle), topk_weights=topk_weights, bias=bias, config=config,
-                                      previous_event=previous_event, async_finish=async_finish,
-                                      allocate_on_comm_stream=allocate_on_comm_stream)
-        return result.combined_x, result.combined_topk_weights, result.event
+        config = self._call_config(_COMBINE_CONFIGS, self.get_combine_config, config, x)
+        return self._live()._combine_tuple(x, normal_handle(handle), topk_weights, bias, config, previous_event,
+                                           async_finish, allocate_on_comm_stream)
 
     # ---- Low-latency mode ----
 

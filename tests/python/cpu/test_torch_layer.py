@@ -281,6 +281,12 @@ def test_deep_ep_calls_use_the_default_configs(compat):
     config = deep_ep.Config(8, 4, 64, 6, 128)
     wrapper.dispatch(x, handle, config=config)
     assert wrapper.runtime.config == config
+    # A caller's config changed in place is read again (only the default configs are kept per Buffer).
+    config.num_max_nvl_chunked_send_tokens = 8
+    wrapper.combine(recv_x, handle, topk_weights=recv_w, config=config)
+    assert wrapper.runtime.config == deep_ep.Config(8, 8, 64, 6, 128)
+    wrapper.combine(recv_x, handle, topk_weights=recv_w)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_combine_config(2)
 
 
 def test_megatron_fused_a2a_flow(compat, monkeypatch):
