@@ -23,6 +23,18 @@
 //   direct-P    senders store straight into the peer's output (no queue, no copy out): in every block P warps
 //               store to the peer, the other 16 - P copy own rows
 // The gap between the two is what writing into the receiver's output would buy at that SM budget.
+//
+// Then a within-node combine between 2 ranks with the copy engine carrying the rows that cross (both GPUs at
+// once; GB/s = rows received by the dispatch it undoes, its own and the peer's, / time, as epx-bench counts a
+// combine): each GPU's copy engine moves the rows it returns to the peer (contiguous, as a combine's input
+// holds them per source) into the peer's staging rows in K chunks, and a kernel on another stream raises a flag
+// in the peer after each chunk lands; `sms` blocks on the peer sum each token's own row and its staged row into
+// the output (BF16 widened, added in float, rounded once), a warp waiting for a chunk's flag before its rows.
+//   ce-combine-K   that pipeline with K chunks
+//   ce-alone-K     the copy engine's K chunks alone (no reduce kernel)
+//   reduce-alone   the reduce kernel alone, every row already staged
+// It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s per
+// direction) with the SMs only reducing.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -33,6 +45,8 @@
 #include <string>
 #include <vector>
 
+#include "device/ptx.cuh"
+#include "kernels/bf16x8.cuh"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
 
@@ -143,6 +157,59 @@ __global__ void __launch_bounds__(kThreads, 1)
   copier.finish();
 }
 
+// The copy engine's chunk `chunk` of this call (`epoch`) has landed in the peer's staging rows: raised in the
+// peer's flags by one thread, after the copy completed in stream order.
+__global__ void raise_flag(int* peer_flags, int chunk, int epoch) {
+  __threadfence_system();
+  epx::device::st_release_sys(peer_flags + chunk, epoch);
+}
+
+// out[t] = own[t] + staged[t] for every row t (BF16 values summed in float, rounded once), warp w of the grid
+// taking rows w, w + warps, ...; before a row a warp waits until the flag of its chunk (rows_per_chunk rows
+// each) reads `epoch`. Each lane keeps 4 16-byte pieces of both rows in flight.
+__global__ void __launch_bounds__(kThreads, 1)
+    reduce_staged_rows(char* out, const char* own, const char* staged, const int* flags, int epoch, int num_rows,
+                       int row_bytes, int rows_per_chunk) {
+  constexpr int kUnroll = 4;
+  const int lane = threadIdx.x % 32;
+  const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
+  const int num_warps_total = gridDim.x * kWarps;
+  const int pieces = row_bytes / 16;
+  for (int row = warp; row < num_rows; row += num_warps_total) {
+    if (lane == 0) {
+      const int* flag = flags + row / rows_per_chunk;
+      while (epx::device::ld_acquire_sys(flag) < epoch) {
+      }
+    }
+    __syncwarp();
+    const auto* a = reinterpret_cast<const int4*>(own + static_cast<size_t>(row) * row_bytes);
+    const auto* b = reinterpret_cast<const int4*>(staged + static_cast<size_t>(row) * row_bytes);
+    auto* c = reinterpret_cast<int4*>(out + static_cast<size_t>(row) * row_bytes);
+    for (int first = lane; first < pieces; first += 32 * kUnroll) {
+      int4 va[kUnroll], vb[kUnroll];
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = first + 32 * u;
+        if (i < pieces) {
+          va[u] = a[i];
+          vb[u] = b[i];
+        }
+      }
+#pragma unroll
+      for (int u = 0; u < kUnroll; ++u) {
+        const int i = first + 32 * u;
+        if (i < pieces) {
+          float acc[8];
+          epx::kernels::start_sum(acc);
+          epx::kernels::add_bf16x8(acc, va[u]);
+          epx::kernels::add_bf16x8(acc, vb[u]);
+          c[i] = epx::kernels::round_bf16x8(acc);
+        }
+      }
+    }
+  }
+}
+
 struct Options {
   size_t bytes = size_t(64) << 20;
   int row_bytes = 14336;
@@ -186,9 +253,14 @@ struct Gpu {
   char* dst = nullptr;
   char* own = nullptr;  // the dispatch pattern's own rows and output
   char* out = nullptr;
+  int* flags = nullptr;  // ce-combine: one per chunk, raised by the peer
   cudaStream_t stream{};
+  cudaStream_t copy_stream{}, flag_stream{};  // ce-combine: the copy engine's chunks, the flags after them
   cudaEvent_t start{}, stop{};
+  std::vector<cudaEvent_t> landed;  // ce-combine: chunk k copied
 };
+
+constexpr int kMaxChunks = 64;
 
 }  // namespace
 
@@ -212,6 +284,12 @@ int main(int argc, char** argv) {
     CHECK(cudaMalloc(&gpus[g].out, bytes));
     CHECK(cudaMemset(gpus[g].src, g + 1, bytes));
     CHECK(cudaStreamCreateWithFlags(&gpus[g].stream, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&gpus[g].copy_stream, cudaStreamNonBlocking));
+    CHECK(cudaStreamCreateWithFlags(&gpus[g].flag_stream, cudaStreamNonBlocking));
+    CHECK(cudaMalloc(&gpus[g].flags, kMaxChunks * sizeof(int)));
+    CHECK(cudaMemset(gpus[g].flags, 0, kMaxChunks * sizeof(int)));
+    gpus[g].landed.resize(kMaxChunks);
+    for (cudaEvent_t& event : gpus[g].landed) CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     CHECK(cudaEventCreate(&gpus[g].start));
     CHECK(cudaEventCreate(&gpus[g].stop));
     CHECK(cudaFuncSetAttribute(copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -298,6 +376,75 @@ int main(int argc, char** argv) {
       std::printf("%-12s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", direct_us,
                   2.0 * bytes / direct_us / 1e3);
     }
+  }
+  // The combine with the copy engine carrying the crossing rows (see the file's head). Every launch raises the
+  // flags to a new epoch, so they are never reset.
+  int epoch = 0;
+  const auto time_ce_combine = [&](int chunks, int sms, bool copy, bool reduce) {
+    const int rows_per_chunk = (num_rows + chunks - 1) / chunks;
+    return median_us(2, [&](int g) {
+      Gpu& me = gpus[g];
+      Gpu& peer = gpus[1 - g];
+      if (g == 0) ++epoch;
+      if (copy) {
+        CHECK(cudaStreamWaitEvent(me.copy_stream, me.start));
+        CHECK(cudaStreamWaitEvent(me.flag_stream, me.start));
+        for (int k = 0; k < chunks; ++k) {
+          const size_t first = static_cast<size_t>(k) * rows_per_chunk * o.row_bytes;
+          if (first >= bytes) break;
+          const size_t chunk_bytes = std::min(bytes - first, static_cast<size_t>(rows_per_chunk) * o.row_bytes);
+          CHECK(cudaMemcpyPeerAsync(peer.dst + first, 1 - g, me.src + first, g, chunk_bytes, me.copy_stream));
+          CHECK(cudaEventRecord(me.landed[k], me.copy_stream));
+          CHECK(cudaStreamWaitEvent(me.flag_stream, me.landed[k]));
+          raise_flag<<<1, 1, 0, me.flag_stream>>>(peer.flags, k, epoch);
+        }
+      }
+      if (reduce) {
+        // Alone, every row counts as staged: the flags wait for epoch 0.
+        reduce_staged_rows<<<sms, kThreads, 0, me.stream>>>(me.out, me.src, me.dst, me.flags, copy ? epoch : 0,
+                                                            num_rows, o.row_bytes, rows_per_chunk);
+      }
+      if (copy) {
+        cudaEvent_t flags_done = me.landed[kMaxChunks - 1];
+        CHECK(cudaEventRecord(flags_done, me.flag_stream));
+        CHECK(cudaStreamWaitEvent(me.stream, flags_done));
+      }
+    });
+  };
+  std::printf("%-14s %4s %-6s %10s %10s\n", "combine", "SMs", "ways", "us", "GB/s recv");
+  for (const int chunks : {1, 4, 8, 16, 32}) {
+    const double us = time_ce_combine(chunks, 0, true, false);
+    const std::string name = "ce-alone-" + std::to_string(chunks);
+    std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), 0, "both", us, 2.0 * bytes / us / 1e3);
+  }
+  for (const int sms : o.sms) {
+    const double alone_us = time_ce_combine(1, sms, false, true);
+    std::printf("%-14s %4d %-6s %10.1f %10.1f\n", "reduce-alone", sms, "both", alone_us,
+                2.0 * bytes / alone_us / 1e3);
+    for (const int chunks : {4, 8, 16, 32}) {
+      const double us = time_ce_combine(chunks, sms, true, true);
+      const std::string name = "ce-combine-" + std::to_string(chunks);
+      std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+    }
+  }
+  // The last pipeline's sums, checked on GPU 0 against the host (both rows hold bytes g + 1 everywhere).
+  {
+    std::vector<uint16_t> got(o.row_bytes / 2);
+    CHECK(cudaSetDevice(0));
+    CHECK(cudaMemcpy(got.data(), gpus[0].out + bytes - o.row_bytes, o.row_bytes, cudaMemcpyDeviceToHost));
+    const auto widen = [](uint16_t v) {
+      const uint32_t bits = static_cast<uint32_t>(v) << 16;
+      float f;
+      std::memcpy(&f, &bits, 4);
+      return f;
+    };
+    const float sum = widen(0x0101) + widen(0x0202);
+    uint32_t bits;
+    std::memcpy(&bits, &sum, 4);
+    const uint16_t want = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    const bool ok = std::all_of(got.begin(), got.end(), [&](uint16_t v) { return v == want; });
+    std::printf("ce-combine sums %s (last row, GPU 0: want 0x%04x, got 0x%04x)\n", ok ? "match" : "DIFFER", want,
+                got[0]);
   }
   return 0;
 }
