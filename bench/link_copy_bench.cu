@@ -30,7 +30,7 @@
 // holds them per source) into the peer's staging rows in K chunks, and a kernel on another stream raises a flag
 // in the peer after each chunk lands; `sms` blocks on the peer sum each token's own row and its staged row into
 // the output (BF16 widened, added in float, rounded once), a warp waiting for a chunk's flag before its rows.
-//   ce-combine-K   that pipeline with K chunks
+//   ce-combine-K   that pipeline with K chunks (-nap: the waiting warps sleep 0.5 µs between polls)
 //   ce-alone-K     the copy engine's K chunks alone (no reduce kernel)
 //   reduce-alone   the reduce kernel alone, every row already staged
 // It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s per
@@ -166,10 +166,11 @@ __global__ void raise_flag(int* peer_flags, int chunk, int epoch) {
 
 // out[t] = own[t] + staged[t] for every row t (BF16 values summed in float, rounded once), warp w of the grid
 // taking rows w, w + warps, ...; before a row a warp waits until the flag of its chunk (rows_per_chunk rows
-// each) reads `epoch`. Each lane keeps 4 16-byte pieces of both rows in flight.
+// each) reads `epoch`, sleeping `sleep_ns` between polls (0: spinning). Each lane keeps 4 16-byte pieces of both
+// rows in flight.
 __global__ void __launch_bounds__(kThreads, 1)
     reduce_staged_rows(char* out, const char* own, const char* staged, const int* flags, int epoch, int num_rows,
-                       int row_bytes, int rows_per_chunk) {
+                       int row_bytes, int rows_per_chunk, int sleep_ns) {
   constexpr int kUnroll = 4;
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
@@ -179,6 +180,7 @@ __global__ void __launch_bounds__(kThreads, 1)
     if (lane == 0) {
       const int* flag = flags + row / rows_per_chunk;
       while (epx::device::ld_acquire_sys(flag) < epoch) {
+        if (sleep_ns > 0) __nanosleep(sleep_ns);
       }
     }
     __syncwarp();
@@ -380,7 +382,7 @@ int main(int argc, char** argv) {
   // The combine with the copy engine carrying the crossing rows (see the file's head). Every launch raises the
   // flags to a new epoch, so they are never reset.
   int epoch = 0;
-  const auto time_ce_combine = [&](int chunks, int sms, bool copy, bool reduce) {
+  const auto time_ce_combine = [&](int chunks, int sms, bool copy, bool reduce, int sleep_ns) {
     const int rows_per_chunk = (num_rows + chunks - 1) / chunks;
     return median_us(2, [&](int g) {
       Gpu& me = gpus[g];
@@ -402,7 +404,7 @@ int main(int argc, char** argv) {
       if (reduce) {
         // Alone, every row counts as staged: the flags wait for epoch 0.
         reduce_staged_rows<<<sms, kThreads, 0, me.stream>>>(me.out, me.src, me.dst, me.flags, copy ? epoch : 0,
-                                                            num_rows, o.row_bytes, rows_per_chunk);
+                                                            num_rows, o.row_bytes, rows_per_chunk, sleep_ns);
       }
       if (copy) {
         cudaEvent_t flags_done = me.landed[kMaxChunks - 1];
@@ -412,19 +414,21 @@ int main(int argc, char** argv) {
     });
   };
   std::printf("%-14s %4s %-6s %10s %10s\n", "combine", "SMs", "ways", "us", "GB/s recv");
-  for (const int chunks : {1, 4, 8, 16, 32}) {
-    const double us = time_ce_combine(chunks, 0, true, false);
+  for (const int chunks : {1, 2, 4, 8, 16, 32}) {
+    const double us = time_ce_combine(chunks, 0, true, false, 0);
     const std::string name = "ce-alone-" + std::to_string(chunks);
     std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), 0, "both", us, 2.0 * bytes / us / 1e3);
   }
   for (const int sms : o.sms) {
-    const double alone_us = time_ce_combine(1, sms, false, true);
+    const double alone_us = time_ce_combine(1, sms, false, true, 0);
     std::printf("%-14s %4d %-6s %10.1f %10.1f\n", "reduce-alone", sms, "both", alone_us,
                 2.0 * bytes / alone_us / 1e3);
-    for (const int chunks : {4, 8, 16, 32}) {
-      const double us = time_ce_combine(chunks, sms, true, true);
-      const std::string name = "ce-combine-" + std::to_string(chunks);
-      std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+    for (const int sleep_ns : {0, 500}) {
+      for (const int chunks : {2, 4, 8, 16}) {
+        const double us = time_ce_combine(chunks, sms, true, true, sleep_ns);
+        const std::string name = "ce-combine-" + std::to_string(chunks) + (sleep_ns > 0 ? "-nap" : "");
+        std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+      }
     }
   }
   // The last pipeline's sums, checked on GPU 0 against the host (both rows hold bytes g + 1 everywhere).
