@@ -27,14 +27,15 @@
 // Then a within-node combine between 2 ranks with the copy engine carrying the rows that cross (both GPUs at
 // once; GB/s = rows received by the dispatch it undoes, its own and the peer's, / time, as epx-bench counts a
 // combine): each GPU's copy engine moves the rows it returns to the peer (contiguous, as a combine's input
-// holds them per source) into the peer's staging rows in K chunks, and a kernel on another stream raises a flag
-// in the peer after each chunk lands; `sms` blocks on the peer sum each token's own row and its staged row into
-// the output (BF16 widened, added in float, rounded once), a warp waiting for a chunk's flag before its rows.
+// holds them per source) into the peer's staging rows in K chunks, and a kernel on another stream raises a
+// flag in the peer after each chunk lands; `sms` blocks on the peer sum each token's own row and its staged
+// row into the output (BF16 widened, added in float, rounded once), a warp waiting for a chunk's flag before
+// its rows.
 //   ce-combine-K   that pipeline with K chunks (-nap: the waiting warps sleep 0.5 µs between polls)
 //   ce-alone-K     the copy engine's K chunks alone (no reduce kernel)
 //   reduce-alone   the reduce kernel alone, every row already staged
-// It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s per
-// direction) with the SMs only reducing.
+// It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s
+// per direction) with the SMs only reducing.
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -166,11 +167,11 @@ __global__ void raise_flag(int* peer_flags, int chunk, int epoch) {
 
 // out[t] = own[t] + staged[t] for every row t (BF16 values summed in float, rounded once), warp w of the grid
 // taking rows w, w + warps, ...; before a row a warp waits until the flag of its chunk (rows_per_chunk rows
-// each) reads `epoch`, sleeping `sleep_ns` between polls (0: spinning). Each lane keeps 4 16-byte pieces of both
-// rows in flight.
+// each) reads `epoch`, sleeping `sleep_ns` between polls (0: spinning). Each lane keeps 4 16-byte pieces of
+// both rows in flight.
 __global__ void __launch_bounds__(kThreads, 1)
-    reduce_staged_rows(char* out, const char* own, const char* staged, const int* flags, int epoch, int num_rows,
-                       int row_bytes, int rows_per_chunk, int sleep_ns) {
+    reduce_staged_rows(char* out, const char* own, const char* staged, const int* flags, int epoch,
+                       int num_rows, int row_bytes, int rows_per_chunk, int sleep_ns) {
   constexpr int kUnroll = 4;
   const int lane = threadIdx.x % 32;
   const int warp = blockIdx.x * kWarps + threadIdx.x / 32;
@@ -379,8 +380,8 @@ int main(int argc, char** argv) {
                   2.0 * bytes / direct_us / 1e3);
     }
   }
-  // The combine with the copy engine carrying the crossing rows (see the file's head). Every launch raises the
-  // flags to a new epoch, so they are never reset.
+  // The combine with the copy engine carrying the crossing rows (see the file's head). Every launch raises
+  // the flags to a new epoch, so they are never reset.
   int epoch = 0;
   const auto time_ce_combine = [&](int chunks, int sms, bool copy, bool reduce, int sleep_ns) {
     const int rows_per_chunk = (num_rows + chunks - 1) / chunks;
@@ -394,7 +395,8 @@ int main(int argc, char** argv) {
         for (int k = 0; k < chunks; ++k) {
           const size_t first = static_cast<size_t>(k) * rows_per_chunk * o.row_bytes;
           if (first >= bytes) break;
-          const size_t chunk_bytes = std::min(bytes - first, static_cast<size_t>(rows_per_chunk) * o.row_bytes);
+          const size_t chunk_bytes =
+              std::min(bytes - first, static_cast<size_t>(rows_per_chunk) * o.row_bytes);
           CHECK(cudaMemcpyPeerAsync(peer.dst + first, 1 - g, me.src + first, g, chunk_bytes, me.copy_stream));
           CHECK(cudaEventRecord(me.landed[k], me.copy_stream));
           CHECK(cudaStreamWaitEvent(me.flag_stream, me.landed[k]));
@@ -403,8 +405,9 @@ int main(int argc, char** argv) {
       }
       if (reduce) {
         // Alone, every row counts as staged: the flags wait for epoch 0.
-        reduce_staged_rows<<<sms, kThreads, 0, me.stream>>>(me.out, me.src, me.dst, me.flags, copy ? epoch : 0,
-                                                            num_rows, o.row_bytes, rows_per_chunk, sleep_ns);
+        reduce_staged_rows<<<sms, kThreads, 0, me.stream>>>(me.out, me.src, me.dst, me.flags,
+                                                            copy ? epoch : 0, num_rows, o.row_bytes,
+                                                            rows_per_chunk, sleep_ns);
       }
       if (copy) {
         cudaEvent_t flags_done = me.landed[kMaxChunks - 1];
@@ -447,8 +450,8 @@ int main(int argc, char** argv) {
     std::memcpy(&bits, &sum, 4);
     const uint16_t want = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
     const bool ok = std::all_of(got.begin(), got.end(), [&](uint16_t v) { return v == want; });
-    std::printf("ce-combine sums %s (last row, GPU 0: want 0x%04x, got 0x%04x)\n", ok ? "match" : "DIFFER", want,
-                got[0]);
+    std::printf("ce-combine sums %s (last row, GPU 0: want 0x%04x, got 0x%04x)\n", ok ? "match" : "DIFFER",
+                want, got[0]);
   }
   return 0;
 }
