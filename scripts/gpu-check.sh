@@ -166,6 +166,21 @@ EOF
   done
 } >"$summary"  # not piped into tee: a pipe's subshell would lose tests_failed
 cat "$summary"
+# Each job's three slowest tests: what to move when a job nears TEST_TIMEOUT beside the others.
+for name in "${names[@]}"; do
+  if [ -f "$logs/$name.json" ]; then
+    python3 - "$logs/$name.json" "$name" <<'EOF'
+import json, sys
+tests = [(float(t.get("time", "0s").rstrip("s")), f"{suite['name']}.{t['name']}")
+         for suite in json.load(open(sys.argv[1]))["testsuites"] for t in suite["testsuite"]]
+print(f"{sys.argv[2]} slowest: " + ", ".join(f"{n} {s:.0f} s" for s, n in sorted(tests, reverse=True)[:3]))
+EOF
+  elif [[ $name == py-[0-9] ]]; then
+    slowest=$(grep -A3 "slowest .*durations" "$logs/$name.log" | grep -E "^[0-9.]+s call" |
+      sed -E 's/^([0-9.]+)s call +(.*)$/\2 \1 s/' | paste -sd, - | sed 's/,/, /g')
+    [ -n "$slowest" ] && echo "$name slowest: $slowest"
+  fi
+done | tee -a "$summary"
 [ $tests_failed = 0 ] || for name in "${names[@]}"; do
   read -r rc _ <"$logs/$name.rc"
   if [ "$rc" = 124 ] || [ "$rc" = 137 ]; then
