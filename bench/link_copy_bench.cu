@@ -34,6 +34,8 @@
 //   ce-combine-K   that pipeline with K chunks (-nap: the waiting warps sleep 0.5 µs between polls)
 //   ce-alone-K     the copy engine's K chunks alone (no reduce kernel)
 //   reduce-alone   the reduce kernel alone, every row already staged
+//   ce-local-K     the copy engine's K chunks beside an unrelated bulk copy of as many rows within the GPU on
+//                  `sms` SMs (no flags waited for): whether the two slow each other without any dependency
 // It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s
 // per direction) with the SMs only reducing.
 #include <cuda_runtime.h>
@@ -383,7 +385,8 @@ int main(int argc, char** argv) {
   // The combine with the copy engine carrying the crossing rows (see the file's head). Every launch raises
   // the flags to a new epoch, so they are never reset.
   int epoch = 0;
-  const auto time_ce_combine = [&](int chunks, int sms, bool copy, bool reduce, int sleep_ns) {
+  enum class Beside { kNothing, kReduce, kLocalCopy };  // the SMs' work on the peer-side stream
+  const auto time_ce_combine = [&](int chunks, int sms, bool copy, Beside beside, int sleep_ns) {
     const int rows_per_chunk = (num_rows + chunks - 1) / chunks;
     return median_us(2, [&](int g) {
       Gpu& me = gpus[g];
@@ -403,7 +406,10 @@ int main(int argc, char** argv) {
           raise_flag<<<1, 1, 0, me.flag_stream>>>(peer.flags, k, epoch);
         }
       }
-      if (reduce) {
+      if (beside == Beside::kLocalCopy) {  // into `own`: `out` keeps the last pipeline's sums
+        copy_rows<<<sms, kThreads, sizeof(Stage) * kWarps, me.stream>>>(me.own, me.src, num_rows, o.row_bytes,
+                                                                        Method::kTmaLocal);
+      } else if (beside == Beside::kReduce) {
         // Alone, every row counts as staged: the flags wait for epoch 0.
         reduce_staged_rows<<<sms, kThreads, 0, me.stream>>>(me.out, me.src, me.dst, me.flags,
                                                             copy ? epoch : 0, num_rows, o.row_bytes,
@@ -418,20 +424,25 @@ int main(int argc, char** argv) {
   };
   std::printf("%-14s %4s %-6s %10s %10s\n", "combine", "SMs", "ways", "us", "GB/s recv");
   for (const int chunks : {1, 2, 4, 8, 16, 32}) {
-    const double us = time_ce_combine(chunks, 0, true, false, 0);
+    const double us = time_ce_combine(chunks, 0, true, Beside::kNothing, 0);
     const std::string name = "ce-alone-" + std::to_string(chunks);
     std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), 0, "both", us, 2.0 * bytes / us / 1e3);
   }
   for (const int sms : o.sms) {
-    const double alone_us = time_ce_combine(1, sms, false, true, 0);
+    const double alone_us = time_ce_combine(1, sms, false, Beside::kReduce, 0);
     std::printf("%-14s %4d %-6s %10.1f %10.1f\n", "reduce-alone", sms, "both", alone_us,
                 2.0 * bytes / alone_us / 1e3);
     for (const int sleep_ns : {0, 500}) {
       for (const int chunks : {2, 4, 8, 16}) {
-        const double us = time_ce_combine(chunks, sms, true, true, sleep_ns);
+        const double us = time_ce_combine(chunks, sms, true, Beside::kReduce, sleep_ns);
         const std::string name = "ce-combine-" + std::to_string(chunks) + (sleep_ns > 0 ? "-nap" : "");
         std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
       }
+    }
+    for (const int chunks : {1, 4}) {
+      const double us = time_ce_combine(chunks, sms, true, Beside::kLocalCopy, 0);
+      const std::string name = "ce-local-" + std::to_string(chunks);
+      std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
     }
   }
   // The last pipeline's sums, checked on GPU 0 against the host (both rows hold bytes g + 1 everywhere).
