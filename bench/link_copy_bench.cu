@@ -49,6 +49,7 @@
 #include <vector>
 
 #include "device/ptx.cuh"
+#include "formats/bf16.hpp"
 #include "kernels/bf16x8.cuh"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
@@ -450,16 +451,7 @@ int main(int argc, char** argv) {
     std::vector<uint16_t> got(o.row_bytes / 2);
     CHECK(cudaSetDevice(0));
     CHECK(cudaMemcpy(got.data(), gpus[0].out + bytes - o.row_bytes, o.row_bytes, cudaMemcpyDeviceToHost));
-    const auto widen = [](uint16_t v) {
-      const uint32_t bits = static_cast<uint32_t>(v) << 16;
-      float f;
-      std::memcpy(&f, &bits, 4);
-      return f;
-    };
-    const float sum = widen(0x0101) + widen(0x0202);
-    uint32_t bits;
-    std::memcpy(&bits, &sum, 4);
-    const uint16_t want = static_cast<uint16_t>((bits + 0x7FFF + ((bits >> 16) & 1)) >> 16);
+    const uint16_t want = epx::float_to_bf16(epx::bf16_to_float(0x0101) + epx::bf16_to_float(0x0202));
     const bool ok = std::all_of(got.begin(), got.end(), [&](uint16_t v) { return v == want; });
     std::printf("ce-combine sums %s (last row, GPU 0: want 0x%04x, got 0x%04x)\n", ok ? "match" : "DIFFER",
                 want, got[0]);
