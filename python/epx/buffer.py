@@ -448,8 +448,7 @@ class Buffer:
         counts (DispatchOverlap::kLaunchReceive in C++): senders fill the peers' queues meanwhile. Ignored with
         after_counts, a cached handle or num_worst_tokens; False launches it once the outputs exist.
         """
-        if torch_calls is not None and handle is not None and launch_receive and topk_idx is None \
-                and topk_weights is None and isinstance(handle, DispatchHandle) and handle.buffer_id == id(self):
+        if launch_receive and topk_idx is None and topk_weights is None and self._native_with(handle):
             made = self._dispatch_cached_natively(x, handle, expert_alignment, config, previous_event, async_finish,
                                                   allocate_on_comm_stream)
             if made is not None:
@@ -656,12 +655,17 @@ class Buffer:
         return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle,
                               EventOverlap(event if async_finish else None))
 
+    def _native_with(self, handle: Any) -> bool:
+        """Whether a call with `handle` may take the torch extension's path: the extension loaded and the handle a
+        dispatch handle of this Buffer (anything else takes the Python path, which names the error)."""
+        return torch_calls is not None and isinstance(handle, DispatchHandle) and handle.buffer_id == id(self)
+
     def _dispatch_cached_tuple(self, x: Tokens, handle: DispatchHandle, expert_alignment: int,
                                config: Optional[Config], previous_event: Any, async_finish: bool,
                                allocate_on_comm_stream: bool) -> Tuple:
         """A cached dispatch's (recv_x, recv_x_scales, event), for deep_ep.Buffer's per-call path: positional
         arguments and no result object."""
-        if torch_calls is not None and type(handle) is DispatchHandle and handle.buffer_id == id(self):
+        if self._native_with(handle):
             made = self._dispatch_cached_natively(x, handle, expert_alignment, config, previous_event, async_finish,
                                                   allocate_on_comm_stream)
             if made is not None:
@@ -743,7 +747,7 @@ class Buffer:
                        previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool) -> Tuple:
         """combine's result as a plain tuple (combined_x, combined_topk_weights, event), for deep_ep.Buffer's per-call
         path: positional arguments and no result object (about 1.5 us of Python less per call)."""
-        if torch_calls is not None and type(handle) is DispatchHandle and handle.buffer_id == id(self):
+        if self._native_with(handle):
             made = self._combine_natively(x, handle, topk_weights, bias, config, previous_event, async_finish,
                                           allocate_on_comm_stream)
             if made is not None:
