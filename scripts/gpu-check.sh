@@ -147,12 +147,17 @@ tests_failed=0
     read -r rc secs <"$logs/$name.rc"
     passed=- failed=- skipped=-
     if [ -f "$logs/$name.json" ]; then
-      read -r passed failed skipped < <(python3 - "$logs/$name.json" <<'EOF'
+      # Also the job's three slowest tests, into $name.slowest (printed after the table).
+      read -r passed failed skipped < <(python3 - "$logs/$name.json" "$name" "$logs/$name.slowest" <<'EOF'
 import json, sys
-tests = [t for suite in json.load(open(sys.argv[1]))["testsuites"] for t in suite["testsuite"]]
-skipped = sum(t.get("result") == "SKIPPED" for t in tests)
-failed = sum(bool(t.get("failures")) for t in tests)
+tests = [(t, f"{suite['name']}.{t['name']}")
+         for suite in json.load(open(sys.argv[1]))["testsuites"] for t in suite["testsuite"]]
+skipped = sum(t.get("result") == "SKIPPED" for t, _ in tests)
+failed = sum(bool(t.get("failures")) for t, _ in tests)
 print(len(tests) - skipped - failed, failed, skipped)
+times = sorted(((float(t.get("time", "0s").rstrip("s")), n) for t, n in tests), reverse=True)[:3]
+with open(sys.argv[3], "w") as out:
+    print(f"{sys.argv[2]} slowest: " + ", ".join(f"{n} {s:.0f} s" for s, n in times), file=out)
 EOF
       )
     elif [[ $name == py* ]]; then
@@ -168,13 +173,8 @@ EOF
 cat "$summary"
 # Each job's three slowest tests: what to move when a job nears TEST_TIMEOUT beside the others.
 for name in "${names[@]}"; do
-  if [ -f "$logs/$name.json" ]; then
-    python3 - "$logs/$name.json" "$name" <<'EOF'
-import json, sys
-tests = [(float(t.get("time", "0s").rstrip("s")), f"{suite['name']}.{t['name']}")
-         for suite in json.load(open(sys.argv[1]))["testsuites"] for t in suite["testsuite"]]
-print(f"{sys.argv[2]} slowest: " + ", ".join(f"{n} {s:.0f} s" for s, n in sorted(tests, reverse=True)[:3]))
-EOF
+  if [ -f "$logs/$name.slowest" ]; then
+    cat "$logs/$name.slowest"
   elif [[ $name == py-[0-9] ]]; then
     slowest=$(grep -A3 "slowest .*durations" "$logs/$name.log" | grep -E "^[0-9.]+s call" |
       sed -E 's/^([0-9.]+)s call +(.*)$/\2 \1 s/' | paste -sd, - | sed 's/,/, /g')
