@@ -522,7 +522,8 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
             show=rank == 0,
         )
         torch.cuda.synchronize()
-        print(f"rank {rank}: busy threads: " + "; ".join(busy_threads()), file=sys.stderr)
+        # One write: the ranks' lines otherwise interleave mid-line.
+        sys.stderr.write(f"rank {rank}: busy threads: " + "; ".join(busy_threads()) + "\n")
         dist.barrier(group)
         if rank == 0 and rows:
             print_rows(
