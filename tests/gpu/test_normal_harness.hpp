@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "epx/normal.hpp"
@@ -111,6 +112,8 @@ struct NormalCase {
   int ranks_per_node = 0;
   int rdma_chunk_tokens = Config{}.num_max_rdma_chunked_send_tokens;
   int rdma_queue_tokens = Config{}.num_max_rdma_chunked_recv_tokens;
+  // The combine's staging area (BufferOptions::num_nvl_staging_bytes; 0: none): staging_bytes_for sizes it.
+  size_t staging_bytes = 0;
   uint64_t seed = 1;
 
   bool spans_nodes() const { return ranks_per_node > 0 && ranks_per_node < num_ranks; }
@@ -158,6 +161,13 @@ inline size_t normal_window_bytes(const NormalCase& c) {
   // Room for 7 rows more (a guess that fits) and both dispatches' outputs.
   const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 10;
   return 2 * rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + 16 * 16 + 128;
+}
+
+// Staging bytes (BufferOptions::num_nvl_staging_bytes) whose slots hold `rows` rows of `c`'s combine (BF16
+// rows of hidden, its top-k weights) from each peer.
+inline size_t staging_bytes_for(const NormalCase& c, int rows) {
+  const size_t row_bytes = size_t(c.hidden) * 2 + sizeof(float) * c.num_topk;
+  return CombineStagingMap::kFlagBytes + size_t(c.num_ranks - 1) * (size_t(rows) * row_bytes + kNormalAlign);
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
@@ -469,7 +479,8 @@ class NormalRunner {
   NormalRunner(const NormalCase& c, Bootstrap& bootstrap) : c_(c), rank_(bootstrap.rank()) {
     BufferOptions options;
     options.num_nvl_output_bytes = normal_window_bytes(c);
-    options.num_nvl_bytes = normal_buffer_bytes(c) + options.num_nvl_output_bytes;
+    options.num_nvl_staging_bytes = c.staging_bytes;
+    options.num_nvl_bytes = normal_buffer_bytes(c) + options.num_nvl_output_bytes + c.staging_bytes;
     options.num_rdma_bytes = normal_rdma_buffer_bytes(c);
     options.ranks_per_node = c.ranks_per_node;
     options.wait_timeout_s = 20.0;
