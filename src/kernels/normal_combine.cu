@@ -143,34 +143,37 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
 struct StagedPeers {
   unsigned in_mask;   // bit r: peer r returns this rank's rows into its staging area
   unsigned out_mask;  // bit r: this rank returns r's rows into r's area (the host copies them; no queue)
-  int prefix[kMaxNvlRanks];      // [r]: rows this rank sent r on the channels before this block's
-  int chunk_rows[kMaxNvlRanks];  // [r]: rows of each of r's copy chunks
+  int chunk_rows[kMaxNvlRanks];             // [r]: rows of each of r's copy chunks
+  int prefix[kMaxNvlRanks][kMaxChannels];  // [r][c]: rows this rank sent r on the channels before c
 };
 
 // Warp 0 of each block, before the block meets: the staged peers of this launch. Peer r returns the rows this
-// rank sent it (the handle's per-channel send counts); this rank returns to r the rows it received from r.
-__device__ void find_staged_peers(const CombineArgs& args, int channel, int lane, StagedPeers& staged) {
+// rank sent it (the handle's per-channel send counts, scanned over the channels); this rank returns to r the
+// rows it received from r.
+__device__ void find_staged_peers(const CombineArgs& args, int lane, StagedPeers& staged) {
   if (lane == 0) staged.in_mask = staged.out_mask = 0;
   if (!args.staging.enabled() || args.handle.send_channel_count == nullptr) return;
   const int num_ranks = args.peers.num_ranks;
   const int num_channels = args.map.num_channels;
   for (int r = 0; r < num_ranks; ++r) {
     if (r == args.peers.rank) continue;
-    int before = 0;
     int total = 0;
-    for (int c = lane; c < num_channels; c += 32) {
-      const int n = args.handle.send_channel_count[r * num_channels + c];
-      total += n;
-      before += c < channel ? n : 0;
+    for (int first = 0; first < num_channels; first += 32) {
+      const int c = first + lane;
+      const int n = c < num_channels ? args.handle.send_channel_count[r * num_channels + c] : 0;
+      int inclusive = n;
+      for (int step = 1; step < 32; step *= 2) {
+        const int below = __shfl_up_sync(~0u, inclusive, step);
+        if (lane >= step) inclusive += below;
+      }
+      if (c < num_channels) staged.prefix[r][c] = total + inclusive - n;
+      total += __shfl_sync(~0u, inclusive, 31);
     }
-    total = __reduce_add_sync(~0u, total);
-    before = __reduce_add_sync(~0u, before);
     const int returned =
         args.handle.recv_channel_offset[(r + 1) * num_channels] - args.handle.recv_channel_offset[r * num_channels];
     if (lane == 0) {
       if (args.staging.fits(total)) {
         staged.in_mask |= 1u << r;
-        staged.prefix[r] = before;
         staged.chunk_rows[r] = CombineStagingMap::chunk_rows(total);
       }
       if (args.staging.fits(returned)) staged.out_mask |= 1u << r;
@@ -195,8 +198,8 @@ struct WarpTokens {
 // What the reducer of one channel shares between its warps and calls.
 struct ReduceContext {
   const CombineArgs& args;
-  int channel;
-  int own_row0;      // first row of this rank's own copies on the channel
+  int channel;       // of the tokens; -1: tokens of every channel (interleaved over the grid's warps)
+  int own_row0;      // first row of this rank's own copies on the channel (channel >= 0)
   bool with_queues;  // peers' copies arrive in queues (else there are none)
   uint32_t lane_base;
   int lane;
@@ -205,30 +208,38 @@ struct ReduceContext {
   int calls;  // launches before this one (calls_before): a staged chunk's flag reads calls + 1 once it landed
 
   __device__ bool is_staged(int r) const { return ((staged.in_mask >> r) & 1u) != 0; }
-  // Peer r's copy `entry` in r's staging slot: its row index there.
-  __device__ int staged_row(int r, int entry) const { return staged.prefix[r] + entry; }
+  __device__ int channel_of(int t) const {
+    return channel >= 0 ? channel : t / tokens_per_channel(args.num_tokens, args.map.num_channels);
+  }
+  // Peer r's copy `entry` of token t in r's staging slot: its row index there.
+  __device__ int staged_row(int r, int entry, int t) const { return staged.prefix[r][channel_of(t)] + entry; }
+  // This rank's own copy `entry` of token t: its row in the combine input.
+  __device__ size_t own_row(int entry, int t) const {
+    const int first = channel >= 0 ? own_row0
+                                   : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels +
+                                                                     channel_of(t)];
+    return static_cast<size_t>(first + entry);
+  }
 
-  // Where rank r's copy `entry` lies: this rank's own copy in the combine input, a peer's in the staging area
-  // or the queue.
-  __device__ const char* copy_row(int r, int entry) const {
-    if (r == args.peers.rank) {
-      return static_cast<const char*>(args.in.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
-    }
+  // Where rank r's copy `entry` of token t lies: this rank's own copy in the combine input, a peer's in the
+  // staging area or the queue.
+  __device__ const char* copy_row(int r, int entry, int t) const {
+    if (r == args.peers.rank) return static_cast<const char*>(args.in.x) + own_row(entry, t) * args.record.x_bytes;
     if (is_staged(r)) {
       return args.staging.rows(args.peers.local_base, r, args.peers.rank) +
-             static_cast<size_t>(staged_row(r, entry)) * args.record.x_bytes;
+             static_cast<size_t>(staged_row(r, entry, t)) * args.record.x_bytes;
     }
     return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
   }
-  // Rank r's top-k weights of copy `entry` (num_topk floats).
-  __device__ const float* copy_weights(int r, int entry) const {
+  // Rank r's top-k weights of copy `entry` of token t (num_topk floats).
+  __device__ const float* copy_weights(int r, int entry, int t) const {
     const int num_topk = args.record.num_topk_weights;
-    if (r == args.peers.rank) return args.in.topk_weights + static_cast<size_t>(own_row0 + entry) * num_topk;
+    if (r == args.peers.rank) return args.in.topk_weights + own_row(entry, t) * num_topk;
     if (is_staged(r)) {
       return args.staging.weights(args.peers.local_base, r, args.peers.rank) +
-             static_cast<size_t>(staged_row(r, entry)) * num_topk;
+             static_cast<size_t>(staged_row(r, entry, t)) * num_topk;
     }
-    return reinterpret_cast<const float*>(copy_row(r, entry) + args.record.topk_weights_offset());
+    return reinterpret_cast<const float*>(copy_row(r, entry, t) + args.record.topk_weights_offset());
   }
 
   // Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
@@ -238,7 +249,7 @@ struct ReduceContext {
     const int r = rest != 0 ? __ffs(rest) - 1 : 0;
     const int entry_r = __shfl_sync(~0u, entry, r);
     const int num_copies = __popc(copies);
-    if (j < num_copies) return copy_row(r, entry_r);
+    if (j < num_copies) return copy_row(r, entry_r, t);
     const size_t bias_row = static_cast<size_t>(t) * args.record.x_bytes;
     j -= num_copies;
     if (args.in.bias0 != nullptr) {
@@ -298,7 +309,7 @@ class WarpReducer {
       const unsigned copies = __ballot_sync(~0u, entry >= 0);
       const int num_sources = c_.num_sources(copies);
       float weights[kMaxNvlRanks];
-      load_topk_weights(copies, entry, weights);  // used at the token's end: the loads fly meanwhile
+      load_topk_weights(t, copies, entry, weights);  // used at the token's end: the loads fly meanwhile
       if (num_sources == 0) {  // a token no rank holds and no bias: zeros (one item, no load)
         issue_next();
         const float zeros[8] = {};
@@ -402,7 +413,7 @@ class WarpReducer {
     }
     // Lane r (staged): waits for the flag of the chunk that holds the copy, unless an earlier wait covered it.
     if (c_.lane < c_.args.peers.num_ranks && entry >= 0 && c_.is_staged(c_.lane)) {
-      const int chunk = c_.staged_row(c_.lane, entry) / c_.staged.chunk_rows[c_.lane];
+      const int chunk = c_.staged_row(c_.lane, entry, t) / c_.staged.chunk_rows[c_.lane];
       if (chunk >= staged_chunks_) {
         clock_.mark(1);
         device::wait_at_least(reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base,
@@ -428,7 +439,7 @@ class WarpReducer {
   }
 
   // Lane k < top-k: rank r's weight k of the token, for each rank r that holds a copy.
-  __device__ void load_topk_weights(unsigned copies, int entry, float (&weights)[kMaxNvlRanks]) const {
+  __device__ void load_topk_weights(int t, unsigned copies, int entry, float (&weights)[kMaxNvlRanks]) const {
     const int num_topk = c_.args.record.num_topk_weights;
 #pragma unroll
     for (int r = 0; r < kMaxNvlRanks; ++r) {
@@ -436,7 +447,7 @@ class WarpReducer {
       weights[r] = 0.0f;
       if (c_.args.out.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
         continue;
-      weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r))[c_.lane];
+      weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
     }
   }
 
@@ -526,7 +537,8 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
   const ReduceContext context{args,
                               channel,
-                              args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
+                              channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel]
+                                           : 0,
                               with_queues,
                               lane_base,
                               lane,
@@ -569,14 +581,18 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   }
 
   const int num_tokens = tokens.end - tokens.begin;
-  const int warps = with_queues ? batches.warps[part.part] : part.num_warps;
+  // Channel -1: the grid's warps interleave over the tokens (warp w of block b takes the tokens from
+  // b * num_warps + w on, every gridDim.x * num_warps-th).
+  const int my_warp = channel < 0 ? static_cast<int>(blockIdx.x) * part.num_warps + warp : warp;
+  const int warps = with_queues ? batches.warps[part.part]
+                                : (channel < 0 ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
   const int size = with_queues ? batches.size[part.part] : num_tokens;
   const int step = with_queues ? batches.cycle() : num_tokens;
   for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0);
        first < tokens.end && size > 0; first += step) {
     const int batch_end = min(tokens.end, first + size);
-    if (warp < warps) {
-      const int mine = first + warp;
+    if (my_warp < warps) {
+      const int mine = first + my_warp;
       const int count = mine < batch_end ? (batch_end - mine + warps - 1) / warps : 0;
       reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
@@ -627,10 +643,16 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const int num_ranks = args.peers.num_ranks;
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int warp = threadIdx.x / 32;
-  if (warp == 0) find_staged_peers(args, channel, threadIdx.x % 32, staged);
+  if (warp == 0) find_staged_peers(args, threadIdx.x % 32, staged);
   __syncthreads();
   const unsigned peers = ((1u << num_ranks) - 1) & ~(1u << args.peers.rank);
-  if (num_ranks == 1 || (staged.in_mask == peers && staged.out_mask == peers)) {
+  if (num_ranks > 1 && staged.in_mask == peers && staged.out_mask == peers) {
+    // Every peer's rows come in and go out through the staging areas: the grid's warps interleave over all
+    // tokens. A peer's rows lie in token order, so its copy chunks land in token order and every SM reduces
+    // each chunk as it lands (per channel, the last channels' blocks would wait for the last chunk alone).
+    reduce_tokens(args, -1, TokenRange{0, args.num_tokens}, false, ReduceWarps{0, 0, kQueueWarps, 0},
+                  CombineBatches{}, stages, calls, staged);
+  } else if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
                   false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls, staged);
