@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bootstrap/topology.hpp"
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/layout_board_map.hpp"
 #include "buffer_map/low_latency_buffer_map.hpp"
@@ -120,10 +121,11 @@ struct Buffer::State {
   bool enable_shrink = false;
   size_t num_nvl_output_bytes = 0;          // BufferOptions'
   size_t num_nvl_staging_bytes = 0;         // BufferOptions'
-  // The combine's staging copies (combine_staging.cpp): a stream beside the comm stream and the two events
-  // that fork it from and join it back to the comm stream.
-  cudaStream_t staging_stream = nullptr;
-  cudaEvent_t staging_events[2] = {nullptr, nullptr};
+  // The combine's staging copies (combine_staging.cpp): two streams beside the comm stream (the copies, and
+  // the flags after each chunk, so the copy engine never waits for a flag kernel), and the events that fork
+  // them from the comm stream (0), join them back (1) and mark each chunk copied (2 ...).
+  cudaStream_t staging_streams[2] = {nullptr, nullptr};
+  cudaEvent_t staging_events[2 + kStagingChunks] = {};
   unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
@@ -177,11 +179,13 @@ struct Buffer::State {
     if (layout_scratch != nullptr) cudaFree(layout_scratch);
     layout_scratch = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
-    if (staging_stream != nullptr) {
-      cudaStreamSynchronize(staging_stream);
-      cudaStreamDestroy(staging_stream);
+    for (cudaStream_t& stream : staging_streams) {
+      if (stream != nullptr) {
+        cudaStreamSynchronize(stream);
+        cudaStreamDestroy(stream);
+      }
+      stream = nullptr;
     }
-    staging_stream = nullptr;
     for (cudaEvent_t& event : staging_events) {
       if (event != nullptr) cudaEventDestroy(event);
       event = nullptr;
@@ -260,7 +264,8 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     for (cudaEvent_t& event : s.ordering_events)
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     if (options.num_nvl_staging_bytes > 0) {
-      EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&s.staging_stream, cudaStreamNonBlocking));
+      for (cudaStream_t& stream : s.staging_streams)
+        EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
       for (cudaEvent_t& event : s.staging_events)
         EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     }
@@ -519,8 +524,8 @@ cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
   return buffer.live().probe_stream;
 }
 
-cudaStream_t BufferAccess::staging_stream(const Buffer& buffer) {
-  return buffer.live().staging_stream;
+cudaStream_t BufferAccess::staging_stream(const Buffer& buffer, int which) {
+  return buffer.live().staging_streams[which];
 }
 
 cudaEvent_t BufferAccess::staging_event(const Buffer& buffer, int which) {

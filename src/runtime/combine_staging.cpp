@@ -57,7 +57,8 @@ bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers, cons
   }
   if (staged.empty()) return false;
   const cudaStream_t comm = buffer.comm_stream();
-  const cudaStream_t copies = BufferAccess::staging_stream(buffer);
+  const cudaStream_t copies = BufferAccess::staging_stream(buffer, 0);
+  const cudaStream_t flagging = BufferAccess::staging_stream(buffer, 1);
   kernels::launch_staging_gate({peers, mask}, comm);
   const cudaEvent_t fork = BufferAccess::staging_event(buffer, 0);
   EPX_CUDA_CHECK(cudaEventRecord(fork, comm));
@@ -88,14 +89,20 @@ bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers, cons
                                      cudaMemcpyDeviceToDevice, copies));
       flags.flags[flags.count++] = map.flag(bases[p.rank], rank, chunk);
     }
-    if (flags.count > 0) kernels::launch_staging_flags(flags, copies);
+    if (flags.count == 0) continue;
+    // The flags go on their own stream behind an event: the copy engine goes on with the next chunk.
+    const cudaEvent_t copied = BufferAccess::staging_event(buffer, 2 + chunk);
+    EPX_CUDA_CHECK(cudaEventRecord(copied, copies));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(flagging, copied));
+    kernels::launch_staging_flags(flags, flagging);
   }
   return true;
 }
 
 void join_staged_copies(Buffer& buffer) {
+  // The flag stream waited for every chunk's copy, so its end is the end of both.
   const cudaEvent_t join = BufferAccess::staging_event(buffer, 1);
-  EPX_CUDA_CHECK(cudaEventRecord(join, BufferAccess::staging_stream(buffer)));
+  EPX_CUDA_CHECK(cudaEventRecord(join, BufferAccess::staging_stream(buffer, 1)));
   EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), join));
 }
 

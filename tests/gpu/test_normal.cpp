@@ -370,7 +370,9 @@ NormalCase combine_case(int num_ranks) {
 }
 
 TEST_P(NormalRanks, CombineBiasesAndWeights) {
-  run_case(combine_case(GetParam()));
+  NormalCase c = combine_case(GetParam());
+  c.combine_repeats = 2;  // through the queues, back to back
+  run_case(c);
 }
 
 // ---- The combine's staging area: peers' rows returned by copy engine (combine_staging_map.hpp) ----
@@ -412,13 +414,15 @@ TEST_P(NormalRanks, StagedCombineSomePairsFit) {
   run_case(c);
 }
 
-// 60 combines back to back through one staging slot per source: each copy must wait until the peer finished
-// reading the previous combine's rows.
+// Five combines back to back per dispatch, each with other rows, through one staging slot per source: a peer's
+// copies must wait until this rank finished reading the previous combine's rows; 20 iterations.
 TEST_P(NormalRanks, StagedCombineManyCalls) {
   NormalCase c = small_case(GetParam());
   c.num_tokens = {333, 64, 200};
-  c.orders = {NormalOrder::kAsyncFinish};
-  c.num_iterations = 60;
+  c.orders = {NormalOrder::kAsyncFinish, NormalOrder::kSync};
+  c.num_biases = {1, 2, 0};
+  c.combine_repeats = 4;
+  c.num_iterations = 20;
   c.staging_bytes = staging_bytes_for(c, 333);
   c.seed = 133;
   run_case(c);
