@@ -12,11 +12,17 @@ namespace epx {
 
 namespace {
 
-// EPX_COMBINE_STAGING=0 keeps every combine on the queues although the Buffer has a staging area (to compare
-// the two ways on one Buffer).
-bool staging_allowed() {
-  static const bool allowed = !env_equals("EPX_COMBINE_STAGING", "0");
-  return allowed;
+// The largest SM budget whose combines take the staging area by default: on 2 x H100 at 4,096 tokens the
+// staged combine took 532 / 330 us at 8 / 16 SMs against the queues' 734 / 391, but 310 / 295 at 24 / 32
+// against 287 / 249 (docs/BENCHMARKS.md): with more SMs their stores move the rows faster than the copy
+// engine.
+constexpr int kStagingMaxSms = 16;
+
+// Whether a combine of `num_sms` SMs (2 per channel) takes the staging area: EPX_COMBINE_STAGING=1 at any
+// budget, 0 never (to compare the two ways on one Buffer), unset up to kStagingMaxSms. Read once.
+bool staging_wanted(int num_sms) {
+  static const int requested = env_count("EPX_COMBINE_STAGING");
+  return requested < 0 ? num_sms <= kStagingMaxSms : requested == 1;
 }
 
 }  // namespace
@@ -27,7 +33,8 @@ CombineStagingMap combine_staging_map(const Buffer& buffer, const DispatchHandle
   map.num_ranks = buffer.num_ranks();
   map.row_bytes = hidden * 2;
   map.num_topk = num_topk;
-  if (buffer.num_ranks() < 2 || state.num_worst_tokens > 0 || state.num_nodes > 1 || !staging_allowed() ||
+  if (buffer.num_ranks() < 2 || state.num_worst_tokens > 0 || state.num_nodes > 1 ||
+      !staging_wanted(2 * state.num_channels) ||
       state.num_recv_per_rank.size() != static_cast<size_t>(buffer.num_ranks()))
     return map;
   map.offset = buffer.nvl_staging_offset();

@@ -12,8 +12,9 @@ namespace epx {
 // around the combine kernel's launch on the comm stream.
 
 // This combine's staging map: disabled (bytes 0) without an area, with one rank, in worst-case mode (the
-// host does not know what it returns to each peer), or with EPX_COMBINE_STAGING=0 (read once; every rank
-// must agree: the launch's fingerprint carries the slot's rows).
+// host does not know what it returns to each peer), above 16 SMs (the handle's channels x 2; where SM stores
+// are faster) unless EPX_COMBINE_STAGING=1, or with EPX_COMBINE_STAGING=0 (read once; every rank must agree:
+// the launch's fingerprint carries the slot's rows).
 CombineStagingMap combine_staging_map(const Buffer& buffer, const DispatchHandle::State& state, int hidden,
                                       int num_topk);
 

@@ -391,6 +391,7 @@ NormalCase staged_combine_case(int num_ranks) {
   c.orders = {NormalOrder::kSync, NormalOrder::kAsyncFinish, NormalOrder::kSync, NormalOrder::kPreviousEvent};
   c.worst_case = {false, false, false, false, true};
   c.gate_caller_stream = true;
+  c.num_sms = {16, 8, 2};  // the budgets whose combines take the staging area by default (up to 16 SMs)
   c.num_iterations = 12;
   c.staging_bytes = staging_bytes_for(c, 333);
   c.seed = 131;
@@ -402,11 +403,12 @@ TEST_P(NormalRanks, StagedCombine) {
 }
 
 // Slots of 100 rows: a source of 333 tokens returns through the queues, one of 1 or 64 through the staging
-// area, so a combine mixes both ways (per pair, per iteration); random routing, several SM budgets.
+// area, so a combine mixes both ways (per pair, per iteration); random routing, several SM budgets (20 SMs:
+// above the default's 16, every pair through the queues).
 TEST_P(NormalRanks, StagedCombineSomePairsFit) {
   NormalCase c = small_case(GetParam());
   c.num_tokens = {333, 64, 1};
-  c.num_sms = {20, 8, 2};
+  c.num_sms = {16, 8, 2, 20};
   c.num_biases = {1, 0};
   c.num_iterations = 6;
   c.staging_bytes = staging_bytes_for(c, 100);
@@ -422,6 +424,7 @@ TEST_P(NormalRanks, StagedCombineManyCalls) {
   c.orders = {NormalOrder::kAsyncFinish, NormalOrder::kSync};
   c.num_biases = {1, 2, 0};
   c.combine_repeats = 4;
+  c.num_sms = {8, 16};
   c.num_iterations = 20;
   c.staging_bytes = staging_bytes_for(c, 333);
   c.seed = 133;
