@@ -92,8 +92,8 @@ class Buffer {
   void* nvl_output_window() const;
   size_t num_nvl_output_bytes() const;
   size_t num_nvl_queue_bytes() const;
-  // The combine's staging area (BufferOptions::num_nvl_staging_bytes): its offset from nvl_buffer() (where the
-  // queues end, 128-byte aligned) and size (0: none).
+  // The combine's staging area (BufferOptions::num_nvl_staging_bytes): its offset from nvl_buffer() (where
+  // the queues end, 128-byte aligned) and size (0: none).
   size_t nvl_staging_offset() const;
   size_t num_nvl_staging_bytes() const;
   void* const* nvl_peer_bases_device() const;

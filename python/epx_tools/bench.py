@@ -260,7 +260,8 @@ FLAGS = {
     "--json-file": ("json_file", "text"),
 }
 DEFAULTS = {"mode": "all", "ranks": 0, "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": [24],
-            "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "staging": False, "rdma_chunk": 0, "rdma_queue": 0, "tune": False,
+            "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "staging": False, "rdma_chunk": 0, "rdma_queue": 0,
+            "tune": False,
             "ll_tokens": 128, "ll_experts": 288, "ll_ranks_per_node": 0, "ranks_per_gpu": 1, "warmup": 5,
             "iters": 30, "seed": 1, "launch_ahead_us": 200.0, "json": False, "json_file": ""}
 

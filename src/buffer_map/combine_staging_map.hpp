@@ -14,12 +14,12 @@ namespace epx {
 // wait and read). Every rank has the same area at the same offset of its buffer.
 //
 // NOTES: peer p returns to source s the rows it received from s, x[first(s), first(s) + n) of its combine
-// input (contiguous: a dispatch's rows are ordered by source), in kStagingChunks chunks of chunk_rows(n) rows,
-// top-k weights first; after each chunk p raises flag (p, chunk) in s's area to its call number (the copies
-// before it in p's stream are complete and visible then). s's reducers find token t's copy from p at staging
-// row (rows s sent p on earlier channels) + send_head[t][p], and wait for that row's chunk flag. One slot per
-// source, rewritten by the next combine: p copies only after s finished its previous launch (the gate kernel
-// before the copies waits for it), and that launch is at least s's previous combine.
+// input (contiguous: a dispatch's rows are ordered by source), in kStagingChunks chunks of chunk_rows(n)
+// rows, top-k weights first; after each chunk p raises flag (p, chunk) in s's area to its call number (the
+// copies before it in p's stream are complete and visible then). s's reducers find token t's copy from p at
+// staging row (rows s sent p on earlier channels) + send_head[t][p], and wait for that row's chunk flag. One
+// slot per source, rewritten by the next combine: p copies only after s finished its previous launch (the
+// gate kernel before the copies waits for it), and that launch is at least s's previous combine.
 //
 //   flags   uint32 [kMaxNvlRanks sources][kStagingChunks], written by the source: its call number + 1
 //   slots   one per peer source (ascending rank, this rank skipped): rows [slot_rows][row_bytes], then
@@ -36,7 +36,8 @@ struct CombineStagingMap {
   int row_bytes = 0;  // of this combine's rows (hidden * 2)
   int num_topk = 0;   // weights per row this combine reduces (0: none)
 
-  static constexpr size_t kFlagBytes = align_up(sizeof(uint32_t) * kMaxNvlRanks * kStagingChunks, kNormalAlign);
+  static constexpr size_t kFlagBytes =
+      align_up(sizeof(uint32_t) * kMaxNvlRanks * kStagingChunks, kNormalAlign);
 
   EPX_HD size_t slot_bytes() const {
     if (num_ranks < 2 || bytes <= kFlagBytes) return 0;
@@ -52,7 +53,9 @@ struct CombineStagingMap {
   EPX_HD bool enabled() const { return slot_rows() > 0; }
   // Whether n rows between two ranks go through the area (both ends ask this with the same n).
   EPX_HD bool fits(int n) const { return enabled() && n <= slot_rows(); }
-  EPX_HD static int chunk_rows(int n) { return n <= kStagingChunks ? 1 : (n + kStagingChunks - 1) / kStagingChunks; }
+  EPX_HD static int chunk_rows(int n) {
+    return n <= kStagingChunks ? 1 : (n + kStagingChunks - 1) / kStagingChunks;
+  }
   EPX_HD static int num_chunks(int n) { return (n + chunk_rows(n) - 1) / chunk_rows(n); }
 
   // In rank `owner`'s area (`base`: its NVLink buffer as this GPU sees it).

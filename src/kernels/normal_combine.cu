@@ -143,7 +143,7 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
 struct StagedPeers {
   unsigned in_mask;   // bit r: peer r returns this rank's rows into its staging area
   unsigned out_mask;  // bit r: this rank returns r's rows into r's area (the host copies them; no queue)
-  int chunk_rows[kMaxNvlRanks];             // [r]: rows of each of r's copy chunks
+  int chunk_rows[kMaxNvlRanks];            // [r]: rows of each of r's copy chunks
   int prefix[kMaxNvlRanks][kMaxChannels];  // [r][c]: rows this rank sent r on the channels before c
 };
 
@@ -169,8 +169,8 @@ __device__ void find_staged_peers(const CombineArgs& args, int lane, StagedPeers
       if (c < num_channels) staged.prefix[r][c] = total + inclusive - n;
       total += __shfl_sync(~0u, inclusive, 31);
     }
-    const int returned =
-        args.handle.recv_channel_offset[(r + 1) * num_channels] - args.handle.recv_channel_offset[r * num_channels];
+    const int returned = args.handle.recv_channel_offset[(r + 1) * num_channels] -
+                         args.handle.recv_channel_offset[r * num_channels];
     if (lane == 0) {
       if (args.staging.fits(total)) {
         staged.in_mask |= 1u << r;
@@ -215,16 +215,18 @@ struct ReduceContext {
   __device__ int staged_row(int r, int entry, int t) const { return staged.prefix[r][channel_of(t)] + entry; }
   // This rank's own copy `entry` of token t: its row in the combine input.
   __device__ size_t own_row(int entry, int t) const {
-    const int first = channel >= 0 ? own_row0
-                                   : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels +
-                                                                     channel_of(t)];
+    const int first =
+        channel >= 0
+            ? own_row0
+            : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels + channel_of(t)];
     return static_cast<size_t>(first + entry);
   }
 
   // Where rank r's copy `entry` of token t lies: this rank's own copy in the combine input, a peer's in the
   // staging area or the queue.
   __device__ const char* copy_row(int r, int entry, int t) const {
-    if (r == args.peers.rank) return static_cast<const char*>(args.in.x) + own_row(entry, t) * args.record.x_bytes;
+    if (r == args.peers.rank)
+      return static_cast<const char*>(args.in.x) + own_row(entry, t) * args.record.x_bytes;
     if (is_staged(r)) {
       return args.staging.rows(args.peers.local_base, r, args.peers.rank) +
              static_cast<size_t>(staged_row(r, entry, t)) * args.record.x_bytes;
@@ -411,23 +413,23 @@ class WarpReducer {
       clock_.mark(0);
       saw_more = true;
     }
-    // Lane r (staged): waits for the flag of the chunk that holds the copy, unless an earlier wait covered it.
+    // Lane r (staged): waits for the flag of the chunk that holds the copy, unless an earlier wait covered
+    // it.
     if (c_.lane < c_.args.peers.num_ranks && entry >= 0 && c_.is_staged(c_.lane)) {
       const int chunk = c_.staged_row(c_.lane, entry, t) / c_.staged.chunk_rows[c_.lane];
       if (chunk >= staged_chunks_) {
         clock_.mark(1);
-        device::wait_at_least(reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base,
-                                                                                 c_.lane, chunk)),
-                              static_cast<int>(c_.calls + 1), wait_context(c_.args.peers), c_.lane,
-                              WaitPhase::kCombineReduce);
+        device::wait_at_least(
+            reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base, c_.lane, chunk)),
+            static_cast<int>(c_.calls + 1), wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
         clock_.mark(0);
         staged_chunks_ = chunk + 1;
         saw_more = true;
       }
     }
     // Copies in the queues and the staging area were written through the generic proxy (peers' stores, the
-    // copy engine); bulk copies read through the
-    // async proxy: lane 0 fences after the waits that saw new copies, before its loads of them.
+    // copy engine); bulk copies read through the async proxy: lane 0 fences after the waits that saw new
+    // copies, before its loads of them.
     if (__ballot_sync(~0u, saw_more) != 0 && c_.lane == 0) device::fence_proxy_async();
     const unsigned copies = __ballot_sync(~0u, entry >= 0);
     entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
@@ -472,7 +474,7 @@ class WarpReducer {
   WarpTokens tokens_{};
   int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
   int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;
-  int seen_ = 0;  // lane r (a peer): the records of r's queue a wait saw, from the call's start
+  int seen_ = 0;           // lane r (a peer): the records of r's queue a wait saw, from the call's start
   int staged_chunks_ = 0;  // lane r (staged): r's chunks a wait saw arrive
   const char* issue_row_ = nullptr;  // lane j: source j of the token being issued
 };
@@ -501,8 +503,8 @@ constexpr int kSenderReduceBarrier = 15;
 // peer r, the records of r's queue before `next` (the entry after that of the last token before `next` of
 // which r holds a copy) into claims[r]. Scans [scanned, next) backwards, 32 tokens a step; where no token
 // there has a copy, claims[r] keeps the count of the earlier scans.
-__device__ void claim_records_before(const CombineArgs& args, const StagedPeers& staged, int scanned, int next,
-                                     int lane, int* claims) {
+__device__ void claim_records_before(const CombineArgs& args, const StagedPeers& staged, int scanned,
+                                     int next, int lane, int* claims) {
   const int num_ranks = args.peers.num_ranks;
   for (int r = 0; r < num_ranks; ++r) {
     if (r == args.peers.rank || ((staged.in_mask >> r) & 1u) != 0) continue;
@@ -535,16 +537,16 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const uint32_t lane_base =
       !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
-  const ReduceContext context{args,
-                              channel,
-                              channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel]
-                                           : 0,
-                              with_queues,
-                              lane_base,
-                              lane,
-                              lane_is_peer,
-                              staged,
-                              calls};
+  const ReduceContext context{
+      args,
+      channel,
+      channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel] : 0,
+      with_queues,
+      lane_base,
+      lane,
+      lane_is_peer,
+      staged,
+      calls};
   if (thread < kMaxNvlRanks) consumed[thread] = claims[thread] = 0;
   // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
   // below then end at once).
@@ -584,8 +586,9 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   // Channel -1: the grid's warps interleave over the tokens (warp w of block b takes the tokens from
   // b * num_warps + w on, every gridDim.x * num_warps-th).
   const int my_warp = channel < 0 ? static_cast<int>(blockIdx.x) * part.num_warps + warp : warp;
-  const int warps = with_queues ? batches.warps[part.part]
-                                : (channel < 0 ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
+  const int warps = with_queues
+                        ? batches.warps[part.part]
+                        : (channel < 0 ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
   const int size = with_queues ? batches.size[part.part] : num_tokens;
   const int step = with_queues ? batches.cycle() : num_tokens;
   for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0);

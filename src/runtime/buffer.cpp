@@ -119,8 +119,8 @@ struct Buffer::State {
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   bool enable_shrink = false;
-  size_t num_nvl_output_bytes = 0;          // BufferOptions'
-  size_t num_nvl_staging_bytes = 0;         // BufferOptions'
+  size_t num_nvl_output_bytes = 0;   // BufferOptions'
+  size_t num_nvl_staging_bytes = 0;  // BufferOptions'
   // The combine's staging copies (combine_staging.cpp): two streams beside the comm stream (the copies, and
   // the flags after each chunk, so the copy engine never waits for a flag kernel), and the events that fork
   // them from the comm stream (0), join them back (1) and mark each chunk copied (2 ...).

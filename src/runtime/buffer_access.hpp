@@ -66,8 +66,8 @@ struct BufferAccess {
   // the abort word, allocations a running kernel must see complete) go there.
   static cudaStream_t private_stream(const Buffer& buffer);
   // The combine's staging copies (BufferOptions::num_nvl_staging_bytes; null without): the streams of the
-  // copies (0) and of the flags after them (1), and their events (0: forks them from the comm stream, 1: joins
-  // them back, 2 + k: chunk k copied).
+  // copies (0) and of the flags after them (1), and their events (0: forks them from the comm stream, 1:
+  // joins them back, 2 + k: chunk k copied).
   static cudaStream_t staging_stream(const Buffer& buffer, int which);
   static cudaEvent_t staging_event(const Buffer& buffer, int which);
   // [num_ranks]: every rank's NVLink buffer as the host addresses it on this GPU (own included).

@@ -42,8 +42,9 @@ CombineStagingMap combine_staging_map(const Buffer& buffer, const DispatchHandle
   return map;
 }
 
-bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers, const DispatchHandle::State& state,
-                         const CombineInput& in, const CombineStagingMap& map) {
+bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers,
+                         const DispatchHandle::State& state, const CombineInput& in,
+                         const CombineStagingMap& map) {
   if (!map.enabled()) return false;
   const int rank = buffer.rank();
   const int num_ranks = buffer.num_ranks();

@@ -20,10 +20,11 @@ CombineStagingMap combine_staging_map(const Buffer& buffer, const DispatchHandle
 
 // Before the kernel's launch: the gate kernel on the comm stream, then the copies of the rows this rank
 // returns to each peer whose rows fit (and their top-k weights when `in` has them), with a flag kernel after
-// each chunk, on the staging stream (`peers`: the normal-mode kernels' context) forked from the comm stream. Returns whether anything was forked (then
-// join_staged_copies must follow the launch).
-bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers, const DispatchHandle::State& state,
-                         const CombineInput& in, const CombineStagingMap& map);
+// each chunk, on the staging stream (`peers`: the normal-mode kernels' context) forked from the comm stream.
+// Returns whether anything was forked (then join_staged_copies must follow the launch).
+bool start_staged_copies(Buffer& buffer, const kernels::PeerContext& peers,
+                         const DispatchHandle::State& state, const CombineInput& in,
+                         const CombineStagingMap& map);
 
 // After the kernel's launch: the comm stream waits for the staging stream's copies and flags.
 void join_staged_copies(Buffer& buffer);

@@ -40,7 +40,8 @@ TEST(CombineStagingMap, SlotRowsAndFits) {
   EXPECT_FALSE(two.fits(4097));
   // The same bytes shared by 7 peers: a seventh of the rows each (slots rounded down to 128 bytes).
   const CombineStagingMap eight = map_of(two.bytes, 8, 7168, 8);
-  EXPECT_EQ(eight.slot_rows(), static_cast<int>((two.bytes - CombineStagingMap::kFlagBytes) / 7 / 128 * 128 / row));
+  EXPECT_EQ(eight.slot_rows(),
+            static_cast<int>((two.bytes - CombineStagingMap::kFlagBytes) / 7 / 128 * 128 / row));
 }
 
 TEST(CombineStagingMap, SlotsDoNotOverlapAndStayInTheArea) {
@@ -52,8 +53,9 @@ TEST(CombineStagingMap, SlotsDoNotOverlapAndStayInTheArea) {
       const char* area_end = base + map.offset + map.bytes;
       for (int owner = 0; owner < num_ranks; ++owner) {
         const char* previous_end = base + map.offset + CombineStagingMap::kFlagBytes;  // after the flags
-        EXPECT_LE(reinterpret_cast<const char*>(map.flag(base, epx::kMaxNvlRanks - 1, kStagingChunks - 1) + 1),
-                  previous_end);
+        EXPECT_LE(
+            reinterpret_cast<const char*>(map.flag(base, epx::kMaxNvlRanks - 1, kStagingChunks - 1) + 1),
+            previous_end);
         for (int src = 0; src < num_ranks; ++src) {
           if (src == owner) continue;
           const char* rows = map.rows(base, src, owner);

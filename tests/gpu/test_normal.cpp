@@ -416,8 +416,8 @@ TEST_P(NormalRanks, StagedCombineSomePairsFit) {
   run_case(c);
 }
 
-// Five combines back to back per dispatch, each with other rows, through one staging slot per source: a peer's
-// copies must wait until this rank finished reading the previous combine's rows; 20 iterations.
+// Five combines back to back per dispatch, each with other rows, through one staging slot per source: a
+// peer's copies must wait until this rank finished reading the previous combine's rows; 20 iterations.
 TEST_P(NormalRanks, StagedCombineManyCalls) {
   NormalCase c = small_case(GetParam());
   c.num_tokens = {333, 64, 200};

@@ -116,7 +116,8 @@ struct NormalCase {
   size_t staging_bytes = 0;
   // Combines issued right after the first one with the same handle, without waiting: repeat j reduces the
   // first's x and biases scaled by repeat_scale(j) (no weights), so consecutive combines move different rows
-  // and its output must be the first's scaled (power-of-two scaling commutes with the float sum and rounding).
+  // and its output must be the first's scaled (power-of-two scaling commutes with the float sum and
+  // rounding).
   int combine_repeats = 0;
   uint64_t seed = 1;
 
@@ -636,8 +637,8 @@ class NormalRunner {
       slot.repeat_x[j].upload(scaled_bf16(combine_in.x, repeat_scale(j)), stream_);
       slot.repeat_bias0[j].upload(scaled_bf16(combine_in.bias0, repeat_scale(j)), stream_);
       slot.repeat_bias1[j].upload(scaled_bf16(combine_in.bias1, repeat_scale(j)), stream_);
-      EPX_CUDA_CHECK(cudaMemsetAsync(slot.repeat_combined_x[j].get(), 0x7F, slot.repeat_combined_x[j].bytes(),
-                                     stream_));
+      EPX_CUDA_CHECK(
+          cudaMemsetAsync(slot.repeat_combined_x[j].get(), 0x7F, slot.repeat_combined_x[j].bytes(), stream_));
     }
     if (s.cached) {
       const reference::NormalDispatchRankInput& again = e.cached_inputs[rank_];
@@ -796,8 +797,8 @@ class NormalRunner {
       const CombineInput repeat{slot.repeat_x[j].get(), nullptr, 0, slot.repeat_bias0[j].get(),
                                 slot.repeat_bias1[j].get()};
       finished(s,
-               combine(*buffer_, slot.plan.handle, repeat, CombineOutput{slot.repeat_combined_x[j].get(), nullptr},
-                       order_for(s)),
+               combine(*buffer_, slot.plan.handle, repeat,
+                       CombineOutput{slot.repeat_combined_x[j].get(), nullptr}, order_for(s)),
                "repeated combine");
     }
     if (!s.cached) return;
@@ -936,8 +937,9 @@ class NormalRunner {
       check_bits(s, slot.combined_weights.download<float>(T * K), want.combined_topk_weights, T * K, K,
                  "combined_topk_weights");
     for (int j = 0; j < c_.combine_repeats; ++j) {
-      check_bits(s, slot.repeat_combined_x[j].download<uint16_t>(T * H), scaled_bf16(want.combined_x, repeat_scale(j)),
-                 T * H, H, "combined_x of repeated combine " + std::to_string(j));
+      check_bits(s, slot.repeat_combined_x[j].download<uint16_t>(T * H),
+                 scaled_bf16(want.combined_x, repeat_scale(j)), T * H, H,
+                 "combined_x of repeated combine " + std::to_string(j));
     }
     if (!s.cached) return;
     check_dispatch(s, e.redispatched.ranks[rank_], slot.cached_plan, slot.cached_recv_x,
