@@ -235,6 +235,11 @@ def low_latency_worker(rank, num_ranks, group, python_path=False):
         check_received(buffer, w.received[rank], recv_x, recv_count, case)
     with pytest.raises(epx.EpxError, match="runs once"):
         pending[0][4]()
+    # The next call sends into the first call's half again: a rank that ran ahead would overwrite what a slower
+    # peer has not received yet (its hook still queued), so every rank's hooks run before anyone's next call, as
+    # with DeepEP's hooks (ranks sharing a GPU once read a later call's count there).
+    torch.cuda.synchronize()
+    torch.distributed.barrier(group)
 
     # ---- Argument errors (before any launch) ----
     with pytest.raises(epx.EpxError, match="num_tokens"):
