@@ -84,7 +84,9 @@ TEST(CombineStagingMap, ChunksCoverEveryRowOnce) {
     }
     for (int row = 0; row < n; ++row) EXPECT_EQ(seen[row], 1) << n << " rows, row " << row;
     // Every row's chunk (row / per_chunk, as the reducer finds it) is one the host raises a flag for.
-    if (n > 0) EXPECT_LT((n - 1) / per_chunk, chunks) << n;
+    if (n > 0) {
+      EXPECT_LT((n - 1) / per_chunk, chunks) << n;
+    }
   }
 }
 
