@@ -423,27 +423,26 @@ int main(int argc, char** argv) {
       }
     });
   };
-  std::printf("%-14s %4s %-6s %10s %10s\n", "combine", "SMs", "ways", "us", "GB/s recv");
+  // One row of the combine table: both GPUs at once, GB/s as epx-bench counts a combine.
+  const auto print_combine_row = [&](const std::string& name, int sms, double us) {
+    std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+  };
+  std::printf("%-16s %4s %-6s %10s %10s\n", "combine", "SMs", "ways", "us", "GB/s recv");
   for (const int chunks : {1, 2, 4, 8, 16, 32}) {
-    const double us = time_ce_combine(chunks, 0, true, Beside::kNothing, 0);
-    const std::string name = "ce-alone-" + std::to_string(chunks);
-    std::printf("%-14s %4d %-6s %10.1f %10.1f\n", name.c_str(), 0, "both", us, 2.0 * bytes / us / 1e3);
+    print_combine_row("ce-alone-" + std::to_string(chunks), 0,
+                      time_ce_combine(chunks, 0, true, Beside::kNothing, 0));
   }
   for (const int sms : o.sms) {
-    const double alone_us = time_ce_combine(1, sms, false, Beside::kReduce, 0);
-    std::printf("%-14s %4d %-6s %10.1f %10.1f\n", "reduce-alone", sms, "both", alone_us,
-                2.0 * bytes / alone_us / 1e3);
+    print_combine_row("reduce-alone", sms, time_ce_combine(1, sms, false, Beside::kReduce, 0));
     for (const int sleep_ns : {0, 500}) {
       for (const int chunks : {2, 4, 8, 16}) {
-        const double us = time_ce_combine(chunks, sms, true, Beside::kReduce, sleep_ns);
-        const std::string name = "ce-combine-" + std::to_string(chunks) + (sleep_ns > 0 ? "-nap" : "");
-        std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+        print_combine_row("ce-combine-" + std::to_string(chunks) + (sleep_ns > 0 ? "-nap" : ""), sms,
+                          time_ce_combine(chunks, sms, true, Beside::kReduce, sleep_ns));
       }
     }
     for (const int chunks : {1, 4}) {
-      const double us = time_ce_combine(chunks, sms, true, Beside::kLocalCopy, 0);
-      const std::string name = "ce-local-" + std::to_string(chunks);
-      std::printf("%-16s %4d %-6s %10.1f %10.1f\n", name.c_str(), sms, "both", us, 2.0 * bytes / us / 1e3);
+      print_combine_row("ce-local-" + std::to_string(chunks), sms,
+                        time_ce_combine(chunks, sms, true, Beside::kLocalCopy, 0));
     }
   }
   // The last pipeline's sums, checked on GPU 0 against the host (both rows hold bytes g + 1 everywhere).
