@@ -25,6 +25,9 @@ struct BenchOptions {
   // default).
   int nvl_send_chunk = 0;
   int nvl_queue_tokens = 0;
+  // Normal mode within one node: the Buffer has a combine staging area with room for every row (each peer's
+  // copy engine returns the combine's rows; BufferOptions::num_nvl_staging_bytes).
+  bool staging = false;
   // Normal mode across nodes: the send chunk and queue tokens of the network queues (0:
   // across_nodes_config's).
   int rdma_send_chunk = 0;
@@ -95,6 +98,7 @@ inline std::vector<std::string> gpu_only_flags_set(const BenchOptions& o) {
   note(o.ranks_per_node != defaults.ranks_per_node, "--ranks-per-node");
   note(o.nvl_send_chunk != defaults.nvl_send_chunk, "--nvl-chunk");
   note(o.nvl_queue_tokens != defaults.nvl_queue_tokens, "--nvl-queue");
+  note(o.staging, "--staging");
   note(o.rdma_send_chunk != defaults.rdma_send_chunk, "--rdma-chunk");
   note(o.rdma_queue_tokens != defaults.rdma_queue_tokens, "--rdma-queue");
   note(o.tune, "--tune");

@@ -49,6 +49,8 @@ void print_help() {
       "queue\n"
       "                                  (default 0: DeepEP's recommended config for the rank count, as\n"
       "                                  deep_ep callers get it; dispatch and combine each their own)\n"
+      "  --staging                       normal mode in one node: a combine staging area for every row\n"
+      "                                  (peers' copy engines return the rows; num_nvl_staging_bytes)\n"
       "  --rdma-chunk N --rdma-queue N   normal mode across nodes: tokens per network send chunk and per\n"
       "                                  queue (default 0: the Buffer's first config across nodes, 32 and\n"
       "                                  256)\n"
@@ -165,6 +167,8 @@ bool parse(int argc, char** argv, BenchOptions& o, std::string& json_file) {
       o.nvl_send_chunk = parse_int(flag, value());
     } else if (flag == "--nvl-queue") {
       o.nvl_queue_tokens = parse_int(flag, value());
+    } else if (flag == "--staging") {
+      o.staging = true;
     } else if (flag == "--ll-tokens") {
       o.ll_num_tokens = parse_int(flag, value());
     } else if (flag == "--ll-experts") {

@@ -14,6 +14,7 @@
 
 #include "bench_bytes.hpp"
 #include "bench_data.hpp"
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "epx/buffer.hpp"
 #include "epx/config.hpp"
@@ -439,6 +440,12 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   if (!across_nodes) {
     buffer_options.num_nvl_output_bytes = size_t(num_ranks) * o.num_tokens * window_row_bytes + 1024;
     buffer_options.num_nvl_bytes += buffer_options.num_nvl_output_bytes;
+    if (o.staging && num_ranks > 1) {
+      // A slot per peer for all of its rows: a BF16 row and its top-k weights each.
+      const size_t slot = size_t(o.num_tokens) * (hidden_bytes + sizeof(float) * o.num_topk) + kNormalAlign;
+      buffer_options.num_nvl_staging_bytes = CombineStagingMap::kFlagBytes + size_t(num_ranks - 1) * slot;
+      buffer_options.num_nvl_bytes += buffer_options.num_nvl_staging_bytes;
+    }
   }
   if (across_nodes) {
     buffer_options.ranks_per_node = ranks_per_node;

@@ -18,6 +18,12 @@ struct BufferOptions {
   // no queue and no copy out of one (within one node); a rank whose outputs are elsewhere receives through
   // its queues, whatever its peers do. The queues use the rest.
   size_t num_nvl_output_bytes = 0;
+  // Of num_nvl_bytes, this many just before the output window form the combine's staging area (every rank
+  // the same; 0: none): within one node, the copy engine returns each peer's rows into it, so a combine's SMs
+  // only reduce (kernels at 8 or 16 SMs run at the link's rate). A pair of ranks uses it when the rows one
+  // returns to the other fit a slot of (bytes - 128) / (ranks - 1) bytes, each row hidden * 2 bytes plus
+  // its top-k weights; other pairs go through the queues. The queues use what is left.
+  size_t num_nvl_staging_bytes = 0;
   // Symmetric (low-latency) buffer per rank: get_low_latency_rdma_size_hint; normal mode across nodes will
   // need Config::get_rdma_buffer_size_hint (take the larger when one Buffer serves both).
   size_t num_rdma_bytes = 0;
@@ -86,6 +92,10 @@ class Buffer {
   void* nvl_output_window() const;
   size_t num_nvl_output_bytes() const;
   size_t num_nvl_queue_bytes() const;
+  // The combine's staging area (BufferOptions::num_nvl_staging_bytes): its offset from nvl_buffer() (where
+  // the queues end, 128-byte aligned) and size (0: none).
+  size_t nvl_staging_offset() const;
+  size_t num_nvl_staging_bytes() const;
   void* const* nvl_peer_bases_device() const;
 
   // Ranks per NVLink node (num_ranks for one node), the same on every rank; the low-latency buffer reaches

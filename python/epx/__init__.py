@@ -22,7 +22,8 @@ __path__ = _pkgutil.extend_path(__path__, __name__)
 from ._ext import _epx  # noqa: E402
 from .buffer import Buffer, group_bootstrap  # noqa: E402
 from .config import (  # noqa: E402
-    Config, get_low_latency_rdma_size_hint, normal_nvl_buffer_size_hint, normal_nvl_output_bytes_hint)
+    Config, get_low_latency_rdma_size_hint, normal_nvl_buffer_size_hint, normal_nvl_output_bytes_hint,
+    normal_nvl_staging_bytes_hint)
 from .event import EventHandle, EventOverlap  # noqa: E402
 from .results import (  # noqa: E402
     CombineResult,
@@ -62,6 +63,7 @@ __all__ = [
     "group_bootstrap",
     "normal_nvl_buffer_size_hint",
     "normal_nvl_output_bytes_hint",
+    "normal_nvl_staging_bytes_hint",
 ]
 
 

@@ -98,6 +98,11 @@ class Buffer:
             (torch's caching allocator over it; the sources store rows straight into them, no queue); without
             room they come from torch's allocator as usual. Tensors from it must not outlive destroy().
             normal_nvl_output_bytes_hint sizes it.
+        num_nvl_staging_bytes: of num_nvl_bytes, the part before the output window kept as the combine's
+            staging area (0: none; every rank the same). Within one node each peer's copy engine then returns
+            the combine's rows into it, so the combine's SMs only reduce (a combine at 8 or 16 SMs runs at
+            the link's rate); pairs whose rows do not fit a slot use the queues. normal_nvl_staging_bytes_hint
+            sizes it.
         bootstrap: instead of a group, (rank, num_ranks, all_gather, barrier) callables: all_gather(bytes)
             returns every rank's bytes in rank order (for frameworks other than torch.distributed).
 
@@ -115,6 +120,7 @@ class Buffer:
     def __init__(self, group: Any = None, num_nvl_bytes: int = 0, num_rdma_bytes: int = 0,
                  low_latency_mode: bool = False, *, num_sms: int = 20, wait_timeout_s: float = 30.0,
                  ranks_per_node: int = 0, enable_shrink: bool = False, num_nvl_output_bytes: int = 0,
+                 num_nvl_staging_bytes: int = 0,
                  bootstrap: Optional[Tuple[int, int, Callable, Callable]] = None) -> None:
         _require_cuda_runtime()
         t = torch()
@@ -136,6 +142,7 @@ class Buffer:
                                      ranks_per_node=int(ranks_per_node), comm_stream=self.comm_stream.cuda_stream,
                                      enable_shrink=bool(enable_shrink))
         options.num_nvl_output_bytes = int(num_nvl_output_bytes)
+        options.num_nvl_staging_bytes = int(num_nvl_staging_bytes)
         self.runtime = _epx.Buffer(rank, num_ranks, all_gather, barrier, options)
         # The output window as a torch memory pool (the extension's capsule), or None.
         window_bytes = self.runtime.num_nvl_output_bytes

@@ -155,6 +155,22 @@ def normal_nvl_output_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_
     return num_live * (large + small) + 512  # the window's first segment starts 512-byte aligned
 
 
+def normal_nvl_staging_bytes_hint(num_max_tokens_per_rank: int, hidden: int, num_ranks: int,
+                                  num_topk: int = 0) -> int:
+    """Staging-area bytes per rank (``num_nvl_staging_bytes``, or ``EPX_NVL_STAGING_BYTES`` for ``deep_ep``)
+    whose slots hold every row a combine returns from each peer when every rank dispatches at most
+    `num_max_tokens_per_rank` tokens: a BF16 row of `hidden` and its `num_topk` weights per token, one slot
+    per peer (128-byte aligned) after 128 bytes of flags."""
+    check(num_max_tokens_per_rank >= 0, "num_max_tokens_per_rank", num_max_tokens_per_rank, "must be >= 0")
+    check(hidden > 0, "hidden", hidden, "must be > 0")
+    check(num_ranks > 0, "num_ranks", num_ranks, "must be > 0")
+    check(num_topk >= 0, "num_topk", num_topk, "must be >= 0")
+    if num_ranks == 1:
+        return 0
+    slot = -(-num_max_tokens_per_rank * (hidden * 2 + 4 * num_topk) // 128) * 128
+    return 128 + (num_ranks - 1) * slot
+
+
 def get_low_latency_rdma_size_hint(num_max_dispatch_tokens_per_rank: int, hidden: int, num_ranks: int,
                                    num_experts: int) -> int:
     """Low-latency buffer bytes per rank (``num_rdma_bytes`` of a low-latency Buffer), a multiple of 2 MiB."""

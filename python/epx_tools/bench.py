@@ -244,6 +244,7 @@ FLAGS = {
     "--ranks-per-node": ("ranks_per_node", "int"),
     "--nvl-chunk": ("nvl_chunk", "int"),
     "--nvl-queue": ("nvl_queue", "int"),
+    "--staging": ("staging", "switch"),
     "--rdma-chunk": ("rdma_chunk", "int"),
     "--rdma-queue": ("rdma_queue", "int"),
     "--tune": ("tune", "switch"),
@@ -259,7 +260,8 @@ FLAGS = {
     "--json-file": ("json_file", "text"),
 }
 DEFAULTS = {"mode": "all", "ranks": 0, "tokens": 4096, "hidden": 7168, "topk": 8, "experts": 256, "num_sms": [24],
-            "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "rdma_chunk": 0, "rdma_queue": 0, "tune": False,
+            "ranks_per_node": 0, "nvl_chunk": 0, "nvl_queue": 0, "staging": False, "rdma_chunk": 0, "rdma_queue": 0,
+            "tune": False,
             "ll_tokens": 128, "ll_experts": 288, "ll_ranks_per_node": 0, "ranks_per_gpu": 1, "warmup": 5,
             "iters": 30, "seed": 1, "launch_ahead_us": 200.0, "json": False, "json_file": ""}
 
@@ -276,6 +278,8 @@ takes only its default here.
                                   must divide --ranks (default: one node)
   --nvl-chunk N --nvl-queue N     epx-bench's NVLink config; here only 0: the Buffer's config (Config(num_sms)
                                   with its default chunk 6 and queue 256)
+  --staging                       normal mode in one node: a combine staging area for every row
+                                  (peers' copy engines return the rows; num_nvl_staging_bytes)
   --rdma-chunk N --rdma-queue N   epx-bench's network config; here only 0: Config's defaults, 6 and 256
   --tune                          epx-bench only (its config sweep); refused here
   --ll-tokens T --ll-experts E    low-latency shape (default 128 288; hidden and top-k shared)
@@ -809,8 +813,12 @@ class _Rank:
         if ranks_per_node < num_ranks:
             num_rdma_bytes = max(config.get_rdma_buffer_size_hint(o.hidden * 2, num_ranks, ranks_per_node)
                                  for config in configs)
-        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes, num_rdma_bytes=num_rdma_bytes,
-                            ranks_per_node=ranks_per_node if ranks_per_node < num_ranks else 0)
+        # --staging within one node: a combine staging area with room for every row from each peer.
+        staging = epx.normal_nvl_staging_bytes_hint(o.tokens, o.hidden, num_ranks, o.topk) \
+            if o.staging and ranks_per_node == num_ranks else 0
+        buffer = epx.Buffer(self.world, num_nvl_bytes=num_nvl_bytes + staging, num_rdma_bytes=num_rdma_bytes,
+                            ranks_per_node=ranks_per_node if ranks_per_node < num_ranks else 0,
+                            num_nvl_staging_bytes=staging)
 
         def make(salt: int) -> dict:
             return {f: normal_field(torch, o, salt, rank, f, dev) for f in ("x_bf16", "x_fp8", "scales", "topk",

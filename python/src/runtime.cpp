@@ -43,6 +43,7 @@ void bind_buffer(py::module_& m) {
            py::arg("enable_shrink") = false)
       .def_readwrite("num_nvl_bytes", &BufferOptions::num_nvl_bytes)
       .def_readwrite("num_nvl_output_bytes", &BufferOptions::num_nvl_output_bytes)
+      .def_readwrite("num_nvl_staging_bytes", &BufferOptions::num_nvl_staging_bytes)
       .def_readwrite("num_rdma_bytes", &BufferOptions::num_rdma_bytes)
       .def_readwrite("num_sms", &BufferOptions::num_sms)
       .def_readwrite("wait_timeout_s", &BufferOptions::wait_timeout_s)
@@ -84,6 +85,8 @@ void bind_buffer(py::module_& m) {
       .def_property_readonly("num_nvl_bytes", [](const PyBuffer& self) { return self.get().num_nvl_bytes(); })
       .def_property_readonly("num_nvl_output_bytes",
                              [](const PyBuffer& self) { return self.get().num_nvl_output_bytes(); })
+      .def_property_readonly("num_nvl_staging_bytes",
+                             [](const PyBuffer& self) { return self.get().num_nvl_staging_bytes(); })
       .def_property_readonly(
           "nvl_output_window",
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().nvl_output_window()); })

@@ -128,7 +128,10 @@ struct NormalBufferMap {
     // A dispatch that runs the count exchange: block 1 writes the launch's number (calls before it + 1) once
     // the handle's channel offsets are scanned and checked, for the sender blocks' own-row warps.
     int offsets_sequence;
-    int pad[32 - kMaxNvlRanks - 2 - 13];
+    // A combine through the staging area (combine_staging_map.hpp): the gate before its copies writes the
+    // launch's number (calls before it + 1); the flags after the copies carry it to the peers.
+    int staging_call;
+    int pad[32 - kMaxNvlRanks - 2 - 14];
     // [src], written by src at the start of each dispatch and combine launch: pack_tagged(its launch count,
     // the hash of its launch's ShapeFingerprint, whose values go to the abort words' launch slot).
     uint64_t launch_shape[kMaxNvlRanks];

@@ -26,8 +26,10 @@ enum class ShapeField : int32_t {
   kNetworkQueueTokens =
       9,            // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens)
   kWarpRoles = 10,  // normal combine within a node: the reducing warps of each sender block
+  kStagingRows =
+      11,  // normal combine within a node: rows of a staging slot (combine_staging_map.hpp; 0: none)
 };
-constexpr int kNumShapeFields = 11;
+constexpr int kNumShapeFields = 12;
 
 struct ShapeFingerprint {
   int32_t hash;  // of the values: receivers compare it first, one word

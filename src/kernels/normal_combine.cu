@@ -138,38 +138,53 @@ __device__ void send_rows_published(const CombineArgs& args, int channel, int ds
   clock.add_to_report(queue.pushed, static_cast<int>(args.record.bytes()));
 }
 
-// Where rank r's copy of the token lies: this rank's own copy in the combine input, a peer's in the queue.
-__device__ __forceinline__ const char* copy_row(const CombineArgs& args, int r, int entry, int channel,
-                                                int own_row0) {
-  if (r == args.peers.rank) {
-    return static_cast<const char*>(args.in.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
+// Which peers return their rows through the staging area (combine_staging_map.hpp) in this launch, as every
+// block finds them (find_staged_peers); the same rule on both ends of each pair.
+struct StagedPeers {
+  unsigned in_mask;   // bit r: peer r returns this rank's rows into its staging area
+  unsigned out_mask;  // bit r: this rank returns r's rows into r's area (the host copies them; no queue)
+  int chunk_rows[kMaxNvlRanks];            // [r]: rows of each of r's copy chunks
+  int prefix[kMaxNvlRanks][kMaxChannels];  // [r][c]: rows this rank sent r on the channels before c
+};
+
+// Warp 0 of each block, before the block meets: the staged peers of this launch. Peer r returns the rows this
+// rank sent it (the handle's per-channel send counts, scanned over the channels); this rank returns to r the
+// rows it received from r.
+__device__ void find_staged_peers(const CombineArgs& args, int lane, StagedPeers& staged) {
+  if (lane == 0) staged.in_mask = staged.out_mask = 0;
+  if (!args.staging.enabled() || args.handle.send_channel_count == nullptr) return;
+  const int num_ranks = args.peers.num_ranks;
+  const int num_channels = args.map.num_channels;
+  for (int r = 0; r < num_ranks; ++r) {
+    if (r == args.peers.rank) continue;
+    int total = 0;
+    for (int first = 0; first < num_channels; first += 32) {
+      const int c = first + lane;
+      const int n = c < num_channels ? args.handle.send_channel_count[r * num_channels + c] : 0;
+      int inclusive = n;
+      for (int step = 1; step < 32; step *= 2) {
+        const int below = __shfl_up_sync(~0u, inclusive, step);
+        if (lane >= step) inclusive += below;
+      }
+      if (c < num_channels) staged.prefix[r][c] = total + inclusive - n;
+      total += __shfl_sync(~0u, inclusive, 31);
+    }
+    const int returned = args.handle.recv_channel_offset[(r + 1) * num_channels] -
+                         args.handle.recv_channel_offset[r * num_channels];
+    if (lane == 0) {
+      if (args.staging.fits(total)) {
+        staged.in_mask |= 1u << r;
+        staged.chunk_rows[r] = CombineStagingMap::chunk_rows(total);
+      }
+      if (args.staging.fits(returned)) staged.out_mask |= 1u << r;
+    }
   }
-  return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
 }
 
 // Output chunk c of token t: the sum, rounded once to BF16.
 __device__ __forceinline__ void store_chunk(const CombineArgs& args, int t, int c, int num_chunks,
                                             const float (&acc)[8]) {
   static_cast<int4*>(args.out.combined_x)[static_cast<size_t>(t) * num_chunks + c] = round_bf16x8(acc);
-}
-
-// Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
-__device__ __forceinline__ const char* token_source(const CombineArgs& args, int t, unsigned copies,
-                                                    int entry, int j, int channel, int own_row0) {
-  unsigned rest = copies;
-  for (int i = 0; i < j && rest != 0; ++i) rest &= rest - 1;
-  const int r = rest != 0 ? __ffs(rest) - 1 : 0;
-  const int entry_r = __shfl_sync(~0u, entry, r);
-  const int num_copies = __popc(copies);
-  if (j < num_copies) return copy_row(args, r, entry_r, channel, own_row0);
-  const size_t bias_row = static_cast<size_t>(t) * args.record.x_bytes;
-  j -= num_copies;
-  if (args.in.bias0 != nullptr) {
-    if (j == 0) return static_cast<const char*>(args.in.bias0) + bias_row;
-    --j;
-  }
-  if (args.in.bias1 != nullptr && j == 0) return static_cast<const char*>(args.in.bias1) + bias_row;
-  return nullptr;
 }
 
 // The tokens one warp reduces in one batch: first, first + stride, ..., `count` of them.
@@ -183,12 +198,69 @@ struct WarpTokens {
 // What the reducer of one channel shares between its warps and calls.
 struct ReduceContext {
   const CombineArgs& args;
-  int channel;
-  int own_row0;      // first row of this rank's own copies on the channel
+  int channel;       // of the tokens; -1: tokens of every channel (interleaved over the grid's warps)
+  int own_row0;      // first row of this rank's own copies on the channel (channel >= 0)
   bool with_queues;  // peers' copies arrive in queues (else there are none)
   uint32_t lane_base;
   int lane;
-  bool lane_is_peer;  // lane r < R, r != rank: waits for and tracks peer r's queue
+  bool lane_is_peer;  // lane r < R, r != rank, not staged: waits for and tracks peer r's queue
+  const StagedPeers& staged;
+  int calls;  // launches before this one (calls_before): a staged chunk's flag reads calls + 1 once it landed
+
+  __device__ bool is_staged(int r) const { return ((staged.in_mask >> r) & 1u) != 0; }
+  __device__ int channel_of(int t) const {
+    return channel >= 0 ? channel : t / tokens_per_channel(args.num_tokens, args.map.num_channels);
+  }
+  // Peer r's copy `entry` of token t in r's staging slot: its row index there.
+  __device__ int staged_row(int r, int entry, int t) const { return staged.prefix[r][channel_of(t)] + entry; }
+  // This rank's own copy `entry` of token t: its row in the combine input.
+  __device__ size_t own_row(int entry, int t) const {
+    const int first =
+        channel >= 0
+            ? own_row0
+            : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels + channel_of(t)];
+    return static_cast<size_t>(first + entry);
+  }
+
+  // Where rank r's copy `entry` of token t lies: this rank's own copy in the combine input, a peer's in the
+  // staging area or the queue.
+  __device__ const char* copy_row(int r, int entry, int t) const {
+    if (r == args.peers.rank)
+      return static_cast<const char*>(args.in.x) + own_row(entry, t) * args.record.x_bytes;
+    if (is_staged(r)) {
+      return args.staging.rows(args.peers.local_base, r, args.peers.rank) +
+             static_cast<size_t>(staged_row(r, entry, t)) * args.record.x_bytes;
+    }
+    return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
+  }
+  // Rank r's top-k weights of copy `entry` of token t (num_topk floats).
+  __device__ const float* copy_weights(int r, int entry, int t) const {
+    const int num_topk = args.record.num_topk_weights;
+    if (r == args.peers.rank) return args.in.topk_weights + own_row(entry, t) * num_topk;
+    if (is_staged(r)) {
+      return args.staging.weights(args.peers.local_base, r, args.peers.rank) +
+             static_cast<size_t>(staged_row(r, entry, t)) * num_topk;
+    }
+    return reinterpret_cast<const float*>(copy_row(r, entry, t) + args.record.topk_weights_offset());
+  }
+
+  // Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
+  __device__ const char* token_source(int t, unsigned copies, int entry, int j) const {
+    unsigned rest = copies;
+    for (int i = 0; i < j && rest != 0; ++i) rest &= rest - 1;
+    const int r = rest != 0 ? __ffs(rest) - 1 : 0;
+    const int entry_r = __shfl_sync(~0u, entry, r);
+    const int num_copies = __popc(copies);
+    if (j < num_copies) return copy_row(r, entry_r, t);
+    const size_t bias_row = static_cast<size_t>(t) * args.record.x_bytes;
+    j -= num_copies;
+    if (args.in.bias0 != nullptr) {
+      if (j == 0) return static_cast<const char*>(args.in.bias0) + bias_row;
+      --j;
+    }
+    if (args.in.bias1 != nullptr && j == 0) return static_cast<const char*>(args.in.bias1) + bias_row;
+    return nullptr;
+  }
 
   // Lane r: where rank r's copy of token t lies in its queue or in x (-1: none).
   __device__ int entry_of(int t) const {
@@ -239,7 +311,7 @@ class WarpReducer {
       const unsigned copies = __ballot_sync(~0u, entry >= 0);
       const int num_sources = c_.num_sources(copies);
       float weights[kMaxNvlRanks];
-      load_topk_weights(copies, entry, weights);  // used at the token's end: the loads fly meanwhile
+      load_topk_weights(t, copies, entry, weights);  // used at the token's end: the loads fly meanwhile
       if (num_sources == 0) {  // a token no rank holds and no bias: zeros (one item, no load)
         issue_next();
         const float zeros[8] = {};
@@ -341,20 +413,35 @@ class WarpReducer {
       clock_.mark(0);
       saw_more = true;
     }
-    // Copies in the queues were written by peers through the generic proxy; bulk copies read through the
-    // async proxy: lane 0 fences after the waits that saw new copies, before its loads of them.
+    // Lane r (staged): waits for the flag of the chunk that holds the copy, unless an earlier wait covered
+    // it.
+    if (c_.lane < c_.args.peers.num_ranks && entry >= 0 && c_.is_staged(c_.lane)) {
+      const int chunk = c_.staged_row(c_.lane, entry, t) / c_.staged.chunk_rows[c_.lane];
+      if (chunk >= staged_chunks_) {
+        clock_.mark(1);
+        device::wait_at_least(
+            reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base, c_.lane, chunk)),
+            static_cast<int>(c_.calls + 1), wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
+        clock_.mark(0);
+        staged_chunks_ = chunk + 1;
+        saw_more = true;
+      }
+    }
+    // Copies in the queues and the staging area were written through the generic proxy (peers' stores, the
+    // copy engine); bulk copies read through the async proxy: lane 0 fences after the waits that saw new
+    // copies, before its loads of them.
     if (__ballot_sync(~0u, saw_more) != 0 && c_.lane == 0) device::fence_proxy_async();
     const unsigned copies = __ballot_sync(~0u, entry >= 0);
     entry_ring_[(k % kRing) * 32 + c_.lane] = entry;
     issue_sources_ = c_.num_sources(copies);
-    issue_row_ = token_source(c_.args, t, copies, entry, c_.lane, c_.channel, c_.own_row0);
+    issue_row_ = c_.token_source(t, copies, entry, c_.lane);
     issue_left_ = issue_sources_ == 0 ? 1 : num_pieces_ * issue_sources_;
     issue_piece_ = 0;
     issue_source_ = 0;
   }
 
   // Lane k < top-k: rank r's weight k of the token, for each rank r that holds a copy.
-  __device__ void load_topk_weights(unsigned copies, int entry, float (&weights)[kMaxNvlRanks]) const {
+  __device__ void load_topk_weights(int t, unsigned copies, int entry, float (&weights)[kMaxNvlRanks]) const {
     const int num_topk = c_.args.record.num_topk_weights;
 #pragma unroll
     for (int r = 0; r < kMaxNvlRanks; ++r) {
@@ -362,13 +449,7 @@ class WarpReducer {
       weights[r] = 0.0f;
       if (c_.args.out.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
         continue;
-      if (r == c_.args.peers.rank) {
-        weights[r] = c_.args.in.topk_weights[static_cast<size_t>(c_.own_row0 + entry_r) * num_topk + c_.lane];
-      } else {
-        const char* record = copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
-        weights[r] =
-            reinterpret_cast<const volatile float*>(record + c_.args.record.topk_weights_offset())[c_.lane];
-      }
+      weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
     }
   }
 
@@ -393,7 +474,8 @@ class WarpReducer {
   WarpTokens tokens_{};
   int issue_token_ = -1, issue_left_ = 0, issued_ = 0;
   int issue_sources_ = 0, issue_piece_ = 0, issue_source_ = 0;
-  int seen_ = 0;  // lane r (a peer): the records of r's queue a wait saw, from the call's start
+  int seen_ = 0;           // lane r (a peer): the records of r's queue a wait saw, from the call's start
+  int staged_chunks_ = 0;  // lane r (staged): r's chunks a wait saw arrive
   const char* issue_row_ = nullptr;  // lane j: source j of the token being issued
 };
 
@@ -421,10 +503,11 @@ constexpr int kSenderReduceBarrier = 15;
 // peer r, the records of r's queue before `next` (the entry after that of the last token before `next` of
 // which r holds a copy) into claims[r]. Scans [scanned, next) backwards, 32 tokens a step; where no token
 // there has a copy, claims[r] keeps the count of the earlier scans.
-__device__ void claim_records_before(const CombineArgs& args, int scanned, int next, int lane, int* claims) {
+__device__ void claim_records_before(const CombineArgs& args, const StagedPeers& staged, int scanned,
+                                     int next, int lane, int* claims) {
   const int num_ranks = args.peers.num_ranks;
   for (int r = 0; r < num_ranks; ++r) {
-    if (r == args.peers.rank) continue;
+    if (r == args.peers.rank || ((staged.in_mask >> r) & 1u) != 0) continue;
     for (int hi = next; hi > scanned; hi -= 32) {
       const int t = hi - 1 - lane;
       const int entry = t >= scanned ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + r] : -1;
@@ -440,7 +523,7 @@ __device__ void claim_records_before(const CombineArgs& args, int scanned, int n
 
 __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
                               const ReduceWarps& part, const CombineBatches& batches, TmaWarpStage* stages,
-                              int calls) {
+                              int calls, const StagedPeers& staged) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
   __shared__ int claims[kMaxNvlRanks];  // with two parts: records of each peer's queue this part is done with
   __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
@@ -449,19 +532,25 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const int thread = static_cast<int>(threadIdx.x) - part.first_warp * 32;  // within the part
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const bool lane_is_peer = lane < num_ranks && lane != rank;
+  const bool lane_is_peer = lane < num_ranks && lane != rank && ((staged.in_mask >> lane) & 1u) == 0;
   const bool two_parts = with_queues && batches.warps[1] > 0;
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const uint32_t lane_base =
       !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
   const ReduceContext context{
-      args,        channel,   args.handle.recv_channel_offset[rank * args.map.num_channels + channel],
-      with_queues, lane_base, lane,
-      lane_is_peer};
+      args,
+      channel,
+      channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel] : 0,
+      with_queues,
+      lane_base,
+      lane,
+      lane_is_peer,
+      staged,
+      calls};
   if (thread < kMaxNvlRanks) consumed[thread] = claims[thread] = 0;
   // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
   // below then end at once).
-  if (with_queues && thread < num_ranks && thread != rank)
+  if ((with_queues || staged.in_mask != 0) && thread < num_ranks && thread != rank)
     check_launch_shape(args.peers, calls, args.shape, thread, WaitPhase::kCombineReduce);
   // The stream's leader: the reducer block's warp 0's lane of the next rank, which waits for that peer's
   // copies.
@@ -475,7 +564,9 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   // with (`force`: even when not more than last time).
   int published = 0;  // thread r < R: what peer r was last told
   const auto publish = [&](int value, bool force) {
-    if (!with_queues || thread >= num_ranks || thread == rank || (value <= published && !force)) return;
+    if (!with_queues || thread >= num_ranks || thread == rank || ((staged.in_mask >> thread) & 1u) != 0 ||
+        (value <= published && !force))
+      return;
     published = value;
     auto* peer = NormalBufferMap::counters(args.peers.peer_bases[thread]);
     uint32_t* head = part.part == 0 ? &peer->head[rank][channel] : &peer->head_second[rank][channel];
@@ -486,20 +577,25 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     // head_second is stale from an earlier call (dispatches advance head only): this part's first word is due
     // at once, before any of its waits.
     scanned = min(tokens.end, tokens.begin + batches.start(1, 0));
-    if (warp == 0) claim_records_before(args, tokens.begin, scanned, lane, claims);
+    if (warp == 0) claim_records_before(args, staged, tokens.begin, scanned, lane, claims);
     part.sync();
     if (thread < kMaxNvlRanks) publish(claims[thread], true);
   }
 
   const int num_tokens = tokens.end - tokens.begin;
-  const int warps = with_queues ? batches.warps[part.part] : part.num_warps;
+  // Channel -1: the grid's warps interleave over the tokens (warp w of block b takes the tokens from
+  // b * num_warps + w on, every gridDim.x * num_warps-th).
+  const int my_warp = channel < 0 ? static_cast<int>(blockIdx.x) * part.num_warps + warp : warp;
+  const int warps = with_queues
+                        ? batches.warps[part.part]
+                        : (channel < 0 ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
   const int size = with_queues ? batches.size[part.part] : num_tokens;
   const int step = with_queues ? batches.cycle() : num_tokens;
   for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0);
        first < tokens.end && size > 0; first += step) {
     const int batch_end = min(tokens.end, first + size);
-    if (warp < warps) {
-      const int mine = first + warp;
+    if (my_warp < warps) {
+      const int mine = first + my_warp;
       const int count = mine < batch_end ? (batch_end - mine + warps - 1) / warps : 0;
       reducer.reduce(WarpTokens{mine, warps, count}, consumed);
     }
@@ -510,7 +606,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       // The last batch scans up to tokens.end (a part whose loop runs none starts there).
       if (warp == 0) {
         const int next = min(tokens.end, first + step);
-        claim_records_before(args, scanned, next, lane, claims);
+        claim_records_before(args, staged, scanned, next, lane, claims);
         scanned = next;
         __syncwarp();
         if (thread < kMaxNvlRanks) publish(claims[thread], false);
@@ -533,10 +629,13 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
 
 // Block 2c sends the rows received on channel c back to their sources with its first warps and reduces a
 // share of channel c's tokens with the rest (combine_sender_roles); block 2c + 1 reduces the others. With
-// one rank there are no queues and both blocks reduce, half of the channel each.
+// one rank, or when every peer's rows come and go through the staging areas, there are no queues and both
+// blocks reduce, half of the channel each. A sender group whose peer takes its rows from the staging area
+// (the host copied them there) has nothing to do.
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ PublishRing rings[kMaxNvlRanks];
+  __shared__ StagedPeers staged;
   extern __shared__ TmaWarpStage stages[];  // [kQueueWarps]: the reducing warps'
   const int calls = calls_before(args.peers);
   // After an aborted dispatch the handle's arrays may be anything: read and write nothing.
@@ -547,22 +646,33 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const int num_ranks = args.peers.num_ranks;
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int warp = threadIdx.x / 32;
-  if (num_ranks == 1) {
+  if (warp == 0) find_staged_peers(args, threadIdx.x % 32, staged);
+  __syncthreads();
+  const unsigned peers = ((1u << num_ranks) - 1) & ~(1u << args.peers.rank);
+  if (num_ranks > 1 && staged.in_mask == peers && staged.out_mask == peers) {
+    // Every peer's rows come in and go out through the staging areas: the grid's warps interleave over all
+    // tokens. A peer's rows lie in token order, so its copy chunks land in token order and every SM reduces
+    // each chunk as it lands (per channel, the last channels' blocks would wait for the last chunk alone).
+    reduce_tokens(args, -1, TokenRange{0, args.num_tokens}, false, ReduceWarps{0, 0, kQueueWarps, 0},
+                  CombineBatches{}, stages, calls, staged);
+  } else if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
     reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
-                  false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls);
+                  false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls, staged);
   } else {
     const CombineSenderRoles roles = combine_sender_roles(kQueueWarps, num_ranks, args.sender_reduce_warps);
     const CombineBatches batches = combine_batches(args.map.queue_tokens, kQueueWarps, roles.reduce);
     if (!is_sender) {
-      reduce_tokens(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages, calls);
+      reduce_tokens(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages, calls,
+                    staged);
     } else if (warp >= roles.send) {
       reduce_tokens(args, channel, range, true,
-                    ReduceWarps{1, roles.send, roles.reduce, kSenderReduceBarrier}, batches, stages, calls);
+                    ReduceWarps{1, roles.send, roles.reduce, kSenderReduceBarrier}, batches, stages, calls,
+                    staged);
     } else {
       const int warps_per_peer = roles.send / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;
-      if (peer_idx < num_ranks - 1) {
+      if (peer_idx < num_ranks - 1 && ((staged.out_mask >> peer_rank(peer_idx, args.peers.rank)) & 1u) == 0) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
         if (args.publisher_warp && group_takes_publisher(warps_per_peer)) {

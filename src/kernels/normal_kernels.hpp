@@ -4,6 +4,7 @@
 
 #include <cstdint>
 
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/layout_board_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "common/host_device.hpp"
@@ -32,6 +33,9 @@ struct HandleArrays {
   // One node: [R*R + 2*R*C], DeepEP's matrices derived from recv_channel_offset
   // (DispatchHandle::deep_ep_matrices_device); nullptr: not written.
   int* deep_ep_matrices = nullptr;
+  // One node: [R * C] rows this rank sends rank r on channel c (r-major), written by the count exchange; the
+  // combine finds a token's row in a peer's staged return with it (combine_staging_map.hpp).
+  int* send_channel_count = nullptr;
 };
 
 struct LayoutArgs {
@@ -226,7 +230,29 @@ struct CombineArgs {
   // Each sender group's last warp publishes the tail while the others write on (default with 2 ranks,
   // EPX_COMBINE_PUBLISHER_WARP; groups of 3 or more warps). The receivers see the same protocol either way.
   bool publisher_warp = false;
+  // The staging area (combine_staging_map.hpp; enabled() false: none): peers whose rows fit return them
+  // there by copy engine, this rank returns its rows to such peers likewise (the host copies), and their
+  // queues stay idle.
+  CombineStagingMap staging{};
 };
 void launch_combine(const CombineArgs& args, cudaStream_t stream);
+
+// Before a staged combine's copies, on the comm stream: waits until each peer in `peers_mask` finished every
+// launch before this one (so its staging slot is read), then writes the launch's number into this rank's
+// Control::staging_call for the flags.
+struct StagingGateArgs {
+  PeerContext peers;
+  unsigned peers_mask;  // bit r: this rank returns rows to r through r's staging area
+};
+void launch_staging_gate(const StagingGateArgs& args, cudaStream_t stream);
+
+// After chunk k of a staged combine's copies, on the staging stream: raises `flags[i]` (in the peers' areas)
+// to this rank's Control::staging_call, after a system-scope fence.
+struct StagingFlagArgs {
+  uint32_t* flags[kMaxNvlRanks];
+  int count;
+  const int* staging_call;  // this rank's Control::staging_call
+};
+void launch_staging_flags(const StagingFlagArgs& args, cudaStream_t stream);
 
 }  // namespace epx::kernels

@@ -31,6 +31,7 @@ void preload_normal_layout_kernels();
 void preload_normal_notify_kernels();
 void preload_normal_dispatch_kernels();
 void preload_normal_combine_kernels();
+void preload_combine_staging_kernels();
 void preload_low_latency_dispatch_kernels();
 void preload_low_latency_combine_kernels();
 void preload_low_latency_clean_kernels();
@@ -41,6 +42,7 @@ inline void preload_all_kernels() {
   preload_normal_notify_kernels();
   preload_normal_dispatch_kernels();
   preload_normal_combine_kernels();
+  preload_combine_staging_kernels();
   preload_low_latency_dispatch_kernels();
   preload_low_latency_combine_kernels();
   preload_low_latency_clean_kernels();

@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "bootstrap/topology.hpp"
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/layout_board_map.hpp"
 #include "buffer_map/low_latency_buffer_map.hpp"
@@ -118,7 +119,13 @@ struct Buffer::State {
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   bool enable_shrink = false;
-  size_t num_nvl_output_bytes = 0;          // BufferOptions'
+  size_t num_nvl_output_bytes = 0;   // BufferOptions'
+  size_t num_nvl_staging_bytes = 0;  // BufferOptions'
+  // The combine's staging copies (combine_staging.cpp): two streams beside the comm stream (the copies, and
+  // the flags after each chunk, so the copy engine never waits for a flag kernel), and the events that fork
+  // them from the comm stream (0), join them back (1) and mark each chunk copied (2 ...).
+  cudaStream_t staging_streams[2] = {nullptr, nullptr};
+  cudaEvent_t staging_events[2 + kStagingChunks] = {};
   unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
@@ -172,6 +179,17 @@ struct Buffer::State {
     if (layout_scratch != nullptr) cudaFree(layout_scratch);
     layout_scratch = nullptr;
     if (probe_stream != nullptr) cudaStreamDestroy(probe_stream);
+    for (cudaStream_t& stream : staging_streams) {
+      if (stream != nullptr) {
+        cudaStreamSynchronize(stream);
+        cudaStreamDestroy(stream);
+      }
+      stream = nullptr;
+    }
+    for (cudaEvent_t& event : staging_events) {
+      if (event != nullptr) cudaEventDestroy(event);
+      event = nullptr;
+    }
     if (failure_record != nullptr) cudaFreeHost(failure_record);
     if (host_scratch != nullptr) cudaFreeHost(host_scratch);
     // Handles still alive keep the pool (and the comm stream) until their arrays are freed; the kept blocks
@@ -212,6 +230,10 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   EPX_CHECK(options.num_nvl_output_bytes <= options.num_nvl_bytes, "num_nvl_output_bytes",
             options.num_nvl_output_bytes, "must be <= num_nvl_bytes (the window is the buffer's tail)");
   s.num_nvl_output_bytes = options.num_nvl_output_bytes;
+  EPX_CHECK(options.num_nvl_staging_bytes <= options.num_nvl_bytes - options.num_nvl_output_bytes,
+            "num_nvl_staging_bytes", options.num_nvl_staging_bytes,
+            "must be <= num_nvl_bytes - num_nvl_output_bytes (the area lies before the window)");
+  s.num_nvl_staging_bytes = options.num_nvl_staging_bytes;
   try {
     EPX_CUDA_CHECK(cudaMalloc(&s.rank_mask, sizeof(unsigned long long) * 2));
     EPX_CUDA_CHECK(cudaMemset(s.rank_mask, 0, sizeof(unsigned long long) * 2));
@@ -241,6 +263,12 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     }
     for (cudaEvent_t& event : s.ordering_events)
       EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    if (options.num_nvl_staging_bytes > 0) {
+      for (cudaStream_t& stream : s.staging_streams)
+        EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
+      for (cudaEvent_t& event : s.staging_events)
+        EPX_CUDA_CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
+    }
     s.comm_stream_owner = std::shared_ptr<CUstream_st>(s.comm_stream, [own_stream](cudaStream_t stream) {
       cudaStreamSynchronize(stream);
       if (own_stream) cudaStreamDestroy(stream);
@@ -409,14 +437,23 @@ size_t Buffer::num_nvl_bytes() const {
   return live().nvl->bytes();
 }
 void* Buffer::nvl_output_window() const {
-  return static_cast<char*>(nvl_buffer()) + num_nvl_queue_bytes();
+  return static_cast<char*>(nvl_buffer()) + num_nvl_queue_bytes() + num_nvl_staging_bytes();
 }
 size_t Buffer::num_nvl_output_bytes() const {
-  return num_nvl_bytes() - num_nvl_queue_bytes();
+  return num_nvl_bytes() - num_nvl_queue_bytes() - num_nvl_staging_bytes();
 }
 size_t Buffer::num_nvl_queue_bytes() const {
-  // The window starts 128-byte aligned, so it may hold a little more than asked for.
-  return (num_nvl_bytes() - live().num_nvl_output_bytes) / kNormalAlign * kNormalAlign;
+  return nvl_staging_offset();
+}
+size_t Buffer::nvl_staging_offset() const {
+  // The window and the staging area start 128-byte aligned, so the window may hold a little more than asked
+  // for, and the area exactly its bytes rounded down.
+  const State& s = live();
+  const size_t window = (num_nvl_bytes() - s.num_nvl_output_bytes) / kNormalAlign * kNormalAlign;
+  return window - num_nvl_staging_bytes();
+}
+size_t Buffer::num_nvl_staging_bytes() const {
+  return live().num_nvl_staging_bytes / kNormalAlign * kNormalAlign;
 }
 void* const* Buffer::nvl_peer_bases_device() const {
   return live().nvl_table;
@@ -485,6 +522,18 @@ int* BufferAccess::layout_scratch(const Buffer& buffer) {
 
 cudaStream_t BufferAccess::private_stream(const Buffer& buffer) {
   return buffer.live().probe_stream;
+}
+
+cudaStream_t BufferAccess::staging_stream(const Buffer& buffer, int which) {
+  return buffer.live().staging_streams[which];
+}
+
+cudaEvent_t BufferAccess::staging_event(const Buffer& buffer, int which) {
+  return buffer.live().staging_events[which];
+}
+
+const std::vector<void*>& BufferAccess::nvl_peer_bases(const Buffer& buffer) {
+  return buffer.live().nvl->bases();
 }
 
 AbortWords BufferAccess::abort_words(const Buffer& buffer) {

@@ -3,6 +3,7 @@
 #include <cuda_runtime.h>
 
 #include <memory>
+#include <vector>
 
 #include "buffer_map/layout_board_map.hpp"
 #include "core/abort_word.hpp"
@@ -64,6 +65,13 @@ struct BufferAccess {
   // A private stream with nothing queued behind other work: host-synchronous small steps (check()'s read of
   // the abort word, allocations a running kernel must see complete) go there.
   static cudaStream_t private_stream(const Buffer& buffer);
+  // The combine's staging copies (BufferOptions::num_nvl_staging_bytes; null without): the streams of the
+  // copies (0) and of the flags after them (1), and their events (0: forks them from the comm stream, 1:
+  // joins them back, 2 + k: chunk k copied).
+  static cudaStream_t staging_stream(const Buffer& buffer, int which);
+  static cudaEvent_t staging_event(const Buffer& buffer, int which);
+  // [num_ranks]: every rank's NVLink buffer as the host addresses it on this GPU (own included).
+  static const std::vector<void*>& nvl_peer_bases(const Buffer& buffer);
   // The start of every call: refuses an aborted Buffer (check_timeout), then claims the Buffer for this
   // thread until the returned claim ends (core/exclusive_use.hpp); `call` names the call in errors.
   static ExclusiveUse::Claim enter_call(const Buffer& buffer, const char* call);

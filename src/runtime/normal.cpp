@@ -23,6 +23,7 @@
 #include "kernels/internode_kernels.hpp"
 #include "kernels/normal_kernels.hpp"
 #include "runtime/buffer_access.hpp"
+#include "runtime/combine_staging.hpp"
 #include "runtime/dispatch_handle_state.hpp"
 #include "runtime/layout_board.hpp"
 #include "runtime/low_latency_state.hpp"
@@ -314,9 +315,10 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
   const size_t deep_ep_cells = num_nodes > 1 ? 0 : kernels::deep_ep_matrices_size(num_ranks, num_channels);
+  const size_t send_cells = num_nodes > 1 ? 0 : static_cast<size_t>(num_ranks) * num_channels;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
                       std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0) + deep_ep_cells +
-                      num_rows;
+                      send_cells + num_rows;
   routing_memory = allocate_on_stream(buffer, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
@@ -329,6 +331,8 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   } else {
     arrays.deep_ep_matrices = end;
     end += deep_ep_cells;
+    arrays.send_channel_count = end;
+    end += send_cells;
   }
   if (num_rows > 0) {
     arrays.recv_src_idx = end;
@@ -1111,6 +1115,11 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   const int reduce_warps =
       kernels::combine_sender_roles(kernels::kQueueWarps, buffer.num_ranks(), combine_sender_reduce_warps())
           .reduce;
+  const CombineStagingMap staging = combine_staging_map(buffer, state, hidden, in.num_topk);
+  ShapeFingerprint shape = normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
+                                                     NormalOperation::kCombine, false, reduce_warps);
+  shape.values[static_cast<int>(ShapeField::kStagingRows)] = staging.slot_rows();
+  shape = make_shape_fingerprint(shape.values);
   kernels::CombineArgs args{peer_context(buffer),
                             map,
                             record,
@@ -1119,12 +1128,14 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             state.arrays,
                             in,
                             out,
-                            normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
-                                                      NormalOperation::kCombine, false, reduce_warps),
+                            shape,
                             phase_reports(buffer)};
   args.sender_reduce_warps = reduce_warps;
   args.publisher_warp = combine_publisher_warp(buffer.num_ranks());
+  args.staging = staging;
+  const bool copies = start_staged_copies(buffer, args.peers, state, in, staging);
   kernels::launch_combine(args, buffer.comm_stream());
+  if (copies) join_staged_copies(buffer);
   return end_on_comm_stream(buffer, order);
 }
 

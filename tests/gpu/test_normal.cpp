@@ -370,7 +370,65 @@ NormalCase combine_case(int num_ranks) {
 }
 
 TEST_P(NormalRanks, CombineBiasesAndWeights) {
-  run_case(combine_case(GetParam()));
+  NormalCase c = combine_case(GetParam());
+  c.combine_repeats = 2;  // through the queues, back to back
+  run_case(c);
+}
+
+// ---- The combine's staging area: peers' rows returned by copy engine (combine_staging_map.hpp) ----
+
+// Every pair's rows fit: 0, 1 and odd token counts, unbalanced routing (a rank that receives nothing, one
+// that sends nothing), BF16 and FP8 dispatches, cached re-dispatches, biases and weights, the three stream
+// orders, and worst-case iterations (which keep to the queues: the host does not know the rows).
+NormalCase staged_combine_case(int num_ranks) {
+  NormalCase c = small_case(num_ranks);
+  c.routing = NormalRouting::kUnbalanced;
+  c.num_tokens = {333, 0, 64, 1};
+  c.formats = {kBf16, kFp8};
+  c.cached = {false, true, false};
+  c.num_biases = {0, 1, 2};
+  c.combine_weights = {true, true, false};
+  c.orders = {NormalOrder::kSync, NormalOrder::kAsyncFinish, NormalOrder::kSync, NormalOrder::kPreviousEvent};
+  c.worst_case = {false, false, false, false, true};
+  c.gate_caller_stream = true;
+  c.num_sms = {16, 8, 2};  // the budgets whose combines take the staging area by default (up to 16 SMs)
+  c.num_iterations = 12;
+  c.staging_bytes = staging_bytes_for(c, 333);
+  c.seed = 131;
+  return c;
+}
+
+TEST_P(NormalRanks, StagedCombine) {
+  run_case(staged_combine_case(GetParam()));
+}
+
+// Slots of 100 rows: a source of 333 tokens returns through the queues, one of 1 or 64 through the staging
+// area, so a combine mixes both ways (per pair, per iteration); random routing, several SM budgets (20 SMs:
+// above the default's 16, every pair through the queues).
+TEST_P(NormalRanks, StagedCombineSomePairsFit) {
+  NormalCase c = small_case(GetParam());
+  c.num_tokens = {333, 64, 1};
+  c.num_sms = {16, 8, 2, 20};
+  c.num_biases = {1, 0};
+  c.num_iterations = 6;
+  c.staging_bytes = staging_bytes_for(c, 100);
+  c.seed = 132;
+  run_case(c);
+}
+
+// Five combines back to back per dispatch, each with other rows, through one staging slot per source: a
+// peer's copies must wait until this rank finished reading the previous combine's rows; 20 iterations.
+TEST_P(NormalRanks, StagedCombineManyCalls) {
+  NormalCase c = small_case(GetParam());
+  c.num_tokens = {333, 64, 200};
+  c.orders = {NormalOrder::kAsyncFinish, NormalOrder::kSync};
+  c.num_biases = {1, 2, 0};
+  c.combine_repeats = 4;
+  c.num_sms = {8, 16};
+  c.num_iterations = 20;
+  c.staging_bytes = staging_bytes_for(c, 333);
+  c.seed = 133;
+  run_case(c);
 }
 
 NormalCase order_case(int num_ranks, NormalOrder order) {

@@ -28,6 +28,7 @@
 #include <type_traits>
 #include <vector>
 
+#include "buffer_map/combine_staging_map.hpp"
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "epx/normal.hpp"
@@ -111,6 +112,13 @@ struct NormalCase {
   int ranks_per_node = 0;
   int rdma_chunk_tokens = Config{}.num_max_rdma_chunked_send_tokens;
   int rdma_queue_tokens = Config{}.num_max_rdma_chunked_recv_tokens;
+  // The combine's staging area (BufferOptions::num_nvl_staging_bytes; 0: none): staging_bytes_for sizes it.
+  size_t staging_bytes = 0;
+  // Combines issued right after the first one with the same handle, without waiting: repeat j reduces the
+  // first's x and biases scaled by repeat_scale(j) (no weights), so consecutive combines move different rows
+  // and its output must be the first's scaled (power-of-two scaling commutes with the float sum and
+  // rounding).
+  int combine_repeats = 0;
   uint64_t seed = 1;
 
   bool spans_nodes() const { return ranks_per_node > 0 && ranks_per_node < num_ranks; }
@@ -158,6 +166,25 @@ inline size_t normal_window_bytes(const NormalCase& c) {
   // Room for 7 rows more (a guess that fits) and both dispatches' outputs.
   const size_t rows = size_t(c.num_ranks) * *std::max_element(c.num_tokens.begin(), c.num_tokens.end()) + 10;
   return 2 * rows * (size_t(c.hidden) * 2 + size_t(c.hidden) / 32 + size_t(c.num_topk) * 12) + 16 * 16 + 128;
+}
+
+// The factor of repeated combine j (NormalCase::combine_repeats): 2, 4, 2, 4, ... after the first's 1.
+inline float repeat_scale(int j) {
+  return j % 2 == 0 ? 2.0f : 4.0f;
+}
+
+// BF16 values times `factor` (a power of two: exact for the values the tests use).
+inline std::vector<uint16_t> scaled_bf16(const std::vector<uint16_t>& values, float factor) {
+  std::vector<uint16_t> out(values.size());
+  for (size_t i = 0; i < values.size(); ++i) out[i] = float_to_bf16(bf16_to_float(values[i]) * factor);
+  return out;
+}
+
+// Staging bytes (BufferOptions::num_nvl_staging_bytes) whose slots hold `rows` rows of `c`'s combine (BF16
+// rows of hidden, its top-k weights) from each peer.
+inline size_t staging_bytes_for(const NormalCase& c, int rows) {
+  const size_t row_bytes = size_t(c.hidden) * 2 + sizeof(float) * c.num_topk;
+  return CombineStagingMap::kFlagBytes + size_t(c.num_ranks - 1) * (size_t(rows) * row_bytes + kNormalAlign);
 }
 
 // Symmetric bytes a Buffer across nodes needs for every iteration of `c` (0 on one node).
@@ -455,6 +482,8 @@ struct NormalSlot {
   DeviceArray small_x, small_x_scales, small_topk_idx, small_topk_weights;   // NormalGuess::kTooSmall
   DeviceArray combine_x, combine_weights, bias0, bias1;                      // combine inputs
   DeviceArray combined_x, combined_weights;                                  // combine outputs
+  // Repeated combines (NormalCase::combine_repeats): their scaled inputs and their outputs.
+  std::vector<DeviceArray> repeat_x, repeat_bias0, repeat_bias1, repeat_combined_x;
   DeviceArray cached_x, cached_x_scales, cached_recv_x, cached_recv_x_scales, cached_combined_x;
   DispatchPlan plan, cached_plan;
 };
@@ -469,7 +498,8 @@ class NormalRunner {
   NormalRunner(const NormalCase& c, Bootstrap& bootstrap) : c_(c), rank_(bootstrap.rank()) {
     BufferOptions options;
     options.num_nvl_output_bytes = normal_window_bytes(c);
-    options.num_nvl_bytes = normal_buffer_bytes(c) + options.num_nvl_output_bytes;
+    options.num_nvl_staging_bytes = c.staging_bytes;
+    options.num_nvl_bytes = normal_buffer_bytes(c) + options.num_nvl_output_bytes + c.staging_bytes;
     options.num_rdma_bytes = normal_rdma_buffer_bytes(c);
     options.ranks_per_node = c.ranks_per_node;
     options.wait_timeout_s = 20.0;
@@ -567,6 +597,12 @@ class NormalRunner {
     }
     if (s.num_biases >= 1) slot.bias0 = DeviceArray(T * H * 2);
     if (s.num_biases >= 2) slot.bias1 = DeviceArray(T * H * 2);
+    for (int j = 0; j < c_.combine_repeats; ++j) {
+      slot.repeat_x.emplace_back(rows * H * 2);
+      slot.repeat_bias0.push_back(s.num_biases >= 1 ? DeviceArray(T * H * 2) : DeviceArray());
+      slot.repeat_bias1.push_back(s.num_biases >= 2 ? DeviceArray(T * H * 2) : DeviceArray());
+      slot.repeat_combined_x.emplace_back(T * H * 2);
+    }
     if (s.cached) {
       slot.cached_x = DeviceArray(T * row_bytes);
       slot.cached_recv_x = DeviceArray(rows * row_bytes);
@@ -597,6 +633,13 @@ class NormalRunner {
     slot.combine_weights.upload(combine_in.topk_weights, stream_);
     slot.bias0.upload(combine_in.bias0, stream_);
     slot.bias1.upload(combine_in.bias1, stream_);
+    for (int j = 0; j < c_.combine_repeats; ++j) {
+      slot.repeat_x[j].upload(scaled_bf16(combine_in.x, repeat_scale(j)), stream_);
+      slot.repeat_bias0[j].upload(scaled_bf16(combine_in.bias0, repeat_scale(j)), stream_);
+      slot.repeat_bias1[j].upload(scaled_bf16(combine_in.bias1, repeat_scale(j)), stream_);
+      EPX_CUDA_CHECK(
+          cudaMemsetAsync(slot.repeat_combined_x[j].get(), 0x7F, slot.repeat_combined_x[j].bytes(), stream_));
+    }
     if (s.cached) {
       const reference::NormalDispatchRankInput& again = e.cached_inputs[rank_];
       if (s.fp8()) {
@@ -750,6 +793,14 @@ class NormalRunner {
                                   s.combine_weights ? c_.num_topk : 0, slot.bias0.get(), slot.bias1.get()};
     const CombineOutput combine_out{slot.combined_x.get(), slot.combined_weights.get<float>()};
     finished(s, combine(*buffer_, slot.plan.handle, combine_in, combine_out, order_for(s)), "combine");
+    for (int j = 0; j < c_.combine_repeats; ++j) {
+      const CombineInput repeat{slot.repeat_x[j].get(), nullptr, 0, slot.repeat_bias0[j].get(),
+                                slot.repeat_bias1[j].get()};
+      finished(s,
+               combine(*buffer_, slot.plan.handle, repeat,
+                       CombineOutput{slot.repeat_combined_x[j].get(), nullptr}, order_for(s)),
+               "repeated combine");
+    }
     if (!s.cached) return;
 
     const DispatchInput again = dispatch_input(s, slot, true);
@@ -885,6 +936,11 @@ class NormalRunner {
     if (s.combine_weights)
       check_bits(s, slot.combined_weights.download<float>(T * K), want.combined_topk_weights, T * K, K,
                  "combined_topk_weights");
+    for (int j = 0; j < c_.combine_repeats; ++j) {
+      check_bits(s, slot.repeat_combined_x[j].download<uint16_t>(T * H),
+                 scaled_bf16(want.combined_x, repeat_scale(j)), T * H, H,
+                 "combined_x of repeated combine " + std::to_string(j));
+    }
     if (!s.cached) return;
     check_dispatch(s, e.redispatched.ranks[rank_], slot.cached_plan, slot.cached_recv_x,
                    slot.cached_recv_x_scales, false, slot, "cached ");

@@ -176,7 +176,13 @@ class Buffer:
         # num_nvl_output_bytes): dispatch outputs come from it while it has room. Every rank sets the same.
         window = int(os.environ.get("EPX_NVL_OUTPUT_BYTES", "0") or 0) if num_nvl_bytes > 0 else 0
         extra = {"num_nvl_output_bytes": window} if window > 0 else {}
-        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes + window, num_rdma_bytes,
+        # EPX_NVL_STAGING_BYTES=N: N more NVLink bytes per rank as the combine's staging area (epx.Buffer's
+        # num_nvl_staging_bytes): peers' copy engines return the combine's rows. Every rank sets the same.
+        staging = int(os.environ.get("EPX_NVL_STAGING_BYTES", "0") or 0) if num_nvl_bytes > 0 else 0
+        if staging > 0:
+            extra["num_nvl_staging_bytes"] = staging
+        self.runtime: Optional[_EpxBuffer] = _EpxBuffer(self.group, num_nvl_bytes + window + staging,
+                                                         num_rdma_bytes,
                                                          low_latency_mode, num_sms=Buffer.num_sms,
                                                          enable_shrink=bool(enable_shrink), bootstrap=bootstrap,
                                                          **extra)

@@ -129,6 +129,7 @@ class FakeRuntime:
         self.comm_stream = 0
         self.num_nvl_bytes = 1 << 20
         self.num_nvl_output_bytes = 0
+        self.num_nvl_staging_bytes = 0
         self.nvl_output_window = 0
         self.num_rdma_bytes = 1 << 20
         self.is_destroyed = False

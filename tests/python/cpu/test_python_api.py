@@ -69,6 +69,10 @@ def test_output_window_hint():
     # A cached dispatch (no top-k outputs), and no tokens.
     assert epx.normal_nvl_output_bytes_hint(4096, 7168, 2) == 112 * mib + 512
     assert epx.normal_nvl_output_bytes_hint(0, 7168, 2, 8) == 512
+    # A slot per peer for every row and its weights, 128-byte aligned, after 128 bytes of flags.
+    assert epx.normal_nvl_staging_bytes_hint(4096, 7168, 2, 8) == 128 + 4096 * (7168 * 2 + 32)
+    assert epx.normal_nvl_staging_bytes_hint(333, 2048, 4, 4) == 128 + 3 * (-(-333 * 4112 // 128) * 128)
+    assert epx.normal_nvl_staging_bytes_hint(4096, 7168, 1, 8) == 0
     with pytest.raises(epx.EpxError, match="invalid num_live = 0: must be >= 1"):
         epx.normal_nvl_output_bytes_hint(4096, 7168, 2, num_live=0)
 
