@@ -128,7 +128,7 @@ struct InternodeBufferMap {
     int* node_channel_counts;  // [C]
     int* expert_counts;        // [E / R]
   };
-  static constexpr int kShapeInts = 13;  // ints of a ShapeFingerprint (checked where kernels use it)
+  static constexpr int kShapeInts = 12;  // ints of a ShapeFingerprint (checked where kernels use it)
   static constexpr int kNotifyInts = kMaxInternodeRanks * (kShapeInts + 2 * kMaxChannels) + kMaxExperts;
   struct NotifyHalf {
     int messages[kNotifyInts];  // [source rank]

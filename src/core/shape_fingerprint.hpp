@@ -23,13 +23,12 @@ enum class ShapeField : int32_t {
   // within the node bits; normal launches: operation and FP8; normal notify:
   // whether num_tokens_per_rank was given
   kFormat = 8,
-  kNetworkQueueTokens =
-      9,            // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens)
+  // normal mode across nodes: records per network queue (num_max_rdma_chunked_recv_tokens); a combine within
+  // a node: the rows of its staging slot (buffer_map/combine_staging_map.hpp; 0: none)
+  kNetworkQueueTokens = 9,
   kWarpRoles = 10,  // normal combine within a node: the reducing warps of each sender block
-  kStagingRows =
-      11,  // normal combine within a node: rows of a staging slot (combine_staging_map.hpp; 0: none)
 };
-constexpr int kNumShapeFields = 12;
+constexpr int kNumShapeFields = 11;
 
 struct ShapeFingerprint {
   int32_t hash;  // of the values: receivers compare it first, one word

@@ -1,5 +1,7 @@
 #include <cuda_bf16.h>
 
+#include <type_traits>
+
 #include "device/tma.cuh"
 #include "gpu/cuda_check.hpp"
 #include "kernels/bf16x8.cuh"
@@ -147,20 +149,34 @@ struct StagedPeers {
   int prefix[kMaxNvlRanks][kMaxChannels];  // [r][c]: rows this rank sent r on the channels before c
 };
 
-// Warp 0 of each block, before the block meets: the staged peers of this launch. Peer r returns the rows this
-// rank sent it (the handle's per-channel send counts, scanned over the channels); this rank returns to r the
+// Every thread of each block, before the block's roles: the staged peers of this launch. Peer r returns the
+// rows this rank sent it: on channel c one more than the largest send_head entry of c's tokens for r (the
+// block finds them all, a pass over [T, R] entries), scanned over the channels; this rank returns to r the
 // rows it received from r.
-__device__ void find_staged_peers(const CombineArgs& args, int lane, StagedPeers& staged) {
-  if (lane == 0) staged.in_mask = staged.out_mask = 0;
-  if (!args.staging.enabled() || args.handle.send_channel_count == nullptr) return;
+__device__ void find_staged_peers(const CombineArgs& args, StagedPeers& staged) {
   const int num_ranks = args.peers.num_ranks;
   const int num_channels = args.map.num_channels;
+  for (int i = threadIdx.x; i < num_ranks * num_channels; i += blockDim.x)
+    staged.prefix[i / num_channels][i % num_channels] = 0;
+  if (threadIdx.x == 0) staged.in_mask = staged.out_mask = 0;
+  __syncthreads();
+  const int per_channel = tokens_per_channel(args.num_tokens, num_channels);
+  for (int t = threadIdx.x; t < args.num_tokens; t += blockDim.x) {
+    for (int r = 0; r < num_ranks; ++r) {
+      const int entry = args.handle.send_head[static_cast<size_t>(t) * num_ranks + r];
+      if (r != args.peers.rank && entry >= 0) atomicMax(&staged.prefix[r][t / per_channel], entry + 1);
+    }
+  }
+  __syncthreads();
+  if (threadIdx.x >= 32) return;
+  const int lane = threadIdx.x;
   for (int r = 0; r < num_ranks; ++r) {
     if (r == args.peers.rank) continue;
     int total = 0;
     for (int first = 0; first < num_channels; first += 32) {
       const int c = first + lane;
-      const int n = c < num_channels ? args.handle.send_channel_count[r * num_channels + c] : 0;
+      const int n = c < num_channels ? staged.prefix[r][c] : 0;
+      __syncwarp();
       int inclusive = n;
       for (int step = 1; step < 32; step *= 2) {
         const int below = __shfl_up_sync(~0u, inclusive, step);
@@ -195,8 +211,16 @@ struct WarpTokens {
   __device__ int token(int k) const { return first + k * stride; }
 };
 
-// What the reducer of one channel shares between its warps and calls.
-struct ReduceContext {
+// What the reducer of one channel shares between its warps and calls. kStaged: the staged combine's kernel
+// (peers' rows may lie in the staging area; channel -1 interleaves tokens); without it the code is the queue
+// kernel's alone.
+struct NoStagingContext {};
+struct StagingContext {
+  const StagedPeers* staged;
+  int calls;  // launches before this one (calls_before): a staged chunk's flag reads calls + 1 once it landed
+};
+template <bool kStaged>
+struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingContext> {
   const CombineArgs& args;
   int channel;       // of the tokens; -1: tokens of every channel (interleaved over the grid's warps)
   int own_row0;      // first row of this rank's own copies on the channel (channel >= 0)
@@ -204,22 +228,40 @@ struct ReduceContext {
   uint32_t lane_base;
   int lane;
   bool lane_is_peer;  // lane r < R, r != rank, not staged: waits for and tracks peer r's queue
-  const StagedPeers& staged;
-  int calls;  // launches before this one (calls_before): a staged chunk's flag reads calls + 1 once it landed
 
-  __device__ bool is_staged(int r) const { return ((staged.in_mask >> r) & 1u) != 0; }
-  __device__ int channel_of(int t) const {
-    return channel >= 0 ? channel : t / tokens_per_channel(args.num_tokens, args.map.num_channels);
+  __device__ bool is_staged(int r) const {
+    if constexpr (kStaged) {
+      return ((this->staged->in_mask >> r) & 1u) != 0;
+    } else {
+      return false;
+    }
   }
-  // Peer r's copy `entry` of token t in r's staging slot: its row index there.
-  __device__ int staged_row(int r, int entry, int t) const { return staged.prefix[r][channel_of(t)] + entry; }
+  __device__ int channel_of(int t) const {
+    if constexpr (kStaged) {
+      return channel >= 0 ? channel : t / tokens_per_channel(args.num_tokens, args.map.num_channels);
+    } else {
+      return channel;
+    }
+  }
+  // Peer r's copy `entry` of token t in r's staging slot: its row index there (the staged kernel's).
+  __device__ int staged_row(int r, int entry, int t) const {
+    if constexpr (kStaged) {
+      return this->staged->prefix[r][channel_of(t)] + entry;
+    } else {
+      return entry;
+    }
+  }
   // This rank's own copy `entry` of token t: its row in the combine input.
   __device__ size_t own_row(int entry, int t) const {
-    const int first =
-        channel >= 0
-            ? own_row0
-            : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels + channel_of(t)];
-    return static_cast<size_t>(first + entry);
+    if constexpr (kStaged) {
+      const int first =
+          channel >= 0
+              ? own_row0
+              : args.handle.recv_channel_offset[args.peers.rank * args.map.num_channels + channel_of(t)];
+      return static_cast<size_t>(first + entry);
+    } else {
+      return static_cast<size_t>(own_row0 + entry);
+    }
   }
 
   // Where rank r's copy `entry` of token t lies: this rank's own copy in the combine input, a peer's in the
@@ -277,6 +319,7 @@ struct ReduceContext {
 // ahead and across token boundaries; every lane adds its chunks of each landed piece from shared memory, so
 // the warp's instructions go to the sums, not to issuing loads. Each chunk is summed in float in that order
 // and rounded once to BF16: the order reference::normal_combine defines.
+template <bool kStaged>
 class WarpReducer {
  public:
   static constexpr int kPieceChunks = kTmaPieceBytes / 16;
@@ -285,7 +328,7 @@ class WarpReducer {
   static constexpr int kRing = kTmaBuffers;  // tokens the loads may be ahead of the sums, plus one
 
   // `clock`: the phase clock of the lane that leads the reduce stream (off in every other lane).
-  __device__ WarpReducer(const ReduceContext& context, TmaWarpStage& buffers, int* entry_ring,
+  __device__ WarpReducer(const ReduceContext<kStaged>& context, TmaWarpStage& buffers, int* entry_ring,
                          PhaseClock& clock)
       : c_(context), buffers_(buffers), entry_ring_(entry_ring), clock_(clock) {
     row_bytes_ = c_.args.record.x_bytes;
@@ -415,16 +458,19 @@ class WarpReducer {
     }
     // Lane r (staged): waits for the flag of the chunk that holds the copy, unless an earlier wait covered
     // it.
-    if (c_.lane < c_.args.peers.num_ranks && entry >= 0 && c_.is_staged(c_.lane)) {
-      const int chunk = c_.staged_row(c_.lane, entry, t) / c_.staged.chunk_rows[c_.lane];
-      if (chunk >= staged_chunks_) {
-        clock_.mark(1);
-        device::wait_at_least(
-            reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base, c_.lane, chunk)),
-            static_cast<int>(c_.calls + 1), wait_context(c_.args.peers), c_.lane, WaitPhase::kCombineReduce);
-        clock_.mark(0);
-        staged_chunks_ = chunk + 1;
-        saw_more = true;
+    if constexpr (kStaged) {
+      if (c_.lane < c_.args.peers.num_ranks && entry >= 0 && c_.is_staged(c_.lane)) {
+        const int chunk = c_.staged_row(c_.lane, entry, t) / c_.staged->chunk_rows[c_.lane];
+        if (chunk >= staged_chunks_) {
+          clock_.mark(1);
+          device::wait_at_least(
+              reinterpret_cast<const int*>(c_.args.staging.flag(c_.args.peers.local_base, c_.lane, chunk)),
+              static_cast<int>(c_.calls + 1), wait_context(c_.args.peers), c_.lane,
+              WaitPhase::kCombineReduce);
+          clock_.mark(0);
+          staged_chunks_ = chunk + 1;
+          saw_more = true;
+        }
       }
     }
     // Copies in the queues and the staging area were written through the generic proxy (peers' stores, the
@@ -449,7 +495,11 @@ class WarpReducer {
       weights[r] = 0.0f;
       if (c_.args.out.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
         continue;
-      weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
+      if (r == c_.args.peers.rank) {
+        weights[r] = c_.args.in.topk_weights[c_.own_row(entry_r, t) * num_topk + c_.lane];
+      } else {
+        weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
+      }
     }
   }
 
@@ -465,7 +515,7 @@ class WarpReducer {
     c_.args.out.combined_topk_weights[static_cast<size_t>(t) * num_topk + c_.lane] = sum;
   }
 
-  const ReduceContext& c_;
+  const ReduceContext<kStaged>& c_;
   TmaWarpStage& buffers_;
   int* entry_ring_;  // [kRing][32]: each lane's entry of the tokens the loads started
   PhaseClock& clock_;
@@ -503,11 +553,12 @@ constexpr int kSenderReduceBarrier = 15;
 // peer r, the records of r's queue before `next` (the entry after that of the last token before `next` of
 // which r holds a copy) into claims[r]. Scans [scanned, next) backwards, 32 tokens a step; where no token
 // there has a copy, claims[r] keeps the count of the earlier scans.
+template <bool kStaged>
 __device__ void claim_records_before(const CombineArgs& args, const StagedPeers& staged, int scanned,
                                      int next, int lane, int* claims) {
   const int num_ranks = args.peers.num_ranks;
   for (int r = 0; r < num_ranks; ++r) {
-    if (r == args.peers.rank || ((staged.in_mask >> r) & 1u) != 0) continue;
+    if (r == args.peers.rank || (kStaged && ((staged.in_mask >> r) & 1u) != 0)) continue;
     for (int hi = next; hi > scanned; hi -= 32) {
       const int t = hi - 1 - lane;
       const int entry = t >= scanned ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + r] : -1;
@@ -521,51 +572,64 @@ __device__ void claim_records_before(const CombineArgs& args, const StagedPeers&
   }
 }
 
+// The staged kernel's part of a ReduceContext (none for the queues' kernel).
+template <bool kStaged>
+__device__ std::conditional_t<kStaged, StagingContext, NoStagingContext> staging_context(
+    const StagedPeers& staged, int calls) {
+  if constexpr (kStaged) {
+    return StagingContext{&staged, calls};
+  } else {
+    return NoStagingContext{};
+  }
+}
+
+template <bool kStaged>
 __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange tokens, bool with_queues,
                               const ReduceWarps& part, const CombineBatches& batches, TmaWarpStage* stages,
                               int calls, const StagedPeers& staged) {
   __shared__ int consumed[kMaxNvlRanks];  // records of each peer's queue used so far in this call
   __shared__ int claims[kMaxNvlRanks];  // with two parts: records of each peer's queue this part is done with
-  __shared__ int entry_rings[kQueueWarps][WarpReducer::kRing * 32];
+  __shared__ int entry_rings[kQueueWarps][WarpReducer<kStaged>::kRing * 32];
   const int num_ranks = args.peers.num_ranks;
   const int rank = args.peers.rank;
   const int thread = static_cast<int>(threadIdx.x) - part.first_warp * 32;  // within the part
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const bool lane_is_peer = lane < num_ranks && lane != rank && ((staged.in_mask >> lane) & 1u) == 0;
+  const bool lane_is_peer =
+      lane < num_ranks && lane != rank && (!kStaged || ((staged.in_mask >> lane) & 1u) == 0);
   const bool two_parts = with_queues && batches.warps[1] > 0;
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const uint32_t lane_base =
       !lane_is_peer ? 0u : (part.part == 0 ? counters->consumed : counters->consumed_second)[lane][channel];
-  const ReduceContext context{
+  const ReduceContext<kStaged> context{
+      staging_context<kStaged>(staged, calls),
       args,
       channel,
-      channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel] : 0,
+      !kStaged || channel >= 0 ? args.handle.recv_channel_offset[rank * args.map.num_channels + channel] : 0,
       with_queues,
       lane_base,
       lane,
-      lane_is_peer,
-      staged,
-      calls};
+      lane_is_peer};
   if (thread < kMaxNvlRanks) consumed[thread] = claims[thread] = 0;
   // Records of another shape are not reduced as this one's: the group aborts, naming the field (the waits
   // below then end at once).
-  if ((with_queues || staged.in_mask != 0) && thread < num_ranks && thread != rank)
+  if ((with_queues || (kStaged && staged.in_mask != 0)) && thread < num_ranks && thread != rank)
     check_launch_shape(args.peers, calls, args.shape, thread, WaitPhase::kCombineReduce);
   // The stream's leader: the reducer block's warp 0's lane of the next rank, which waits for that peer's
   // copies.
   PhaseClock clock(
       args.phases, PhaseStream::kCombineReduce,
       with_queues && part.part == 0 && channel == 0 && warp == 0 && lane == (rank + 1) % num_ranks);
-  WarpReducer reducer(context, stages[part.first_warp + warp], entry_rings[part.first_warp + warp], clock);
+  WarpReducer<kStaged> reducer(context, stages[part.first_warp + warp], entry_rings[part.first_warp + warp],
+                               clock);
   part.sync();
 
   // Thread r < R of the part (lane r of its warp 0): tells peer r the records of its queue this part is done
   // with (`force`: even when not more than last time).
   int published = 0;  // thread r < R: what peer r was last told
   const auto publish = [&](int value, bool force) {
-    if (!with_queues || thread >= num_ranks || thread == rank || ((staged.in_mask >> thread) & 1u) != 0 ||
-        (value <= published && !force))
+    if (!with_queues || thread >= num_ranks || thread == rank ||
+        (kStaged && ((staged.in_mask >> thread) & 1u) != 0) || (value <= published && !force))
       return;
     published = value;
     auto* peer = NormalBufferMap::counters(args.peers.peer_bases[thread]);
@@ -577,7 +641,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
     // head_second is stale from an earlier call (dispatches advance head only): this part's first word is due
     // at once, before any of its waits.
     scanned = min(tokens.end, tokens.begin + batches.start(1, 0));
-    if (warp == 0) claim_records_before(args, staged, tokens.begin, scanned, lane, claims);
+    if (warp == 0) claim_records_before<kStaged>(args, staged, tokens.begin, scanned, lane, claims);
     part.sync();
     if (thread < kMaxNvlRanks) publish(claims[thread], true);
   }
@@ -585,10 +649,11 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const int num_tokens = tokens.end - tokens.begin;
   // Channel -1: the grid's warps interleave over the tokens (warp w of block b takes the tokens from
   // b * num_warps + w on, every gridDim.x * num_warps-th).
-  const int my_warp = channel < 0 ? static_cast<int>(blockIdx.x) * part.num_warps + warp : warp;
+  const bool interleaved = kStaged && channel < 0;
+  const int my_warp = interleaved ? static_cast<int>(blockIdx.x) * part.num_warps + warp : warp;
   const int warps = with_queues
                         ? batches.warps[part.part]
-                        : (channel < 0 ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
+                        : (interleaved ? static_cast<int>(gridDim.x) * part.num_warps : part.num_warps);
   const int size = with_queues ? batches.size[part.part] : num_tokens;
   const int step = with_queues ? batches.cycle() : num_tokens;
   for (int first = tokens.begin + (with_queues ? batches.start(part.part, 0) : 0);
@@ -606,7 +671,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
       // The last batch scans up to tokens.end (a part whose loop runs none starts there).
       if (warp == 0) {
         const int next = min(tokens.end, first + step);
-        claim_records_before(args, staged, scanned, next, lane, claims);
+        claim_records_before<kStaged>(args, staged, scanned, next, lane, claims);
         scanned = next;
         __syncwarp();
         if (thread < kMaxNvlRanks) publish(claims[thread], false);
@@ -631,7 +696,9 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
 // share of channel c's tokens with the rest (combine_sender_roles); block 2c + 1 reduces the others. With
 // one rank, or when every peer's rows come and go through the staging areas, there are no queues and both
 // blocks reduce, half of the channel each. A sender group whose peer takes its rows from the staging area
-// (the host copied them there) has nothing to do.
+// (the host copied them there) has nothing to do. kStaged: the kernel of a combine through the staging area
+// (CombineArgs::staging enabled); the other instantiation is the queues' alone.
+template <bool kStaged>
 __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs args) {
   __shared__ int group_values[kMaxNvlRanks];
   __shared__ PublishRing rings[kMaxNvlRanks];
@@ -646,33 +713,37 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
   const int num_ranks = args.peers.num_ranks;
   const TokenRange range = channel_token_range(args.num_tokens, args.map.num_channels, channel);
   const int warp = threadIdx.x / 32;
-  if (warp == 0) find_staged_peers(args, threadIdx.x % 32, staged);
-  __syncthreads();
+  if constexpr (kStaged) {
+    find_staged_peers(args, staged);
+    __syncthreads();
+  }
   const unsigned peers = ((1u << num_ranks) - 1) & ~(1u << args.peers.rank);
-  if (num_ranks > 1 && staged.in_mask == peers && staged.out_mask == peers) {
+  if (kStaged && num_ranks > 1 && staged.in_mask == peers && staged.out_mask == peers) {
     // Every peer's rows come in and go out through the staging areas: the grid's warps interleave over all
     // tokens. A peer's rows lie in token order, so its copy chunks land in token order and every SM reduces
     // each chunk as it lands (per channel, the last channels' blocks would wait for the last chunk alone).
-    reduce_tokens(args, -1, TokenRange{0, args.num_tokens}, false, ReduceWarps{0, 0, kQueueWarps, 0},
-                  CombineBatches{}, stages, calls, staged);
+    reduce_tokens<kStaged>(args, -1, TokenRange{0, args.num_tokens}, false, ReduceWarps{0, 0, kQueueWarps, 0},
+                           CombineBatches{}, stages, calls, staged);
   } else if (num_ranks == 1) {
     const int middle = range.begin + (range.end - range.begin) / 2;
-    reduce_tokens(args, channel, is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end},
-                  false, ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls, staged);
+    reduce_tokens<kStaged>(args, channel,
+                           is_sender ? TokenRange{range.begin, middle} : TokenRange{middle, range.end}, false,
+                           ReduceWarps{0, 0, kQueueWarps, 0}, CombineBatches{}, stages, calls, staged);
   } else {
     const CombineSenderRoles roles = combine_sender_roles(kQueueWarps, num_ranks, args.sender_reduce_warps);
     const CombineBatches batches = combine_batches(args.map.queue_tokens, kQueueWarps, roles.reduce);
     if (!is_sender) {
-      reduce_tokens(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages, calls,
-                    staged);
+      reduce_tokens<kStaged>(args, channel, range, true, ReduceWarps{0, 0, kQueueWarps, 0}, batches, stages,
+                             calls, staged);
     } else if (warp >= roles.send) {
-      reduce_tokens(args, channel, range, true,
-                    ReduceWarps{1, roles.send, roles.reduce, kSenderReduceBarrier}, batches, stages, calls,
-                    staged);
+      reduce_tokens<kStaged>(args, channel, range, true,
+                             ReduceWarps{1, roles.send, roles.reduce, kSenderReduceBarrier}, batches, stages,
+                             calls, staged);
     } else {
       const int warps_per_peer = roles.send / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;
-      if (peer_idx < num_ranks - 1 && ((staged.out_mask >> peer_rank(peer_idx, args.peers.rank)) & 1u) == 0) {
+      if (peer_idx < num_ranks - 1 &&
+          (!kStaged || ((staged.out_mask >> peer_rank(peer_idx, args.peers.rank)) & 1u) == 0)) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
         if (args.publisher_warp && group_takes_publisher(warps_per_peer)) {
@@ -693,14 +764,16 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
 constexpr size_t kCombineSharedBytes = sizeof(TmaWarpStage) * kQueueWarps;
 
 void launch_combine(const CombineArgs& args, cudaStream_t stream) {
-  launch(combine_kernel,
+  launch(args.staging.enabled() ? combine_kernel<true> : combine_kernel<false>,
          {unsigned(2 * args.map.num_channels), kQueueThreads, kCombineSharedBytes, Residency::kCoResident},
          stream, args);
 }
 
 void preload_normal_combine_kernels() {
-  preload_kernel(combine_kernel);
-  allow_dynamic_smem(combine_kernel, kCombineSharedBytes);
+  for (auto* kernel : {combine_kernel<false>, combine_kernel<true>}) {
+    preload_kernel(kernel);
+    allow_dynamic_smem(kernel, kCombineSharedBytes);
+  }
 }
 
 }  // namespace epx::kernels

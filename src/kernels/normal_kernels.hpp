@@ -33,9 +33,6 @@ struct HandleArrays {
   // One node: [R*R + 2*R*C], DeepEP's matrices derived from recv_channel_offset
   // (DispatchHandle::deep_ep_matrices_device); nullptr: not written.
   int* deep_ep_matrices = nullptr;
-  // One node: [R * C] rows this rank sends rank r on channel c (r-major), written by the count exchange; the
-  // combine finds a token's row in a peer's staged return with it (combine_staging_map.hpp).
-  int* send_channel_count = nullptr;
 };
 
 struct LayoutArgs {

@@ -41,8 +41,6 @@ __device__ void count_channel(const NotifyArgs& args, int channel) {
   }
   for (int r = 0; r < num_ranks; ++r) {
     const int total = BlockReduce(reduce_storage).Sum(counts[r]);
-    if (threadIdx.x == 0 && args.handle.send_channel_count != nullptr)
-      args.handle.send_channel_count[r * args.num_channels + channel] = total;
     if (threadIdx.x == 0) {
       auto* half = NormalBufferMap::notify(args.peers.peer_bases[r], args.sequence);
       device::st_relaxed_sys_u64(&half->channel_counts[args.peers.rank][channel],

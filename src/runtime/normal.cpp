@@ -315,10 +315,9 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   const size_t cells = static_cast<size_t>(std::max(num_tokens, 1)) * num_ranks;
   const size_t node_cells = static_cast<size_t>(num_nodes) * num_channels + 1;
   const size_t deep_ep_cells = num_nodes > 1 ? 0 : kernels::deep_ep_matrices_size(num_ranks, num_channels);
-  const size_t send_cells = num_nodes > 1 ? 0 : static_cast<size_t>(num_ranks) * num_channels;
   const size_t ints = cells /*send_head*/ + static_cast<size_t>(num_ranks) * num_channels + 1 +
                       std::max(num_local_experts, 1) + (num_nodes > 1 ? node_cells : 0) + deep_ep_cells +
-                      send_cells + num_rows;
+                      num_rows;
   routing_memory = allocate_on_stream(buffer, ints * sizeof(int) + cells /*is_token_in_rank*/);
   arrays.send_head = static_cast<int*>(routing_memory.get());
   arrays.recv_channel_offset = arrays.send_head + cells;
@@ -331,8 +330,6 @@ void DispatchHandle::State::allocate_routing(const Buffer& buffer, int num_local
   } else {
     arrays.deep_ep_matrices = end;
     end += deep_ep_cells;
-    arrays.send_channel_count = end;
-    end += send_cells;
   }
   if (num_rows > 0) {
     arrays.recv_src_idx = end;
@@ -1118,7 +1115,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
   const CombineStagingMap staging = combine_staging_map(buffer, state, hidden, in.num_topk);
   ShapeFingerprint shape = normal_launch_fingerprint(map, record, hidden, state.shape.num_experts,
                                                      NormalOperation::kCombine, false, reduce_warps);
-  shape.values[static_cast<int>(ShapeField::kStagingRows)] = staging.slot_rows();
+  shape.values[static_cast<int>(ShapeField::kNetworkQueueTokens)] = staging.slot_rows();
   shape = make_shape_fingerprint(shape.values);
   kernels::CombineArgs args{peer_context(buffer),
                             map,

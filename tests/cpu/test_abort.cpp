@@ -153,7 +153,7 @@ TEST(AbortState, APeersAbortWordAlsoAborts) {
 namespace {
 
 epx::ShapeFingerprint fingerprint_with(int field, int32_t value) {
-  int32_t values[epx::kNumShapeFields] = {2048, 4096, 0, 8, 256, 10, 256, 0, 0, 0, 0, 0};
+  int32_t values[epx::kNumShapeFields] = {2048, 4096, 0, 8, 256, 10, 256, 0, 0, 0, 0};
   values[field] = value;
   return epx::make_shape_fingerprint(values);
 }

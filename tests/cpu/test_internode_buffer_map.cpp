@@ -126,7 +126,7 @@ TEST(InternodeBufferMap, SendRingsAndQueuesTileTheBufferAfterTheHead) {
   EXPECT_EQ(offsetof(InternodeBufferMap::Head, counters), 896u);
   EXPECT_EQ(sizeof(InternodeBufferMap::QueueCounters), 4u * epx::kMaxRdmaNodes * epx::kMaxChannels * 8);
   EXPECT_EQ(offsetof(InternodeBufferMap::Head, notify) % 128, 0u);
-  EXPECT_EQ(InternodeBufferMap::kQueuesOffset, 324736u);
+  EXPECT_EQ(InternodeBufferMap::kQueuesOffset, 323840u);
   EXPECT_EQ(static_cast<void*>(&InternodeBufferMap::head(base)->notify[1]),
             static_cast<void*>(base + offsetof(InternodeBufferMap::Head, notify) +
                                sizeof(InternodeBufferMap::NotifyHalf)));
@@ -138,9 +138,9 @@ TEST(InternodeBufferMap, SizeHintDependsOnTheConfigNotOnTokens) {
   Config config;
   config.num_max_rdma_chunked_recv_tokens = 128;
   const size_t record = 14480;
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 324736u + 3 * 10 * 128 * record);
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 55927936u);
-  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 32), 130065536u);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 323840u + 3 * 10 * 128 * record);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16), 55927040u);
+  EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 32), 130064640u);
   // Two arguments: DeepEP's convention (one node up to 8 ranks, nodes of 8 above).
   for (int ranks : {1, 2, 4, 8}) EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, ranks), 0u);
   EXPECT_EQ(config.get_rdma_buffer_size_hint(7168 * 2, 16),
@@ -156,7 +156,7 @@ TEST(InternodeBufferMap, SizeHintDependsOnTheConfigNotOnTokens) {
   // More channels or deeper queues need more.
   Config wide = config;
   wide.num_sms = 24;
-  EXPECT_EQ(wide.get_rdma_buffer_size_hint(7168 * 2, 16), 324736u + 3 * 12 * 128 * record);
+  EXPECT_EQ(wide.get_rdma_buffer_size_hint(7168 * 2, 16), 323840u + 3 * 12 * 128 * record);
   Config deep = config;
   deep.num_max_rdma_chunked_recv_tokens = 256;
   EXPECT_GT(deep.get_rdma_buffer_size_hint(7168 * 2, 16), config.get_rdma_buffer_size_hint(7168 * 2, 16));
