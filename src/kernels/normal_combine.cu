@@ -197,6 +197,16 @@ __device__ void find_staged_peers(const CombineArgs& args, StagedPeers& staged) 
   }
 }
 
+// Where rank r's copy of the token lies: this rank's own copy in the combine input, a peer's in the queue
+// (the queues' kernel; the staged kernel's ReduceContext::copy_row also knows the staging area).
+__device__ __forceinline__ const char* queue_copy_row(const CombineArgs& args, int r, int entry, int channel,
+                                                      int own_row0) {
+  if (r == args.peers.rank) {
+    return static_cast<const char*>(args.in.x) + static_cast<size_t>(own_row0 + entry) * args.record.x_bytes;
+  }
+  return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
+}
+
 // Output chunk c of token t: the sum, rounded once to BF16.
 __device__ __forceinline__ void store_chunk(const CombineArgs& args, int t, int c, int num_chunks,
                                             const float (&acc)[8]) {
@@ -229,14 +239,14 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
   int lane;
   bool lane_is_peer;  // lane r < R, r != rank, not staged: waits for and tracks peer r's queue
 
-  __device__ bool is_staged(int r) const {
+  __device__ __forceinline__ bool is_staged(int r) const {
     if constexpr (kStaged) {
       return ((this->staged->in_mask >> r) & 1u) != 0;
     } else {
       return false;
     }
   }
-  __device__ int channel_of(int t) const {
+  __device__ __forceinline__ int channel_of(int t) const {
     if constexpr (kStaged) {
       return channel >= 0 ? channel : t / tokens_per_channel(args.num_tokens, args.map.num_channels);
     } else {
@@ -244,7 +254,7 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
     }
   }
   // Peer r's copy `entry` of token t in r's staging slot: its row index there (the staged kernel's).
-  __device__ int staged_row(int r, int entry, int t) const {
+  __device__ __forceinline__ int staged_row(int r, int entry, int t) const {
     if constexpr (kStaged) {
       return this->staged->prefix[r][channel_of(t)] + entry;
     } else {
@@ -252,7 +262,7 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
     }
   }
   // This rank's own copy `entry` of token t: its row in the combine input.
-  __device__ size_t own_row(int entry, int t) const {
+  __device__ __forceinline__ size_t own_row(int entry, int t) const {
     if constexpr (kStaged) {
       const int first =
           channel >= 0
@@ -266,7 +276,8 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
 
   // Where rank r's copy `entry` of token t lies: this rank's own copy in the combine input, a peer's in the
   // staging area or the queue.
-  __device__ const char* copy_row(int r, int entry, int t) const {
+  __device__ __forceinline__ const char* copy_row(int r, int entry, int t) const {
+    if constexpr (!kStaged) return queue_copy_row(args, r, entry, channel, own_row0);
     if (r == args.peers.rank)
       return static_cast<const char*>(args.in.x) + own_row(entry, t) * args.record.x_bytes;
     if (is_staged(r)) {
@@ -276,7 +287,7 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
     return args.map.record(args.peers.local_base, r, args.peers.rank, channel, static_cast<uint32_t>(entry));
   }
   // Rank r's top-k weights of copy `entry` of token t (num_topk floats).
-  __device__ const float* copy_weights(int r, int entry, int t) const {
+  __device__ __forceinline__ const float* copy_weights(int r, int entry, int t) const {
     const int num_topk = args.record.num_topk_weights;
     if (r == args.peers.rank) return args.in.topk_weights + own_row(entry, t) * num_topk;
     if (is_staged(r)) {
@@ -287,7 +298,7 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
   }
 
   // Where source `j` of token t lies: its copies in ascending rank order, then the rows of bias0 and bias1.
-  __device__ const char* token_source(int t, unsigned copies, int entry, int j) const {
+  __device__ __forceinline__ const char* token_source(int t, unsigned copies, int entry, int j) const {
     unsigned rest = copies;
     for (int i = 0; i < j && rest != 0; ++i) rest &= rest - 1;
     const int r = rest != 0 ? __ffs(rest) - 1 : 0;
@@ -305,11 +316,11 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
   }
 
   // Lane r: where rank r's copy of token t lies in its queue or in x (-1: none).
-  __device__ int entry_of(int t) const {
+  __device__ __forceinline__ int entry_of(int t) const {
     const int num_ranks = args.peers.num_ranks;
     return lane < num_ranks ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + lane] : -1;
   }
-  __device__ int num_sources(unsigned copies) const {
+  __device__ __forceinline__ int num_sources(unsigned copies) const {
     return __popc(copies) + (args.in.bias0 != nullptr ? 1 : 0) + (args.in.bias1 != nullptr ? 1 : 0);
   }
 };
@@ -497,6 +508,10 @@ class WarpReducer {
         continue;
       if (r == c_.args.peers.rank) {
         weights[r] = c_.args.in.topk_weights[c_.own_row(entry_r, t) * num_topk + c_.lane];
+      } else if constexpr (!kStaged) {
+        const char* record = queue_copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
+        weights[r] =
+            reinterpret_cast<const volatile float*>(record + c_.args.record.topk_weights_offset())[c_.lane];
       } else {
         weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
       }
