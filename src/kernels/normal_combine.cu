@@ -506,12 +506,14 @@ class WarpReducer {
       weights[r] = 0.0f;
       if (c_.args.out.combined_topk_weights == nullptr || ((copies >> r) & 1u) == 0 || c_.lane >= num_topk)
         continue;
-      if (r == c_.args.peers.rank) {
-        weights[r] = c_.args.in.topk_weights[c_.own_row(entry_r, t) * num_topk + c_.lane];
-      } else if constexpr (!kStaged) {
-        const char* record = queue_copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
-        weights[r] =
-            reinterpret_cast<const volatile float*>(record + c_.args.record.topk_weights_offset())[c_.lane];
+      if constexpr (!kStaged) {
+        if (r == c_.args.peers.rank) {
+          weights[r] = c_.args.in.topk_weights[c_.own_row(entry_r, t) * num_topk + c_.lane];
+        } else {
+          const char* record = queue_copy_row(c_.args, r, entry_r, c_.channel, c_.own_row0);
+          weights[r] =
+              reinterpret_cast<const volatile float*>(record + c_.args.record.topk_weights_offset())[c_.lane];
+        }
       } else {
         weights[r] = reinterpret_cast<const volatile float*>(c_.copy_weights(r, entry_r, t))[c_.lane];
       }
