@@ -238,6 +238,48 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
   }
 }
 
+// sum_listings for a BF16 partial row, with eight 16-byte loads in flight per lane whatever the number m of
+// the token's listings here (1 to 8; more go to sum_listings): the eight load slots of a round cover P = m
+// rounded up to a power of two listings by 8 / P chunks 32 apart (slot q: listing q % P, chunk q / P), then
+// add up chunk by chunk. sum_listings takes one chunk per lane per round, so a token with one listing here went
+// through its share of the row in rounds of one load each, and its warp was the send's last. The same sums in
+// the same order as sum_listings (acc = +0, then weight * row in top-k order).
+__device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, int listing_row, float listing_weight,
+                                  int num_topk, int chunk_begin, int chunk_end, int lane) {
+  constexpr int kSlots = 8;
+  const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && listing_row >= 0);
+  const int num_listed = __popc(listed);
+  if (num_listed == 0 || num_listed > kSlots) {
+    sum_listings(dst, x, row_chunks, listing_row, listing_weight, num_topk, chunk_begin, chunk_end, lane);
+    return;
+  }
+  const int listing_bits = num_listed == 1 ? 0 : num_listed == 2 ? 1 : num_listed <= 4 ? 2 : 3;  // log2 P
+  const int per_chunk = 1 << listing_bits;
+  for (int chunk0 = chunk_begin + lane; chunk0 < chunk_end; chunk0 += 32 * (kSlots >> listing_bits)) {
+    int4 raw[kSlots];
+#pragma unroll
+    for (int q = 0; q < kSlots; ++q) {
+      const int k = q & (per_chunk - 1);
+      const int chunk = chunk0 + (q >> listing_bits) * 32;
+      const int row = __shfl_sync(kFullMask, listing_row, k < num_listed ? __fns(listed, 0, k + 1) : 0);
+      if (k < num_listed && chunk < chunk_end) raw[q] = __ldcg(x + size_t(row) * row_chunks + chunk);
+    }
+    float acc[8];
+#pragma unroll
+    for (int q = 0; q < kSlots; ++q) {
+      const int k = q & (per_chunk - 1);
+      const int chunk = chunk0 + (q >> listing_bits) * 32;
+      const float weight = __shfl_sync(kFullMask, listing_weight, k < num_listed ? __fns(listed, 0, k + 1) : 0);
+      if (k == 0) {
+#pragma unroll
+        for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
+      }
+      if (k < num_listed && chunk < chunk_end) add_weighted8(acc, weight, raw[q]);
+      if (k == per_chunk - 1 && chunk < chunk_end) dst[chunk] = pack_bf16x8(acc);
+    }
+  }
+}
+
 // Item `piece` of row `row_idx` (token `token` of source `dst`, its expert first listed at `topk_pos`) in a
 // pre-reduced send: the token's partial row over this rank's listings goes to slot (token, first listing
 // here) of `dst`. The token's n distinct rows here share the work: row i of n takes the i-th share of each
@@ -296,8 +338,8 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
   } else {
     const WordRange piece_chunks = piece_words(row_chunks, piece, num_pieces);
     const WordRange part = piece_words(piece_chunks.end - piece_chunks.begin, share, num_shares);
-    sum_listings(reinterpret_cast<int4*>(slot), x, row_chunks, mine.row, mine.weight, num_topk,
-                 piece_chunks.begin + part.begin, piece_chunks.begin + part.end, lane);
+    sum_listings_wide(reinterpret_cast<int4*>(slot), x, row_chunks, mine.row, mine.weight, num_topk,
+                      piece_chunks.begin + part.begin, piece_chunks.begin + part.end, lane);
   }
 }
 
