@@ -255,7 +255,9 @@ __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, int 
   }
   const int listing_bits = num_listed == 1 ? 0 : num_listed == 2 ? 1 : num_listed <= 4 ? 2 : 3;  // log2 P
   const int per_chunk = 1 << listing_bits;
-  for (int chunk0 = chunk_begin + lane; chunk0 < chunk_end; chunk0 += 32 * (kSlots >> listing_bits)) {
+  // Warp-uniform rounds (the shuffles need every lane); lanes past the range load and store nothing.
+  for (int base = chunk_begin; base < chunk_end; base += 32 * (kSlots >> listing_bits)) {
+    const int chunk0 = base + lane;
     int4 raw[kSlots];
 #pragma unroll
     for (int q = 0; q < kSlots; ++q) {
