@@ -238,21 +238,16 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
   }
 }
 
-// sum_listings for a BF16 partial row, with eight 16-byte loads in flight per lane whatever the number m of
-// the token's listings here (1 to 8; more go to sum_listings): the eight load slots of a round cover P = m
-// rounded up to a power of two listings by 8 / P chunks 32 apart (slot q: listing q % P, chunk q / P), then
-// add up chunk by chunk. sum_listings takes one chunk per lane per round, so a token with one listing here went
-// through its share of the row in rounds of one load each, and its warp was the send's last. The same sums in
-// the same order as sum_listings (acc = +0, then weight * row in top-k order).
-__device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, int listing_row, float listing_weight,
-                                  int num_topk, int chunk_begin, int chunk_end, int lane) {
+// sum_listings for a BF16 partial row whose token has 1 to 8 listings here (`listed`, bit k: lane k's listing
+// has a row here), with eight 16-byte loads in flight per lane whatever their number m: the eight load slots
+// of a round cover P = m rounded up to a power of two listings by 8 / P chunks 32 apart (slot q: listing q %
+// P, chunk q / P), then add up chunk by chunk. sum_listings takes one chunk per lane per round, so a token
+// with one listing here went through its share of the row in rounds of one load each, and its warp was the
+// send's last. The same sums in the same order as sum_listings (acc = +0, then weight * row in top-k order).
+__device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, unsigned listed, int listing_row,
+                                  float listing_weight, int chunk_begin, int chunk_end, int lane) {
   constexpr int kSlots = 8;
-  const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && listing_row >= 0);
   const int num_listed = __popc(listed);
-  if (num_listed == 0 || num_listed > kSlots) {
-    sum_listings(dst, x, row_chunks, listing_row, listing_weight, num_topk, chunk_begin, chunk_end, lane);
-    return;
-  }
   const int listing_bits = num_listed == 1 ? 0 : num_listed == 2 ? 1 : num_listed <= 4 ? 2 : 3;  // log2 P
   const int per_chunk = 1 << listing_bits;
   // Warp-uniform rounds (the shuffles need every lane); lanes past the range load and store nothing.
@@ -271,7 +266,8 @@ __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, int 
     for (int q = 0; q < kSlots; ++q) {
       const int k = q & (per_chunk - 1);
       const int chunk = chunk0 + (q >> listing_bits) * 32;
-      const float weight = __shfl_sync(kFullMask, listing_weight, k < num_listed ? __fns(listed, 0, k + 1) : 0);
+      const float weight =
+          __shfl_sync(kFullMask, listing_weight, k < num_listed ? __fns(listed, 0, k + 1) : 0);
       if (k == 0) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
@@ -340,8 +336,18 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
   } else {
     const WordRange piece_chunks = piece_words(row_chunks, piece, num_pieces);
     const WordRange part = piece_words(piece_chunks.end - piece_chunks.begin, share, num_shares);
-    sum_listings_wide(reinterpret_cast<int4*>(slot), x, row_chunks, mine.row, mine.weight, num_topk,
-                      piece_chunks.begin + part.begin, piece_chunks.begin + part.end, lane);
+    const int chunk_begin = piece_chunks.begin + part.begin;
+    const int chunk_end = piece_chunks.begin + part.end;
+    const unsigned listed = __ballot_sync(kFullMask, lane < num_topk && mine.row >= 0);
+    // A share of one round (a small call's: every lane one chunk) or a token with many listings here keeps
+    // to sum_listings; a longer share with few listings takes the wide sum.
+    if (chunk_end - chunk_begin > 32 && __popc(listed) <= 4) {
+      sum_listings_wide(reinterpret_cast<int4*>(slot), x, row_chunks, listed, mine.row, mine.weight,
+                        chunk_begin, chunk_end, lane);
+    } else {
+      sum_listings(reinterpret_cast<int4*>(slot), x, row_chunks, mine.row, mine.weight, num_topk, chunk_begin,
+                   chunk_end, lane);
+    }
   }
 }
 
