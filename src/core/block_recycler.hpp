@@ -33,13 +33,17 @@ class BlockRecycler {
     return (std::max<size_t>(bytes, 1) + kGranularityBytes - 1) / kGranularityBytes * kGranularityBytes;
   }
 
-  // The smallest kept block of at least `bytes` and at most twice that (a larger one stays for a larger
-  // request), taken out; {} when none: allocate one of rounded(bytes) then.
+  // The smallest kept block of at least `bytes` and at most twice rounded(bytes) (a larger one stays for a
+  // larger request), taken out; {} when none: allocate one of rounded(bytes) then. Twice the rounded size,
+  // not twice `bytes`: a request under half the granularity (a worst-case dispatch's row array of a few
+  // hundred rows) would otherwise refuse the very block size it allocates, and every such call paid a pool
+  // allocation and a free.
   Block take(size_t bytes) {
     const std::lock_guard<std::mutex> lock(mutex_);
     auto best = kept_.end();
+    const size_t largest = 2 * rounded(bytes);
     for (auto it = kept_.begin(); it != kept_.end(); ++it) {
-      if (it->bytes >= bytes && it->bytes <= 2 * bytes && (best == kept_.end() || it->bytes < best->bytes))
+      if (it->bytes >= bytes && it->bytes <= largest && (best == kept_.end() || it->bytes < best->bytes))
         best = it;
     }
     if (best == kept_.end()) return {};
