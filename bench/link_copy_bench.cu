@@ -38,13 +38,25 @@
 //                  `sms` SMs (no flags waited for): whether the two slow each other without any dependency
 // It tells whether a combine whose crossing rows take no SM could run at the copy engine's rate (~380 GB/s
 // per direction) with the SMs only reducing.
+//
+// Then a dispatch's rows moved by the copy engine alone, gathered row by row (cudaMemcpyBatchAsync, one copy
+// per run of R rows; source runs in a scattered order, as a dispatch picks tokens, destination runs in order,
+// as a receiver's output holds them), both GPUs at once, no SM (GB/s = the rows the copy engine brings a
+// rank, the peer's and with "both" its own, / time; "host us": the host time of the call that queues the
+// peer's batch, median):
+//   ce-rows-peer-R   every row to the peer
+//   ce-rows-both-R   the peer's rows on one stream, the own rows (gathered within the GPU) on another
+// It tells whether a dispatch could leave its rows to the copy engine (a few SMs, or none, for the rest), and
+// what a batch of thousands of copies costs the host. The rows are checked after the timed runs.
 #include <cuda_runtime.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstdio>
 #include <cstdlib>
 #include <cstring>
 #include <functional>
+#include <numeric>
 #include <string>
 #include <vector>
 
@@ -168,6 +180,23 @@ __global__ void raise_flag(int* peer_flags, int chunk, int epoch) {
   epx::device::st_release_sys(peer_flags + chunk, epoch);
 }
 
+// Row r of `rows` (words of 4 bytes) holds (tag << 24) | r in every word: the batched copies' check tells
+// rows apart.
+__global__ void tag_rows(uint32_t* rows, int num_rows, int row_words, uint32_t tag) {
+  const size_t total = static_cast<size_t>(num_rows) * row_words;
+  for (size_t i = blockIdx.x * size_t(blockDim.x) + threadIdx.x; i < total;
+       i += size_t(gridDim.x) * blockDim.x)
+    rows[i] = (tag << 24) | static_cast<uint32_t>(i / row_words);
+}
+
+// A multiplier coprime with n (n >= 1): (a * i) % n visits every i < n once, in a scattered order.
+int coprime_step(int n) {
+  for (int a = n / 2 + 1; a > 1; --a) {
+    if (std::gcd(a, n) == 1) return a;
+  }
+  return 1;
+}
+
 // out[t] = own[t] + staged[t] for every row t (BF16 values summed in float, rounded once), warp w of the grid
 // taking rows w, w + warps, ...; before a row a warp waits until the flag of its chunk (rows_per_chunk rows
 // each) reads `epoch`, sleeping `sleep_ns` between polls (0: spinning). Each lane keeps 4 16-byte pieces of
@@ -264,6 +293,9 @@ struct Gpu {
   cudaStream_t copy_stream{}, flag_stream{};  // ce-combine: the copy engine's chunks, the flags after them
   cudaEvent_t start{}, stop{};
   std::vector<cudaEvent_t> landed;  // ce-combine: chunk k copied
+  char* tagged = nullptr;           // ce-rows: rows tagged by index (tag_rows), the gathered sources
+  char* gathered_in = nullptr;      // ce-rows: the peer's rows land here
+  char* gathered_own = nullptr;     // ce-rows: the own rows land here
 };
 
 constexpr int kMaxChunks = 64;
@@ -298,6 +330,12 @@ int main(int argc, char** argv) {
     for (cudaEvent_t& event : gpus[g].landed) CHECK(cudaEventCreateWithFlags(&event, cudaEventDisableTiming));
     CHECK(cudaEventCreate(&gpus[g].start));
     CHECK(cudaEventCreate(&gpus[g].stop));
+    CHECK(cudaMalloc(&gpus[g].tagged, bytes));
+    CHECK(cudaMalloc(&gpus[g].gathered_in, bytes));
+    CHECK(cudaMalloc(&gpus[g].gathered_own, bytes));
+    tag_rows<<<264, 512>>>(reinterpret_cast<uint32_t*>(gpus[g].tagged), num_rows, o.row_bytes / 4,
+                           static_cast<uint32_t>(g + 1));
+    CHECK(cudaGetLastError());
     CHECK(cudaFuncSetAttribute(copy_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                int(sizeof(Stage) * kWarps)));
     CHECK(cudaFuncSetAttribute(pattern_rows, cudaFuncAttributeMaxDynamicSharedMemorySize,
@@ -443,6 +481,78 @@ int main(int argc, char** argv) {
     for (const int chunks : {1, 4}) {
       print_combine_row("ce-local-" + std::to_string(chunks), sms,
                         time_ce_combine(chunks, sms, true, Beside::kLocalCopy, 0));
+    }
+  }
+  // A dispatch's rows by the copy engine alone (see the file's head): run j of R rows goes from source run
+  // (step * j) % runs to destination run j.
+  std::printf("%-16s %4s %-6s %10s %10s %10s\n", "rows by ce", "SMs", "ways", "us", "GB/s recv", "host us");
+  const auto time_ce_rows = [&](int run_rows, bool own_too, double* host_us) {
+    const int runs = num_rows / run_rows;
+    const int step = coprime_step(runs);
+    const size_t run_bytes = static_cast<size_t>(run_rows) * o.row_bytes;
+    // Per GPU: the batch to the peer and the one within the GPU.
+    std::vector<std::vector<void*>> dsts(4);
+    std::vector<std::vector<const void*>> srcs(4);
+    for (int g = 0; g < 2; ++g) {
+      for (int j = 0; j < runs; ++j) {
+        const char* from =
+            gpus[g].tagged + static_cast<size_t>((static_cast<long long>(step) * j) % runs) * run_bytes;
+        dsts[2 * g].push_back(gpus[1 - g].gathered_in + j * run_bytes);
+        srcs[2 * g].push_back(from);
+        dsts[2 * g + 1].push_back(gpus[g].gathered_own + j * run_bytes);
+        srcs[2 * g + 1].push_back(from);
+      }
+    }
+    const std::vector<size_t> sizes(runs, run_bytes);
+    cudaMemcpyAttributes attrs{};
+    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+    size_t attrs_index = 0;
+    std::vector<double> host;
+    const double us = median_us(2, [&](int g) {
+      Gpu& me = gpus[g];
+      CHECK(cudaStreamWaitEvent(me.copy_stream, me.start));
+      const auto begin = std::chrono::steady_clock::now();
+      CHECK(cudaMemcpyBatchAsync(dsts[2 * g].data(), srcs[2 * g].data(), sizes.data(), runs, &attrs,
+                                 &attrs_index, 1, me.copy_stream));
+      host.push_back(
+          std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
+      if (own_too) {
+        CHECK(cudaMemcpyBatchAsync(dsts[2 * g + 1].data(), srcs[2 * g + 1].data(), sizes.data(), runs, &attrs,
+                                   &attrs_index, 1, me.stream));
+      }
+      cudaEvent_t copied = me.landed[kMaxChunks - 1];
+      CHECK(cudaEventRecord(copied, me.copy_stream));
+      CHECK(cudaStreamWaitEvent(me.stream, copied));
+    });
+    std::sort(host.begin(), host.end());
+    *host_us = host[host.size() / 2];
+    // Rows of GPU 0's gathered_in (written by GPU 1) and, with own_too, its gathered_own: run j holds source
+    // run (step * j) % runs of GPU 1's (tag 2) / GPU 0's (tag 1) rows.
+    bool ok = true;
+    for (const int j : {0, runs / 2, runs - 1}) {
+      const int from_row = static_cast<int>((static_cast<long long>(step) * j) % runs) * run_rows;
+      for (int which = 0; which < (own_too ? 2 : 1); ++which) {
+        uint32_t word = 0;
+        CHECK(cudaSetDevice(0));
+        const char* row = (which == 0 ? gpus[0].gathered_in : gpus[0].gathered_own) + j * run_bytes;
+        CHECK(cudaMemcpy(&word, row + o.row_bytes - 4, 4, cudaMemcpyDeviceToHost));
+        const uint32_t want =
+            (static_cast<uint32_t>(which == 0 ? 2 : 1) << 24) | static_cast<uint32_t>(from_row);
+        ok = ok && word == want;
+      }
+    }
+    if (!ok) std::printf("ce-rows-%d: rows DIFFER from the sources\n", run_rows);
+    return us;
+  };
+  for (const int run_rows : {1, 4, 16}) {
+    if (num_rows % run_rows != 0) continue;
+    for (const bool own_too : {false, true}) {
+      double host_us = 0;
+      const double us = time_ce_rows(run_rows, own_too, &host_us);
+      const std::string name =
+          std::string(own_too ? "ce-rows-both-" : "ce-rows-peer-") + std::to_string(run_rows);
+      std::printf("%-16s %4d %-6s %10.1f %10.1f %10.1f\n", name.c_str(), 0, "both", us,
+                  (own_too ? 2.0 : 1.0) * bytes / us / 1e3, host_us);
     }
   }
   // The last pipeline's sums, checked on GPU 0 against the host (both rows hold bytes g + 1 everywhere).
