@@ -12,10 +12,9 @@ namespace epx {
 
 namespace {
 
-// The largest SM budget whose combines take the staging area by default: on 2 x H100 at 4,096 tokens the
-// staged combine took 532 / 330 us at 8 / 16 SMs against the queues' 734 / 391, but 310 / 295 at 24 / 32
-// against 287 / 249 (docs/BENCHMARKS.md): with more SMs their stores move the rows faster than the copy
-// engine.
+// The largest SM budget whose combines take the staging area by default: on 2 x H200 at 4,096 tokens the
+// staged combine took 519 us at 8 SMs against the queues' 637-641, but 303 / 297 at 20 / 24 against 285 /
+// 239 (docs/BENCHMARKS.md): with more SMs their stores move the rows faster than the copy engine.
 constexpr int kStagingMaxSms = 16;
 
 // Whether a combine of `num_sms` SMs (2 per channel) takes the staging area: EPX_COMBINE_STAGING=1 at any
