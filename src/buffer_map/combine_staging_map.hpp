@@ -59,10 +59,9 @@ struct CombineStagingMap {
   EPX_HD static int num_chunks(int n) { return (n + chunk_rows(n) - 1) / chunk_rows(n); }
 
   // In rank `owner`'s area (`base`: its NVLink buffer as this GPU sees it).
-  EPX_HD static uint32_t* flag(void* base, size_t offset, int src, int chunk) {
+  EPX_HD uint32_t* flag(void* base, int src, int chunk) const {
     return reinterpret_cast<uint32_t*>(static_cast<char*>(base) + offset) + src * kStagingChunks + chunk;
   }
-  EPX_HD uint32_t* flag(void* base, int src, int chunk) const { return flag(base, offset, src, chunk); }
   EPX_HD char* rows(void* base, int src, int owner) const {
     const int slot = src < owner ? src : src - 1;
     return static_cast<char*>(base) + offset + kFlagBytes + slot * slot_bytes();

@@ -9,6 +9,7 @@
 #include "kernels/low_latency_transport.cuh"
 #include "kernels/shape_check.cuh"
 #include "kernels/wait_context.cuh"
+#include "kernels/warp_scan.cuh"
 #include "kernels/work_split.hpp"
 
 // Pieces shared by the low-latency dispatch and combine kernels: signalling between ranks, and the
@@ -284,21 +285,11 @@ __device__ __forceinline__ void block_exclusive_scan(int* data, int n, int* warp
   const int end = min(n, begin + per_thread);
   int sum = 0;
   for (int i = begin; i < end; ++i) sum += data[i];
-  int inclusive = sum;
-#pragma unroll
-  for (int offset = 1; offset < 32; offset <<= 1) {
-    const int other = __shfl_up_sync(kFullMask, inclusive, offset);
-    if (lane >= offset) inclusive += other;
-  }
+  const int inclusive = warp_inclusive_sum(sum, lane);
   if (lane == 31) warp_sums[warp] = inclusive;
   __syncthreads();
   if (warp == 0) {
-    int warp_total = lane < kNumWarps ? warp_sums[lane] : 0;
-#pragma unroll
-    for (int offset = 1; offset < 32; offset <<= 1) {
-      const int other = __shfl_up_sync(kFullMask, warp_total, offset);
-      if (lane >= offset) warp_total += other;
-    }
+    const int warp_total = warp_inclusive_sum(lane < kNumWarps ? warp_sums[lane] : 0, lane);
     if (lane < kNumWarps) warp_sums[lane] = warp_total;
   }
   __syncthreads();

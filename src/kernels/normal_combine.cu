@@ -14,6 +14,7 @@
 #include "kernels/preload.hpp"
 #include "kernels/tma_copy.cuh"
 #include "kernels/warp_copy.cuh"
+#include "kernels/warp_scan.cuh"
 
 namespace epx::kernels {
 
@@ -147,6 +148,11 @@ struct StagedPeers {
   unsigned out_mask;  // bit r: this rank returns r's rows into r's area (the host copies them; no queue)
   int chunk_rows[kMaxNvlRanks];            // [r]: rows of each of r's copy chunks
   int prefix[kMaxNvlRanks][kMaxChannels];  // [r][c]: rows this rank sent r on the channels before c
+
+  // Whether peer r returns this rank's rows through the staging area (else through r's queue).
+  __device__ __forceinline__ bool comes_in(int r) const { return ((in_mask >> r) & 1u) != 0; }
+  // Whether this rank returns r's rows through r's staging area (else its senders push them into the queue).
+  __device__ __forceinline__ bool goes_out(int r) const { return ((out_mask >> r) & 1u) != 0; }
 };
 
 // Every thread of each block, before the block's roles: the staged peers of this launch. Peer r returns the
@@ -177,11 +183,7 @@ __device__ void find_staged_peers(const CombineArgs& args, StagedPeers& staged) 
       const int c = first + lane;
       const int n = c < num_channels ? staged.prefix[r][c] : 0;
       __syncwarp();
-      int inclusive = n;
-      for (int step = 1; step < 32; step *= 2) {
-        const int below = __shfl_up_sync(~0u, inclusive, step);
-        if (lane >= step) inclusive += below;
-      }
+      const int inclusive = warp_inclusive_sum(n, lane);
       if (c < num_channels) staged.prefix[r][c] = total + inclusive - n;
       total += __shfl_sync(~0u, inclusive, 31);
     }
@@ -241,7 +243,7 @@ struct ReduceContext : std::conditional_t<kStaged, StagingContext, NoStagingCont
 
   __device__ __forceinline__ bool is_staged(int r) const {
     if constexpr (kStaged) {
-      return ((this->staged->in_mask >> r) & 1u) != 0;
+      return this->staged->comes_in(r);
     } else {
       return false;
     }
@@ -575,7 +577,7 @@ __device__ void claim_records_before(const CombineArgs& args, const StagedPeers&
                                      int next, int lane, int* claims) {
   const int num_ranks = args.peers.num_ranks;
   for (int r = 0; r < num_ranks; ++r) {
-    if (r == args.peers.rank || (kStaged && ((staged.in_mask >> r) & 1u) != 0)) continue;
+    if (r == args.peers.rank || (kStaged && staged.comes_in(r))) continue;
     for (int hi = next; hi > scanned; hi -= 32) {
       const int t = hi - 1 - lane;
       const int entry = t >= scanned ? args.handle.send_head[static_cast<size_t>(t) * num_ranks + r] : -1;
@@ -612,8 +614,7 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   const int thread = static_cast<int>(threadIdx.x) - part.first_warp * 32;  // within the part
   const int warp = thread / 32;
   const int lane = thread % 32;
-  const bool lane_is_peer =
-      lane < num_ranks && lane != rank && (!kStaged || ((staged.in_mask >> lane) & 1u) == 0);
+  const bool lane_is_peer = lane < num_ranks && lane != rank && (!kStaged || !staged.comes_in(lane));
   const bool two_parts = with_queues && batches.warps[1] > 0;
   auto* counters = NormalBufferMap::counters(args.peers.local_base);
   const uint32_t lane_base =
@@ -645,8 +646,8 @@ __device__ void reduce_tokens(const CombineArgs& args, int channel, TokenRange t
   // with (`force`: even when not more than last time).
   int published = 0;  // thread r < R: what peer r was last told
   const auto publish = [&](int value, bool force) {
-    if (!with_queues || thread >= num_ranks || thread == rank ||
-        (kStaged && ((staged.in_mask >> thread) & 1u) != 0) || (value <= published && !force))
+    if (!with_queues || thread >= num_ranks || thread == rank || (kStaged && staged.comes_in(thread)) ||
+        (value <= published && !force))
       return;
     published = value;
     auto* peer = NormalBufferMap::counters(args.peers.peer_bases[thread]);
@@ -759,8 +760,7 @@ __global__ void __launch_bounds__(kQueueThreads, 1) combine_kernel(CombineArgs a
     } else {
       const int warps_per_peer = roles.send / (num_ranks - 1);
       const int peer_idx = warp / warps_per_peer;
-      if (peer_idx < num_ranks - 1 &&
-          (!kStaged || ((staged.out_mask >> peer_rank(peer_idx, args.peers.rank)) & 1u) == 0)) {
+      if (peer_idx < num_ranks - 1 && (!kStaged || !staged.goes_out(peer_rank(peer_idx, args.peers.rank)))) {
         const WarpGroup group{peer_idx, warp % warps_per_peer, warps_per_peer,
                               static_cast<int>(threadIdx.x % 32)};
         if (args.publisher_warp && group_takes_publisher(warps_per_peer)) {
