@@ -189,6 +189,15 @@ __global__ void tag_rows(uint32_t* rows, int num_rows, int row_words, uint32_t t
     rows[i] = (tag << 24) | static_cast<uint32_t>(i / row_words);
 }
 
+// cudaMemcpyBatchAsync of `count` copies on `stream`, each read in stream order.
+cudaError_t batch_copy(void* const* dsts, const void* const* srcs, const size_t* sizes, size_t count,
+                       cudaStream_t stream) {
+  cudaMemcpyAttributes attrs{};
+  attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
+  size_t attrs_index = 0;
+  return cudaMemcpyBatchAsync(dsts, srcs, sizes, count, &attrs, &attrs_index, 1, stream);
+}
+
 // A multiplier coprime with n (n >= 1): (a * i) % n visits every i < n once, in a scattered order.
 int coprime_step(int n) {
   for (int a = n / 2 + 1; a > 1; --a) {
@@ -504,21 +513,16 @@ int main(int argc, char** argv) {
       }
     }
     const std::vector<size_t> sizes(runs, run_bytes);
-    cudaMemcpyAttributes attrs{};
-    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t attrs_index = 0;
     std::vector<double> host;
     const double us = median_us(2, [&](int g) {
       Gpu& me = gpus[g];
       CHECK(cudaStreamWaitEvent(me.copy_stream, me.start));
       const auto begin = std::chrono::steady_clock::now();
-      CHECK(cudaMemcpyBatchAsync(dsts[2 * g].data(), srcs[2 * g].data(), sizes.data(), runs, &attrs,
-                                 &attrs_index, 1, me.copy_stream));
+      CHECK(batch_copy(dsts[2 * g].data(), srcs[2 * g].data(), sizes.data(), runs, me.copy_stream));
       host.push_back(
           std::chrono::duration<double, std::micro>(std::chrono::steady_clock::now() - begin).count());
       if (own_too) {
-        CHECK(cudaMemcpyBatchAsync(dsts[2 * g + 1].data(), srcs[2 * g + 1].data(), sizes.data(), runs, &attrs,
-                                   &attrs_index, 1, me.stream));
+        CHECK(batch_copy(dsts[2 * g + 1].data(), srcs[2 * g + 1].data(), sizes.data(), runs, me.stream));
       }
       cudaEvent_t copied = me.landed[kMaxChunks - 1];
       CHECK(cudaEventRecord(copied, me.copy_stream));
@@ -550,11 +554,7 @@ int main(int argc, char** argv) {
     void* dst = gpus[0].gathered_own;
     const void* src = gpus[0].tagged;
     const size_t size = o.row_bytes;
-    cudaMemcpyAttributes attrs{};
-    attrs.srcAccessOrder = cudaMemcpySrcAccessOrderStream;
-    size_t attrs_index = 0;
-    const cudaError_t status =
-        cudaMemcpyBatchAsync(&dst, &src, &size, 1, &attrs, &attrs_index, 1, gpus[0].stream);
+    const cudaError_t status = batch_copy(&dst, &src, &size, 1, gpus[0].stream);
     if (status != cudaSuccess) {
       std::printf("rows by ce: skipped (cudaMemcpyBatchAsync: %s)\n", cudaGetErrorString(status));
       cudaGetLastError();

@@ -165,8 +165,7 @@ const char* shape_field_name(int field) {
       return "num_max_dispatch_tokens_per_rank";
     case ShapeField::kNetworkQueueTokens:
       return "num_max_rdma_chunked_recv_tokens (across nodes), or the combine's staging rows per source "
-             "within a "
-             "node (num_nvl_staging_bytes, EPX_COMBINE_STAGING)";
+             "within a node (num_nvl_staging_bytes, EPX_COMBINE_STAGING)";
     case ShapeField::kWarpRoles:
       return "the combine's reducing warps per sender block (EPX_COMBINE_SENDER_REDUCE_WARPS)";
     case ShapeField::kFormat:
