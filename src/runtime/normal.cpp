@@ -879,6 +879,18 @@ DispatchPlan plan_after_host_wait(NotifyCall& call) {
 DispatchPlan notify_with_count_exchange(NotifyCall& call) {
   DispatchHandle::State& state = *call.state;
   const bool host_waits = state.num_worst_tokens == 0;
+  if (!host_waits && state.num_nodes == 1 && call.in.num_tokens_per_rank != nullptr &&
+      call.overlap != DispatchOverlap::kHandleBeforeReceive) {
+    // Worst-case mode with the layout's per-rank totals (which the exchange inside a launch checks the channels
+    // against): nobody waits for the counts, so the exchange runs inside the receive's launch in
+    // dispatch_receive, as after counts read off the layout board. One launch and one ordering of the streams
+    // instead of two; recv_src_idx comes with the routing arrays.
+    const HostStep allocate("dispatch_notify: allocate routing");
+    state.num_recv_rows = state.num_worst_tokens;
+    state.allocate_routing(call.buffer, call.num_local_experts, state.num_worst_tokens);
+    state.exchange = exchange_args(call, {nullptr, call.sequence});
+    return plan_of(std::move(call.state));
+  }
   {
     const HostStep order("dispatch_notify: order streams");
     begin_on_comm_stream(call.buffer, call.order);
