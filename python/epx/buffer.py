@@ -628,13 +628,26 @@ class Buffer:
                            expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
                            previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
                            launch_receive: bool) -> Optional[DispatchResult]:
+        """_dispatch_tuple's dispatch as a DispatchResult, or None where it is not the plain case."""
+        made = self._dispatch_tuple(x, topk_idx, topk_weights, num_experts, is_token_in_rank, num_tokens_per_expert,
+                                    num_tokens_per_rank, expert_alignment, num_worst_tokens, config, previous_event,
+                                    async_finish, allocate_on_comm_stream, launch_receive)
+        return None if made is None else DispatchResult(*made[:7])
+
+    def _dispatch_tuple(self, x: Tokens, topk_idx: Any, topk_weights: Any, num_experts: Optional[int],
+                        is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any,
+                        expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
+                        previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
+                        launch_receive: bool = True) -> Optional[Tuple]:
         """A dispatch given its layout, through the torch extension (checks, outputs, the count exchange, the
-        receive and the handle in C++), or None where its arguments are not the plain case: dispatch's Python
-        then raises or copes. The same steps as that Python: a launched receive (launch_receive) writes into
-        outputs sized from the last dispatch's rows when they fit."""
+        receive and the handle in C++), as DispatchResult's fields in order (deep_ep.Buffer's per-call path takes
+        them without the result object) and the first tensor of DeepEP's handle tuple (None across nodes), or None
+        where its arguments are not the plain case: dispatch's Python then raises or copes. The same steps as that
+        Python: a launched receive (launch_receive) writes into outputs sized from the last dispatch's rows when
+        they fit."""
         data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
         numel = getattr(num_tokens_per_expert, "numel", None)
-        if numel is None:
+        if numel is None or torch_calls is None or is_token_in_rank is None:
             return None  # not a tensor: the Python names it
         num_experts_given = num_experts
         num_experts = numel()
@@ -655,12 +668,13 @@ class Buffer:
         handle = DispatchHandle(native_handle, id(self), num_tokens, rows, hidden, num_experts,
                                 0 if topk_idx is None else topk_idx.size(1), int(num_worst_tokens), per_expert_list,
                                 self.num_ranks, self)
+        tuple_head = None
         if views is not None:  # the handle's views, made with the call (what DispatchHandle would make on first use)
             fields = handle.__dict__
             fields["deep_ep_matrices"] = views[:3]
-            fields["recv_src_idx"], fields["is_token_in_rank"], fields["send_head"] = views[3:]
-        return DispatchResult(recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle,
-                              EventOverlap(event if async_finish else None))
+            fields["recv_src_idx"], fields["is_token_in_rank"], fields["send_head"], tuple_head = views[3:]
+        return (recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle,
+                EventOverlap(event if async_finish else None), tuple_head)
 
     def _native_with(self, handle: Any) -> bool:
         """Whether a call with `handle` may take the torch extension's path: the extension loaded and the handle a

@@ -190,7 +190,9 @@ at::Tensor view_of(const void* address, at::IntArrayRef shape, at::ScalarType dt
 
 // Within one node, DeepEP's handle tuple's arrays of a dispatch's `handle` (an `_epx.DispatchHandle`), as
 // deep_ep returns them: (rank_prefix_matrix [R, R], channel_prefix_matrix [R, C], recv_channel_prefix_matrix
-// [R, C], recv_src_idx [rows], is_token_in_rank bool [T, R], send_head [T, R]). None across nodes.
+// [R, C], recv_src_idx [rows], is_token_in_rank bool [T, R], send_head [T, R]), then rank_prefix_matrix again
+// as a second tensor object, which the handle tuple's first element is: it carries the Python handle, so the
+// handle must not hold it (a reference cycle). None across nodes.
 py::object deep_ep_views(const epx::python::DispatchHandleArrays& arrays, PyObject* handle, int device,
                          int64_t num_ranks, int64_t num_tokens, int64_t rows) {
   if (arrays.deep_ep_matrices == nullptr) return py::none();
@@ -204,7 +206,8 @@ py::object deep_ep_views(const epx::python::DispatchHandleArrays& arrays, PyObje
                         tensor_over(matrices, square_bytes + cells_bytes, {num_ranks, channels}, at::kInt),
                         view_of(arrays.recv_src_idx, {rows}, at::kInt, device, handle),
                         view_of(arrays.is_token_in_rank, {num_tokens, num_ranks}, at::kBool, device, handle),
-                        view_of(arrays.send_head, {num_tokens, num_ranks}, at::kInt, device, handle));
+                        view_of(arrays.send_head, {num_tokens, num_ranks}, at::kInt, device, handle),
+                        tensor_over(matrices, 0, {num_ranks, num_ranks}, at::kInt));
 }
 
 py::object adopt(PyObject* result) {

@@ -881,8 +881,8 @@ DispatchPlan notify_with_count_exchange(NotifyCall& call) {
   const bool host_waits = state.num_worst_tokens == 0;
   if (!host_waits && state.num_nodes == 1 && call.in.num_tokens_per_rank != nullptr &&
       call.overlap != DispatchOverlap::kHandleBeforeReceive) {
-    // Worst-case mode with the layout's per-rank totals (which the exchange inside a launch checks the channels
-    // against): nobody waits for the counts, so the exchange runs inside the receive's launch in
+    // Worst-case mode with the layout's per-rank totals (which the exchange inside a launch checks the
+    // channels against): nobody waits for the counts, so the exchange runs inside the receive's launch in
     // dispatch_receive, as after counts read off the layout board. One launch and one ordering of the streams
     // instead of two; recv_src_idx comes with the routing arrays.
     const HostStep allocate("dispatch_notify: allocate routing");

@@ -92,10 +92,11 @@ def _row_bytes(x: Any) -> Optional[int]:
     """Bytes of one row of a call's tokens with their FP8 scales (what a queue record holds besides top-k data),
     or None for what is not a token tensor (the call then names the argument's error)."""
     data, scales = x if isinstance(x, tuple) and len(x) == 2 else (x, None)
-    shape, element_size = getattr(data, "shape", None), getattr(data, "element_size", None)
-    if shape is None or element_size is None or len(shape) != 2:
+    try:  # a 2-D tensor; anything else is named by the call
+        _, width = data.shape
+        row_bytes = width * data.element_size()
+    except (AttributeError, TypeError, ValueError):
         return None
-    row_bytes = shape[1] * element_size()
     if scales is not None:
         shape, element_size = getattr(scales, "shape", None), getattr(scales, "element_size", None)
         if shape is not None and element_size is not None:
@@ -345,10 +346,19 @@ class Buffer:
                                    async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream)
             recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
             return recv_x, None, None, None, None, result.event
-        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
         live = self._live()
-        # Across nodes the internode tuple's matrices are queued right after the count exchange; within one node
-        # the count exchange writes DeepEP's matrices itself.
+        if not live._spans_nodes:
+            # Within one node the count exchange writes DeepEP's matrices itself: the extension's call, then the
+            # handle tuple over its views (dispatch's Python where it is not the plain case).
+            made = live._dispatch_tuple(x, topk_idx, topk_weights, None, is_token_in_rank, num_tokens_per_expert,
+                                        num_tokens_per_rank, expert_alignment, num_worst_tokens, config,
+                                        previous_event, async_finish, allocate_on_comm_stream)
+            if made is not None:
+                recv_x, recv_scales, recv_idx, recv_weights, per_expert_list, handle, event, tuple_head = made
+                return ((recv_x, recv_scales) if is_fp8 else recv_x), recv_idx, recv_weights, per_expert_list, \
+                    normal_handle_tuple(handle, tuple_head), event
+        num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
+        # Across nodes the internode tuple's matrices are queued right after the count exchange.
         builder = NormalHandleBuilder() if live._spans_nodes else None
         result = live.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
                                is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,

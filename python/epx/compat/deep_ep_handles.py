@@ -149,12 +149,13 @@ class NormalHandleBuilder:
         return internode_handle_tuple(handle, self.matrices)
 
 
-def normal_handle_tuple(handle: DispatchHandle) -> Tuple[Any, ...]:
+def normal_handle_tuple(handle: DispatchHandle, head: Any = None) -> Tuple[Any, ...]:
     """DeepEP's 6-element intranode handle over `handle` (a dispatch within one node): views of the matrices its
-    count exchange wrote (DispatchHandle.deep_ep_matrices) and of its arrays."""
+    count exchange wrote (DispatchHandle.deep_ep_matrices) and of its arrays. `head`: a tensor over
+    rank_prefix_matrix that the handle does not hold, made with the call (else one is made here), to carry it."""
     rank_prefix, channel_prefix, recv_channel_prefix = handle.deep_ep_matrices
-    return (_attach_to_alias(rank_prefix, handle), channel_prefix, recv_channel_prefix, handle.recv_src_idx,
-            handle.is_token_in_rank, handle.send_head)
+    head = _attach_to_alias(rank_prefix, handle) if head is None else _attach(head, handle)
+    return head, channel_prefix, recv_channel_prefix, handle.recv_src_idx, handle.is_token_in_rank, handle.send_head
 
 
 def normal_handle(handle: Any) -> DispatchHandle:

@@ -587,7 +587,8 @@ class StubTorchCalls:
         rows = num_tokens
         self.views = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, num_channels, dtype=torch.int32),
                       torch.zeros(1, num_channels, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
-                      torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32))
+                      torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32),
+                      torch.zeros(1, 1, dtype=torch.int32))
         self.recv_x = torch.zeros(rows, hidden, dtype=torch.bfloat16)
         self.recv_idx = torch.zeros(rows, num_topk, dtype=torch.int64)
         self.recv_weights = torch.zeros(rows, num_topk)

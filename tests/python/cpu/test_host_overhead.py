@@ -248,8 +248,8 @@ def test_normal_handles_are_freed_by_reference_counting(stub):
 def test_extension_views_become_the_handles_views(stub, monkeypatch):
     """A dispatch through the torch extension gets DeepEP's handle arrays as tensors with the call (the 9th item of
     its result): the epx handle keeps them as its views, and deep_ep's tuple is made of them, with no view call of
-    its own (the first, which carries the handle, as an alias). (A stand-in extension: the dispatch's result comes
-    prebuilt.)"""
+    its own; its first is the 7th view, a second tensor over rank_prefix_matrix that carries the handle (see the
+    test above), which the handle does not hold. (A stand-in extension: the dispatch's result comes prebuilt.)"""
     import epx.buffer as buffer_module
 
     wrapper, _ = stub
@@ -260,7 +260,8 @@ def test_extension_views_become_the_handles_views(stub, monkeypatch):
     rows = MAX_TOKENS
     views = (torch.zeros(1, 1, dtype=torch.int32), torch.zeros(1, 4, dtype=torch.int32),
              torch.zeros(1, 4, dtype=torch.int32), torch.zeros(rows, dtype=torch.int32),
-             torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32))
+             torch.zeros(rows, 1, dtype=torch.bool), torch.zeros(rows, 1, dtype=torch.int32),
+             torch.zeros(1, 1, dtype=torch.int32))
     made = (torch.zeros(rows, HIDDEN, dtype=torch.bfloat16), None, torch.zeros(rows, NUM_TOPK, dtype=torch.int64),
             torch.zeros(rows, NUM_TOPK), native, rows, [rows] * 4, None, views)
 
@@ -271,9 +272,9 @@ def test_extension_views_become_the_handles_views(stub, monkeypatch):
     monkeypatch.setattr(buffer_module, "torch_calls", Extension())
     monkeypatch.setattr(util, "array_view", lambda *a, **k: pytest.fail("a view was made in Python"))
     _, _, _, _, handle, _ = wrapper.dispatch(x, **args)
-    # The first is an alias of the handle's own view (it carries the handle: see the test above).
-    assert handle[0].data_ptr() == views[0].data_ptr() and handle[0] is not views[0]
-    assert all(a is b for a, b in zip(handle[1:], views[1:])) and len(handle) == 6
+    assert handle[0] is views[6] and len(handle) == 6
+    assert all(a is b for a, b in zip(handle[1:], views[1:6]))
+    assert handle[0]._epx_handle.deep_ep_matrices[0] is views[0]
     epx_handle = handle[0]._epx_handle
     assert epx_handle.recv_src_idx is views[3] and epx_handle.send_head is views[5]
     assert epx_handle.is_token_in_rank is views[4] and epx_handle.deep_ep_matrices == views[:3]

@@ -4,6 +4,9 @@ layout_range), handles passed back rebuilt, combine with another hidden than the
 callers produce them (column-major, per token, UE8M0-packed int32) and int32 top-k ids. Tokens are stamped with
 (source rank, token index), so a misplaced row names itself; all checks are bit-exact."""
 
+import gc
+import weakref
+
 import pytest
 
 from dist_util import gpu_counts, run
@@ -75,6 +78,17 @@ def normal_worker(rank, num_ranks, group):
     assert torch.equal(wide, torch.cat([combined, combined], dim=1))
     with pytest.raises(Exception, match="hidden = 100: must be a multiple of 8"):
         buffer.combine(torch.zeros(recv_x.size(0), 100, dtype=torch.bfloat16, device=device)[:, :100], handle)
+
+    # ---- The tuple frees its handle without the garbage collector (no reference cycle through its first) ----
+    gc.disable()
+    try:
+        *_, dropped, _ = buffer.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights)
+        assert torch.equal(dropped[0], rank_prefix)
+        epx_handle = weakref.ref(dropped[0]._epx_handle)
+        del dropped
+        assert epx_handle() is None, "the handle tuple must free its EPX handle by reference counting"
+    finally:
+        gc.enable()
 
     # ---- Async: the handle's matrices are ordered by the returned event ----
     _, _, _, _, async_handle, event = buffer.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights,
