@@ -357,6 +357,17 @@ def parse_cpu_list(text: str) -> List[int]:
     return cpus
 
 
+def compact_cpus(cpus: List[int]) -> str:
+    """[0, 1, 2, 5] -> "0-2,5"."""
+    spans: List[List[int]] = []
+    for cpu in sorted(cpus):
+        if spans and cpu == spans[-1][1] + 1:
+            spans[-1][1] = cpu
+        else:
+            spans.append([cpu, cpu])
+    return ",".join(f"{a}-{b}" if b > a else f"{a}" for a, b in spans)
+
+
 def gpu_local_cpus(pci_bus_id: str, sysfs: str = "/sys") -> List[int]:
     """The CPUs of the NUMA node the GPU at `pci_bus_id` ("0000:1b:00.0") hangs off, from sysfs; [] when
     sysfs does not say (no NUMA information, another OS)."""
@@ -417,10 +428,15 @@ def split_cores(cpus: List[int]) -> Tuple[List[int], List[int]]:
     return cpus[:1], cpus[1:] or cpus[:1]
 
 
-def pin_to_gpu_local_cpus(rank: int, num_ranks: int, torch: Any, count: int) -> List[int]:
-    props = torch.cuda.get_device_properties(rank)
+def local_cpus_of_gpu(torch: Any, device: int) -> List[int]:
+    """The CPUs of GPU `device`'s NUMA node ([] when sysfs does not say)."""
+    props = torch.cuda.get_device_properties(device)
     ids = [getattr(props, name, None) for name in ("pci_domain_id", "pci_bus_id", "pci_device_id")]
-    local = gpu_local_cpus("{:04x}:{:02x}:{:02x}.0".format(*ids)) if None not in ids else []
+    return gpu_local_cpus("{:04x}:{:02x}:{:02x}.0".format(*ids)) if None not in ids else []
+
+
+def pin_to_gpu_local_cpus(rank: int, num_ranks: int, torch: Any, count: int) -> List[int]:
+    local = local_cpus_of_gpu(torch, rank)
     cpus = pick_cpus(rank, num_ranks, local, sorted(os.sched_getaffinity(0)), count)
     if cpus:
         os.sched_setaffinity(0, set(split_cores(cpus)[1]))  # what threads started from now on inherit
@@ -522,8 +538,11 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
             show=rank == 0,
         )
         torch.cuda.synchronize()
-        # One write: the ranks' lines otherwise interleave mid-line.
-        sys.stderr.write(f"rank {rank}: busy threads: " + "; ".join(busy_threads()) + "\n")
+        # One write: the ranks' lines otherwise interleave mid-line. Whether the calling thread ran on its GPU's
+        # NUMA node: host times differ between runs by up to 1.5x, NCCL's calls as much as EPX's.
+        local = local_cpus_of_gpu(torch, rank)
+        where = f"GPU's NUMA node CPUs {compact_cpus(local)}" if local else "GPU's NUMA node unknown"
+        sys.stderr.write(f"rank {rank}: {where}; busy threads: " + "; ".join(busy_threads()) + "\n")
         dist.barrier(group)
         if rank == 0 and rows:
             print_rows(

@@ -536,6 +536,11 @@ def test_pick_cpus_keeps_a_cores_hyperthreads_to_one_thread(tmp_path):
     assert not any((cpu + 16) % 32 in used for cpu in used)
 
 
+def test_compact_cpus_writes_runs_as_ranges():
+    bench = _host_overhead_module()
+    assert bench.compact_cpus([16, 0, 1, 2, 5, 17]) == "0-2,5,16-17" and bench.compact_cpus([]) == ""
+
+
 def test_own_work_is_the_median_of_each_calls_host_time_less_its_wait():
     bench = _host_overhead_module()
     # Calls of 50, 60 and 100 µs that waited 40, 0 and 30: own work 10, 60, 70 -> median 60 (the median of host
