@@ -15,7 +15,10 @@ async_finish=False), the number issue 37 compares with DeepEP's 46 us on 2 x H10
 A dispatch without a cached handle or num_worst_tokens sizes its outputs by the received counts, so its host
 waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop that wait also covers the work
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
-and the host's own work, the median over calls of each call's host time less its own wait. Each rank's process
+and the host's own work, the median over calls of each call's host time less its own wait. Back to back, a call
+the GPU paces blocks where its rank happens to (rank 0's table may then read tens of us more or less than rank
+1's): the last two columns time each call alone, on an idle GPU after a barrier, which is the host's own cost of
+the call (its host time, and that less its count wait). Each rank's process
 runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
 calling thread on the first, the threads NCCL, NVSHMEM and CUDA start on the others). Pinned, a thread started
 after the calling thread moved shares its core, and the layout's GPU time per call read 191-264 us against 20-24
@@ -108,11 +111,17 @@ def own_work_us(host_s: List[float], waits_us: List[float]) -> float:
 
 
 def time_calls(
-    call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool, waited_us: Callable[[], float]
-) -> Tuple[float, float, float, float]:
+    call: Callable[[], Any], warmup: int, iters: int, torch: Any, gpu: bool, waited_us: Callable[[], float],
+    barrier: Callable[[], None] = lambda: None,
+) -> Tuple[float, float, float, float, float, float]:
     """(median host us per call, GPU us per call back to back or nan, mean us per call the host waited for
-    dispatch counts, median us per call of the host's own work). No sync inside the timed loop; each call's
-    wait is read after its clock stops."""
+    dispatch counts, median us per call of the host's own work; then the same call in isolation: median host us,
+    median own work). No sync inside the back-to-back loop; each call's wait is read after its clock stops.
+
+    Back to back, a call whose GPU work is the bottleneck blocks somewhere (its count wait, or a driver call
+    that waits for room) for the GPU's pace: which rank blocks where differs, so the two ranks' own work can
+    differ by tens of us (21 / 60 us at 4,096 tokens, 2 x H200) with the same GPU time. In isolation each call
+    starts on an idle GPU, the ranks lined up by `barrier`: its own work is the host's cost of the call."""
     for _ in range(warmup):
         call()
     waited_before = waited_us()
@@ -136,7 +145,18 @@ def time_calls(
         end.record()
         end.synchronize()
         gpu_us = start.elapsed_time(end) * 1e3 / iters
-    return statistics.median(host) * 1e6, gpu_us, sum(waits) / iters, own_work_us(host, waits)
+    alone, alone_waits = [], []
+    for _ in range(iters):
+        barrier()
+        if gpu:
+            torch.cuda.synchronize()
+        last_wait = waited_us()
+        begin = clock()
+        call()
+        alone.append(clock() - begin)
+        alone_waits.append(waited_us() - last_wait)
+    return (statistics.median(host) * 1e6, gpu_us, sum(waits) / iters, own_work_us(host, waits),
+            statistics.median(alone) * 1e6, own_work_us(alone, alone_waits))
 
 
 def profile_calls(call: Callable[[], Any], warmup: int, iters: int, show: bool) -> None:
@@ -291,7 +311,7 @@ def run_rows(
     gpu: bool,
     barrier: Callable[[], None],
     show: bool = True,
-) -> List[Tuple[str, float, float, float, float]]:
+) -> List[Tuple[str, float, float, float, float, float, float]]:
     """The table's rows (--profile: prints the profile where `show`, returns none)."""
     normal_buffer, ll_buffer = buffers
     calls = normal_calls(normal_buffer, torch, o, num_ranks, device)
@@ -315,30 +335,32 @@ def run_rows(
     rows = []
     for name in ENTRY_POINTS:
         barrier()
-        rows.append((name, *time_calls(calls[name], o.warmup, o.iters, torch, gpu, waited_us)))
+        rows.append((name, *time_calls(calls[name], o.warmup, o.iters, torch, gpu, waited_us, barrier)))
     if gpu:
         for name, call in nccl_calls(torch, o, num_ranks, device).items():
             barrier()
-            rows.append((name, *time_calls(call, o.warmup, o.iters, torch, gpu, waited_us)))
+            rows.append((name, *time_calls(call, o.warmup, o.iters, torch, gpu, waited_us, barrier)))
     return rows
 
 
-def print_rows(rows: List[Tuple[str, float, float, float, float]], header: str, json_path: Optional[str]) -> None:
+def print_rows(rows: List[Tuple[str, float, float, float, float, float, float]], header: str,
+               json_path: Optional[str]) -> None:
     print(header)
     print(
         f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27} "
-        f"{'of host: count wait (mean)':>27} {'own work (median)':>18}"
+        f"{'of host: count wait (mean)':>27} {'own work (median)':>18} {'alone: host':>12} {'alone: own':>11}"
     )
-    for name, host_us, gpu_us, wait_us, own_us in rows:
-        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f} {own_us:>18.1f}")
+    for name, host_us, gpu_us, wait_us, own_us, alone_us, alone_own_us in rows:
+        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f} {own_us:>18.1f} {alone_us:>12.1f} "
+              f"{alone_own_us:>11.1f}")
     if json_path:
         with open(json_path, "w") as f:
             # null where there is no GPU time (--stub): strict JSON has no NaN.
             json.dump(
                 [
                     {"entry": n, "host_us": h, "gpu_us": None if g != g else g, "count_wait_us": w,
-                     "own_work_us": own}
-                    for n, h, g, w, own in rows
+                     "own_work_us": own, "alone_host_us": ah, "alone_own_work_us": ao}
+                    for n, h, g, w, own, ah, ao in rows
                 ],
                 f,
                 indent=1,
