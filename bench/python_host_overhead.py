@@ -17,8 +17,9 @@ waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop t
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
 and the host's own work, the median over calls of each call's host time less its own wait. Back to back, a call
 the GPU paces blocks where its rank happens to (rank 0's table may then read tens of us more or less than rank
-1's): the last two columns time each call alone, on an idle GPU after a barrier, which is the host's own cost of
-the call (its host time, and that less its count wait). Each rank's process
+1's). The last two columns time each call alone (its host time, and that less its count wait): after a barrier
+and a device sync, on an idle GPU, as a call between other work finds the host (caches and the driver's
+submission path cold): on 2 x H200 1.2-2x the back-to-back host time. Each rank's process
 runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
 calling thread on the first, the threads NCCL, NVSHMEM and CUDA start on the others). Pinned, a thread started
 after the calling thread moved shares its core, and the layout's GPU time per call read 191-264 us against 20-24
@@ -120,8 +121,9 @@ def time_calls(
 
     Back to back, a call whose GPU work is the bottleneck blocks somewhere (its count wait, or a driver call
     that waits for room) for the GPU's pace: which rank blocks where differs, so the two ranks' own work can
-    differ by tens of us (21 / 60 us at 4,096 tokens, 2 x H200) with the same GPU time. In isolation each call
-    starts on an idle GPU, the ranks lined up by `barrier`: its own work is the host's cost of the call."""
+    differ by tens of us (26 / 60 us at 4,096 tokens, 2 x H200) with the same GPU time. Alone, each call starts
+    on an idle GPU, the ranks lined up by `barrier` (cold caches and submission path: it reads more host time
+    than back to back, not less)."""
     for _ in range(warmup):
         call()
     waited_before = waited_us()
