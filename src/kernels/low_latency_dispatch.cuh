@@ -78,10 +78,15 @@ struct SendPreload {
   int4 v0{}, v1{};
 };
 
-// The entries [begin, end) of the T*K top-k entries warp `warp` of the routing block histograms.
+// Up to this many top-k entries (one per lane of the routing block's warp 0) the routing runs in that warp
+// alone (route_few_entries): at 1 token the block-wide histogram's rounds were the chain's longest step.
+constexpr int kFewEntries = 32;
+
+// The entries [begin, end) of the T*K top-k entries warp `warp` of the routing block histograms (at most
+// kFewEntries: all of them warp 0's).
 __device__ __forceinline__ WordRange routing_segment(const LowLatencyDispatchArgs& args, int warp) {
   const int num_entries = args.in.num_tokens * args.in.num_topk;
-  const int per_warp = (num_entries + kNumWarps - 1) / kNumWarps;
+  const int per_warp = num_entries <= kFewEntries ? kFewEntries : (num_entries + kNumWarps - 1) / kNumWarps;
   const int begin = min(num_entries, warp * per_warp);
   return {begin, min(num_entries, begin + per_warp)};
 }
@@ -109,6 +114,74 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
   return pre;
 }
 
+// Expert `expert`'s list length into the count word its owner polls (nothing goes to a masked rank).
+template <typename Remote>
+__device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& args,
+                                                  unsigned long long masked, int expert, int length) {
+  const LowLatencyBufferMap& map = args.map;
+  const int num_local = map.num_local_experts();
+  const int dst = expert / num_local;
+  if (rank_masked(masked, dst)) return;
+  const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+  if (is_direct<Remote>(args.peers, dst)) {
+    *peer_at<int>(args.peers, dst, offset) = length;
+  } else {
+    Remote::put_int(local_at<int>(args.peers, offset), length, dst);
+  }
+}
+
+// Top-k entry `entry` at `slot` of expert `expert`'s list: in the owner's receive index when it is mapped,
+// else staged here for put_staged_lists.
+template <typename Remote>
+__device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, int expert, int slot,
+                                                 int entry) {
+  const LowLatencyBufferMap& map = args.map;
+  const int num_local = map.num_local_experts();
+  const int dst = expert / num_local;
+  int* list =
+      is_direct<Remote>(args.peers, dst)
+          ? peer_at<int>(args.peers, dst,
+                         map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
+          : local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert));
+  list[slot] = pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk);
+}
+
+// route_entries for at most kFewEntries entries: warp 0 holds them all (lane = entry, its id preloaded), so a
+// listing's first occurrence in its token and its slot in its expert's list come from two matches, with no
+// histogram, scan or load of the token's other ids; the block then stores every expert's list length.
+template <typename Remote>
+__device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengths, unsigned long long masked,
+                                  const SendPreload& pre) {
+  const LowLatencyBufferMap& map = args.map;
+  const int num_experts = map.num_experts;
+  for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) lengths[expert] = 0;
+  __syncthreads();
+  if (threadIdx.x < 32) {
+    const int lane = static_cast<int>(threadIdx.x);
+    const int token = lane / args.in.num_topk;
+    int expert = lane < args.in.num_tokens * args.in.num_topk ? expert_of(pre.id, num_experts) : -1;
+    // A lower lane of the same token listing the same expert: not this listing's first occurrence. (token <
+    // 32: a key per (expert, token).)
+    const unsigned same_listing = __match_any_sync(kFullMask, expert < 0 ? -1 : expert * 32 + token);
+    if ((same_listing & ((1u << lane) - 1u)) != 0 ||
+        (expert >= 0 && rank_masked(masked, expert / map.num_local_experts()))) {
+      expert = -1;
+    }
+    const unsigned same = __match_any_sync(kFullMask, expert);
+    if (expert >= 0) {
+      write_list_entry<Remote>(args, expert, __popc(same & ((1u << lane) - 1u)), lane);
+      if (lane == __ffs(same) - 1) lengths[expert] = __popc(same);
+    }
+  }
+  __syncthreads();
+  stamp_phase(args.phase_stamps, kStampHistogram);
+  for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads)
+    store_list_length<Remote>(args, masked, expert, lengths[expert]);
+  stamp_phase(args.phase_stamps, kStampCountsStored);
+  if constexpr (Remote::kEnabled) put_staged_lists<Remote>(args, lengths);
+  stamp_phase(args.phase_stamps, kStampCounted);
+}
+
 // For every expert e, the ordered list of this rank's (token, top-k position) entries that chose it (first
 // listing only), and its length, written into the rank that owns e. Entry order = ascending token, so a
 // token's slot in the list is the number of earlier entries with the same expert. One block computes it:
@@ -122,6 +195,10 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
   const int num_local = map.num_local_experts();
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
+  if (args.in.num_tokens * args.in.num_topk <= kFewEntries) {
+    route_few_entries<Remote>(args, hist, masked, pre);
+    return;
+  }
 
   for (int i = threadIdx.x; i < kNumWarps * num_experts; i += kNumThreads) hist[i] = 0;
   __syncthreads();
@@ -156,14 +233,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
       hist[w * num_experts + expert] = running;
       running += count;
     }
-    const int dst = expert / num_local;
-    if (rank_masked(masked, dst)) continue;  // nothing goes to a masked rank
-    const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
-    if (is_direct<Remote>(args.peers, dst)) {
-      *peer_at<int>(args.peers, dst, offset) = running;
-    } else {
-      Remote::put_int(local_at<int>(args.peers, offset), running, dst);
-    }
+    store_list_length<Remote>(args, masked, expert, running);
   }
   __syncthreads();
   stamp_phase(args.phase_stamps, kStampCountsStored);
@@ -180,17 +250,8 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
       expert = routed_expert(args, entry, masked, args.in.topk_idx[entry]);
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
-    if (expert >= 0) {
-      const int slot = warp_hist[expert] + __popc(same & ((1u << lane) - 1u));
-      const int dst = expert / num_local;
-      int* list =
-          is_direct<Remote>(args.peers, dst)
-              ? peer_at<int>(args.peers, dst,
-                             map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
-              : local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert));
-      const int token = entry / args.in.num_topk;
-      list[slot] = pack_recv_index_entry(token, entry % args.in.num_topk);
-    }
+    if (expert >= 0)
+      write_list_entry<Remote>(args, expert, warp_hist[expert] + __popc(same & ((1u << lane) - 1u)), entry);
     __syncwarp();
     if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
     __syncwarp();

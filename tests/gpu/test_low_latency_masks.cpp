@@ -52,6 +52,19 @@ TEST_P(LowLatencyMaskRanks, MaskedRank) {
   run_low_latency_case(c);
 }
 
+// Up to 32 top-k entries per rank the routing runs in one warp (route_few_entries): 0 to 4 tokens of top-8
+// with duplicate listings and -1 ids, a rank masked, then none.
+TEST_P(LowLatencyMaskRanks, FewEntriesDuplicatesMasked) {
+  LowLatencyCase c = small_low_latency_case(GetParam());
+  c.num_tokens = {1, 4, 0, 3};
+  c.duplicates = true;
+  c.drop_probability = 0.2;
+  c.use_fp8 = true;
+  c.masks = {{GetParam() - 1}, {}};
+  c.num_iterations = 2;
+  run_low_latency_case(c);
+}
+
 TEST(LowLatencyMasks, TwoMaskedRanksHooksLogfmtFourRanks) {
   LowLatencyCase c = small_low_latency_case(4);
   c.use_fp8 = true;
