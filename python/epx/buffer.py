@@ -859,14 +859,7 @@ class Buffer:
             cumulative_local_expert_recv_stats.data_ptr(),
             dispatch_wait_recv_cost_stats=pointer(dispatch_wait_recv_cost_stats),
             topk_weights=0 if topk_weights is None else topk_weights.data_ptr())
-        # The sizes depend on the shape alone: asked once per shape (the first ask validates it).
-        sizes_key = (num_max_dispatch_tokens_per_rank, hidden, num_experts, num_topk, use_fp8, use_ue8m0)
-        sizes = self._ll_sizes.get(sizes_key)
-        if sizes is None:
-            native_sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)
-            sizes = (native_sizes.num_local_experts, native_sizes.num_rows_per_expert, native_sizes.num_scale_columns)
-            self._ll_sizes[sizes_key] = sizes
-        num_local, num_rows, num_scale_columns = sizes
+        num_local, num_rows, num_scale_columns = self._low_latency_sizes(native_in)
         if cumulative_local_expert_recv_stats is not None:
             check_tensor(cumulative_local_expert_recv_stats, "cumulative_local_expert_recv_stats", dtype=t.int32,
                          shape=(num_local,), ndim=1)
@@ -901,6 +894,19 @@ class Buffer:
             result, x, topk_idx, recv_x, recv_scales, recv_count, src_info, topk_pos, layout_range, listings,
             num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats,
             dispatch_wait_recv_cost_stats, topk_weights, async_finish, return_recv_hook, handle_keeps_src_info)
+
+    def _low_latency_sizes(self, native_in: Any) -> Tuple[int, int, int]:
+        """(local experts, rows per expert, scale columns) of a low-latency dispatch's outputs for the shape of
+        native_in (an _epx.LowLatencyDispatchInput; its pointers are not read). They depend on the shape alone:
+        asked once per shape (the first ask validates it)."""
+        key = (native_in.num_max_dispatch_tokens_per_rank, native_in.hidden, native_in.num_experts,
+               native_in.num_topk, native_in.use_fp8, native_in.use_ue8m0)
+        sizes = self._ll_sizes.get(key)
+        if sizes is None:
+            native_sizes = _epx.low_latency_dispatch_sizes(self.runtime, native_in)
+            sizes = (native_sizes.num_local_experts, native_sizes.num_rows_per_expert, native_sizes.num_scale_columns)
+            self._ll_sizes[key] = sizes
+        return sizes
 
     def _low_latency_dispatched(self, result: Any, x: Any, topk_idx: Any, recv_x: Any, recv_scales: Any,
                                 recv_count: Any, src_info: Any, topk_pos: Any, layout_range: Any, listings: Any,
