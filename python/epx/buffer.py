@@ -648,7 +648,7 @@ class Buffer:
         data, scales = x if isinstance(x, (tuple, list)) and len(x) == 2 else (x, None)
         numel = getattr(num_tokens_per_expert, "numel", None)
         if numel is None or torch_calls is None or is_token_in_rank is None:
-            return None  # not a tensor: the Python names it
+            return None  # no extension, no layout, or not a tensor: dispatch's Python computes it or names it
         num_experts_given = num_experts
         num_experts = numel()
         if num_experts_given is not None and num_experts_given != num_experts:
