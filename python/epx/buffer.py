@@ -821,11 +821,14 @@ class Buffer:
     def _low_latency_dispatch(self, x: Any, topk_idx: Any, num_max_dispatch_tokens_per_rank: int, num_experts: int,
                               cumulative_local_expert_recv_stats: Any, dispatch_wait_recv_cost_stats: Any,
                               use_fp8: bool, round_scale: bool, use_ue8m0: bool, async_finish: bool,
-                              return_recv_hook: bool, topk_weights: Any, handle_keeps_src_info: bool) -> Tuple:
+                              return_recv_hook: bool, topk_weights: Any, handle_keeps_src_info: bool,
+                              separate_outputs: bool = False) -> Tuple:
         """low_latency_dispatch's work, for it and deep_ep.Buffer: (recv_x, recv_x_scales, recv_count, handle,
         event, hook, recv_src_info). handle_keeps_src_info=False leaves recv_src_info out of the handle (deep_ep's
-        tuple holds it, and the handle is attached to it: holding it back would make a reference cycle)."""
-        if torch_calls is not None:
+        tuple holds it, and the handle is attached to it: holding it back would make a reference cycle).
+        separate_outputs: each output in an allocation of its own (the Python path), for epx.ops, whose outputs
+        may not share storage; the torch extension packs them into two blocks."""
+        if torch_calls is not None and not separate_outputs:
             try:  # called directly, not through _call_natively (no config here): the per-step path of decoding
                 made = torch_calls.low_latency_dispatch(
                     self.runtime, self._device_index, self.num_ranks, x, topk_idx, num_max_dispatch_tokens_per_rank,

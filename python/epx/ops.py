@@ -71,9 +71,10 @@ def low_latency_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor,
                          cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
                          round_scale: bool = False, use_ue8m0: bool = False) -> _Outputs:
     """(recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range): Buffer.low_latency_dispatch's."""
+    # Outputs in allocations of their own: a custom op's outputs may not share storage (torch checks).
     recv_x, recv_scales, recv_count, handle, _, _, src_info = _buffer(buffer)._low_latency_dispatch(
         x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats, None,
-        use_fp8, round_scale, use_ue8m0, False, False, None, False)
+        use_fp8, round_scale, use_ue8m0, False, False, None, False, separate_outputs=True)
     if recv_scales is None:
         recv_scales = torch.empty(0, dtype=torch.float32, device=x.device)
     # The handle rides on recv_src_info, which it does not hold (a reference cycle otherwise).

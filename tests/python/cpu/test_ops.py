@@ -35,9 +35,10 @@ def test_compiled_step_runs_the_buffers_calls_with_the_dispatchs_handle(buffer, 
     dispatched, combined_with = [], []
     dispatch_call, combine_call = buffer._low_latency_dispatch, buffer._low_latency_combine
 
-    def spy_dispatch(*args):
-        made = dispatch_call(*args)
-        dispatched.append((args[2], args[3], args[6], made[3]))  # M, E, use_fp8, the handle
+    def spy_dispatch(*args, **kwargs):
+        made = dispatch_call(*args, **kwargs)
+        # M, E, use_fp8, outputs apart (a custom op's may not share storage, which the extension's do), the handle
+        dispatched.append((args[2], args[3], args[6], kwargs.get("separate_outputs"), made[3]))
         return made
 
     def spy_combine(*args):
@@ -57,8 +58,8 @@ def test_compiled_step_runs_the_buffers_calls_with_the_dispatchs_handle(buffer, 
     combined = torch.compile(step, backend="aot_eager", fullgraph=True)(x, ids, weights)
     assert combined.shape == (MAX_TOKENS, HIDDEN) and combined.dtype == torch.bfloat16
     # The run's calls (tracing calls the fakes only): one dispatch, one combine given its handle.
-    assert [d[:3] for d in dispatched] == [(MAX_TOKENS, NUM_EXPERTS, False)]
-    assert combined_with == [dispatched[0][3]]
+    assert [d[:4] for d in dispatched] == [(MAX_TOKENS, NUM_EXPERTS, False, True)]
+    assert combined_with == [dispatched[0][4]]
 
 
 @pytest.mark.parametrize("use_fp8,use_ue8m0", [(False, False), (True, False), (True, True)])
@@ -84,3 +85,19 @@ def test_a_key_that_is_not_registered_is_named(buffer):
     x, ids, _ = inputs()
     with pytest.raises(epx.EpxError, match="buffer = 12345: not a registered Buffer"):
         torch.ops.epx.low_latency_dispatch(12345, x, ids, MAX_TOKENS, NUM_EXPERTS)
+
+
+def test_the_dispatch_op_takes_outputs_of_their_own_not_the_extensions_blocks(monkeypatch):
+    """The torch extension packs a dispatch's outputs into two allocations, which a custom op may not return:
+    the op takes the Buffer's Python path, one allocation per output."""
+    import epx.buffer as buffer_module
+
+    made, _ = install_stub(MAX_TOKENS, HIDDEN, NUM_EXPERTS, monkeypatch, extension=True, num_topk=NUM_TOPK)
+    monkeypatch.setattr(buffer_module.torch_calls, "low_latency_dispatch",
+                        lambda *args: pytest.fail("the op called the extension"))
+    key = epx.ops.register(made)
+    x, ids, _ = inputs()
+    outputs = torch.ops.epx.low_latency_dispatch(key, x, ids, MAX_TOKENS, NUM_EXPERTS, None, True)
+    storages = {t.untyped_storage().data_ptr() for t in outputs if t.numel() > 0}
+    assert len(storages) == len([t for t in outputs if t.numel() > 0])
+    epx.ops.unregister(key)
