@@ -12,7 +12,9 @@ The compiler sees each call as one opaque op whose outputs' shapes, strides and 
 break, no data-dependent shape); at run time the op makes the same native call as Buffer.low_latency_dispatch /
 low_latency_combine (no hooks, no async event: the work is ordered on the current stream). The dispatch's handle
 rides on its recv_src_info tensor, as on deep_ep's handle tuple, so a combine takes that tensor. An op call goes
-through torch's dispatcher, which adds host time: eager code calls the Buffer (or deep_ep) directly.
+through torch's dispatcher, which adds host time, and the dispatch allocates each output on its own (the
+Buffer's Python path: a custom op's outputs may not share storage): eager code calls the Buffer (or deep_ep)
+directly.
 
 recv_x_scales is an empty float32 tensor without FP8. The ops keep no reference to a registered Buffer
 (register holds it weakly; unregister forgets it).
