@@ -17,7 +17,7 @@ waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop t
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
 and the host's own work, the median over calls of each call's host time less its own wait. Back to back, a call
 the GPU paces blocks where its rank happens to (rank 0's table may then read tens of us more or less than rank
-1's). The last two columns time each call alone (its host time, and that less its count wait): after a barrier
+1's): the table is rank 0's, with the slowest rank's own work beside it. The last two columns time each call alone (its host time, and that less its count wait): after a barrier
 and a device sync, on an idle GPU, as a call between other work finds the host (caches and the driver's
 submission path cold): on 2 x H200 1.2-2x the back-to-back host time. Each rank's process
 runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
@@ -345,24 +345,33 @@ def run_rows(
     return rows
 
 
+def slowest_own_us(every_rank: List[List[Tuple]]) -> List[float]:
+    """Per row (entry point) of the ranks' tables: the largest own work (the 5th field) over the ranks."""
+    return [max(rows[i][4] for rows in every_rank) for i in range(len(every_rank[0]))]
+
+
 def print_rows(rows: List[Tuple[str, float, float, float, float, float, float]], header: str,
-               json_path: Optional[str]) -> None:
+               json_path: Optional[str], slowest_own: Optional[List[float]] = None) -> None:
+    """Rank 0's table; `slowest_own`: each row's own work on the slowest rank (one rank: its own)."""
+    slowest_own = slowest_own or [row[4] for row in rows]
     print(header)
     print(
         f"{'entry point':<48} {'host us/call (median)':>22} {'GPU us/call (back to back)':>27} "
-        f"{'of host: count wait (mean)':>27} {'own work (median)':>18} {'alone: host':>12} {'alone: own':>11}"
+        f"{'of host: count wait (mean)':>27} {'own work (median)':>18} {'own, slowest rank':>18} "
+        f"{'alone: host':>12} {'alone: own':>11}"
     )
-    for name, host_us, gpu_us, wait_us, own_us, alone_us, alone_own_us in rows:
-        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f} {own_us:>18.1f} {alone_us:>12.1f} "
-              f"{alone_own_us:>11.1f}")
+    for (name, host_us, gpu_us, wait_us, own_us, alone_us, alone_own_us), slowest in zip(rows, slowest_own):
+        print(f"{name:<48} {host_us:>22.1f} {gpu_us:>27.1f} {wait_us:>27.1f} {own_us:>18.1f} {slowest:>18.1f} "
+              f"{alone_us:>12.1f} {alone_own_us:>11.1f}")
     if json_path:
         with open(json_path, "w") as f:
             # null where there is no GPU time (--stub): strict JSON has no NaN.
             json.dump(
                 [
                     {"entry": n, "host_us": h, "gpu_us": None if g != g else g, "count_wait_us": w,
-                     "own_work_us": own, "alone_host_us": ah, "alone_own_work_us": ao}
-                    for n, h, g, w, own, ah, ao in rows
+                     "own_work_us": own, "own_work_us_slowest_rank": slow, "alone_host_us": ah,
+                     "alone_own_work_us": ao}
+                    for (n, h, g, w, own, ah, ao), slow in zip(rows, slowest_own)
                 ],
                 f,
                 indent=1,
@@ -567,12 +576,16 @@ def _worker(rank: int, num_ranks: int, store_file: str, o: argparse.Namespace) -
         local = local_cpus_of_gpu(torch, rank)
         where = f"GPU's NUMA node CPUs {compact_cpus(local)}" if local else "GPU's NUMA node unknown"
         sys.stderr.write(f"rank {rank}: {where}; busy threads: " + "; ".join(busy_threads()) + "\n")
-        dist.barrier(group)
+        # Every rank's rows to rank 0: the table is rank 0's, beside the slowest rank's own work per entry (the
+        # ranks of one run differ: 19.6 and 29.1 us for one dispatch on 2 x H200).
+        every_rank: List[Any] = [None] * num_ranks
+        dist.all_gather_object(every_rank, rows, group=group)
         if rank == 0 and rows:
             print_rows(
                 rows,
                 f"{torch.cuda.get_device_name()} x {num_ranks}, torch {torch.__version__}: {header(o, num_ranks)}",
                 o.json,
+                slowest_own_us(every_rank),
             )
     finally:
         dist.destroy_process_group()

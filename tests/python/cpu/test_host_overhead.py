@@ -536,6 +536,13 @@ def test_pick_cpus_keeps_a_cores_hyperthreads_to_one_thread(tmp_path):
     assert not any((cpu + 16) % 32 in used for cpu in used)
 
 
+def test_slowest_own_work_is_each_rows_largest_over_the_ranks():
+    bench = _host_overhead_module()
+    rank0 = [("a", 10.0, 11.0, 0.0, 9.0, 12.0, 12.0), ("b", 30.0, 31.0, 5.0, 25.0, 40.0, 35.0)]
+    rank1 = [("a", 12.0, 11.0, 0.0, 12.0, 13.0, 13.0), ("b", 20.0, 31.0, 8.0, 12.0, 41.0, 33.0)]
+    assert bench.slowest_own_us([rank0, rank1]) == [12.0, 25.0]
+
+
 def test_compact_cpus_writes_runs_as_ranges():
     bench = _host_overhead_module()
     assert bench.compact_cpus([16, 0, 1, 2, 5, 17]) == "0-2,5,16-17" and bench.compact_cpus([]) == ""
