@@ -17,10 +17,10 @@ waits for the GPU's count exchange (DeepEP's does too): in a back-to-back loop t
 queued before it. Two columns split it off: the host's mean wait per call (epx.Buffer.dispatch_count_wait_us),
 and the host's own work, the median over calls of each call's host time less its own wait. Back to back, a call
 the GPU paces blocks where its rank happens to (rank 0's table may then read tens of us more or less than rank
-1's): the table is rank 0's, with the slowest rank's own work beside it. The last two columns time each call alone (its host time, and that less its count wait): after a barrier
-and a device sync, on an idle GPU, as a call between other work finds the host (caches and the driver's
-submission path cold): on 2 x H200 1.2-2x the back-to-back host time. Each rank's process
-runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
+1's): the table is rank 0's, with the slowest rank's own work beside it. The last two columns time each call
+alone (its host time, and that less its count wait): after a barrier and a device sync, on an idle GPU, as a call
+between other work finds the host (caches and the driver's submission path cold): on 2 x H200 1.2-2x the
+back-to-back host time. Each rank's process runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
 calling thread on the first, the threads NCCL, NVSHMEM and CUDA start on the others). Pinned, a thread started
 after the calling thread moved shares its core, and the layout's GPU time per call read 191-264 us against 20-24
 unpinned (2 x H100): the default leaves the processes unpinned. Each rank prints the threads that kept a CPU busy
