@@ -20,11 +20,11 @@ the GPU paces blocks where its rank happens to (rank 0's table may then read ten
 1's): the table is rank 0's, with the slowest rank's own work beside it. The last two columns time each call
 alone (its host time, and that less its count wait): after a barrier and a device sync, on an idle GPU, as a call
 between other work finds the host (caches and the driver's submission path cold): on 2 x H200 1.2-2x the
-back-to-back host time. Each rank's process runs where the OS puts it; --pin runs it on a few cores of its GPU's NUMA node (--pin-cores, default 4: the
-calling thread on the first, the threads NCCL, NVSHMEM and CUDA start on the others). Pinned, a thread started
-after the calling thread moved shares its core, and the layout's GPU time per call read 191-264 us against 20-24
-unpinned (2 x H100): the default leaves the processes unpinned. Each rank prints the threads that kept a CPU busy
-(none but the calling thread in those runs: no helper thread spins).
+back-to-back host time. Each rank's process runs where the OS puts it; --pin runs it on a few cores of its GPU's
+NUMA node (--pin-cores, default 4: the calling thread on the first, the threads NCCL, NVSHMEM and CUDA start on
+the others). Pinned, a thread started after the calling thread moved shares its core, and the layout's GPU time
+per call read 191-264 us against 20-24 unpinned (2 x H100): the default leaves the processes unpinned. Each rank
+prints the threads that kept a CPU busy (none but the calling thread in those runs: no helper thread spins).
 
     PYTHONPATH=python:build/python python bench/python_host_overhead.py             # 2 ranks (2 GPUs)
     PYTHONPATH=python:build/python python bench/python_host_overhead.py --ranks 1   # one GPU
