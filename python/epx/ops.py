@@ -49,6 +49,8 @@ def unregister(key: int) -> None:
 
 
 def _buffer(key: int) -> Any:
+    # int(): torch.compile may trace the key (any int argument) as a symbol; the key is a constant of the graph.
+    key = int(key)
     ref = _BUFFERS.get(key)
     live = ref() if ref is not None else None
     if live is None:
@@ -58,11 +60,12 @@ def _buffer(key: int) -> Any:
 
 def _sizes(key: int, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
            num_experts: int, use_fp8: bool, use_ue8m0: bool) -> Tuple[int, int, int, int]:
-    """(ranks, local experts, rows per expert, scale columns) of a dispatch's outputs, from the shapes alone."""
+    """(ranks, local experts, rows per expert, scale columns) of a dispatch's outputs, from the shapes alone: not
+    the token count, which torch.compile may trace as a symbol (a decode loop's batch varies)."""
     live = _buffer(key)
     native_in = _epx.LowLatencyDispatchInput(
-        num_tokens=x.shape[0], num_topk=topk_idx.shape[1], hidden=x.shape[1],
-        num_max_dispatch_tokens_per_rank=num_max_dispatch_tokens_per_rank, num_experts=num_experts,
+        num_tokens=0, num_topk=int(topk_idx.shape[1]), hidden=int(x.shape[1]),
+        num_max_dispatch_tokens_per_rank=int(num_max_dispatch_tokens_per_rank), num_experts=int(num_experts),
         use_fp8=use_fp8, use_ue8m0=use_ue8m0)
     return (live.num_ranks, *live._low_latency_sizes(native_in))
 

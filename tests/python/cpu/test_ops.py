@@ -62,6 +62,21 @@ def test_compiled_step_runs_the_buffers_calls_with_the_dispatchs_handle(buffer, 
     assert combined_with == [dispatched[0][4]]
 
 
+def test_a_compiled_step_takes_any_token_count(buffer):
+    """A decode loop's batch varies: compiled with dynamic shapes, the fakes never need the token count."""
+    key = epx.ops.register(buffer)
+
+    def step(x, ids, weights):
+        recv_x, _, _, src_info, layout_range = torch.ops.epx.low_latency_dispatch(key, x, ids, MAX_TOKENS,
+                                                                                 NUM_EXPERTS, None, False)
+        return torch.ops.epx.low_latency_combine(key, recv_x, ids, weights, src_info, layout_range, MAX_TOKENS,
+                                                 NUM_EXPERTS)
+
+    compiled = torch.compile(step, backend="aot_eager", fullgraph=True, dynamic=True)
+    for num_tokens in (MAX_TOKENS, 5, 3):
+        assert compiled(*inputs(num_tokens)).shape == (num_tokens, HIDDEN)
+
+
 @pytest.mark.parametrize("use_fp8,use_ue8m0", [(False, False), (True, False), (True, True)])
 def test_fakes_describe_the_real_outputs(buffer, use_fp8, use_ue8m0):
     from torch._subclasses.fake_tensor import FakeTensorMode
