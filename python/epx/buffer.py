@@ -464,12 +464,27 @@ class Buffer:
                                       handle, event)
         elif torch_calls is not None and handle is None and after_counts is None and is_token_in_rank is not None \
                 and num_tokens_per_expert is not None:
-            made = self._dispatch_natively(x, topk_idx, topk_weights, num_experts, is_token_in_rank,
-                                           num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
-                                           num_worst_tokens, config, previous_event, async_finish,
-                                           allocate_on_comm_stream, launch_receive)
+            made = self._dispatch_tuple(x, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                        num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
+                                        num_worst_tokens, config, previous_event, async_finish,
+                                        allocate_on_comm_stream, launch_receive)
             if made is not None:
-                return made
+                return DispatchResult(*made[:7])
+        return self._dispatch_in_python(x, handle, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                        num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
+                                        num_worst_tokens, config, previous_event, async_finish,
+                                        allocate_on_comm_stream, after_counts, launch_receive)
+
+    def _dispatch_in_python(self, x: Tokens, handle: Optional[DispatchHandle], topk_idx: Any, topk_weights: Any,
+                            num_experts: Optional[int], is_token_in_rank: Any, num_tokens_per_expert: Any,
+                            num_tokens_per_rank: Any, expert_alignment: int, num_worst_tokens: int,
+                            config: Optional[Config], previous_event: Any, async_finish: bool,
+                            allocate_on_comm_stream: bool,
+                            after_counts: Optional[Callable[[DispatchHandle], Sequence[Any]]],
+                            launch_receive: bool) -> DispatchResult:
+        """dispatch's Python path (checks, outputs and the result in Python, the native calls through _epx):
+        what dispatch runs where the torch extension is not loaded or the call is not its plain case, and
+        deep_ep.Buffer's fallback after its own try of the extension (so the extension is not asked twice)."""
         t = torch()
         with self._input_copies(previous_event):
             tokens = split_tokens(x)
@@ -622,17 +637,6 @@ class Buffer:
         if made is None:
             self._restore_config(previous_config)
         return made
-
-    def _dispatch_natively(self, x: Tokens, topk_idx: Any, topk_weights: Any, num_experts: Optional[int],
-                           is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any,
-                           expert_alignment: int, num_worst_tokens: int, config: Optional[Config],
-                           previous_event: Any, async_finish: bool, allocate_on_comm_stream: bool,
-                           launch_receive: bool) -> Optional[DispatchResult]:
-        """_dispatch_tuple's dispatch as a DispatchResult, or None where it is not the plain case."""
-        made = self._dispatch_tuple(x, topk_idx, topk_weights, num_experts, is_token_in_rank, num_tokens_per_expert,
-                                    num_tokens_per_rank, expert_alignment, num_worst_tokens, config, previous_event,
-                                    async_finish, allocate_on_comm_stream, launch_receive)
-        return None if made is None else DispatchResult(*made[:7])
 
     def _dispatch_tuple(self, x: Tokens, topk_idx: Any, topk_weights: Any, num_experts: Optional[int],
                         is_token_in_rank: Any, num_tokens_per_expert: Any, num_tokens_per_rank: Any,

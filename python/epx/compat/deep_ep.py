@@ -358,14 +358,13 @@ class Buffer:
                 return ((recv_x, recv_scales) if is_fp8 else recv_x), recv_idx, recv_weights, per_expert_list, \
                     normal_handle_tuple(handle, tuple_head), event
         num_experts = num_tokens_per_expert.numel() if num_tokens_per_expert is not None else None
-        # Across nodes the internode tuple's matrices are queued right after the count exchange.
+        # Across nodes the internode tuple's matrices are queued right after the count exchange (with
+        # after_counts epx.Buffer.dispatch takes its Python path); within one node the extension was tried above.
         builder = NormalHandleBuilder() if live._spans_nodes else None
-        result = live.dispatch(x, topk_idx=topk_idx, topk_weights=topk_weights, num_experts=num_experts,
-                               is_token_in_rank=is_token_in_rank, num_tokens_per_expert=num_tokens_per_expert,
-                               num_tokens_per_rank=num_tokens_per_rank, expert_alignment=expert_alignment,
-                               num_worst_tokens=num_worst_tokens, config=config, previous_event=previous_event,
-                               async_finish=async_finish, allocate_on_comm_stream=allocate_on_comm_stream,
-                               after_counts=builder)
+        result = live._dispatch_in_python(x, None, topk_idx, topk_weights, num_experts, is_token_in_rank,
+                                          num_tokens_per_expert, num_tokens_per_rank, expert_alignment,
+                                          num_worst_tokens, config, previous_event, async_finish,
+                                          allocate_on_comm_stream, builder, True)
         recv_x = (result.recv_x, result.recv_x_scales) if is_fp8 else result.recv_x
         handle_tuple = builder.tuple_for(result.handle) if builder is not None else normal_handle_tuple(result.handle)
         return (recv_x, result.recv_topk_idx, result.recv_topk_weights, result.num_recv_tokens_per_expert_list,

@@ -245,6 +245,27 @@ def test_normal_handles_are_freed_by_reference_counting(stub):
         gc.enable()
 
 
+def test_a_dispatch_the_extension_declines_asks_it_once(stub, monkeypatch):
+    """A call that is not the extension's plain case (its dispatch returns None: e.g. column-major FP8 scales)
+    takes the Python path after one try, not a second one inside epx.Buffer.dispatch."""
+    import epx.buffer as buffer_module
+
+    wrapper, _ = stub
+    x, ids, weights, _, _ = ll_inputs()
+    args = layout_args(wrapper, ids, weights)
+    tries = []
+
+    class Declining:
+        def dispatch(self, *arguments):
+            tries.append(1)
+            return None
+
+    monkeypatch.setattr(buffer_module, "torch_calls", Declining())
+    recv_x, _, _, _, handle, _ = wrapper.dispatch(x, **args)
+    assert tries == [1]
+    assert recv_x.shape[1] == HIDDEN and len(handle) == 6
+
+
 def test_extension_views_become_the_handles_views(stub, monkeypatch):
     """A dispatch through the torch extension gets DeepEP's handle arrays as tensors with the call (the 9th item of
     its result): the epx handle keeps them as its views, and deep_ep's tuple is made of them, with no view call of
