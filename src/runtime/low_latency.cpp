@@ -147,6 +147,7 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
     // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
     // anyway: the comm stream would only add two cross-stream hops.
     launch(args, order.compute_stream);
+    state->launched_on_joined = true;
     state->num_calls += 1;
     return {Event{}, LowLatencyRecvHook{}};
   }
