@@ -3,7 +3,7 @@
     import epx.ops
     key = epx.ops.register(buffer)  # an epx.Buffer or a deep_ep.Buffer, in low-latency mode
     recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range = torch.ops.epx.low_latency_dispatch(
-        key, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts)
+        key, x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats)
     combined_x = torch.ops.epx.low_latency_combine(
         key, expert_out, topk_idx, topk_weights, recv_src_info, recv_layout_range, num_max_dispatch_tokens_per_rank,
         num_experts)
@@ -73,9 +73,13 @@ def _sizes(key: int, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_t
 @torch.library.custom_op("epx::low_latency_dispatch", mutates_args=("cumulative_local_expert_recv_stats",))
 def low_latency_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor,
                          num_max_dispatch_tokens_per_rank: int, num_experts: int,
-                         cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+                         cumulative_local_expert_recv_stats: Optional[torch.Tensor], use_fp8: bool = True,
                          round_scale: bool = False, use_ue8m0: bool = False) -> _Outputs:
-    """(recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range): Buffer.low_latency_dispatch's."""
+    """(recv_x, recv_x_scales, recv_count, recv_src_info, recv_layout_range): Buffer.low_latency_dispatch's.
+
+    cumulative_local_expert_recv_stats (the one argument the op writes) has no default, None included: torch's
+    dispatcher drops trailing arguments equal to their defaults before it calls a Python kernel, and torch 2.11's
+    in-place bookkeeping for a custom op then indexes past the arguments it was given."""
     # Outputs in allocations of their own: a custom op's outputs may not share storage (torch checks).
     recv_x, recv_scales, recv_count, handle, _, _, src_info = _buffer(buffer)._low_latency_dispatch(
         x, topk_idx, num_max_dispatch_tokens_per_rank, num_experts, cumulative_local_expert_recv_stats, None,
@@ -88,7 +92,7 @@ def low_latency_dispatch(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor,
 
 @low_latency_dispatch.register_fake
 def _(buffer: int, x: torch.Tensor, topk_idx: torch.Tensor, num_max_dispatch_tokens_per_rank: int,
-      num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor] = None, use_fp8: bool = True,
+      num_experts: int, cumulative_local_expert_recv_stats: Optional[torch.Tensor], use_fp8: bool = True,
       round_scale: bool = False, use_ue8m0: bool = False) -> _Outputs:
     num_ranks, num_local, num_rows, columns = _sizes(buffer, x, topk_idx, num_max_dispatch_tokens_per_rank,
                                                      num_experts, use_fp8, use_ue8m0)

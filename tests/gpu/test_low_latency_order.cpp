@@ -19,9 +19,9 @@ using epx::test::DeviceArray;
 
 enum class NextCall { kOtherStream, kPreviousEvent };
 
-// One rank on one GPU. Call 1 from stream a joins a; call 2 from a launches straight on a, behind a gate held on
-// a; call 3 (async_finish, on the comm stream) comes from stream b, or from a with a previous event recorded on
-// b. Call 3 must not finish while the gate holds call 2.
+// One rank on one GPU. Call 1 from stream a joins a; call 2 from a launches straight on a, behind a gate held
+// on a; call 3 (async_finish, on the comm stream) comes from stream b, or from a with a previous event
+// recorded on b. Call 3 must not finish while the gate holds call 2.
 void check_next_call_waits_for_the_joined_stream(NextCall next) {
   const epx::LocalLaunchResult result = epx::launch_local({}, [next](epx::Bootstrap& bootstrap) {
     EPX_CUDA_CHECK(cudaSetDevice(0));

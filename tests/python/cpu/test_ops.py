@@ -99,7 +99,15 @@ def test_fakes_describe_the_real_outputs(buffer, use_fp8, use_ue8m0):
 def test_a_key_that_is_not_registered_is_named(buffer):
     x, ids, _ = inputs()
     with pytest.raises(epx.EpxError, match="buffer = 12345: not a registered Buffer"):
-        torch.ops.epx.low_latency_dispatch(12345, x, ids, MAX_TOKENS, NUM_EXPERTS)
+        torch.ops.epx.low_latency_dispatch(12345, x, ids, MAX_TOKENS, NUM_EXPERTS, None)
+
+
+def test_the_written_argument_has_no_default():
+    """torch's dispatcher drops trailing arguments equal to their defaults before a Python kernel; torch 2.11's
+    in-place bookkeeping then indexed the written argument past the end (IndexError on a GPU). Without a default it
+    is always passed."""
+    schema = str(torch.ops.epx.low_latency_dispatch.default._schema)
+    assert "? cumulative_local_expert_recv_stats," in schema, schema
 
 
 def test_the_dispatch_op_takes_outputs_of_their_own_not_the_extensions_blocks(monkeypatch):

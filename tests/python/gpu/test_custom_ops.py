@@ -57,17 +57,21 @@ def custom_ops_worker(rank, num_ranks, group):
         combine(key, expert_out, topk_idx, weights, real[3], real[4], MAX_TOKENS, num_experts)
 
     # Inductor: the expert step (rows x 2, exact in BF16) compiled between the two ops; as the eager call.
-    def with_expert(x, topk_idx, weights):
-        recv_x, _, _, src_info, layout_range = dispatch(key, x, topk_idx, MAX_TOKENS, num_experts, None, False)
-        return combine(key, recv_x * 2, topk_idx, weights, src_info, layout_range, MAX_TOKENS, num_experts)
+    def with_expert(x, topk_idx, weights, stats):
+        recv_x, _, recv_count, src_info, layout_range = dispatch(key, x, topk_idx, MAX_TOKENS, num_experts, stats,
+                                                                 False)
+        return combine(key, recv_x * 2, topk_idx, weights, src_info, layout_range, MAX_TOKENS, num_experts), recv_count
 
     world = World(num_ranks, num_experts, 402, Case())
     x, topk_idx, weights, _ = world.inputs(rank, device)
-    eager = with_expert(x, topk_idx, weights)
+    # The op writes the statistics in place (its one mutated argument): both calls add to them.
+    stats = torch.zeros(num_experts // num_ranks, dtype=torch.int32, device=device)
+    eager, recv_count = with_expert(x, topk_idx, weights, stats)
     dist.barrier(group)
-    inductor = torch.compile(with_expert, fullgraph=True, dynamic=False)(x, topk_idx, weights)
+    inductor, _ = torch.compile(with_expert, fullgraph=True, dynamic=False)(x, topk_idx, weights, stats)
     waits_succeeded(buffer.runtime)
     assert torch.equal(eager, inductor)
+    assert torch.equal(stats, 2 * recv_count)
     epx.ops.unregister(key)
     with pytest.raises(Exception, match="not a registered Buffer"):
         dispatch(key, x, topk_idx, MAX_TOKENS, num_experts, None, False)
