@@ -49,6 +49,20 @@ EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
   return entry & ((1 << kRecvIndexTopkBits) - 1);
 }
 
+// A dispatch count word: a list length (low 32 bits) under the tag of the call that stored it (high 32 bits:
+// the half's use number + 1, never 0), stored and read as one 8-byte word. A receiver that reads its call's
+// tag holds that call's length without waiting for the source's flag, so it counts and scans while the rows
+// still travel. Zeroed words (a fresh or cleaned buffer) carry no call's tag.
+EPX_HD constexpr uint64_t pack_dispatch_count(int length, int tag) {
+  return (uint64_t(uint32_t(tag)) << 32) | uint32_t(length);
+}
+EPX_HD constexpr int dispatch_count_tag(uint64_t word) {
+  return int(uint32_t(word >> 32));
+}
+EPX_HD constexpr int dispatch_count_length(uint64_t word) {
+  return int(uint32_t(word));
+}
+
 // One dispatched token's listings (sent beside its message when the dispatch has top-k weights): the token's
 // whole top-k, kMaxTopk int32 expert ids (-1 for none) then kMaxTopk float weights, so that a receiver finds
 // every listing of the token on its own rank (the pre-reduced combine's table).
@@ -100,7 +114,7 @@ constexpr int kNumLowLatencyOps = 2;
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G+W]   LogFMT group metadata and fallback bits of those rows (staging for RDMA)
 //   per half h in {0, 1}:
-//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le
+//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le (pack_dispatch_count)
 //     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
@@ -219,7 +233,7 @@ struct LowLatencyBufferMap {
 
   // ---- Per-half data regions, offsets relative to the half ----
   EPX_HD size_t dispatch_recv_counts_bytes() const {
-    return align_up(sizeof(int) * size_t(num_experts), kLowLatencyAlign);  // L*R == E
+    return align_up(sizeof(uint64_t) * size_t(num_experts), kLowLatencyAlign);  // L*R == E
   }
   EPX_HD size_t dispatch_recv_index_bytes() const {
     return align_up(sizeof(int) * size_t(num_experts) * num_max_tokens, kLowLatencyAlign);
@@ -313,7 +327,7 @@ struct LowLatencyBufferMap {
   }
   EPX_HD size_t dispatch_recv_count_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_counts_rel() +
-           sizeof(int) * (size_t(local_expert) * num_ranks + src_rank);
+           sizeof(uint64_t) * (size_t(local_expert) * num_ranks + src_rank);
   }
   // Start of the int list [M] of (local_expert, src_rank); entry i = token << 4 | top-k position.
   EPX_HD size_t dispatch_recv_index_offset(int half, int local_expert, int src_rank) const {

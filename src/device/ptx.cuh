@@ -43,6 +43,18 @@ __device__ __forceinline__ int ld_relaxed_sys(const int* address) {
   return value;
 }
 
+// Within a block (a generic address, shared memory included): a release store and an acquire load at CTA
+// scope, so a thread that reads the flag also sees what the writer saw before it (its acquires included).
+__device__ __forceinline__ void st_release_cta(int* address, int value) {
+  asm volatile("st.release.cta.s32 [%0], %1;" ::"l"(address), "r"(value) : "memory");
+}
+
+__device__ __forceinline__ int ld_acquire_cta(const int* address) {
+  int value;
+  asm volatile("ld.acquire.cta.s32 %0, [%1];" : "=r"(value) : "l"(address) : "memory");
+  return value;
+}
+
 // One 64-bit word read or written whole (single-copy atomic when 8-byte aligned), with no ordering: for
 // words that carry their own validity (tagged counts).
 __device__ __forceinline__ uint64_t ld_relaxed_sys_u64(const uint64_t* address) {

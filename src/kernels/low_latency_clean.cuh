@@ -25,6 +25,12 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
       static_cast<int>((map.control_end_offset() - map.signals_offset(0)) / sizeof(int));
   int* signals = local_at<int>(peers, map.signals_offset(0));
   for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
+  // The dispatch count words: the use numbers restart, so a word stored before the clean could carry the tag
+  // of a call after it (pack_dispatch_count).
+  for (int half = 0; half < 2; ++half) {
+    uint64_t* words = local_at<uint64_t>(peers, map.dispatch_recv_count_offset(half, 0, 0));
+    for (int i = threadIdx.x; i < map.num_experts; i += kNumThreads) words[i] = 0;
+  }
   // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
   // rank's signal, and a peer sends again only after it saw every rank's signal.
   __threadfence_system();

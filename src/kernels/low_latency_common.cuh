@@ -212,6 +212,51 @@ struct SourceWait {
   unsigned long long left_out;
 };
 
+// How one source's wait ended (wait_source).
+enum class SourceOutcome {
+  kArrived,  // the flag reached its target and the source's shapes are this rank's
+  kLeftOut,  // enable_shrink: left out (this block's wait or another's timed out); read nothing of it
+  kFailed,   // abandoned (group aborted), timed out, or shapes that differ (this rank aborts the group)
+};
+
+// The bounded wait of one unmasked source `src` for operation `expected` (wait_all_sources' per source).
+// Block 0 adds the waited time to wait_cost_stats[src]; a left-out source's bit goes into `left_out` (block
+// shared memory).
+template <typename Remote>
+__device__ __forceinline__ SourceOutcome wait_source(const PeerContext& peers, const LowLatencyBufferMap& map,
+                                                     int half, LowLatencyOp op, int expected, WaitPhase phase,
+                                                     int64_t* wait_cost_stats, const ShapeFingerprint& shape,
+                                                     const LowLatencyMaskArgs& mask, unsigned long long* left_out,
+                                                     int src, uint64_t start) {
+  const device::WaitContext ctx = wait_context(peers);
+  const int* flag = local_at<int>(peers, map.recv_flag_offset(half, op, src));
+  bool ok = true;
+  if (!mask.shrink) {
+    ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
+  } else {
+    const device::WaitOutcome outcome = device::wait_at_least_outcome(flag, flag_target(expected), ctx, src,
+                                                                      phase, device::OnTimeout::kGiveUp);
+    ok = outcome == device::WaitOutcome::kArrived;
+    if (outcome != device::WaitOutcome::kAborted) {
+      int* decision = local_at<int>(peers, map.source_decision_offset(half, op, src));
+      if (decide_source(decision, expected, ok)) {
+        // Another block saw the flag: it is there, this look finds it.
+        if (!ok) ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
+      } else {
+        if (!ok) mask_timed_out_peer(mask, src);  // the block whose wait timed out (not a late flag)
+        atomicOr(left_out, 1ull << src);
+        return SourceOutcome::kLeftOut;
+      }
+    }
+  }
+  if (ok) ok = source_shape_agrees<Remote>(ctx, peers, map, half, op, src, shape);
+  if (wait_cost_stats != nullptr && blockIdx.x == 0) {
+    atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
+              static_cast<unsigned long long>(device::global_timer_ns() - start));
+  }
+  return ok ? SourceOutcome::kArrived : SourceOutcome::kFailed;
+}
+
 // Every block waits until every unmasked source in `wanted` (all by default) published operation `expected`
 // (its flag reached flag_target(expected)); block 0 adds the waited time per source. `arrived` is false (for
 // the whole block) when a wait was abandoned (the group is aborted) or a source's shapes differ (then this
@@ -224,37 +269,12 @@ __device__ __forceinline__ SourceWait wait_all_sources(
     WaitPhase phase, int64_t* wait_cost_stats, const ShapeFingerprint& shape, const LowLatencyMaskArgs& mask,
     unsigned long long* left_out, unsigned long long wanted = ~0ull) {
   const uint64_t start = device::global_timer_ns();
-  const device::WaitContext ctx = wait_context(peers);
   const unsigned long long masked = *left_out;
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
     if (rank_masked(masked, src) || ((wanted >> src) & 1ull) == 0) continue;
-    const int* flag = local_at<int>(peers, map.recv_flag_offset(half, op, src));
-    bool ok = true;
-    if (!mask.shrink) {
-      ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
-    } else {
-      const device::WaitOutcome outcome = device::wait_at_least_outcome(flag, flag_target(expected), ctx, src,
-                                                                        phase, device::OnTimeout::kGiveUp);
-      ok = outcome == device::WaitOutcome::kArrived;
-      if (outcome != device::WaitOutcome::kAborted) {
-        int* decision = local_at<int>(peers, map.source_decision_offset(half, op, src));
-        if (decide_source(decision, expected, ok)) {
-          // Another block saw the flag: it is there, this look finds it.
-          if (!ok) ok = device::try_wait_at_least(flag, flag_target(expected), ctx, src, phase);
-        } else {
-          if (!ok) mask_timed_out_peer(mask, src);  // the block whose wait timed out (not a late flag)
-          atomicOr(left_out, 1ull << src);
-          continue;
-        }
-      }
-    }
-    if (ok) ok = source_shape_agrees<Remote>(ctx, peers, map, half, op, src, shape);
-    arrived &= ok;
-    if (wait_cost_stats != nullptr && blockIdx.x == 0) {
-      atomicAdd(reinterpret_cast<unsigned long long*>(wait_cost_stats + src),
-                static_cast<unsigned long long>(device::global_timer_ns() - start));
-    }
+    arrived &= wait_source<Remote>(peers, map, half, op, expected, phase, wait_cost_stats, shape, mask, left_out,
+                                   src, start) != SourceOutcome::kFailed;
   }
   // The waiting threads' acquires (and left_out) extend to the whole block through the barrier.
   const bool all_arrived = __syncthreads_and(arrived) != 0;
@@ -275,32 +295,48 @@ __device__ __forceinline__ void finish_receive(const PeerContext& peers, const L
   }
 }
 
-// In-place exclusive prefix sum of data[0, n) in shared memory by the whole block; data[n] = total.
-// warp_sums: kNumWarps ints of shared scratch.
-__device__ __forceinline__ void block_exclusive_scan(int* data, int n, int* warp_sums) {
+// In-place exclusive prefix sum of data[0, n) in shared memory by warps [first_warp, kNumWarps) of the block,
+// which alone call it (first_warp 0: the whole block, its barrier; else named barrier 1 over those warps);
+// data[n] = total. warp_sums: kNumWarps ints of shared scratch.
+__device__ __forceinline__ void warps_exclusive_scan(int* data, int n, int* warp_sums, int first_warp) {
+  const int num_threads = kNumThreads - 32 * first_warp;
+  const auto sync = [&] {
+    if (first_warp == 0) {
+      __syncthreads();
+    } else {
+      device::named_barrier_sync(1, num_threads);
+    }
+  };
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
-  const int per_thread = (n + kNumThreads - 1) / kNumThreads;
-  const int begin = min(n, static_cast<int>(threadIdx.x) * per_thread);
+  const int thread = static_cast<int>(threadIdx.x) - 32 * first_warp;
+  const int per_thread = (n + num_threads - 1) / num_threads;
+  const int begin = min(n, thread * per_thread);
   const int end = min(n, begin + per_thread);
   int sum = 0;
   for (int i = begin; i < end; ++i) sum += data[i];
   const int inclusive = warp_inclusive_sum(sum, lane);
   if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  if (warp == 0) {
-    const int warp_total = warp_inclusive_sum(lane < kNumWarps ? warp_sums[lane] : 0, lane);
-    if (lane < kNumWarps) warp_sums[lane] = warp_total;
+  sync();
+  if (warp == first_warp) {
+    const bool mine = lane >= first_warp && lane < kNumWarps;
+    const int warp_total = warp_inclusive_sum(mine ? warp_sums[lane] : 0, lane);
+    if (mine) warp_sums[lane] = warp_total;
   }
-  __syncthreads();
-  int running = inclusive - sum + (warp > 0 ? warp_sums[warp - 1] : 0);
+  sync();
+  int running = inclusive - sum + (warp > first_warp ? warp_sums[warp - 1] : 0);
   for (int i = begin; i < end; ++i) {
     const int value = data[i];
     data[i] = running;
     running += value;
   }
-  if (threadIdx.x == 0) data[n] = warp_sums[kNumWarps - 1];
-  __syncthreads();
+  if (thread == 0) data[n] = warp_sums[kNumWarps - 1];
+  sync();
+}
+
+// warps_exclusive_scan by the whole block.
+__device__ __forceinline__ void block_exclusive_scan(int* data, int n, int* warp_sums) {
+  warps_exclusive_scan(data, n, warp_sums, 0);
 }
 
 // The (local expert, source rank) pair p, flattened as le * R + src, holding flat row j: the largest p with

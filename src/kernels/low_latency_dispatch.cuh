@@ -32,7 +32,10 @@ struct DispatchSmallSmem {
   int num_remote;
   int warp_sums[kNumWarps];
   unsigned long long masked;        // the rank mask as this launch sees it (load_rank_mask)
-  unsigned long long left_out;      // sources the receive leaves out (wait_all_sources)
+  unsigned long long left_out;      // sources the receive leaves out (wait_and_scan_counts)
+  // How each source's wait ended, for the warps that poll its counts meanwhile: 0 still waiting, 1 arrived,
+  // 2 left out or failed (wait_and_scan_counts).
+  int source_state[kMaxLowLatencyRanks];
   int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
 };
 
@@ -114,19 +117,21 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
   return pre;
 }
 
-// Expert `expert`'s list length into the count word its owner polls (nothing goes to a masked rank).
+// Expert `expert`'s list length into the count word its owner polls, under this call's `tag` (nothing goes to
+// a masked rank).
 template <typename Remote>
 __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& args,
-                                                  unsigned long long masked, int expert, int length) {
+                                                  unsigned long long masked, int tag, int expert, int length) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
   if (rank_masked(masked, dst)) return;
   const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+  const uint64_t word = pack_dispatch_count(length, tag);
   if (is_direct<Remote>(args.peers, dst)) {
-    *peer_at<int>(args.peers, dst, offset) = length;
+    device::st_relaxed_sys_u64(peer_at<uint64_t>(args.peers, dst, offset), word);
   } else {
-    Remote::put_int(local_at<int>(args.peers, offset), length, dst);
+    Remote::put_u64(local_at<uint64_t>(args.peers, offset), word, dst);
   }
 }
 
@@ -151,7 +156,7 @@ __device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& a
 // histogram, scan or load of the token's other ids; the block then stores every expert's list length.
 template <typename Remote>
 __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengths, unsigned long long masked,
-                                  const SendPreload& pre) {
+                                  int tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) lengths[expert] = 0;
@@ -176,7 +181,7 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
   __syncthreads();
   stamp_phase(args.phase_stamps, kStampHistogram);
   for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads)
-    store_list_length<Remote>(args, masked, expert, lengths[expert]);
+    store_list_length<Remote>(args, masked, tag, expert, lengths[expert]);
   stamp_phase(args.phase_stamps, kStampCountsStored);
   if constexpr (Remote::kEnabled) put_staged_lists<Remote>(args, lengths);
   stamp_phase(args.phase_stamps, kStampCounted);
@@ -188,7 +193,7 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
 // every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
-__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked, int tag,
                               const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
@@ -196,7 +201,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   if (args.in.num_tokens * args.in.num_topk <= kFewEntries) {
-    route_few_entries<Remote>(args, hist, masked, pre);
+    route_few_entries<Remote>(args, hist, masked, tag, pre);
     return;
   }
 
@@ -233,7 +238,7 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
       hist[w * num_experts + expert] = running;
       running += count;
     }
-    store_list_length<Remote>(args, masked, expert, running);
+    store_list_length<Remote>(args, masked, tag, expert, running);
   }
   __syncthreads();
   stamp_phase(args.phase_stamps, kStampCountsStored);
@@ -497,9 +502,76 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
   }
 }
 
-// `aborted`: the group was aborted before this launch; the receive then waits for nothing and, like a
-// receive whose waits were abandoned, reports every count as 0 (nothing peers wrote is read). Sources left
-// out (masked, or timed out with enable_shrink) count 0 rows.
+// The receive's wait, with the counts read and scanned while the rows still travel. The first ceil(R / 32)
+// warps wait for the sources' flags (wait_source) and post each outcome in source_state; the other warps poll
+// the count words, which carry their call's tag (a source stores them before the rows its flag releases, so
+// they are usually all there before the flags), and scan them into `prefix` ([E + 1]). A word still without
+// this call's tag when its source's wait ended is read once more after an arrival, and counts 0 for a source
+// left out. Returns what wait_all_sources would; `prefix` holds the scan of the counts of every source not
+// left out, or 0 rows everywhere unless every source arrived.
+// `aborted`: the group was aborted before this launch: nothing is waited for and every count is 0.
+template <typename Remote>
+__device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
+                                           int num_uses, bool aborted) {
+  const LowLatencyBufferMap& map = args.map;
+  const PeerContext& peers = args.peers;
+  const int num_ranks = map.num_ranks;
+  const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E, stored le * R + src
+  const int expected = num_uses + 1;
+  const int waiter_warps = (num_ranks + 31) / 32;
+  const unsigned long long masked = small.left_out;  // the rank mask, until a wait leaves a source out
+  const uint64_t* words = local_at<uint64_t>(peers, map.dispatch_recv_count_offset(args.half, 0, 0));
+  bool arrived = true;
+  if (static_cast<int>(threadIdx.x) < 32 * waiter_warps) {
+    const int src = static_cast<int>(threadIdx.x);
+    if (src < num_ranks && !rank_masked(masked, src)) {
+      const SourceOutcome outcome =
+          aborted ? SourceOutcome::kFailed
+                  : wait_source<Remote>(peers, map, args.half, LowLatencyOp::kDispatch, expected,
+                                        WaitPhase::kLowLatencyDispatchRecv, args.in.dispatch_wait_recv_cost_stats,
+                                        args.shape, args.mask, &small.left_out, src, device::global_timer_ns());
+      arrived = outcome != SourceOutcome::kFailed;
+      device::st_release_cta(&small.source_state[src], outcome == SourceOutcome::kArrived ? 1 : 2);
+    }
+  } else {
+    const int first_thread = 32 * waiter_warps;
+    for (int p = static_cast<int>(threadIdx.x) - first_thread; p < num_pairs; p += kNumThreads - first_thread) {
+      const int src = p % num_ranks;
+      int length = 0;
+      while (!aborted && !rank_masked(masked, src)) {
+        const uint64_t word = device::ld_relaxed_sys_u64(words + p);
+        if (dispatch_count_tag(word) == expected) {
+          length = dispatch_count_length(word);
+          break;
+        }
+        const int state = device::ld_acquire_cta(&small.source_state[src]);
+        if (state != 0) {
+          const uint64_t last = device::ld_relaxed_sys_u64(words + p);
+          length = state == 1 && dispatch_count_tag(last) == expected ? dispatch_count_length(last) : 0;
+          break;
+        }
+      }
+      prefix[p] = length;
+    }
+    warps_exclusive_scan(prefix, num_pairs, small.warp_sums, waiter_warps);
+  }
+  // The waiters' acquires (and left_out) extend to the whole block through the barrier.
+  const bool all_arrived = __syncthreads_and(arrived) != 0;
+  const unsigned long long left_out = small.left_out;
+  if (!all_arrived || left_out != masked) {
+    // A wait failed, or left a source out whose counts the pollers may have taken: count again.
+    for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
+      const uint64_t word =
+          all_arrived && !rank_masked(left_out, p % num_ranks) ? device::ld_relaxed_sys_u64(words + p) : 0;
+      prefix[p] = dispatch_count_tag(word) == expected ? dispatch_count_length(word) : 0;
+    }
+    __syncthreads();
+    block_exclusive_scan(prefix, num_pairs, small.warp_sums);
+  }
+  return SourceWait{all_arrived, left_out};
+}
+
+// Sources left out (masked, or timed out with enable_shrink) count 0 rows.
 template <typename Remote, bool kListings>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
                                int num_uses, bool aborted) {
@@ -507,20 +579,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E
-  const SourceWait wait = aborted ? SourceWait{false, 0ull}
-                                  : wait_all_sources<Remote>(peers, map, args.half, LowLatencyOp::kDispatch,
-                                                             num_uses + 1, WaitPhase::kLowLatencyDispatchRecv,
-                                                             args.in.dispatch_wait_recv_cost_stats,
-                                                             args.shape, args.mask, &small.left_out);
+  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, aborted);
   stamp_phase(args.phase_stamps, kStampArrived);
-  int* warp_sums = small.warp_sums;
-
-  // Counts are stored pair-major (le * R + src), which is also the packed output order.
-  const int* counts = local_at<int>(peers, map.dispatch_recv_count_offset(args.half, 0, 0));
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
-    prefix[p] = wait.arrived && !rank_masked(wait.left_out, p % num_ranks) ? __ldcg(counts + p) : 0;
-  __syncthreads();
-  block_exclusive_scan(prefix, num_pairs, warp_sums);
   stamp_phase(args.phase_stamps, kStampScanned);
 
   if (blockIdx.x == 0) {
@@ -586,6 +646,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.map, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
+  // No source's wait has ended yet (the prologue's barrier orders this before every use).
+  if ((args.phases & kLowLatencyRecv) && threadIdx.x < kMaxLowLatencyRanks) small.source_state[threadIdx.x] = 0;
   const SendPreload pre = args.phases & kLowLatencySend ? preload_send(args) : SendPreload{};
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
   // hands the mask to every thread (its load is in flight with the abort word's).
@@ -597,7 +659,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
-    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, pre);
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, num_uses + 1, pre);
     send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(

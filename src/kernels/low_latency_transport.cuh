@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "device/ptx.cuh"
 #include "kernels/normal_kernels.hpp"
@@ -13,6 +14,7 @@
 //   put_warp(dst, src, bytes, rank) warp-collective, non-blocking put of [src, src + bytes) of this rank's
 //                                   buffer to symmetric address `dst` (this rank's address of the place)
 //   put_int(dst, value, rank)       one int, from one thread
+//   put_u64(dst, value, rank)       one 8-byte word, whole, from one thread
 //   quiet()                         every put this thread issued is complete (sources reusable, data at the
 //                                   target)
 // The NVSHMEM policy lives in transport/nvshmem, which builds these kernels a second time with it.
@@ -22,6 +24,7 @@ struct NoRemote {
   static constexpr bool kEnabled = false;
   __device__ static void put_warp(void*, const void*, size_t, int) {}
   __device__ static void put_int(int*, int, int) {}
+  __device__ static void put_u64(uint64_t*, uint64_t, int) {}
   __device__ static void quiet() {}
 };
 

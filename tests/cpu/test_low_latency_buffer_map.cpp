@@ -165,9 +165,10 @@ void check_structure(const LowLatencyBufferMap& map) {
       expect_inside(regions, "signals" + h, map.recv_done_offset(half, op), sizeof(int));
     }
     expect_inside(regions, "dispatch_recv_counts" + h, map.dispatch_recv_count_offset(half, 0, 0),
-                  sizeof(int));
+                  sizeof(uint64_t));
     expect_inside(regions, "dispatch_recv_counts" + h,
-                  map.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(int));
+                  map.dispatch_recv_count_offset(half, num_local - 1, last_rank), sizeof(uint64_t));
+    EXPECT_EQ(map.dispatch_recv_count_offset(half, 0, 0) % sizeof(uint64_t), 0u);  // one 8-byte store
     expect_inside(regions, "dispatch_recv_index" + h,
                   map.dispatch_recv_index_offset(half, num_local - 1, last_rank),
                   sizeof(int) * map.num_max_tokens);
@@ -222,7 +223,7 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(map.control_end_offset() - queues, 1536u);  // 2 x signals, then the shape slots
   EXPECT_EQ(map.combine_send_bytes(), 528482304u);      // [72][512][7168] BF16
   EXPECT_EQ(map.signals_bytes(), 128u);
-  EXPECT_EQ(map.dispatch_recv_counts_bytes(), 1152u);
+  EXPECT_EQ(map.dispatch_recv_counts_bytes(), 2304u);  // [72][4] tagged 8-byte words
   EXPECT_EQ(map.dispatch_recv_index_bytes(), 147456u);
   EXPECT_EQ(map.dispatch_send_msgs_bytes(), 1835008u);
   EXPECT_EQ(map.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
@@ -231,9 +232,9 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(map.combine_recv_slots_bytes(), 29851648u);
   EXPECT_EQ(map.dispatch_send_index_bytes(), 147456u);
   EXPECT_EQ(map.combine_send_meta_bytes(), 8552448u);  // [72][512][56 + 2] words
-  EXPECT_EQ(map.half_bytes(), 39322752u);
+  EXPECT_EQ(map.half_bytes(), 39323904u);
   EXPECT_EQ(map.listings_half_bytes(), 81920u);
-  EXPECT_EQ(map.total_bytes() - queues, 615845632u);
+  EXPECT_EQ(map.total_bytes() - queues, 615847936u);
   EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
   check_structure(map);
 }
@@ -259,7 +260,7 @@ TEST(LowLatencyBufferMap, OddShapes) {
   }
   {
     const LowLatencyBufferMap map(256, 4096, 8, 256);
-    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653202176u);
+    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653204224u);
     EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
     check_structure(map);
   }
@@ -338,6 +339,18 @@ TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
       EXPECT_EQ(epx::recv_index_entry_topk_pos(entry), topk_pos);
     }
   }
+}
+
+// A count word keeps its length and its call's tag apart, at both extremes; a zeroed word has no call's tag.
+TEST(LowLatencyBufferMap, CountWordKeepsLengthAndTag) {
+  for (int length : {0, 1, 4096, epx::kMaxLowLatencyTokensPerRank}) {
+    for (int tag : {1, 2, 0x7fffffff, -1}) {
+      const uint64_t word = epx::pack_dispatch_count(length, tag);
+      EXPECT_EQ(epx::dispatch_count_length(word), length);
+      EXPECT_EQ(epx::dispatch_count_tag(word), tag);
+    }
+  }
+  EXPECT_NE(epx::dispatch_count_tag(0), 1);
 }
 
 }  // namespace

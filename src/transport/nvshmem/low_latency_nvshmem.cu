@@ -19,6 +19,9 @@ struct NvshmemRemote {
   __device__ static void put_int(int* dst, int value, int rank) {
     transport::nvshmem::put_int(dst, value, rank);
   }
+  __device__ static void put_u64(uint64_t* dst, uint64_t value, int rank) {
+    transport::nvshmem::put_u64(dst, value, rank);
+  }
   __device__ static void quiet() { transport::nvshmem::quiet(); }
 };
 

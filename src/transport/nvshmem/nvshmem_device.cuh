@@ -5,7 +5,7 @@
 #include <cstdint>
 
 // The NVSHMEM transport's device side: the small interface EPX kernels use to reach a rank that is not an
-// NVLink peer (put a contiguous block, put one int, complete). Public NVSHMEM API
+// NVLink peer (put a contiguous block, put one int or 8-byte word, complete). Public NVSHMEM API
 // only. Addresses are symmetric: pass this rank's address of the remote location.
 namespace epx::transport::nvshmem {
 
@@ -18,6 +18,11 @@ __device__ __forceinline__ void put_block_warp(void* dst, const void* src, size_
 // One int to `rank` (blocking: `*dst` on this rank may change right after).
 __device__ __forceinline__ void put_int(int* dst, int value, int rank) {
   nvshmem_int_p(dst, value, rank);
+}
+
+// One 8-byte word to `rank`, whole (blocking, like put_int).
+__device__ __forceinline__ void put_u64(uint64_t* dst, uint64_t value, int rank) {
+  nvshmem_uint64_p(dst, value, rank);
 }
 
 // Every put this thread issued is complete (sources reusable, data visible at the target).
