@@ -226,8 +226,8 @@ template <typename Remote>
 __device__ __forceinline__ SourceOutcome wait_source(const PeerContext& peers, const LowLatencyBufferMap& map,
                                                      int half, LowLatencyOp op, int expected, WaitPhase phase,
                                                      int64_t* wait_cost_stats, const ShapeFingerprint& shape,
-                                                     const LowLatencyMaskArgs& mask, unsigned long long* left_out,
-                                                     int src, uint64_t start) {
+                                                     const LowLatencyMaskArgs& mask,
+                                                     unsigned long long* left_out, int src, uint64_t start) {
   const device::WaitContext ctx = wait_context(peers);
   const int* flag = local_at<int>(peers, map.recv_flag_offset(half, op, src));
   bool ok = true;
@@ -273,8 +273,8 @@ __device__ __forceinline__ SourceWait wait_all_sources(
   bool arrived = true;
   for (int src = threadIdx.x; src < peers.num_ranks; src += blockDim.x) {
     if (rank_masked(masked, src) || ((wanted >> src) & 1ull) == 0) continue;
-    arrived &= wait_source<Remote>(peers, map, half, op, expected, phase, wait_cost_stats, shape, mask, left_out,
-                                   src, start) != SourceOutcome::kFailed;
+    arrived &= wait_source<Remote>(peers, map, half, op, expected, phase, wait_cost_stats, shape, mask,
+                                   left_out, src, start) != SourceOutcome::kFailed;
   }
   // The waiting threads' acquires (and left_out) extend to the whole block through the barrier.
   const bool all_arrived = __syncthreads_and(arrived) != 0;

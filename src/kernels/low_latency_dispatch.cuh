@@ -31,8 +31,8 @@ struct DispatchSmallSmem {
   int remote_dsts[kMaxTopk];  // destinations reached by puts from the staging slot
   int num_remote;
   int warp_sums[kNumWarps];
-  unsigned long long masked;        // the rank mask as this launch sees it (load_rank_mask)
-  unsigned long long left_out;      // sources the receive leaves out (wait_and_scan_counts)
+  unsigned long long masked;    // the rank mask as this launch sees it (load_rank_mask)
+  unsigned long long left_out;  // sources the receive leaves out (wait_and_scan_counts)
   // How each source's wait ended, for the warps that poll its counts meanwhile: 0 still waiting, 1 arrived,
   // 2 left out or failed (wait_and_scan_counts).
   int source_state[kMaxLowLatencyRanks];
@@ -121,7 +121,8 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
 // a masked rank).
 template <typename Remote>
 __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& args,
-                                                  unsigned long long masked, int tag, int expert, int length) {
+                                                  unsigned long long masked, int tag, int expert,
+                                                  int length) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
@@ -193,8 +194,8 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
 // every warp histograms a contiguous segment of the T*K entries, a scan over warps gives each warp's base per
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
-__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked, int tag,
-                              const SendPreload& pre) {
+__device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
+                              int tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   const int num_local = map.num_local_experts();
@@ -511,8 +512,8 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
 // left out, or 0 rows everywhere unless every source arrived.
 // `aborted`: the group was aborted before this launch: nothing is waited for and every count is 0.
 template <typename Remote>
-__device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
-                                           int num_uses, bool aborted) {
+__device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix,
+                                           DispatchSmallSmem& small, int num_uses, bool aborted) {
   const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
@@ -526,16 +527,18 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     const int src = static_cast<int>(threadIdx.x);
     if (src < num_ranks && !rank_masked(masked, src)) {
       const SourceOutcome outcome =
-          aborted ? SourceOutcome::kFailed
-                  : wait_source<Remote>(peers, map, args.half, LowLatencyOp::kDispatch, expected,
-                                        WaitPhase::kLowLatencyDispatchRecv, args.in.dispatch_wait_recv_cost_stats,
-                                        args.shape, args.mask, &small.left_out, src, device::global_timer_ns());
+          aborted
+              ? SourceOutcome::kFailed
+              : wait_source<Remote>(peers, map, args.half, LowLatencyOp::kDispatch, expected,
+                                    WaitPhase::kLowLatencyDispatchRecv, args.in.dispatch_wait_recv_cost_stats,
+                                    args.shape, args.mask, &small.left_out, src, device::global_timer_ns());
       arrived = outcome != SourceOutcome::kFailed;
       device::st_release_cta(&small.source_state[src], outcome == SourceOutcome::kArrived ? 1 : 2);
     }
   } else {
     const int first_thread = 32 * waiter_warps;
-    for (int p = static_cast<int>(threadIdx.x) - first_thread; p < num_pairs; p += kNumThreads - first_thread) {
+    for (int p = static_cast<int>(threadIdx.x) - first_thread; p < num_pairs;
+         p += kNumThreads - first_thread) {
       const int src = p % num_ranks;
       int length = 0;
       while (!aborted && !rank_masked(masked, src)) {
@@ -647,7 +650,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   const int num_uses = read_num_uses(args.peers, args.map, args.half, LowLatencyOp::kDispatch);
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // No source's wait has ended yet (the prologue's barrier orders this before every use).
-  if ((args.phases & kLowLatencyRecv) && threadIdx.x < kMaxLowLatencyRanks) small.source_state[threadIdx.x] = 0;
+  if ((args.phases & kLowLatencyRecv) && threadIdx.x < kMaxLowLatencyRanks)
+    small.source_state[threadIdx.x] = 0;
   const SendPreload pre = args.phases & kLowLatencySend ? preload_send(args) : SendPreload{};
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
   // hands the mask to every thread (its load is in flight with the abort word's).
