@@ -129,7 +129,7 @@ struct Buffer::State {
   unsigned long long* rank_mask = nullptr;  // device [2]: BufferAccess::rank_mask_words
   cudaStream_t comm_stream = nullptr;
   std::shared_ptr<CUstream_st> comm_stream_owner;
-  cudaEvent_t ordering_events[2] = {nullptr, nullptr};
+  cudaEvent_t ordering_events[3] = {nullptr, nullptr, nullptr};  // BufferAccess::ordering_event
   // The handles' memory pool, shared by every allocation from it: destroyed only once the last handle array
   // is freed and the comm stream has run that free. (Destroying it with allocations still out, which CUDA
   // documents as deferred, left the driver's pool state broken: the next cudaMemPoolDestroy of the process,

@@ -53,8 +53,9 @@ struct BufferAccess {
   // Device array [kMaxLowLatencyRanks] of every rank's low-latency buffer as seen from this GPU (nullptr for
   // ranks outside this rank's node: NVSHMEM puts reach those).
   static void* const* symmetric_peer_bases_device(const Buffer& buffer);
-  // Two events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
-  // call, 1: its end when no event is returned), so a call creates no event. A stream wait captures the
+  // Three events the Buffer re-records to order the comm stream against callers' streams (0: the start of a
+  // call, 1: its end when no event is returned, 2: behind a low-latency call launched straight on the
+  // caller's stream), so a call creates no event. A stream wait captures the
   // event as recorded at that moment, so re-recording it later is safe.
   static cudaEvent_t ordering_event(const Buffer& buffer, int which);
   // The abort words kernels poll and raise (core/abort_word.hpp), device pointers.

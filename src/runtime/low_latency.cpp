@@ -147,6 +147,8 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
     // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
     // anyway: the comm stream would only add two cross-stream hops.
     launch(args, order.compute_stream);
+    // Recorded now, not when a later call needs it: the caller may destroy this stream first.
+    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), order.compute_stream));
     state->launched_on_joined = true;
     state->num_calls += 1;
     return {Event{}, LowLatencyRecvHook{}};

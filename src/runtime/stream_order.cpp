@@ -9,11 +9,10 @@ namespace epx {
 void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
   LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
   // Calls launched straight on the joined stream are ordered only on it: when this call would not wait for
-  // that stream's latest work (a previous event, another caller stream), the comm stream waits for it first.
+  // that stream (a previous event, another caller stream), the comm stream waits for the latest of them.
   if (state.launched_on_joined && state.joined_stream != buffer.comm_stream() &&
       (order.previous_event != nullptr || state.joined_stream != order.compute_stream)) {
-    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 0), *state.joined_stream));
-    EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), BufferAccess::ordering_event(buffer, 0), 0));
+    EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), BufferAccess::ordering_event(buffer, 2), 0));
   }
   state.joined_stream.reset();  // until end_on_comm_stream joins
   state.launched_on_joined = false;
