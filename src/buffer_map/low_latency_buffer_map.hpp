@@ -6,6 +6,7 @@
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "common/host_device.hpp"
+#include "common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
 #include "formats/logfmt.hpp"
@@ -47,20 +48,6 @@ EPX_HD constexpr int recv_index_entry_token(int entry) {
 }
 EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
   return entry & ((1 << kRecvIndexTopkBits) - 1);
-}
-
-// A dispatch count word: a list length (low 32 bits) under the tag of the call that stored it (high 32 bits:
-// the half's use number + 1, never 0), stored and read as one 8-byte word. A receiver that reads its call's
-// tag holds that call's length without waiting for the source's flag, so it counts and scans while the rows
-// still travel. Zeroed words (a fresh or cleaned buffer) carry no call's tag.
-EPX_HD constexpr uint64_t pack_dispatch_count(int length, int tag) {
-  return (uint64_t(uint32_t(tag)) << 32) | uint32_t(length);
-}
-EPX_HD constexpr int dispatch_count_tag(uint64_t word) {
-  return int(uint32_t(word >> 32));
-}
-EPX_HD constexpr int dispatch_count_length(uint64_t word) {
-  return int(uint32_t(word));
 }
 
 // One dispatched token's listings (sent beside its message when the dispatch has top-k weights): the token's
@@ -114,8 +101,10 @@ constexpr int kNumLowLatencyOps = 2;
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G+W]   LogFMT group metadata and fallback bits of those rows (staging for RDMA)
 //   per half h in {0, 1}:
-//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le (pack_dispatch_count)
-//     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens
+//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le (pack_tagged: the half's
+//                                    use number + 1 above the count)
+//     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens,
+//                                    each under the same tag as the counts (pack_tagged, 8 bytes)
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index
@@ -236,7 +225,7 @@ struct LowLatencyBufferMap {
     return align_up(sizeof(uint64_t) * size_t(num_experts), kLowLatencyAlign);  // L*R == E
   }
   EPX_HD size_t dispatch_recv_index_bytes() const {
-    return align_up(sizeof(int) * size_t(num_experts) * num_max_tokens, kLowLatencyAlign);
+    return align_up(sizeof(uint64_t) * size_t(num_experts) * num_max_tokens, kLowLatencyAlign);
   }
   EPX_HD size_t dispatch_send_index_bytes() const { return dispatch_recv_index_bytes(); }  // E*M == L*R*M
   EPX_HD size_t dispatch_send_msgs_bytes() const {
@@ -329,14 +318,14 @@ struct LowLatencyBufferMap {
     return half_offset(half) + dispatch_recv_counts_rel() +
            sizeof(uint64_t) * (size_t(local_expert) * num_ranks + src_rank);
   }
-  // Start of the int list [M] of (local_expert, src_rank); entry i = token << 4 | top-k position.
+  // Start of the tagged list [M] of (local_expert, src_rank); entry i = token << 4 | top-k position.
   EPX_HD size_t dispatch_recv_index_offset(int half, int local_expert, int src_rank) const {
     return half_offset(half) + dispatch_recv_index_rel() +
-           sizeof(int) * (size_t(local_expert) * num_ranks + src_rank) * num_max_tokens;
+           sizeof(uint64_t) * (size_t(local_expert) * num_ranks + src_rank) * num_max_tokens;
   }
-  // Start of the staged int list [M] of global expert `expert` (on an RDMA rank).
+  // Start of the staged tagged list [M] of global expert `expert` (on an RDMA rank).
   EPX_HD size_t dispatch_send_index_offset(int half, int expert) const {
-    return half_offset(half) + dispatch_send_index_rel() + sizeof(int) * size_t(expert) * num_max_tokens;
+    return half_offset(half) + dispatch_send_index_rel() + sizeof(uint64_t) * size_t(expert) * num_max_tokens;
   }
   EPX_HD size_t dispatch_send_msg_offset(int half, int token) const {
     return half_offset(half) + dispatch_send_msgs_rel() + size_t(token) * dispatch_msg_bytes();

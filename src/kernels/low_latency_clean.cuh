@@ -15,6 +15,11 @@ namespace {
 
 using namespace low_latency;
 
+// `bytes` (a multiple of 16) at `words`, zeroed by the block.
+__device__ __forceinline__ void zero_words(int4* words, size_t bytes) {
+  for (size_t i = threadIdx.x; i < bytes / sizeof(int4); i += kNumThreads) words[i] = int4{0, 0, 0, 0};
+}
+
 template <typename Remote>
 __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const LowLatencyCleanArgs args) {
   const LowLatencyBufferMap& map = args.map;
@@ -25,11 +30,13 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
       static_cast<int>((map.control_end_offset() - map.signals_offset(0)) / sizeof(int));
   int* signals = local_at<int>(peers, map.signals_offset(0));
   for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
-  // The dispatch count words: the use numbers restart, so a word stored before the clean could carry the tag
-  // of a call after it (pack_dispatch_count).
+  // The dispatch count words and index lists: the use numbers restart, so a word stored before the clean
+  // could carry the tag of a call after it (pack_tagged).
   for (int half = 0; half < 2; ++half) {
-    uint64_t* words = local_at<uint64_t>(peers, map.dispatch_recv_count_offset(half, 0, 0));
-    for (int i = threadIdx.x; i < map.num_experts; i += kNumThreads) words[i] = 0;
+    zero_words(local_at<int4>(peers, map.dispatch_recv_count_offset(half, 0, 0)),
+               map.dispatch_recv_counts_bytes());
+    zero_words(local_at<int4>(peers, map.dispatch_recv_index_offset(half, 0, 0)),
+               map.dispatch_recv_index_bytes());
   }
   // Barrier on monotonic signals (never reset, so a late rank can not miss one). Resets happen before this
   // rank's signal, and a peer sends again only after it saw every rank's signal.

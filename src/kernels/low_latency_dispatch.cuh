@@ -64,10 +64,10 @@ __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* 
     const int dst = expert / num_local;
     const int count = totals[expert];
     if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
-    Remote::put_warp(local_at<int>(args.peers, map.dispatch_recv_index_offset(args.half, expert % num_local,
-                                                                              args.peers.rank)),
-                     local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert)),
-                     sizeof(int) * count, dst);
+    Remote::put_warp(local_at<uint64_t>(args.peers, map.dispatch_recv_index_offset(
+                                                        args.half, expert % num_local, args.peers.rank)),
+                     local_at<uint64_t>(args.peers, map.dispatch_send_index_offset(args.half, expert)),
+                     sizeof(uint64_t) * count, dst);
   }
 }
 
@@ -121,14 +121,14 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
 // a masked rank).
 template <typename Remote>
 __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& args,
-                                                  unsigned long long masked, int tag, int expert,
+                                                  unsigned long long masked, uint32_t tag, int expert,
                                                   int length) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
   if (rank_masked(masked, dst)) return;
   const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
-  const uint64_t word = pack_dispatch_count(length, tag);
+  const uint64_t word = pack_tagged(tag, length);
   if (is_direct<Remote>(args.peers, dst)) {
     device::st_relaxed_sys_u64(peer_at<uint64_t>(args.peers, dst, offset), word);
   } else {
@@ -136,20 +136,25 @@ __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& 
   }
 }
 
-// Top-k entry `entry` at `slot` of expert `expert`'s list: in the owner's receive index when it is mapped,
-// else staged here for put_staged_lists.
+// Top-k entry `entry` at `slot` of expert `expert`'s list, under this call's `tag`: in the owner's receive
+// index when it is mapped, else staged here for put_staged_lists.
 template <typename Remote>
-__device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, int expert, int slot,
-                                                 int entry) {
+__device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, uint32_t tag, int expert,
+                                                 int slot, int entry) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
-  int* list =
-      is_direct<Remote>(args.peers, dst)
-          ? peer_at<int>(args.peers, dst,
-                         map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank))
-          : local_at<int>(args.peers, map.dispatch_send_index_offset(args.half, expert));
-  list[slot] = pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk);
+  const uint64_t word =
+      pack_tagged(tag, pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk));
+  if (is_direct<Remote>(args.peers, dst)) {
+    device::st_relaxed_sys_u64(
+        peer_at<uint64_t>(args.peers, dst,
+                          map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank)) +
+            slot,
+        word);
+  } else {
+    local_at<uint64_t>(args.peers, map.dispatch_send_index_offset(args.half, expert))[slot] = word;
+  }
 }
 
 // route_entries for at most kFewEntries entries: warp 0 holds them all (lane = entry, its id preloaded), so a
@@ -157,7 +162,7 @@ __device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& a
 // histogram, scan or load of the token's other ids; the block then stores every expert's list length.
 template <typename Remote>
 __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengths, unsigned long long masked,
-                                  int tag, const SendPreload& pre) {
+                                  uint32_t tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) lengths[expert] = 0;
@@ -175,7 +180,7 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0) {
-      write_list_entry<Remote>(args, expert, __popc(same & ((1u << lane) - 1u)), lane);
+      write_list_entry<Remote>(args, tag, expert, __popc(same & ((1u << lane) - 1u)), lane);
       if (lane == __ffs(same) - 1) lengths[expert] = __popc(same);
     }
   }
@@ -195,7 +200,7 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
 __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
-                              int tag, const SendPreload& pre) {
+                              uint32_t tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   const int num_local = map.num_local_experts();
@@ -257,7 +262,8 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
     if (expert >= 0)
-      write_list_entry<Remote>(args, expert, warp_hist[expert] + __popc(same & ((1u << lane) - 1u)), entry);
+      write_list_entry<Remote>(args, tag, expert, warp_hist[expert] + __popc(same & ((1u << lane) - 1u)),
+                               entry);
     __syncwarp();
     if (expert >= 0 && lane == __ffs(same) - 1) warp_hist[expert] += __popc(same);
     __syncwarp();
@@ -503,23 +509,69 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
   }
 }
 
+// A word of source `src` under this call's `tag` (a count or a list entry), polled until it carries the tag
+// or the source's wait ended (source_state, then read once more). False, with 0, when it never came: the
+// source was left out or failed, or stored nothing there.
+__device__ __forceinline__ bool take_tagged(const uint64_t* address, uint32_t tag, const int* source_state,
+                                            int* value) {
+  for (;;) {
+    const uint64_t word = device::ld_relaxed_sys_u64(address);
+    if (tagged_sequence(word) == tag) {
+      *value = tagged_value(word);
+      return true;
+    }
+    const int state = device::ld_acquire_cta(source_state);
+    if (state != 0) {
+      const uint64_t last = device::ld_relaxed_sys_u64(address);
+      const bool found = state == 1 && tagged_sequence(last) == tag;
+      *value = found ? tagged_value(last) : 0;
+      return found;
+    }
+  }
+}
+
+// The warp of a block that takes the receive's items in round w: the waiting warps last, so that the first
+// items go to warps that took their entries while the flags travelled.
+__device__ __forceinline__ int receive_warp_order(int warp, int waiter_warps) {
+  return (warp + kNumWarps - waiter_warps) % kNumWarps;
+}
+
+// The list entry of the receive's item `item` (a row piece; rows in prefix order), from the index lists.
+__device__ __forceinline__ const uint64_t* entry_word(const LowLatencyDispatchArgs& args, const int* prefix,
+                                                      int item, int num_pieces, int* pair) {
+  const int j = item / num_pieces;
+  *pair = find_pair(prefix, args.map.num_experts, j);
+  const int local_expert = *pair / args.map.num_ranks;
+  const int src = *pair % args.map.num_ranks;
+  return local_at<uint64_t>(args.peers, args.map.dispatch_recv_index_offset(args.half, local_expert, src)) +
+         (j - prefix[*pair]);
+}
+
+// A warp's first item's list entry, taken before the flags came (valid: it carried this call's tag).
+struct EntryAhead {
+  int entry = 0;
+  bool valid = false;
+};
+
 // The receive's wait, with the counts read and scanned while the rows still travel. The first ceil(R / 32)
 // warps wait for the sources' flags (wait_source) and post each outcome in source_state; the other warps poll
 // the count words, which carry their call's tag (a source stores them before the rows its flag releases, so
-// they are usually all there before the flags), and scan them into `prefix` ([E + 1]). A word still without
-// this call's tag when its source's wait ended is read once more after an arrival, and counts 0 for a source
-// left out. Returns what wait_all_sources would; `prefix` holds the scan of the counts of every source not
-// left out, or 0 rows everywhere unless every source arrived.
+// they are usually all there before the flags), scan them into `prefix` ([E + 1]), then each takes its first
+// item's list entry the same way (`ahead`). A count still without this call's tag when its source's wait
+// ended is read once more after an arrival, and counts 0 for a source left out. Returns what
+// wait_all_sources would; `prefix` holds the scan of the counts of every source not left out, or 0 rows
+// everywhere unless every source arrived.
 // `aborted`: the group was aborted before this launch: nothing is waited for and every count is 0.
 template <typename Remote>
 __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix,
-                                           DispatchSmallSmem& small, int num_uses, bool aborted) {
+                                           DispatchSmallSmem& small, int num_uses, bool aborted,
+                                           int waiter_warps, EntryAhead* ahead) {
   const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E, stored le * R + src
   const int expected = num_uses + 1;
-  const int waiter_warps = (num_ranks + 31) / 32;
+  const uint32_t tag = static_cast<uint32_t>(expected);
   const unsigned long long masked = small.left_out;  // the rank mask, until a wait leaves a source out
   const uint64_t* words = local_at<uint64_t>(peers, map.dispatch_recv_count_offset(args.half, 0, 0));
   bool arrived = true;
@@ -539,24 +591,21 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     const int first_thread = 32 * waiter_warps;
     for (int p = static_cast<int>(threadIdx.x) - first_thread; p < num_pairs;
          p += kNumThreads - first_thread) {
-      const int src = p % num_ranks;
       int length = 0;
-      while (!aborted && !rank_masked(masked, src)) {
-        const uint64_t word = device::ld_relaxed_sys_u64(words + p);
-        if (dispatch_count_tag(word) == expected) {
-          length = dispatch_count_length(word);
-          break;
-        }
-        const int state = device::ld_acquire_cta(&small.source_state[src]);
-        if (state != 0) {
-          const uint64_t last = device::ld_relaxed_sys_u64(words + p);
-          length = state == 1 && dispatch_count_tag(last) == expected ? dispatch_count_length(last) : 0;
-          break;
-        }
-      }
+      if (!aborted && !rank_masked(masked, p % num_ranks))
+        take_tagged(words + p, tag, &small.source_state[p % num_ranks], &length);
       prefix[p] = length;
     }
     warps_exclusive_scan(prefix, num_pairs, small.warp_sums, waiter_warps);
+    const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
+    const int item = first_item(static_cast<int>(blockIdx.x),
+                                receive_warp_order(static_cast<int>(threadIdx.x) / 32, waiter_warps),
+                                static_cast<int>(gridDim.x));
+    if (item < prefix[num_pairs] * num_pieces) {
+      int pair = 0;
+      const uint64_t* word = entry_word(args, prefix, item, num_pieces, &pair);
+      ahead->valid = take_tagged(word, tag, &small.source_state[pair % num_ranks], &ahead->entry);
+    }
   }
   // The waiters' acquires (and left_out) extend to the whole block through the barrier.
   const bool all_arrived = __syncthreads_and(arrived) != 0;
@@ -566,10 +615,11 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
       const uint64_t word =
           all_arrived && !rank_masked(left_out, p % num_ranks) ? device::ld_relaxed_sys_u64(words + p) : 0;
-      prefix[p] = dispatch_count_tag(word) == expected ? dispatch_count_length(word) : 0;
+      prefix[p] = tagged_sequence(word) == tag ? tagged_value(word) : 0;
     }
     __syncthreads();
     block_exclusive_scan(prefix, num_pairs, small.warp_sums);
+    ahead->valid = false;
   }
   return SourceWait{all_arrived, left_out};
 }
@@ -582,7 +632,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E
-  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, aborted);
+  const int waiter_warps = (num_ranks + 31) / 32;
+  EntryAhead ahead;
+  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, aborted, waiter_warps, &ahead);
   stamp_phase(args.phase_stamps, kStampArrived);
   stamp_phase(args.phase_stamps, kStampScanned);
 
@@ -606,18 +658,18 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
-  for (int item = first_item(static_cast<int>(blockIdx.x), static_cast<int>(threadIdx.x) / 32,
+  for (int item = first_item(static_cast<int>(blockIdx.x),
+                             receive_warp_order(static_cast<int>(threadIdx.x) / 32, waiter_warps),
                              static_cast<int>(gridDim.x));
        item < num_items; item += num_grid_warps) {
-    const int j = item / num_pieces;
-    const int piece = item % num_pieces;
-    const int pair = find_pair(prefix, num_pairs, j);
+    int pair = 0;
+    const uint64_t* word = entry_word(args, prefix, item, num_pieces, &pair);
+    const int entry = ahead.valid ? ahead.entry : tagged_value(device::ld_relaxed_sys_u64(word));
+    ahead.valid = false;  // the first item's only
     const int local_expert = pair / num_ranks;
     const int src = pair % num_ranks;
-    const int row = j - prefix[local_expert * num_ranks];
-    const int entry =
-        __ldcg(local_at<int>(peers, map.dispatch_recv_index_offset(args.half, local_expert, src)) +
-               (j - prefix[pair]));
+    const int row = item / num_pieces - prefix[local_expert * num_ranks];
+    const int piece = item % num_pieces;
     const int token = recv_index_entry_token(entry);
     // A dispatch with top-k weights: the token's listings first (loaded alongside the row, their values would
     // stay live across its copy and spill).
@@ -663,7 +715,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
-    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, num_uses + 1, pre);
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, uint32_t(num_uses + 1), pre);
     send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(

@@ -223,19 +223,19 @@ TEST(LowLatencyBufferMap, DefaultShapeSizesArePinned) {
   EXPECT_EQ(map.control_end_offset() - queues, 1536u);  // 2 x signals, then the shape slots
   EXPECT_EQ(map.combine_send_bytes(), 528482304u);      // [72][512][7168] BF16
   EXPECT_EQ(map.signals_bytes(), 128u);
-  EXPECT_EQ(map.dispatch_recv_counts_bytes(), 2304u);  // [72][4] tagged 8-byte words
-  EXPECT_EQ(map.dispatch_recv_index_bytes(), 147456u);
+  EXPECT_EQ(map.dispatch_recv_counts_bytes(), 2304u);   // [72][4] tagged 8-byte words
+  EXPECT_EQ(map.dispatch_recv_index_bytes(), 294912u);  // [72][4][128] tagged 8-byte entries
   EXPECT_EQ(map.dispatch_send_msgs_bytes(), 1835008u);
   EXPECT_EQ(map.dispatch_send_listings_bytes(), 16384u);  // [128] of 128 bytes
   EXPECT_EQ(map.dispatch_recv_listings_bytes(), 65536u);  // [4][128]
   EXPECT_EQ(map.dispatch_recv_msgs_bytes(), 7340032u);
   EXPECT_EQ(map.combine_recv_slots_bytes(), 29851648u);
-  EXPECT_EQ(map.dispatch_send_index_bytes(), 147456u);
+  EXPECT_EQ(map.dispatch_send_index_bytes(), 294912u);
   EXPECT_EQ(map.combine_send_meta_bytes(), 8552448u);  // [72][512][56 + 2] words
-  EXPECT_EQ(map.half_bytes(), 39323904u);
+  EXPECT_EQ(map.half_bytes(), 39618816u);
   EXPECT_EQ(map.listings_half_bytes(), 81920u);
-  EXPECT_EQ(map.total_bytes() - queues, 615847936u);
-  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 616562688u);  // 294 x 2 MiB
+  EXPECT_EQ(map.total_bytes() - queues, 616437760u);
+  EXPECT_EQ(epx::get_low_latency_rdma_size_hint(128, 7168, 4, 288), 618659840u);  // 295 x 2 MiB
   check_structure(map);
 }
 
@@ -254,14 +254,14 @@ TEST(LowLatencyBufferMap, OddShapes) {
     const LowLatencyBufferMap map(3, 2688, 3, 9);  // 21 groups, 3 tokens, 3 ranks
     EXPECT_EQ(map.dispatch_msg_bytes(), 5376u);
     EXPECT_EQ(map.combine_slot_bytes(), 5472u);
-    EXPECT_EQ(map.half_bytes(), 327552u);
-    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 807040u);
+    EXPECT_EQ(map.half_bytes(), 327808u);
+    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 807552u);
     check_structure(map);
   }
   {
     const LowLatencyBufferMap map(256, 4096, 8, 256);
-    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 653204224u);
-    EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 654311424u);
+    EXPECT_EQ(map.total_bytes() - epx::InternodeBufferMap::kQueuesOffset, 654252800u);
+    EXPECT_EQ(epx::get_low_latency_rdma_size_hint(256, 4096, 8, 256), 656408576u);
     check_structure(map);
   }
   for (int hidden : {128, 2048, 2688, 8192})
@@ -339,18 +339,6 @@ TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
       EXPECT_EQ(epx::recv_index_entry_topk_pos(entry), topk_pos);
     }
   }
-}
-
-// A count word keeps its length and its call's tag apart, at both extremes; a zeroed word has no call's tag.
-TEST(LowLatencyBufferMap, CountWordKeepsLengthAndTag) {
-  for (int length : {0, 1, 4096, epx::kMaxLowLatencyTokensPerRank}) {
-    for (int tag : {1, 2, 0x7fffffff, -1}) {
-      const uint64_t word = epx::pack_dispatch_count(length, tag);
-      EXPECT_EQ(epx::dispatch_count_length(word), length);
-      EXPECT_EQ(epx::dispatch_count_tag(word), tag);
-    }
-  }
-  EXPECT_NE(epx::dispatch_count_tag(0), 1);
 }
 
 }  // namespace
