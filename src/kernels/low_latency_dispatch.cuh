@@ -684,7 +684,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
       args.out.recv_topk_pos[row_idx] = recv_index_entry_topk_pos(entry);
     }
   }
-  stamp_phase(args.phase_stamps, kStampDelivered);
+  // Of the block: warp 0, which waited for the flags, takes items last.
+  stamp_phase_of_block(args.phase_stamps, kStampDelivered);
   finish_receive(peers, map, args.half, LowLatencyOp::kDispatch, num_uses);
   stamp_phase(args.phase_stamps, kStampExit);
 }

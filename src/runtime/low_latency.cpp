@@ -147,9 +147,15 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
     // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
     // anyway: the comm stream would only add two cross-stream hops.
     launch(args, order.compute_stream);
-    // Recorded now, not when a later call needs it: the caller may destroy this stream first.
-    EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), order.compute_stream));
-    state->launched_on_joined = true;
+    // Recorded now, not when a later call needs it: the caller may destroy this stream first. Not while the
+    // stream is captured: the launch is then a graph's, ordered by whoever launches the graph, and a wait for
+    // an event recorded in a capture would pull the comm stream into that capture (or fail once it ended).
+    cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+    EPX_CUDA_CHECK(cudaStreamIsCapturing(order.compute_stream, &capture));
+    if (capture == cudaStreamCaptureStatusNone) {
+      EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), order.compute_stream));
+      state->launched_on_joined = true;
+    }
     state->num_calls += 1;
     return {Event{}, LowLatencyRecvHook{}};
   }
