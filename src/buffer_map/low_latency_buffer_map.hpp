@@ -6,7 +6,6 @@
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "common/host_device.hpp"
-#include "common/tagged_word.hpp"
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
 #include "formats/logfmt.hpp"
@@ -48,6 +47,31 @@ EPX_HD constexpr int recv_index_entry_token(int entry) {
 }
 EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
   return entry & ((1 << kRecvIndexTopkBits) - 1);
+}
+
+// The low-latency dispatch's count words and list entries: one 8-byte word each, stored and read whole, its
+// value (a count, or a pack_recv_index_entry) in the low 24 bits and the call's tag above: the half's use
+// number
+// + 1 (32 bits) and the number of cleans so far (Buffer-wide, the same on every rank) modulo 256. A reader
+// that sees its call's tag holds the value, with no flag. The use numbers restart at each clean, which zeroes
+// only the words of its own shape: the clean count keeps a word an earlier shape left from passing for a
+// later call's. Zeroed words (a fresh or reset buffer) carry no call's tag (use numbers + 1 are never 0).
+constexpr int kLowLatencyWordValueBits = 24;
+static_assert(kMaxLowLatencyTokensPerRank < (1 << kLowLatencyWordValueBits),
+              "counts must fit a word's value");
+static_assert((kMaxLowLatencyTokensPerRank << kRecvIndexTopkBits) <= (1 << kLowLatencyWordValueBits),
+              "index entries must fit a word's value");
+EPX_HD constexpr uint64_t low_latency_call_tag(int uses_plus_one, int num_cleans) {
+  return (uint64_t(uint8_t(num_cleans)) << 32) | uint32_t(uses_plus_one);
+}
+EPX_HD constexpr uint64_t pack_low_latency_word(uint64_t tag, int value) {
+  return (tag << kLowLatencyWordValueBits) | (uint32_t(value) & ((1u << kLowLatencyWordValueBits) - 1u));
+}
+EPX_HD constexpr uint64_t low_latency_word_tag(uint64_t word) {
+  return word >> kLowLatencyWordValueBits;
+}
+EPX_HD constexpr int low_latency_word_value(uint64_t word) {
+  return int(word & ((uint64_t(1) << kLowLatencyWordValueBits) - 1u));
 }
 
 // One dispatched token's listings (sent beside its message when the dispatch has top-k weights): the token's
@@ -101,10 +125,9 @@ constexpr int kNumLowLatencyOps = 2;
 //   combine_send[L][R*M][hidden]     BF16 rows combine sends from (zero-copy input, staging for RDMA)
 //   combine_send_meta[L][R*M][G+W]   LogFMT group metadata and fallback bits of those rows (staging for RDMA)
 //   per half h in {0, 1}:
-//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le (pack_tagged: the half's
-//                                    use number + 1 above the count)
+//     dispatch_recv_counts[L][R]     tokens of source s that chose local expert le (pack_low_latency_word)
 //     dispatch_recv_index[L][R][M]   their pack_recv_index_entry(token, top-k position), ascending tokens,
-//                                    each under the same tag as the counts (pack_tagged, 8 bytes)
+//                                    each a pack_low_latency_word as the counts are
 //     dispatch_send_index[E][M]      this rank's lists for experts on RDMA ranks (staging for RDMA)
 //     dispatch_send_msgs[M]          this rank's cast tokens (staging for RDMA puts)
 //     dispatch_recv_msgs[R][M]       tokens received from each source, slot = source token index

@@ -30,8 +30,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
       static_cast<int>((map.control_end_offset() - map.signals_offset(0)) / sizeof(int));
   int* signals = local_at<int>(peers, map.signals_offset(0));
   for (int i = threadIdx.x; i < num_signal_ints; i += kNumThreads) signals[i] = 0;
-  // The dispatch count words and index lists: the use numbers restart, so a word stored before the clean
-  // could carry the tag of a call after it (pack_tagged).
+  // The dispatch count words and index lists of this shape: the use numbers restart (other shapes' words
+  // carry an older clean count in their tags, pack_low_latency_word).
   for (int half = 0; half < 2; ++half) {
     zero_words(local_at<int4>(peers, map.dispatch_recv_count_offset(half, 0, 0)),
                map.dispatch_recv_counts_bytes());
@@ -43,7 +43,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) low_latency_clean_kernel(const
   __threadfence_system();
   __syncthreads();
   // Masked ranks are left out; with enable_shrink a rank the barrier times out on is masked.
-  const int target = __ldcg(local_at<int>(peers, map.barrier_count_offset())) + 1;
+  const int target = read_num_cleans(peers, map) + 1;
   const unsigned long long masked = load_rank_mask(args.mask);
   const int peer = threadIdx.x;
   if (peer < peers.num_ranks && !rank_masked(masked, peer)) {

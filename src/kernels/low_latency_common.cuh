@@ -89,6 +89,11 @@ __device__ __forceinline__ int read_num_uses(const PeerContext& peers, const Low
   return __ldcg(local_at<int>(peers, map.num_uses_offset(half, op)));
 }
 
+// The cleans this rank ran (clean_low_latency_buffer's barrier count): the same on every rank between calls.
+__device__ __forceinline__ int read_num_cleans(const PeerContext& peers, const LowLatencyBufferMap& map) {
+  return __ldcg(local_at<int>(peers, map.barrier_count_offset()));
+}
+
 // The ranks this rank reaches by puts (bit r), by the calling warp: none in the NVLink-only kernels.
 template <typename Remote>
 __device__ __forceinline__ unsigned long long ranks_reached_by_puts(const PeerContext& peers) {

@@ -121,14 +121,14 @@ __device__ __forceinline__ SendPreload preload_send(const LowLatencyDispatchArgs
 // a masked rank).
 template <typename Remote>
 __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& args,
-                                                  unsigned long long masked, uint32_t tag, int expert,
+                                                  unsigned long long masked, uint64_t tag, int expert,
                                                   int length) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
   if (rank_masked(masked, dst)) return;
   const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
-  const uint64_t word = pack_tagged(tag, length);
+  const uint64_t word = pack_low_latency_word(tag, length);
   if (is_direct<Remote>(args.peers, dst)) {
     device::st_relaxed_sys_u64(peer_at<uint64_t>(args.peers, dst, offset), word);
   } else {
@@ -139,13 +139,13 @@ __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& 
 // Top-k entry `entry` at `slot` of expert `expert`'s list, under this call's `tag`: in the owner's receive
 // index when it is mapped, else staged here for put_staged_lists.
 template <typename Remote>
-__device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, uint32_t tag, int expert,
+__device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, uint64_t tag, int expert,
                                                  int slot, int entry) {
   const LowLatencyBufferMap& map = args.map;
   const int num_local = map.num_local_experts();
   const int dst = expert / num_local;
   const uint64_t word =
-      pack_tagged(tag, pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk));
+      pack_low_latency_word(tag, pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk));
   if (is_direct<Remote>(args.peers, dst)) {
     device::st_relaxed_sys_u64(
         peer_at<uint64_t>(args.peers, dst,
@@ -162,7 +162,7 @@ __device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& a
 // histogram, scan or load of the token's other ids; the block then stores every expert's list length.
 template <typename Remote>
 __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengths, unsigned long long masked,
-                                  uint32_t tag, const SendPreload& pre) {
+                                  uint64_t tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   for (int expert = threadIdx.x; expert < num_experts; expert += kNumThreads) lengths[expert] = 0;
@@ -200,7 +200,7 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
 // expert, and a second pass assigns slots with __match_any_sync ranks.
 template <typename Remote>
 __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, unsigned long long masked,
-                              uint32_t tag, const SendPreload& pre) {
+                              uint64_t tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
   const int num_local = map.num_local_experts();
@@ -512,19 +512,19 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
 // A word of source `src` under this call's `tag` (a count or a list entry), polled until it carries the tag
 // or the source's wait ended (source_state, then read once more). False, with 0, when it never came: the
 // source was left out or failed, or stored nothing there.
-__device__ __forceinline__ bool take_tagged(const uint64_t* address, uint32_t tag, const int* source_state,
+__device__ __forceinline__ bool take_tagged(const uint64_t* address, uint64_t tag, const int* source_state,
                                             int* value) {
   for (;;) {
     const uint64_t word = device::ld_relaxed_sys_u64(address);
-    if (tagged_sequence(word) == tag) {
-      *value = tagged_value(word);
+    if (low_latency_word_tag(word) == tag) {
+      *value = low_latency_word_value(word);
       return true;
     }
     const int state = device::ld_acquire_cta(source_state);
     if (state != 0) {
       const uint64_t last = device::ld_relaxed_sys_u64(address);
-      const bool found = state == 1 && tagged_sequence(last) == tag;
-      *value = found ? tagged_value(last) : 0;
+      const bool found = state == 1 && low_latency_word_tag(last) == tag;
+      *value = found ? low_latency_word_value(last) : 0;
       return found;
     }
   }
@@ -564,14 +564,13 @@ struct EntryAhead {
 // `aborted`: the group was aborted before this launch: nothing is waited for and every count is 0.
 template <typename Remote>
 __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix,
-                                           DispatchSmallSmem& small, int num_uses, bool aborted,
+                                           DispatchSmallSmem& small, int num_uses, uint64_t tag, bool aborted,
                                            int waiter_warps, EntryAhead* ahead) {
   const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E, stored le * R + src
   const int expected = num_uses + 1;
-  const uint32_t tag = static_cast<uint32_t>(expected);
   const unsigned long long masked = small.left_out;  // the rank mask, until a wait leaves a source out
   const uint64_t* words = local_at<uint64_t>(peers, map.dispatch_recv_count_offset(args.half, 0, 0));
   bool arrived = true;
@@ -615,7 +614,7 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
       const uint64_t word =
           all_arrived && !rank_masked(left_out, p % num_ranks) ? device::ld_relaxed_sys_u64(words + p) : 0;
-      prefix[p] = tagged_sequence(word) == tag ? tagged_value(word) : 0;
+      prefix[p] = low_latency_word_tag(word) == tag ? low_latency_word_value(word) : 0;
     }
     __syncthreads();
     block_exclusive_scan(prefix, num_pairs, small.warp_sums);
@@ -627,14 +626,14 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
 // Sources left out (masked, or timed out with enable_shrink) count 0 rows.
 template <typename Remote, bool kListings>
 __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, DispatchSmallSmem& small,
-                               int num_uses, bool aborted) {
+                               int num_uses, uint64_t tag, bool aborted) {
   const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E
   const int waiter_warps = (num_ranks + 31) / 32;
   EntryAhead ahead;
-  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, aborted, waiter_warps, &ahead);
+  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, tag, aborted, waiter_warps, &ahead);
   stamp_phase(args.phase_stamps, kStampArrived);
   stamp_phase(args.phase_stamps, kStampScanned);
 
@@ -664,7 +663,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
        item < num_items; item += num_grid_warps) {
     int pair = 0;
     const uint64_t* word = entry_word(args, prefix, item, num_pieces, &pair);
-    const int entry = ahead.valid ? ahead.entry : tagged_value(device::ld_relaxed_sys_u64(word));
+    const int entry = ahead.valid ? ahead.entry : low_latency_word_value(device::ld_relaxed_sys_u64(word));
     ahead.valid = false;  // the first item's only
     const int local_expert = pair / num_ranks;
     const int src = pair % num_ranks;
@@ -701,6 +700,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   int* large = reinterpret_cast<int*>(smem + align_up(sizeof(DispatchSmallSmem), 16));
   stamp_phase(args.phase_stamps, kStampEntry);
   const int num_uses = read_num_uses(args.peers, args.map, args.half, LowLatencyOp::kDispatch);
+  // The tag of this call's count words and list entries (pack_low_latency_word).
+  const uint64_t tag = low_latency_call_tag(num_uses + 1, read_num_cleans(args.peers, args.map));
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // No source's wait has ended yet (the prologue's barrier orders this before every use).
   if ((args.phases & kLowLatencyRecv) && threadIdx.x < kMaxLowLatencyRanks)
@@ -716,7 +717,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   stamp_phase(args.phase_stamps, kStampPrologue);
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
-    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, uint32_t(num_uses + 1), pre);
+    if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, tag, pre);
     send_tokens<Remote, kListings>(args, small, pre);
     stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(
@@ -724,7 +725,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
         dispatch_publishers(args.in.num_tokens, static_cast<int>(gridDim.x), static_cast<int>(blockIdx.x)));
     stamp_phase(args.phase_stamps, kStampPublished);
   }
-  if (args.phases & kLowLatencyRecv) receive_tokens<Remote, kListings>(args, large, small, num_uses, aborted);
+  if (args.phases & kLowLatencyRecv)
+    receive_tokens<Remote, kListings>(args, large, small, num_uses, tag, aborted);
 }
 
 template <typename Remote>

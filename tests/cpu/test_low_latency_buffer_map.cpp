@@ -341,4 +341,24 @@ TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
   }
 }
 
+// A count word or list entry keeps its value and its call's tag apart at the extremes; a word of another
+// clean count or use number, or a zeroed word, does not pass for the call's.
+TEST(LowLatencyBufferMap, DispatchWordKeepsValueAndTag) {
+  const int largest_entry =
+      epx::pack_recv_index_entry(epx::kMaxLowLatencyTokensPerRank - 1, epx::kMaxTopk - 1);
+  for (int value : {0, 1, 4096, epx::kMaxLowLatencyTokensPerRank, largest_entry}) {
+    for (int uses : {1, 2, 0x7ffffffe, -1}) {
+      for (int cleans : {0, 1, 255, 256, 1000}) {
+        const uint64_t tag = epx::low_latency_call_tag(uses, cleans);
+        const uint64_t word = epx::pack_low_latency_word(tag, value);
+        EXPECT_EQ(epx::low_latency_word_value(word), value);
+        EXPECT_EQ(epx::low_latency_word_tag(word), tag);
+        EXPECT_NE(epx::low_latency_word_tag(word), epx::low_latency_call_tag(uses, cleans + 1));
+        EXPECT_NE(epx::low_latency_word_tag(word), epx::low_latency_call_tag(uses + 1, cleans));
+      }
+    }
+  }
+  EXPECT_NE(epx::low_latency_word_tag(0), epx::low_latency_call_tag(1, 0));
+}
+
 }  // namespace

@@ -4,6 +4,7 @@
 // file: *LowLatency.Run*). A case skips where there are fewer GPUs than its ranks.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <ostream>
 #include <string>
 #include <utility>
@@ -310,5 +311,33 @@ std::vector<NamedCase> many_call_cases() {
   return cases;
 }
 INSTANTIATE_TEST_SUITE_P(ManyCalls, LowLatency, ::testing::ValuesIn(many_call_cases()), case_name);
+
+// ---- A clean of another shape ----
+
+// A clean restarts the use numbers but zeroes only its own shape's count words and index lists: calls of the
+// first shape after a clean of another must not take words its calls before the clean left (their tags carry
+// the clean count). Token counts drawn per call, so list lengths change from call to call and a list's later
+// slots keep older calls' entries.
+TEST(LowLatencyClean, FirstShapeAfterAnotherShapesClean) {
+  LowLatencyCase c = small_low_latency_case(2);
+  c.num_max_tokens = 32;
+  c.num_topk = 6;
+  c.random_num_tokens = true;
+  c.num_iterations = 8;
+  c.seed = 131;
+  epx::test::run_ranks(c.num_ranks, [c](epx::Bootstrap& bootstrap) {
+    epx::BufferOptions options;
+    options.num_rdma_bytes =
+        std::max(epx::get_low_latency_rdma_size_hint(c.num_max_tokens, c.hidden, c.num_ranks, c.num_experts),
+                 epx::get_low_latency_rdma_size_hint(8, 256, c.num_ranks, 2 * c.num_ranks));
+    options.wait_timeout_s = 20.0;
+    epx::Buffer buffer(bootstrap, options);
+    epx::test::LowLatencyRunner(c, buffer).run();
+    epx::clean_low_latency_buffer(buffer, 8, 256, 2 * c.num_ranks, epx::StreamOrder{});
+    LowLatencyCase again = c;
+    again.seed = 132;
+    epx::test::LowLatencyRunner(again, buffer).run();
+  });
+}
 
 }  // namespace
