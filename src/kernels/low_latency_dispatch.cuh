@@ -565,7 +565,7 @@ struct EntryAhead {
 template <typename Remote>
 __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, int* prefix,
                                            DispatchSmallSmem& small, int num_uses, uint64_t tag, bool aborted,
-                                           int waiter_warps, EntryAhead* ahead) {
+                                           int waiter_warps, int num_pieces, EntryAhead* ahead) {
   const LowLatencyBufferMap& map = args.map;
   const PeerContext& peers = args.peers;
   const int num_ranks = map.num_ranks;
@@ -596,7 +596,6 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
       prefix[p] = length;
     }
     warps_exclusive_scan(prefix, num_pairs, small.warp_sums, waiter_warps);
-    const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
     const int item = first_item(static_cast<int>(blockIdx.x),
                                 receive_warp_order(static_cast<int>(threadIdx.x) / 32, waiter_warps),
                                 static_cast<int>(gridDim.x));
@@ -632,8 +631,9 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;  // (local expert, source) pairs: L * R == E
   const int waiter_warps = (num_ranks + 31) / 32;
+  const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
   EntryAhead ahead;
-  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, tag, aborted, waiter_warps, &ahead);
+  wait_and_scan_counts<Remote>(args, prefix, small, num_uses, tag, aborted, waiter_warps, num_pieces, &ahead);
   stamp_phase(args.phase_stamps, kStampArrived);
   stamp_phase(args.phase_stamps, kStampScanned);
 
@@ -654,7 +654,6 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
   // Row pieces are spread over every warp of the grid, whatever the routing skew.
   const int lane = threadIdx.x % 32;
   const int total_rows = prefix[num_pairs];
-  const int num_pieces = row_pieces(args.format.row_bytes(map.hidden));
   const int num_items = total_rows * num_pieces;
   const int num_grid_warps = gridDim.x * kNumWarps;
   for (int item = first_item(static_cast<int>(blockIdx.x),

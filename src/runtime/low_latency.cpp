@@ -147,12 +147,14 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
     // Every earlier call is ordered before this stream's next work, and the caller waits on this stream
     // anyway: the comm stream would only add two cross-stream hops.
     launch(args, order.compute_stream);
-    // Recorded now, not when a later call needs it: the caller may destroy this stream first. Not while the
-    // stream is captured: the launch is then a graph's, ordered by whoever launches the graph, and a wait for
-    // an event recorded in a capture would pull the comm stream into that capture (or fail once it ended).
+    // Recorded now, not when a later call needs it: the caller may destroy this stream first. Not when the
+    // stream is the comm stream (its own later work is ordered anyway), nor while it is captured: the launch
+    // is then a graph's, ordered by whoever launches the graph, and a wait for an event recorded in a capture
+    // would pull the comm stream into that capture (or fail once it ended).
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    EPX_CUDA_CHECK(cudaStreamIsCapturing(order.compute_stream, &capture));
-    if (capture == cudaStreamCaptureStatusNone) {
+    if (order.compute_stream != buffer.comm_stream())
+      EPX_CUDA_CHECK(cudaStreamIsCapturing(order.compute_stream, &capture));
+    if (order.compute_stream != buffer.comm_stream() && capture == cudaStreamCaptureStatusNone) {
       EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), order.compute_stream));
       state->launched_on_joined = true;
     }

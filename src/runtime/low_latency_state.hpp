@@ -25,9 +25,9 @@ struct LowLatencyState {
   // work queued there next), if the last call ended that way: a low-latency call that returns no event may
   // then launch straight on that stream, saving the two cross-stream hops of the comm stream.
   std::optional<cudaStream_t> joined_stream;
-  // A call launched straight on joined_stream since it joined; BufferAccess::ordering_event(buffer, 2) was
-  // recorded behind it there. The comm stream's next work waits for that event, unless it waits for the
-  // caller's stream and that is joined_stream.
+  // A call launched straight on joined_stream (not the comm stream, not captured) since it joined;
+  // BufferAccess::ordering_event(buffer, 2) was recorded behind it there. The comm stream's next work waits
+  // for that event, unless it waits for the caller's stream and that is joined_stream.
   bool launched_on_joined = false;
   // EPX_LL_PHASE_STAMPS=1 at construction: device memory the kernels stamp their phases into
   // ([kMaxPhaseStampBlocks][kNumPhaseStamps], kernels::LowLatencyStamp, for epx-bench), else null.

@@ -10,7 +10,7 @@ void begin_on_comm_stream(const Buffer& buffer, const StreamOrder& order) {
   LowLatencyState& state = *BufferAccess::low_latency_state(buffer);
   // Calls launched straight on the joined stream are ordered only on it: when this call would not wait for
   // that stream (a previous event, another caller stream), the comm stream waits for the latest of them.
-  if (state.launched_on_joined && state.joined_stream != buffer.comm_stream() &&
+  if (state.launched_on_joined &&
       (order.previous_event != nullptr || state.joined_stream != order.compute_stream)) {
     EPX_CUDA_CHECK(cudaStreamWaitEvent(buffer.comm_stream(), BufferAccess::ordering_event(buffer, 2), 0));
   }
