@@ -151,10 +151,10 @@ std::pair<Event, LowLatencyRecvHook> issue(Buffer& buffer, Args args, bool retur
     // stream is the comm stream (its own later work is ordered anyway), nor while it is captured: the launch
     // is then a graph's, ordered by whoever launches the graph, and a wait for an event recorded in a capture
     // would pull the comm stream into that capture (or fail once it ended).
+    const bool other_stream = order.compute_stream != buffer.comm_stream();
     cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
-    if (order.compute_stream != buffer.comm_stream())
-      EPX_CUDA_CHECK(cudaStreamIsCapturing(order.compute_stream, &capture));
-    if (order.compute_stream != buffer.comm_stream() && capture == cudaStreamCaptureStatusNone) {
+    if (other_stream) EPX_CUDA_CHECK(cudaStreamIsCapturing(order.compute_stream, &capture));
+    if (other_stream && capture == cudaStreamCaptureStatusNone) {
       EPX_CUDA_CHECK(cudaEventRecord(BufferAccess::ordering_event(buffer, 2), order.compute_stream));
       state->launched_on_joined = true;
     }
