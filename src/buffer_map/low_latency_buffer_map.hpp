@@ -225,8 +225,10 @@ struct LowLatencyBufferMap {
 
   // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
   EPX_HD size_t combine_send_offset() const { return control_end_offset(); }
+  // L * (R * M) rows, written E * M: L * R == E (the constructor checks it), and the kernels, which compute
+  // every half's offset on the fly past this area, then divide by no runtime value to find it.
   EPX_HD size_t combine_send_bytes() const {
-    return align_up(size_t(num_local_experts()) * num_recv_rows() * hidden * 2, kLowLatencyAlign);
+    return align_up(size_t(num_experts) * num_max_tokens * hidden * 2, kLowLatencyAlign);
   }
   EPX_HD size_t combine_send_row_offset(int local_expert, int row) const {
     return combine_send_offset() + (size_t(local_expert) * num_recv_rows() + row) * size_t(hidden) * 2;
@@ -235,8 +237,8 @@ struct LowLatencyBufferMap {
   // the BF16 row's size) and its metadata and fallback words (logfmt_meta_words) here.
   EPX_HD size_t combine_send_meta_offset() const { return combine_send_offset() + combine_send_bytes(); }
   EPX_HD size_t combine_send_meta_bytes() const {
-    return align_up(sizeof(uint32_t) * size_t(num_local_experts()) * num_recv_rows() * logfmt_meta_words(),
-                    kLowLatencyAlign);
+    return align_up(sizeof(uint32_t) * size_t(num_experts) * num_max_tokens * logfmt_meta_words(),
+                    kLowLatencyAlign);  // L * (R * M) rows, as combine_send_bytes
   }
   EPX_HD size_t combine_send_meta_row_offset(int local_expert, int row) const {
     return combine_send_meta_offset() +

@@ -434,6 +434,19 @@ __device__ __forceinline__ const char* returned_slot(const LowLatencyCombineArgs
   return local_at<const char>(args.peers, args.map.combine_recv_slot_offset(args.half, token, pos));
 }
 
+// A token's slots, for loops that load from several of them: slot `pos` is at(pos), one multiply-add from
+// slot 0, where returned_slot sums the whole map's offsets for each (the reduction's loads waited on that).
+struct TokenSlots {
+  const char* first;
+  size_t stride;
+  __device__ __forceinline__ const int4* at(int pos) const {
+    return reinterpret_cast<const int4*>(first + size_t(pos) * stride);
+  }
+};
+__device__ __forceinline__ TokenSlots token_slots(const LowLatencyCombineArgs& args, int token) {
+  return {returned_slot(args, token, 0), args.map.combine_slot_bytes()};
+}
+
 // Lane `lane`'s top-k entry of a token: its expert id (-1 for none, or past num_topk) and weight.
 struct TopkEntry {
   int expert;
@@ -492,6 +505,7 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
                                  WordRange chunks, uint16_t* out_row) {
   constexpr int kBatch = 4;  // partial rows per round, each loaded for both chunks
   const int num_topk = args.in.num_topk;
+  const TokenSlots slots = token_slots(args, token);
   for (int chunk0 = chunks.begin + static_cast<int>(threadIdx.x); chunk0 < chunks.end;
        chunk0 += 2 * kNumThreads) {
     const int chunk1 = chunk0 + kNumThreads;
@@ -505,7 +519,7 @@ __device__ void add_partial_rows(const LowLatencyCombineArgs& args, const Combin
       for (int u = 0; u < kBatch; ++u) {
         const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
         if (pos < 0) continue;
-        const int4* slot = reinterpret_cast<const int4*>(returned_slot(args, token, pos));
+        const int4* slot = slots.at(pos);
         raw0[u] = __ldcg(slot + chunk0);
         if (second) raw1[u] = __ldcg(slot + chunk1);
       }
@@ -767,6 +781,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     } else if constexpr (kPreReduce) {
       add_partial_rows(args, small, token, chunks, out_row);
     } else {
+      const TokenSlots slots = token_slots(args, token);
       for (int chunk = chunks.begin + threadIdx.x; chunk < chunks.end; chunk += kNumThreads) {
         float acc[8];
 #pragma unroll
@@ -780,8 +795,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
             const int pos = k0 + u < num_topk ? small.slot_pos[k0 + u] : -1;
-            if (pos >= 0)
-              raw[u] = __ldcg(reinterpret_cast<const int4*>(returned_slot(args, token, pos)) + chunk);
+            if (pos >= 0) raw[u] = __ldcg(slots.at(pos) + chunk);
           }
 #pragma unroll
           for (int u = 0; u < kBatch; ++u) {
