@@ -329,6 +329,23 @@ TEST(LowLatencyBufferMap, RejectsBadShapes) {
   EXPECT_NO_THROW(LowLatencyBufferMap(epx::kMaxLowLatencyTokensPerRank, 128, 64, 64));
 }
 
+// A token's combine slots lie combine_slot_bytes() apart from its first one, in both halves: the combine
+// kernels' reductions step through them that way (TokenSlots) instead of asking the map for each.
+TEST(LowLatencyBufferMap, TokenSlotsAreOneStrideApart) {
+  for (const LowLatencyBufferMap& map :
+       {LowLatencyBufferMap(128, 7168, 2, 288), LowLatencyBufferMap(3, 2688, 3, 9),
+        LowLatencyBufferMap(1, 128, 1, 1)}) {
+    for (int half = 0; half < 2; ++half) {
+      for (int token : {0, 1, map.num_max_tokens - 1}) {
+        const size_t first = map.combine_recv_slot_offset(half, token, 0);
+        for (int pos = 0; pos < epx::kMaxTopk; ++pos)
+          EXPECT_EQ(map.combine_recv_slot_offset(half, token, pos),
+                    first + size_t(pos) * map.combine_slot_bytes());
+      }
+    }
+  }
+}
+
 // The index-list entry round-trips every (token, top-k position) the map allows, at both extremes.
 TEST(LowLatencyBufferMap, IndexEntryKeepsTokenAndTopkPosition) {
   for (int token : {0, 1, 4095, epx::kMaxLowLatencyTokensPerRank - 1}) {
