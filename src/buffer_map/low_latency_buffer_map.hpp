@@ -225,8 +225,8 @@ struct LowLatencyBufferMap {
 
   // ---- Combine send rows (shared by both halves: a send phase reads them completely before it ends) ----
   EPX_HD size_t combine_send_offset() const { return control_end_offset(); }
-  // L * (R * M) rows, written E * M: L * R == E (the constructor checks it), and the kernels, which compute
-  // every half's offset on the fly past this area, then divide by no runtime value to find it.
+  // L * (R * M) rows, counted as E * M (L * R == E, which the constructor checks): the kernels compute every
+  // later offset on the fly, and this way none of them divides by a runtime value.
   EPX_HD size_t combine_send_bytes() const {
     return align_up(size_t(num_experts) * num_max_tokens * hidden * 2, kLowLatencyAlign);
   }
