@@ -51,11 +51,10 @@ EPX_HD constexpr int recv_index_entry_topk_pos(int entry) {
 
 // The low-latency dispatch's count words and list entries: one 8-byte word each, stored and read whole, its
 // value (a count, or a pack_recv_index_entry) in the low 24 bits and the call's tag above: the half's use
-// number
-// + 1 (32 bits) and the number of cleans so far (Buffer-wide, the same on every rank) modulo 256. A reader
-// that sees its call's tag holds the value, with no flag. The use numbers restart at each clean, which zeroes
-// only the words of its own shape: the clean count keeps a word an earlier shape left from passing for a
-// later call's. Zeroed words (a fresh or reset buffer) carry no call's tag (use numbers + 1 are never 0).
+// number + 1 (32 bits) and the number of cleans so far (Buffer-wide, the same on every rank) modulo 256. A
+// reader that sees its call's tag holds the value, with no flag. The use numbers restart at each clean, which
+// zeroes only the words of its own shape: the clean count keeps a word an earlier shape left from passing for
+// a later call's. Zeroed words (a fresh or reset buffer) carry no call's tag (use numbers + 1 are never 0).
 constexpr int kLowLatencyWordValueBits = 24;
 static_assert(kMaxLowLatencyTokensPerRank < (1 << kLowLatencyWordValueBits),
               "counts must fit a word's value");
