@@ -50,8 +50,9 @@ constexpr size_t combine_prefix_offset(bool logfmt) {
                 : kCombineTableOffset;
 }
 
+// The send's pair prefix ([E + 1] ints), then each pair's first row ([E] ints: scan_pair_ranges).
 size_t combine_smem_bytes(const LowLatencyBufferMap& map, bool logfmt) {
-  return combine_prefix_offset(logfmt) + sizeof(int) * (size_t(map.num_experts) + 1);
+  return combine_prefix_offset(logfmt) + sizeof(int) * (2 * size_t(map.num_experts) + 1);
 }
 
 __device__ __forceinline__ char* combine_smem() {
@@ -351,11 +352,53 @@ __device__ void send_partial_piece(const LowLatencyCombineArgs& args, size_t row
   }
 }
 
-// The send's row count of pair threadIdx.x (0 past the pairs), loaded by the kernel before its prologue's
-// barrier so that the load and the abort check overlap.
-__device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& args) {
+// Pair p's range of rows in its expert block (one 8-byte load: DeepEP's packed begin << 32 | count).
+__device__ __forceinline__ LowLatencyRange pair_range(const LowLatencyCombineArgs& args, int p) {
+  const auto packed =
+      static_cast<uint64_t>(reinterpret_cast<const int64_t*>(args.handle.recv_layout_range)[p]);
+  return {static_cast<int>(packed & 0xffffffffu), static_cast<int>(packed >> 32)};
+}
+
+// The range of pair threadIdx.x (empty past the pairs), loaded by the kernel before its prologue's barrier so
+// that the load and the abort check overlap.
+__device__ __forceinline__ LowLatencyRange first_pair_range(const LowLatencyCombineArgs& args) {
   const int p = static_cast<int>(threadIdx.x);
-  return p < args.map.num_experts ? args.handle.recv_layout_range[p].count : 0;
+  return p < args.map.num_experts ? pair_range(args, p) : LowLatencyRange{0, 0};
+}
+
+// The send's pair prefix ([E + 1]: rows of pair p are flat rows [prefix[p], prefix[p + 1])) and each pair's
+// first row in its expert block (begins[E]), in shared memory, from the ranges (`first`: this thread's,
+// first_pair_range): the send's items then find a row with no load of the range on their chain. With a pair
+// per thread at most, the counts are scanned in registers (two barriers, against four for
+// block_exclusive_scan).
+__device__ void scan_pair_ranges(const LowLatencyCombineArgs& args, int* prefix, int* begins, int* warp_sums,
+                                 LowLatencyRange first) {
+  const int num_pairs = args.map.num_experts;
+  const int p = static_cast<int>(threadIdx.x);
+  if (num_pairs > kNumThreads) {
+    for (int q = p; q < num_pairs; q += kNumThreads) {
+      const LowLatencyRange range = q == p ? first : pair_range(args, q);
+      prefix[q] = range.count;
+      begins[q] = range.begin;
+    }
+    __syncthreads();
+    block_exclusive_scan(prefix, num_pairs, warp_sums);
+    return;
+  }
+  const int lane = p % 32;
+  const int warp = p / 32;
+  const int count = p < num_pairs ? first.count : 0;
+  if (p < num_pairs) begins[p] = first.begin;
+  const int inclusive = warp_inclusive_sum(count, lane);
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  // Every warp scans the warps' sums itself (no second round through shared memory).
+  const int warps_inclusive = warp_inclusive_sum(lane < kNumWarps ? warp_sums[lane] : 0, lane);
+  const int warp_base = __shfl_sync(kFullMask, warps_inclusive, warp > 0 ? warp - 1 : 0);
+  if (p < num_pairs) prefix[p] = (warp > 0 ? warp_base : 0) + inclusive - count;
+  const int total = __shfl_sync(kFullMask, warps_inclusive, kNumWarps - 1);
+  if (p == 0) prefix[num_pairs] = total;
+  __syncthreads();
 }
 
 // Rows of every (local expert, source) block, in pieces spread over the grid, blocks first (a row stored
@@ -364,15 +407,13 @@ __device__ __forceinline__ int first_pair_count(const LowLatencyCombineArgs& arg
 // blocks that sent anything (block 0 always counts: it posted the shapes).
 template <typename Remote, bool kLogfmt, bool kPreReduce>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
-                                          unsigned long long masked, int first_count) {
+                                          unsigned long long masked, LowLatencyRange first_range) {
   const LowLatencyBufferMap& map = args.map;
   const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;
   const int hidden = map.hidden;
-  for (int p = threadIdx.x; p < num_pairs; p += kNumThreads)
-    prefix[p] = p == static_cast<int>(threadIdx.x) ? first_count : args.handle.recv_layout_range[p].count;
-  __syncthreads();
-  block_exclusive_scan(prefix, num_pairs, warp_sums);
+  int* begins = prefix + num_pairs + 1;
+  scan_pair_ranges(args, prefix, begins, warp_sums, first_range);
   stamp_phase(args.phase_stamps, kStampCounted);
 
   const int lane = threadIdx.x % 32;
@@ -397,8 +438,7 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const int pair = find_pair(prefix, num_pairs, j);
     const int dst = pair % num_ranks;
     if (rank_masked(masked, dst)) continue;
-    const size_t row_idx = size_t(pair / num_ranks) * map.num_recv_rows() +
-                           args.handle.recv_layout_range[pair].begin + (j - prefix[pair]);
+    const size_t row_idx = size_t(pair / num_ranks) * map.num_recv_rows() + begins[pair] + (j - prefix[pair]);
     const int token = args.handle.recv_src_info[row_idx];
     const int topk_pos = args.handle.recv_topk_pos[row_idx];
     const uint16_t* row = static_cast<const uint16_t*>(args.in.x) + row_idx * hidden;
@@ -825,7 +865,8 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   const unsigned long long mask = threadIdx.x == 0 ? load_rank_mask(args.mask) : 0ull;
   // Inputs that do not depend on any peer, loaded now so that their round trips overlap the prologue's (a
   // value read from an aborted dispatch's handle is never used).
-  const int first_count = args.phases & kLowLatencySend ? first_pair_count(args) : 0;
+  const LowLatencyRange first_range =
+      args.phases & kLowLatencySend ? first_pair_range(args) : LowLatencyRange{0, 0};
   const TopkEntry first_entry =
       args.phases & kLowLatencyRecv ? first_topk_entry<kPreReduce>(args) : TopkEntry{-1, 0.0f};
   // After an aborted dispatch the handle's arrays may be anything: send nothing, reduce nothing. The barrier
@@ -840,7 +881,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) combine(const LowLatencyCombin
   if (args.phases & kLowLatencySend) {
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, args.shape, masked);
     const Publishers publishers =
-        send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_count);
+        send_expert_outputs<Remote, kLogfmt, kPreReduce>(args, prefix, small.warp_sums, masked, first_range);
     stamp_phase_of_block(args.phase_stamps, kStampSent);
     publish_sends<Remote>(args.peers, args.map, args.half, LowLatencyOp::kCombine, num_uses + 1, masked,
                           publishers);
