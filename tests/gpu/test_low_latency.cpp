@@ -211,6 +211,14 @@ std::vector<NamedCase> routing_cases() {
     c.num_experts = 256;
     c.use_fp8 = true;
   }));
+  // More (local expert, source) pairs than a block has threads: the combine's pair scan takes its block-wide
+  // path (scan_pair_ranges).
+  cases.push_back(named("MorePairsThanThreads", small_low_latency_case(2), [](LowLatencyCase& c) {
+    c.num_experts = 640;
+    c.duplicates = true;
+    c.drop_probability = 0.1;
+    c.num_iterations = 2;
+  }));
   return cases;
 }
 INSTANTIATE_TEST_SUITE_P(Routing, LowLatency, ::testing::ValuesIn(routing_cases()), case_name);
