@@ -369,8 +369,8 @@ __device__ __forceinline__ LowLatencyRange first_pair_range(const LowLatencyComb
 // The send's pair prefix ([E + 1]: rows of pair p are flat rows [prefix[p], prefix[p + 1])) and each pair's
 // first row in its expert block (begins[E]), in shared memory, from the ranges (`first`: this thread's,
 // first_pair_range): the send's items then find a row with no load of the range on their chain. With a pair
-// per thread at most, the counts are scanned in registers (two barriers, against four for
-// block_exclusive_scan).
+// per thread at most, the counts are scanned in registers (block_exclusive_sum: two barriers in all, against
+// four for block_exclusive_scan).
 __device__ void scan_pair_ranges(const LowLatencyCombineArgs& args, int* prefix, int* begins, int* warp_sums,
                                  LowLatencyRange first) {
   const int num_pairs = args.map.num_experts;
@@ -385,19 +385,12 @@ __device__ void scan_pair_ranges(const LowLatencyCombineArgs& args, int* prefix,
     block_exclusive_scan(prefix, num_pairs, warp_sums);
     return;
   }
-  const int lane = p % 32;
-  const int warp = p / 32;
-  const int count = p < num_pairs ? first.count : 0;
-  if (p < num_pairs) begins[p] = first.begin;
-  const int inclusive = warp_inclusive_sum(count, lane);
-  if (lane == 31) warp_sums[warp] = inclusive;
-  __syncthreads();
-  // Every warp scans the warps' sums itself (no second round through shared memory).
-  const int warps_inclusive = warp_inclusive_sum(lane < kNumWarps ? warp_sums[lane] : 0, lane);
-  const int warp_base = __shfl_sync(kFullMask, warps_inclusive, warp > 0 ? warp - 1 : 0);
-  if (p < num_pairs) prefix[p] = (warp > 0 ? warp_base : 0) + inclusive - count;
-  const int total = __shfl_sync(kFullMask, warps_inclusive, kNumWarps - 1);
-  if (p == 0) prefix[num_pairs] = total;
+  const BlockSum sum = block_exclusive_sum(p < num_pairs ? first.count : 0, warp_sums);
+  if (p < num_pairs) {
+    prefix[p] = sum.exclusive;
+    begins[p] = first.begin;
+  }
+  if (p == 0) prefix[num_pairs] = sum.total;
   __syncthreads();
 }
 

@@ -344,6 +344,26 @@ __device__ __forceinline__ void block_exclusive_scan(int* data, int n, int* warp
   warps_exclusive_scan(data, n, warp_sums, 0);
 }
 
+// A prefix sum over the whole block of one value per thread, held in registers: the sum of the values of the
+// threads below this one, and the block's total. Every warp scans the warps' sums itself, so one barrier does
+// where block_exclusive_scan, whose values lie in shared memory, needs three after the caller's. warp_sums:
+// kNumWarps ints of shared scratch, read until every thread has passed the caller's next barrier.
+struct BlockSum {
+  int exclusive;
+  int total;
+};
+__device__ __forceinline__ BlockSum block_exclusive_sum(int value, int* warp_sums) {
+  const int lane = threadIdx.x % 32;
+  const int warp = threadIdx.x / 32;
+  const int inclusive = warp_inclusive_sum(value, lane);
+  if (lane == 31) warp_sums[warp] = inclusive;
+  __syncthreads();
+  const int warps_inclusive = warp_inclusive_sum(lane < kNumWarps ? warp_sums[lane] : 0, lane);
+  const int warp_base = __shfl_sync(kFullMask, warps_inclusive, warp > 0 ? warp - 1 : 0);
+  const int total = __shfl_sync(kFullMask, warps_inclusive, kNumWarps - 1);
+  return {(warp > 0 ? warp_base : 0) + inclusive - value, total};
+}
+
 // The (local expert, source rank) pair p, flattened as le * R + src, holding flat row j: the largest p with
 // prefix[p] <= j, for 0 <= j < prefix[n] (so the pair is never empty).
 __device__ __forceinline__ int find_pair(const int* prefix, int n, int row) {
