@@ -302,7 +302,9 @@ __device__ __forceinline__ void finish_receive(const PeerContext& peers, const L
 
 // In-place exclusive prefix sum of data[0, n) in shared memory by warps [first_warp, kNumWarps) of the block,
 // which alone call it (first_warp 0: the whole block, its barrier; else named barrier 1 over those warps);
-// data[n] = total. warp_sums: kNumWarps ints of shared scratch.
+// data[n] = total. warp_sums: kNumWarps ints of shared scratch. The caller writes data[i] from the calling
+// thread i (i < n <= its threads) or synchronizes first: with more values than threads a thread reads values
+// other threads wrote, so the scan's barrier comes first.
 __device__ __forceinline__ void warps_exclusive_scan(int* data, int n, int* warp_sums, int first_warp) {
   const int num_threads = kNumThreads - 32 * first_warp;
   const auto sync = [&] {
@@ -318,6 +320,7 @@ __device__ __forceinline__ void warps_exclusive_scan(int* data, int n, int* warp
   const int per_thread = (n + num_threads - 1) / num_threads;
   const int begin = min(n, thread * per_thread);
   const int end = min(n, begin + per_thread);
+  if (per_thread > 1) sync();
   int sum = 0;
   for (int i = begin; i < end; ++i) sum += data[i];
   const int inclusive = warp_inclusive_sum(sum, lane);
