@@ -37,6 +37,10 @@ struct DispatchSmallSmem {
   // 2 left out or failed (wait_and_scan_counts).
   int source_state[kMaxLowLatencyRanks];
   int* dst_listings[kMaxTopk + 1];  // like dst_msgs, for the token's listings (dispatches with top-k weights)
+  // peers.peer_bases, copied once per launch (the kernel's prologue): find_destinations takes a token's
+  // destinations' bases from here, not from a global load on the sending blocks' chain. (The routing block's
+  // stores read them from global memory: with these its lists came 0.1 us later at 128 tokens.)
+  char* peer_bases[kMaxLowLatencyRanks];
 };
 
 size_t dispatch_smem_bytes(const LowLatencyBufferMap& map) {
@@ -320,11 +324,11 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const unsigned remotes = __ballot_sync(kFullMask, first && !direct);
   const unsigned lower = (1u << lane) - 1u;
   if (direct) {
-    small.dst_msgs[__popc(directs & lower)] =
-        peer_at<char>(args.peers, dst, args.map.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
+    small.dst_msgs[__popc(directs & lower)] = LowLatencyBufferMap::at<char>(
+        small.peer_bases[dst], args.map.dispatch_recv_msg_offset(args.half, args.peers.rank, token));
     if constexpr (kListings) {
-      small.dst_listings[__popc(directs & lower)] = peer_at<int>(
-          args.peers, dst, args.map.dispatch_recv_listings_offset(args.half, args.peers.rank, token));
+      small.dst_listings[__popc(directs & lower)] = LowLatencyBufferMap::at<int>(
+          small.peer_bases[dst], args.map.dispatch_recv_listings_offset(args.half, args.peers.rank, token));
     }
   }
   if (first && !direct) small.remote_dsts[__popc(remotes & lower)] = dst;
@@ -706,6 +710,11 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
   if ((args.phases & kLowLatencyRecv) && threadIdx.x < kMaxLowLatencyRanks)
     small.source_state[threadIdx.x] = 0;
   const SendPreload pre = args.phases & kLowLatencySend ? preload_send(args) : SendPreload{};
+  // Every rank's base, loaded with the preload and stored after the barrier (send_tokens' first barrier
+  // publishes it), so the load's round trip overlaps the abort check's.
+  const bool loads_base =
+      (args.phases & kLowLatencySend) && static_cast<int>(threadIdx.x) < args.peers.num_ranks;
+  char* const peer_base = loads_base ? static_cast<char*>(args.peers.peer_bases[threadIdx.x]) : nullptr;
   // Once the group is aborted nothing is sent, and the receive reports empty results. The barrier inside also
   // hands the mask to every thread (its load is in flight with the abort word's).
   const bool aborted = device::block_sees_abort(
@@ -714,6 +723,7 @@ __global__ void __launch_bounds__(kNumThreads, 1) dispatch(const LowLatencyDispa
       [&] { small.masked = small.left_out = mask; });
   const unsigned long long masked = small.masked;
   stamp_phase(args.phase_stamps, kStampPrologue);
+  if (loads_base) small.peer_bases[threadIdx.x] = peer_base;
   if ((args.phases & kLowLatencySend) && !aborted) {
     post_shapes<Remote>(args.peers, args.map, args.half, LowLatencyOp::kDispatch, args.shape, masked);
     if (blockIdx.x == gridDim.x - 1) route_entries<Remote>(args, large, masked, tag, pre);
