@@ -206,6 +206,28 @@ std::vector<NamedCase> routing_cases() {
     c.stats = true;
     c.num_iterations = 2;
   }));
+  // The routing block's warps over several rounds of entries (top-8 of 300 tokens: 2,400 entries, five rounds
+  // of 32 a warp), and a top-k that does not divide a warp (top-3).
+  cases.push_back(named("RoutingManyRounds", small_low_latency_case(2), [](LowLatencyCase& c) {
+    c.num_max_tokens = 300;
+    c.hidden = 256;
+    c.num_tokens = {300, 257};
+    c.num_topk = 8;
+    c.num_experts = 64;
+    c.duplicates = true;
+    c.drop_probability = 0.1;
+    c.use_fp8 = true;
+    c.num_iterations = 2;
+  }));
+  cases.push_back(named("RoutingTopkThree", small_low_latency_case(2), [](LowLatencyCase& c) {
+    c.num_max_tokens = 200;
+    c.hidden = 256;
+    c.num_tokens = {199, 11};
+    c.num_topk = 3;
+    c.duplicates = true;
+    c.drop_probability = 0.1;
+    c.num_iterations = 2;
+  }));
   cases.push_back(named("TopkSixteenManyExperts", small_low_latency_case(4), [](LowLatencyCase& c) {
     c.num_topk = 16;
     c.num_experts = 256;
