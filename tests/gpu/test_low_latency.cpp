@@ -161,6 +161,19 @@ INSTANTIATE_TEST_SUITE_P(Hooks, LowLatency, ::testing::ValuesIn(hook_cases()), c
 
 // ---- Routing and sizes ----
 
+// Two ranks, many tokens of small rows, duplicate listings and dropped entries, two calls: the routing's
+// cases.
+LowLatencyCase many_tokens_case(int num_max_tokens, std::vector<int> num_tokens) {
+  LowLatencyCase c = small_low_latency_case(2);
+  c.num_max_tokens = num_max_tokens;
+  c.hidden = 256;
+  c.num_tokens = std::move(num_tokens);
+  c.duplicates = true;
+  c.drop_probability = 0.1;
+  c.num_iterations = 2;
+  return c;
+}
+
 std::vector<NamedCase> routing_cases() {
   std::vector<NamedCase> cases;
   cases.push_back(named("TokenCountsZeroOneAndMax", small_low_latency_case(4), [](LowLatencyCase& c) {
@@ -196,38 +209,19 @@ std::vector<NamedCase> routing_cases() {
     }
   }
   // More tokens than blocks: a block sends several tokens; the routing block lists all of them.
-  cases.push_back(named("MoreTokensThanBlocks", small_low_latency_case(2), [](LowLatencyCase& c) {
-    c.num_max_tokens = 300;
-    c.hidden = 256;
-    c.num_tokens = {300, 133};
-    c.duplicates = true;
-    c.drop_probability = 0.1;
+  cases.push_back(named("MoreTokensThanBlocks", many_tokens_case(300, {300, 133}), [](LowLatencyCase& c) {
     c.use_fp8 = true;
     c.stats = true;
-    c.num_iterations = 2;
   }));
   // The routing block's warps over several rounds of entries (top-8 of 300 tokens: 2,400 entries, five rounds
   // of 32 a warp), and a top-k that does not divide a warp (top-3).
-  cases.push_back(named("RoutingManyRounds", small_low_latency_case(2), [](LowLatencyCase& c) {
-    c.num_max_tokens = 300;
-    c.hidden = 256;
-    c.num_tokens = {300, 257};
+  cases.push_back(named("RoutingManyRounds", many_tokens_case(300, {300, 257}), [](LowLatencyCase& c) {
     c.num_topk = 8;
     c.num_experts = 64;
-    c.duplicates = true;
-    c.drop_probability = 0.1;
     c.use_fp8 = true;
-    c.num_iterations = 2;
   }));
-  cases.push_back(named("RoutingTopkThree", small_low_latency_case(2), [](LowLatencyCase& c) {
-    c.num_max_tokens = 200;
-    c.hidden = 256;
-    c.num_tokens = {199, 11};
-    c.num_topk = 3;
-    c.duplicates = true;
-    c.drop_probability = 0.1;
-    c.num_iterations = 2;
-  }));
+  cases.push_back(
+      named("RoutingTopkThree", many_tokens_case(200, {199, 11}), [](LowLatencyCase& c) { c.num_topk = 3; }));
   cases.push_back(named("TopkSixteenManyExperts", small_low_latency_case(4), [](LowLatencyCase& c) {
     c.num_topk = 16;
     c.num_experts = 256;
