@@ -228,7 +228,7 @@ std::vector<NamedCase> routing_cases() {
     c.use_fp8 = true;
   }));
   // More (local expert, source) pairs than a block has threads: the combine's pair scan takes its block-wide
-  // path (scan_pair_ranges).
+  // path (scan_pair_ranges), and the dispatch receive's pollers scan more counts than they have threads.
   cases.push_back(named("MorePairsThanThreads", small_low_latency_case(2), [](LowLatencyCase& c) {
     c.num_experts = 640;
     c.duplicates = true;
