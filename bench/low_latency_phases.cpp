@@ -75,8 +75,8 @@ void print_low_latency_phases(Buffer& buffer, Bootstrap& bootstrap, cudaStream_t
   // A dispatch's routing block is the last: the senders' own "sent" says whether the routing holds the flags
   // back.
   std::vector<float> senders_sent;
-  // When the blocks' sends end, first, median and last block: a send whose blocks all end late is bound by
-  // what they share (the link, memory), one whose median ends early waits for a few blocks.
+  // When the first and the median block end their sends (the last is the "sent" phase): a send whose blocks
+  // all end late is bound by what they share (the link, memory), one whose median ends early waits for a few.
   std::vector<float> sent_first, sent_median;
   for (int i = 0; i < warmup + iters; ++i) {
     EPX_CUDA_CHECK(cudaMemsetAsync(stamps, 0, sizeof(uint64_t) * count, stream));
@@ -97,7 +97,6 @@ void print_low_latency_phases(Buffer& buffer, Bootstrap& bootstrap, cudaStream_t
       sent_median.push_back(static_cast<float>(ends[ends.size() / 2]));
     }
   }
-  // One write per line, so the ranks' lines do not interleave.
   std::string line = "rank " + std::to_string(buffer.rank()) + " phases of " + name +
                      " (us after the first block's entry, last block; entry: spread):";
   char value[64];
