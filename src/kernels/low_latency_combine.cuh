@@ -239,19 +239,35 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
   }
 }
 
-// sum_listings for a BF16 partial row whose token has 1 to 8 listings here (`listed`, bit k: lane k's listing
+// sum_listings for a BF16 partial row whose token has 1 to 4 listings here (`listed`, bit k: lane k's listing
 // has a row here), with eight 16-byte loads in flight per lane whatever their number m: the eight load slots
 // of a round cover P = m rounded up to a power of two listings by 8 / P chunks 32 apart (slot q: listing q %
 // P, chunk q / P), then add up chunk by chunk. sum_listings takes one chunk per lane per round, so a token
 // with one listing here went through its share of the row in rounds of one load each, and its warp was the
 // send's last. The same sums in the same order as sum_listings (acc = +0, then weight * row in top-k order).
+// The listings' rows and weights are gathered once, before the rounds: a slot picks its listing's with
+// selects. Found per slot and round with __fns (about 70 instructions each, twice per slot), the rounds were
+// bound by their instructions: a warp's share took 7.4-8.1 us at 128 tokens on two ranks against 3.9 at one
+// rank, where every token has eight listings here and takes sum_listings (per-warp stamps, 2 x H200).
 __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, unsigned listed, int listing_row,
                                   float listing_weight, int chunk_begin, int chunk_end, int lane) {
   constexpr int kSlots = 8;
   const int num_listed = __popc(listed);
-  const int listing_bits = num_listed == 1 ? 0 : num_listed == 2 ? 1 : num_listed <= 4 ? 2 : 3;  // log2 P
+  const int listing_bits = num_listed == 1 ? 0 : num_listed == 2 ? 1 : 2;  // log2 P
   const int per_chunk = 1 << listing_bits;
-  // Warp-uniform rounds (the shuffles need every lane); lanes past the range load and store nothing.
+  // Listing k's row (-1 past the m listed) and weight, in top-k order: the k-th set bit of `listed`.
+  int rows[4];
+  float weights[4];
+  unsigned rest = listed;
+#pragma unroll
+  for (int k = 0; k < 4; ++k) {
+    const int src = rest != 0u ? __ffs(rest) - 1 : 0;
+    const int row = __shfl_sync(kFullMask, listing_row, src);
+    weights[k] = __shfl_sync(kFullMask, listing_weight, src);
+    rows[k] = rest != 0u ? row : -1;
+    rest &= rest - 1u;
+  }
+  // Warp-uniform rounds; lanes past the range load and store nothing.
   for (int base = chunk_begin; base < chunk_end; base += 32 * (kSlots >> listing_bits)) {
     const int chunk0 = base + lane;
     int4 raw[kSlots];
@@ -259,21 +275,21 @@ __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, unsi
     for (int q = 0; q < kSlots; ++q) {
       const int k = q & (per_chunk - 1);
       const int chunk = chunk0 + (q >> listing_bits) * 32;
-      const int row = __shfl_sync(kFullMask, listing_row, k < num_listed ? __fns(listed, 0, k + 1) : 0);
-      if (k < num_listed && chunk < chunk_end) raw[q] = __ldcg(x + size_t(row) * row_chunks + chunk);
+      const int row = k == 0 ? rows[0] : k == 1 ? rows[1] : k == 2 ? rows[2] : rows[3];
+      if (row >= 0 && chunk < chunk_end) raw[q] = __ldcg(x + size_t(row) * row_chunks + chunk);
     }
     float acc[8];
 #pragma unroll
     for (int q = 0; q < kSlots; ++q) {
       const int k = q & (per_chunk - 1);
       const int chunk = chunk0 + (q >> listing_bits) * 32;
-      const float weight =
-          __shfl_sync(kFullMask, listing_weight, k < num_listed ? __fns(listed, 0, k + 1) : 0);
+      const int row = k == 0 ? rows[0] : k == 1 ? rows[1] : k == 2 ? rows[2] : rows[3];
+      const float weight = k == 0 ? weights[0] : k == 1 ? weights[1] : k == 2 ? weights[2] : weights[3];
       if (k == 0) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;
       }
-      if (k < num_listed && chunk < chunk_end) add_weighted8(acc, weight, raw[q]);
+      if (row >= 0 && chunk < chunk_end) add_weighted8(acc, weight, raw[q]);
       if (k == per_chunk - 1 && chunk < chunk_end) dst[chunk] = pack_bf16x8(acc);
     }
   }
