@@ -6,6 +6,7 @@
 #include "buffer_map/internode_buffer_map.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "common/host_device.hpp"
+#include "common/small_divisor.hpp"
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
 #include "formats/logfmt.hpp"
@@ -140,6 +141,10 @@ struct LowLatencyBufferMap {
   int hidden;          // H
   int num_ranks;       // R
   int num_experts;     // E
+  // E / R and R as SmallDivisors: the kernels find an expert's rank and local index, and a (local expert,
+  // rank) pair's parts, with a multiply rather than a division (E <= 4096 keeps every such quotient exact).
+  SmallDivisor local_experts;
+  SmallDivisor ranks;
 
   LowLatencyBufferMap() = default;
   // Validates the shape (host only); throws epx::Error naming the bad argument.
@@ -161,10 +166,20 @@ struct LowLatencyBufferMap {
     EPX_CHECK(num_experts <= kMaxExperts, "num_experts", num_experts, "must be <= 4096");
     EPX_CHECK(num_experts % num_ranks == 0, "num_experts", num_experts,
               "must be a multiple of the number of ranks");
+    local_experts = SmallDivisor(static_cast<uint32_t>(num_experts / num_ranks));
+    ranks = SmallDivisor(static_cast<uint32_t>(num_ranks));
   }
 
   // ---- Shape ----
   EPX_HD int num_local_experts() const { return num_experts / num_ranks; }
+  // The rank that holds expert `expert` (0 <= expert < E), and its index among that rank's experts.
+  EPX_HD int expert_rank(int expert) const { return static_cast<int>(local_experts.div(uint32_t(expert))); }
+  EPX_HD int local_expert_of(int expert) const {
+    return static_cast<int>(local_experts.mod(uint32_t(expert)));
+  }
+  // Pair `pair` = local expert * R + rank (0 <= pair < E): its local expert and its rank.
+  EPX_HD int pair_local_expert(int pair) const { return static_cast<int>(ranks.div(uint32_t(pair))); }
+  EPX_HD int pair_rank(int pair) const { return static_cast<int>(ranks.mod(uint32_t(pair))); }
   // FP8 scale / LogFMT groups per row.
   EPX_HD int num_groups() const { return hidden / kLowLatencyGroupSize; }
   EPX_HD int num_recv_rows() const { return num_ranks * num_max_tokens; }  // rows per expert: R*M

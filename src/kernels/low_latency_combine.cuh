@@ -418,7 +418,6 @@ template <typename Remote, bool kLogfmt, bool kPreReduce>
 __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int* prefix, int* warp_sums,
                                           unsigned long long masked, LowLatencyRange first_range) {
   const LowLatencyBufferMap& map = args.map;
-  const int num_ranks = map.num_ranks;
   const int num_pairs = map.num_experts;
   const int hidden = map.hidden;
   int* begins = prefix + num_pairs + 1;
@@ -445,9 +444,10 @@ __device__ Publishers send_expert_outputs(const LowLatencyCombineArgs& args, int
     const int j = item / num_pieces;
     const int piece = item % num_pieces;
     const int pair = find_pair(prefix, num_pairs, j);
-    const int dst = pair % num_ranks;
+    const int dst = map.pair_rank(pair);
     if (rank_masked(masked, dst)) continue;
-    const size_t row_idx = size_t(pair / num_ranks) * map.num_recv_rows() + begins[pair] + (j - prefix[pair]);
+    const size_t row_idx =
+        size_t(map.pair_local_expert(pair)) * map.num_recv_rows() + begins[pair] + (j - prefix[pair]);
     const int token = args.handle.recv_src_info[row_idx];
     const int topk_pos = args.handle.recv_topk_pos[row_idx];
     const uint16_t* row = static_cast<const uint16_t*>(args.in.x) + row_idx * hidden;
@@ -529,9 +529,10 @@ __device__ __forceinline__ TopkEntry first_topk_entry(const LowLatencyCombineArg
 // of the token's experts (not left out), in ascending rank order, naming the slot its partial row went to
 // (the token's first listing on that rank) with weight 1 (the partial is weighted already, and 1 * v is v);
 // entries past the ranks are -1.
-__device__ void list_partial_slots(CombineSmallSmem& small, int expert, int num_local, int num_topk,
-                                   unsigned long long left_out, int lane) {
-  const int rank = expert >= 0 && !rank_masked(left_out, expert / num_local) ? expert / num_local : -1;
+__device__ void list_partial_slots(CombineSmallSmem& small, int expert, const LowLatencyBufferMap& map,
+                                   int num_topk, unsigned long long left_out, int lane) {
+  const int expert_rank = expert >= 0 ? map.expert_rank(expert) : -1;
+  const int rank = expert_rank >= 0 && !rank_masked(left_out, expert_rank) ? expert_rank : -1;
   const bool first_of_rank = first_lane_with(rank, num_topk, lane) && rank >= 0;
   const unsigned firsts = __ballot_sync(kFullMask, first_of_rank);
   int order = 0;  // entries before this lane's: the ranks below its rank
@@ -779,7 +780,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     if (threadIdx.x < 32) {
       mine =
           item == static_cast<int>(blockIdx.x) ? first_entry : load_topk_entry<kPreReduce>(args, token, lane);
-      unsigned long long ranks = mine.expert >= 0 ? 1ull << (mine.expert / map.num_local_experts()) : 0ull;
+      unsigned long long ranks = mine.expert >= 0 ? 1ull << map.expert_rank(mine.expert) : 0ull;
 #pragma unroll
       for (int offset = 16; offset > 0; offset >>= 1) ranks |= __shfl_xor_sync(kFullMask, ranks, offset);
       if (lane == 0) small.needed = ranks;
@@ -798,7 +799,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
     if (threadIdx.x < 32) {
       const int expert = mine.expert;
       if constexpr (kPreReduce) {
-        list_partial_slots(small, expert, map.num_local_experts(), num_topk, left_out, lane);
+        list_partial_slots(small, expert, map, num_topk, left_out, lane);
       } else {
         int first = lane;
         for (int k = num_topk - 1; k >= 0; --k) {
@@ -806,7 +807,7 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
           if (k < lane && other == expert) first = k;
         }
         if (lane < num_topk) {
-          const bool kept = expert >= 0 && !rank_masked(left_out, expert / map.num_local_experts());
+          const bool kept = expert >= 0 && !rank_masked(left_out, map.expert_rank(expert));
           small.slot_pos[lane] = kept ? first : -1;
           small.weights[lane] = mine.weight;
         }
@@ -817,8 +818,8 @@ __device__ bool reduce_tokens(const LowLatencyCombineArgs& args, CombineSmallSme
         __syncwarp();
         const int pos = lane < num_topk ? small.slot_pos[lane] : -1;
         const int pos_expert = __shfl_sync(kFullMask, expert, pos >= 0 ? pos : 0);
-        const unsigned packed = __ballot_sync(
-            kFullMask, pos >= 0 && ((put_ranks >> (pos_expert / map.num_local_experts())) & 1ull) != 0);
+        const unsigned packed =
+            __ballot_sync(kFullMask, pos >= 0 && ((put_ranks >> map.expert_rank(pos_expert)) & 1ull) != 0);
         if (lane == 0) small.packed = packed;
       }
     }

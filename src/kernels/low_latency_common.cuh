@@ -409,9 +409,9 @@ __device__ __forceinline__ bool first_lane_with(int value, int num_topk, int lan
 // NOTES: the earlier listings are loaded unrolled and predicated, so their loads are in flight together
 // instead of one round trip each (this runs on the routing block's critical path).
 // `id`: topk_idx[entry], loaded by the caller (the routing block loads its first round's early).
-__device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry, int num_topk,
-                                                   int num_experts, int64_t id) {
-  const int first = entry - entry % num_topk;
+__device__ __forceinline__ int first_listed_expert(const int64_t* topk_idx, int entry,
+                                                   const SmallDivisor& topk, int num_experts, int64_t id) {
+  const int first = entry - static_cast<int>(topk.mod(entry));
   int64_t earlier[kMaxTopk - 1];
 #pragma unroll
   for (int j = 0; j < kMaxTopk - 1; ++j) earlier[j] = first + j < entry ? __ldg(topk_idx + first + j) : -1;

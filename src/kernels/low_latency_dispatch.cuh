@@ -54,24 +54,24 @@ size_t dispatch_smem_bytes(const LowLatencyBufferMap& map) {
 // The expert of entry `entry` the routing counts: its first listing, and not on a masked rank (else -1).
 __device__ __forceinline__ int routed_expert(const LowLatencyDispatchArgs& args, int entry,
                                              unsigned long long masked, int64_t id) {
-  const int expert = first_listed_expert(args.in.topk_idx, entry, args.in.num_topk, args.map.num_experts, id);
-  return expert >= 0 && rank_masked(masked, expert / args.map.num_local_experts()) ? -1 : expert;
+  const int expert = first_listed_expert(args.in.topk_idx, entry, args.topk, args.map.num_experts, id);
+  return expert >= 0 && rank_masked(masked, args.map.expert_rank(expert)) ? -1 : expert;
 }
 
 // Lists staged for experts on ranks reached by puts go out once complete; `totals[e]` = list length.
 template <typename Remote>
 __device__ void put_staged_lists(const LowLatencyDispatchArgs& args, const int* totals) {
   const LowLatencyBufferMap& map = args.map;
-  const int num_local = map.num_local_experts();
   __syncthreads();
   for (int expert = threadIdx.x / 32; expert < map.num_experts; expert += kNumWarps) {
-    const int dst = expert / num_local;
+    const int dst = map.expert_rank(expert);
     const int count = totals[expert];
     if (count == 0 || is_direct<Remote>(args.peers, dst)) continue;
-    Remote::put_warp(local_at<uint64_t>(args.peers, map.dispatch_recv_index_offset(
-                                                        args.half, expert % num_local, args.peers.rank)),
-                     local_at<uint64_t>(args.peers, map.dispatch_send_index_offset(args.half, expert)),
-                     sizeof(uint64_t) * count, dst);
+    Remote::put_warp(
+        local_at<uint64_t>(args.peers, map.dispatch_recv_index_offset(args.half, map.local_expert_of(expert),
+                                                                      args.peers.rank)),
+        local_at<uint64_t>(args.peers, map.dispatch_send_index_offset(args.half, expert)),
+        sizeof(uint64_t) * count, dst);
   }
 }
 
@@ -128,10 +128,10 @@ __device__ __forceinline__ void store_list_length(const LowLatencyDispatchArgs& 
                                                   unsigned long long masked, uint64_t tag, int expert,
                                                   int length) {
   const LowLatencyBufferMap& map = args.map;
-  const int num_local = map.num_local_experts();
-  const int dst = expert / num_local;
+  const int dst = map.expert_rank(expert);
   if (rank_masked(masked, dst)) return;
-  const size_t offset = map.dispatch_recv_count_offset(args.half, expert % num_local, args.peers.rank);
+  const size_t offset =
+      map.dispatch_recv_count_offset(args.half, map.local_expert_of(expert), args.peers.rank);
   const uint64_t word = pack_low_latency_word(tag, length);
   if (is_direct<Remote>(args.peers, dst)) {
     device::st_relaxed_sys_u64(peer_at<uint64_t>(args.peers, dst, offset), word);
@@ -146,14 +146,15 @@ template <typename Remote>
 __device__ __forceinline__ void write_list_entry(const LowLatencyDispatchArgs& args, uint64_t tag, int expert,
                                                  int slot, int entry) {
   const LowLatencyBufferMap& map = args.map;
-  const int num_local = map.num_local_experts();
-  const int dst = expert / num_local;
-  const uint64_t word =
-      pack_low_latency_word(tag, pack_recv_index_entry(entry / args.in.num_topk, entry % args.in.num_topk));
+  const int dst = map.expert_rank(expert);
+  const uint64_t word = pack_low_latency_word(
+      tag,
+      pack_recv_index_entry(static_cast<int>(args.topk.div(entry)), static_cast<int>(args.topk.mod(entry))));
   if (is_direct<Remote>(args.peers, dst)) {
     device::st_relaxed_sys_u64(
-        peer_at<uint64_t>(args.peers, dst,
-                          map.dispatch_recv_index_offset(args.half, expert % num_local, args.peers.rank)) +
+        peer_at<uint64_t>(
+            args.peers, dst,
+            map.dispatch_recv_index_offset(args.half, map.local_expert_of(expert), args.peers.rank)) +
             slot,
         word);
   } else {
@@ -173,13 +174,13 @@ __device__ void route_few_entries(const LowLatencyDispatchArgs& args, int* lengt
   __syncthreads();
   if (threadIdx.x < 32) {
     const int lane = static_cast<int>(threadIdx.x);
-    const int token = lane / args.in.num_topk;
+    const int token = static_cast<int>(args.topk.div(lane));
     int expert = lane < args.in.num_tokens * args.in.num_topk ? expert_of(pre.id, num_experts) : -1;
     // A lower lane of the same token listing the same expert: not this listing's first occurrence. (token <
     // 32: a key per (expert, token).)
     const unsigned same_listing = __match_any_sync(kFullMask, expert < 0 ? -1 : expert * 32 + token);
     if ((same_listing & ((1u << lane) - 1u)) != 0 ||
-        (expert >= 0 && rank_masked(masked, expert / map.num_local_experts()))) {
+        (expert >= 0 && rank_masked(masked, map.expert_rank(expert)))) {
       expert = -1;
     }
     const unsigned same = __match_any_sync(kFullMask, expert);
@@ -207,7 +208,6 @@ __device__ void route_entries(const LowLatencyDispatchArgs& args, int* hist, uns
                               uint64_t tag, const SendPreload& pre) {
   const LowLatencyBufferMap& map = args.map;
   const int num_experts = map.num_experts;
-  const int num_local = map.num_local_experts();
   const int lane = threadIdx.x % 32;
   const int warp = threadIdx.x / 32;
   if (args.in.num_tokens * args.in.num_topk <= kFewEntries) {
@@ -316,7 +316,7 @@ __device__ void find_destinations(const LowLatencyDispatchArgs& args, int token,
   const float weight = kListings && lane < args.in.num_topk
                            ? args.in.topk_weights[size_t(token) * args.in.num_topk + lane]
                            : 0.0f;
-  const int rank = expert >= 0 ? expert / args.map.num_local_experts() : -1;
+  const int rank = expert >= 0 ? args.map.expert_rank(expert) : -1;
   const int dst = rank >= 0 && !rank_masked(small.masked, rank) ? rank : -1;  // masked ranks get nothing
   const bool first = first_lane_with(dst, args.in.num_topk, lane) && dst >= 0;
   const bool direct = first && is_direct<Remote>(args.peers, dst);
@@ -499,14 +499,13 @@ __device__ void write_listings(const LowLatencyDispatchArgs& args, int src, int 
   const int id = lane < num_topk ? __ldcg(received + lane) : -1;
   const float weight =
       lane < num_topk ? __ldcg(reinterpret_cast<const float*>(received + kListingWeightsWord) + lane) : 0.0f;
-  const int num_local = map.num_local_experts();
-  const bool here = id >= 0 && id / num_local == args.peers.rank;
+  const bool here = id >= 0 && map.expert_rank(id) == args.peers.rank;
   const unsigned here_lanes = __ballot_sync(kFullMask, here);
   const bool first_here = topk_pos == __ffs(here_lanes) - 1;
   if (lane >= num_topk) return;
   LowLatencyListing* listings =
       args.out.recv_token_listings + (size_t(src) * map.num_max_tokens + token) * num_topk;
-  if (here && id % num_local == local_expert) {
+  if (here && map.local_expert_of(id) == local_expert) {
     listings[lane] = LowLatencyListing{row_idx, weight};
   } else if (!here && first_here) {
     listings[lane] = LowLatencyListing{-1, 0.0f};
@@ -545,8 +544,8 @@ __device__ __forceinline__ const uint64_t* entry_word(const LowLatencyDispatchAr
                                                       int item, int num_pieces, int* pair) {
   const int j = item / num_pieces;
   *pair = find_pair(prefix, args.map.num_experts, j);
-  const int local_expert = *pair / args.map.num_ranks;
-  const int src = *pair % args.map.num_ranks;
+  const int local_expert = args.map.pair_local_expert(*pair);
+  const int src = args.map.pair_rank(*pair);
   return local_at<uint64_t>(args.peers, args.map.dispatch_recv_index_offset(args.half, local_expert, src)) +
          (j - prefix[*pair]);
 }
@@ -595,8 +594,9 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     for (int p = static_cast<int>(threadIdx.x) - first_thread; p < num_pairs;
          p += kNumThreads - first_thread) {
       int length = 0;
-      if (!aborted && !rank_masked(masked, p % num_ranks))
-        take_tagged(words + p, tag, &small.source_state[p % num_ranks], &length);
+      const int src = map.pair_rank(p);
+      if (!aborted && !rank_masked(masked, src))
+        take_tagged(words + p, tag, &small.source_state[src], &length);
       prefix[p] = length;
     }
     warps_exclusive_scan(prefix, num_pairs, small.warp_sums, waiter_warps);
@@ -606,7 +606,7 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     if (item < prefix[num_pairs] * num_pieces) {
       int pair = 0;
       const uint64_t* word = entry_word(args, prefix, item, num_pieces, &pair);
-      ahead->valid = take_tagged(word, tag, &small.source_state[pair % num_ranks], &ahead->entry);
+      ahead->valid = take_tagged(word, tag, &small.source_state[map.pair_rank(pair)], &ahead->entry);
     }
   }
   // The waiters' acquires (and left_out) extend to the whole block through the barrier.
@@ -616,7 +616,7 @@ __device__ SourceWait wait_and_scan_counts(const LowLatencyDispatchArgs& args, i
     // A wait failed, or left a source out whose counts the pollers may have taken: count again.
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
       const uint64_t word =
-          all_arrived && !rank_masked(left_out, p % num_ranks) ? device::ld_relaxed_sys_u64(words + p) : 0;
+          all_arrived && !rank_masked(left_out, map.pair_rank(p)) ? device::ld_relaxed_sys_u64(words + p) : 0;
       prefix[p] = low_latency_word_tag(word) == tag ? low_latency_word_value(word) : 0;
     }
     __syncthreads();
@@ -643,7 +643,7 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
 
   if (blockIdx.x == 0) {
     for (int p = threadIdx.x; p < num_pairs; p += kNumThreads) {
-      const int expert_begin = prefix[p / num_ranks * num_ranks];
+      const int expert_begin = prefix[map.pair_local_expert(p) * num_ranks];
       args.out.recv_layout_range[p] =
           LowLatencyRange{.count = prefix[p + 1] - prefix[p], .begin = prefix[p] - expert_begin};
     }
@@ -668,8 +668,8 @@ __device__ void receive_tokens(const LowLatencyDispatchArgs& args, int* prefix, 
     const uint64_t* word = entry_word(args, prefix, item, num_pieces, &pair);
     const int entry = ahead.valid ? ahead.entry : low_latency_word_value(device::ld_relaxed_sys_u64(word));
     ahead.valid = false;  // the first item's only
-    const int local_expert = pair / num_ranks;
-    const int src = pair % num_ranks;
+    const int local_expert = map.pair_local_expert(pair);
+    const int src = map.pair_rank(pair);
     const int row = item / num_pieces - prefix[local_expert * num_ranks];
     const int piece = item % num_pieces;
     const int token = recv_index_entry_token(entry);

@@ -63,6 +63,7 @@ struct LowLatencyDispatchArgs {
   LowLatencyDispatchInput in;    // the caller's: the send phase's tokens, the statistics
   LowLatencyDispatchOutput out;  // the receive phase's outputs (caller memory)
   RowFormat format;              // the scale format of in's flags, resolved by the host once per call
+  SmallDivisor topk;             // in.num_topk: a top-k entry's token and position without a division
   ShapeFingerprint shape;        // posted with the receive flags, compared by every receiver
   LowLatencyMaskArgs mask;
   uint64_t* phase_stamps;  // [num_blocks][kNumPhaseStamps] or nullptr (LowLatencyStamp)

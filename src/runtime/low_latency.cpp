@@ -201,6 +201,7 @@ LowLatencyDispatchResult low_latency_dispatch(Buffer& buffer, const LowLatencyDi
   args.in = in;
   args.out = out;
   args.format = row_format(low_latency_scale_format(in));
+  args.topk = SmallDivisor(static_cast<uint32_t>(in.num_topk));
   // The format's value in the low bits (below 8: LogFMT's bit in a combine's fingerprint).
   static_assert(kNumScaleFormats <= 8, "a scale format's value must stay below the listings bit");
   args.shape = low_latency_shape_fingerprint(
