@@ -105,4 +105,13 @@ std::vector<TunedConfig> fastest_tuned_configs(const std::vector<RowSummary>& ro
   return best;
 }
 
+double tuned_row_us(const std::vector<RowSummary>& rows, const std::string& op, int num_sms, int send_chunk,
+                    int queue_tokens) {
+  const std::string name = tuned_row_name(op, send_chunk, queue_tokens);
+  for (const RowSummary& row : rows) {
+    if (row.op == name && row.num_sms == num_sms) return row.mean_us;
+  }
+  return -1.0;
+}
+
 }  // namespace epx::bench

@@ -47,6 +47,11 @@ std::string tuned_row_name(const std::string& op, int send_chunk, int queue_toke
 // order each (op, SM budget) first appears.
 std::vector<TunedConfig> fastest_tuned_configs(const std::vector<RowSummary>& rows);
 
+// The mean time of the --tune row of `op` at `num_sms`, `send_chunk` and `queue_tokens`; negative when the
+// sweep has none.
+double tuned_row_us(const std::vector<RowSummary>& rows, const std::string& op, int num_sms, int send_chunk,
+                    int queue_tokens);
+
 // Writes rows averaged over ranks (rank_rows[r] = rank r's rows, same order on every rank) to `out` as a
 // table under `header`, or as JSON lines tagged with `mode`. When a row carries network bytes (a run across
 // nodes), the table adds the network GB/s (mean over ranks and of the slowest rank) and the JSON lines

@@ -15,6 +15,7 @@
 #include "bench_report.hpp"
 #include "buffer_map/normal_buffer_map.hpp"
 #include "cpu_reference_run.hpp"
+#include "epx/config.hpp"
 #include "epx/error.hpp"
 #include "formats/fp8.hpp"
 
@@ -308,12 +309,31 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       const std::string header = epx::bench::normal_header(o, num_ranks);
       if (bootstrap.rank() == 0) report(rows, o, json_file, header, "normal");
       if (bootstrap.rank() == 0 && o.tune) {
+        // Beside each best, the default a call without a config runs on this GPU kind (recommended_config).
+        cudaDeviceProp prop{};
+        EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
+        const epx::GpuKind kind = epx::gpu_kind_of(prop.name);
         std::printf(
-            "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)):\n");
-        for (const epx::bench::TunedConfig& best :
-             epx::bench::fastest_tuned_configs(epx::bench::summarize_rows(rows))) {
-          std::printf("  %-22s %3d SMs: chunk %3d, queue %4d  %8.1f us\n", best.op.c_str(), best.num_sms,
-                      best.send_chunk, best.queue_tokens, best.mean_us);
+            "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)), beside "
+            "the "
+            "default on this GPU kind (%s):\n",
+            epx::gpu_kind_name(kind));
+        const auto summaries = epx::bench::summarize_rows(rows);
+        for (const epx::bench::TunedConfig& best : epx::bench::fastest_tuned_configs(summaries)) {
+          const bool combine = best.op.rfind("combine", 0) == 0;
+          const epx::Config def = epx::recommended_config(
+              combine ? epx::ConfigFor::kCombine : epx::ConfigFor::kDispatch, num_ranks, best.num_sms, kind);
+          const double def_us =
+              epx::bench::tuned_row_us(summaries, best.op, best.num_sms, def.num_max_nvl_chunked_send_tokens,
+                                       def.num_max_nvl_chunked_recv_tokens);
+          std::printf("  %-22s %3d SMs: chunk %3d, queue %4d  %8.1f us;  default chunk %3d, queue %4d: ",
+                      best.op.c_str(), best.num_sms, best.send_chunk, best.queue_tokens, best.mean_us,
+                      def.num_max_nvl_chunked_send_tokens, def.num_max_nvl_chunked_recv_tokens);
+          if (def_us > 0) {
+            std::printf("%8.1f us (+%.1f %%)\n", def_us, 100.0 * (def_us / best.mean_us - 1.0));
+          } else {
+            std::printf("not in the sweep\n");
+          }
         }
       }
     }

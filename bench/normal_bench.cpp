@@ -332,10 +332,12 @@ void check_round_trip(Buffer& buffer, Workspace& ws, const BenchOptions& o, cons
   }
 }
 
-// The config of the benchmark's calls with `num_sms`: within one node DeepEP's recommended one for the rank
-// count (what deep_ep callers run), the NVLink chunk and queue flags overriding it; across nodes
-// across_nodes_config (a Buffer's first config there), the network chunk and queue flags overriding it.
-Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool across_nodes, int num_sms) {
+// The config of the benchmark's calls with `num_sms`: within one node the recommended one for the rank count
+// and the GPU kind (what deep_ep callers run without a config), the NVLink chunk and queue flags overriding
+// it; across nodes across_nodes_config (a Buffer's first config there), the network chunk and queue flags
+// overriding it. The kind changes send chunks only, never a buffer size.
+Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool across_nodes, int num_sms,
+                    GpuKind kind) {
   if (across_nodes) {
     Config config = across_nodes_config(num_sms);
     if (o.rdma_send_chunk > 0) config.num_max_rdma_chunked_send_tokens = o.rdma_send_chunk;
@@ -343,7 +345,7 @@ Config bench_config(const BenchOptions& o, ConfigFor op, int num_ranks, bool acr
     validate_config(config);
     return config;
   }
-  Config config = recommended_config(op, num_ranks, num_sms);
+  Config config = recommended_config(op, num_ranks, num_sms, kind);
   if (o.nvl_send_chunk > 0) config.num_max_nvl_chunked_send_tokens = o.nvl_send_chunk;
   if (o.nvl_queue_tokens > 0) config.num_max_nvl_chunked_recv_tokens = o.nvl_queue_tokens;
   validate_config(config);
@@ -380,6 +382,16 @@ std::vector<BenchRow> tune_sweep(Buffer& buffer, const Workspace& ws, const Benc
           const bool bf16 = format == TokenFormat::kBf16;
           rows.push_back({tuned_row_name(bf16 ? "dispatch BF16 cached" : "dispatch FP8 cached", chunk, queue),
                           sms, us, bf16 ? bf16_bytes : fp8_bytes});
+          // The same into the output window (the senders store straight into the outputs), when it has one.
+          if (buffer.num_nvl_output_bytes() == 0) continue;
+          const DispatchOutput wout =
+              window_outputs(buffer, size_t(plan.handle.num_recv_rows()), o.hidden, !bf16, 0);
+          const double window_us =
+              back_to_back([&] { cached_dispatch(buffer, plan.handle, in, wout, stream); });
+          rows.push_back(
+              {tuned_row_name(bf16 ? "dispatch BF16 cached into window" : "dispatch FP8 cached into window",
+                              chunk, queue),
+               sms, window_us, bf16 ? bf16_bytes : fp8_bytes});
         }
         const CombineInput cin{ws.recv_x.get(), ws.recv_topk_weights.get(), o.num_topk, nullptr, nullptr};
         const CombineOutput cout{ws.combined.get(), ws.combined_weights.get()};
@@ -426,12 +438,12 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
       std::max(buffer_options.num_sms, *std::max_element(o.num_sms.begin(), o.num_sms.end()));
   EPX_CHECK(!o.tune || !across_nodes, "--tune", "with --ranks-per-node",
             "tunes the NVLink queues of one node");
-  Config widest = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, widest_sms);
+  Config widest = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, widest_sms, GpuKind::kOther);
   if (o.tune) widest.num_max_nvl_chunked_recv_tokens = kTuneQueueTokens.back();
   const size_t hidden_bytes = size_t(o.hidden) * 2;
   buffer_options.num_nvl_bytes =
       std::max(widest.get_nvl_buffer_size_hint(hidden_bytes, num_ranks),
-               bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, widest_sms)
+               bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, widest_sms, GpuKind::kOther)
                    .get_nvl_buffer_size_hint(hidden_bytes, num_ranks));
   // Within one node an output window for every row a rank can receive: the cached dispatch is also timed
   // with its outputs there (the senders store straight into them, no queue).
@@ -454,7 +466,8 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   Buffer buffer(bootstrap, buffer_options);
   // The checks below run with the first budget's config: the Buffer's own first config has Config's queue
   // sizes, which a smaller --rdma-queue / --nvl-queue would have sized the buffer too small for.
-  buffer.set_config(bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, o.num_sms.front()));
+  buffer.set_config(
+      bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, o.num_sms.front(), buffer.gpu_kind()));
   cudaStream_t stream = nullptr;
   EPX_CUDA_CHECK(cudaStreamCreateWithFlags(&stream, cudaStreamNonBlocking));
   Workspace ws(o, num_ranks, num_nodes);
@@ -513,8 +526,10 @@ std::vector<BenchRow> run_normal_bench(Bootstrap& bootstrap, const BenchOptions&
   std::vector<BenchRow> out;
   bool studied = false;
   for (int sms : o.num_sms) {
-    const Config dispatch_config = bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, sms);
-    const Config combine_config = bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, sms);
+    const Config dispatch_config =
+        bench_config(o, ConfigFor::kDispatch, num_ranks, across_nodes, sms, buffer.gpu_kind());
+    const Config combine_config =
+        bench_config(o, ConfigFor::kCombine, num_ranks, across_nodes, sms, buffer.gpu_kind());
     buffer.set_config(dispatch_config);
     // The handle splits tokens into the channels of the SM budget it was made with: one per budget, so the
     // cached dispatch and the combine below run on `sms` SMs too.

@@ -74,12 +74,17 @@ class Buffer {
   cudaStream_t comm_stream() const;
 
   // The config of the normal-mode calls (SM budget and queue sizes). It starts as BufferOptions::num_sms
-  // with, within one node, recommended_config's chunks for the group size (ConfigFor::kDispatch), across
-  // nodes across_nodes_config's.
+  // with, within one node, recommended_config's chunks for the group size and this GPU's kind
+  // (ConfigFor::kDispatch), across nodes across_nodes_config's.
   const Config& config() const;
   void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
   int num_sms() const { return config().num_sms; }
-  void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count
+  void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count; keeps the config's origin
+  GpuKind gpu_kind() const;       // of this rank's GPU (its device name)
+  // The NVLink send chunk of a combine within one node: the config's once a caller set one (set_config),
+  // else recommended_config's combine chunk for the group size, the SM budget and the GPU kind (the
+  // dispatch's and the combine's best chunks differ: docs/BENCHMARKS.md).
+  int combine_send_chunk() const;
   uint64_t wait_timeout_ns() const;
   bool enable_shrink() const;  // BufferOptions::enable_shrink
 
@@ -135,8 +140,9 @@ class Buffer {
   struct State;
   std::unique_ptr<State> state_;
   const State& live() const;
-  int32_t read_abort_word() const;  // this rank's abort word (a device-to-host copy)
-  bool group_aborted() const;       // aborted, a record written, or the abort word set
+  void apply_config(const Config& config);  // set_config without marking the config the caller's
+  int32_t read_abort_word() const;          // this rank's abort word (a device-to-host copy)
+  bool group_aborted() const;               // aborted, a record written, or the abort word set
   void
   stop_local_work() noexcept;  // destroy()'s and release()'s first step: hooks off, this rank's kernels end
   void free_without_peers() noexcept;  // frees this rank's resources, meeting no peer (NVSHMEM memory kept)

@@ -1,6 +1,7 @@
 #pragma once
 
 #include <cstddef>
+#include <string_view>
 
 // Performance settings of normal-mode calls, with DeepEP V1's fields and meanings, and the buffer size hints
 // (BufferOptions' byte counts).
@@ -48,10 +49,20 @@ size_t get_low_latency_rdma_size_hint(int num_max_dispatch_tokens_per_rank, int 
 // Which normal-mode call a recommended config is for.
 enum class ConfigFor { kDispatch, kCombine };
 
+// GPU kinds whose normal-mode defaults were measured apart (docs/BENCHMARKS.md); kOther is every other GPU.
+enum class GpuKind { kOther, kH100, kH200 };
+
+// The kind of a GPU by its CUDA device name ("NVIDIA H200", "NVIDIA H100 80GB HBM3"; kOther for any other).
+GpuKind gpu_kind_of(std::string_view device_name);
+// "H100", "H200" or "other".
+const char* gpu_kind_name(GpuKind kind);
+
 // DeepEP V1's recommended config for `op` in a group of `num_ranks` (what deep_ep callers get from
-// Buffer.get_dispatch_config / get_combine_config, and what its calls use without one), with `num_sms`;
-// Config's defaults with `num_sms` for a group size DeepEP has no recommendation for.
-Config recommended_config(ConfigFor op, int num_ranks, int num_sms);
+// Buffer.get_dispatch_config / get_combine_config), with `num_sms`; Config's defaults with `num_sms` for a
+// group size DeepEP has no recommendation for. At 2 ranks the send chunks are EPX's measured ones, and on a
+// GPU of `kind` the combine's follows the SM budget where that kind was measured so (H200: 32 below 20 SMs,
+// 16 up to 27, 8 from 28).
+Config recommended_config(ConfigFor op, int num_ranks, int num_sms, GpuKind kind = GpuKind::kOther);
 
 // EPX's config of a group that spans nodes, with `num_sms`: Config's queues (which size the symmetric
 // buffer), and a network send chunk of 16 records, not Config's 6. Swept on 2 x H100 as 2 nodes of 1 GPU at

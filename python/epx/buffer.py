@@ -82,7 +82,9 @@ class Buffer:
         low_latency_mode: kept as the attribute of that name (DeepEP's signature); any Buffer with
             num_rdma_bytes > 0 serves low-latency calls, so the runtime does not need it.
         num_sms: SM budget of the normal-mode kernels. A call given a Config makes it the Buffer's config (SM
-            budget and chunk sizes) from then on; calls without one use the current config.
+            budget and chunk sizes) from then on; calls without one use the current config. Until a Config is
+            given, combines within one node send in the recommended combine chunks for the group, the SM budget
+            and the GPU kind (``runtime.combine_send_chunk``), not the dispatch's.
         wait_timeout_s: bound of every device-side wait (the environment's EPX_WAIT_TIMEOUT_S overrides it);
             a timeout raises EpxError naming the rank, peer and phase.
         ranks_per_node: ranks per NVLink node (0: detect: the ranks of one host whose GPUs reach each other

@@ -243,14 +243,21 @@ void bind_config(py::module_& m) {
       });
   m.def(
       "recommended_config",
-      [](const std::string& op, int num_ranks, int num_sms) {
+      [](const std::string& op, int num_ranks, int num_sms, const std::string& gpu_kind) {
         EPX_CHECK(op == "dispatch" || op == "combine", "op", op, "must be dispatch or combine");
+        GpuKind kind = GpuKind::kOther;
+        for (GpuKind k : {GpuKind::kH100, GpuKind::kH200}) {
+          if (gpu_kind == gpu_kind_name(k)) kind = k;
+        }
+        EPX_CHECK(kind != GpuKind::kOther || gpu_kind == gpu_kind_name(GpuKind::kOther), "gpu_kind", gpu_kind,
+                  "must be H100, H200 or other");
         return recommended_config(op == "dispatch" ? ConfigFor::kDispatch : ConfigFor::kCombine, num_ranks,
-                                  num_sms);
+                                  num_sms, kind);
       },
-      py::arg("op"), py::arg("num_ranks"), py::arg("num_sms"),
+      py::arg("op"), py::arg("num_ranks"), py::arg("num_sms"), py::arg("gpu_kind") = "other",
       "DeepEP's recommended config for `op` and the group size with num_sms (Config's defaults where DeepEP "
-      "has none): what a Buffer within one node starts with, and what epx-bench runs.");
+      "has none), with EPX's measured chunks at 2 ranks for the GPU kind (Buffer.gpu_kind): what a Buffer "
+      "within one node starts with, and what epx-bench runs.");
   m.def(
       "validate_config", &validate_config, py::arg("config"),
       "Raises EpxError naming the first field that breaks a rule (>= 1; send chunk <= queue tokens; at most "

@@ -7,6 +7,7 @@
 
 #include <memory>
 #include <optional>
+#include <string>
 
 #include "binding.hpp"
 #include "epx/buffer.hpp"
@@ -65,6 +66,13 @@ void bind_buffer(py::module_& m) {
       .def_property_readonly("device", [](const PyBuffer& self) { return self.get().device(); })
       .def_property_readonly("num_device_sms",
                              [](const PyBuffer& self) { return self.get().num_device_sms(); })
+      .def_property_readonly(
+          "gpu_kind", [](const PyBuffer& self) { return std::string(gpu_kind_name(self.get().gpu_kind())); },
+          "This rank's GPU kind for the measured defaults: \"H100\", \"H200\" or \"other\".")
+      .def_property_readonly(
+          "combine_send_chunk", [](const PyBuffer& self) { return self.get().combine_send_chunk(); },
+          "The send chunk a combine within one node uses: the config's once a caller set one, else the "
+          "recommended combine chunk for the group, the SM budget and the GPU kind.")
       .def_property_readonly(
           "comm_stream",
           [](const PyBuffer& self) { return reinterpret_cast<uintptr_t>(self.get().comm_stream()); })

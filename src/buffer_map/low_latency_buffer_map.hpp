@@ -171,7 +171,7 @@ struct LowLatencyBufferMap {
   }
 
   // ---- Shape ----
-  EPX_HD int num_local_experts() const { return num_experts / num_ranks; }
+  EPX_HD int num_local_experts() const { return static_cast<int>(local_experts.divisor); }
   // The rank that holds expert `expert` (0 <= expert < E), and its index among that rank's experts.
   EPX_HD int expert_rank(int expert) const { return static_cast<int>(local_experts.div(uint32_t(expert))); }
   EPX_HD int local_expert_of(int expert) const {

@@ -6,9 +6,13 @@
 // (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two). The combine's
 // chunk is 16 with its publisher warp (on by default with 2 ranks): as fast as 32 at 8 and 16 SMs, 2 % faster
 // at 24, 10-17 % at 32; without the publisher 32 was best (16 was 12-23 % slower at 8-24 SMs). The queues
-// stay at 256 tokens, so the buffer sizes do not change.
+// stay at 256 tokens, so the buffer sizes do not change. On 2 x H200 the same sweep found the combine's best
+// chunk moving with the budget: 32 at 8 and 16 SMs (3.5 % faster than 16 at 16), 16 at 24 (8 and 32 within
+// 1 %), 8 at 32 (208-213 us against 225-236 at 16, at every queue size); the dispatch's 48 stayed within 4 %
+// of the best everywhere. H100 keeps the table (chunk 8 with the publisher was not measured there).
 
 #include <array>
+#include <string_view>
 
 #include "epx/config.hpp"
 
@@ -39,9 +43,34 @@ constexpr std::array<Recommended, 10> kRecommended{{
     {160, {28, 720, 12, 128}, {2, 720, 8, 128}},
 }};
 
+// The 2-rank combine's send chunk on 2 x H200 by SM budget (the sweep above).
+int h200_two_rank_combine_chunk(int num_sms) {
+  if (num_sms >= 28) return 8;
+  if (num_sms >= 20) return 16;
+  return 32;
+}
+
 }  // namespace
 
-Config recommended_config(ConfigFor op, int num_ranks, int num_sms) {
+GpuKind gpu_kind_of(std::string_view device_name) {
+  if (device_name.find("H200") != std::string_view::npos) return GpuKind::kH200;
+  if (device_name.find("H100") != std::string_view::npos) return GpuKind::kH100;
+  return GpuKind::kOther;
+}
+
+const char* gpu_kind_name(GpuKind kind) {
+  switch (kind) {
+    case GpuKind::kH100:
+      return "H100";
+    case GpuKind::kH200:
+      return "H200";
+    case GpuKind::kOther:
+      break;
+  }
+  return "other";
+}
+
+Config recommended_config(ConfigFor op, int num_ranks, int num_sms, GpuKind kind) {
   Config config;
   config.num_sms = num_sms;
   for (const Recommended& r : kRecommended) {
@@ -52,6 +81,8 @@ Config recommended_config(ConfigFor op, int num_ranks, int num_sms) {
     config.num_max_rdma_chunked_send_tokens = chunks.rdma_send;
     config.num_max_rdma_chunked_recv_tokens = chunks.rdma_recv;
   }
+  if (op == ConfigFor::kCombine && num_ranks == 2 && kind == GpuKind::kH200)
+    config.num_max_nvl_chunked_send_tokens = h200_two_rank_combine_chunk(num_sms);
   return config;
 }
 

@@ -22,6 +22,12 @@ int visible_gpu_count() {
   return WEXITSTATUS(status);
 }
 
+std::string device_name(int device) {
+  cudaDeviceProp properties{};
+  EPX_CUDA_CHECK(cudaGetDeviceProperties(&properties, device));
+  return properties.name;
+}
+
 std::string device_pci_bus_id(int device) {
   char bus_id[32] = {};
   EPX_CUDA_CHECK(cudaDeviceGetPCIBusId(bus_id, sizeof(bus_id), device));

@@ -8,6 +8,9 @@ namespace epx {
 // CUDA in the calling process, so it is safe to call before forking workers.
 int visible_gpu_count();
 
+// The name of CUDA device `device` ("NVIDIA H200").
+std::string device_name(int device);
+
 // The PCI bus id of CUDA device `device`: what names a GPU across processes.
 std::string device_pci_bus_id(int device);
 

@@ -239,6 +239,12 @@ __device__ void sum_listings(int4* dst, const int4* x, int row_chunks, int listi
   }
 }
 
+// values[k] for k in 0..3, by selects: a register array indexed by a runtime value would go to local memory.
+template <typename T>
+__device__ __forceinline__ T pick_of_four(const T (&values)[4], int k) {
+  return k == 0 ? values[0] : k == 1 ? values[1] : k == 2 ? values[2] : values[3];
+}
+
 // sum_listings for a BF16 partial row whose token has 1 to 4 listings here (`listed`, bit k: lane k's listing
 // has a row here), with eight 16-byte loads in flight per lane whatever their number m: the eight load slots
 // of a round cover P = m rounded up to a power of two listings by 8 / P chunks 32 apart (slot q: listing q %
@@ -275,7 +281,7 @@ __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, unsi
     for (int q = 0; q < kSlots; ++q) {
       const int k = q & (per_chunk - 1);
       const int chunk = chunk0 + (q >> listing_bits) * 32;
-      const int row = k == 0 ? rows[0] : k == 1 ? rows[1] : k == 2 ? rows[2] : rows[3];
+      const int row = pick_of_four(rows, k);
       if (row >= 0 && chunk < chunk_end) raw[q] = __ldcg(x + size_t(row) * row_chunks + chunk);
     }
     float acc[8];
@@ -283,8 +289,8 @@ __device__ void sum_listings_wide(int4* dst, const int4* x, int row_chunks, unsi
     for (int q = 0; q < kSlots; ++q) {
       const int k = q & (per_chunk - 1);
       const int chunk = chunk0 + (q >> listing_bits) * 32;
-      const int row = k == 0 ? rows[0] : k == 1 ? rows[1] : k == 2 ? rows[2] : rows[3];
-      const float weight = k == 0 ? weights[0] : k == 1 ? weights[1] : k == 2 ? weights[2] : weights[3];
+      const int row = pick_of_four(rows, k);
+      const float weight = pick_of_four(weights, k);
       if (k == 0) {
 #pragma unroll
         for (int i = 0; i < 8; ++i) acc[i] = 0.0f;

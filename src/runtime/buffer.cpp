@@ -115,7 +115,11 @@ struct Buffer::State {
   int num_ranks = 0;
   int device = 0;
   int num_device_sms = 0;
+  GpuKind gpu_kind = GpuKind::kOther;
   Config config;
+  // Whether a caller set the config (set_config): then the combine sends in its chunks too; else in
+  // recommended_config's combine chunks for the group, the SM budget and the GPU kind.
+  bool config_from_caller = false;
   int ranks_per_node = 0;
   uint64_t wait_timeout_ns = 0;
   bool enable_shrink = false;
@@ -224,6 +228,7 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
   // here, before anything is allocated.
   if (options.num_nvl_bytes > 0) check_normal_node_layout(s.num_ranks, s.ranks_per_node);
   EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.num_device_sms, cudaDevAttrMultiProcessorCount, s.device));
+  s.gpu_kind = gpu_kind_of(device_name(s.device));
   s.wait_timeout_ns = wait_timeout_ns_from_seconds(
       wait_timeout_seconds_from_text(std::getenv("EPX_WAIT_TIMEOUT_S"), options.wait_timeout_s));
   s.enable_shrink = options.enable_shrink;
@@ -241,9 +246,9 @@ Buffer::Buffer(Bootstrap& bootstrap, const BufferOptions& options) : state_(std:
     // ranks a send chunk of 24 tokens, not Config's 6: 302 against 462 us per cached BF16 dispatch on 2 x
     // H100 at 24 SMs, docs/BENCHMARKS.md); the queues, and so the buffer size, are Config's up to 8 ranks.
     // Across nodes across_nodes_config: Config's queues (they size the network queues), a larger send chunk.
-    set_config(s.ranks_per_node == s.num_ranks
-                   ? recommended_config(ConfigFor::kDispatch, s.num_ranks, options.num_sms)
-                   : across_nodes_config(options.num_sms));
+    apply_config(s.ranks_per_node == s.num_ranks
+                     ? recommended_config(ConfigFor::kDispatch, s.num_ranks, options.num_sms, s.gpu_kind)
+                     : across_nodes_config(options.num_sms));
     s.low_latency = std::make_shared<LowLatencyState>();
     EPX_CUDA_CHECK(cudaDeviceGetAttribute(&s.low_latency->max_smem_bytes,
                                           cudaDevAttrMaxSharedMemoryPerBlockOptin, s.device));
@@ -417,17 +422,34 @@ bool Buffer::enable_shrink() const {
   return live().enable_shrink;
 }
 
-void Buffer::set_config(const Config& config) {
+GpuKind Buffer::gpu_kind() const {
+  return live().gpu_kind;
+}
+
+int Buffer::combine_send_chunk() const {
+  const State& s = live();
+  if (s.config_from_caller || s.ranks_per_node != s.num_ranks)
+    return s.config.num_max_nvl_chunked_send_tokens;
+  return recommended_config(ConfigFor::kCombine, s.num_ranks, s.config.num_sms, s.gpu_kind)
+      .num_max_nvl_chunked_send_tokens;
+}
+
+void Buffer::apply_config(const Config& config) {
   State& s = const_cast<State&>(live());
   validate_config(config);
   EPX_CHECK(config.num_sms <= s.num_device_sms, "num_sms", config.num_sms, "must be <= the GPU's SM count");
   s.config = config;
 }
 
+void Buffer::set_config(const Config& config) {
+  apply_config(config);
+  const_cast<State&>(live()).config_from_caller = true;
+}
+
 void Buffer::set_num_sms(int num_sms) {
   Config config = live().config;
   config.num_sms = num_sms;
-  set_config(config);
+  apply_config(config);
 }
 
 void* Buffer::nvl_buffer() const {

@@ -1133,7 +1133,7 @@ Event combine(Buffer& buffer, const DispatchHandle& handle, const CombineInput& 
                             map,
                             record,
                             state.num_tokens,
-                            buffer.config().num_max_nvl_chunked_send_tokens,
+                            buffer.combine_send_chunk(),
                             state.arrays,
                             in,
                             out,

@@ -6,6 +6,7 @@
 #include <random>
 #include <set>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "buffer_map/internode_buffer_map.hpp"
@@ -246,5 +247,38 @@ TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
   for (int num_ranks : {1, 2, 4, 8, 16, 24, 32, 64, 128, 144, 160}) {
     for (auto op : {epx::ConfigFor::kDispatch, epx::ConfigFor::kCombine})
       EXPECT_NO_THROW(epx::validate_config(epx::recommended_config(op, num_ranks, 24))) << num_ranks;
+  }
+}
+
+// The GPU kind comes from the device name; on H200 the 2-rank combine's chunk follows the SM budget (measured
+// there), every other (kind, group, op) keeps the table's chunk, and the queues never change.
+TEST(RecommendedConfig, GpuKindByNameAndH200CombineChunkBySmBudget) {
+  using epx::GpuKind;
+  EXPECT_EQ(epx::gpu_kind_of("NVIDIA H200"), GpuKind::kH200);
+  EXPECT_EQ(epx::gpu_kind_of("NVIDIA H100 80GB HBM3"), GpuKind::kH100);
+  EXPECT_EQ(epx::gpu_kind_of("NVIDIA A100-SXM4-80GB"), GpuKind::kOther);
+  EXPECT_EQ(epx::gpu_kind_of(""), GpuKind::kOther);
+  EXPECT_STREQ(epx::gpu_kind_name(GpuKind::kH200), "H200");
+  EXPECT_STREQ(epx::gpu_kind_name(GpuKind::kH100), "H100");
+  EXPECT_STREQ(epx::gpu_kind_name(GpuKind::kOther), "other");
+  const auto combine_chunk = [](int num_ranks, int num_sms, GpuKind kind) {
+    return epx::recommended_config(epx::ConfigFor::kCombine, num_ranks, num_sms, kind)
+        .num_max_nvl_chunked_send_tokens;
+  };
+  for (auto [num_sms, chunk] :
+       {std::pair{8, 32}, {16, 32}, {19, 32}, {20, 16}, {24, 16}, {27, 16}, {28, 8}, {32, 8}, {64, 8}})
+    EXPECT_EQ(combine_chunk(2, num_sms, GpuKind::kH200), chunk) << num_sms;
+  for (int num_sms : {8, 24, 32}) {
+    EXPECT_EQ(combine_chunk(2, num_sms, GpuKind::kH100), 16) << num_sms;
+    EXPECT_EQ(combine_chunk(2, num_sms, GpuKind::kOther), 16) << num_sms;
+    EXPECT_EQ(combine_chunk(8, num_sms, GpuKind::kH200), 4) << num_sms;
+    for (GpuKind kind : {GpuKind::kOther, GpuKind::kH100, GpuKind::kH200}) {
+      const Config dispatch = epx::recommended_config(epx::ConfigFor::kDispatch, 2, num_sms, kind);
+      EXPECT_EQ(dispatch.num_max_nvl_chunked_send_tokens, 48);
+      const Config combine = epx::recommended_config(epx::ConfigFor::kCombine, 2, num_sms, kind);
+      EXPECT_EQ(combine.num_max_nvl_chunked_recv_tokens, 256);
+      EXPECT_EQ(combine.num_sms, num_sms);
+      EXPECT_NO_THROW(epx::validate_config(combine));
+    }
   }
 }

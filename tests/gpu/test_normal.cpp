@@ -697,6 +697,21 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
                    "must be a multiple of the number of ranks");
     expect_error([&] { buffer.set_num_sms(0); }, "invalid num_sms = 0");
     expect_error([&] { buffer.set_num_sms(buffer.num_device_sms() + 1); }, "must be <= the GPU's SM count");
+    // Until a caller sets a config the combine sends in the recommended combine chunks of this GPU kind and
+    // SM budget (set_num_sms keeps that); a caller's config is used whole.
+    const auto combine_chunk = [&](int num_sms) {
+      return epx::recommended_config(epx::ConfigFor::kCombine, R, num_sms, buffer.gpu_kind())
+          .num_max_nvl_chunked_send_tokens;
+    };
+    const epx::Config first = buffer.config();
+    EXPECT_EQ(buffer.combine_send_chunk(), combine_chunk(first.num_sms));
+    buffer.set_num_sms(32);
+    EXPECT_EQ(buffer.combine_send_chunk(), combine_chunk(32));
+    epx::Config mine = first;
+    mine.num_max_nvl_chunked_send_tokens = 5;
+    buffer.set_config(mine);
+    EXPECT_EQ(buffer.combine_send_chunk(), 5);
+    buffer.set_config(first);
     get_layout(topk.get<int64_t>(), K, E);
 
     epx::DispatchInput in;

@@ -105,7 +105,7 @@ def _row_bytes(x: Any) -> Optional[int]:
 
 
 # Memos of Buffer._default_config and Buffer._config_that_fits (see there).
-_DEFAULT_CONFIGS: Dict[Tuple[int, int, int], Config] = {}
+_DEFAULT_CONFIGS: Dict[Tuple[int, int, int, str], Config] = {}
 _FITTED_CONFIGS: Dict[Tuple[int, ...], Optional[Config]] = {}
 
 
@@ -223,13 +223,20 @@ class Buffer:
         return _recommended_config(_COMBINE_CONFIGS, num_ranks, "combine")
 
     def _default_config(self, table: dict, recommended: Callable[[int], Config]) -> Config:
-        # What a call without a config uses: the recommended one (as DeepEP), or Config's defaults with
-        # Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there). Made once per (table, group
-        # size, num_sms): the object stays inside this module (callers get copies from get_*_config).
-        key = (id(table), self.group_size, Buffer.num_sms)
+        # What a call without a config uses: the recommended one (as DeepEP), with the send chunks EPX measured
+        # for this GPU's kind (epx::recommended_config: at 2 ranks on H200 the combine's follows num_sms), or
+        # Config's defaults with Buffer.num_sms for a group size DeepEP has none for (DeepEP asserts there).
+        # Made once per (table, group size, num_sms, GPU kind): the object stays inside this module (callers
+        # get copies from get_*_config).
+        kind = getattr(getattr(self.runtime, "runtime", None), "gpu_kind", "other")
+        key = (id(table), self.group_size, Buffer.num_sms, kind)
         config = _DEFAULT_CONFIGS.get(key)
         if config is None:
             config = recommended(self.group_size) if self.group_size in table else Config(Buffer.num_sms)
+            if self.group_size in table and kind != "other":
+                op = "dispatch" if table is _DISPATCH_CONFIGS else "combine"
+                native = _epx.recommended_config(op, self.group_size, Buffer.num_sms, kind)
+                config.num_max_nvl_chunked_send_tokens = native.num_max_nvl_chunked_send_tokens
             _DEFAULT_CONFIGS[key] = config
         return config
 

@@ -289,6 +289,23 @@ def test_deep_ep_calls_use_the_default_configs(compat):
     assert wrapper.runtime.config == deep_ep.Buffer.get_combine_config(2)
 
 
+def test_deep_ep_default_configs_follow_the_gpu_kind(compat, monkeypatch):
+    """Without a config, a call on an H200 takes the chunks EPX measured there (the 2-rank combine's follows
+    num_sms); get_*_config, DeepEP's static table, does not depend on the GPU."""
+    wrapper, _ = compat
+    x, ids, weights = tokens()
+    per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
+    recv_x, _, recv_w, _, handle, _ = wrapper.dispatch(x, None, per_rank, None, in_rank, per_expert, ids, weights)
+    monkeypatch.setattr(wrapper.runtime.runtime, "gpu_kind", "H200", raising=False)
+    monkeypatch.setattr(deep_ep.Buffer, "num_sms", 32)
+    wrapper.group_size = 2
+    wrapper.combine(recv_x, handle, topk_weights=recv_w)
+    assert wrapper.runtime.config == deep_ep.Config(32, 8, 256, 6, 128)
+    assert deep_ep.Buffer.get_combine_config(2) == deep_ep.Config(32, 16, 256, 6, 128)
+    wrapper.dispatch(x, handle)
+    assert wrapper.runtime.config == deep_ep.Buffer.get_dispatch_config(2)
+
+
 def test_megatron_fused_a2a_flow(compat, monkeypatch):
     """Megatron-LM's fused_a2a through the top-level deep_ep package: EventOverlap(EventHandle()) orders a call
     (previous_event), an asynchronous call's event is waited on, the runtime answers DeepEP's queries."""
