@@ -8,7 +8,7 @@
 #   - the Python GPU tests (megatron-core's included when its wheel is installed or carried in .whl/) and the
 #     examples, at one rank per GPU (the test files in two jobs), and the Python tests of larger groups with
 #     ranks sharing the GPUs;
-#   - epx-bench: normal mode at SM budgets 8, 16, 24 and 32 (a Buffer with a combine staging area: at 8 and
+#   - epx-bench: normal mode at SM budgets 8, 16, 20, 24 and 32 (a Buffer with a combine staging area: at 8 and
 #     16 SMs the combine's rows come back by copy engine), low-latency mode, NCCL beside both.
 # Logs, the benchmark's table, JSON and plot (bench.svg) and summary.txt go under $OUT (default gpu-out/); at
 # most 8 files, the per-job logs packed in logs.tar.gz. Exit status: non-zero when any stage failed.
@@ -199,7 +199,7 @@ bench_rc=skipped
 if [ "${BENCH_ARGS:-}" != "skip" ]; then
   # shellcheck disable=SC2086
   timeout -k 10 "${BENCH_TIMEOUT:-150}" "$build/bench/epx-bench" --json-file "$out/bench.json" \
-    ${BENCH_ARGS:---num-sms 8,16,24,32 --staging} >"$out/bench.txt" 2>&1
+    ${BENCH_ARGS:---num-sms 8,16,20,24,32 --staging} >"$out/bench.txt" 2>&1
   bench_rc=$?
   # The bar chart of the run, drawn from its JSON (standard library only; PYTHONPATH holds python/).
   [ -s "$out/bench.json" ] &&

@@ -6,10 +6,12 @@
 // (a chunk of 24 leaves some of a peer's 16 sending warps with one row and others with two). The combine's
 // chunk is 16 with its publisher warp (on by default with 2 ranks): as fast as 32 at 8 and 16 SMs, 2 % faster
 // at 24, 10-17 % at 32; without the publisher 32 was best (16 was 12-23 % slower at 8-24 SMs). The queues
-// stay at 256 tokens, so the buffer sizes do not change. On 2 x H200 the same sweep found the combine's best
-// chunk moving with the budget: 32 at 8 and 16 SMs (3.5 % faster than 16 at 16), 16 at 24 (8 and 32 within
-// 1 %), 8 at 32 (208-213 us against 225-236 at 16, at every queue size); the dispatch's 48 stayed within 4 %
-// of the best everywhere. H100 keeps the table (chunk 8 with the publisher was not measured there).
+// stay at 256 tokens, so the buffer sizes do not change. On 2 x H200 the same sweep (16-40 SMs, two runs)
+// found the best chunks moving with the budget: the combine's 32 below 24 SMs (266 against 290 us with 16 at
+// 20 SMs), 16 at 24-27 (8 and 32 within 1 %), 8 from 28 (209-213 us against 225-236 with 16 at 32 SMs); the
+// BF16 dispatch's 32 from 32 SMs (243-254 us against 261-271 with 48 at 32, 4 % faster at 40; FP8 the same
+// either way), 48 below. Into the output window the chunk does not matter. H100 keeps the table (those
+// chunks were not measured there with the combine's publisher warp).
 
 #include <array>
 #include <string_view>
@@ -43,10 +45,11 @@ constexpr std::array<Recommended, 10> kRecommended{{
     {160, {28, 720, 12, 128}, {2, 720, 8, 128}},
 }};
 
-// The 2-rank combine's send chunk on 2 x H200 by SM budget (the sweep above).
-int h200_two_rank_combine_chunk(int num_sms) {
+// The 2-rank send chunks on 2 x H200 by SM budget (the sweep above).
+int h200_two_rank_chunk(ConfigFor op, int num_sms) {
+  if (op == ConfigFor::kDispatch) return num_sms >= 32 ? 32 : 48;
   if (num_sms >= 28) return 8;
-  if (num_sms >= 20) return 16;
+  if (num_sms >= 24) return 16;
   return 32;
 }
 
@@ -81,8 +84,8 @@ Config recommended_config(ConfigFor op, int num_ranks, int num_sms, GpuKind kind
     config.num_max_rdma_chunked_send_tokens = chunks.rdma_send;
     config.num_max_rdma_chunked_recv_tokens = chunks.rdma_recv;
   }
-  if (op == ConfigFor::kCombine && num_ranks == 2 && kind == GpuKind::kH200)
-    config.num_max_nvl_chunked_send_tokens = h200_two_rank_combine_chunk(num_sms);
+  if (num_ranks == 2 && kind == GpuKind::kH200)
+    config.num_max_nvl_chunked_send_tokens = h200_two_rank_chunk(op, num_sms);
   return config;
 }
 

@@ -250,9 +250,9 @@ TEST(RecommendedConfig, DeepEpTableByGroupSizeElseDefaults) {
   }
 }
 
-// The GPU kind comes from the device name; on H200 the 2-rank combine's chunk follows the SM budget (measured
-// there), every other (kind, group, op) keeps the table's chunk, and the queues never change.
-TEST(RecommendedConfig, GpuKindByNameAndH200CombineChunkBySmBudget) {
+// The GPU kind comes from the device name; on H200 the 2-rank chunks follow the SM budget (measured there),
+// every other (kind, group) keeps the table's chunks, and the queues never change.
+TEST(RecommendedConfig, GpuKindByNameAndH200ChunksBySmBudget) {
   using epx::GpuKind;
   EXPECT_EQ(epx::gpu_kind_of("NVIDIA H200"), GpuKind::kH200);
   EXPECT_EQ(epx::gpu_kind_of("NVIDIA H100 80GB HBM3"), GpuKind::kH100);
@@ -266,7 +266,7 @@ TEST(RecommendedConfig, GpuKindByNameAndH200CombineChunkBySmBudget) {
         .num_max_nvl_chunked_send_tokens;
   };
   for (auto [num_sms, chunk] :
-       {std::pair{8, 32}, {16, 32}, {19, 32}, {20, 16}, {24, 16}, {27, 16}, {28, 8}, {32, 8}, {64, 8}})
+       {std::pair{8, 32}, {16, 32}, {20, 32}, {23, 32}, {24, 16}, {27, 16}, {28, 8}, {32, 8}, {64, 8}})
     EXPECT_EQ(combine_chunk(2, num_sms, GpuKind::kH200), chunk) << num_sms;
   for (int num_sms : {8, 24, 32}) {
     EXPECT_EQ(combine_chunk(2, num_sms, GpuKind::kH100), 16) << num_sms;
@@ -274,7 +274,7 @@ TEST(RecommendedConfig, GpuKindByNameAndH200CombineChunkBySmBudget) {
     EXPECT_EQ(combine_chunk(8, num_sms, GpuKind::kH200), 4) << num_sms;
     for (GpuKind kind : {GpuKind::kOther, GpuKind::kH100, GpuKind::kH200}) {
       const Config dispatch = epx::recommended_config(epx::ConfigFor::kDispatch, 2, num_sms, kind);
-      EXPECT_EQ(dispatch.num_max_nvl_chunked_send_tokens, 48);
+      EXPECT_EQ(dispatch.num_max_nvl_chunked_send_tokens, kind == GpuKind::kH200 && num_sms >= 32 ? 32 : 48);
       const Config combine = epx::recommended_config(epx::ConfigFor::kCombine, 2, num_sms, kind);
       EXPECT_EQ(combine.num_max_nvl_chunked_recv_tokens, 256);
       EXPECT_EQ(combine.num_sms, num_sms);

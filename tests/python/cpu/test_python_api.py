@@ -229,14 +229,16 @@ def test_cpp_recommended_configs_are_deep_eps():
 
 
 def test_cpp_recommended_configs_by_gpu_kind():
-    """On H200 the 2-rank combine's chunk follows the SM budget; H100 and other GPUs keep the table's."""
+    """On H200 the 2-rank chunks follow the SM budget; H100 and other GPUs keep the table's."""
     def chunk(op, num_ranks, num_sms, kind):
         return epx._epx.recommended_config(op, num_ranks, num_sms, kind).num_max_nvl_chunked_send_tokens
 
-    assert [chunk("combine", 2, num_sms, "H200") for num_sms in (8, 16, 24, 32)] == [32, 32, 16, 8]
+    assert [chunk("combine", 2, num_sms, "H200") for num_sms in (8, 20, 24, 28, 32)] == [32, 32, 16, 8, 8]
+    assert [chunk("dispatch", 2, num_sms, "H200") for num_sms in (8, 24, 28, 32, 40)] == [48, 48, 48, 32, 32]
     for kind in ("H100", "other"):
         assert [chunk("combine", 2, num_sms, kind) for num_sms in (8, 16, 24, 32)] == [16] * 4
-    assert chunk("dispatch", 2, 32, "H200") == 48 and chunk("combine", 8, 32, "H200") == 4
+        assert [chunk("dispatch", 2, num_sms, kind) for num_sms in (8, 16, 24, 32)] == [48] * 4
+    assert chunk("combine", 8, 32, "H200") == 4
     with pytest.raises(epx.EpxError, match="invalid gpu_kind = A100: must be H100, H200 or other"):
         epx._epx.recommended_config("combine", 2, 24, "A100")
 

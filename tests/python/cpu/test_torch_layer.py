@@ -290,8 +290,8 @@ def test_deep_ep_calls_use_the_default_configs(compat):
 
 
 def test_deep_ep_default_configs_follow_the_gpu_kind(compat, monkeypatch):
-    """Without a config, a call on an H200 takes the chunks EPX measured there (the 2-rank combine's follows
-    num_sms); get_*_config, DeepEP's static table, does not depend on the GPU."""
+    """Without a config, a call on an H200 takes the chunks EPX measured there (at 2 ranks they follow num_sms);
+    get_*_config, DeepEP's static table, does not depend on the GPU."""
     wrapper, _ = compat
     x, ids, weights = tokens()
     per_rank, _, per_expert, in_rank, _ = wrapper.get_dispatch_layout(ids, NUM_EXPERTS)
@@ -303,7 +303,8 @@ def test_deep_ep_default_configs_follow_the_gpu_kind(compat, monkeypatch):
     assert wrapper.runtime.config == deep_ep.Config(32, 8, 256, 6, 128)
     assert deep_ep.Buffer.get_combine_config(2) == deep_ep.Config(32, 16, 256, 6, 128)
     wrapper.dispatch(x, handle)
-    assert wrapper.runtime.config == deep_ep.Buffer.get_dispatch_config(2)
+    assert wrapper.runtime.config == deep_ep.Config(32, 32, 256, 6, 128)
+    assert deep_ep.Buffer.get_dispatch_config(2) == deep_ep.Config(32, 48, 256, 6, 128)
 
 
 def test_megatron_fused_a2a_flow(compat, monkeypatch):
