@@ -314,9 +314,8 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
         EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
         const epx::GpuKind kind = epx::gpu_kind_of(prop.name);
         std::printf(
-            "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)), beside "
-            "the "
-            "default on this GPU kind (%s):\n",
+            "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)),\n"
+            "beside the default on this GPU kind (%s):\n",
             epx::gpu_kind_name(kind));
         const auto summaries = epx::bench::summarize_rows(rows);
         for (const epx::bench::TunedConfig& best : epx::bench::fastest_tuned_configs(summaries)) {

@@ -79,8 +79,10 @@ class Buffer {
   const Config& config() const;
   void set_config(const Config& config);  // num_sms >= 1 and <= the GPU's SM count
   int num_sms() const { return config().num_sms; }
-  void set_num_sms(int num_sms);  // >= 1 and <= the GPU's SM count; keeps the config's origin
-  GpuKind gpu_kind() const;       // of this rank's GPU (its device name)
+  // >= 1 and <= the GPU's SM count. Until a caller sets a config, the dispatch's send chunk follows the
+  // recommended one for the new budget too.
+  void set_num_sms(int num_sms);
+  GpuKind gpu_kind() const;  // of this rank's GPU (its device name)
   // The NVLink send chunk of a combine within one node: the config's once a caller set one (set_config),
   // else recommended_config's combine chunk for the group size, the SM budget and the GPU kind (the
   // dispatch's and the combine's best chunks differ: docs/BENCHMARKS.md).

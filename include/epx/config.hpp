@@ -60,8 +60,8 @@ const char* gpu_kind_name(GpuKind kind);
 // DeepEP V1's recommended config for `op` in a group of `num_ranks` (what deep_ep callers get from
 // Buffer.get_dispatch_config / get_combine_config), with `num_sms`; Config's defaults with `num_sms` for a
 // group size DeepEP has no recommendation for. At 2 ranks the send chunks are EPX's measured ones, and on a
-// GPU of `kind` the combine's follows the SM budget where that kind was measured so (H200: 32 below 20 SMs,
-// 16 up to 27, 8 from 28).
+// GPU of `kind` they follow the SM budget where that kind was measured so (H200: the combine's 32 below 24
+// SMs, 16 up to 27, 8 from 28; the dispatch's 48, 32 from 32 SMs).
 Config recommended_config(ConfigFor op, int num_ranks, int num_sms, GpuKind kind = GpuKind::kOther);
 
 // EPX's config of a group that spans nodes, with `num_sms`: Config's queues (which size the symmetric

@@ -447,8 +447,15 @@ void Buffer::set_config(const Config& config) {
 }
 
 void Buffer::set_num_sms(int num_sms) {
-  Config config = live().config;
+  const State& s = live();
+  Config config = s.config;
   config.num_sms = num_sms;
+  // A config no caller set keeps following the recommended dispatch chunk for the budget, as the combine's.
+  if (!s.config_from_caller && s.ranks_per_node == s.num_ranks) {
+    config.num_max_nvl_chunked_send_tokens =
+        recommended_config(ConfigFor::kDispatch, s.num_ranks, num_sms, s.gpu_kind)
+            .num_max_nvl_chunked_send_tokens;
+  }
   apply_config(config);
 }
 
