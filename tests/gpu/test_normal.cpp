@@ -697,17 +697,18 @@ TEST(NormalErrors, RejectedCallsLeaveTheBufferUsable) {
                    "must be a multiple of the number of ranks");
     expect_error([&] { buffer.set_num_sms(0); }, "invalid num_sms = 0");
     expect_error([&] { buffer.set_num_sms(buffer.num_device_sms() + 1); }, "must be <= the GPU's SM count");
-    // Until a caller sets a config the combine sends in the recommended combine chunks of this GPU kind and
-    // SM budget (set_num_sms keeps that); a caller's config is used whole.
+    // Until a caller sets a config both send chunks are the recommended ones for this GPU kind and SM budget
+    // (set_num_sms moves them with the budget); a caller's config is used whole.
     const auto chunk = [&](epx::ConfigFor op, int num_sms) {
       return epx::recommended_config(op, R, num_sms, buffer.gpu_kind()).num_max_nvl_chunked_send_tokens;
     };
     const epx::Config first = buffer.config();
     EXPECT_EQ(first.num_max_nvl_chunked_send_tokens, chunk(epx::ConfigFor::kDispatch, first.num_sms));
     EXPECT_EQ(buffer.combine_send_chunk(), chunk(epx::ConfigFor::kCombine, first.num_sms));
-    buffer.set_num_sms(32);
-    EXPECT_EQ(buffer.config().num_max_nvl_chunked_send_tokens, chunk(epx::ConfigFor::kDispatch, 32));
-    EXPECT_EQ(buffer.combine_send_chunk(), chunk(epx::ConfigFor::kCombine, 32));
+    const int wide = std::min(32, buffer.num_device_sms());
+    buffer.set_num_sms(wide);
+    EXPECT_EQ(buffer.config().num_max_nvl_chunked_send_tokens, chunk(epx::ConfigFor::kDispatch, wide));
+    EXPECT_EQ(buffer.combine_send_chunk(), chunk(epx::ConfigFor::kCombine, wide));
     epx::Config mine = first;
     mine.num_max_nvl_chunked_send_tokens = 5;
     buffer.set_config(mine);
