@@ -289,8 +289,8 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
   const epx::LocalLaunchResult result = epx::launch_local(launch, [&](epx::Bootstrap& bootstrap) {
     EPX_CUDA_CHECK(cudaSetDevice(bootstrap.rank() % num_gpus));
     std::FILE* json_file = nullptr;
+    cudaDeviceProp prop{};  // rank 0's GPU: the header's name and SMs, --tune's GPU kind
     if (bootstrap.rank() == 0) {
-      cudaDeviceProp prop{};
       cudaGetDeviceProperties(&prop, 0);
       if (!o.json) {
         std::printf(
@@ -310,8 +310,6 @@ int run_gpus(const BenchOptions& o, int num_gpus, const std::string& json_path) 
       if (bootstrap.rank() == 0) report(rows, o, json_file, header, "normal");
       if (bootstrap.rank() == 0 && o.tune) {
         // Beside each best, the default a call without a config runs on this GPU kind (recommended_config).
-        cudaDeviceProp prop{};
-        EPX_CUDA_CHECK(cudaGetDeviceProperties(&prop, 0));
         const epx::GpuKind kind = epx::gpu_kind_of(prop.name);
         std::printf(
             "\nfastest config per op and SM budget (Config(num_sms, send chunk, queue tokens, ...)),\n"

@@ -143,8 +143,10 @@ class Buffer {
   std::unique_ptr<State> state_;
   const State& live() const;
   void apply_config(const Config& config);  // set_config without marking the config the caller's
-  int32_t read_abort_word() const;          // this rank's abort word (a device-to-host copy)
-  bool group_aborted() const;               // aborted, a record written, or the abort word set
+  // Whether the send chunks are still recommended_config's: no caller set a config, and one node.
+  bool chunks_follow_recommended() const;
+  int32_t read_abort_word() const;  // this rank's abort word (a device-to-host copy)
+  bool group_aborted() const;       // aborted, a record written, or the abort word set
   void
   stop_local_work() noexcept;  // destroy()'s and release()'s first step: hooks off, this rank's kernels end
   void free_without_peers() noexcept;  // frees this rank's resources, meeting no peer (NVSHMEM memory kept)

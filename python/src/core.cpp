@@ -245,12 +245,8 @@ void bind_config(py::module_& m) {
       "recommended_config",
       [](const std::string& op, int num_ranks, int num_sms, const std::string& gpu_kind) {
         EPX_CHECK(op == "dispatch" || op == "combine", "op", op, "must be dispatch or combine");
-        GpuKind kind = GpuKind::kOther;
-        for (GpuKind k : {GpuKind::kH100, GpuKind::kH200}) {
-          if (gpu_kind == gpu_kind_name(k)) kind = k;
-        }
-        EPX_CHECK(kind != GpuKind::kOther || gpu_kind == gpu_kind_name(GpuKind::kOther), "gpu_kind", gpu_kind,
-                  "must be H100, H200 or other");
+        const GpuKind kind = gpu_kind_of(gpu_kind);
+        EPX_CHECK(gpu_kind == gpu_kind_name(kind), "gpu_kind", gpu_kind, "must be H100, H200 or other");
         return recommended_config(op == "dispatch" ? ConfigFor::kDispatch : ConfigFor::kCombine, num_ranks,
                                   num_sms, kind);
       },

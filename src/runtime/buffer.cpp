@@ -426,10 +426,14 @@ GpuKind Buffer::gpu_kind() const {
   return live().gpu_kind;
 }
 
+bool Buffer::chunks_follow_recommended() const {
+  const State& s = live();
+  return !s.config_from_caller && s.ranks_per_node == s.num_ranks;
+}
+
 int Buffer::combine_send_chunk() const {
   const State& s = live();
-  if (s.config_from_caller || s.ranks_per_node != s.num_ranks)
-    return s.config.num_max_nvl_chunked_send_tokens;
+  if (!chunks_follow_recommended()) return s.config.num_max_nvl_chunked_send_tokens;
   return recommended_config(ConfigFor::kCombine, s.num_ranks, s.config.num_sms, s.gpu_kind)
       .num_max_nvl_chunked_send_tokens;
 }
@@ -451,7 +455,7 @@ void Buffer::set_num_sms(int num_sms) {
   Config config = s.config;
   config.num_sms = num_sms;
   // A config no caller set keeps following the recommended dispatch chunk for the budget, as the combine's.
-  if (!s.config_from_caller && s.ranks_per_node == s.num_ranks) {
+  if (chunks_follow_recommended()) {
     config.num_max_nvl_chunked_send_tokens =
         recommended_config(ConfigFor::kDispatch, s.num_ranks, num_sms, s.gpu_kind)
             .num_max_nvl_chunked_send_tokens;
